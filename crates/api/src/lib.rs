@@ -1,0 +1,5 @@
+//! Types shared by the nodekeeper controller and agent: custom resources, the host network model,
+//! the tuning ConfigMap schema, well-known names, and the generated gRPC contract.
+
+pub mod crd;
+pub mod network;
