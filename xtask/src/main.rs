@@ -1,7 +1,11 @@
 //! `cargo xtask`: the project's own automation — code generation, the local control plane,
 //! the VM used for VLAN tests, benchmarks and the demo.
 
+mod bench_fleet;
+mod bench_netconf;
+mod cluster;
 mod codegen;
+mod vm;
 
 use clap::{Parser, Subcommand};
 
@@ -16,11 +20,30 @@ struct Cli {
 enum Command {
     /// Regenerate the checked-in gRPC code (crates/api/src/generated) and CRDs (deploy/crds).
     Codegen,
+    /// The local control plane (etcd, kube-apiserver, controller-manager, scheduler, kwok) on 127.0.0.1.
+    Cluster(cluster::ClusterArgs),
+    /// Cache Debian's kernel and modules for the 802.1Q VLAN tests under qemu; optionally boot it.
+    Vm(vm::VmArgs),
+    /// Benchmarks: print figures and update their section of BENCHMARKS.md.
+    #[command(subcommand)]
+    Bench(Bench),
+}
+
+#[derive(Subcommand)]
+enum Bench {
+    /// The controller against N kwok nodes with N real agents: sweep time, RSS, CPU, API requests.
+    Fleet(bench_fleet::FleetArgs),
+    /// Host network configuration: apply, no-op re-apply and rollback of N VNICs vs nmstatectl.
+    Netconf(bench_netconf::NetconfArgs),
 }
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Codegen => codegen::run(),
+        Command::Cluster(args) => cluster::run(args),
+        Command::Vm(args) => vm::run(args),
+        Command::Bench(Bench::Fleet(args)) => bench_fleet::run(args),
+        Command::Bench(Bench::Netconf(args)) => bench_netconf::run_bench(args),
     }
 }

@@ -1,1 +1,839 @@
-//! The host network model: desired and observed state of links, addresses, routes and rules.
+//! The host network model: desired and observed state of links, addresses, routes and rules,
+//! and its validation (so the controller can refuse a bad `NodeNetworkConfig` before any node
+//! sees it, and the agent can refuse a bad `ApplyNetwork` before any change).
+//!
+//! The JSON form is camelCase. Example (a VM secondary VNIC):
+//!
+//! ```json
+//! {
+//!   "links": [{"name": "vnic1", "kind": "existing", "mac": "02:00:17:0a:22:02", "mtu": 9000, "up": true}],
+//!   "addresses": [{"link": "vnic1", "cidr": "10.0.20.33/24"}],
+//!   "routes": [{"destination": "default", "gateway": "10.0.20.1", "link": "vnic1", "table": 101}],
+//!   "rules": [{"from": "10.0.20.33/32", "table": 101, "priority": 20101}]
+//! }
+//! ```
+//!
+//! Every string that holds an address is kept as a string (not a parsed type) so that the JSON
+//! schema embedded in the CRD stays plain; [`NetworkState::validate`] parses each one and names
+//! the field that is wrong.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::net::IpAddr;
+
+use ipnet::IpNet;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// Rule priorities nodekeeper may use. Rules it installs must lie in this range, which sits
+/// between the kernel's `local` rule (0) and the `main`/`default` rules (32766/32767) and away
+/// from the priorities other tools commonly pick (0–1000, 32000+).
+pub const RULE_PRIORITY_MIN: u32 = 20000;
+/// Upper end (inclusive) of [`RULE_PRIORITY_MIN`]'s range.
+pub const RULE_PRIORITY_MAX: u32 = 20999;
+
+/// The kernel's `main` routing table.
+pub const TABLE_MAIN: u32 = 254;
+
+/// Linux interface names are at most 15 bytes (IFNAMSIZ - 1).
+const IFNAME_MAX: usize = 15;
+
+/// The link-local range that carries OCI's metadata service, DNS, NTP and iSCSI boot volumes.
+/// nodekeeper never routes it anywhere.
+pub const LINK_LOCAL_V4: &str = "169.254.0.0/16";
+
+/// The desired (or observed) host network state nodekeeper manages.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Default, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NetworkState {
+    /// Interfaces: existing ones (matched by name or MAC) whose MTU and state nodekeeper sets, and
+    /// VLAN sub-interfaces and macvlans nodekeeper creates. Addresses and routes refer to these by
+    /// `name`.
+    #[serde(default)]
+    pub links: Vec<LinkSpec>,
+    /// IPv4 and IPv6 addresses, each on one of `links`.
+    #[serde(default)]
+    pub addresses: Vec<AddressSpec>,
+    /// Routes, in any routing table.
+    #[serde(default)]
+    pub routes: Vec<RouteSpec>,
+    /// Policy routing rules.
+    #[serde(default)]
+    pub rules: Vec<RuleSpec>,
+}
+
+/// What kind of interface a link is.
+#[derive(
+    Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, JsonSchema,
+)]
+#[serde(rename_all = "camelCase")]
+pub enum LinkKind {
+    /// An interface nodekeeper does not create (a NIC, a veth): matched by `mac` when given,
+    /// else by `name`. nodekeeper sets only its MTU and up/down state and never deletes it.
+    Existing,
+    /// An 802.1Q VLAN sub-interface on `parent` with `vlanId`, created by nodekeeper.
+    Vlan,
+    /// A macvlan on `parent`, created by nodekeeper, carrying `mac` when given.
+    Macvlan,
+}
+
+/// How a macvlan forwards between its siblings on one parent.
+#[derive(
+    Serialize,
+    Deserialize,
+    Clone,
+    Copy,
+    Debug,
+    PartialEq,
+    Eq,
+    Hash,
+    PartialOrd,
+    Ord,
+    Default,
+    JsonSchema,
+)]
+#[serde(rename_all = "camelCase")]
+pub enum MacvlanMode {
+    /// No traffic between macvlans on the same parent.
+    Private,
+    /// Traffic between siblings goes out to the adjacent switch.
+    Vepa,
+    /// Siblings reach each other directly (the usual choice, and the default).
+    #[default]
+    Bridge,
+    /// One macvlan takes over the parent.
+    Passthru,
+}
+
+/// One interface.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct LinkSpec {
+    /// For `vlan` and `macvlan`: the kernel interface name to create (at most 15 bytes). For
+    /// `existing` without `mac`: the kernel name to match. For `existing` with `mac`: a label that
+    /// addresses, routes and other links use to refer to this interface (the kernel name is
+    /// whatever the interface with that MAC is called).
+    pub name: String,
+    /// Whether nodekeeper creates this link (`vlan`, `macvlan`) or only configures it (`existing`).
+    pub kind: LinkKind,
+    /// Lower-case colon-separated MAC. For `existing`: match the interface by this address. For
+    /// `macvlan`: the address to give it (OCI bare metal: the VNIC's `macAddr`). Not allowed for
+    /// `vlan` (a VLAN takes its parent's address).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mac: Option<String>,
+    /// For `vlan` and `macvlan`: the parent interface, either the `name` of another entry in
+    /// `links` or the kernel name of an interface that already exists.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent: Option<String>,
+    /// For `vlan`: the 802.1Q VLAN id, 1–4094.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vlan_id: Option<u16>,
+    /// For `macvlan`: the forwarding mode; `bridge` when omitted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub macvlan_mode: Option<MacvlanMode>,
+    /// MTU in bytes, 68–65535; left as it is when omitted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mtu: Option<u32>,
+    /// Administrative state; left as it is when omitted (created links are brought up unless this
+    /// is `false`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub up: Option<bool>,
+}
+
+/// One address on one link.
+#[derive(
+    Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, JsonSchema,
+)]
+#[serde(rename_all = "camelCase")]
+pub struct AddressSpec {
+    /// The `name` of the entry in `links` that carries the address.
+    pub link: String,
+    /// Address and prefix length, e.g. `10.0.20.33/24` or `fd00:10:30::45/64`.
+    pub cidr: String,
+}
+
+/// One route.
+#[derive(
+    Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, JsonSchema,
+)]
+#[serde(rename_all = "camelCase")]
+pub struct RouteSpec {
+    /// Destination prefix (e.g. `10.0.0.0/8`), or `default` (IPv4 `0.0.0.0/0`; write `::/0` for
+    /// IPv6).
+    pub destination: String,
+    /// Next-hop address; omitted for a route straight out of `link`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gateway: Option<String>,
+    /// The `name` of the entry in `links` the route leaves by. Required unless `gateway` alone
+    /// determines it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub link: Option<String>,
+    /// Routing table id; 254 (`main`) when omitted. 0 and 255 (`local`) are refused.
+    #[serde(default = "default_table")]
+    pub table: u32,
+    /// Route metric (priority); the kernel default (0 for IPv4, 1024 for IPv6) when omitted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metric: Option<u32>,
+    /// Treat the gateway as directly reachable on `link` even if no prefix there covers it.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub on_link: bool,
+}
+
+/// One policy routing rule: traffic matching `from`/`to` looks up `table`.
+#[derive(
+    Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, JsonSchema,
+)]
+#[serde(rename_all = "camelCase")]
+pub struct RuleSpec {
+    /// Source prefix to match, e.g. `10.0.20.33/32`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from: Option<String>,
+    /// Destination prefix to match.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub to: Option<String>,
+    /// The routing table to look up.
+    pub table: u32,
+    /// Rule priority; must lie in nodekeeper's reserved range 20000–20999.
+    pub priority: u32,
+}
+
+fn default_table() -> u32 {
+    TABLE_MAIN
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
+}
+
+/// One problem in a [`NetworkState`], with the path of the field at fault.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ValidationError {
+    /// JSON-ish path, e.g. `links[2].vlanId`.
+    pub path: String,
+    /// What is wrong and what to do about it.
+    pub message: String,
+}
+
+impl fmt::Display for ValidationError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.path, self.message)
+    }
+}
+
+impl std::error::Error for ValidationError {}
+
+/// Joins validation errors into one line per problem, for logs and gRPC messages.
+pub fn format_errors(errors: &[ValidationError]) -> String {
+    errors
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// Parses a MAC written as six colon-separated hex octets.
+pub fn parse_mac(s: &str) -> Option<[u8; 6]> {
+    let mut out = [0u8; 6];
+    let mut parts = s.split(':');
+    for byte in &mut out {
+        let p = parts.next()?;
+        if p.len() != 2 {
+            return None;
+        }
+        *byte = u8::from_str_radix(p, 16).ok()?;
+    }
+    parts.next().is_none().then_some(out)
+}
+
+/// Formats a MAC the way the model stores it (lower case, colons).
+pub fn format_mac(mac: &[u8]) -> String {
+    mac.iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":")
+}
+
+impl RouteSpec {
+    /// The destination as a prefix (`default` is `0.0.0.0/0`).
+    pub fn destination_net(&self) -> Option<IpNet> {
+        if self.destination == "default" {
+            return Some("0.0.0.0/0".parse().ok()?);
+        }
+        self.destination.parse().ok()
+    }
+}
+
+impl RuleSpec {
+    /// The `from` prefix, parsed (a bare address counts as a host prefix).
+    pub fn from_net(&self) -> Option<Option<IpNet>> {
+        self.from.as_deref().map(parse_prefix).transpose().ok()
+    }
+    /// The `to` prefix, parsed (a bare address counts as a host prefix).
+    pub fn to_net(&self) -> Option<Option<IpNet>> {
+        self.to.as_deref().map(parse_prefix).transpose().ok()
+    }
+}
+
+/// Parses `a.b.c.d/n`, or a bare address as a host prefix.
+pub fn parse_prefix(s: &str) -> Result<IpNet, ()> {
+    if let Ok(net) = s.parse::<IpNet>() {
+        return Ok(net);
+    }
+    s.parse::<IpAddr>().map(IpNet::from).map_err(|_| ())
+}
+
+fn link_local_v4() -> IpNet {
+    LINK_LOCAL_V4.parse().expect("constant prefix parses")
+}
+
+fn overlaps(a: &IpNet, b: &IpNet) -> bool {
+    a.contains(&b.network()) || b.contains(&a.network())
+}
+
+impl NetworkState {
+    /// Checks the whole state and returns every problem found, each naming its field. A state that
+    /// passes can be planned; whether parents and MACs exist on the host is checked by the planner.
+    pub fn validate(&self) -> Result<(), Vec<ValidationError>> {
+        let mut errs = Vec::new();
+        let mut err = |path: String, message: String| errs.push(ValidationError { path, message });
+
+        // Links.
+        let mut names: BTreeMap<&str, usize> = BTreeMap::new();
+        let mut macs: BTreeMap<String, usize> = BTreeMap::new();
+        let mut vlans: BTreeMap<(&str, u16), usize> = BTreeMap::new();
+        for (i, l) in self.links.iter().enumerate() {
+            let p = format!("links[{i}]");
+            if l.name.is_empty()
+                || l.name.len() > IFNAME_MAX
+                || l.name
+                    .chars()
+                    .any(|c| c.is_whitespace() || c == '/' || c == ':')
+                || l.name == "."
+                || l.name == ".."
+            {
+                err(
+                    format!("{p}.name"),
+                    format!(
+                        "{:?} is not a valid interface name: use 1–15 bytes without spaces, '/' or ':'",
+                        l.name
+                    ),
+                );
+            }
+            if let Some(j) = names.insert(&l.name, i) {
+                err(
+                    format!("{p}.name"),
+                    format!(
+                        "{:?} is also the name of links[{j}]; names must be unique",
+                        l.name
+                    ),
+                );
+            }
+            if let Some(mac) = &l.mac {
+                match parse_mac(mac) {
+                    None => err(
+                        format!("{p}.mac"),
+                        format!(
+                            "{mac:?} is not a MAC address; write six hex octets like 02:00:17:0a:22:02"
+                        ),
+                    ),
+                    Some(m) => {
+                        if m[0] & 1 == 1 {
+                            err(
+                                format!("{p}.mac"),
+                                format!("{mac:?} is a multicast address; give a unicast MAC"),
+                            );
+                        }
+                        if m == [0; 6] {
+                            err(
+                                format!("{p}.mac"),
+                                "00:00:00:00:00:00 is not a usable MAC".into(),
+                            );
+                        }
+                        let canon = format_mac(&m);
+                        if let Some(j) = macs.insert(canon.clone(), i) {
+                            err(
+                                format!("{p}.mac"),
+                                format!(
+                                    "{canon} is also the MAC of links[{j}]; two links (VNICs) cannot share one MAC"
+                                ),
+                            );
+                        }
+                    }
+                }
+            }
+            if let Some(mtu) = l.mtu
+                && !(68..=65535).contains(&mtu)
+            {
+                err(
+                    format!("{p}.mtu"),
+                    format!("{mtu} is outside 68–65535 (68 is the IPv4 minimum)"),
+                );
+            }
+            match l.kind {
+                LinkKind::Existing => {
+                    for (field, set) in [
+                        ("parent", l.parent.is_some()),
+                        ("vlanId", l.vlan_id.is_some()),
+                        ("macvlanMode", l.macvlan_mode.is_some()),
+                    ] {
+                        if set {
+                            err(
+                                format!("{p}.{field}"),
+                                format!(
+                                    "only vlan or macvlan links take {field}; remove it or change kind"
+                                ),
+                            );
+                        }
+                    }
+                }
+                LinkKind::Vlan => {
+                    match l.vlan_id {
+                        None => err(
+                            format!("{p}.vlanId"),
+                            "a vlan link needs vlanId (1–4094)".into(),
+                        ),
+                        Some(id) if !(1..=4094).contains(&id) => err(
+                            format!("{p}.vlanId"),
+                            format!("{id} is not a usable 802.1Q VLAN id; use 1–4094"),
+                        ),
+                        Some(id) => {
+                            if let Some(parent) = l.parent.as_deref()
+                                && let Some(j) = vlans.insert((parent, id), i)
+                            {
+                                err(
+                                    format!("{p}.vlanId"),
+                                    format!("links[{j}] is already VLAN {id} on {parent:?}"),
+                                );
+                            }
+                        }
+                    }
+                    if l.mac.is_some() {
+                        err(
+                            format!("{p}.mac"),
+                            "a vlan link takes its parent's MAC; remove mac".into(),
+                        );
+                    }
+                    if l.macvlan_mode.is_some() {
+                        err(
+                            format!("{p}.macvlanMode"),
+                            "only macvlan links take macvlanMode".into(),
+                        );
+                    }
+                }
+                LinkKind::Macvlan => {
+                    if l.vlan_id.is_some() {
+                        err(format!("{p}.vlanId"), "only vlan links take vlanId".into());
+                    }
+                }
+            }
+            if matches!(l.kind, LinkKind::Vlan | LinkKind::Macvlan) {
+                match l.parent.as_deref() {
+                    None | Some("") => err(
+                        format!("{p}.parent"),
+                        format!("a {:?} link needs a parent interface", l.kind).to_lowercase(),
+                    ),
+                    Some(parent) if parent == l.name => err(
+                        format!("{p}.parent"),
+                        "a link cannot be its own parent".into(),
+                    ),
+                    Some(_) => {}
+                }
+            }
+        }
+        // Parent chains must end outside the list (no cycles).
+        for (i, l) in self.links.iter().enumerate() {
+            let mut seen = BTreeSet::new();
+            let mut cur = l;
+            while let Some(parent) = cur.parent.as_deref() {
+                if !seen.insert(parent) {
+                    err(
+                        format!("links[{i}].parent"),
+                        format!("parent chain of {:?} loops back through {parent:?}", l.name),
+                    );
+                    break;
+                }
+                match self.links.iter().find(|x| x.name == parent) {
+                    Some(next) => cur = next,
+                    None => break,
+                }
+            }
+        }
+
+        // Addresses.
+        let mut addr_seen: BTreeMap<IpAddr, usize> = BTreeMap::new();
+        for (i, a) in self.addresses.iter().enumerate() {
+            let p = format!("addresses[{i}]");
+            if !names.contains_key(a.link.as_str()) {
+                err(
+                    format!("{p}.link"),
+                    format!(
+                        "no link named {:?} in links; add it there (kind existing for a NIC)",
+                        a.link
+                    ),
+                );
+            }
+            match a.cidr.parse::<IpNet>() {
+                Err(_) => err(
+                    format!("{p}.cidr"),
+                    format!(
+                        "{:?} is not an address with prefix length, e.g. 10.0.20.33/24",
+                        a.cidr
+                    ),
+                ),
+                Ok(net) => {
+                    let ip = net.addr();
+                    if ip.is_unspecified() || ip.is_multicast() || ip.is_loopback() {
+                        err(
+                            format!("{p}.cidr"),
+                            format!("{ip} cannot be assigned to an interface"),
+                        );
+                    }
+                    if net.contains(&link_local_v4().network()) || link_local_v4().contains(&ip) {
+                        err(
+                            format!("{p}.cidr"),
+                            format!(
+                                "{} is in {LINK_LOCAL_V4}, which nodekeeper never touches",
+                                a.cidr
+                            ),
+                        );
+                    }
+                    if let Some(j) = addr_seen.insert(ip, i) {
+                        err(
+                            format!("{p}.cidr"),
+                            format!("{ip} is also assigned by addresses[{j}]"),
+                        );
+                    }
+                }
+            }
+        }
+
+        // Routes.
+        let mut route_keys: BTreeMap<(u32, IpNet, Option<u32>), usize> = BTreeMap::new();
+        let mut default_dev: BTreeMap<(u32, bool), (usize, Option<&str>)> = BTreeMap::new();
+        for (i, r) in self.routes.iter().enumerate() {
+            let p = format!("routes[{i}]");
+            let dest = r.destination_net();
+            match dest {
+                None => err(
+                    format!("{p}.destination"),
+                    format!(
+                        "{:?} is not a prefix; write e.g. 10.0.0.0/8 or default",
+                        r.destination
+                    ),
+                ),
+                Some(d) => {
+                    if d.addr() != d.network() {
+                        err(
+                            format!("{p}.destination"),
+                            format!("{d} has host bits set; write {}", d.trunc()),
+                        );
+                    }
+                    if d.prefix_len() > 0 && overlaps(&d, &link_local_v4()) {
+                        err(
+                            format!("{p}.destination"),
+                            format!(
+                                "{d} overlaps {LINK_LOCAL_V4}, which must stay on the primary VNIC"
+                            ),
+                        );
+                    }
+                    if let Some(j) = route_keys.insert((r.table, d.trunc(), r.metric), i) {
+                        err(
+                            format!("{p}"),
+                            format!("same table, destination and metric as routes[{j}]"),
+                        );
+                    }
+                    if d.prefix_len() == 0 {
+                        let key = (r.table, d.addr().is_ipv6());
+                        if let Some((j, dev)) = default_dev.insert(key, (i, r.link.as_deref()))
+                            && dev != r.link.as_deref()
+                        {
+                            err(
+                                format!("{p}.table"),
+                                format!(
+                                    "table {} already has a default route via another link (routes[{j}]); give each VNIC its own table",
+                                    r.table
+                                ),
+                            );
+                        }
+                    }
+                }
+            }
+            if r.table == 0 || r.table == 255 {
+                err(
+                    format!("{p}.table"),
+                    format!(
+                        "table {} is reserved; use 1–252 or 256+ (254 is main)",
+                        r.table
+                    ),
+                );
+            }
+            if let Some(link) = &r.link
+                && !names.contains_key(link.as_str())
+            {
+                err(
+                    format!("{p}.link"),
+                    format!("no link named {link:?} in links; add it there"),
+                );
+            }
+            match &r.gateway {
+                None => {
+                    if r.link.is_none() {
+                        err(
+                            format!("{p}"),
+                            "a route needs a gateway, a link, or both".into(),
+                        );
+                    }
+                    if r.on_link {
+                        err(format!("{p}.onLink"), "onLink needs a gateway".into());
+                    }
+                }
+                Some(g) => match g.parse::<IpAddr>() {
+                    Err(_) => err(
+                        format!("{p}.gateway"),
+                        format!("{g:?} is not an IP address"),
+                    ),
+                    Ok(gw) => {
+                        if let Some(d) = dest
+                            && d.addr().is_ipv6() != gw.is_ipv6()
+                        {
+                            err(
+                                format!("{p}.gateway"),
+                                format!(
+                                    "gateway {gw} and destination {d} are of different IP families"
+                                ),
+                            );
+                        }
+                    }
+                },
+            }
+        }
+
+        // Rules.
+        let mut rule_keys: BTreeMap<(u32, Option<&str>, Option<&str>), usize> = BTreeMap::new();
+        for (i, r) in self.rules.iter().enumerate() {
+            let p = format!("rules[{i}]");
+            if !(RULE_PRIORITY_MIN..=RULE_PRIORITY_MAX).contains(&r.priority) {
+                err(
+                    format!("{p}.priority"),
+                    format!(
+                        "{} is outside nodekeeper's reserved range {RULE_PRIORITY_MIN}–{RULE_PRIORITY_MAX}",
+                        r.priority
+                    ),
+                );
+            }
+            if let Some(j) = rule_keys.insert((r.priority, r.from.as_deref(), r.to.as_deref()), i) {
+                err(
+                    format!("{p}"),
+                    format!("same priority, from and to as rules[{j}]; remove one"),
+                );
+            }
+            if r.table == 0 || r.table == 255 {
+                err(
+                    format!("{p}.table"),
+                    format!(
+                        "table {} is reserved; use 1–252 or 256+ (254 is main)",
+                        r.table
+                    ),
+                );
+            }
+            let from = r.from.as_deref().map(|s| (s, parse_prefix(s)));
+            let to = r.to.as_deref().map(|s| (s, parse_prefix(s)));
+            if from.is_none() && to.is_none() {
+                err(
+                    format!("{p}"),
+                    "a rule needs from, to or both (a catch-all rule would capture all traffic)"
+                        .into(),
+                );
+            }
+            for (field, v) in [("from", &from), ("to", &to)] {
+                if let Some((s, Err(()))) = v {
+                    err(
+                        format!("{p}.{field}"),
+                        format!("{s:?} is not a prefix, e.g. 10.0.20.33/32"),
+                    );
+                }
+            }
+            if let (Some((_, Ok(f))), Some((_, Ok(t)))) = (&from, &to)
+                && f.addr().is_ipv6() != t.addr().is_ipv6()
+            {
+                err(
+                    format!("{p}.to"),
+                    "from and to are of different IP families".into(),
+                );
+            }
+            if let Some((_, Ok(t))) = &to
+                && overlaps(t, &link_local_v4())
+                && r.table != TABLE_MAIN
+            {
+                err(
+                    format!("{p}.table"),
+                    format!("traffic to {LINK_LOCAL_V4} must stay in table main (254)"),
+                );
+            }
+        }
+
+        if errs.is_empty() { Ok(()) } else { Err(errs) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn vm_state() -> NetworkState {
+        serde_json::from_str(
+            r#"{
+              "links": [{"name": "vnic1", "kind": "existing", "mac": "02:00:17:0a:22:02", "mtu": 9000, "up": true}],
+              "addresses": [{"link": "vnic1", "cidr": "10.0.20.33/24"}],
+              "routes": [{"destination": "default", "gateway": "10.0.20.1", "link": "vnic1", "table": 101}],
+              "rules": [{"from": "10.0.20.33/32", "table": 101, "priority": 20101}]
+            }"#,
+        )
+        .unwrap()
+    }
+
+    fn paths(s: &NetworkState) -> Vec<String> {
+        s.validate()
+            .unwrap_err()
+            .into_iter()
+            .map(|e| e.path)
+            .collect()
+    }
+
+    #[test]
+    fn good_state_validates_and_round_trips() {
+        let s = vm_state();
+        s.validate().unwrap();
+        let json = serde_json::to_string(&s).unwrap();
+        assert!(json.contains("\"links\""));
+        let back: NetworkState = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, s);
+        assert_eq!(s.routes[0].table, 101);
+    }
+
+    #[test]
+    fn route_table_defaults_to_main() {
+        let r: RouteSpec =
+            serde_json::from_str(r#"{"destination":"10.0.0.0/8","link":"x"}"#).unwrap();
+        assert_eq!(r.table, TABLE_MAIN);
+    }
+
+    #[test]
+    fn vlan_ids_out_of_range_are_refused() {
+        for id in [0u16, 4095] {
+            let mut s = vm_state();
+            s.links.push(LinkSpec {
+                name: "v".into(),
+                kind: LinkKind::Vlan,
+                mac: None,
+                parent: Some("vnic1".into()),
+                vlan_id: Some(id),
+                macvlan_mode: None,
+                mtu: None,
+                up: None,
+            });
+            assert_eq!(paths(&s), vec!["links[1].vlanId"]);
+        }
+    }
+
+    #[test]
+    fn small_mtu_duplicate_mac_and_bad_names_are_refused() {
+        let mut s = vm_state();
+        s.links[0].mtu = Some(67);
+        let mut dup = s.links[0].clone();
+        dup.name = "this-name-is-too-long".into();
+        dup.mtu = None;
+        dup.mac = Some("02:00:17:0A:22:02".into());
+        s.links.push(dup);
+        let errs = s.validate().unwrap_err();
+        let p: Vec<_> = errs.iter().map(|e| e.path.as_str()).collect();
+        assert_eq!(p, vec!["links[0].mtu", "links[1].name", "links[1].mac"]);
+        assert!(errs[2].message.contains("share one MAC"), "{}", errs[2]);
+    }
+
+    #[test]
+    fn overlapping_tables_are_refused() {
+        let mut s = vm_state();
+        s.links.push(LinkSpec {
+            name: "vnic2".into(),
+            kind: LinkKind::Existing,
+            mac: Some("02:00:17:0a:33:03".into()),
+            parent: None,
+            vlan_id: None,
+            macvlan_mode: None,
+            mtu: None,
+            up: None,
+        });
+        s.routes.push(RouteSpec {
+            destination: "default".into(),
+            gateway: Some("10.0.30.1".into()),
+            link: Some("vnic2".into()),
+            table: 101,
+            metric: Some(5),
+            on_link: false,
+        });
+        let errs = s.validate().unwrap_err();
+        assert_eq!(errs.len(), 1);
+        assert_eq!(errs[0].path, "routes[1].table");
+    }
+
+    #[test]
+    fn link_local_and_unknown_links_and_rule_range() {
+        let mut s = vm_state();
+        s.routes.push(RouteSpec {
+            destination: "169.254.169.254/32".into(),
+            gateway: None,
+            link: Some("nope".into()),
+            table: 254,
+            metric: None,
+            on_link: false,
+        });
+        s.rules.push(RuleSpec {
+            from: None,
+            to: None,
+            table: 101,
+            priority: 100,
+        });
+        s.addresses.push(AddressSpec {
+            link: "vnic1".into(),
+            cidr: "<null>".into(),
+        });
+        assert_eq!(
+            paths(&s),
+            vec![
+                "addresses[1].cidr",
+                "routes[1].destination",
+                "routes[1].link",
+                "rules[1].priority",
+                "rules[1]"
+            ]
+        );
+    }
+
+    #[test]
+    fn parent_cycles_are_refused() {
+        let mk = |name: &str, parent: &str| LinkSpec {
+            name: name.into(),
+            kind: LinkKind::Macvlan,
+            mac: None,
+            parent: Some(parent.into()),
+            vlan_id: None,
+            macvlan_mode: None,
+            mtu: None,
+            up: None,
+        };
+        let s = NetworkState {
+            links: vec![mk("a", "b"), mk("b", "a")],
+            ..Default::default()
+        };
+        assert_eq!(paths(&s), vec!["links[0].parent", "links[1].parent"]);
+    }
+
+    #[test]
+    fn schema_is_generated() {
+        let schema = schemars::schema_for!(NetworkState);
+        let json = serde_json::to_string(&schema).unwrap();
+        assert!(json.contains("vlanId"));
+        assert!(json.contains("Rule priority"));
+    }
+}

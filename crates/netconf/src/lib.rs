@@ -1,1 +1,302 @@
-//! placeholder
+//! Host network configuration: desired [`NetworkState`] → plan (pure diff against what the kernel
+//! reports) → apply through rtnetlink → post-apply check → rollback on any failure.
+//!
+//! Entry point (also used by the qemu VLAN harness):
+//!
+//! ```no_run
+//! # async fn f(desired: nodekeeper_api::network::NetworkState) -> Result<(), nodekeeper_netconf::NetconfError> {
+//! use nodekeeper_netconf::{ApplyOptions, Netconf};
+//! // Must run inside a tokio runtime, on a thread in the target network namespace.
+//! let nc = Netconf::connect()?;
+//! let report = nc.apply(&desired, &ApplyOptions::default()).await?;
+//! assert!(report.outcome.is_success(), "{:?}", report.error);
+//! # Ok(()) }
+//! ```
+
+pub mod check;
+pub mod netlink;
+pub mod observed;
+pub mod plan;
+
+use std::time::Duration;
+
+pub use check::Target;
+use nodekeeper_api::network::{LinkKind, NetworkState};
+pub use observed::{LINK_ALIAS_PREFIX, NK_PROTOCOL, Observed};
+pub use plan::{Plan, PlanError, Step, plan};
+
+/// Errors that stop an apply before it changes anything.
+#[derive(Debug, thiserror::Error)]
+pub enum NetconfError {
+    #[error("open rtnetlink socket: {0}")]
+    Connect(#[source] std::io::Error),
+    #[error("read {what} through netlink: {message}")]
+    Read { what: &'static str, message: String },
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    #[error("{0}")]
+    BadCheckTarget(String),
+}
+
+/// How to apply.
+#[derive(Clone, Debug, Default)]
+pub struct ApplyOptions {
+    /// Plan only.
+    pub dry_run: bool,
+    /// Reachability targets that must answer after the apply, or everything is rolled back.
+    pub check_targets: Vec<Target>,
+    /// Deadline of the whole check; 5 s when zero.
+    pub check_timeout: Duration,
+    /// Test hook: fail (without sending it) the step with this index, as a kernel error would.
+    #[doc(hidden)]
+    pub fail_at_step: Option<usize>,
+}
+
+/// How an apply ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    Planned,
+    Applied,
+    RolledBack,
+    RollbackFailed,
+}
+
+impl Outcome {
+    pub fn is_success(self) -> bool {
+        matches!(self, Outcome::Planned | Outcome::Applied)
+    }
+}
+
+/// The result of [`Netconf::apply`].
+#[derive(Clone, Debug)]
+pub struct ApplyReport {
+    pub plan: Plan,
+    pub outcome: Outcome,
+    /// What failed (the step, or the check), and for a failed rollback what remains.
+    pub error: Option<String>,
+    /// Netlink write requests made by this call.
+    pub writes: u64,
+}
+
+/// A netlink connection to the calling thread's network namespace, with plan/apply/rollback.
+#[derive(Clone)]
+pub struct Netconf {
+    link: netlink::Link,
+}
+
+impl Netconf {
+    /// Opens the rtnetlink connection (spawned on the current tokio runtime).
+    pub fn connect() -> Result<Self, NetconfError> {
+        Ok(Self {
+            link: netlink::Link::connect()?,
+        })
+    }
+
+    /// Netlink writes made through this connection so far.
+    pub fn writes(&self) -> u64 {
+        self.link.writes()
+    }
+
+    /// Reads the current state.
+    pub async fn observe(&self) -> Result<Observed, NetconfError> {
+        self.link.observe().await
+    }
+
+    /// Plans `desired` against the current state.
+    pub async fn plan(&self, desired: &NetworkState) -> Result<Plan, NetconfError> {
+        Ok(plan::plan(desired, &self.observe().await?)?)
+    }
+
+    /// Plans and (unless dry-run) applies; on a failed step or check, undoes every step already
+    /// made, newest first. An `Err` means nothing was changed.
+    pub async fn apply(
+        &self,
+        desired: &NetworkState,
+        opts: &ApplyOptions,
+    ) -> Result<ApplyReport, NetconfError> {
+        let start = self.writes();
+        let plan = self.plan(desired).await?;
+        if opts.dry_run || plan.is_empty() {
+            let outcome = if opts.dry_run {
+                Outcome::Planned
+            } else {
+                Outcome::Applied
+            };
+            return Ok(ApplyReport {
+                plan,
+                outcome,
+                error: None,
+                writes: 0,
+            });
+        }
+        let mut done: Vec<&Step> = Vec::new();
+        let mut failure = None;
+        for (i, step) in plan.steps.iter().enumerate() {
+            let result = if opts.fail_at_step == Some(i) {
+                Err(std::io::Error::other("injected failure"))
+            } else {
+                self.link.execute(step).await
+            };
+            match result {
+                Ok(()) => {
+                    tracing::debug!(op = step.op(), object = %step, "applied");
+                    done.push(step);
+                }
+                Err(e) => {
+                    failure = Some(format!("step {} ({} {step}) failed: {e}", i + 1, step.op()));
+                    break;
+                }
+            }
+        }
+        if failure.is_none() && !opts.check_targets.is_empty() {
+            let timeout = if opts.check_timeout.is_zero() {
+                Duration::from_secs(5)
+            } else {
+                opts.check_timeout
+            };
+            if let Err(e) = check::check_all(&opts.check_targets, timeout).await {
+                failure = Some(format!("post-apply check failed: {e}"));
+            }
+        }
+        let Some(error) = failure else {
+            return Ok(ApplyReport {
+                plan,
+                outcome: Outcome::Applied,
+                error: None,
+                writes: self.writes() - start,
+            });
+        };
+        tracing::warn!(%error, steps = done.len(), "rolling back");
+        let mut remaining = Vec::new();
+        for step in done.iter().rev() {
+            let inv = step.inverse();
+            if let Err(e) = self.link.execute(&inv).await {
+                remaining.push(format!("{} {inv}: {e}", inv.op()));
+            }
+        }
+        let (outcome, error) = if remaining.is_empty() {
+            (Outcome::RolledBack, error)
+        } else {
+            (
+                Outcome::RollbackFailed,
+                format!("{error}; rollback could not {}", remaining.join("; ")),
+            )
+        };
+        Ok(ApplyReport {
+            plan,
+            outcome,
+            error: Some(error),
+            writes: self.writes() - start,
+        })
+    }
+
+    /// What differs between `desired` and the host, one line per planned step (empty: no drift).
+    pub async fn drift(&self, desired: &NetworkState) -> Result<Vec<String>, NetconfError> {
+        Ok(self
+            .plan(desired)
+            .await?
+            .steps
+            .iter()
+            .map(|s| format!("{} {s}", s.op()))
+            .collect())
+    }
+
+    /// The observed state restricted to what `desired` names and what nodekeeper owns, in the
+    /// model's own terms (for `ApplyNetworkResponse.observed_state_json`).
+    pub async fn observed_state(
+        &self,
+        desired: &NetworkState,
+    ) -> Result<NetworkState, NetconfError> {
+        Ok(owned_state(desired, &self.observe().await?))
+    }
+}
+
+/// Projects observed state onto the model: the links `desired` names (found by name or MAC) and
+/// links nodekeeper created, owned addresses, routes and rules.
+pub fn owned_state(desired: &NetworkState, obs: &Observed) -> NetworkState {
+    use nodekeeper_api::network::{AddressSpec, LinkSpec, MacvlanMode, RouteSpec, RuleSpec};
+    let mut out = NetworkState::default();
+    let mut label = std::collections::BTreeMap::new();
+    for l in &obs.links {
+        let declared = desired.links.iter().find(|d| {
+            d.kind == LinkKind::Existing
+                && match &d.mac {
+                    Some(m) => o_mac_eq(l.mac.as_deref(), m) && l.kind != "vlan" && !l.owned(),
+                    None => d.name == l.name,
+                }
+        });
+        if !(l.owned() || declared.is_some()) {
+            continue;
+        }
+        let name = declared.map_or(l.name.clone(), |d| d.name.clone());
+        label.insert(l.index, name.clone());
+        let parent = l
+            .parent_index
+            .and_then(|i| obs.link_name(i))
+            .map(str::to_string);
+        let (kind, parent, vlan_id, mode, mac) = if !l.owned() {
+            (LinkKind::Existing, None, None, None, l.mac.clone())
+        } else if l.kind == "vlan" {
+            (LinkKind::Vlan, parent, l.vlan_id, None, None)
+        } else {
+            let mode = match l.macvlan_mode.as_deref() {
+                Some("private") => MacvlanMode::Private,
+                Some("vepa") => MacvlanMode::Vepa,
+                Some("passthru") => MacvlanMode::Passthru,
+                _ => MacvlanMode::Bridge,
+            };
+            (LinkKind::Macvlan, parent, None, Some(mode), l.mac.clone())
+        };
+        out.links.push(LinkSpec {
+            name,
+            kind,
+            mac,
+            parent,
+            vlan_id,
+            macvlan_mode: mode,
+            mtu: Some(l.mtu),
+            up: Some(l.up),
+        });
+    }
+    let lname = |i: u32| {
+        label
+            .get(&i)
+            .cloned()
+            .or_else(|| obs.link_name(i).map(str::to_string))
+    };
+    for a in obs.addresses.iter().filter(|a| a.protocol == NK_PROTOCOL) {
+        if let Some(link) = lname(a.index) {
+            out.addresses.push(AddressSpec {
+                link,
+                cidr: a.net.to_string(),
+            });
+        }
+    }
+    for r in obs.routes.iter().filter(|r| r.protocol == NK_PROTOCOL) {
+        out.routes.push(RouteSpec {
+            destination: if r.destination.prefix_len() == 0 && r.destination.addr().is_ipv4() {
+                "default".into()
+            } else {
+                r.destination.to_string()
+            },
+            gateway: r.gateway.map(|g| g.to_string()),
+            link: r.oif.and_then(lname),
+            table: r.table,
+            metric: Some(r.metric),
+            on_link: r.on_link,
+        });
+    }
+    for r in obs.rules.iter().filter(|r| r.protocol == NK_PROTOCOL) {
+        out.rules.push(RuleSpec {
+            from: r.from.map(|n| n.to_string()),
+            to: r.to.map(|n| n.to_string()),
+            table: r.table,
+            priority: r.priority,
+        });
+    }
+    out
+}
+
+fn o_mac_eq(observed: Option<&str>, want: &str) -> bool {
+    observed.is_some_and(|o| o.eq_ignore_ascii_case(want))
+}

@@ -1,0 +1,169 @@
+//! Network interfaces as the kernel reports them: a read-only rtnetlink dump of links and
+//! addresses in the agent's network namespace (the host's, with hostNetwork).
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+
+use futures::TryStreamExt;
+use netlink_packet_route::address::{AddressAttribute, AddressMessage};
+use netlink_packet_route::link::{LinkAttribute, LinkFlags, LinkInfo, LinkMessage};
+
+use super::CollectError;
+
+/// One interface, in the proto's `ObservedInterface` terms.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Interface {
+    pub name: String,
+    pub index: u32,
+    pub mac: String,
+    pub mtu: u32,
+    pub up: bool,
+    pub oper_state: String,
+    pub kind: String,
+    /// CIDR strings, sorted.
+    pub addresses: Vec<String>,
+}
+
+/// Formats a hardware address as lower-case colon-separated hex; all-zero (loopback) is "none".
+pub fn format_mac(bytes: &[u8]) -> String {
+    if bytes.iter().all(|b| *b == 0) {
+        return String::new();
+    }
+    bytes
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":")
+}
+
+/// Converts one link message; `None` for a link without a name.
+pub fn from_link(msg: &LinkMessage) -> Option<Interface> {
+    let mut iface = Interface {
+        index: msg.header.index,
+        up: msg.header.flags.contains(LinkFlags::Up),
+        ..Interface::default()
+    };
+    for attr in &msg.attributes {
+        match attr {
+            LinkAttribute::IfName(name) => iface.name = name.clone(),
+            LinkAttribute::Address(mac) => iface.mac = format_mac(mac),
+            LinkAttribute::Mtu(mtu) => iface.mtu = *mtu,
+            LinkAttribute::OperState(state) => iface.oper_state = state.to_string().to_lowercase(),
+            LinkAttribute::LinkInfo(infos) => {
+                for info in infos {
+                    if let LinkInfo::Kind(kind) = info {
+                        iface.kind = kind.to_string();
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    (!iface.name.is_empty()).then_some(iface)
+}
+
+/// The (interface index, CIDR) of one address message. IPv4 point-to-point links carry the
+/// local address in IFA_LOCAL and the peer in IFA_ADDRESS, so IFA_LOCAL wins when present.
+pub fn from_address(msg: &AddressMessage) -> Option<(u32, String)> {
+    let mut address: Option<IpAddr> = None;
+    for attr in &msg.attributes {
+        match attr {
+            AddressAttribute::Local(ip) => address = Some(*ip),
+            AddressAttribute::Address(ip) if address.is_none() => address = Some(*ip),
+            _ => {}
+        }
+    }
+    address.map(|ip| (msg.header.index, format!("{ip}/{}", msg.header.prefix_len)))
+}
+
+/// Dumps links and addresses and joins them, sorted by name.
+pub async fn collect() -> Result<Vec<Interface>, CollectError> {
+    let netlink = |e: rtnetlink::Error| CollectError::Netlink(e.to_string());
+    let (connection, handle, _) =
+        rtnetlink::new_connection().map_err(|e| CollectError::Netlink(e.to_string()))?;
+    let task = tokio::spawn(connection);
+    let result = async {
+        let links: Vec<LinkMessage> = handle.link().get().execute().try_collect().await.map_err(netlink)?;
+        let addresses: Vec<AddressMessage> =
+            handle.address().get().execute().try_collect().await.map_err(netlink)?;
+        Ok::<_, CollectError>((links, addresses))
+    }
+    .await;
+    drop(handle);
+    task.abort();
+    let (links, addresses) = result?;
+    Ok(join(&links, &addresses))
+}
+
+/// Attaches addresses to their links and sorts by name.
+pub fn join(links: &[LinkMessage], addresses: &[AddressMessage]) -> Vec<Interface> {
+    let mut by_index: BTreeMap<u32, Interface> = links
+        .iter()
+        .filter_map(from_link)
+        .map(|i| (i.index, i))
+        .collect();
+    for (index, cidr) in addresses.iter().filter_map(from_address) {
+        if let Some(iface) = by_index.get_mut(&index) {
+            iface.addresses.push(cidr);
+        }
+    }
+    let mut out: Vec<Interface> = by_index.into_values().collect();
+    for iface in &mut out {
+        iface.addresses.sort();
+    }
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use netlink_packet_route::link::State;
+
+    #[test]
+    fn formats_mac() {
+        assert_eq!(format_mac(&[0x02, 0, 0x17, 0xAB, 0xcd, 1]), "02:00:17:ab:cd:01");
+        assert_eq!(format_mac(&[0; 6]), "");
+    }
+
+    #[test]
+    fn joins_links_and_addresses() {
+        let mut link = LinkMessage::default();
+        link.header.index = 2;
+        link.header.flags = LinkFlags::Up;
+        link.attributes = vec![
+            LinkAttribute::IfName("ens3".into()),
+            LinkAttribute::Mtu(9000),
+            LinkAttribute::OperState(State::Up),
+            LinkAttribute::Address(vec![2, 0, 0x17, 1, 2, 3]),
+        ];
+        let mut addr = AddressMessage::default();
+        addr.header.index = 2;
+        addr.header.prefix_len = 24;
+        addr.attributes = vec![AddressAttribute::Address("10.0.0.5".parse().unwrap())];
+        let mut stray = AddressMessage::default();
+        stray.header.index = 99;
+        stray.attributes = vec![AddressAttribute::Address("10.9.9.9".parse().unwrap())];
+        let out = join(&[link], &[addr, stray]);
+        assert_eq!(
+            out,
+            vec![Interface {
+                name: "ens3".into(),
+                index: 2,
+                mac: "02:00:17:01:02:03".into(),
+                mtu: 9000,
+                up: true,
+                oper_state: "up".into(),
+                kind: String::new(),
+                addresses: vec!["10.0.0.5/24".into()],
+            }]
+        );
+    }
+
+    #[tokio::test]
+    async fn dumps_this_namespace() {
+        let out = collect().await.unwrap();
+        let lo = out.iter().find(|i| i.name == "lo").expect("every namespace has lo");
+        assert!(lo.addresses.iter().any(|a| a == "127.0.0.1/8"), "{lo:?}");
+    }
+}

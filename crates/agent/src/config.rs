@@ -1,0 +1,262 @@
+//! The agent's command line: every flag, its `NODEKEEPER_…` environment variable, and validation
+//! of paths before anything reads them.
+
+use std::net::SocketAddr;
+use std::path::{Component, Path, PathBuf};
+use std::time::Duration;
+
+use clap::{Parser, ValueEnum};
+
+use crate::Error;
+
+/// Log line format.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    /// One JSON object per line (for log collectors).
+    Json,
+    /// Human-readable lines.
+    Plain,
+}
+
+/// The nodekeeper node agent: reports node health, holds sysctl tunables in bounds and answers
+/// the nodekeeper controller over mutual-TLS gRPC. It never calls the Kubernetes API.
+#[derive(Clone, Debug, Parser)]
+#[command(name = "nodekeeper-agent", version, about, long_about = None)]
+pub struct Config {
+    /// Address and port the gRPC server listens on (the node's address with hostNetwork).
+    #[arg(long, env = "NODEKEEPER_LISTEN", default_value = "0.0.0.0:9443")]
+    pub listen: SocketAddr,
+
+    /// The Kubernetes Node name this agent runs on, reported back in every report.
+    #[arg(long, env = "NODEKEEPER_NODE_NAME")]
+    pub node_name: String,
+
+    /// PEM file with the agent's server certificate (chain), issued by the controller's CA.
+    #[arg(long, env = "NODEKEEPER_TLS_CERT")]
+    pub tls_cert: PathBuf,
+
+    /// PEM file with the private key of `--tls-cert`.
+    #[arg(long, env = "NODEKEEPER_TLS_KEY")]
+    pub tls_key: PathBuf,
+
+    /// PEM file with the CA that signs the controller's client certificate. Calls without a
+    /// client certificate signed by this CA are refused during the TLS handshake.
+    #[arg(long, env = "NODEKEEPER_CLIENT_CA")]
+    pub client_ca: PathBuf,
+
+    /// Directory for the agent's state (the rules in force, repair history); survives restarts.
+    #[arg(long, env = "NODEKEEPER_STATE_DIR", default_value = "/var/lib/nodekeeper")]
+    pub state_dir: PathBuf,
+
+    /// Host mount points whose disk and inode use is reported (comma-separated absolute paths,
+    /// resolved under `--host-root`).
+    #[arg(long, env = "NODEKEEPER_MOUNTS", value_delimiter = ',', default_value = "/")]
+    pub mounts: Vec<PathBuf>,
+
+    /// Where the host's root filesystem is visible to the agent (e.g. `/host/root` in the
+    /// DaemonSet); `--mounts` are resolved under it.
+    #[arg(long, env = "NODEKEEPER_HOST_ROOT", default_value = "/")]
+    pub host_root: PathBuf,
+
+    /// Directory holding one JSON file per Oracle Cloud Agent plugin (format in the crate's
+    /// README). Unset: no plugin state is reported.
+    #[arg(long, env = "NODEKEEPER_OCA_PLUGIN_DIR")]
+    pub oca_plugin_dir: Option<PathBuf>,
+
+    /// The `nvidia-smi` program: a bare name is looked up on PATH. When it is not found the
+    /// report says "no GPU", which is a normal answer.
+    #[arg(long, env = "NODEKEEPER_NVIDIA_SMI", default_value = "nvidia-smi")]
+    pub nvidia_smi: PathBuf,
+
+    /// How long a GPU reading is reused before `nvidia-smi` runs again (it is slow to start).
+    #[arg(long, env = "NODEKEEPER_GPU_INTERVAL", default_value = "30s", value_parser = parse_duration)]
+    pub gpu_interval: Duration,
+
+    /// Where the host's procfs is mounted (e.g. `/host/proc`); load, memory, PSI, file handles,
+    /// kernel and boot facts are read from it.
+    #[arg(long, env = "NODEKEEPER_PROC_ROOT", default_value = "/proc")]
+    pub proc_root: PathBuf,
+
+    /// Where the host's sysfs is mounted (e.g. `/host/sys`).
+    #[arg(long, env = "NODEKEEPER_SYS_ROOT", default_value = "/sys")]
+    pub sys_root: PathBuf,
+
+    /// The sysctl tree the tunable rules read and (where a rule allows repair) write. Defaults
+    /// to `<proc-root>/sys`. Mount it writable only on nodes where repair is wanted.
+    #[arg(long, env = "NODEKEEPER_SYSCTL_ROOT")]
+    pub sysctl_root: Option<PathBuf>,
+
+    /// A report's measurements are reused for this long before the node is read again, so a
+    /// burst of calls costs one collection.
+    #[arg(long, env = "NODEKEEPER_REPORT_MAX_AGE", default_value = "1s", value_parser = parse_duration)]
+    pub report_max_age: Duration,
+
+    /// Largest gRPC message accepted or sent, in bytes; larger requests are refused.
+    #[arg(long, env = "NODEKEEPER_MAX_MESSAGE_BYTES", default_value_t = 1024 * 1024)]
+    pub max_message_bytes: usize,
+
+    /// Base URL of the instance metadata service (e.g. `http://169.254.169.254`). Unset: the
+    /// agent never contacts it. Reserved for the VNIC work; no collector uses it yet.
+    #[arg(long, env = "NODEKEEPER_IMDS_ENDPOINT")]
+    pub imds_endpoint: Option<String>,
+
+    /// Log line format.
+    #[arg(long, env = "NODEKEEPER_LOG_FORMAT", value_enum, default_value = "json")]
+    pub log_format: LogFormat,
+
+    /// Log filter in `tracing` env-filter syntax, e.g. `info` or `nodekeeper_agent=debug`.
+    #[arg(long, env = "NODEKEEPER_LOG", default_value = "info")]
+    pub log: String,
+}
+
+impl Config {
+    /// The sysctl tree in use.
+    pub fn sysctl_root(&self) -> PathBuf {
+        self.sysctl_root
+            .clone()
+            .unwrap_or_else(|| self.proc_root.join("sys"))
+    }
+
+    /// Checks the paths the agent will read before it reads any of them.
+    pub fn validate(&self) -> Result<(), Error> {
+        for mount in &self.mounts {
+            check_host_path("--mounts", mount)?;
+        }
+        if let Some(dir) = &self.oca_plugin_dir {
+            check_host_path("--oca-plugin-dir", dir)?;
+        }
+        if self.node_name.trim().is_empty() {
+            return Err(Error::InvalidConfig {
+                flag: "--node-name",
+                reason: "must not be empty; set it from the pod's spec.nodeName".into(),
+            });
+        }
+        if self.max_message_bytes < 4096 {
+            return Err(Error::InvalidConfig {
+                flag: "--max-message-bytes",
+                reason: format!("{} is too small; use at least 4096", self.max_message_bytes),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// A configured host path must be absolute and free of `..`, so that configuration cannot make
+/// the agent read outside the tree it names.
+pub fn check_host_path(flag: &'static str, path: &Path) -> Result<(), Error> {
+    if !path.is_absolute() {
+        return Err(Error::InvalidConfig {
+            flag,
+            reason: format!("{} is not an absolute path; write it from /", path.display()),
+        });
+    }
+    if path.components().any(|c| matches!(c, Component::ParentDir)) {
+        return Err(Error::InvalidConfig {
+            flag,
+            reason: format!("{} contains `..`; name the directory directly", path.display()),
+        });
+    }
+    Ok(())
+}
+
+/// Joins an absolute host path under a root (`/host/root` + `/var/lib` → `/host/root/var/lib`).
+pub fn under_root(root: &Path, host_path: &Path) -> PathBuf {
+    let relative = host_path.strip_prefix("/").unwrap_or(host_path);
+    if relative.as_os_str().is_empty() {
+        root.to_path_buf()
+    } else {
+        root.join(relative)
+    }
+}
+
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let (number, unit) = s
+        .find(|c: char| !c.is_ascii_digit())
+        .map_or((s, "s"), |i| s.split_at(i));
+    let n: u64 = number
+        .parse()
+        .map_err(|_| format!("{s:?} is not a duration; write e.g. 500ms, 30s or 5m"))?;
+    match unit {
+        "ms" => Ok(Duration::from_millis(n)),
+        "s" => Ok(Duration::from_secs(n)),
+        "m" => Ok(Duration::from_secs(n * 60)),
+        _ => Err(format!("{s:?} has unknown unit {unit:?}; use ms, s or m")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn base() -> Vec<&'static str> {
+        vec![
+            "nodekeeper-agent",
+            "--node-name=n1",
+            "--tls-cert=/c",
+            "--tls-key=/k",
+            "--client-ca=/ca",
+        ]
+    }
+
+    #[test]
+    fn parses_defaults_and_lists() {
+        let mut args = base();
+        args.push("--mounts=/,/var/lib");
+        let c = Config::try_parse_from(args).unwrap();
+        assert_eq!(c.mounts, vec![PathBuf::from("/"), PathBuf::from("/var/lib")]);
+        assert_eq!(c.sysctl_root(), PathBuf::from("/proc/sys"));
+        assert_eq!(c.report_max_age, Duration::from_secs(1));
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn refuses_traversal_and_relative_paths() {
+        for (flag, value) in [
+            ("--mounts", "/var/../etc"),
+            ("--mounts", "var/lib"),
+            ("--oca-plugin-dir", "/var/lib/oca/../../etc"),
+        ] {
+            let mut args = base();
+            let arg = format!("{flag}={value}");
+            args.push(&arg);
+            let c = Config::try_parse_from(args).unwrap();
+            let err = c.validate().unwrap_err().to_string();
+            assert!(err.contains(flag), "{err}");
+        }
+    }
+
+    #[test]
+    fn joins_under_root() {
+        assert_eq!(under_root(Path::new("/host"), Path::new("/")), PathBuf::from("/host"));
+        assert_eq!(
+            under_root(Path::new("/host"), Path::new("/var/lib")),
+            PathBuf::from("/host/var/lib")
+        );
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
+        assert_eq!(parse_duration("2m").unwrap(), Duration::from_secs(120));
+        assert!(parse_duration("2h").is_err());
+    }
+
+    #[test]
+    fn every_flag_has_an_env_var_and_help() {
+        use clap::CommandFactory;
+        let cmd = Config::command();
+        for arg in cmd.get_arguments() {
+            let id = arg.get_id().as_str();
+            if id == "help" || id == "version" {
+                continue;
+            }
+            let env = arg.get_env().map(|e| e.to_string_lossy().into_owned());
+            assert!(
+                env.as_deref().is_some_and(|e| e.starts_with("NODEKEEPER_")),
+                "flag {id} has no NODEKEEPER_ env var"
+            );
+            assert!(arg.get_help().is_some(), "flag {id} has no help");
+        }
+    }
+}

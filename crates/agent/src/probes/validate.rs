@@ -1,0 +1,586 @@
+//! Turns a `RunProbesRequest` into a checked `Plan`, or an error naming the first bad field.
+//! Every limit of the proto contract is enforced here, before anything is sent.
+
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+
+use nodekeeper_api::proto::agent::v1::{ProbeKind, RunProbesRequest};
+
+use super::ProbeError;
+
+/// At most this many targets per call (proto contract).
+pub const MAX_TARGETS: usize = 1_000;
+/// Probes per target, 1 to this (proto contract).
+pub const MAX_COUNT: u32 = 100;
+/// A single probe's timeout, 1 to this many milliseconds (proto contract).
+pub const MAX_TIMEOUT_MS: u32 = 30_000;
+/// Targets probed at once. More would only queue in the kernel and distort latency figures.
+pub const MAX_CONCURRENCY: u32 = 256;
+/// Longest pause between probes of one target; a longer one would outlive any caller's deadline.
+const MAX_INTERVAL_MS: u32 = 60_000;
+const DEFAULT_INTERVAL_MS: u32 = 200;
+const DEFAULT_CONCURRENCY: u32 = 16;
+const DEFAULT_MAX_MTU: u32 = 9_000;
+/// The smallest MTU IPv4 allows (RFC 791); IPv6 targets use 1280 (RFC 8200).
+pub const MIN_MTU_V4: u32 = 68;
+pub const MIN_MTU_V6: u32 = 1_280;
+const MAX_MTU: u32 = 65_535;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Icmp,
+    Tcp,
+    Dns,
+    Http,
+    PathMtu,
+}
+
+/// One checked target.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Target {
+    Icmp {
+        id: String,
+        addr: IpAddr,
+    },
+    Tcp {
+        id: String,
+        addr: SocketAddr,
+    },
+    /// `resolver` is `None` when the node's configured resolver is to be used.
+    Dns {
+        id: String,
+        resolver: Option<SocketAddr>,
+        name: String,
+    },
+    Http {
+        id: String,
+        url: http::Uri,
+    },
+    PathMtu {
+        id: String,
+        addr: IpAddr,
+    },
+}
+
+/// A checked request.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub kind: Kind,
+    pub targets: Vec<Target>,
+    pub count: u32,
+    pub interval: Duration,
+    pub timeout: Duration,
+    pub concurrency: usize,
+    /// HTTP statuses counted as success; empty means 200–399.
+    pub expected_status: Vec<u16>,
+    pub max_mtu: u32,
+}
+
+pub fn plan(req: &RunProbesRequest) -> Result<Plan, ProbeError> {
+    let kind = match ProbeKind::try_from(req.kind) {
+        Ok(ProbeKind::Icmp) => Kind::Icmp,
+        Ok(ProbeKind::Tcp) => Kind::Tcp,
+        Ok(ProbeKind::Dns) => Kind::Dns,
+        Ok(ProbeKind::Http) => Kind::Http,
+        Ok(ProbeKind::PathMtu) => Kind::PathMtu,
+        Ok(ProbeKind::Unspecified) => {
+            return Err(ProbeError::invalid(
+                "kind",
+                "must be set (ICMP, TCP, DNS, HTTP or PATH_MTU)",
+            ));
+        }
+        Err(_) => {
+            return Err(ProbeError::invalid(
+                "kind",
+                format!(
+                    "unknown probe kind {}; use ICMP, TCP, DNS, HTTP or PATH_MTU",
+                    req.kind
+                ),
+            ));
+        }
+    };
+    if req.targets.is_empty() {
+        return Err(ProbeError::invalid(
+            "targets",
+            "must name at least one target",
+        ));
+    }
+    if req.targets.len() > MAX_TARGETS {
+        return Err(ProbeError::invalid(
+            "targets",
+            format!(
+                "{} targets given, at most {MAX_TARGETS} per call; split the run",
+                req.targets.len()
+            ),
+        ));
+    }
+    if req.count == 0 || req.count > MAX_COUNT {
+        return Err(ProbeError::invalid(
+            "count",
+            format!(
+                "{} is out of range; probes per target must be 1–{MAX_COUNT}",
+                req.count
+            ),
+        ));
+    }
+    if req.timeout_ms == 0 || req.timeout_ms > MAX_TIMEOUT_MS {
+        return Err(ProbeError::invalid(
+            "timeout_ms",
+            format!(
+                "{} is out of range; use 1–{MAX_TIMEOUT_MS} milliseconds",
+                req.timeout_ms
+            ),
+        ));
+    }
+    if req.interval_ms > MAX_INTERVAL_MS {
+        return Err(ProbeError::invalid(
+            "interval_ms",
+            format!(
+                "{} is too long; use at most {MAX_INTERVAL_MS} milliseconds",
+                req.interval_ms
+            ),
+        ));
+    }
+    if req.concurrency > MAX_CONCURRENCY {
+        return Err(ProbeError::invalid(
+            "concurrency",
+            format!(
+                "{} is too high; use at most {MAX_CONCURRENCY} (0 means {DEFAULT_CONCURRENCY})",
+                req.concurrency
+            ),
+        ));
+    }
+    let max_mtu = match req.max_mtu {
+        0 => DEFAULT_MAX_MTU,
+        m if (MIN_MTU_V4..=MAX_MTU).contains(&m) => m,
+        m => {
+            return Err(ProbeError::invalid(
+                "max_mtu",
+                format!(
+                    "{m} is out of range; use {MIN_MTU_V4}–{MAX_MTU} (0 means {DEFAULT_MAX_MTU})"
+                ),
+            ));
+        }
+    };
+    let mut expected_status = Vec::with_capacity(req.expected_status.len());
+    for (i, &s) in req.expected_status.iter().enumerate() {
+        match u16::try_from(s) {
+            Ok(code) if (100..=599).contains(&code) => expected_status.push(code),
+            _ => {
+                return Err(ProbeError::invalid(
+                    format!("expected_status[{i}]"),
+                    format!("{s} is not an HTTP status code (100–599)"),
+                ));
+            }
+        }
+    }
+
+    let mut targets = Vec::with_capacity(req.targets.len());
+    for (i, t) in req.targets.iter().enumerate() {
+        let field = |name: &str| format!("targets[{i}].{name}");
+        let id = if t.id.is_empty() {
+            default_id(t)
+        } else {
+            t.id.clone()
+        };
+        let target = match kind {
+            Kind::Icmp => Target::Icmp {
+                id,
+                addr: parse_ip(&t.address, &field("address"))?,
+            },
+            Kind::PathMtu => {
+                let addr = parse_ip(&t.address, &field("address"))?;
+                if addr.is_ipv6() && max_mtu < MIN_MTU_V6 {
+                    return Err(ProbeError::invalid(
+                        "max_mtu",
+                        format!(
+                            "{max_mtu} is below the IPv6 minimum MTU {MIN_MTU_V6} needed by {}",
+                            field("address")
+                        ),
+                    ));
+                }
+                Target::PathMtu { id, addr }
+            }
+            Kind::Tcp => {
+                let ip = parse_ip(&t.address, &field("address"))?;
+                let port = parse_port(t.port, &field("port"))?;
+                if port == 0 {
+                    return Err(ProbeError::invalid(
+                        field("port"),
+                        "must be set (1–65535) for TCP",
+                    ));
+                }
+                Target::Tcp {
+                    id,
+                    addr: SocketAddr::new(ip, port),
+                }
+            }
+            Kind::Dns => {
+                let port = match parse_port(t.port, &field("port"))? {
+                    0 => 53,
+                    p => p,
+                };
+                let resolver = if t.address.is_empty() {
+                    None
+                } else {
+                    Some(SocketAddr::new(
+                        parse_ip(&t.address, &field("address"))?,
+                        port,
+                    ))
+                };
+                check_hostname(&t.hostname)
+                    .map_err(|reason| ProbeError::invalid(field("hostname"), reason))?;
+                Target::Dns {
+                    id,
+                    resolver,
+                    name: t.hostname.trim_end_matches('.').to_owned(),
+                }
+            }
+            Kind::Http => Target::Http {
+                id,
+                url: parse_url(&t.url).map_err(|r| ProbeError::invalid(field("url"), r))?,
+            },
+        };
+        targets.push(target);
+    }
+
+    let concurrency = match req.concurrency {
+        0 => DEFAULT_CONCURRENCY,
+        c => c,
+    } as usize;
+    Ok(Plan {
+        kind,
+        targets,
+        count: req.count,
+        interval: Duration::from_millis(u64::from(if req.interval_ms == 0 {
+            DEFAULT_INTERVAL_MS
+        } else {
+            req.interval_ms
+        })),
+        timeout: Duration::from_millis(u64::from(req.timeout_ms)),
+        concurrency,
+        expected_status,
+        max_mtu,
+    })
+}
+
+/// A target without a caller-chosen id is named by what it points at.
+fn default_id(t: &nodekeeper_api::proto::agent::v1::ProbeTarget) -> String {
+    [&t.url, &t.hostname, &t.address]
+        .into_iter()
+        .find(|s| !s.is_empty())
+        .cloned()
+        .unwrap_or_default()
+}
+
+fn parse_ip(s: &str, field: &str) -> Result<IpAddr, ProbeError> {
+    if s.is_empty() {
+        return Err(ProbeError::invalid(field, "must be set to an IP address"));
+    }
+    let ip: IpAddr = s
+        .parse()
+        .map_err(|_| ProbeError::invalid(field, format!("{s:?} is not an IP address")))?;
+    if ip.is_unspecified() || ip.is_multicast() || ip == IpAddr::from([255, 255, 255, 255]) {
+        return Err(ProbeError::invalid(
+            field,
+            format!("{ip} is not a unicast address"),
+        ));
+    }
+    Ok(ip)
+}
+
+fn parse_port(p: u32, field: &str) -> Result<u16, ProbeError> {
+    u16::try_from(p).map_err(|_| ProbeError::invalid(field, format!("{p} is not a port (0–65535)")))
+}
+
+/// Checks a DNS name in presentation form: dot-separated labels of 1–63 letters, digits, hyphens
+/// or underscores, at most 253 characters, optionally ending in a dot.
+pub fn check_hostname(name: &str) -> Result<(), String> {
+    let trimmed = name.strip_suffix('.').unwrap_or(name);
+    if trimmed.is_empty() {
+        return Err("must be set to a DNS name".into());
+    }
+    if trimmed.len() > 253 {
+        return Err(format!(
+            "{} characters long; a DNS name has at most 253",
+            trimmed.len()
+        ));
+    }
+    for label in trimmed.split('.') {
+        if label.is_empty() || label.len() > 63 {
+            return Err(format!(
+                "{name:?} has an empty label or one longer than 63 characters"
+            ));
+        }
+        if let Some(c) = label
+            .chars()
+            .find(|c| !(c.is_ascii_alphanumeric() || *c == '-' || *c == '_'))
+        {
+            return Err(format!(
+                "{name:?} contains {c:?}; only letters, digits, '-' and '_' are allowed"
+            ));
+        }
+        if label.starts_with('-') || label.ends_with('-') {
+            return Err(format!("{name:?} has a label that starts or ends with '-'"));
+        }
+    }
+    Ok(())
+}
+
+/// Accepts `http://` and `https://` URLs with a host; the reason names what is wrong otherwise.
+pub fn parse_url(s: &str) -> Result<http::Uri, String> {
+    if s.is_empty() {
+        return Err("must be set to an http:// or https:// URL".into());
+    }
+    let uri: http::Uri = s.parse().map_err(|e| format!("{s:?} is not a URL: {e}"))?;
+    match uri.scheme_str() {
+        Some("http" | "https") => {}
+        Some(other) => {
+            return Err(format!(
+                "scheme {other:?} is not supported; use http or https"
+            ));
+        }
+        None => return Err(format!("{s:?} has no scheme; use http:// or https://")),
+    }
+    match uri.authority() {
+        Some(a) if a.as_str().contains('@') => {
+            Err("user information in URLs is not supported (it would be sent in the clear)".into())
+        }
+        Some(a) if !a.host().is_empty() => Ok(uri),
+        _ => Err(format!("{s:?} has no host")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use nodekeeper_api::proto::agent::v1::ProbeTarget;
+
+    use super::*;
+
+    fn req(kind: ProbeKind, targets: Vec<ProbeTarget>) -> RunProbesRequest {
+        RunProbesRequest {
+            run_id: "ns/t/uid".into(),
+            kind: kind as i32,
+            targets,
+            count: 3,
+            timeout_ms: 500,
+            ..RunProbesRequest::default()
+        }
+    }
+
+    fn addr(a: &str) -> ProbeTarget {
+        ProbeTarget {
+            address: a.into(),
+            ..ProbeTarget::default()
+        }
+    }
+
+    fn err_field(r: Result<Plan, ProbeError>) -> String {
+        match r {
+            Err(ProbeError::InvalidRequest { field, .. }) => field,
+            other => panic!("expected InvalidRequest, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn defaults_are_applied() {
+        let p = plan(&req(ProbeKind::PathMtu, vec![addr("10.0.0.1")])).unwrap();
+        assert_eq!(p.interval, Duration::from_millis(200));
+        assert_eq!(p.concurrency, 16);
+        assert_eq!(p.max_mtu, 9000);
+        assert_eq!(
+            p.targets,
+            vec![Target::PathMtu {
+                id: "10.0.0.1".into(),
+                addr: "10.0.0.1".parse().unwrap()
+            }]
+        );
+    }
+
+    #[test]
+    fn kind_must_be_known() {
+        assert_eq!(
+            err_field(plan(&req(ProbeKind::Unspecified, vec![addr("10.0.0.1")]))),
+            "kind"
+        );
+        let mut r = req(ProbeKind::Icmp, vec![addr("10.0.0.1")]);
+        r.kind = 42;
+        let e = plan(&r).unwrap_err().to_string();
+        assert!(
+            e.contains("kind") && e.contains("unknown probe kind 42"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn counts_and_timeouts_are_bounded() {
+        let mut r = req(ProbeKind::Icmp, vec![addr("10.0.0.1")]);
+        r.count = 0;
+        assert_eq!(err_field(plan(&r)), "count");
+        r.count = 101;
+        assert_eq!(err_field(plan(&r)), "count");
+        r.count = 1;
+        r.timeout_ms = 0;
+        assert_eq!(err_field(plan(&r)), "timeout_ms");
+        r.timeout_ms = 30_001;
+        assert_eq!(err_field(plan(&r)), "timeout_ms");
+        r.timeout_ms = 100;
+        r.concurrency = 1000;
+        assert_eq!(err_field(plan(&r)), "concurrency");
+        r.concurrency = 0;
+        r.max_mtu = 67;
+        assert_eq!(err_field(plan(&r)), "max_mtu");
+    }
+
+    #[test]
+    fn too_many_or_no_targets_are_refused() {
+        assert_eq!(err_field(plan(&req(ProbeKind::Icmp, vec![]))), "targets");
+        let many = (0..10_000)
+            .map(|i| addr(&format!("10.0.{}.{}", i / 250, i % 250 + 1)))
+            .collect();
+        let e = plan(&req(ProbeKind::Icmp, many)).unwrap_err().to_string();
+        assert!(e.contains("10000 targets given, at most 1000"), "{e}");
+    }
+
+    #[test]
+    fn addresses_must_be_unicast_ips() {
+        assert_eq!(
+            err_field(plan(&req(
+                ProbeKind::Icmp,
+                vec![addr("10.0.0.1"), addr("example.com")]
+            ))),
+            "targets[1].address"
+        );
+        assert_eq!(
+            err_field(plan(&req(ProbeKind::Icmp, vec![addr("0.0.0.0")]))),
+            "targets[0].address"
+        );
+        assert_eq!(
+            err_field(plan(&req(ProbeKind::Icmp, vec![addr("224.0.0.1")]))),
+            "targets[0].address"
+        );
+        assert_eq!(
+            err_field(plan(&req(ProbeKind::Icmp, vec![addr("")]))),
+            "targets[0].address"
+        );
+    }
+
+    #[test]
+    fn tcp_needs_a_port() {
+        assert_eq!(
+            err_field(plan(&req(ProbeKind::Tcp, vec![addr("127.0.0.1")]))),
+            "targets[0].port"
+        );
+        let t = ProbeTarget {
+            address: "127.0.0.1".into(),
+            port: 70_000,
+            ..ProbeTarget::default()
+        };
+        assert_eq!(
+            err_field(plan(&req(ProbeKind::Tcp, vec![t]))),
+            "targets[0].port"
+        );
+        let t = ProbeTarget {
+            id: "api".into(),
+            address: "::1".into(),
+            port: 6443,
+            ..ProbeTarget::default()
+        };
+        let p = plan(&req(ProbeKind::Tcp, vec![t])).unwrap();
+        assert_eq!(
+            p.targets,
+            vec![Target::Tcp {
+                id: "api".into(),
+                addr: "[::1]:6443".parse().unwrap()
+            }]
+        );
+    }
+
+    #[test]
+    fn dns_targets() {
+        let t = ProbeTarget {
+            hostname: "svc.cluster.local.".into(),
+            address: "10.96.0.10".into(),
+            ..ProbeTarget::default()
+        };
+        let p = plan(&req(ProbeKind::Dns, vec![t])).unwrap();
+        assert_eq!(
+            p.targets,
+            vec![Target::Dns {
+                id: "svc.cluster.local.".into(),
+                resolver: Some("10.96.0.10:53".parse().unwrap()),
+                name: "svc.cluster.local".into()
+            }]
+        );
+        let t = ProbeTarget {
+            hostname: "bad name".into(),
+            ..ProbeTarget::default()
+        };
+        assert_eq!(
+            err_field(plan(&req(ProbeKind::Dns, vec![t]))),
+            "targets[0].hostname"
+        );
+        let t = ProbeTarget {
+            hostname: format!("{}.com", "a".repeat(64)),
+            ..ProbeTarget::default()
+        };
+        assert_eq!(
+            err_field(plan(&req(ProbeKind::Dns, vec![t]))),
+            "targets[0].hostname"
+        );
+        let t = ProbeTarget {
+            hostname: "ok.example".into(),
+            ..ProbeTarget::default()
+        };
+        let p = plan(&req(ProbeKind::Dns, vec![t])).unwrap();
+        assert!(matches!(&p.targets[0], Target::Dns { resolver: None, .. }));
+    }
+
+    #[test]
+    fn http_urls() {
+        let url = |u: &str| ProbeTarget {
+            url: u.into(),
+            ..ProbeTarget::default()
+        };
+        assert!(
+            plan(&req(
+                ProbeKind::Http,
+                vec![url("https://kubernetes.default.svc/healthz")]
+            ))
+            .is_ok()
+        );
+        assert!(plan(&req(ProbeKind::Http, vec![url("http://[::1]:8080/")])).is_ok());
+        let e = plan(&req(ProbeKind::Http, vec![url("ftp://example.com/")]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("targets[0].url") && e.contains("scheme \"ftp\" is not supported"),
+            "{e}"
+        );
+        assert_eq!(
+            err_field(plan(&req(ProbeKind::Http, vec![url("example.com/x")]))),
+            "targets[0].url"
+        );
+        assert_eq!(
+            err_field(plan(&req(
+                ProbeKind::Http,
+                vec![url("http://u:p@example.com/")]
+            ))),
+            "targets[0].url"
+        );
+        assert_eq!(
+            err_field(plan(&req(ProbeKind::Http, vec![url("")]))),
+            "targets[0].url"
+        );
+        let mut r = req(ProbeKind::Http, vec![url("http://127.0.0.1/")]);
+        r.expected_status = vec![200, 600];
+        assert_eq!(err_field(plan(&r)), "expected_status[1]");
+    }
+
+    #[test]
+    fn ipv6_path_mtu_needs_room() {
+        let mut r = req(ProbeKind::PathMtu, vec![addr("fd00::1")]);
+        r.max_mtu = 1000;
+        assert_eq!(err_field(plan(&r)), "max_mtu");
+    }
+}

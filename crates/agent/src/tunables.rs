@@ -1,0 +1,707 @@
+//! Sysctl tunables: validation of the controller's rule set, evaluation against `/proc/sys`,
+//! repair with a per-rule rate limit, conflict detection (someone else changed a repaired key
+//! back: the agent backs off), and persistence of the rules and repair history in a state file
+//! written atomically.
+
+use std::collections::{BTreeMap, HashSet};
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use tracing::{info, warn};
+
+use crate::Error;
+use crate::report::{self, Threshold, Verdict};
+
+/// Most rules in one set.
+pub const MAX_RULES: usize = 1000;
+/// Most threshold overrides in one set.
+pub const MAX_THRESHOLDS: usize = 256;
+/// Longest expected value.
+const MAX_VALUE_LEN: usize = 256;
+/// Longest rule name or key.
+const MAX_NAME_LEN: usize = 253;
+/// The window of the repair rate limit.
+const HOUR_MS: i64 = 3_600_000;
+/// Name of the state file inside `--state-dir`.
+pub const STATE_FILE: &str = "rules.json";
+
+/// How a rule compares the key's value with its expected values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Comparison {
+    Equal,
+    AtLeast,
+    AtMost,
+    OneOf,
+}
+
+/// One validated rule.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Rule {
+    pub name: String,
+    pub key: String,
+    pub comparison: Comparison,
+    /// Whitespace-normalised.
+    pub values: Vec<String>,
+    pub repair: bool,
+    /// At least 1.
+    pub repair_max_per_hour: u32,
+    /// Warning or Critical.
+    pub severity: Verdict,
+}
+
+/// A validated rule set as installed by `SetRules`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RuleSet {
+    pub revision: u64,
+    pub rules: Vec<Rule>,
+    pub thresholds: Vec<Threshold>,
+}
+
+/// A rule as received, before validation. Enum fields carry the proto's numbers so that an
+/// unknown number can be named in the error.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RawRule {
+    pub name: String,
+    pub key: String,
+    /// `Comparison` in the proto: 0 unspecified, 1 equal, 2 at least, 3 at most, 4 one of.
+    pub comparison: i32,
+    pub values: Vec<String>,
+    pub repair: bool,
+    pub repair_max_per_hour: u32,
+    /// `Verdict` in the proto: 0 unspecified (= warning), 1 ok, 2 warning, 3 critical.
+    pub severity: i32,
+}
+
+/// A rule set as received.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RawRuleSet {
+    pub revision: u64,
+    pub rules: Vec<RawRule>,
+    pub thresholds: Vec<Threshold>,
+}
+
+/// One rule's outcome in the report.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct TunableStatus {
+    pub rule: String,
+    pub key: String,
+    pub current: String,
+    pub verdict: Verdict,
+    pub expected: String,
+    pub previous: String,
+    pub repaired_at_unix_ms: i64,
+    pub conflict: bool,
+    pub error: String,
+}
+
+/// What the agent remembers about one rule between evaluations (and restarts).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RuleRuntime {
+    /// The value found before the last repair.
+    pub previous: String,
+    pub repaired_at_unix_ms: i64,
+    /// The value the agent last wrote, while it still stands.
+    pub written: Option<String>,
+    /// Someone changed a repaired value back; no more repairs until the rule changes.
+    pub conflict: bool,
+    /// Repair times within the last hour, for the rate limit.
+    pub repairs_unix_ms: Vec<i64>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct StateFile {
+    version: u32,
+    rules: RuleSet,
+    runtime: BTreeMap<String, RuleRuntime>,
+}
+
+fn normalize(value: &str) -> String {
+    value.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+fn refuse(index: usize, name: &str, field: &str, reason: impl std::fmt::Display) -> Error {
+    let who = if name.is_empty() {
+        format!("rule #{}", index + 1)
+    } else {
+        format!("rule {name:?} (#{})", index + 1)
+    };
+    Error::InvalidRules(format!("{who}: field `{field}`: {reason}"))
+}
+
+/// The file behind a dotted key, checked to be a sysctl under `root`.
+pub fn sysctl_path(root: &Path, key: &str) -> Result<PathBuf, String> {
+    if key.is_empty() {
+        return Err("is empty; write a sysctl key such as net.core.somaxconn".into());
+    }
+    if key.len() > MAX_NAME_LEN {
+        return Err(format!("is {} characters long; at most {MAX_NAME_LEN}", key.len()));
+    }
+    if key.contains('/') {
+        return Err(format!(
+            "{key:?} is a path; write the key in dotted form, e.g. net.core.somaxconn (keys name files under /proc/sys only)"
+        ));
+    }
+    let parts: Vec<&str> = key.split('.').collect();
+    if parts.iter().any(|p| p.is_empty()) {
+        return Err(format!("{key:?} has an empty component; write e.g. net.core.somaxconn"));
+    }
+    if let Some(bad) = key.chars().find(|c| !(c.is_ascii_alphanumeric() || *c == '_' || *c == '-' || *c == '.')) {
+        return Err(format!("{key:?} contains {bad:?}; keys use letters, digits, `_`, `-` and `.`"));
+    }
+    let path = parts.iter().fold(root.to_path_buf(), |p, part| p.join(part));
+    let meta = std::fs::metadata(&path)
+        .map_err(|_| format!("{key:?} is not a known sysctl (no {} on this node)", path.display()))?;
+    if !meta.is_file() {
+        return Err(format!("{key:?} is a group of sysctls, not a single key"));
+    }
+    // Belt and braces: the components above cannot leave the root, and neither may links.
+    let real = path.canonicalize().map_err(|e| format!("resolve {}: {e}", path.display()))?;
+    let real_root = root.canonicalize().map_err(|e| format!("resolve {}: {e}", root.display()))?;
+    if !real.starts_with(&real_root) {
+        return Err(format!("{key:?} resolves outside {}", root.display()));
+    }
+    Ok(path)
+}
+
+fn describe_expected(rule: &Rule) -> String {
+    match rule.comparison {
+        Comparison::Equal => format!("= {}", rule.values[0]),
+        Comparison::AtLeast => format!(">= {}", rule.values[0]),
+        Comparison::AtMost => format!("<= {}", rule.values[0]),
+        Comparison::OneOf => format!("one of {}", rule.values.join(" | ")),
+    }
+}
+
+/// Validates a whole rule set. The first problem found is returned, naming the rule (or
+/// threshold) and field; nothing is installed unless everything is valid.
+pub fn validate(raw: &RawRuleSet, sysctl_root: &Path) -> Result<RuleSet, Error> {
+    if raw.revision == 0 {
+        return Err(Error::InvalidRules(
+            "field `revision`: 0 is not a valid revision; send the ConfigMap content hash".into(),
+        ));
+    }
+    if raw.rules.len() > MAX_RULES {
+        return Err(Error::InvalidRules(format!(
+            "field `rules`: {} rules; at most {MAX_RULES}",
+            raw.rules.len()
+        )));
+    }
+    if raw.thresholds.len() > MAX_THRESHOLDS {
+        return Err(Error::InvalidRules(format!(
+            "field `thresholds`: {} thresholds; at most {MAX_THRESHOLDS}",
+            raw.thresholds.len()
+        )));
+    }
+    let mut names = HashSet::new();
+    let mut rules = Vec::with_capacity(raw.rules.len());
+    for (i, r) in raw.rules.iter().enumerate() {
+        let name = r.name.trim();
+        if name.is_empty() {
+            return Err(refuse(i, name, "name", "is empty; every rule needs a unique name"));
+        }
+        if name.len() > MAX_NAME_LEN || name.chars().any(char::is_control) {
+            return Err(refuse(i, name, "name", "must be at most 253 printable characters"));
+        }
+        if !names.insert(name.to_string()) {
+            return Err(refuse(i, name, "name", "is used by an earlier rule; names must be unique"));
+        }
+        sysctl_path(sysctl_root, r.key.trim()).map_err(|e| refuse(i, name, "key", e))?;
+        let comparison = match r.comparison {
+            1 => Comparison::Equal,
+            2 => Comparison::AtLeast,
+            3 => Comparison::AtMost,
+            4 => Comparison::OneOf,
+            0 => {
+                return Err(refuse(i, name, "comparison", "is unspecified; use EQUAL, AT_LEAST, AT_MOST or ONE_OF"));
+            }
+            n => return Err(refuse(i, name, "comparison", format!("{n} is not a known comparison"))),
+        };
+        let values: Vec<String> = r.values.iter().map(|v| normalize(v)).collect();
+        if values.is_empty() {
+            return Err(refuse(i, name, "values", "is empty; give the expected value"));
+        }
+        if comparison != Comparison::OneOf && values.len() != 1 {
+            return Err(refuse(
+                i,
+                name,
+                "values",
+                format!("has {} values; this comparison takes exactly one (use ONE_OF for several)", values.len()),
+            ));
+        }
+        for v in &values {
+            if v.is_empty() {
+                return Err(refuse(i, name, "values", "contains an empty value"));
+            }
+            if v.len() > MAX_VALUE_LEN || v.chars().any(char::is_control) {
+                return Err(refuse(i, name, "values", "values are at most 256 printable characters"));
+            }
+        }
+        if matches!(comparison, Comparison::AtLeast | Comparison::AtMost) && values[0].parse::<i64>().is_err() {
+            return Err(refuse(i, name, "values", format!("{:?} is not an integer, as this comparison needs", values[0])));
+        }
+        let severity = match r.severity {
+            0 | 2 => Verdict::Warning,
+            3 => Verdict::Critical,
+            1 => return Err(refuse(i, name, "severity", "OK is not a severity; use WARNING or CRITICAL")),
+            n => return Err(refuse(i, name, "severity", format!("{n} is not a known verdict"))),
+        };
+        if r.repair_max_per_hour > 60 {
+            return Err(refuse(
+                i,
+                name,
+                "repair_max_per_hour",
+                format!("{} is more than once a minute; at most 60", r.repair_max_per_hour),
+            ));
+        }
+        rules.push(Rule {
+            name: name.to_string(),
+            key: r.key.trim().to_string(),
+            comparison,
+            values,
+            repair: r.repair,
+            repair_max_per_hour: r.repair_max_per_hour.max(1),
+            severity,
+        });
+    }
+    for (i, t) in raw.thresholds.iter().enumerate() {
+        let at = |reason: String| {
+            Error::InvalidRules(format!("threshold {:?} (#{}): {reason}", t.indicator, i + 1))
+        };
+        if !report::known_indicator(&t.indicator) {
+            return Err(at(
+                "field `indicator`: not an indicator the agent reports; use a name such as memory.available_percent or a prefix such as disk.*".into(),
+            ));
+        }
+        if !t.warning.is_finite() || !t.critical.is_finite() {
+            return Err(at("fields `warning`/`critical`: must be finite numbers".into()));
+        }
+        if !t.indicator.ends_with('*') {
+            let lower = report::lower_is_worse(&t.indicator);
+            if (lower && t.critical > t.warning) || (!lower && t.critical < t.warning) {
+                let word = if lower { "at or below" } else { "at or above" };
+                return Err(at(format!("field `critical`: must be {word} `warning` for this indicator")));
+            }
+        }
+    }
+    Ok(RuleSet {
+        revision: raw.revision,
+        rules,
+        thresholds: raw.thresholds.clone(),
+    })
+}
+
+/// Compares a normalised value with a rule. `Err` when the value cannot be compared.
+pub fn in_bounds(rule: &Rule, current: &str) -> Result<bool, String> {
+    let integer = |v: &str| {
+        v.parse::<i64>()
+            .map_err(|_| format!("value {v:?} is not a single integer; use EQUAL or ONE_OF for this key"))
+    };
+    Ok(match rule.comparison {
+        Comparison::Equal => current == rule.values[0],
+        Comparison::OneOf => rule.values.iter().any(|v| v == current),
+        Comparison::AtLeast => integer(current)? >= integer(&rule.values[0])?,
+        Comparison::AtMost => integer(current)? <= integer(&rule.values[0])?,
+    })
+}
+
+/// The rules in force and what the agent remembers about them.
+#[derive(Debug)]
+pub struct Tunables {
+    sysctl_root: PathBuf,
+    state_file: PathBuf,
+    set: Option<RuleSet>,
+    runtime: BTreeMap<String, RuleRuntime>,
+}
+
+impl Tunables {
+    /// Loads the rules kept in `state_dir`. A missing file means no rules yet; an unreadable one
+    /// is logged and ignored (the controller pushes the rules again on its next pass).
+    pub fn load(sysctl_root: PathBuf, state_dir: &Path) -> Self {
+        let state_file = state_dir.join(STATE_FILE);
+        let mut me = Self {
+            sysctl_root,
+            state_file,
+            set: None,
+            runtime: BTreeMap::new(),
+        };
+        match std::fs::read(&me.state_file) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => warn!(error = %e, path = %me.state_file.display(), "cannot read the state file; starting without rules"),
+            Ok(bytes) => match serde_json::from_slice::<StateFile>(&bytes) {
+                Ok(state) if state.version == 1 => {
+                    info!(revision = state.rules.revision, rules = state.rules.rules.len(), "restored rules from the state file");
+                    me.set = Some(state.rules);
+                    me.runtime = state.runtime;
+                }
+                Ok(state) => warn!(version = state.version, "state file has an unknown version; starting without rules"),
+                Err(e) => warn!(error = %e, path = %me.state_file.display(), "state file is corrupt; starting without rules"),
+            },
+        }
+        me
+    }
+
+    /// The revision of the rules in force; 0 without rules.
+    pub fn revision(&self) -> u64 {
+        self.set.as_ref().map_or(0, |s| s.revision)
+    }
+
+    /// Threshold overrides in force.
+    pub fn thresholds(&self) -> &[Threshold] {
+        self.set.as_ref().map_or(&[], |s| &s.thresholds)
+    }
+
+    /// Validates and installs a rule set, persisting it first: if either step fails the previous
+    /// rules stay in force. Rules that did not change keep their repair history and conflict
+    /// state; a changed or new rule starts afresh.
+    pub fn set_rules(&mut self, raw: &RawRuleSet) -> Result<u64, Error> {
+        let set = validate(raw, &self.sysctl_root)?;
+        let old: BTreeMap<&str, &Rule> = self
+            .set
+            .iter()
+            .flat_map(|s| s.rules.iter().map(|r| (r.name.as_str(), r)))
+            .collect();
+        let runtime: BTreeMap<String, RuleRuntime> = set
+            .rules
+            .iter()
+            .filter_map(|r| {
+                let same = old.get(r.name.as_str()).is_some_and(|o| *o == r);
+                let kept = self.runtime.get(&r.name).filter(|_| same).cloned();
+                kept.map(|rt| (r.name.clone(), rt))
+            })
+            .collect();
+        write_state(&self.state_file, &set, &runtime)?;
+        let revision = set.revision;
+        info!(revision, rules = set.rules.len(), thresholds = set.thresholds.len(), "installed rules");
+        self.set = Some(set);
+        self.runtime = runtime;
+        Ok(revision)
+    }
+
+    /// Evaluates every rule, repairing where allowed, and returns the statuses in rule order.
+    /// Runs in the calling thread's network namespace (which `/proc/sys/net` reflects).
+    pub fn evaluate(&mut self, now_unix_ms: i64) -> Vec<TunableStatus> {
+        let Some(set) = &self.set else {
+            return Vec::new();
+        };
+        let mut changed = false;
+        let mut out = Vec::with_capacity(set.rules.len());
+        for rule in &set.rules {
+            let rt = self.runtime.entry(rule.name.clone()).or_default();
+            let (status, rt_changed) = evaluate_rule(&self.sysctl_root, rule, rt, now_unix_ms);
+            changed |= rt_changed;
+            out.push(status);
+        }
+        if changed {
+            if let Err(e) = write_state(&self.state_file, set, &self.runtime) {
+                warn!(error = %e, "cannot persist repair history");
+            }
+        }
+        out
+    }
+}
+
+fn evaluate_rule(root: &Path, rule: &Rule, rt: &mut RuleRuntime, now: i64) -> (TunableStatus, bool) {
+    let mut status = TunableStatus {
+        rule: rule.name.clone(),
+        key: rule.key.clone(),
+        expected: describe_expected(rule),
+        previous: rt.previous.clone(),
+        repaired_at_unix_ms: rt.repaired_at_unix_ms,
+        conflict: rt.conflict,
+        ..TunableStatus::default()
+    };
+    let path = match sysctl_path(root, &rule.key) {
+        Ok(p) => p,
+        Err(e) => {
+            status.error = format!("key {e}");
+            return (status, false);
+        }
+    };
+    let read = |p: &Path| std::fs::read_to_string(p).map(|v| normalize(&v));
+    let current = match read(&path) {
+        Ok(v) => v,
+        Err(e) => {
+            status.error = format!("read {}: {e}", path.display());
+            return (status, false);
+        }
+    };
+    status.current = current.clone();
+    let ok = match in_bounds(rule, &current) {
+        Ok(ok) => ok,
+        Err(e) => {
+            status.error = e;
+            return (status, false);
+        }
+    };
+    let mut changed = false;
+    if ok {
+        status.verdict = Verdict::Ok;
+        return (status, false);
+    }
+    status.verdict = rule.severity;
+    // Out of bounds after the agent wrote an in-bounds value: someone set it back.
+    if let Some(written) = &rt.written {
+        if *written != current && !rt.conflict {
+            warn!(rule = %rule.name, key = %rule.key, %current, %written, "value changed back by someone else; backing off");
+            rt.conflict = true;
+            changed = true;
+        }
+    }
+    status.conflict = rt.conflict;
+    if rt.conflict {
+        status.error = format!(
+            "changed back to {current:?} by someone else after nodekeeper wrote {:?}; not repairing until the rule changes",
+            rt.written.as_deref().unwrap_or("")
+        );
+        return (status, changed);
+    }
+    if !rule.repair {
+        return (status, changed);
+    }
+    let before = rt.repairs_unix_ms.len();
+    rt.repairs_unix_ms.retain(|t| now - t < HOUR_MS);
+    changed |= rt.repairs_unix_ms.len() != before;
+    if rt.repairs_unix_ms.len() >= rule.repair_max_per_hour as usize {
+        status.error = format!("repair rate limit reached ({} per hour)", rule.repair_max_per_hour);
+        return (status, changed);
+    }
+    let value = &rule.values[0];
+    rt.repairs_unix_ms.push(now);
+    if let Err(e) = std::fs::write(&path, format!("{value}\n")) {
+        status.error = format!("write {}: {e}", path.display());
+        return (status, true);
+    }
+    info!(rule = %rule.name, key = %rule.key, previous = %current, %value, "repaired sysctl");
+    rt.previous = current;
+    rt.repaired_at_unix_ms = now;
+    rt.written = Some(value.clone());
+    status.previous = rt.previous.clone();
+    status.repaired_at_unix_ms = now;
+    match read(&path) {
+        Ok(after) => {
+            status.current = after.clone();
+            match in_bounds(rule, &after) {
+                Ok(true) => status.verdict = Verdict::Ok,
+                Ok(false) => status.error = format!("the kernel kept {after:?} after nodekeeper wrote {value:?}"),
+                Err(e) => status.error = e,
+            }
+            // What stands is what later reads are compared with.
+            rt.written = Some(after);
+        }
+        Err(e) => status.error = format!("read back {}: {e}", path.display()),
+    }
+    (status, true)
+}
+
+/// Writes the state file atomically: a temporary file in the same directory, synced, renamed
+/// over the old one, then the directory synced so the rename survives a crash.
+fn write_state(path: &Path, set: &RuleSet, runtime: &BTreeMap<String, RuleRuntime>) -> Result<(), Error> {
+    let save = |e: std::io::Error| Error::SaveState {
+        path: path.to_path_buf(),
+        source: e,
+    };
+    let dir = path.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir).map_err(save)?;
+    let state = StateFile {
+        version: 1,
+        rules: set.clone(),
+        runtime: runtime.clone(),
+    };
+    let bytes = serde_json::to_vec_pretty(&state).map_err(|e| save(std::io::Error::other(e)))?;
+    let tmp = path.with_extension("json.tmp");
+    let mut f = std::fs::File::create(&tmp).map_err(save)?;
+    f.write_all(&bytes).map_err(save)?;
+    f.sync_all().map_err(save)?;
+    drop(f);
+    std::fs::rename(&tmp, path).map_err(save)?;
+    std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(save)?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fake sysctl tree in a temporary directory: lets the repair logic be tested without
+    /// root and without touching the host.
+    fn fake_root() -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        let core = dir.path().join("net/core");
+        std::fs::create_dir_all(&core).unwrap();
+        std::fs::write(core.join("somaxconn"), "128\n").unwrap();
+        std::fs::create_dir_all(dir.path().join("net/ipv4")).unwrap();
+        std::fs::write(dir.path().join("net/ipv4/tcp_rmem"), "4096\t131072\t6291456\n").unwrap();
+        std::fs::write(dir.path().join("net/ipv4/ip_forward"), "0\n").unwrap();
+        dir
+    }
+
+    fn rule(name: &str, key: &str, comparison: i32, values: &[&str], repair: bool) -> RawRule {
+        RawRule {
+            name: name.into(),
+            key: key.into(),
+            comparison,
+            values: values.iter().map(|v| v.to_string()).collect(),
+            repair,
+            ..RawRule::default()
+        }
+    }
+
+    fn set(rules: Vec<RawRule>) -> RawRuleSet {
+        RawRuleSet { revision: 7, rules, thresholds: vec![] }
+    }
+
+    #[test]
+    fn refuses_bad_rules_naming_rule_and_field() {
+        let root = fake_root();
+        let cases: Vec<(RawRuleSet, &str)> = vec![
+            (set(vec![rule("a", "net.core.nonexistent", 1, &["1"], false)]), "rule \"a\" (#1): field `key`: \"net.core.nonexistent\" is not a known sysctl"),
+            (set(vec![rule("a", "net.core/../../etc/passwd", 1, &["1"], false)]), "field `key`: \"net.core/../../etc/passwd\" is a path"),
+            (set(vec![rule("a", "/etc/passwd", 1, &["1"], false)]), "field `key`: \"/etc/passwd\" is a path"),
+            (set(vec![rule("a", "net..core", 1, &["1"], false)]), "empty component"),
+            (set(vec![rule("a", "net.core", 1, &["1"], false)]), "is a group of sysctls"),
+            (set(vec![rule("a", "net.core.somaxconn", 0, &["1"], false)]), "field `comparison`: is unspecified"),
+            (set(vec![rule("a", "net.core.somaxconn", 9, &["1"], false)]), "field `comparison`: 9 is not"),
+            (set(vec![rule("a", "net.core.somaxconn", 2, &[], false)]), "field `values`: is empty"),
+            (set(vec![rule("a", "net.core.somaxconn", 2, &["1", "2"], false)]), "field `values`: has 2 values"),
+            (set(vec![rule("a", "net.core.somaxconn", 2, &["lots"], false)]), "\"lots\" is not an integer"),
+            (set(vec![rule("a", "net.core.somaxconn", 1, &["1\u{0}2"], false)]), "field `values`: values are at most 256 printable"),
+            (set(vec![rule("", "net.core.somaxconn", 1, &["1"], false)]), "rule #1: field `name`: is empty"),
+            (
+                set(vec![rule("a", "net.core.somaxconn", 1, &["1"], false), rule("a", "net.ipv4.ip_forward", 1, &["1"], false)]),
+                "rule \"a\" (#2): field `name`: is used by an earlier rule",
+            ),
+            (set(vec![RawRule { severity: 1, ..rule("a", "net.core.somaxconn", 1, &["1"], false) }]), "field `severity`"),
+            (set(vec![RawRule { repair_max_per_hour: 1000, ..rule("a", "net.core.somaxconn", 1, &["1"], false) }]), "field `repair_max_per_hour`"),
+            (RawRuleSet { revision: 0, ..set(vec![]) }, "field `revision`"),
+            (
+                RawRuleSet { thresholds: vec![Threshold { indicator: "bogus".into(), warning: 1.0, critical: 2.0 }], ..set(vec![]) },
+                "threshold \"bogus\" (#1): field `indicator`",
+            ),
+            (
+                RawRuleSet {
+                    thresholds: vec![Threshold { indicator: "memory.available_percent".into(), warning: 5.0, critical: 10.0 }],
+                    ..set(vec![])
+                },
+                "field `critical`: must be at or below",
+            ),
+            (
+                RawRuleSet { thresholds: vec![Threshold { indicator: "disk.*".into(), warning: f64::NAN, critical: 2.0 }], ..set(vec![]) },
+                "finite",
+            ),
+        ];
+        let state = tempfile::tempdir().unwrap();
+        let mut t = Tunables::load(root.path().to_path_buf(), state.path());
+        let good = set(vec![rule("keep", "net.core.somaxconn", 2, &["64"], false)]);
+        assert_eq!(t.set_rules(&good).unwrap(), 7);
+        let before = std::fs::read(state.path().join(STATE_FILE)).unwrap();
+        for (raw, want) in cases {
+            let err = t.set_rules(&raw).unwrap_err().to_string();
+            assert!(err.contains(want), "expected {want:?} in {err:?}");
+            // The previous rules stay in force and on disk.
+            assert_eq!(t.revision(), 7);
+            assert_eq!(t.evaluate(0)[0].rule, "keep");
+            assert_eq!(std::fs::read(state.path().join(STATE_FILE)).unwrap(), before);
+        }
+        assert_eq!(std::fs::read_to_string(root.path().join("net/core/somaxconn")).unwrap(), "128\n");
+    }
+
+    #[test]
+    fn the_real_proc_sys_validates_keys() {
+        let root = Path::new("/proc/sys");
+        assert!(sysctl_path(root, "net.core.somaxconn").is_ok());
+        assert!(sysctl_path(root, "kernel.nodekeeper_no_such_key").is_err());
+        assert!(sysctl_path(root, "..").is_err());
+    }
+
+    #[test]
+    fn comparisons() {
+        let r = |comparison, values: &[&str]| Rule {
+            name: "r".into(),
+            key: "k".into(),
+            comparison,
+            values: values.iter().map(|v| v.to_string()).collect(),
+            repair: false,
+            repair_max_per_hour: 1,
+            severity: Verdict::Warning,
+        };
+        assert!(in_bounds(&r(Comparison::AtLeast, &["4096"]), "8192").unwrap());
+        assert!(!in_bounds(&r(Comparison::AtLeast, &["4096"]), "128").unwrap());
+        assert!(in_bounds(&r(Comparison::AtMost, &["10"]), "10").unwrap());
+        assert!(in_bounds(&r(Comparison::Equal, &["4096 131072 6291456"]), "4096 131072 6291456").unwrap());
+        assert!(in_bounds(&r(Comparison::OneOf, &["1", "2"]), "2").unwrap());
+        assert!(in_bounds(&r(Comparison::AtLeast, &["1"]), "1 2").is_err());
+    }
+
+    #[test]
+    fn repairs_rate_limits_and_backs_off_on_a_fake_tree() {
+        let root = fake_root();
+        let state = tempfile::tempdir().unwrap();
+        let key = root.path().join("net/core/somaxconn");
+        let mut t = Tunables::load(root.path().to_path_buf(), state.path());
+        t.set_rules(&set(vec![
+            rule("somaxconn", "net.core.somaxconn", 2, &["4096"], true),
+            rule("rmem", "net.ipv4.tcp_rmem", 1, &["4096 131072 6291456"], false),
+            rule("forward", "net.ipv4.ip_forward", 1, &["1"], false),
+        ]))
+        .unwrap();
+        let s = t.evaluate(1_000);
+        assert_eq!(s[0].verdict, Verdict::Ok, "{s:?}");
+        assert_eq!(s[0].current, "4096");
+        assert_eq!(s[0].previous, "128");
+        assert_eq!(s[0].repaired_at_unix_ms, 1_000);
+        assert_eq!(std::fs::read_to_string(&key).unwrap(), "4096\n");
+        assert_eq!(s[1].verdict, Verdict::Ok);
+        // Not allowed to repair: reported, left alone.
+        assert_eq!(s[2].verdict, Verdict::Warning);
+        assert_eq!(s[2].expected, "= 1");
+        assert_eq!(std::fs::read_to_string(root.path().join("net/ipv4/ip_forward")).unwrap(), "0\n");
+
+        // Someone sets it back: conflict, and the agent does not write again.
+        std::fs::write(&key, "256\n").unwrap();
+        let s = t.evaluate(2_000);
+        assert!(s[0].conflict, "{s:?}");
+        assert_eq!(s[0].verdict, Verdict::Warning);
+        assert_eq!(std::fs::read_to_string(&key).unwrap(), "256\n");
+        assert!(t.evaluate(3_000)[0].conflict);
+        assert_eq!(std::fs::read_to_string(&key).unwrap(), "256\n");
+
+        // Rules survive a restart, with the conflict remembered.
+        let mut again = Tunables::load(root.path().to_path_buf(), state.path());
+        assert_eq!(again.revision(), 7);
+        assert!(again.evaluate(4_000)[0].conflict);
+
+        // A changed rule starts afresh: repair once, then the hourly limit holds.
+        let mut changed = set(vec![RawRule {
+            repair_max_per_hour: 1,
+            ..rule("somaxconn", "net.core.somaxconn", 2, &["2048"], true)
+        }]);
+        changed.revision = 8;
+        again.set_rules(&changed).unwrap();
+        let s = again.evaluate(5_000);
+        assert!(!s[0].conflict && s[0].verdict == Verdict::Ok, "{s:?}");
+        assert_eq!(s[0].previous, "256");
+        // The agent's own value is replaced by another out-of-bounds one by a different writer
+        // → conflict; after the rule changes again the hourly limit still counts past repairs.
+        std::fs::write(&key, "100\n").unwrap();
+        assert!(again.evaluate(6_000)[0].conflict);
+    }
+
+    #[test]
+    fn rate_limit_counts_repairs_within_the_hour() {
+        let root = fake_root();
+        let state = tempfile::tempdir().unwrap();
+        let key = root.path().join("net/core/somaxconn");
+        let mut t = Tunables::load(root.path().to_path_buf(), state.path());
+        t.set_rules(&set(vec![rule("s", "net.core.somaxconn", 2, &["4096"], true)])).unwrap();
+        // A repair at t=0 is still within the hour at t=1s.
+        let rt = t.runtime.entry("s".into()).or_default();
+        rt.repairs_unix_ms = vec![0];
+        let s = t.evaluate(1_000);
+        assert!(s[0].error.contains("rate limit"), "{s:?}");
+        assert_eq!(std::fs::read_to_string(&key).unwrap(), "128\n");
+        // An hour later the limit has passed.
+        let s = t.evaluate(HOUR_MS + 1);
+        assert_eq!(s[0].verdict, Verdict::Ok, "{s:?}");
+    }
+}

@@ -1,0 +1,83 @@
+//! Well-known names: the API group and version, labels, annotations, condition types and
+//! reasons, field managers and event reasons that the controller and tests share.
+
+/// The API group of every nodekeeper resource.
+pub const GROUP: &str = "nodekeeper.dev";
+/// The served and stored version.
+pub const VERSION: &str = "v1alpha1";
+/// `apiVersion` of nodekeeper resources.
+pub const API_VERSION: &str = "nodekeeper.dev/v1alpha1";
+
+// Field managers: one per controller, so server-side apply keeps their fields apart.
+
+/// Field manager of the NetworkTest controller.
+pub const MANAGER_NETWORK_TEST: &str = "nodekeeper-networktest";
+/// Field manager of the NodeNetworkConfig controller.
+pub const MANAGER_NODE_NETWORK_CONFIG: &str = "nodekeeper-nodenetworkconfig";
+/// Field manager of the NodeMaintenance controller.
+pub const MANAGER_NODE_MAINTENANCE: &str = "nodekeeper-nodemaintenance";
+/// Field manager of the NodeSet controller.
+pub const MANAGER_NODE_SET: &str = "nodekeeper-nodeset";
+/// Field manager of the node-condition writer (health, tunables, reachability).
+pub const MANAGER_NODE_CONDITIONS: &str = "nodekeeper-nodeconditions";
+
+// Labels and annotations.
+
+/// Label on a Node created by a NodeSet: the NodeSet's name.
+pub const LABEL_NODE_SET: &str = "nodekeeper.dev/nodeset";
+/// Label on a Node created by a NodeSet: the NodeClass it was made from.
+pub const LABEL_NODE_CLASS: &str = "nodekeeper.dev/nodeclass";
+/// Annotation on a Node cordoned by a NodeMaintenance: that NodeMaintenance's name, so only it
+/// uncordons the node (a node someone else cordoned stays cordoned).
+pub const ANNOTATION_CORDONED_BY: &str = "nodekeeper.dev/cordoned-by";
+
+// Condition types on Nodes (patched only when status or reason changes).
+
+/// The node's agent answered the last pull.
+pub const NODE_CONDITION_REACHABLE: &str = "NodekeeperReachable";
+/// The NodeNetworkConfig for this node is applied.
+pub const NODE_CONDITION_NETWORK_READY: &str = "NodeNetworkReady";
+/// Every tunable is within its rule.
+pub const NODE_CONDITION_TUNABLES_IN_BOUNDS: &str = "TunablesInBounds";
+/// GPUs report no critical problem.
+pub const NODE_CONDITION_GPU_HEALTHY: &str = "GpuHealthy";
+/// A NodeMaintenance covers this node.
+pub const NODE_CONDITION_MAINTENANCE_IN_PROGRESS: &str = "MaintenanceInProgress";
+/// The node is being drained.
+pub const NODE_CONDITION_DRAIN_IN_PROGRESS: &str = "DrainInProgress";
+/// The node's drain finished.
+pub const NODE_CONDITION_DRAINED: &str = "Drained";
+
+// Condition types on nodekeeper resources.
+
+/// Ready: the resource's desired state is in force.
+pub const CONDITION_READY: &str = "Ready";
+/// Progressing: the controller is working toward the desired state.
+pub const CONDITION_PROGRESSING: &str = "Progressing";
+/// NetworkTest: whether the spec could be turned into probes.
+pub const CONDITION_SPEC_VALID: &str = "SpecValid";
+/// NetworkTest and NodeMaintenance: finished, and how.
+pub const CONDITION_COMPLETE: &str = "Complete";
+/// NodeMaintenance: every selected node is cordoned.
+pub const CONDITION_CORDONED: &str = "Cordoned";
+/// NodeMaintenance: every selected node is drained.
+pub const CONDITION_DRAINED: &str = "Drained";
+
+// Condition reasons and event reasons (PascalCase).
+
+/// The spec failed validation; the message names the field.
+pub const REASON_INVALID_SPEC: &str = "InvalidSpec";
+/// The selector picks no node.
+pub const REASON_NO_MATCHING_NODES: &str = "NoMatchingNodes";
+/// Work is under way.
+pub const REASON_IN_PROGRESS: &str = "InProgress";
+/// Everything asked for is done.
+pub const REASON_DONE: &str = "Done";
+/// A node's agent could not be reached.
+pub const REASON_AGENT_UNREACHABLE: &str = "AgentUnreachable";
+/// A PodDisruptionBudget refused an eviction.
+pub const REASON_BLOCKED_BY_PDB: &str = "BlockedByPodDisruptionBudget";
+/// A drain took longer than its timeout.
+pub const REASON_DRAIN_TIMED_OUT: &str = "DrainTimedOut";
+/// A network change failed and was rolled back.
+pub const REASON_ROLLED_BACK: &str = "RolledBack";

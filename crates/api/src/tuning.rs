@@ -1,0 +1,857 @@
+//! The tuning ConfigMap (`nodekeeper-tuning`): its keys, their defaults, and parsing with errors
+//! that name the key and the problem. Plain data only; the controller watches the ConfigMap and
+//! the agent receives the rules through `SetRules`.
+//!
+//! # Keys
+//!
+//! | key | type | default | meaning |
+//! |---|---|---|---|
+//! | `sweepInterval` | duration (`30s`, `5m`, `1h`) | `5m` | every node's agent is read at least this often (10s–24h) |
+//! | `staleAfter` | duration | `15m` | an agent that has not answered for this long is marked unreachable (≥ `sweepInterval`) |
+//! | `concurrency` | integer | `128` | agent calls in flight at once (1–4096) |
+//! | `callTimeout` | duration | `10s` | timeout of one agent call, connect included (100ms–2m) |
+//! | `features.tunables` | bool | `true` | push rules with `SetRules` and own the `TunablesInBounds` condition |
+//! | `features.gpu` | bool | `true` | own the `GpuHealthy` condition (set only on nodes that report GPUs) |
+//! | `features.network` | bool | `true` | own the `NodeNetworkReady` condition (set only on nodes with nodekeeper-managed networking) |
+//! | `features.repair` | bool | `false` | global repair permission: when `false`, no rule may repair, whatever it says |
+//! | `rules.yaml` | YAML | empty | the tunable rules and indicator thresholds, see [`RuleSet`] |
+//!
+//! Any other key is refused, so a typo (`sweepinterval`) is reported instead of silently ignored.
+//!
+//! `rules.yaml` looks like this:
+//!
+//! ```yaml
+//! tunables:
+//!   - name: somaxconn
+//!     key: net.core.somaxconn
+//!     atLeast: 4096          # exactly one of equal / atLeast / atMost / oneOf
+//!     repair: true           # also needs features.repair: "true"
+//!     repairMaxPerHour: 1
+//!     severity: warning      # or critical
+//! thresholds:
+//!   - indicator: disk.*      # a name, or a prefix ending in `*`
+//!     warning: 80
+//!     critical: 90
+//! ```
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// The ConfigMap's conventional name, in the controller's namespace.
+pub const CONFIGMAP_NAME: &str = "nodekeeper-tuning";
+
+/// At most this many tunable rules (and separately thresholds) in one set: the set travels to
+/// every agent in one message.
+pub const MAX_RULES: usize = 256;
+
+const KNOWN_KEYS: &[&str] = &[
+    "sweepInterval",
+    "staleAfter",
+    "concurrency",
+    "callTimeout",
+    "features.tunables",
+    "features.gpu",
+    "features.network",
+    "features.repair",
+    "rules.yaml",
+];
+
+/// The parsed, validated tuning configuration.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TuningConfig {
+    #[serde(with = "duration_secs")]
+    pub sweep_interval: Duration,
+    #[serde(with = "duration_secs")]
+    pub stale_after: Duration,
+    pub concurrency: usize,
+    #[serde(with = "duration_secs")]
+    pub call_timeout: Duration,
+    pub features: Features,
+    pub rules: RuleSet,
+}
+
+impl Default for TuningConfig {
+    fn default() -> Self {
+        Self {
+            sweep_interval: Duration::from_secs(300),
+            stale_after: Duration::from_secs(900),
+            concurrency: 128,
+            call_timeout: Duration::from_secs(10),
+            features: Features::default(),
+            rules: RuleSet::default(),
+        }
+    }
+}
+
+/// Feature switches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Features {
+    pub tunables: bool,
+    pub gpu: bool,
+    pub network: bool,
+    pub repair: bool,
+}
+
+impl Default for Features {
+    fn default() -> Self {
+        Self {
+            tunables: true,
+            gpu: true,
+            network: true,
+            repair: false,
+        }
+    }
+}
+
+/// The rules pushed to agents with `SetRules`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct RuleSet {
+    pub tunables: Vec<TunableRule>,
+    pub thresholds: Vec<Threshold>,
+}
+
+/// How a tunable's value is compared with the rule's values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub enum Comparison {
+    Equal,
+    AtLeast,
+    AtMost,
+    OneOf,
+}
+
+/// The verdict reported when a tunable is out of bounds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum Severity {
+    #[default]
+    Warning,
+    Critical,
+}
+
+/// One validated tunable rule. `repair` is already gated by `features.repair`.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TunableRule {
+    pub name: String,
+    pub key: String,
+    pub comparison: Comparison,
+    pub values: Vec<String>,
+    pub repair: bool,
+    pub repair_max_per_hour: u32,
+    pub severity: Severity,
+}
+
+/// One indicator threshold override.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Threshold {
+    pub indicator: String,
+    pub warning: f64,
+    pub critical: f64,
+}
+
+impl RuleSet {
+    /// The revision pushed with `SetRules`: a stable 64-bit hash (FNV-1a) of the normalised rule
+    /// set, never 0 (0 means "no rules" on the wire). Equal sets give equal revisions in every
+    /// controller replica and across restarts, so agents that already hold the set are not called.
+    pub fn revision(&self) -> u64 {
+        // serde_json writes struct fields in declaration order and floats in shortest round-trip
+        // form, so this encoding is canonical for a given value.
+        let canonical = serde_json::to_vec(self).unwrap_or_default();
+        let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+        for byte in canonical {
+            hash ^= u64::from(byte);
+            hash = hash.wrapping_mul(0x0100_0000_01b3);
+        }
+        if hash == 0 { 1 } else { hash }
+    }
+}
+
+/// One problem with one key of the ConfigMap.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KeyError {
+    /// The ConfigMap key, with a path inside `rules.yaml` where relevant
+    /// (`rules.yaml: tunables[2].atLeast`).
+    pub key: String,
+    pub problem: String,
+}
+
+impl fmt::Display for KeyError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "key `{}`: {}", self.key, self.problem)
+    }
+}
+
+/// Errors from reading the tuning ConfigMap.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum TuningError {
+    /// One or more keys are invalid; the message lists every one.
+    #[error("invalid tuning ConfigMap: {}", join(.0))]
+    InvalidKeys(Vec<KeyError>),
+}
+
+impl TuningError {
+    /// The individual problems.
+    pub fn problems(&self) -> &[KeyError] {
+        match self {
+            TuningError::InvalidKeys(errors) => errors,
+        }
+    }
+}
+
+fn join(errors: &[KeyError]) -> String {
+    errors
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// Parses a ConfigMap's `data`. Absent keys take their defaults; every problem is collected so
+/// that one Event can name them all.
+pub fn parse(data: &BTreeMap<String, String>) -> Result<TuningConfig, TuningError> {
+    let mut errors = Vec::new();
+    let mut config = TuningConfig::default();
+
+    for key in data.keys() {
+        if !KNOWN_KEYS.contains(&key.as_str()) {
+            errors.push(KeyError {
+                key: key.clone(),
+                problem: format!("unknown key; known keys are {}", KNOWN_KEYS.join(", ")),
+            });
+        }
+    }
+
+    let mut duration_key = |key: &str, min: Duration, max: Duration, slot: &mut Duration| {
+        if let Some(raw) = data.get(key) {
+            match parse_duration(raw) {
+                Ok(value) if value < min || value > max => errors.push(KeyError {
+                    key: key.to_owned(),
+                    problem: format!(
+                        "{raw:?} is out of range; use a duration between {} and {}",
+                        format_duration(min),
+                        format_duration(max)
+                    ),
+                }),
+                Ok(value) => *slot = value,
+                Err(problem) => errors.push(KeyError {
+                    key: key.to_owned(),
+                    problem,
+                }),
+            }
+        }
+    };
+    duration_key(
+        "sweepInterval",
+        Duration::from_secs(10),
+        Duration::from_secs(86_400),
+        &mut config.sweep_interval,
+    );
+    duration_key(
+        "staleAfter",
+        Duration::from_secs(10),
+        Duration::from_secs(7 * 86_400),
+        &mut config.stale_after,
+    );
+    duration_key(
+        "callTimeout",
+        Duration::from_millis(100),
+        Duration::from_secs(120),
+        &mut config.call_timeout,
+    );
+
+    if let Some(raw) = data.get("concurrency") {
+        match raw.trim().parse::<usize>() {
+            Ok(value) if (1..=4096).contains(&value) => config.concurrency = value,
+            Ok(_) => errors.push(KeyError {
+                key: "concurrency".into(),
+                problem: format!("{raw:?} is out of range; use an integer from 1 to 4096"),
+            }),
+            Err(_) => errors.push(KeyError {
+                key: "concurrency".into(),
+                problem: format!("{raw:?} is not an integer; use an integer from 1 to 4096"),
+            }),
+        }
+    }
+
+    for (key, slot) in [
+        ("features.tunables", &mut config.features.tunables),
+        ("features.gpu", &mut config.features.gpu),
+        ("features.network", &mut config.features.network),
+        ("features.repair", &mut config.features.repair),
+    ] {
+        if let Some(raw) = data.get(key) {
+            match raw.trim() {
+                "true" => *slot = true,
+                "false" => *slot = false,
+                _ => errors.push(KeyError {
+                    key: key.into(),
+                    problem: format!("{raw:?} is not a boolean; use \"true\" or \"false\""),
+                }),
+            }
+        }
+    }
+
+    if data.contains_key("staleAfter") || data.contains_key("sweepInterval") {
+        if config.stale_after < config.sweep_interval
+            && !errors
+                .iter()
+                .any(|e| e.key == "staleAfter" || e.key == "sweepInterval")
+        {
+            errors.push(KeyError {
+                key: "staleAfter".into(),
+                problem: format!(
+                    "{} is shorter than sweepInterval ({}); every agent would turn stale between two reads",
+                    format_duration(config.stale_after),
+                    format_duration(config.sweep_interval)
+                ),
+            });
+        }
+    }
+
+    if let Some(raw) = data.get("rules.yaml") {
+        match parse_rules(raw, config.features.repair) {
+            Ok(rules) => config.rules = rules,
+            Err(mut rule_errors) => errors.append(&mut rule_errors),
+        }
+    }
+
+    if errors.is_empty() {
+        Ok(config)
+    } else {
+        Err(TuningError::InvalidKeys(errors))
+    }
+}
+
+/// Parses a duration such as `300ms`, `30s`, `5m`, `1h` or `1h30m`.
+pub fn parse_duration(raw: &str) -> Result<Duration, String> {
+    let text = raw.trim();
+    let bad = || format!("{raw:?} is not a duration; write e.g. \"30s\", \"5m\" or \"1h30m\"");
+    if text.is_empty() {
+        return Err(bad());
+    }
+    let mut total = Duration::ZERO;
+    let mut rest = text;
+    while !rest.is_empty() {
+        let digits = rest.find(|c: char| !c.is_ascii_digit()).ok_or_else(bad)?;
+        if digits == 0 {
+            return Err(bad());
+        }
+        let number: u64 = rest[..digits].parse().map_err(|_| bad())?;
+        rest = &rest[digits..];
+        let unit_len = rest
+            .find(|c: char| c.is_ascii_digit())
+            .unwrap_or(rest.len());
+        let unit = match &rest[..unit_len] {
+            "ms" => Duration::from_millis(1),
+            "s" => Duration::from_secs(1),
+            "m" => Duration::from_secs(60),
+            "h" => Duration::from_secs(3600),
+            _ => return Err(bad()),
+        };
+        rest = &rest[unit_len..];
+        let part = unit
+            .checked_mul(u32::try_from(number).map_err(|_| bad())?)
+            .ok_or_else(bad)?;
+        total = total.checked_add(part).ok_or_else(bad)?;
+    }
+    Ok(total)
+}
+
+/// Formats a duration the way [`parse_duration`] reads it.
+pub fn format_duration(duration: Duration) -> String {
+    let ms = duration.as_millis();
+    if ms % 1000 != 0 {
+        return format!("{ms}ms");
+    }
+    let secs = duration.as_secs();
+    let (h, m, s) = (secs / 3600, secs / 60 % 60, secs % 60);
+    let mut out = String::new();
+    if h > 0 {
+        out.push_str(&format!("{h}h"));
+    }
+    if m > 0 {
+        out.push_str(&format!("{m}m"));
+    }
+    if s > 0 || out.is_empty() {
+        out.push_str(&format!("{s}s"));
+    }
+    out
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRules {
+    #[serde(default)]
+    tunables: Vec<serde_yaml::Value>,
+    #[serde(default)]
+    thresholds: Vec<serde_yaml::Value>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct RawTunable {
+    name: String,
+    key: String,
+    equal: Option<serde_yaml::Value>,
+    at_least: Option<serde_yaml::Value>,
+    at_most: Option<serde_yaml::Value>,
+    one_of: Option<Vec<serde_yaml::Value>>,
+    #[serde(default)]
+    repair: bool,
+    #[serde(default)]
+    repair_max_per_hour: Option<u32>,
+    #[serde(default)]
+    severity: Severity,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawThreshold {
+    indicator: String,
+    warning: f64,
+    critical: f64,
+}
+
+fn parse_rules(raw: &str, repair_allowed: bool) -> Result<RuleSet, Vec<KeyError>> {
+    let err = |path: String, problem: String| KeyError {
+        key: format!("rules.yaml: {path}"),
+        problem,
+    };
+    let doc: RawRules = if raw.trim().is_empty() {
+        RawRules {
+            tunables: Vec::new(),
+            thresholds: Vec::new(),
+        }
+    } else {
+        serde_yaml::from_str(raw).map_err(|e| {
+            vec![KeyError {
+                key: "rules.yaml".into(),
+                problem: format!("is not a valid rules document ({e}); top-level keys are `tunables` and `thresholds`"),
+            }]
+        })?
+    };
+
+    let mut errors = Vec::new();
+    if doc.tunables.len() > MAX_RULES {
+        errors.push(err(
+            "tunables".into(),
+            format!(
+                "{} rules; at most {MAX_RULES} are allowed",
+                doc.tunables.len()
+            ),
+        ));
+    }
+    if doc.thresholds.len() > MAX_RULES {
+        errors.push(err(
+            "thresholds".into(),
+            format!(
+                "{} thresholds; at most {MAX_RULES} are allowed",
+                doc.thresholds.len()
+            ),
+        ));
+    }
+
+    let mut set = RuleSet::default();
+    let mut names = BTreeSet::new();
+    for (i, value) in doc.tunables.into_iter().enumerate() {
+        let path = format!("tunables[{i}]");
+        let rule: RawTunable = match serde_yaml::from_value(value) {
+            Ok(rule) => rule,
+            Err(e) => {
+                errors.push(err(path, e.to_string()));
+                continue;
+            }
+        };
+        let before = errors.len();
+        if !valid_rule_name(&rule.name) {
+            errors.push(err(
+                format!("{path}.name"),
+                format!(
+                    "{:?} is not a valid name; use 1–63 characters of a-z, 0-9, '-', '_', '.'",
+                    rule.name
+                ),
+            ));
+        } else if !names.insert(rule.name.clone()) {
+            errors.push(err(
+                format!("{path}.name"),
+                format!(
+                    "{:?} is used by an earlier rule; names must be unique",
+                    rule.name
+                ),
+            ));
+        }
+        if !valid_sysctl_key(&rule.key) {
+            errors.push(err(
+                format!("{path}.key"),
+                format!(
+                    "{:?} is not a sysctl key in dotted form (e.g. net.core.somaxconn)",
+                    rule.key
+                ),
+            ));
+        }
+        let given: Vec<(&str, Comparison)> = [
+            (rule.equal.is_some(), "equal", Comparison::Equal),
+            (rule.at_least.is_some(), "atLeast", Comparison::AtLeast),
+            (rule.at_most.is_some(), "atMost", Comparison::AtMost),
+            (rule.one_of.is_some(), "oneOf", Comparison::OneOf),
+        ]
+        .into_iter()
+        .filter(|(present, _, _)| *present)
+        .map(|(_, name, cmp)| (name, cmp))
+        .collect();
+        let (comparison, values) = match given.as_slice() {
+            [(field, cmp)] => {
+                let raw_values = match cmp {
+                    Comparison::Equal => vec![rule.equal.clone().unwrap_or_default()],
+                    Comparison::AtLeast => vec![rule.at_least.clone().unwrap_or_default()],
+                    Comparison::AtMost => vec![rule.at_most.clone().unwrap_or_default()],
+                    Comparison::OneOf => rule.one_of.clone().unwrap_or_default(),
+                };
+                let mut values = Vec::new();
+                for (j, v) in raw_values.iter().enumerate() {
+                    match scalar(v) {
+                        Some(s) => values.push(s),
+                        None => errors.push(err(
+                            format!("{path}.{field}")
+                                + &if *cmp == Comparison::OneOf {
+                                    format!("[{j}]")
+                                } else {
+                                    String::new()
+                                },
+                            "must be a string or a number".into(),
+                        )),
+                    }
+                }
+                if *cmp == Comparison::OneOf && raw_values.is_empty() {
+                    errors.push(err(
+                        format!("{path}.oneOf"),
+                        "is empty; list at least one value".into(),
+                    ));
+                }
+                if matches!(cmp, Comparison::AtLeast | Comparison::AtMost) {
+                    if let Some(v) = values.first() {
+                        if v.parse::<i64>().is_err() {
+                            errors.push(err(
+                                format!("{path}.{field}"),
+                                format!("{v:?} is not an integer"),
+                            ));
+                        }
+                    }
+                }
+                (*cmp, values)
+            }
+            [] => {
+                errors.push(err(
+                    path.clone(),
+                    "says nothing to compare; give exactly one of equal, atLeast, atMost, oneOf"
+                        .into(),
+                ));
+                (Comparison::Equal, Vec::new())
+            }
+            many => {
+                errors.push(err(
+                    path.clone(),
+                    format!(
+                        "gives {}; give exactly one of equal, atLeast, atMost, oneOf",
+                        many.iter()
+                            .map(|(f, _)| *f)
+                            .collect::<Vec<_>>()
+                            .join(" and ")
+                    ),
+                ));
+                (Comparison::Equal, Vec::new())
+            }
+        };
+        let repair_max_per_hour = rule.repair_max_per_hour.unwrap_or(1);
+        if !(1..=60).contains(&repair_max_per_hour) {
+            errors.push(err(
+                format!("{path}.repairMaxPerHour"),
+                format!("{repair_max_per_hour} is out of range; use 1 to 60"),
+            ));
+        }
+        if errors.len() == before {
+            set.tunables.push(TunableRule {
+                name: rule.name,
+                key: rule.key,
+                comparison,
+                values,
+                repair: rule.repair && repair_allowed,
+                repair_max_per_hour,
+                severity: rule.severity,
+            });
+        }
+    }
+
+    for (i, value) in doc.thresholds.into_iter().enumerate() {
+        let path = format!("thresholds[{i}]");
+        let t: RawThreshold = match serde_yaml::from_value(value) {
+            Ok(t) => t,
+            Err(e) => {
+                errors.push(err(path, e.to_string()));
+                continue;
+            }
+        };
+        let star = t.indicator.find('*');
+        if t.indicator.is_empty() || star.is_some_and(|at| at != t.indicator.len() - 1) {
+            errors.push(err(
+                format!("{path}.indicator"),
+                format!(
+                    "{:?} is not an indicator name or a prefix ending in `*`",
+                    t.indicator
+                ),
+            ));
+            continue;
+        }
+        if !t.warning.is_finite() || !t.critical.is_finite() {
+            errors.push(err(
+                path,
+                "warning and critical must be finite numbers".into(),
+            ));
+            continue;
+        }
+        set.thresholds.push(Threshold {
+            indicator: t.indicator,
+            warning: t.warning,
+            critical: t.critical,
+        });
+    }
+
+    if errors.is_empty() {
+        Ok(set)
+    } else {
+        Err(errors)
+    }
+}
+
+fn scalar(value: &serde_yaml::Value) -> Option<String> {
+    match value {
+        serde_yaml::Value::String(s) => Some(s.split_whitespace().collect::<Vec<_>>().join(" ")),
+        serde_yaml::Value::Number(n) => Some(n.to_string()),
+        serde_yaml::Value::Bool(b) => Some(if *b { "1".into() } else { "0".into() }),
+        _ => None,
+    }
+}
+
+fn valid_rule_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 63
+        && name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || matches!(c, '-' | '_' | '.'))
+}
+
+fn valid_sysctl_key(key: &str) -> bool {
+    // Dotted form only: the agent maps dots to path separators under /proc/sys, so slashes and
+    // empty or `..`-like segments could escape it.
+    !key.is_empty()
+        && key.len() <= 253
+        && key.split('.').all(|segment| {
+            !segment.is_empty()
+                && segment
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-'))
+        })
+}
+
+mod duration_secs {
+    use serde::Serializer;
+    use std::time::Duration;
+
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&super::format_duration(*d))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pretty_assertions::assert_eq;
+
+    fn data(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect()
+    }
+
+    #[test]
+    fn empty_configmap_gives_defaults() {
+        assert_eq!(parse(&BTreeMap::new()).unwrap(), TuningConfig::default());
+    }
+
+    #[test]
+    fn parses_every_key() {
+        let config = parse(&data(&[
+            ("sweepInterval", "2m"),
+            ("staleAfter", "10m"),
+            ("concurrency", "64"),
+            ("callTimeout", "1500ms"),
+            ("features.gpu", "false"),
+            ("features.repair", "true"),
+            (
+                "rules.yaml",
+                "tunables:\n  - name: somaxconn\n    key: net.core.somaxconn\n    atLeast: 4096\n    repair: true\n  - name: fwd\n    key: net.ipv4.ip_forward\n    oneOf: [1, \"1\"]\n    severity: critical\nthresholds:\n  - indicator: disk.*\n    warning: 80\n    critical: 90\n",
+            ),
+        ]))
+        .unwrap();
+        assert_eq!(config.sweep_interval, Duration::from_secs(120));
+        assert_eq!(config.stale_after, Duration::from_secs(600));
+        assert_eq!(config.concurrency, 64);
+        assert_eq!(config.call_timeout, Duration::from_millis(1500));
+        assert!(!config.features.gpu && config.features.repair && config.features.tunables);
+        assert_eq!(
+            config.rules.tunables[0],
+            TunableRule {
+                name: "somaxconn".into(),
+                key: "net.core.somaxconn".into(),
+                comparison: Comparison::AtLeast,
+                values: vec!["4096".into()],
+                repair: true,
+                repair_max_per_hour: 1,
+                severity: Severity::Warning,
+            }
+        );
+        assert_eq!(
+            config.rules.tunables[1].values,
+            vec!["1".to_string(), "1".to_string()]
+        );
+        assert_eq!(config.rules.tunables[1].severity, Severity::Critical);
+        assert_eq!(config.rules.thresholds[0].indicator, "disk.*");
+    }
+
+    #[test]
+    fn repair_is_gated_by_the_feature_switch() {
+        let rules =
+            "tunables:\n  - name: a\n    key: vm.swappiness\n    atMost: 10\n    repair: true\n";
+        let off = parse(&data(&[("rules.yaml", rules)])).unwrap();
+        assert!(!off.rules.tunables[0].repair);
+        let on = parse(&data(&[("rules.yaml", rules), ("features.repair", "true")])).unwrap();
+        assert!(on.rules.tunables[0].repair);
+        assert_ne!(off.rules.revision(), on.rules.revision());
+    }
+
+    fn problems(pairs: &[(&str, &str)]) -> Vec<KeyError> {
+        parse(&data(pairs)).unwrap_err().problems().to_vec()
+    }
+
+    #[test]
+    fn unknown_keys_are_named() {
+        let errors = problems(&[("sweepinterval", "5m")]);
+        assert_eq!(errors.len(), 1);
+        assert_eq!(errors[0].key, "sweepinterval");
+        assert!(
+            errors[0].problem.starts_with("unknown key"),
+            "{}",
+            errors[0]
+        );
+    }
+
+    #[test]
+    fn wrong_types_are_named() {
+        let errors = problems(&[
+            ("sweepInterval", "five minutes"),
+            ("concurrency", "lots"),
+            ("features.gpu", "yes"),
+            ("callTimeout", "0s"),
+        ]);
+        let keys: Vec<_> = errors.iter().map(|e| e.key.as_str()).collect();
+        assert_eq!(
+            keys,
+            vec![
+                "sweepInterval",
+                "callTimeout",
+                "concurrency",
+                "features.gpu"
+            ]
+        );
+        assert!(errors[0].problem.contains("not a duration"));
+        assert!(errors[1].problem.contains("out of range"));
+        let message = TuningError::InvalidKeys(errors).to_string();
+        assert!(
+            message.contains("key `concurrency`: \"lots\" is not an integer"),
+            "{message}"
+        );
+    }
+
+    #[test]
+    fn stale_after_must_cover_the_interval() {
+        let errors = problems(&[("sweepInterval", "10m"), ("staleAfter", "5m")]);
+        assert_eq!(errors[0].key, "staleAfter");
+        // Defaults too: a 20m interval with the default 15m staleness is refused.
+        assert_eq!(problems(&[("sweepInterval", "20m")])[0].key, "staleAfter");
+    }
+
+    #[test]
+    fn rule_problems_name_the_rule_and_field() {
+        let errors = problems(&[(
+            "rules.yaml",
+            "tunables:\n  - name: a\n    key: net/core\n    atLeast: many\n  - name: a\n    key: vm.x\n    equal: 1\n    atMost: 2\n  - name: c\n    key: vm.y\n    equal: 1\n    colour: red\nthresholds:\n  - indicator: 'di*sk'\n    warning: 1\n    critical: 2\n",
+        )]);
+        let keys: Vec<_> = errors.iter().map(|e| e.key.as_str()).collect();
+        assert_eq!(
+            keys,
+            vec![
+                "rules.yaml: tunables[0].key",
+                "rules.yaml: tunables[0].atLeast",
+                "rules.yaml: tunables[1].name",
+                "rules.yaml: tunables[1]",
+                "rules.yaml: tunables[2]",
+                "rules.yaml: thresholds[0].indicator",
+            ]
+        );
+        assert!(
+            errors[4].problem.contains("colour"),
+            "{}",
+            errors[4].problem
+        );
+    }
+
+    #[test]
+    fn unparsable_rules_document_is_named() {
+        let errors = problems(&[("rules.yaml", "tunables: [")]);
+        assert_eq!(errors[0].key, "rules.yaml");
+        let errors = problems(&[("rules.yaml", "rules: []")]);
+        assert!(errors[0].problem.contains("rules"), "{}", errors[0].problem);
+    }
+
+    #[test]
+    fn revision_is_stable_and_content_sensitive() {
+        let a = parse(&data(&[(
+            "rules.yaml",
+            "tunables:\n  - {name: a, key: vm.x, equal: '1'}\n",
+        )]))
+        .unwrap();
+        // Same content written differently (number vs string, extra whitespace) → same revision.
+        let b = parse(&data(&[(
+            "rules.yaml",
+            "tunables:\n  - name: a\n    key: vm.x\n    equal: 1\n",
+        )]))
+        .unwrap();
+        let c = parse(&data(&[(
+            "rules.yaml",
+            "tunables:\n  - {name: a, key: vm.x, equal: '2'}\n",
+        )]))
+        .unwrap();
+        assert_eq!(a.rules.revision(), b.rules.revision());
+        assert_ne!(a.rules.revision(), c.rules.revision());
+        assert_ne!(RuleSet::default().revision(), 0);
+    }
+
+    #[test]
+    fn durations_round_trip() {
+        for (text, secs) in [("30s", 30), ("5m", 300), ("1h30m", 5400), ("2h", 7200)] {
+            assert_eq!(parse_duration(text).unwrap(), Duration::from_secs(secs));
+            assert_eq!(format_duration(Duration::from_secs(secs)), text);
+        }
+        assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
+        for bad in ["", "5", "m", "5x", "-5s", "1.5s"] {
+            assert!(parse_duration(bad).is_err(), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,275 @@
+//! Calls to node agents over mutual TLS: one short-lived connection per read (at 10,000 nodes a
+//! pooled connection per agent would cost far more memory than a handshake every few minutes
+//! costs CPU), a whole-call timeout, a reply size limit, and the classification of every failure
+//! into a bounded [`CallOutcome`].
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use nodekeeper_api::proto::agent::v1 as pb;
+use pb::node_agent_client::NodeAgentClient;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
+
+use crate::conditions::FailureClass;
+use crate::metrics::CallOutcome;
+
+/// The DNS name every agent certificate carries and the controller verifies, whatever the
+/// node's address: one certificate serves the whole DaemonSet, and node IPs need not be known
+/// when it is issued.
+pub const AGENT_SERVER_NAME: &str = "agent.nodekeeper.internal";
+
+/// The controller's client identity and the CA it trusts agents with.
+#[derive(Clone)]
+pub struct AgentTls {
+    config: ClientTlsConfig,
+}
+
+impl AgentTls {
+    pub fn new(ca_pem: &str, cert_pem: &str, key_pem: &str) -> Self {
+        let config = ClientTlsConfig::new()
+            .ca_certificate(Certificate::from_pem(ca_pem))
+            .identity(Identity::from_pem(cert_pem, key_pem))
+            .domain_name(AGENT_SERVER_NAME)
+            .assume_http2(true);
+        Self { config }
+    }
+}
+
+/// A failed call: its class and a one-line description naming the endpoint.
+#[derive(Clone, Debug, thiserror::Error)]
+#[error("{endpoint}: {detail}")]
+pub struct CallError {
+    pub outcome: CallOutcome,
+    pub endpoint: SocketAddr,
+    pub detail: String,
+}
+
+impl CallError {
+    /// The class an operator sees in the node's condition.
+    pub fn class(&self) -> FailureClass {
+        match self.outcome {
+            CallOutcome::Tls => FailureClass::Certificate,
+            CallOutcome::InvalidReply | CallOutcome::TooLarge => FailureClass::InvalidReply,
+            _ => FailureClass::Unreachable,
+        }
+    }
+}
+
+/// Limits of one call.
+#[derive(Clone, Copy, Debug)]
+pub struct CallLimits {
+    pub timeout: Duration,
+    pub max_reply_bytes: usize,
+}
+
+/// A connected agent.
+pub struct AgentConnection {
+    client: NodeAgentClient<Channel>,
+    endpoint: SocketAddr,
+    limits: CallLimits,
+}
+
+/// Connects (TCP + TLS + HTTP/2) within the call timeout.
+pub async fn connect(
+    tls: &AgentTls,
+    endpoint: SocketAddr,
+    limits: CallLimits,
+) -> Result<AgentConnection, CallError> {
+    let fail = |outcome, detail: String| CallError {
+        outcome,
+        endpoint,
+        detail,
+    };
+    let ep = Endpoint::from_shared(format!("https://{endpoint}"))
+        .and_then(|ep| ep.tls_config(tls.config.clone()))
+        .map_err(|e| fail(CallOutcome::Connect, chain(&e)))?
+        .connect_timeout(limits.timeout)
+        .timeout(limits.timeout)
+        .tcp_nodelay(true);
+    let channel = match tokio::time::timeout(limits.timeout, ep.connect()).await {
+        Err(_) => {
+            return Err(fail(
+                CallOutcome::Timeout,
+                format!("no connection within {:?}", limits.timeout),
+            ));
+        }
+        Ok(Err(e)) => {
+            let text = chain(&e);
+            return Err(fail(classify_transport(&text), text));
+        }
+        Ok(Ok(channel)) => channel,
+    };
+    let client = NodeAgentClient::new(channel)
+        .max_decoding_message_size(limits.max_reply_bytes)
+        .max_encoding_message_size(limits.max_reply_bytes);
+    Ok(AgentConnection {
+        client,
+        endpoint,
+        limits,
+    })
+}
+
+impl AgentConnection {
+    pub async fn get_report(
+        &mut self,
+        since_revision: u64,
+    ) -> Result<pb::GetReportResponse, CallError> {
+        let (endpoint, timeout) = (self.endpoint, self.limits.timeout);
+        finish(
+            endpoint,
+            timeout,
+            self.client
+                .get_report(pb::GetReportRequest { since_revision }),
+        )
+        .await
+    }
+
+    pub async fn set_rules(
+        &mut self,
+        request: pb::SetRulesRequest,
+    ) -> Result<pb::SetRulesResponse, CallError> {
+        let (endpoint, timeout) = (self.endpoint, self.limits.timeout);
+        finish(endpoint, timeout, self.client.set_rules(request)).await
+    }
+}
+
+async fn finish<T>(
+    endpoint: SocketAddr,
+    timeout: Duration,
+    call: impl std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+) -> Result<T, CallError> {
+    match tokio::time::timeout(timeout, call).await {
+        Err(_) => Err(CallError {
+            outcome: CallOutcome::Timeout,
+            endpoint,
+            detail: format!("no answer within {timeout:?}"),
+        }),
+        Ok(Ok(response)) => Ok(response.into_inner()),
+        Ok(Err(status)) => {
+            let detail = format!("{:?}: {}", status.code(), status.message());
+            Err(CallError {
+                outcome: classify_status(&status),
+                endpoint,
+                detail,
+            })
+        }
+    }
+}
+
+/// The error and all its sources on one line.
+fn chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(e) = source {
+        // io::Error hides a custom inner error from `source()`; show it.
+        if let Some(io) = e.downcast_ref::<std::io::Error>() {
+            if let Some(inner) = io.get_ref() {
+                text.push_str(&format!(": {inner}"));
+                source = inner.source();
+                continue;
+            }
+        }
+        text.push_str(&format!(": {e}"));
+        source = e.source();
+    }
+    text
+}
+
+/// Classifies a connection failure from its full text (tonic and rustls do not expose typed
+/// causes through the transport error).
+pub fn classify_transport(text: &str) -> CallOutcome {
+    let t = text.to_ascii_lowercase();
+    if t.contains("certificate")
+        || t.contains("unknownissuer")
+        || t.contains("notvalidforname")
+        || t.contains("handshake")
+    {
+        CallOutcome::Tls
+    } else if t.contains("corrupt message")
+        || t.contains("invalidmessage")
+        || t.contains("invalid message")
+        || t.contains("invalidcontenttype")
+    {
+        // Not TLS at all: the peer speaks something else.
+        CallOutcome::InvalidReply
+    } else if t.contains("timed out") || t.contains("deadline") {
+        CallOutcome::Timeout
+    } else {
+        CallOutcome::Connect
+    }
+}
+
+fn classify_status(status: &tonic::Status) -> CallOutcome {
+    use tonic::Code;
+    let message = status.message().to_ascii_lowercase();
+    if message.contains("message length too large")
+        || message.contains("too large")
+        || status.code() == Code::ResourceExhausted
+    {
+        return CallOutcome::TooLarge;
+    }
+    match status.code() {
+        Code::DeadlineExceeded | Code::Cancelled => CallOutcome::Timeout,
+        Code::Internal
+            if message.contains("decode")
+                || message.contains("protocol")
+                || message.contains("h2") =>
+        {
+            CallOutcome::InvalidReply
+        }
+        Code::Unknown | Code::Unimplemented => CallOutcome::InvalidReply,
+        Code::Unavailable => classify_transport(&message),
+        _ => CallOutcome::Status,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn classifies_transport_failures() {
+        assert_eq!(
+            classify_transport("transport error: invalid peer certificate: UnknownIssuer"),
+            CallOutcome::Tls
+        );
+        assert_eq!(
+            classify_transport(
+                "transport error: received corrupt message of type InvalidContentType"
+            ),
+            CallOutcome::InvalidReply
+        );
+        assert_eq!(
+            classify_transport("transport error: Connection refused (os error 111)"),
+            CallOutcome::Connect
+        );
+        assert_eq!(
+            classify_transport("operation timed out"),
+            CallOutcome::Timeout
+        );
+    }
+
+    #[test]
+    fn classifies_statuses() {
+        assert_eq!(
+            classify_status(&tonic::Status::out_of_range(
+                "Error, decoded message length too large: found 9000000 bytes, the limit is: 4194304 bytes"
+            )),
+            CallOutcome::TooLarge
+        );
+        assert_eq!(
+            classify_status(&tonic::Status::internal(
+                "failed to decode Protobuf message"
+            )),
+            CallOutcome::InvalidReply
+        );
+        assert_eq!(
+            classify_status(&tonic::Status::deadline_exceeded("x")),
+            CallOutcome::Timeout
+        );
+        assert_eq!(
+            classify_status(&tonic::Status::invalid_argument("rule a: bad")),
+            CallOutcome::Status
+        );
+    }
+}

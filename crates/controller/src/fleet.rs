@@ -1,0 +1,370 @@
+//! The fleet as the controller holds it in memory: one small entry per Node (its agent address,
+//! the nodekeeper conditions it carries, its schedule and last report), fed by a Node watch.
+//!
+//! Trimming: the watch decodes each Node event and keeps only what the controller uses (name,
+//! InternalIP, resourceVersion and nodekeeper's own conditions); the decoded object is dropped at
+//! once. There is no reflector store, so managedFields, images, labels, other conditions and
+//! the rest of the Node never stay in memory — at 10,000 nodes that is the difference between
+//! a few MiB and several hundred. A metadata-only watch would not do: the InternalIP and the
+//! conditions live in `status`.
+
+use std::collections::{HashMap, HashSet};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Instant;
+
+use futures::TryStreamExt;
+use k8s_openapi::api::core::v1::Node;
+use kube::Api;
+use kube::runtime::{WatchStreamExt, watcher};
+use serde::Serialize;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::conditions::{Condition, OWNED_TYPES, Status, Written};
+use crate::metrics::{CallOutcome, Metrics, ReasonLabels, SkipReason};
+use crate::schedule::NodeSchedule;
+use crate::view::NodeView;
+
+/// What the controller keeps of one Node object.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NodeFacts {
+    pub name: String,
+    pub address: Option<IpAddr>,
+    pub resource_version: u64,
+    pub written: Vec<Written>,
+}
+
+/// Extracts [`NodeFacts`] from a Node: the first InternalIP, and only nodekeeper's conditions.
+pub fn node_facts(node: &Node) -> NodeFacts {
+    let status = node.status.as_ref();
+    let address = status
+        .and_then(|s| s.addresses.as_ref())
+        .and_then(|addrs| addrs.iter().find(|a| a.type_ == "InternalIP"))
+        .and_then(|a| a.address.parse::<IpAddr>().ok());
+    let written = status
+        .and_then(|s| s.conditions.as_ref())
+        .map(|conds| {
+            conds
+                .iter()
+                .filter(|c| OWNED_TYPES.contains(&c.type_.as_str()))
+                .map(|c| Written {
+                    condition: Condition {
+                        type_: c.type_.clone(),
+                        status: Status::parse(&c.status),
+                        reason: c.reason.clone().unwrap_or_default(),
+                        message: c.message.clone().unwrap_or_default(),
+                    },
+                    last_transition_time: c.last_transition_time.as_ref().map(|t| t.0.to_string()),
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    NodeFacts {
+        name: node.metadata.name.clone().unwrap_or_default(),
+        address,
+        // resourceVersions are opaque to clients in general; the Kubernetes apiserver's are etcd
+        // revisions, which order events. An unparsable one (0) is always accepted.
+        resource_version: node
+            .metadata
+            .resource_version
+            .as_deref()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0),
+        written,
+    }
+}
+
+/// One node's entry.
+#[derive(Debug)]
+pub struct NodeEntry {
+    pub address: Option<IpAddr>,
+    pub resource_version: u64,
+    pub written: Vec<Written>,
+    pub schedule: NodeSchedule,
+    pub report: Option<Arc<NodeView>>,
+    /// The last failure's class and text (for the HTTP API and logs), cleared on success.
+    pub last_failure: Option<(CallOutcome, String)>,
+    /// A rules revision this agent refused (INVALID_ARGUMENT); it is not pushed again.
+    pub rules_refused: u64,
+    pub stale: bool,
+}
+
+/// A node whose agent is due for a read.
+#[derive(Clone, Debug)]
+pub struct Job {
+    pub name: String,
+    pub endpoint: SocketAddr,
+    pub cached_revision: Option<u64>,
+    pub agent_rules_revision: Option<u64>,
+    pub rules_refused: u64,
+}
+
+/// The fleet.
+#[derive(Default)]
+pub struct Fleet {
+    nodes: Mutex<HashMap<String, NodeEntry>>,
+    synced: AtomicBool,
+}
+
+impl Fleet {
+    pub fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, NodeEntry>> {
+        self.nodes.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// True once the initial Node list has been read.
+    pub fn synced(&self) -> bool {
+        self.synced.load(Ordering::Relaxed)
+    }
+
+    /// Records a Node as seen by the watch. Returns false when it has no usable InternalIP.
+    pub fn observe(&self, facts: NodeFacts, now: Instant) -> bool {
+        let has_address = facts.address.is_some();
+        let mut nodes = self.lock();
+        match nodes.get_mut(&facts.name) {
+            Some(entry) => {
+                // An event older than what a patch response already told us must not undo it.
+                if facts.resource_version == 0 || facts.resource_version >= entry.resource_version {
+                    entry.address = facts.address;
+                    entry.resource_version = facts.resource_version;
+                    entry.written = facts.written;
+                }
+            }
+            None => {
+                nodes.insert(
+                    facts.name,
+                    NodeEntry {
+                        address: facts.address,
+                        resource_version: facts.resource_version,
+                        written: facts.written,
+                        schedule: NodeSchedule::new(now),
+                        report: None,
+                        last_failure: None,
+                        rules_refused: 0,
+                        stale: false,
+                    },
+                );
+            }
+        }
+        has_address
+    }
+
+    pub fn remove(&self, name: &str) {
+        self.lock().remove(name);
+    }
+
+    /// Drops entries for Nodes that a fresh list no longer contains.
+    pub fn retain(&self, names: &HashSet<String>) {
+        self.lock().retain(|name, _| names.contains(name));
+    }
+
+    /// Takes up to `max` due nodes (earliest first), marking them in flight.
+    pub fn take_due(&self, now: Instant, max: usize, port: u16) -> Vec<Job> {
+        if max == 0 {
+            return Vec::new();
+        }
+        let mut nodes = self.lock();
+        let mut due: Vec<(Instant, &String)> = nodes
+            .iter()
+            .filter(|(_, e)| e.address.is_some() && e.schedule.is_due(now))
+            .map(|(name, e)| (e.schedule.next_due, name))
+            .collect();
+        due.sort();
+        let names: Vec<String> = due.into_iter().take(max).map(|(_, n)| n.clone()).collect();
+        names
+            .into_iter()
+            .filter_map(|name| {
+                let entry = nodes.get_mut(&name)?;
+                entry.schedule.start(now);
+                Some(Job {
+                    endpoint: SocketAddr::new(entry.address?, port),
+                    cached_revision: entry.report.as_ref().map(|r| r.revision),
+                    agent_rules_revision: entry.report.as_ref().map(|r| r.rules_revision),
+                    rules_refused: entry.rules_refused,
+                    name,
+                })
+            })
+            .collect()
+    }
+
+    /// Counts for the summary.
+    pub fn summary(&self) -> FleetSummary {
+        let nodes = self.lock();
+        let mut s = FleetSummary {
+            nodes: nodes.len(),
+            ..FleetSummary::default()
+        };
+        for entry in nodes.values() {
+            if entry.address.is_none() {
+                s.without_internal_ip += 1;
+            }
+            if entry.report.is_some() {
+                s.read += 1;
+            }
+            if entry.stale {
+                s.stale += 1;
+            }
+            for w in &entry.written {
+                let key = format!("{}={}", w.condition.type_, w.condition.status.as_str());
+                *s.conditions.entry(key).or_default() += 1;
+            }
+            if let Some(report) = &entry.report {
+                for t in &report.tunables {
+                    if matches!(
+                        t.verdict,
+                        crate::view::Verdict::Warning | crate::view::Verdict::Critical
+                    ) {
+                        *s.tunables_out_of_bounds.entry(t.rule.clone()).or_default() += 1;
+                    }
+                }
+            }
+        }
+        s
+    }
+}
+
+/// Fleet-wide counts served by `/api/v1/summary`.
+#[derive(Clone, Debug, Default, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct FleetSummary {
+    pub nodes: usize,
+    pub read: usize,
+    pub stale: usize,
+    pub without_internal_ip: usize,
+    /// `Type=Status` → nodes, for nodekeeper's conditions as found on the Nodes.
+    pub conditions: std::collections::BTreeMap<String, usize>,
+    /// Rule name → nodes where it is out of bounds.
+    pub tunables_out_of_bounds: std::collections::BTreeMap<String, usize>,
+}
+
+/// Watches Nodes (optionally only those matching `selector`) into `fleet` until cancelled.
+pub async fn watch_nodes(
+    api: Api<Node>,
+    selector: Option<String>,
+    fleet: Arc<Fleet>,
+    metrics: Arc<Metrics>,
+    cancel: CancellationToken,
+) {
+    let mut config = watcher::Config::default();
+    if let Some(selector) = selector {
+        config = config.labels(&selector);
+    }
+    let stream = watcher(api, config).default_backoff();
+    futures::pin_mut!(stream);
+    let mut listing: HashSet<String> = HashSet::new();
+    // Names already reported as lacking an InternalIP, so the log names each once.
+    let mut warned: HashSet<String> = HashSet::new();
+    let observe = |node: &Node, warned: &mut HashSet<String>| {
+        let facts = node_facts(node);
+        let name = facts.name.clone();
+        if !fleet.observe(facts, Instant::now()) {
+            metrics
+                .nodes_skipped
+                .get_or_create(&ReasonLabels {
+                    reason: SkipReason::NoInternalIp,
+                })
+                .inc();
+            if warned.insert(name.clone()) {
+                warn!(node = %name, "node has no InternalIP address; its agent cannot be reached and it is skipped");
+            }
+        } else {
+            warned.remove(&name);
+        }
+        name
+    };
+    loop {
+        let event = tokio::select! {
+            () = cancel.cancelled() => return,
+            event = stream.try_next() => event,
+        };
+        match event {
+            Ok(Some(watcher::Event::Init)) => listing.clear(),
+            Ok(Some(watcher::Event::InitApply(node))) => {
+                listing.insert(observe(&node, &mut warned));
+            }
+            Ok(Some(watcher::Event::InitDone)) => {
+                fleet.retain(&listing);
+                listing.clear();
+                if !fleet.synced.swap(true, Ordering::Relaxed) {
+                    info!(nodes = fleet.lock().len(), "initial node list read");
+                }
+            }
+            Ok(Some(watcher::Event::Apply(node))) => {
+                observe(&node, &mut warned);
+            }
+            Ok(Some(watcher::Event::Delete(node))) => {
+                if let Some(name) = node.metadata.name.as_deref() {
+                    fleet.remove(name);
+                }
+            }
+            Ok(None) => return,
+            Err(error) => warn!(%error, "node watch failed; retrying with backoff"),
+        }
+        metrics
+            .nodes_known
+            .set(i64::try_from(fleet.lock().len()).unwrap_or(i64::MAX));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn node(rv: &str, ip: Option<&str>, conditions: serde_json::Value) -> Node {
+        let addresses = ip.map(|ip| json!([{"type": "Hostname", "address": "h"}, {"type": "InternalIP", "address": ip}]));
+        serde_json::from_value(json!({
+            "metadata": {"name": "n1", "resourceVersion": rv, "managedFields": [{"manager": "kubelet"}]},
+            "status": {"addresses": addresses, "conditions": conditions},
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn keeps_only_the_internal_ip_and_our_conditions() {
+        let n = node(
+            "17",
+            Some("127.1.0.4"),
+            json!([
+                {"type": "Ready", "status": "True", "reason": "KubeletReady"},
+                {"type": "NodekeeperReachable", "status": "False", "reason": "AgentUnreachable", "message": "m", "lastTransitionTime": "2026-01-01T00:00:00Z"},
+            ]),
+        );
+        let facts = node_facts(&n);
+        assert_eq!(facts.address, Some("127.1.0.4".parse().unwrap()));
+        assert_eq!(facts.resource_version, 17);
+        assert_eq!(facts.written.len(), 1);
+        assert_eq!(facts.written[0].condition.status, Status::False);
+        assert_eq!(
+            facts.written[0].last_transition_time.as_deref(),
+            Some("2026-01-01T00:00:00Z")
+        );
+    }
+
+    #[test]
+    fn nodes_without_internal_ip_are_kept_but_never_due() {
+        let fleet = Fleet::default();
+        let now = Instant::now();
+        assert!(!fleet.observe(node_facts(&node("1", None, json!([]))), now));
+        assert!(fleet.take_due(now, 10, 9443).is_empty());
+        assert!(fleet.observe(node_facts(&node("2", Some("127.1.0.4"), json!([]))), now));
+        let jobs = fleet.take_due(now, 10, 9443);
+        assert_eq!(jobs.len(), 1);
+        assert_eq!(jobs[0].endpoint, "127.1.0.4:9443".parse().unwrap());
+        // In flight now: not handed out twice.
+        assert!(fleet.take_due(now, 10, 9443).is_empty());
+    }
+
+    #[test]
+    fn older_events_do_not_undo_newer_state() {
+        let fleet = Fleet::default();
+        let now = Instant::now();
+        let reachable = json!([{"type": "NodekeeperReachable", "status": "True", "reason": "AgentReachable", "message": "m"}]);
+        fleet.observe(node_facts(&node("10", Some("127.1.0.4"), reachable)), now);
+        fleet.observe(node_facts(&node("9", Some("127.1.0.4"), json!([]))), now);
+        assert_eq!(fleet.lock()["n1"].written.len(), 1);
+        fleet.observe(node_facts(&node("11", Some("127.1.0.4"), json!([]))), now);
+        assert!(fleet.lock()["n1"].written.is_empty());
+    }
+}

@@ -1,0 +1,269 @@
+//! Leadership: one `coordination.k8s.io/v1` Lease in the controller's namespace. Only the holder
+//! sweeps and writes. Acquire and renew use optimistic concurrency (every update carries the
+//! resourceVersion read just before), so two replicas can never both believe they won. A holder
+//! that cannot renew within the renew deadline gives up, and the process exits so the Pod
+//! restarts as a standby.
+//!
+//! Expiry is judged by the *local* clock: a standby takes over when the Lease record has not
+//! changed for `leaseDurationSeconds` since it last saw it change (as client-go does), so clock
+//! skew between replicas does not matter. After the leader dies without releasing, the other
+//! replica therefore takes over within lease duration + two retry periods; a leader that shuts
+//! down cleanly releases the Lease and the other takes over within one retry period.
+
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
+use kube::Api;
+use kube::api::PostParams;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+/// Lease timing and identity.
+#[derive(Clone, Debug)]
+pub struct LeaderConfig {
+    pub name: String,
+    pub identity: String,
+    pub lease_duration: Duration,
+    pub renew_deadline: Duration,
+    pub retry_period: Duration,
+}
+
+/// The parts of a Lease that say who holds it; any change counts as a renewal.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Record {
+    pub holder: String,
+    pub renew_time: String,
+    pub transitions: i32,
+    pub duration: Duration,
+}
+
+impl Record {
+    pub fn of(lease: &Lease) -> Record {
+        let spec = lease.spec.clone().unwrap_or_default();
+        Record {
+            holder: spec.holder_identity.unwrap_or_default(),
+            renew_time: spec.renew_time.map(|t| t.0.to_string()).unwrap_or_default(),
+            transitions: spec.lease_transitions.unwrap_or(0),
+            duration: Duration::from_secs(
+                u64::try_from(spec.lease_duration_seconds.unwrap_or(0)).unwrap_or(0),
+            ),
+        }
+    }
+}
+
+/// True when `me` may take the Lease: it is free, already ours, or its record has not changed
+/// for its whole duration since `changed_at` (local clock).
+pub fn may_acquire(record: &Record, changed_at: Instant, now: Instant, me: &str) -> bool {
+    record.holder.is_empty()
+        || record.holder == me
+        || now.saturating_duration_since(changed_at) >= record.duration
+}
+
+/// Errors of leadership.
+#[derive(Debug, thiserror::Error)]
+pub enum LeaderError {
+    #[error("lost the lease {name}: {why}")]
+    LoseLease { name: String, why: String },
+}
+
+fn spec(config: &LeaderConfig, transitions: i32, acquire_time: Option<MicroTime>) -> LeaseSpec {
+    let now = MicroTime(k8s_openapi::jiff::Timestamp::now());
+    LeaseSpec {
+        holder_identity: Some(config.identity.clone()),
+        lease_duration_seconds: Some(
+            i32::try_from(config.lease_duration.as_secs())
+                .unwrap_or(i32::MAX)
+                .max(1),
+        ),
+        acquire_time: Some(acquire_time.unwrap_or_else(|| now.clone())),
+        renew_time: Some(now),
+        lease_transitions: Some(transitions),
+        ..LeaseSpec::default()
+    }
+}
+
+fn is_conflict(error: &kube::Error) -> bool {
+    matches!(error, kube::Error::Api(status) if status.code == 409)
+}
+
+/// Blocks until this replica holds the Lease (true) or `cancel` fires (false).
+pub async fn acquire(api: &Api<Lease>, config: &LeaderConfig, cancel: &CancellationToken) -> bool {
+    let mut observed: Option<(Record, Instant)> = None;
+    let mut announced_standby = false;
+    loop {
+        match api.get_opt(&config.name).await {
+            Ok(None) => {
+                let lease = Lease {
+                    metadata: ObjectMeta {
+                        name: Some(config.name.clone()),
+                        ..ObjectMeta::default()
+                    },
+                    spec: Some(spec(config, 0, None)),
+                };
+                match api.create(&PostParams::default(), &lease).await {
+                    Ok(_) => return true,
+                    Err(e) if is_conflict(&e) => {}
+                    Err(error) => warn!(%error, lease = %config.name, "creating the lease failed"),
+                }
+            }
+            Ok(Some(mut lease)) => {
+                let record = Record::of(&lease);
+                let now = Instant::now();
+                let changed_at = match &observed {
+                    Some((seen, at)) if *seen == record => *at,
+                    _ => now,
+                };
+                observed = Some((record.clone(), changed_at));
+                if may_acquire(&record, changed_at, now, &config.identity) {
+                    let ours = record.holder == config.identity;
+                    let transitions = if ours {
+                        record.transitions
+                    } else {
+                        record.transitions + 1
+                    };
+                    let acquire_time = if ours {
+                        lease.spec.as_ref().and_then(|s| s.acquire_time.clone())
+                    } else {
+                        None
+                    };
+                    lease.spec = Some(spec(config, transitions, acquire_time));
+                    // replace() sends the resourceVersion we read: a competing update in between
+                    // makes this fail with 409 instead of silently overwriting it.
+                    match api
+                        .replace(&config.name, &PostParams::default(), &lease)
+                        .await
+                    {
+                        Ok(_) => {
+                            if !ours {
+                                info!(previous = %record.holder, lease = %config.name, "took over the lease");
+                            }
+                            return true;
+                        }
+                        Err(e) if is_conflict(&e) => {}
+                        Err(error) => {
+                            warn!(%error, lease = %config.name, "taking the lease failed")
+                        }
+                    }
+                } else if !announced_standby {
+                    announced_standby = true;
+                    info!(holder = %record.holder, lease = %config.name, "standing by; another replica leads");
+                }
+            }
+            Err(error) => warn!(%error, lease = %config.name, "reading the lease failed"),
+        }
+        tokio::select! {
+            () = cancel.cancelled() => return false,
+            () = tokio::time::sleep(config.retry_period) => {}
+        }
+    }
+}
+
+/// Renews the Lease every retry period until it is lost (Err) or `cancel` fires (Ok, after
+/// releasing it so the standby need not wait for expiry).
+pub async fn hold(
+    api: &Api<Lease>,
+    config: &LeaderConfig,
+    cancel: &CancellationToken,
+) -> Result<(), LeaderError> {
+    let mut last_renew = Instant::now();
+    let lost = |why: String| LeaderError::LoseLease {
+        name: config.name.clone(),
+        why,
+    };
+    loop {
+        tokio::select! {
+            () = cancel.cancelled() => {
+                release(api, config).await;
+                return Ok(());
+            }
+            () = tokio::time::sleep(config.retry_period) => {}
+        }
+        let attempt = async {
+            let mut lease = api.get(&config.name).await?;
+            let record = Record::of(&lease);
+            if record.holder != config.identity {
+                return Ok(Some(record.holder));
+            }
+            let acquire_time = lease.spec.as_ref().and_then(|s| s.acquire_time.clone());
+            lease.spec = Some(spec(config, record.transitions, acquire_time));
+            api.replace(&config.name, &PostParams::default(), &lease)
+                .await?;
+            Ok::<_, kube::Error>(None)
+        };
+        match attempt.await {
+            Ok(None) => last_renew = Instant::now(),
+            Ok(Some(holder)) => return Err(lost(format!("now held by {holder:?}"))),
+            Err(error) => {
+                warn!(%error, lease = %config.name, "renewing the lease failed");
+                if last_renew.elapsed() > config.renew_deadline {
+                    return Err(lost(format!(
+                        "not renewed for {:?} (renew deadline {:?}): {error}",
+                        last_renew.elapsed(),
+                        config.renew_deadline
+                    )));
+                }
+            }
+        }
+    }
+}
+
+/// Gives the Lease up (best effort) so the standby takes over at once.
+async fn release(api: &Api<Lease>, config: &LeaderConfig) {
+    let Ok(mut lease) = api.get(&config.name).await else {
+        return;
+    };
+    if Record::of(&lease).holder != config.identity {
+        return;
+    }
+    if let Some(spec) = lease.spec.as_mut() {
+        spec.holder_identity = None;
+        spec.lease_duration_seconds = Some(1);
+    }
+    match api
+        .replace(&config.name, &PostParams::default(), &lease)
+        .await
+    {
+        Ok(_) => info!(lease = %config.name, "released the lease"),
+        Err(error) => warn!(%error, lease = %config.name, "releasing the lease failed"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(holder: &str) -> Record {
+        Record {
+            holder: holder.into(),
+            renew_time: "t".into(),
+            transitions: 1,
+            duration: Duration::from_secs(15),
+        }
+    }
+
+    #[test]
+    fn free_or_own_leases_are_taken_at_once() {
+        let now = Instant::now();
+        assert!(may_acquire(&record(""), now, now, "me"));
+        assert!(may_acquire(&record("me"), now, now, "me"));
+        assert!(!may_acquire(&record("other"), now, now, "me"));
+    }
+
+    #[test]
+    fn a_held_lease_expires_by_the_local_clock() {
+        let seen = Instant::now();
+        assert!(!may_acquire(
+            &record("other"),
+            seen,
+            seen + Duration::from_secs(14),
+            "me"
+        ));
+        assert!(may_acquire(
+            &record("other"),
+            seen,
+            seen + Duration::from_secs(15),
+            "me"
+        ));
+    }
+}

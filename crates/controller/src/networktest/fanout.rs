@@ -1,0 +1,275 @@
+//! Fan-out of a test plan to the source nodes' agents: at most `concurrency` calls at once, each
+//! bounded by a time budget derived from the probe parameters, every source answered or given up.
+//! The call itself (a `RunProbes` over mutual TLS) is passed in, so this stays free of tonic.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::time::Duration;
+
+use futures::StreamExt as _;
+
+use super::aggregate::PairResult;
+use super::plan::{PlannedTarget, ProbeKind, ProbeParams, TestPlan};
+
+/// Targets an agent probes at once (the proto's default, which the controller sends explicitly).
+pub const AGENT_CONCURRENCY: u32 = 16;
+/// Slack on top of the computed budget for connection set-up and scheduling.
+const SLACK: Duration = Duration::from_secs(5);
+/// No single call may take longer than this, whatever the parameters say.
+const MAX_BUDGET: Duration = Duration::from_secs(15 * 60);
+/// Path-MTU probes per target: at most ~18 sizes (bisection of 68..65535 plus the first tries),
+/// each tried up to 3 times (the agent's limit).
+const PMTU_SIZES: u64 = 18;
+const PMTU_ATTEMPTS: u64 = 3;
+
+/// How long one agent may take for `targets` targets with `params`: the time its probes can
+/// take when every one of them times out, plus slack.
+pub fn call_budget(params: &ProbeParams, targets: usize) -> Duration {
+    let per_probe = u64::from(params.timeout_ms) + u64::from(params.interval_ms);
+    let probes_per_target = match params.kind {
+        ProbeKind::PathMtu => PMTU_SIZES * u64::from(params.count).min(PMTU_ATTEMPTS),
+        _ => u64::from(params.count),
+    };
+    let waves = (targets as u64)
+        .div_ceil(u64::from(AGENT_CONCURRENCY))
+        .max(1);
+    let ms = waves
+        .saturating_mul(probes_per_target)
+        .saturating_mul(per_probe);
+    (Duration::from_millis(ms) + SLACK).min(MAX_BUDGET)
+}
+
+/// Calls `call(source, targets, budget)` for every source of `plan`, at most `concurrency` at
+/// once, and returns each source's results or the reason it has none (including a call that
+/// outlived its budget).
+pub async fn fan_out<F, Fut>(
+    plan: &TestPlan,
+    concurrency: usize,
+    call: F,
+) -> BTreeMap<String, Result<Vec<PairResult>, String>>
+where
+    F: Fn(String, Vec<PlannedTarget>, Duration) -> Fut,
+    Fut: Future<Output = Result<Vec<PairResult>, String>>,
+{
+    let call = &call;
+    futures::stream::iter(plan.sources.iter())
+        .map(|(source, targets)| async move {
+            let budget = call_budget(&plan.params, targets.len());
+            let outcome =
+                match tokio::time::timeout(budget, call(source.clone(), targets.clone(), budget))
+                    .await
+                {
+                    Ok(r) => r,
+                    Err(_) => Err(format!("no answer within {budget:?}")),
+                };
+            (source.clone(), outcome)
+        })
+        .buffer_unordered(concurrency.max(1))
+        .collect()
+        .await
+}
+
+/// Resolves `names` with the controller's resolver, at most 16 at once, each within `timeout`.
+/// A name that does not resolve (or not in time) is absent from the result; [`super::plan::plan`]
+/// then names the field that holds it.
+pub async fn resolve(
+    names: &[String],
+    timeout: Duration,
+) -> BTreeMap<String, Vec<std::net::IpAddr>> {
+    futures::stream::iter(names.iter().cloned())
+        .map(|name| async move {
+            // Port 0 only satisfies the resolver's signature; no connection is made.
+            let addrs: Vec<std::net::IpAddr> = {
+                let found =
+                    tokio::time::timeout(timeout, tokio::net::lookup_host((name.as_str(), 0)));
+                match found.await {
+                    Ok(Ok(it)) => it.map(|sa| sa.ip()).collect(),
+                    _ => Vec::new(),
+                }
+            };
+            (name, addrs)
+        })
+        .buffer_unordered(16)
+        .filter(|(_, addrs)| futures::future::ready(!addrs.is_empty()))
+        .collect()
+        .await
+}
+
+/// Every pair's result in one list, sorted by source then target id: what the HTTP API serves.
+pub fn flatten(
+    outcomes: &BTreeMap<String, Result<Vec<PairResult>, String>>,
+    plan: &TestPlan,
+) -> Vec<PairResult> {
+    let mut pairs = Vec::with_capacity(plan.pair_count());
+    for (source, targets) in &plan.sources {
+        let returned = match outcomes.get(source) {
+            Some(Ok(r)) => Some(r),
+            _ => None,
+        };
+        for t in targets {
+            let found = returned.and_then(|r| r.iter().find(|p| p.target_id == t.id));
+            pairs.push(match found {
+                Some(p) => PairResult {
+                    source: source.clone(),
+                    ..p.clone()
+                },
+                None => PairResult {
+                    source: source.clone(),
+                    target_id: t.id.clone(),
+                    error: match outcomes.get(source) {
+                        Some(Err(e)) => format!("agent unreachable: {e}"),
+                        Some(Ok(_)) => "the agent returned no result for this target".into(),
+                        None => "agent gave no answer".into(),
+                    },
+                    ..Default::default()
+                },
+            });
+        }
+    }
+    pairs.sort_by(|a, b| {
+        a.source
+            .cmp(&b.source)
+            .then_with(|| a.target_id.cmp(&b.target_id))
+    });
+    pairs
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+
+    fn params(kind: ProbeKind, count: u32) -> ProbeParams {
+        ProbeParams {
+            kind,
+            count,
+            interval_ms: 100,
+            timeout_ms: 400,
+            expected_status: vec![],
+            max_mtu: 0,
+        }
+    }
+
+    #[test]
+    fn budgets() {
+        // 3 probes × 500 ms, one wave, plus 5 s.
+        assert_eq!(
+            call_budget(&params(ProbeKind::Icmp, 3), 10),
+            Duration::from_millis(6_500)
+        );
+        // 17 targets need two waves of 16.
+        assert_eq!(
+            call_budget(&params(ProbeKind::Icmp, 3), 17),
+            Duration::from_millis(8_000)
+        );
+        // Path MTU: 18 sizes × min(count, 3) attempts.
+        assert_eq!(
+            call_budget(&params(ProbeKind::PathMtu, 10), 1),
+            Duration::from_millis(32_000)
+        );
+        let huge = ProbeParams {
+            timeout_ms: 30_000,
+            interval_ms: 60_000,
+            ..params(ProbeKind::Icmp, 100)
+        };
+        assert_eq!(call_budget(&huge, 1_000), MAX_BUDGET);
+    }
+
+    fn plan(sources: usize) -> TestPlan {
+        TestPlan {
+            params: ProbeParams {
+                timeout_ms: 1,
+                interval_ms: 1,
+                ..params(ProbeKind::Tcp, 1)
+            },
+            sources: (0..sources)
+                .map(|i| {
+                    (
+                        format!("n{i:02}"),
+                        vec![PlannedTarget {
+                            id: "t".into(),
+                            ..Default::default()
+                        }],
+                    )
+                })
+                .collect(),
+        }
+    }
+
+    #[tokio::test]
+    async fn bounded_concurrency_and_timeouts() {
+        let running = Arc::new(AtomicUsize::new(0));
+        let peak = Arc::new(AtomicUsize::new(0));
+        let p = plan(10);
+        let out = fan_out(&p, 3, |source, targets, _budget| {
+            let (running, peak) = (running.clone(), peak.clone());
+            async move {
+                let now = running.fetch_add(1, Ordering::SeqCst) + 1;
+                peak.fetch_max(now, Ordering::SeqCst);
+                // n09 hangs past its budget (about 5 s); n08's agent is down.
+                let wait = if source == "n09" { 60_000 } else { 50 };
+                tokio::time::sleep(Duration::from_millis(wait)).await;
+                running.fetch_sub(1, Ordering::SeqCst);
+                if source == "n08" {
+                    return Err("connect: connection refused".into());
+                }
+                Ok(targets
+                    .iter()
+                    .map(|t| PairResult {
+                        target_id: t.id.clone(),
+                        sent: 1,
+                        received: 1,
+                        ..Default::default()
+                    })
+                    .collect())
+            }
+        })
+        .await;
+        assert_eq!(out.len(), 10);
+        assert_eq!(peak.load(Ordering::SeqCst), 3);
+        assert!(out["n00"].as_ref().is_ok_and(|r| r.len() == 1));
+        assert_eq!(out["n08"], Err("connect: connection refused".to_owned()));
+        assert!(
+            out["n09"]
+                .as_ref()
+                .is_err_and(|e| e.starts_with("no answer within"))
+        );
+    }
+
+    #[tokio::test]
+    async fn resolve_keeps_only_names_that_resolve() {
+        // `localhost` resolves from /etc/hosts and an empty name fails inside getaddrinfo: neither
+        // sends a query, so the test stays off the network.
+        let names = vec!["localhost".to_owned(), String::new()];
+        let got = resolve(&names, Duration::from_secs(5)).await;
+        assert!(
+            got.get("localhost")
+                .is_some_and(|a| a.iter().all(|ip| ip.is_loopback())),
+            "{got:?}"
+        );
+        assert!(!got.contains_key(""));
+    }
+
+    #[test]
+    fn flatten_covers_every_planned_pair() {
+        let p = plan(3);
+        let mut outcomes = BTreeMap::new();
+        outcomes.insert(
+            "n00".to_owned(),
+            Ok(vec![PairResult {
+                target_id: "t".into(),
+                sent: 1,
+                received: 1,
+                ..Default::default()
+            }]),
+        );
+        outcomes.insert("n01".to_owned(), Err("refused".to_owned()));
+        let pairs = flatten(&outcomes, &p);
+        assert_eq!(pairs.len(), 3);
+        assert_eq!((pairs[0].source.as_str(), pairs[0].received), ("n00", 1));
+        assert_eq!(pairs[1].error, "agent unreachable: refused");
+        assert_eq!(pairs[2].error, "agent gave no answer");
+    }
+}

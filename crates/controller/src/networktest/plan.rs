@@ -1,0 +1,818 @@
+//! A `NetworkTest` spec, as plain data, checked and expanded into what each source node probes.
+//! Only addresses the spec names are ever produced: the API server and the metadata service appear
+//! only when a target asks for them, and then only at the addresses the controller is configured with.
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, SocketAddr};
+
+use super::peers;
+
+/// At most this many entries in `spec.targets` (and at most this many targets per source node,
+/// the agent's limit per call).
+pub const MAX_TARGETS: usize = 1_000;
+/// Probes per target.
+pub const MAX_COUNT: i64 = 100;
+/// A single probe's timeout, in milliseconds.
+pub const MAX_TIMEOUT_MS: i64 = 30_000;
+/// Longest pause between probes of one target, in milliseconds.
+pub const MAX_INTERVAL_MS: i64 = 60_000;
+/// The most source nodes one test may use.
+pub const MAX_SOURCE_NODES: i64 = 10_000;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum ProbeKind {
+    Icmp,
+    Tcp,
+    Dns,
+    Http,
+    PathMtu,
+}
+
+impl ProbeKind {
+    /// Parses the spec's spelling (`icmp`, `tcp`, `dns`, `http`, `pathMtu`).
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "icmp" => Self::Icmp,
+            "tcp" => Self::Tcp,
+            "dns" => Self::Dns,
+            "http" => Self::Http,
+            "pathMtu" => Self::PathMtu,
+            _ => return None,
+        })
+    }
+}
+
+/// One entry of `spec.targets`, as the user wrote it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TargetSpec {
+    /// An IP address.
+    Address(String),
+    /// `address:port` or `hostname:port` (IPv6 as `[addr]:port`).
+    HostPort(String),
+    /// A DNS name: the name to query for `dns`, resolved by the controller for the other kinds.
+    Hostname(String),
+    /// An `http://` or `https://` URL.
+    Url(String),
+    /// The Kubernetes API server, at the address the controller is configured with.
+    ApiServer,
+    /// The instance metadata service, at the address the controller is configured with. Never
+    /// added unless a target names it.
+    MetadataService,
+    /// Other selected nodes: up to `per_node` each, chosen by [`peers::select`].
+    Peers { per_node: i64 },
+}
+
+/// The parts of a `NetworkTest` spec the plan is made from.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TestSpec {
+    /// Spelling as in the resource; checked here.
+    pub kind: String,
+    pub targets: Vec<TargetSpec>,
+    pub count: i64,
+    pub interval_ms: i64,
+    pub timeout_ms: i64,
+    /// The most source nodes used; `None` means all selected (up to [`MAX_SOURCE_NODES`]).
+    pub max_nodes: Option<i64>,
+    /// TCP: the port for `address`, `peers`, `apiServer` and `metadataService` targets without one.
+    pub port: Option<i64>,
+    /// DNS: the resolver address; `None` means each node's configured resolver.
+    pub resolver: Option<String>,
+    /// HTTP: accepted status codes; empty means 200–399.
+    pub expected_status: Vec<i64>,
+    /// pathMtu: the largest size tried.
+    pub max_mtu: Option<i64>,
+}
+
+/// What the controller knows about the cluster, from its configuration.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Environment {
+    /// The API server as nodes reach it (`host:port`).
+    pub api_server: Option<SocketAddr>,
+    /// The metadata service's address, from configuration only.
+    pub metadata_service: Option<IpAddr>,
+}
+
+/// A node that may run the test.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SourceNode {
+    pub name: String,
+    /// The address its agent listens on and peers probe.
+    pub address: IpAddr,
+}
+
+/// A bad spec: the field (JSON path from `spec`) and what to do.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {reason}")]
+pub struct SpecError {
+    pub field: String,
+    pub reason: String,
+}
+
+fn bad(field: impl Into<String>, reason: impl Into<String>) -> SpecError {
+    SpecError {
+        field: field.into(),
+        reason: reason.into(),
+    }
+}
+
+/// One probe target, as sent to an agent (mirrors the proto's `ProbeTarget`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, PartialOrd, Ord)]
+pub struct PlannedTarget {
+    /// Echoed back in results, e.g. `node/worker-3`, `apiServer`, `10.0.0.5`.
+    pub id: String,
+    pub address: String,
+    pub port: u16,
+    pub hostname: String,
+    pub url: String,
+}
+
+/// The checked probe parameters shared by every source node (mirrors `RunProbesRequest`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProbeParams {
+    pub kind: ProbeKind,
+    pub count: u32,
+    pub interval_ms: u32,
+    pub timeout_ms: u32,
+    pub expected_status: Vec<u32>,
+    pub max_mtu: u32,
+}
+
+/// The whole test: parameters and, per source node (sorted by name), its targets.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TestPlan {
+    pub params: ProbeParams,
+    pub sources: BTreeMap<String, Vec<PlannedTarget>>,
+}
+
+impl TestPlan {
+    pub fn pair_count(&self) -> usize {
+        self.sources.values().map(Vec::len).sum()
+    }
+}
+
+/// Checks the parameters of `spec` (everything but the targets' resolution).
+pub fn check_params(spec: &TestSpec) -> Result<ProbeParams, SpecError> {
+    let kind = ProbeKind::parse(&spec.kind).ok_or_else(|| {
+        bad(
+            "spec.kind",
+            format!(
+                "unknown probe kind {:?}; use icmp, tcp, dns, http or pathMtu",
+                spec.kind
+            ),
+        )
+    })?;
+    let ranged = |field: &str, v: i64, lo: i64, hi: i64| -> Result<u32, SpecError> {
+        if (lo..=hi).contains(&v) {
+            Ok(v as u32)
+        } else {
+            Err(bad(field, format!("{v} is out of range; use {lo}–{hi}")))
+        }
+    };
+    let count = ranged("spec.count", spec.count, 1, MAX_COUNT)?;
+    let timeout_ms = ranged("spec.timeoutMs", spec.timeout_ms, 1, MAX_TIMEOUT_MS)?;
+    let interval_ms = ranged("spec.intervalMs", spec.interval_ms, 1, MAX_INTERVAL_MS)?;
+    if let Some(n) = spec.max_nodes {
+        ranged("spec.maxNodes", n, 1, MAX_SOURCE_NODES)?;
+    }
+    let mut expected_status = Vec::new();
+    for (i, s) in spec.expected_status.iter().enumerate() {
+        expected_status.push(ranged(&format!("spec.expectedStatus[{i}]"), *s, 100, 599)?);
+    }
+    let max_mtu = match spec.max_mtu {
+        None => 0,
+        Some(m) => ranged("spec.maxMtu", m, 68, 65_535)?,
+    };
+    if spec.targets.is_empty() {
+        return Err(bad("spec.targets", "must name at least one target"));
+    }
+    if spec.targets.len() > MAX_TARGETS {
+        return Err(bad(
+            "spec.targets",
+            format!(
+                "{} entries, at most {MAX_TARGETS}; split the test",
+                spec.targets.len()
+            ),
+        ));
+    }
+    Ok(ProbeParams {
+        kind,
+        count,
+        interval_ms,
+        timeout_ms,
+        expected_status,
+        max_mtu,
+    })
+}
+
+/// The hostnames the controller must resolve before [`plan`] (for every kind but `dns`, whose
+/// hostnames are what the agents query), each with the field that names it.
+pub fn hostnames_to_resolve(spec: &TestSpec) -> Vec<(String, String)> {
+    if ProbeKind::parse(&spec.kind) == Some(ProbeKind::Dns) {
+        return Vec::new();
+    }
+    let mut out = Vec::new();
+    for (i, t) in spec.targets.iter().enumerate() {
+        match t {
+            TargetSpec::Hostname(h) => out.push((format!("spec.targets[{i}].hostname"), h.clone())),
+            TargetSpec::HostPort(hp) => {
+                if let Some((host, _)) = split_host_port(hp)
+                    && host.parse::<IpAddr>().is_err()
+                {
+                    out.push((format!("spec.targets[{i}].hostPort"), host.to_owned()));
+                }
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+/// Expands `spec` into each source's targets. `nodes` are the nodes the selector matched (any
+/// order); `resolved` holds the addresses of the names [`hostnames_to_resolve`] listed (a name
+/// missing from it did not resolve); `seed` is the test's uid.
+pub fn plan(
+    spec: &TestSpec,
+    nodes: &[SourceNode],
+    env: &Environment,
+    resolved: &BTreeMap<String, Vec<IpAddr>>,
+    seed: &str,
+) -> Result<TestPlan, SpecError> {
+    let params = check_params(spec)?;
+    let kind = params.kind;
+    let mut nodes: Vec<&SourceNode> = nodes.iter().collect();
+    nodes.sort_by(|a, b| a.name.cmp(&b.name));
+    nodes.dedup_by(|a, b| a.name == b.name);
+    if nodes.is_empty() {
+        return Err(bad(
+            "spec.nodeSelector",
+            "matches no nodes; check the labels or wait for the nodes to join",
+        ));
+    }
+    let cap = spec.max_nodes.unwrap_or(MAX_SOURCE_NODES) as usize;
+    // The first `cap` by name: deterministic, so a re-reconcile picks the same sources.
+    nodes.truncate(cap);
+    let port = match spec.port {
+        None => None,
+        Some(p) if (1..=65_535).contains(&p) => Some(p as u16),
+        Some(p) => return Err(bad("spec.port", format!("{p} is not a port (1–65535)"))),
+    };
+
+    if let Some(r) = &spec.resolver {
+        parse_ip(r).map_err(|reason| bad("spec.resolver", reason))?;
+    }
+    // Targets that are the same for every source, in spec order; `peers` is expanded per node.
+    let mut common: Vec<PlannedTarget> = Vec::new();
+    let mut peers_per_node = None;
+    for (i, t) in spec.targets.iter().enumerate() {
+        let field = |name: &str| format!("spec.targets[{i}].{name}");
+        let kind_word = &spec.kind;
+        match t {
+            TargetSpec::Address(a) => {
+                let ip = parse_ip(a).map_err(|r| bad(field("address"), r))?;
+                common.push(addressed(kind, a.clone(), ip, port, &field("address"))?);
+            }
+            TargetSpec::HostPort(hp) => {
+                let (host, p) = split_host_port(hp).ok_or_else(|| {
+                    bad(
+                        field("hostPort"),
+                        format!("{hp:?} is not host:port (IPv6 as [address]:port)"),
+                    )
+                })?;
+                if kind != ProbeKind::Tcp {
+                    return Err(bad(
+                        field("hostPort"),
+                        format!("host:port targets are for tcp, not {kind_word}"),
+                    ));
+                }
+                let ip = match host.parse::<IpAddr>() {
+                    Ok(ip) => ip,
+                    Err(_) => first_resolved(resolved, host).ok_or_else(|| {
+                        bad(field("hostPort"), format!("{host:?} does not resolve"))
+                    })?,
+                };
+                common.push(PlannedTarget {
+                    id: hp.clone(),
+                    address: ip.to_string(),
+                    port: p,
+                    ..Default::default()
+                });
+            }
+            TargetSpec::Hostname(h) => {
+                check_hostname(h).map_err(|r| bad(field("hostname"), r))?;
+                if kind == ProbeKind::Dns {
+                    common.push(PlannedTarget {
+                        id: h.clone(),
+                        address: spec.resolver.clone().unwrap_or_default(),
+                        hostname: h.clone(),
+                        ..Default::default()
+                    });
+                } else if kind == ProbeKind::Http {
+                    return Err(bad(
+                        field("hostname"),
+                        "http probes take URLs; write the target as url",
+                    ));
+                } else {
+                    let ip = first_resolved(resolved, h)
+                        .ok_or_else(|| bad(field("hostname"), format!("{h:?} does not resolve")))?;
+                    common.push(addressed(kind, h.clone(), ip, port, &field("hostname"))?);
+                }
+            }
+            TargetSpec::Url(u) => {
+                if kind != ProbeKind::Http {
+                    return Err(bad(
+                        field("url"),
+                        format!("URL targets are for http, not {kind_word}"),
+                    ));
+                }
+                check_url(u).map_err(|r| bad(field("url"), r))?;
+                common.push(PlannedTarget {
+                    id: u.clone(),
+                    url: u.clone(),
+                    ..Default::default()
+                });
+            }
+            TargetSpec::ApiServer => {
+                let api = env.api_server.ok_or_else(|| {
+                    bad(
+                        field("apiServer"),
+                        "the controller has no API server address configured",
+                    )
+                })?;
+                common.push(match kind {
+                    ProbeKind::Http => PlannedTarget {
+                        id: "apiServer".into(),
+                        url: format!("https://{api}/livez"),
+                        ..Default::default()
+                    },
+                    ProbeKind::Tcp => PlannedTarget {
+                        id: "apiServer".into(),
+                        address: api.ip().to_string(),
+                        port: port.unwrap_or(api.port()),
+                        ..Default::default()
+                    },
+                    ProbeKind::Dns => {
+                        return Err(bad(
+                            field("apiServer"),
+                            "dns probes take hostnames, not the API server",
+                        ));
+                    }
+                    ProbeKind::Icmp | ProbeKind::PathMtu => PlannedTarget {
+                        id: "apiServer".into(),
+                        address: api.ip().to_string(),
+                        ..Default::default()
+                    },
+                });
+            }
+            TargetSpec::MetadataService => {
+                let md = env.metadata_service.ok_or_else(|| {
+                    bad(
+                        field("metadataService"),
+                        "the controller has no metadata service address configured",
+                    )
+                })?;
+                common.push(match kind {
+                    ProbeKind::Http => PlannedTarget {
+                        id: "metadataService".into(),
+                        url: format!("http://{}/", SocketAddr::new(md, 80)),
+                        ..Default::default()
+                    },
+                    ProbeKind::Dns => {
+                        return Err(bad(
+                            field("metadataService"),
+                            "dns probes take hostnames, not the metadata service",
+                        ));
+                    }
+                    _ => addressed(
+                        kind,
+                        "metadataService".into(),
+                        md,
+                        port.or(Some(80)),
+                        &field("metadataService"),
+                    )?,
+                });
+            }
+            TargetSpec::Peers { per_node } => {
+                if !(1..=i64::from(peers::MAX_PEERS_PER_NODE)).contains(per_node) {
+                    return Err(bad(
+                        field("peers"),
+                        format!(
+                            "{per_node} peers per node is out of range; use 1–{}",
+                            peers::MAX_PEERS_PER_NODE
+                        ),
+                    ));
+                }
+                match kind {
+                    ProbeKind::Dns | ProbeKind::Http => {
+                        return Err(bad(
+                            field("peers"),
+                            format!("peers are probed with icmp, tcp or pathMtu, not {kind_word}"),
+                        ));
+                    }
+                    ProbeKind::Tcp if port.is_none() => {
+                        return Err(bad("spec.port", "tcp probes of peers need spec.port"));
+                    }
+                    _ => {}
+                }
+                if peers_per_node.is_some() {
+                    return Err(bad(field("peers"), "peers may be given once"));
+                }
+                peers_per_node = Some(*per_node as u32);
+            }
+        }
+    }
+
+    // Results are matched to targets by id, so two entries naming the same thing would merge.
+    let mut seen = BTreeMap::new();
+    for (i, t) in common.iter().enumerate() {
+        if let Some(first) = seen.insert(t.id.clone(), i) {
+            return Err(bad(
+                "spec.targets",
+                format!(
+                    "{:?} is listed twice (entries {first} and {i}); remove one",
+                    t.id
+                ),
+            ));
+        }
+    }
+    let names: Vec<String> = nodes.iter().map(|n| n.name.clone()).collect();
+    let selection = peers_per_node.map(|k| peers::select(&names, k, seed));
+    let mut sources = BTreeMap::new();
+    for (i, node) in nodes.iter().enumerate() {
+        let mut targets = common.clone();
+        if let Some(sel) = &selection {
+            for &p in &sel[i] {
+                let peer = nodes[p];
+                targets.push(PlannedTarget {
+                    id: format!("node/{}", peer.name),
+                    address: peer.address.to_string(),
+                    port: if kind == ProbeKind::Tcp {
+                        port.unwrap_or_default()
+                    } else {
+                        0
+                    },
+                    ..Default::default()
+                });
+            }
+        }
+        if targets.len() > MAX_TARGETS {
+            return Err(bad(
+                "spec.targets",
+                format!("{} targets per node, at most {MAX_TARGETS}", targets.len()),
+            ));
+        }
+        sources.insert(node.name.clone(), targets);
+    }
+    Ok(TestPlan { params, sources })
+}
+
+/// A target at an IP address for kinds that take one (`icmp`, `pathMtu`, `tcp` with a port).
+fn addressed(
+    kind: ProbeKind,
+    id: String,
+    ip: IpAddr,
+    port: Option<u16>,
+    field: &str,
+) -> Result<PlannedTarget, SpecError> {
+    match kind {
+        ProbeKind::Icmp | ProbeKind::PathMtu => Ok(PlannedTarget {
+            id,
+            address: ip.to_string(),
+            ..Default::default()
+        }),
+        ProbeKind::Tcp => {
+            let port = port.ok_or_else(|| {
+                bad(
+                    field,
+                    "tcp probes need a port: write host:port or set spec.port",
+                )
+            })?;
+            Ok(PlannedTarget {
+                id,
+                address: ip.to_string(),
+                port,
+                ..Default::default()
+            })
+        }
+        ProbeKind::Dns => Err(bad(
+            field,
+            "dns probes take hostnames; give the resolver in spec.resolver",
+        )),
+        ProbeKind::Http => Err(bad(field, "http probes take URLs")),
+    }
+}
+
+fn first_resolved(resolved: &BTreeMap<String, Vec<IpAddr>>, name: &str) -> Option<IpAddr> {
+    resolved.get(name).and_then(|v| v.first().copied())
+}
+
+fn parse_ip(s: &str) -> Result<IpAddr, String> {
+    let ip: IpAddr = s
+        .parse()
+        .map_err(|_| format!("{s:?} is not an IP address"))?;
+    if ip.is_unspecified() || ip.is_multicast() {
+        return Err(format!("{ip} is not a unicast address"));
+    }
+    Ok(ip)
+}
+
+/// Splits `host:port` / `[v6]:port`; the port must be 1–65535.
+pub fn split_host_port(s: &str) -> Option<(&str, u16)> {
+    let (host, port) = if let Some(rest) = s.strip_prefix('[') {
+        let (h, p) = rest.split_once("]:")?;
+        (h, p)
+    } else {
+        let (h, p) = s.rsplit_once(':')?;
+        if h.contains(':') {
+            return None;
+        }
+        (h, p)
+    };
+    let port: u16 = port.parse().ok().filter(|p| *p != 0)?;
+    (!host.is_empty()).then_some((host, port))
+}
+
+/// The same rule the agent applies: labels of letters, digits, `-`, `_`; at most 253 characters.
+pub fn check_hostname(name: &str) -> Result<(), String> {
+    let trimmed = name.strip_suffix('.').unwrap_or(name);
+    if trimmed.is_empty() || trimmed.len() > 253 {
+        return Err(format!("{name:?} is not a DNS name (1–253 characters)"));
+    }
+    for label in trimmed.split('.') {
+        let ok_chars = label
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
+        if label.is_empty()
+            || label.len() > 63
+            || !ok_chars
+            || label.starts_with('-')
+            || label.ends_with('-')
+        {
+            return Err(format!("{name:?} is not a DNS name (bad label {label:?})"));
+        }
+    }
+    Ok(())
+}
+
+/// `http://` or `https://` with a host.
+pub fn check_url(u: &str) -> Result<(), String> {
+    let Some((scheme, rest)) = u.split_once("://") else {
+        return Err(format!("{u:?} has no scheme; use http:// or https://"));
+    };
+    if scheme != "http" && scheme != "https" {
+        return Err(format!(
+            "scheme {scheme:?} is not supported; use http or https"
+        ));
+    }
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or_default();
+    if authority.is_empty() {
+        return Err(format!("{u:?} has no host"));
+    }
+    if authority.contains('@') {
+        return Err("user information in URLs is not supported".into());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(kind: &str, targets: Vec<TargetSpec>) -> TestSpec {
+        TestSpec {
+            kind: kind.into(),
+            targets,
+            count: 3,
+            interval_ms: 100,
+            timeout_ms: 1000,
+            max_nodes: None,
+            port: None,
+            resolver: None,
+            expected_status: vec![],
+            max_mtu: None,
+        }
+    }
+
+    fn nodes(n: usize) -> Vec<SourceNode> {
+        (0..n)
+            .map(|i| SourceNode {
+                name: format!("w{i}"),
+                address: format!("10.0.0.{}", i + 1).parse().unwrap(),
+            })
+            .collect()
+    }
+
+    fn field_of(r: Result<TestPlan, SpecError>) -> String {
+        r.expect_err("expected a spec error").field
+    }
+
+    fn no_dns() -> BTreeMap<String, Vec<IpAddr>> {
+        BTreeMap::new()
+    }
+
+    #[test]
+    fn bad_parameters_name_the_field() {
+        let t = vec![TargetSpec::Address("10.0.0.9".into())];
+        let env = Environment::default();
+        let mut s = spec("ping", t.clone());
+        assert_eq!(
+            field_of(plan(&s, &nodes(1), &env, &no_dns(), "u")),
+            "spec.kind"
+        );
+        for (field, f) in [
+            (
+                "spec.count",
+                (|s: &mut TestSpec| s.count = 0) as fn(&mut TestSpec),
+            ),
+            ("spec.count", |s| s.count = -5),
+            ("spec.count", |s| s.count = 101),
+            ("spec.timeoutMs", |s| s.timeout_ms = 0),
+            ("spec.intervalMs", |s| s.interval_ms = -1),
+            ("spec.maxNodes", |s| s.max_nodes = Some(0)),
+            ("spec.maxMtu", |s| s.max_mtu = Some(10)),
+            ("spec.expectedStatus[0]", |s| s.expected_status = vec![42]),
+        ] {
+            s = spec("icmp", t.clone());
+            f(&mut s);
+            assert_eq!(field_of(plan(&s, &nodes(1), &env, &no_dns(), "u")), field);
+        }
+    }
+
+    #[test]
+    fn ten_thousand_targets_are_refused() {
+        let many = (0..10_000)
+            .map(|i| TargetSpec::Address(format!("10.1.{}.{}", i / 200, i % 200 + 1)))
+            .collect();
+        let e = plan(
+            &spec("icmp", many),
+            &nodes(1),
+            &Environment::default(),
+            &no_dns(),
+            "u",
+        )
+        .unwrap_err();
+        assert_eq!(e.field, "spec.targets");
+        assert!(e.reason.contains("10000 entries, at most 1000"), "{e}");
+    }
+
+    #[test]
+    fn no_matching_nodes_fails_on_the_selector() {
+        let s = spec("icmp", vec![TargetSpec::Address("10.0.0.9".into())]);
+        assert_eq!(
+            field_of(plan(&s, &[], &Environment::default(), &no_dns(), "u")),
+            "spec.nodeSelector"
+        );
+    }
+
+    #[test]
+    fn unresolvable_hostname_and_bad_url() {
+        let env = Environment::default();
+        let s = spec("icmp", vec![TargetSpec::Hostname("nope.invalid".into())]);
+        let e = plan(&s, &nodes(1), &env, &no_dns(), "u").unwrap_err();
+        assert_eq!(
+            (e.field.as_str(), e.reason.as_str()),
+            (
+                "spec.targets[0].hostname",
+                "\"nope.invalid\" does not resolve"
+            )
+        );
+        let mut resolved = BTreeMap::new();
+        resolved.insert("ok.example".to_owned(), vec!["10.9.9.9".parse().unwrap()]);
+        let s = spec("icmp", vec![TargetSpec::Hostname("ok.example".into())]);
+        let p = plan(&s, &nodes(1), &env, &resolved, "u").unwrap();
+        assert_eq!(p.sources["w0"][0].address, "10.9.9.9");
+        let s = spec("http", vec![TargetSpec::Url("gopher://x/".into())]);
+        let e = plan(&s, &nodes(1), &env, &no_dns(), "u").unwrap_err();
+        assert_eq!(e.field, "spec.targets[0].url");
+        assert!(e.reason.contains("scheme \"gopher\""));
+    }
+
+    #[test]
+    fn metadata_and_api_server_only_when_asked_and_configured() {
+        let env = Environment {
+            api_server: Some("10.96.0.1:443".parse().unwrap()),
+            metadata_service: Some("127.0.0.53".parse().unwrap()),
+        };
+        let s = spec("icmp", vec![TargetSpec::Address("10.0.0.9".into())]);
+        let p = plan(&s, &nodes(2), &env, &no_dns(), "u").unwrap();
+        for targets in p.sources.values() {
+            assert_eq!(
+                targets
+                    .iter()
+                    .map(|t| t.address.as_str())
+                    .collect::<Vec<_>>(),
+                vec!["10.0.0.9"]
+            );
+        }
+        let s = spec(
+            "http",
+            vec![TargetSpec::ApiServer, TargetSpec::MetadataService],
+        );
+        let p = plan(&s, &nodes(1), &env, &no_dns(), "u").unwrap();
+        let urls: Vec<_> = p.sources["w0"].iter().map(|t| t.url.as_str()).collect();
+        assert_eq!(
+            urls,
+            vec!["https://10.96.0.1:443/livez", "http://127.0.0.53:80/"]
+        );
+        let s = spec("icmp", vec![TargetSpec::MetadataService]);
+        let e = plan(&s, &nodes(1), &Environment::default(), &no_dns(), "u").unwrap_err();
+        assert_eq!(e.field, "spec.targets[0].metadataService");
+    }
+
+    #[test]
+    fn peers_expand_per_node_and_cap_sources() {
+        let mut s = spec(
+            "icmp",
+            vec![
+                TargetSpec::Address("10.0.0.200".into()),
+                TargetSpec::Peers { per_node: 2 },
+            ],
+        );
+        s.max_nodes = Some(4);
+        let p = plan(&s, &nodes(6), &Environment::default(), &no_dns(), "uid-7").unwrap();
+        assert_eq!(p.sources.len(), 4);
+        // Sorted by name, the first four are w0..w3; peers are among those four only.
+        for (name, targets) in &p.sources {
+            assert_eq!(targets.len(), 3, "{name}: {targets:?}");
+            assert_eq!(targets[0].address, "10.0.0.200");
+            for t in &targets[1..] {
+                assert!(t.id.starts_with("node/w") && t.id != format!("node/{name}"));
+                let peer = t.id.trim_start_matches("node/");
+                assert!(
+                    p.sources.contains_key(peer),
+                    "peer {peer} is not a selected source"
+                );
+            }
+        }
+        assert_eq!(p.pair_count(), 12);
+        assert_eq!(
+            p,
+            plan(&s, &nodes(6), &Environment::default(), &no_dns(), "uid-7").unwrap()
+        );
+    }
+
+    #[test]
+    fn kind_and_target_must_fit() {
+        let env = Environment::default();
+        let s = spec("tcp", vec![TargetSpec::Address("10.0.0.9".into())]);
+        assert!(
+            plan(&s, &nodes(1), &env, &no_dns(), "u")
+                .unwrap_err()
+                .reason
+                .contains("need a port")
+        );
+        let s = spec("tcp", vec![TargetSpec::HostPort("[fd00::1]:443".into())]);
+        let p = plan(&s, &nodes(1), &env, &no_dns(), "u").unwrap();
+        assert_eq!(
+            (p.sources["w0"][0].address.as_str(), p.sources["w0"][0].port),
+            ("fd00::1", 443)
+        );
+        let s = spec("http", vec![TargetSpec::Peers { per_node: 1 }]);
+        assert_eq!(
+            field_of(plan(&s, &nodes(2), &env, &no_dns(), "u")),
+            "spec.targets[0].peers"
+        );
+        let s = spec("tcp", vec![TargetSpec::Peers { per_node: 1 }]);
+        assert_eq!(
+            field_of(plan(&s, &nodes(2), &env, &no_dns(), "u")),
+            "spec.port"
+        );
+        let s = spec("icmp", vec![TargetSpec::Peers { per_node: 0 }]);
+        assert_eq!(
+            field_of(plan(&s, &nodes(2), &env, &no_dns(), "u")),
+            "spec.targets[0].peers"
+        );
+        let mut s = spec(
+            "dns",
+            vec![TargetSpec::Hostname(
+                "kubernetes.default.svc.cluster.local".into(),
+            )],
+        );
+        s.resolver = Some("10.96.0.10".into());
+        let p = plan(&s, &nodes(1), &env, &no_dns(), "u").unwrap();
+        assert_eq!(p.sources["w0"][0].address, "10.96.0.10");
+        assert!(hostnames_to_resolve(&s).is_empty());
+    }
+
+    #[test]
+    fn duplicate_targets_are_refused() {
+        let s = spec(
+            "icmp",
+            vec![
+                TargetSpec::Address("10.0.0.9".into()),
+                TargetSpec::Address("10.0.0.9".into()),
+            ],
+        );
+        let e = plan(&s, &nodes(1), &Environment::default(), &no_dns(), "u").unwrap_err();
+        assert_eq!(e.field, "spec.targets");
+        assert!(e.reason.contains("listed twice"), "{e}");
+    }
+
+    #[test]
+    fn host_port_splitting() {
+        assert_eq!(split_host_port("a.b:80"), Some(("a.b", 80)));
+        assert_eq!(split_host_port("[::1]:443"), Some(("::1", 443)));
+        assert_eq!(split_host_port("::1:443"), None);
+        assert_eq!(split_host_port("a:0"), None);
+        assert_eq!(split_host_port(":80"), None);
+    }
+}

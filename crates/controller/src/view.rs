@@ -1,0 +1,382 @@
+//! The controller's own copy of a node report: plain data, serialisable as the HTTP API's JSON,
+//! converted from the gRPC message in exactly one place ([`NodeView::from_proto`]) where a
+//! malformed reply is refused rather than half-used.
+
+use nodekeeper_api::proto::agent::v1 as pb;
+use serde::Serialize;
+
+/// How an indicator, tunable, GPU or plugin compares with the rules.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Verdict {
+    /// Not evaluated; never treated as healthy.
+    Unspecified,
+    Ok,
+    Warning,
+    Critical,
+}
+
+impl Verdict {
+    fn from_i32(value: i32) -> Verdict {
+        match pb::Verdict::try_from(value) {
+            Ok(pb::Verdict::Ok) => Verdict::Ok,
+            Ok(pb::Verdict::Warning) => Verdict::Warning,
+            Ok(pb::Verdict::Critical) => Verdict::Critical,
+            // Unknown future values are "not evaluated", the safe reading.
+            _ => Verdict::Unspecified,
+        }
+    }
+
+    pub fn word(self) -> &'static str {
+        match self {
+            Verdict::Unspecified => "not evaluated",
+            Verdict::Ok => "ok",
+            Verdict::Warning => "warning",
+            Verdict::Critical => "critical",
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct IndicatorView {
+    pub name: String,
+    pub value: f64,
+    pub unit: String,
+    pub verdict: Verdict,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub message: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TunableView {
+    pub rule: String,
+    pub key: String,
+    pub current: String,
+    pub verdict: Verdict,
+    pub expected: String,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub previous: String,
+    #[serde(skip_serializing_if = "is_zero")]
+    pub repaired_at_unix_ms: i64,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub conflict: bool,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub error: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct InterfaceView {
+    pub name: String,
+    pub index: u32,
+    pub mac: String,
+    pub mtu: u32,
+    pub up: bool,
+    pub oper_state: String,
+    pub kind: String,
+    pub addresses: Vec<String>,
+    pub managed: bool,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct GpuView {
+    pub present: bool,
+    pub source: String,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub error: String,
+    pub gpus: Vec<GpuInfo>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct GpuInfo {
+    pub index: u32,
+    pub uuid: String,
+    pub model: String,
+    pub memory_total_mib: u64,
+    pub memory_used_mib: u64,
+    pub temperature_c: f64,
+    pub utilization_percent: f64,
+    pub ecc_uncorrected: u64,
+    pub xid_events: u64,
+    pub verdict: Verdict,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub message: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PluginView {
+    pub name: String,
+    pub state: String,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub message: String,
+    pub verdict: Verdict,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SystemView {
+    pub kernel_release: String,
+    pub boot_id: String,
+    pub booted_at_unix: i64,
+    pub cpus: u32,
+    pub memory_total_bytes: u64,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct NetworkView {
+    pub applied_generation: String,
+    pub drifted: bool,
+    pub drift: Vec<String>,
+    pub reconverged_at_unix_ms: i64,
+    pub last_error: String,
+}
+
+/// One node's report as the controller keeps it.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct NodeView {
+    pub node_name: String,
+    pub agent_version: String,
+    pub revision: u64,
+    pub collected_at_unix_ms: i64,
+    pub indicators: Vec<IndicatorView>,
+    pub tunables: Vec<TunableView>,
+    pub rules_revision: u64,
+    pub interfaces: Vec<InterfaceView>,
+    pub gpu: GpuView,
+    pub plugins: Vec<PluginView>,
+    pub collector_errors: Vec<(String, String)>,
+    pub system: SystemView,
+    pub network: NetworkView,
+}
+
+fn is_zero(v: &i64) -> bool {
+    *v == 0
+}
+
+/// Why a reply cannot be used.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum InvalidReport {
+    #[error("reply has neither a report nor `unchanged`")]
+    Empty,
+    #[error("reply says `unchanged` but the controller holds no report for revision {0}")]
+    UnchangedWithoutCopy(u64),
+    #[error(
+        "report is for node {reported:?}, not {expected:?}: the agent at this address belongs to another node"
+    )]
+    WrongNode { expected: String, reported: String },
+    #[error("report revision is 0, which the contract reserves for \"none\"")]
+    ZeroRevision,
+}
+
+impl NodeView {
+    /// Converts a reply for node `expected`. `cached` is the copy the controller already holds
+    /// (for the `unchanged` variant). Returns `None` when `cached` is still current.
+    pub fn from_reply(
+        expected: &str,
+        reply: pb::GetReportResponse,
+        cached_revision: Option<u64>,
+    ) -> Result<Option<NodeView>, InvalidReport> {
+        if reply.revision == 0 {
+            return Err(InvalidReport::ZeroRevision);
+        }
+        match reply.result {
+            None => Err(InvalidReport::Empty),
+            Some(pb::get_report_response::Result::Unchanged(_)) => {
+                if cached_revision == Some(reply.revision) {
+                    Ok(None)
+                } else {
+                    Err(InvalidReport::UnchangedWithoutCopy(reply.revision))
+                }
+            }
+            Some(pb::get_report_response::Result::Report(report)) => {
+                if report.node_name != expected {
+                    return Err(InvalidReport::WrongNode {
+                        expected: expected.to_owned(),
+                        reported: report.node_name,
+                    });
+                }
+                Ok(Some(NodeView::from_proto(reply.revision, report)))
+            }
+        }
+    }
+
+    /// The one conversion from the gRPC message.
+    pub fn from_proto(revision: u64, r: pb::NodeReport) -> NodeView {
+        let gpu = r.gpu.unwrap_or_default();
+        let system = r.system.unwrap_or_default();
+        let network = r.network.unwrap_or_default();
+        NodeView {
+            node_name: r.node_name,
+            agent_version: r.agent_version,
+            revision,
+            collected_at_unix_ms: r.collected_at_unix_ms,
+            indicators: r
+                .indicators
+                .into_iter()
+                .map(|i| IndicatorView {
+                    verdict: Verdict::from_i32(i.verdict),
+                    name: i.name,
+                    value: i.value,
+                    unit: i.unit,
+                    message: i.message,
+                })
+                .collect(),
+            tunables: r
+                .tunables
+                .into_iter()
+                .map(|t| TunableView {
+                    verdict: Verdict::from_i32(t.verdict),
+                    rule: t.rule,
+                    key: t.key,
+                    current: t.current,
+                    expected: t.expected,
+                    previous: t.previous,
+                    repaired_at_unix_ms: t.repaired_at_unix_ms,
+                    conflict: t.conflict,
+                    error: t.error,
+                })
+                .collect(),
+            rules_revision: r.rules_revision,
+            interfaces: r
+                .interfaces
+                .into_iter()
+                .map(|i| InterfaceView {
+                    name: i.name,
+                    index: i.index,
+                    mac: i.mac,
+                    mtu: i.mtu,
+                    up: i.up,
+                    oper_state: i.oper_state,
+                    kind: i.kind,
+                    addresses: i.addresses,
+                    managed: i.managed,
+                })
+                .collect(),
+            gpu: GpuView {
+                present: gpu.present,
+                source: gpu.source,
+                error: gpu.error,
+                gpus: gpu
+                    .gpus
+                    .into_iter()
+                    .map(|g| GpuInfo {
+                        verdict: Verdict::from_i32(g.verdict),
+                        index: g.index,
+                        uuid: g.uuid,
+                        model: g.model,
+                        memory_total_mib: g.memory_total_mib,
+                        memory_used_mib: g.memory_used_mib,
+                        temperature_c: g.temperature_c,
+                        utilization_percent: g.utilization_percent,
+                        ecc_uncorrected: g.ecc_uncorrected,
+                        xid_events: g.xid_events,
+                        message: g.message,
+                    })
+                    .collect(),
+            },
+            plugins: r
+                .plugins
+                .into_iter()
+                .map(|p| PluginView {
+                    verdict: Verdict::from_i32(p.verdict),
+                    name: p.name,
+                    state: p.state,
+                    message: p.message,
+                })
+                .collect(),
+            collector_errors: r
+                .collector_errors
+                .into_iter()
+                .map(|e| (e.collector, e.error))
+                .collect(),
+            system: SystemView {
+                kernel_release: system.kernel_release,
+                boot_id: system.boot_id,
+                booted_at_unix: system.booted_at_unix,
+                cpus: system.cpus,
+                memory_total_bytes: system.memory_total_bytes,
+            },
+            network: NetworkView {
+                applied_generation: network.applied_generation,
+                drifted: network.drifted,
+                drift: network.drift,
+                reconverged_at_unix_ms: network.reconverged_at_unix_ms,
+                last_error: network.last_error,
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reply(revision: u64, node: &str) -> pb::GetReportResponse {
+        pb::GetReportResponse {
+            revision,
+            result: Some(pb::get_report_response::Result::Report(pb::NodeReport {
+                node_name: node.into(),
+                tunables: vec![pb::TunableStatus {
+                    rule: "r".into(),
+                    verdict: 3,
+                    ..Default::default()
+                }],
+                indicators: vec![pb::Indicator {
+                    name: "x".into(),
+                    verdict: 42,
+                    ..Default::default()
+                }],
+                ..Default::default()
+            })),
+        }
+    }
+
+    #[test]
+    fn converts_a_report_and_reads_unknown_verdicts_as_unspecified() {
+        let view = NodeView::from_reply("n1", reply(7, "n1"), None)
+            .unwrap()
+            .unwrap();
+        assert_eq!(view.revision, 7);
+        assert_eq!(view.tunables[0].verdict, Verdict::Critical);
+        assert_eq!(view.indicators[0].verdict, Verdict::Unspecified);
+    }
+
+    #[test]
+    fn refuses_a_report_for_another_node() {
+        let err = NodeView::from_reply("n1", reply(7, "n2"), None).unwrap_err();
+        assert!(matches!(err, InvalidReport::WrongNode { .. }));
+        assert!(err.to_string().contains("\"n2\""));
+    }
+
+    #[test]
+    fn unchanged_needs_a_matching_copy() {
+        let unchanged = |rev| pb::GetReportResponse {
+            revision: rev,
+            result: Some(pb::get_report_response::Result::Unchanged(pb::Unchanged {})),
+        };
+        assert_eq!(NodeView::from_reply("n1", unchanged(5), Some(5)), Ok(None));
+        assert_eq!(
+            NodeView::from_reply("n1", unchanged(5), Some(4)),
+            Err(InvalidReport::UnchangedWithoutCopy(5))
+        );
+        assert_eq!(
+            NodeView::from_reply("n1", unchanged(0), Some(0)),
+            Err(InvalidReport::ZeroRevision)
+        );
+        let empty = pb::GetReportResponse {
+            revision: 3,
+            result: None,
+        };
+        assert_eq!(
+            NodeView::from_reply("n1", empty, None),
+            Err(InvalidReport::Empty)
+        );
+    }
+}

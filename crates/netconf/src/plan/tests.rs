@@ -1,0 +1,354 @@
+//! Unit tests of the planner: pure, no root.
+
+use nodekeeper_api::network::NetworkState;
+use pretty_assertions::assert_eq;
+
+use super::*;
+use crate::observed::{ObservedAddress, ObservedRoute, ObservedRule};
+
+fn link(index: u32, name: &str, mac: &str) -> ObservedLink {
+    ObservedLink {
+        index,
+        name: name.into(),
+        mac: Some(mac.into()),
+        mtu: 1500,
+        up: true,
+        oper_state: "up".into(),
+        kind: "veth".into(),
+        parent_index: None,
+        vlan_id: None,
+        macvlan_mode: None,
+        alias: None,
+    }
+}
+
+fn host() -> Observed {
+    Observed {
+        links: vec![
+            link(1, "lo", "00:00:00:00:00:00"),
+            link(2, "ens3", "02:00:17:0a:11:01"),
+            ObservedLink {
+                up: false,
+                ..link(3, "ens5", "02:00:17:0a:22:02")
+            },
+        ],
+        addresses: vec![ObservedAddress {
+            index: 2,
+            net: "10.0.10.17/24".parse().unwrap(),
+            protocol: 0,
+        }],
+        routes: vec![ObservedRoute {
+            table: 254,
+            destination: "0.0.0.0/0".parse().unwrap(),
+            gateway: Some("10.0.10.1".parse().unwrap()),
+            oif: Some(2),
+            metric: 0,
+            protocol: 16,
+            on_link: false,
+        }],
+        rules: vec![],
+    }
+}
+
+fn vm_desired() -> NetworkState {
+    serde_json::from_str(
+        r#"{
+          "links": [{"name": "vnic1", "kind": "existing", "mac": "02:00:17:0a:22:02", "mtu": 9000, "up": true}],
+          "addresses": [{"link": "vnic1", "cidr": "10.0.20.33/24"}],
+          "routes": [{"destination": "default", "gateway": "10.0.20.1", "link": "vnic1", "table": 101}],
+          "rules": [{"from": "10.0.20.33", "table": 101, "priority": 20101}]
+        }"#,
+    )
+    .unwrap()
+}
+
+fn bm_desired() -> NetworkState {
+    serde_json::from_str(
+        r#"{
+          "links": [
+            {"name": "nkv21", "kind": "vlan", "parent": "nkm21", "vlanId": 21, "mtu": 9000},
+            {"name": "nkm21", "kind": "macvlan", "parent": "ens3", "mac": "02:00:17:1b:08:21", "mtu": 9000}
+          ],
+          "addresses": [{"link": "nkv21", "cidr": "10.1.8.21/22"}],
+          "routes": [{"destination": "default", "gateway": "10.1.8.1", "link": "nkv21", "table": 121}],
+          "rules": [{"from": "10.1.8.21/32", "table": 121, "priority": 20121}]
+        }"#,
+    )
+    .unwrap()
+}
+
+fn ops(p: &Plan) -> Vec<String> {
+    p.steps.iter().map(|s| format!("{} {s}", s.op())).collect()
+}
+
+/// Simulates a perfect apply of `plan` on `obs` (what the kernel would report afterwards).
+fn simulate(mut obs: Observed, plan: &Plan) -> Observed {
+    let idx = |obs: &Observed, n: &str| obs.link_by_name(n).unwrap().index;
+    for s in &plan.steps {
+        match s {
+            Step::CreateLink(d) => {
+                let index = obs.links.iter().map(|l| l.index).max().unwrap() + 1;
+                let parent = idx(&obs, &d.parent);
+                let parent_mac = obs.link_by_index(parent).unwrap().mac.clone();
+                obs.links.push(ObservedLink {
+                    index,
+                    name: d.name.clone(),
+                    mac: d.mac.map(|m| format_mac(&m)).or(parent_mac),
+                    mtu: d.mtu.unwrap_or(1500),
+                    up: d.up,
+                    oper_state: "up".into(),
+                    kind: match d.kind {
+                        CreatedKind::Vlan { .. } => "vlan".into(),
+                        CreatedKind::Macvlan { .. } => "macvlan".into(),
+                    },
+                    parent_index: Some(parent),
+                    vlan_id: match d.kind {
+                        CreatedKind::Vlan { id } => Some(id),
+                        CreatedKind::Macvlan { .. } => None,
+                    },
+                    macvlan_mode: match d.kind {
+                        CreatedKind::Vlan { .. } => None,
+                        CreatedKind::Macvlan { mode } => Some(mode_name(mode).into()),
+                    },
+                    alias: Some(link_alias(&d.name)),
+                });
+            }
+            Step::SetLink { link, mtu, up, .. } => {
+                let l = obs.links.iter_mut().find(|l| &l.name == link).unwrap();
+                if let Some(m) = mtu {
+                    l.mtu = *m;
+                }
+                if let Some(u) = up {
+                    l.up = *u;
+                }
+            }
+            Step::AddAddress(a) => {
+                let index = idx(&obs, &a.link);
+                obs.addresses.push(ObservedAddress {
+                    index,
+                    net: a.net,
+                    protocol: NK_PROTOCOL,
+                });
+            }
+            Step::AddRoute(r) => {
+                let oif = r.link.as_deref().map(|l| idx(&obs, l));
+                obs.routes.push(ObservedRoute {
+                    table: r.table,
+                    destination: r.destination,
+                    gateway: r.gateway,
+                    oif,
+                    metric: r.metric,
+                    protocol: NK_PROTOCOL,
+                    on_link: r.on_link,
+                });
+            }
+            Step::AddRule(r) => obs.rules.push(ObservedRule {
+                v6: r.v6,
+                priority: r.priority,
+                from: r.from,
+                to: r.to,
+                table: r.table,
+                protocol: NK_PROTOCOL,
+            }),
+            other => panic!("simulate does not model {other:?}"),
+        }
+    }
+    obs
+}
+
+#[test]
+fn vm_vnic_plans_settings_then_address_route_rule() {
+    let p = plan(&vm_desired(), &host()).unwrap();
+    assert_eq!(
+        ops(&p),
+        vec![
+            "set-link ens5 mtu 9000 up",
+            "add-address 10.0.20.33/24 dev ens5",
+            "add-route 0.0.0.0/0 via 10.0.20.1 dev ens5 table 101",
+            "add-rule priority 20101 from 10.0.20.33/32 lookup 101",
+        ]
+    );
+}
+
+#[test]
+fn applied_state_plans_nothing() {
+    for desired in [vm_desired(), bm_desired()] {
+        let p = plan(&desired, &host()).unwrap();
+        assert!(!p.is_empty());
+        let after = simulate(host(), &p);
+        assert_eq!(plan(&desired, &after).unwrap(), Plan::default());
+    }
+}
+
+#[test]
+fn bare_metal_creates_parents_first() {
+    let p = plan(&bm_desired(), &host()).unwrap();
+    assert_eq!(
+        ops(&p),
+        vec![
+            "create-link macvlan bridge on ens3 (nkm21) address 02:00:17:1b:08:21 mtu 9000 up",
+            "create-link vlan 21 on nkm21 (nkv21) mtu 9000 up",
+            "add-address 10.1.8.21/22 dev nkv21",
+            "add-route 0.0.0.0/0 via 10.1.8.1 dev nkv21 table 121",
+            "add-rule priority 20121 from 10.1.8.21/32 lookup 121",
+        ]
+    );
+}
+
+#[test]
+fn owned_objects_are_removed_most_dependent_first() {
+    let applied = simulate(host(), &plan(&bm_desired(), &host()).unwrap());
+    let p = plan(&NetworkState::default(), &applied).unwrap();
+    assert_eq!(
+        ops(&p),
+        vec![
+            "delete-rule priority 20121 from 10.1.8.21/32 lookup 121",
+            "delete-route 0.0.0.0/0 via 10.1.8.1 dev nkv21 table 121",
+            "delete-address 10.1.8.21/22 dev nkv21",
+            "delete-link vlan 21 on nkm21 (nkv21) mtu 9000 up",
+            "delete-link macvlan bridge on ens3 (nkm21) address 02:00:17:1b:08:21 mtu 9000 up",
+        ]
+    );
+    // And the inverses, newest first, rebuild it.
+    let inv: Vec<String> = p
+        .steps
+        .iter()
+        .rev()
+        .map(|s| s.inverse().op().to_string())
+        .collect();
+    assert_eq!(
+        inv,
+        vec![
+            "create-link",
+            "create-link",
+            "add-address",
+            "add-route",
+            "add-rule"
+        ]
+    );
+}
+
+#[test]
+fn foreign_objects_are_never_planned() {
+    let mut obs = host();
+    obs.links.push(ObservedLink {
+        kind: "macvlan".into(),
+        parent_index: Some(2),
+        macvlan_mode: Some("bridge".into()),
+        alias: Some("someone-else".into()),
+        ..link(9, "mv-foreign", "02:aa:00:00:00:09")
+    });
+    obs.addresses.push(ObservedAddress {
+        index: 9,
+        net: "192.168.5.5/24".parse().unwrap(),
+        protocol: 0,
+    });
+    obs.routes.push(ObservedRoute {
+        table: 101,
+        destination: "0.0.0.0/0".parse().unwrap(),
+        gateway: Some("192.168.5.1".parse().unwrap()),
+        oif: Some(9),
+        metric: 7,
+        protocol: 4,
+        on_link: false,
+    });
+    obs.rules.push(ObservedRule {
+        v6: false,
+        priority: 20101,
+        from: Some("192.168.5.5/32".parse().unwrap()),
+        to: None,
+        table: 101,
+        protocol: 0,
+    });
+    assert_eq!(
+        plan(&NetworkState::default(), &obs).unwrap(),
+        Plan::default()
+    );
+    // With the VM VNIC desired, only nodekeeper's own objects are planned.
+    assert_eq!(
+        plan(&vm_desired(), &obs).unwrap(),
+        plan(&vm_desired(), &host()).unwrap()
+    );
+}
+
+#[test]
+fn changed_gateway_replaces_the_route_and_set_link_inverts() {
+    let applied = simulate(host(), &plan(&vm_desired(), &host()).unwrap());
+    let mut d = vm_desired();
+    d.routes[0].gateway = Some("10.0.20.254".into());
+    d.links[0].mtu = Some(1500);
+    let p = plan(&d, &applied).unwrap();
+    assert_eq!(
+        ops(&p),
+        vec![
+            "delete-route 0.0.0.0/0 via 10.0.20.1 dev ens5 table 101",
+            "set-link ens5 mtu 1500",
+            "add-route 0.0.0.0/0 via 10.0.20.254 dev ens5 table 101",
+        ]
+    );
+    assert_eq!(
+        p.steps[1].inverse(),
+        Step::SetLink {
+            link: "ens5".into(),
+            mtu: Some(9000),
+            up: None,
+            prev_mtu: 1500,
+            prev_up: true
+        }
+    );
+}
+
+#[test]
+fn missing_parent_mac_and_name_clash_are_errors() {
+    let mut d = bm_desired();
+    d.links[1].parent = Some("ens9".into());
+    let e = plan(&d, &host()).unwrap_err().to_string();
+    assert_eq!(
+        e,
+        "links[1] (nkm21): parent ens9 does not exist on this host and is not in links"
+    );
+
+    let mut d = vm_desired();
+    d.links[0].mac = Some("02:00:17:0a:99:99".into());
+    let e = plan(&d, &host()).unwrap_err().to_string();
+    assert_eq!(
+        e,
+        "links[0] (vnic1): no interface with MAC 02:00:17:0a:99:99 on this host"
+    );
+
+    let mut d = bm_desired();
+    d.links[1].name = "ens5".into();
+    d.links[0].parent = Some("ens5".into());
+    let e = plan(&d, &host()).unwrap_err().to_string();
+    assert!(
+        e.contains("was not created by nodekeeper; choose another name"),
+        "{e}"
+    );
+
+    let mut d = bm_desired();
+    d.links[0].vlan_id = Some(4095);
+    let e = plan(&d, &host()).unwrap_err().to_string();
+    assert!(
+        e.starts_with("invalid desired state: links[0].vlanId: 4095"),
+        "{e}"
+    );
+}
+
+#[test]
+fn changed_vlan_id_recreates_the_link() {
+    let applied = simulate(host(), &plan(&bm_desired(), &host()).unwrap());
+    let mut d = bm_desired();
+    d.links[0].vlan_id = Some(22);
+    let p = plan(&d, &applied).unwrap();
+    assert_eq!(
+        ops(&p),
+        vec![
+            "delete-route 0.0.0.0/0 via 10.1.8.1 dev nkv21 table 121",
+            "delete-address 10.1.8.21/22 dev nkv21",
+            "delete-link vlan 21 on nkm21 (nkv21) mtu 9000 up",
+            "create-link vlan 22 on nkm21 (nkv21) mtu 9000 up",
+            "add-address 10.1.8.21/22 dev nkv21",
+            "add-route 0.0.0.0/0 via 10.1.8.1 dev nkv21 table 121",
+        ]
+    );
+}

@@ -1,0 +1,604 @@
+//! Real-kernel tests of apply, re-apply, rollback, ownership and drift, each in a fresh network
+//! namespace with veth pairs and macvlans. Root only; VLAN creation is exercised too and is
+//! expected to fail cleanly (and roll back) on kernels without 8021q.
+
+use std::future::Future;
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use nodekeeper_api::network::NetworkState;
+use nodekeeper_netconf::{ApplyOptions, Netconf, Outcome, Target};
+use pretty_assertions::assert_eq;
+
+/// A network namespace that is deleted when dropped.
+struct Ns {
+    name: String,
+}
+
+impl Ns {
+    /// `None` (after printing SKIPPED) when not root.
+    fn new() -> Option<Ns> {
+        if !nix::unistd::geteuid().is_root() {
+            println!("SKIPPED: needs root to create network namespaces");
+            return None;
+        }
+        let name = format!("nk-test-{:08x}", rand_u32());
+        run("ip", &["netns", "add", &name]).expect("ip netns add");
+        let ns = Ns { name };
+        // IPv6 DAD would flip address flags between two dumps; nothing here needs it.
+        ns.exec(&["sysctl", "-qw", "net.ipv6.conf.all.accept_dad=0"])
+            .unwrap();
+        ns.exec(&["sysctl", "-qw", "net.ipv6.conf.default.accept_dad=0"])
+            .unwrap();
+        ns.ip(&["link", "set", "lo", "up"]).unwrap();
+        Some(ns)
+    }
+
+    fn ip(&self, args: &[&str]) -> Result<String> {
+        let mut a = vec!["-n", self.name.as_str()];
+        a.extend_from_slice(args);
+        run("ip", &a)
+    }
+
+    fn exec(&self, args: &[&str]) -> Result<String> {
+        let mut a = vec!["netns", "exec", self.name.as_str()];
+        a.extend_from_slice(args);
+        run("ip", &a)
+    }
+
+    /// Everything `ip` can show about links, addresses, routes and rules, as JSON text.
+    fn dump(&self) -> String {
+        let mut out = String::new();
+        for args in [
+            &["-j", "-d", "link", "show"][..],
+            &["-j", "addr", "show"],
+            &["-j", "-4", "route", "show", "table", "all"],
+            &["-j", "-6", "route", "show", "table", "all"],
+            &["-j", "-4", "rule", "show"],
+            &["-j", "-6", "rule", "show"],
+        ] {
+            out.push_str(&self.ip(args).unwrap());
+            out.push('\n');
+        }
+        out
+    }
+
+    /// The dump without interface indexes (a re-created link gets a new one).
+    fn dump_without_indexes(&self) -> String {
+        let mut out = String::new();
+        for line in self.dump().lines().filter(|l| !l.trim().is_empty()) {
+            let mut v: serde_json::Value = serde_json::from_str(line).unwrap();
+            strip(&mut v);
+            out.push_str(&v.to_string());
+            out.push('\n');
+        }
+        out
+    }
+
+    /// Runs `f` on a thread inside the namespace with its own current-thread runtime.
+    fn run<T, F, Fut>(&self, f: F) -> T
+    where
+        T: Send + 'static,
+        F: FnOnce() -> Fut + Send + 'static,
+        Fut: Future<Output = T>,
+    {
+        let path = format!("/run/netns/{}", self.name);
+        std::thread::spawn(move || {
+            let file = std::fs::File::open(&path).expect("open netns");
+            nix::sched::setns(file, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(f())
+        })
+        .join()
+        .expect("netns thread panicked")
+    }
+}
+
+impl Drop for Ns {
+    fn drop(&mut self) {
+        let _ = run("ip", &["netns", "del", &self.name]);
+    }
+}
+
+fn strip(v: &mut serde_json::Value) {
+    match v {
+        serde_json::Value::Object(m) => {
+            m.remove("ifindex");
+            m.remove("link_index");
+            m.values_mut().for_each(strip);
+        }
+        serde_json::Value::Array(a) => a.iter_mut().for_each(strip),
+        _ => {}
+    }
+}
+
+fn rand_u32() -> u32 {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap();
+    t.subsec_nanos() ^ std::process::id().rotate_left(16) ^ (t.as_secs() as u32)
+}
+
+fn run(cmd: &str, args: &[&str]) -> Result<String> {
+    let out = Command::new(cmd)
+        .args(args)
+        .output()
+        .with_context(|| format!("run {cmd}"))?;
+    if !out.status.success() {
+        bail!(
+            "{cmd} {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(String::from_utf8(out.stdout)?)
+}
+
+/// Two veth pairs standing in for NICs: `nic0` (MAC 02:00:17:0a:22:02, the "VM secondary VNIC")
+/// with peer `nic0p` playing the virtual router 10.0.20.1, and `nic1` as a bare-metal parent.
+fn setup_nics(ns: &Ns) {
+    ns.ip(&[
+        "link",
+        "add",
+        "nic0",
+        "address",
+        "02:00:17:0a:22:02",
+        "type",
+        "veth",
+        "peer",
+        "name",
+        "nic0p",
+    ])
+    .unwrap();
+    ns.ip(&[
+        "link",
+        "add",
+        "nic1",
+        "address",
+        "02:00:17:0a:33:01",
+        "type",
+        "veth",
+        "peer",
+        "name",
+        "nic1p",
+    ])
+    .unwrap();
+    // Real NICs are up before nodekeeper sees them. (Taking a veth down and up again also makes
+    // the kernel add and remove IPv6 link-local state on its peer, which is not nodekeeper's.)
+    ns.ip(&["link", "set", "nic0", "up"]).unwrap();
+    ns.ip(&["link", "set", "nic0p", "up"]).unwrap();
+    ns.ip(&["link", "set", "nic1", "up"]).unwrap();
+    ns.ip(&["link", "set", "nic1p", "up"]).unwrap();
+    ns.ip(&["addr", "add", "10.0.20.1/24", "dev", "nic0p"])
+        .unwrap();
+    // Let carrier and operstate changes settle (linkwatch may take up to a second) so that two
+    // dumps differ only by what the code under test did.
+    std::thread::sleep(Duration::from_millis(1500));
+}
+
+fn desired() -> NetworkState {
+    serde_json::from_str(
+        r#"{
+          "links": [
+            {"name": "vnic1", "kind": "existing", "mac": "02:00:17:0a:22:02", "mtu": 9000, "up": true},
+            {"name": "nkm30", "kind": "macvlan", "parent": "nic1", "mac": "02:00:17:0a:33:03"}
+          ],
+          "addresses": [
+            {"link": "vnic1", "cidr": "10.0.20.33/24"},
+            {"link": "nkm30", "cidr": "10.0.30.45/23"},
+            {"link": "nkm30", "cidr": "fd00:10:30::45/64"}
+          ],
+          "routes": [
+            {"destination": "default", "gateway": "10.0.20.1", "link": "vnic1", "table": 101},
+            {"destination": "default", "gateway": "10.0.30.1", "link": "nkm30", "table": 102, "onLink": true},
+            {"destination": "::/0", "gateway": "fd00:10:30::1", "link": "nkm30", "table": 102}
+          ],
+          "rules": [
+            {"from": "10.0.20.33/32", "table": 101, "priority": 20101},
+            {"from": "10.0.30.45/32", "table": 102, "priority": 20102},
+            {"from": "fd00:10:30::45/128", "table": 102, "priority": 20102}
+          ]
+        }"#,
+    )
+    .unwrap()
+}
+
+#[test]
+fn apply_then_reapply_makes_no_writes_then_removal_cleans_up() {
+    let Some(ns) = Ns::new() else { return };
+    setup_nics(&ns);
+    let (first, second, writes_between) = ns.run(|| async {
+        let nc = Netconf::connect().unwrap();
+        let first = nc
+            .apply(&desired(), &ApplyOptions::default())
+            .await
+            .unwrap();
+        let before = nc.writes();
+        let second = nc
+            .apply(&desired(), &ApplyOptions::default())
+            .await
+            .unwrap();
+        (first, second, nc.writes() - before)
+    });
+    assert_eq!(first.outcome, Outcome::Applied, "{:?}", first.error);
+    assert!(first.writes >= 10, "{}", first.writes);
+    assert!(second.plan.is_empty(), "{:?}", second.plan);
+    assert_eq!((second.writes, writes_between), (0, 0));
+
+    // Read back with iproute2.
+    let link: serde_json::Value =
+        serde_json::from_str(&ns.ip(&["-j", "-d", "link", "show", "nkm30"]).unwrap()).unwrap();
+    assert_eq!(link[0]["address"], "02:00:17:0a:33:03");
+    assert_eq!(link[0]["ifalias"], "nodekeeper:nkm30");
+    assert_eq!(link[0]["linkinfo"]["info_kind"], "macvlan");
+    let nic0: serde_json::Value =
+        serde_json::from_str(&ns.ip(&["-j", "link", "show", "nic0"]).unwrap()).unwrap();
+    assert_eq!(nic0[0]["mtu"], 9000);
+    assert!(
+        ns.ip(&["-4", "addr", "show", "dev", "nic0"])
+            .unwrap()
+            .contains("10.0.20.33/24")
+    );
+    let t101 = ns.ip(&["route", "show", "table", "101"]).unwrap();
+    assert_eq!(t101.trim(), "default via 10.0.20.1 dev nic0 proto 176");
+    let t102v6 = ns.ip(&["-6", "route", "show", "table", "102"]).unwrap();
+    assert!(
+        t102v6.contains("default via fd00:10:30::1 dev nkm30 proto 176"),
+        "{t102v6}"
+    );
+    let rules = ns.ip(&["rule", "show"]).unwrap();
+    assert!(
+        rules.contains("20101:\tfrom 10.0.20.33 lookup 101 proto 176"),
+        "{rules}"
+    );
+
+    // Removing everything removes only what nodekeeper owns.
+    let report = ns.run(|| async {
+        Netconf::connect()
+            .unwrap()
+            .apply(&NetworkState::default(), &ApplyOptions::default())
+            .await
+            .unwrap()
+    });
+    assert_eq!(report.outcome, Outcome::Applied, "{:?}", report.error);
+    assert!(ns.ip(&["link", "show", "nkm30"]).is_err());
+    assert_eq!(ns.ip(&["route", "show", "table", "101"]).unwrap(), "");
+    assert!(!ns.ip(&["rule", "show"]).unwrap().contains("proto 176"));
+    assert!(
+        !ns.ip(&["addr", "show", "dev", "nic0"])
+            .unwrap()
+            .contains("10.0.20.33")
+    );
+    assert!(
+        ns.ip(&["addr", "show", "dev", "nic0p"])
+            .unwrap()
+            .contains("10.0.20.1/24")
+    );
+}
+
+#[test]
+fn foreign_routes_rules_links_and_addresses_are_untouched() {
+    let Some(ns) = Ns::new() else { return };
+    setup_nics(&ns);
+    // Foreign objects: in nodekeeper's tables, in its rule priority range, on its NICs.
+    ns.ip(&[
+        "link",
+        "add",
+        "link",
+        "nic1",
+        "name",
+        "mvforeign",
+        "type",
+        "macvlan",
+        "mode",
+        "bridge",
+    ])
+    .unwrap();
+    ns.ip(&["link", "set", "mvforeign", "alias", "someone-else", "up"])
+        .unwrap();
+    ns.ip(&["addr", "add", "192.168.7.7/24", "dev", "mvforeign"])
+        .unwrap();
+    ns.ip(&["addr", "add", "172.16.0.9/16", "dev", "nic0"])
+        .unwrap();
+    ns.ip(&[
+        "route",
+        "add",
+        "10.99.0.0/16",
+        "via",
+        "192.168.7.1",
+        "table",
+        "101",
+        "proto",
+        "static",
+    ])
+    .unwrap();
+    ns.ip(&[
+        "rule",
+        "add",
+        "from",
+        "192.168.7.7",
+        "lookup",
+        "101",
+        "priority",
+        "20050",
+    ])
+    .unwrap();
+    ns.ip(&[
+        "rule",
+        "add",
+        "to",
+        "10.55.0.0/16",
+        "lookup",
+        "main",
+        "priority",
+        "20102",
+    ])
+    .unwrap();
+    let mut d = desired();
+    // Leave nic0's MTU and state as they are so that the final dump can be compared exactly.
+    d.links[0].mtu = None;
+    d.links[0].up = None;
+    ns.ip(&["link", "set", "nic0", "up"]).unwrap();
+    let before = ns.dump();
+    let (a, b) = ns.run(move || async move {
+        let nc = Netconf::connect().unwrap();
+        let a = nc.apply(&d, &ApplyOptions::default()).await.unwrap();
+        let b = nc
+            .apply(&NetworkState::default(), &ApplyOptions::default())
+            .await
+            .unwrap();
+        (a, b)
+    });
+    assert_eq!(a.outcome, Outcome::Applied, "{:?}", a.error);
+    assert_eq!(b.outcome, Outcome::Applied, "{:?}", b.error);
+    assert!(
+        b.plan
+            .steps
+            .iter()
+            .all(|s| !s.to_string().contains("foreign") && !s.to_string().contains("192.168.7"))
+    );
+    assert_eq!(ns.dump(), before);
+}
+
+#[test]
+fn injected_failure_at_every_step_restores_the_exact_previous_state() {
+    let Some(ns) = Ns::new() else { return };
+    setup_nics(&ns);
+    let before = ns.dump();
+    let steps = ns.run(|| async {
+        Netconf::connect()
+            .unwrap()
+            .plan(&desired())
+            .await
+            .unwrap()
+            .steps
+            .len()
+    });
+    assert!(steps >= 10);
+    for k in 0..steps {
+        let r = ns.run(move || async move {
+            let opts = ApplyOptions {
+                fail_at_step: Some(k),
+                ..Default::default()
+            };
+            Netconf::connect()
+                .unwrap()
+                .apply(&desired(), &opts)
+                .await
+                .unwrap()
+        });
+        assert_eq!(r.outcome, Outcome::RolledBack, "step {k}: {:?}", r.error);
+        assert!(r.error.as_deref().unwrap().contains("injected failure"));
+        assert_eq!(ns.dump(), before, "after failing step {k}");
+    }
+}
+
+#[test]
+fn failure_while_changing_an_applied_state_restores_it() {
+    let Some(ns) = Ns::new() else { return };
+    setup_nics(&ns);
+    let applied = ns.run(|| async {
+        Netconf::connect()
+            .unwrap()
+            .apply(&desired(), &ApplyOptions::default())
+            .await
+            .unwrap()
+    });
+    assert_eq!(applied.outcome, Outcome::Applied);
+    let before = ns.dump_without_indexes();
+    // A changed state that deletes (and re-creates) links, addresses, routes and rules; the last
+    // step is made to fail.
+    let mut changed = desired();
+    changed.links[1].macvlan_mode = Some(nodekeeper_api::network::MacvlanMode::Private);
+    changed.links[0].mtu = Some(1500);
+    changed.rules.remove(0);
+    changed.routes[0].gateway = Some("10.0.20.254".into());
+    let r = ns.run(move || async move {
+        let nc = Netconf::connect().unwrap();
+        let n = nc.plan(&changed).await.unwrap().steps.len();
+        nc.apply(
+            &changed,
+            &ApplyOptions {
+                fail_at_step: Some(n - 1),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap()
+    });
+    assert_eq!(r.outcome, Outcome::RolledBack, "{:?}", r.error);
+    let ops: Vec<&str> = r.plan.steps.iter().map(|s| s.op()).collect();
+    for op in [
+        "delete-rule",
+        "delete-route",
+        "delete-address",
+        "delete-link",
+        "create-link",
+        "set-link",
+    ] {
+        assert!(ops.contains(&op), "{ops:?} lacks {op}");
+    }
+    assert_eq!(ns.dump_without_indexes(), before);
+}
+
+#[test]
+fn kernel_refusal_mid_plan_rolls_back() {
+    let Some(ns) = Ns::new() else { return };
+    setup_nics(&ns);
+    // A foreign route holds table 102's default slot (same metric): the kernel refuses nodekeeper's
+    // default route there with EEXIST, after links, settings and addresses were already changed.
+    ns.ip(&["route", "add", "unreachable", "default", "table", "102"])
+        .unwrap();
+    let before = ns.dump();
+    let r = ns.run(|| async {
+        Netconf::connect()
+            .unwrap()
+            .apply(&desired(), &ApplyOptions::default())
+            .await
+            .unwrap()
+    });
+    assert_eq!(r.outcome, Outcome::RolledBack, "{:?}", r.error);
+    let e = r.error.unwrap();
+    assert!(
+        e.contains(
+            "(add-route 0.0.0.0/0 via 10.0.30.1 dev nkm30 table 102 onlink) failed: File exists"
+        ),
+        "{e}"
+    );
+    let failed_at: usize = e
+        .trim_start_matches("step ")
+        .split(' ')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        failed_at > 5,
+        "the refusal should come mid-plan, came at step {failed_at}"
+    );
+    assert_eq!(ns.dump(), before);
+}
+
+#[test]
+fn failed_reachability_check_rolls_back_and_passing_check_keeps() {
+    let Some(ns) = Ns::new() else { return };
+    setup_nics(&ns);
+    let before = ns.dump();
+    let r = ns.run(|| async {
+        let opts = ApplyOptions {
+            check_targets: vec!["10.0.30.1".parse::<Target>().unwrap()],
+            check_timeout: Duration::from_millis(800),
+            ..Default::default()
+        };
+        Netconf::connect()
+            .unwrap()
+            .apply(&desired(), &opts)
+            .await
+            .unwrap()
+    });
+    assert_eq!(r.outcome, Outcome::RolledBack);
+    assert!(
+        r.error
+            .as_deref()
+            .unwrap()
+            .contains("post-apply check failed: icmp 10.0.30.1"),
+        "{:?}",
+        r.error
+    );
+    assert_eq!(ns.dump(), before);
+
+    // The "virtual router" on nic0p answers pings from the VNIC.
+    let r = ns.run(|| async {
+        let opts = ApplyOptions {
+            check_targets: vec!["10.0.20.1".parse::<Target>().unwrap()],
+            check_timeout: Duration::from_secs(3),
+            ..Default::default()
+        };
+        Netconf::connect()
+            .unwrap()
+            .apply(&desired(), &opts)
+            .await
+            .unwrap()
+    });
+    assert_eq!(r.outcome, Outcome::Applied, "{:?}", r.error);
+}
+
+#[test]
+fn drift_is_detected_and_reconverged() {
+    let Some(ns) = Ns::new() else { return };
+    setup_nics(&ns);
+    let r = ns.run(|| async {
+        Netconf::connect()
+            .unwrap()
+            .apply(&desired(), &ApplyOptions::default())
+            .await
+            .unwrap()
+    });
+    assert_eq!(r.outcome, Outcome::Applied);
+    ns.ip(&["route", "del", "default", "table", "101"]).unwrap();
+    ns.ip(&["link", "set", "nic0", "mtu", "1500"]).unwrap();
+    let (drift, fixed, after) = ns.run(|| async {
+        let nc = Netconf::connect().unwrap();
+        let drift = nc.drift(&desired()).await.unwrap();
+        let fixed = nc
+            .apply(&desired(), &ApplyOptions::default())
+            .await
+            .unwrap();
+        (drift, fixed, nc.drift(&desired()).await.unwrap())
+    });
+    assert_eq!(
+        drift,
+        vec![
+            "set-link nic0 mtu 9000".to_string(),
+            "add-route 0.0.0.0/0 via 10.0.20.1 dev nic0 table 101".to_string()
+        ]
+    );
+    assert_eq!(fixed.outcome, Outcome::Applied);
+    assert!(after.is_empty(), "{after:?}");
+}
+
+#[test]
+fn vlan_goes_through_the_same_path_and_fails_cleanly_without_8021q() {
+    let Some(ns) = Ns::new() else { return };
+    setup_nics(&ns);
+    let before = ns.dump();
+    let d: NetworkState = serde_json::from_str(
+        r#"{
+          "links": [
+            {"name": "nkm21", "kind": "macvlan", "parent": "nic1", "mac": "02:00:17:1b:08:21"},
+            {"name": "nkv21", "kind": "vlan", "parent": "nkm21", "vlanId": 21}
+          ],
+          "addresses": [{"link": "nkv21", "cidr": "10.1.8.21/22"}],
+          "routes": [{"destination": "default", "gateway": "10.1.8.1", "link": "nkv21", "table": 121}],
+          "rules": [{"from": "10.1.8.21/32", "table": 121, "priority": 20121}]
+        }"#,
+    )
+    .unwrap();
+    let r = ns.run(move || async move {
+        Netconf::connect()
+            .unwrap()
+            .apply(&d, &ApplyOptions::default())
+            .await
+            .unwrap()
+    });
+    let vlan_supported = std::path::Path::new("/proc/net/vlan").exists();
+    if vlan_supported {
+        assert_eq!(r.outcome, Outcome::Applied, "{:?}", r.error);
+        let v: serde_json::Value =
+            serde_json::from_str(&ns.ip(&["-j", "-d", "link", "show", "nkv21"]).unwrap()).unwrap();
+        assert_eq!(v[0]["linkinfo"]["info_data"]["id"], 21);
+    } else {
+        println!("kernel has no 8021q: checking that the VLAN step fails and rolls back");
+        assert_eq!(r.outcome, Outcome::RolledBack, "{:?}", r.error);
+        let e = r.error.unwrap();
+        assert!(
+            e.contains("step 2 (create-link vlan 21 on nkm21 (nkv21)"),
+            "{e}"
+        );
+        assert_eq!(ns.dump(), before);
+    }
+}

@@ -1,0 +1,108 @@
+//! Simulated nodes: Node objects labelled for kwok, each with its own loopback InternalIP, and
+//! the wait for them to become Ready.
+
+use std::collections::BTreeMap;
+use std::net::Ipv4Addr;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::Node;
+use kube::Api;
+use kube::api::PostParams;
+use serde_json::json;
+
+use super::Error;
+
+/// The label that tells kwok (`--manage-nodes-with-label-selector`) to simulate a node; nodes
+/// without it are left alone.
+pub const SIMULATED_LABEL: &str = "nodekeeper.dev/simulated";
+
+/// The Node object for one simulated node: linux/amd64 labels, the simulation label, the caller's
+/// labels, and `ip` as its InternalIP (kept by kwok's initialize stage).
+pub fn simulated_node(name: &str, ip: Ipv4Addr, labels: &BTreeMap<String, String>) -> serde_json::Value {
+    let mut all = BTreeMap::from([
+        ("kubernetes.io/hostname".to_owned(), name.to_owned()),
+        ("kubernetes.io/os".to_owned(), "linux".to_owned()),
+        ("kubernetes.io/arch".to_owned(), "amd64".to_owned()),
+        (SIMULATED_LABEL.to_owned(), "true".to_owned()),
+    ]);
+    all.extend(labels.iter().map(|(k, v)| (k.clone(), v.clone())));
+    json!({
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": { "name": name, "labels": all },
+        "status": {
+            "addresses": [
+                { "type": "InternalIP", "address": ip.to_string() },
+                { "type": "Hostname", "address": name },
+            ],
+        },
+    })
+}
+
+/// Creates `names.len()` simulated nodes (node `i` gets `ips[i]`). Existing nodes of the same
+/// name are an error, so a test never adopts another test's node by accident.
+pub async fn create(
+    client: &kube::Client,
+    names: &[String],
+    ips: &[Ipv4Addr],
+    labels: &BTreeMap<String, String>,
+) -> Result<(), Error> {
+    let api: Api<Node> = Api::all(client.clone());
+    for (name, ip) in names.iter().zip(ips) {
+        let node: Node = serde_json::from_value(simulated_node(name, *ip, labels))
+            .map_err(|e| Error::Io { context: format!("build node {name}"), source: std::io::Error::other(e) })?;
+        api.create(&PostParams::default(), &node).await?;
+    }
+    Ok(())
+}
+
+/// Whether a Node has condition Ready=True.
+pub fn is_ready(node: &Node) -> bool {
+    node.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
+/// Waits until every named node is Ready; the error names the nodes that are not.
+pub async fn wait_ready(client: &kube::Client, names: &[String], timeout: Duration) -> Result<(), Error> {
+    let api: Api<Node> = Api::all(client.clone());
+    let deadline = Instant::now() + timeout;
+    loop {
+        let mut not_ready = Vec::new();
+        for name in names {
+            match api.get_opt(name).await? {
+                Some(node) if is_ready(&node) => {}
+                _ => not_ready.push(name.as_str()),
+            }
+        }
+        if not_ready.is_empty() {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(Error::WaitReady {
+                what: format!("simulated nodes {} (Ready condition, set by kwok)", not_ready.join(", ")),
+                secs: timeout.as_secs(),
+                logs: super::clusters_root(),
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn node_carries_simulation_label_caller_labels_and_ip() {
+        let labels = BTreeMap::from([("pool".to_owned(), "a".to_owned())]);
+        let node = simulated_node("n1", Ipv4Addr::new(127, 1, 0, 7), &labels);
+        assert_eq!(node["metadata"]["labels"][SIMULATED_LABEL], "true");
+        assert_eq!(node["metadata"]["labels"]["pool"], "a");
+        assert_eq!(node["status"]["addresses"][0]["type"], "InternalIP");
+        assert_eq!(node["status"]["addresses"][0]["address"], "127.1.0.7");
+        let parsed: Node = serde_json::from_value(node).unwrap();
+        assert!(!is_ready(&parsed));
+    }
+}

@@ -1,0 +1,289 @@
+//! Bad input from the fleet never crashes the sweep or writes a wrong condition: a node without
+//! an InternalIP is skipped and counted, an agent with a certificate from another CA is rejected
+//! in the handshake, an agent answering for another node or with a huge reply is refused — each
+//! ends as `NodekeeperReachable=False` with the matching reason once stale, while a healthy
+//! agent beside them is read as usual.
+//!
+//! Run: `cargo test -p nodekeeper-e2e --test controller_bad_agents`.
+
+mod controller_common;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use controller_common::*;
+use k8s_openapi::api::core::v1::Node;
+use kube::Api;
+use kube::api::PostParams;
+use nodekeeper_api::proto::agent::v1 as pb;
+use nodekeeper_e2e::{ControlPlane, create_simulated_nodes, test_namespace, unique_name};
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status};
+
+#[test]
+#[ignore = "helper: re-executed by the tests in this file as a controller process; not a test by itself"]
+fn run_as_controller() {
+    run_as_controller_if_asked();
+}
+
+/// A gRPC server with valid mTLS that answers badly.
+#[derive(Clone)]
+enum Misbehaviour {
+    /// Reports for a node name other than the one the controller asked.
+    WrongNode,
+    /// A report of about 8 MiB (the controller accepts 4 MiB).
+    Huge,
+}
+
+#[tonic::async_trait]
+impl pb::node_agent_server::NodeAgent for Misbehaviour {
+    async fn get_report(
+        &self,
+        _: Request<pb::GetReportRequest>,
+    ) -> Result<Response<pb::GetReportResponse>, Status> {
+        let report = match self {
+            Misbehaviour::WrongNode => pb::NodeReport {
+                node_name: "somebody-else".into(),
+                ..Default::default()
+            },
+            Misbehaviour::Huge => pb::NodeReport {
+                node_name: "irrelevant".into(),
+                collector_errors: vec![pb::CollectorError {
+                    collector: "x".into(),
+                    error: "e".repeat(8 << 20),
+                }],
+                ..Default::default()
+            },
+        };
+        Ok(Response::new(pb::GetReportResponse {
+            revision: 7,
+            result: Some(pb::get_report_response::Result::Report(report)),
+        }))
+    }
+    async fn set_rules(
+        &self,
+        _: Request<pb::SetRulesRequest>,
+    ) -> Result<Response<pb::SetRulesResponse>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
+    async fn run_probes(
+        &self,
+        _: Request<pb::RunProbesRequest>,
+    ) -> Result<Response<pb::RunProbesResponse>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
+    async fn apply_network(
+        &self,
+        _: Request<pb::ApplyNetworkRequest>,
+    ) -> Result<Response<pb::ApplyNetworkResponse>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
+}
+
+async fn serve_fake(
+    addr: SocketAddr,
+    tls: &(String, String, String),
+    behaviour: Misbehaviour,
+    stop: CancellationToken,
+) -> anyhow::Result<()> {
+    use tonic::transport::{Certificate, Identity, Server, ServerTlsConfig};
+    let config = ServerTlsConfig::new()
+        .identity(Identity::from_pem(&tls.0, &tls.1))
+        .client_ca_root(Certificate::from_pem(&tls.2));
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    tokio::spawn(
+        Server::builder()
+            .tls_config(config)?
+            .add_service(
+                pb::node_agent_server::NodeAgentServer::new(behaviour)
+                    .max_encoding_message_size(64 << 20),
+            )
+            .serve_with_incoming_shutdown(
+                tokio_stream::wrappers::TcpListenerStream::new(listener),
+                stop.cancelled_owned(),
+            ),
+    );
+    Ok(())
+}
+
+/// A CA and agent certificate that the controller does not trust (same server name).
+fn foreign_agent_tls() -> (String, String, String) {
+    let (ca_cert, ca_key) = nodekeeper_controller::certs::generate_ca().unwrap();
+    let pem = nodekeeper_controller::certs::issue(
+        nodekeeper_controller::certs::Leaf::Agent,
+        &ca_cert,
+        &ca_key,
+    )
+    .unwrap();
+    (pem.cert, pem.key, pem.ca)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_agents_and_nodes_are_named_counted_and_never_stall_the_sweep() -> anyhow::Result<()> {
+    let client = ControlPlane::shared().client().await?;
+    let ns = test_namespace(&client, "nk-bad").await?;
+    let group = unique_name("bad");
+    let labels: BTreeMap<String, String> =
+        [("nodekeeper.dev/e2e-group".to_string(), group.clone())].into();
+    let selector = format!("nodekeeper.dev/e2e-group={group}");
+    let ips = loopback_ips(4);
+    // 0: healthy agent, 1: foreign certificate, 2: wrong node, 3: huge reply.
+    let nodes = create_simulated_nodes(&client, "nk-bad", 4, &labels, &ips).await?;
+    // A Node without any address (not managed by kwok: no simulated label).
+    let bare = unique_name("nk-bad-noip");
+    let bare_node: Node = serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1", "kind": "Node",
+        "metadata": { "name": bare, "labels": { "nodekeeper.dev/e2e-group": group } },
+    }))?;
+    Api::<Node>::all(client.clone())
+        .create(&PostParams::default(), &bare_node)
+        .await?;
+
+    let port = free_port();
+    put_tuning(
+        &client,
+        &ns,
+        &[
+            ("sweepInterval", "10s"),
+            ("staleAfter", "10s"),
+            ("callTimeout", "2s"),
+        ]
+        .into(),
+    )
+    .await?;
+    let controller = ControllerProcess::start(&ns, "bad-a", &selector, port, &[])?;
+    let tls = agent_tls(&client, &ns).await?;
+    let stop = CancellationToken::new();
+    let good = start_agent(&nodes[0], SocketAddr::new(ips[0].into(), port), &tls).await?;
+    let _foreign = start_agent(
+        &nodes[1],
+        SocketAddr::new(ips[1].into(), port),
+        &foreign_agent_tls(),
+    )
+    .await?;
+    serve_fake(
+        SocketAddr::new(ips[2].into(), port),
+        &tls,
+        Misbehaviour::WrongNode,
+        stop.clone(),
+    )
+    .await?;
+    serve_fake(
+        SocketAddr::new(ips[3].into(), port),
+        &tls,
+        Misbehaviour::Huge,
+        stop.clone(),
+    )
+    .await?;
+
+    let t = Duration::from_secs(90);
+    wait_condition(
+        &client,
+        &nodes[0],
+        "NodekeeperReachable",
+        "True",
+        Some("AgentReachable"),
+        t,
+    )
+    .await?;
+    wait_condition(
+        &client,
+        &nodes[1],
+        "NodekeeperReachable",
+        "False",
+        Some("AgentCertificateRejected"),
+        t,
+    )
+    .await?;
+    wait_condition(
+        &client,
+        &nodes[2],
+        "NodekeeperReachable",
+        "False",
+        Some("AgentReplyInvalid"),
+        t,
+    )
+    .await?;
+    wait_condition(
+        &client,
+        &nodes[3],
+        "NodekeeperReachable",
+        "False",
+        Some("AgentReplyInvalid"),
+        t,
+    )
+    .await?;
+    // None of the bad answers produced a report-based condition (no TunablesInBounds).
+    let api: Api<Node> = Api::all(client.clone());
+    for node in &nodes[1..] {
+        assert_eq!(
+            condition(&api.get(node).await?, "TunablesInBounds").map(|c| c.0),
+            None,
+            "{node}"
+        );
+    }
+    // The node without an address got nothing and was counted.
+    assert_eq!(
+        condition(&api.get(&bare).await?, "NodekeeperReachable"),
+        None
+    );
+    let http = controller.http;
+    assert!(
+        metric(
+            http,
+            "nodekeeper_sweep_nodes_skipped_total",
+            &["reason=\"NoInternalIp\""]
+        )
+        .await?
+            >= 1.0
+    );
+    assert!(
+        metric(
+            http,
+            "nodekeeper_sweep_agent_calls_total",
+            &["outcome=\"Tls\""]
+        )
+        .await?
+            >= 1.0
+    );
+    assert!(
+        metric(
+            http,
+            "nodekeeper_sweep_agent_calls_total",
+            &["outcome=\"InvalidReply\""]
+        )
+        .await?
+            >= 1.0
+    );
+    assert!(
+        metric(
+            http,
+            "nodekeeper_sweep_agent_calls_total",
+            &["outcome=\"TooLarge\""]
+        )
+        .await?
+            >= 1.0
+    );
+    // The good node kept being read throughout.
+    let (_, body) = http_get(http, &format!("/api/v1/nodes/{}", nodes[0])).await?;
+    let node: serde_json::Value = serde_json::from_str(&body)?;
+    assert_eq!(node["stale"], false);
+    assert_eq!(node["report"]["nodeName"], nodes[0].as_str());
+    let (_, body) = http_get(http, &format!("/api/v1/nodes/{}", nodes[2])).await?;
+    let node: serde_json::Value = serde_json::from_str(&body)?;
+    assert!(
+        node["lastFailure"]["detail"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("somebody-else"),
+        "{node}"
+    );
+
+    stop.cancel();
+    Api::<Node>::all(client.clone())
+        .delete(&bare, &Default::default())
+        .await?;
+    drop((good, controller));
+    Ok(())
+}
