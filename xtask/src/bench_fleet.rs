@@ -8,7 +8,7 @@
 //! then makes 1 % of the nodes unhealthy and checks that exactly those Nodes get one patch each.
 //! Writes its section (`## fleet`) in BENCHMARKS.md.
 //!
-//! Runs in release: a debug xtask re-executes itself with `cargo run --release`.
+//! The controller and the agents host are built and run in release.
 
 use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, SocketAddr};
@@ -60,29 +60,29 @@ pub fn node_ip(i: usize) -> Ipv4Addr {
     let a = 100 + i / per_a;
     let b = (i / per_b) % 256;
     let c = i % per_b + 1;
-    Ipv4Addr::new(127, u8::try_from(a).unwrap_or(255), u8::try_from(b).unwrap_or(0), u8::try_from(c).unwrap_or(1))
+    Ipv4Addr::new(
+        127,
+        u8::try_from(a).unwrap_or(255),
+        u8::try_from(b).unwrap_or(0),
+        u8::try_from(c).unwrap_or(1),
+    )
 }
 
 pub fn run(args: FleetArgs) -> anyhow::Result<()> {
     let root = crate::codegen::repo_root();
-    if cfg!(debug_assertions) {
-        // Timing figures from a debug build would be meaningless: run the release build.
-        let status = Command::new("cargo")
-            .current_dir(&root)
-            .args(["run", "--release", "--quiet", "-p", "xtask", "--", "bench", "fleet"])
-            .args(std::env::args().skip_while(|a| a != "fleet").skip(1))
-            .status()?;
-        if !status.success() {
-            bail!("release bench failed ({status})");
-        }
-        return Ok(());
-    }
-    let status = Command::new("cargo").current_dir(&root).args(["build", "--release", "-p", "nodekeeper-controller"]).status()?;
+    // The controller and the agents host run as release builds; this driver only creates
+    // objects and reads figures, so its own build profile does not affect them.
+    let status = Command::new("cargo")
+        .current_dir(&root)
+        .args(["build", "--release", "-p", "nodekeeper-controller"])
+        .status()?;
     if !status.success() {
         bail!("building nodekeeper-controller failed");
     }
     let host = build_agents_host(&root)?;
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
     runtime.block_on(bench(args, root, host))
 }
 
@@ -96,7 +96,11 @@ struct Agents {
 
 impl Agents {
     fn sysctl(&self, i: usize) -> PathBuf {
-        self.work.path().join(format!("n{i}")).join("sysctl").join("net/core/somaxconn")
+        self.work
+            .path()
+            .join(format!("n{i}"))
+            .join("sysctl")
+            .join("net/core/somaxconn")
     }
 }
 
@@ -111,7 +115,16 @@ impl Drop for Agents {
 fn build_agents_host(root: &Path) -> anyhow::Result<PathBuf> {
     let output = Command::new("cargo")
         .current_dir(root)
-        .args(["test", "--release", "-p", "nodekeeper-e2e", "--test", "controller_fleet_agents", "--no-run", "--message-format=json"])
+        .args([
+            "test",
+            "--release",
+            "-p",
+            "nodekeeper-e2e",
+            "--test",
+            "controller_fleet_agents",
+            "--no-run",
+            "--message-format=json",
+        ])
         .stderr(Stdio::inherit())
         .output()?;
     if !output.status.success() {
@@ -120,22 +133,42 @@ fn build_agents_host(root: &Path) -> anyhow::Result<PathBuf> {
     String::from_utf8_lossy(&output.stdout)
         .lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|m| m["reason"] == "compiler-artifact" && m["target"]["name"] == "controller_fleet_agents")
+        .filter(|m| {
+            m["reason"] == "compiler-artifact" && m["target"]["name"] == "controller_fleet_agents"
+        })
         .find_map(|m| m["executable"].as_str().map(PathBuf::from))
         .context("cargo named no executable for controller_fleet_agents")
 }
 
-fn start_agents(host: &Path, names: &[String], port: u16, tls: &BTreeMap<String, String>) -> anyhow::Result<Agents> {
+fn start_agents(
+    host: &Path,
+    names: &[String],
+    port: u16,
+    tls: &BTreeMap<String, String>,
+) -> anyhow::Result<Agents> {
     use std::io::BufRead;
     let work = tempfile::tempdir()?;
     for (k, v) in tls {
         std::fs::write(work.path().join(k), v)?;
     }
-    let nodes: Vec<serde_json::Value> = names.iter().enumerate().map(|(i, name)| json!({"name": name, "ip": node_ip(i).to_string()})).collect();
+    let nodes: Vec<serde_json::Value> = names
+        .iter()
+        .enumerate()
+        .map(|(i, name)| json!({"name": name, "ip": node_ip(i).to_string()}))
+        .collect();
     let spec = work.path().join("spec.json");
-    std::fs::write(&spec, serde_json::to_vec(&json!({"port": port, "dir": work.path(), "nodes": nodes}))?)?;
+    std::fs::write(
+        &spec,
+        serde_json::to_vec(&json!({"port": port, "dir": work.path(), "nodes": nodes}))?,
+    )?;
     let mut child = Command::new(host)
-        .args(["--ignored", "--exact", "fleet_agents_host", "--nocapture", "--test-threads=1"])
+        .args([
+            "--ignored",
+            "--exact",
+            "fleet_agents_host",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env("NODEKEEPER_E2E_ROLE", "fleet-agents")
         .env("NODEKEEPER_FLEET_SPEC", &spec)
         .stdout(Stdio::piped())
@@ -162,18 +195,37 @@ fn proc_usage(pid: u32) -> anyhow::Result<(u64, u64, f64)> {
             .unwrap_or(0)
     };
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    let fields: Vec<&str> = stat.rsplit_once(')').map(|(_, rest)| rest.split_whitespace().collect()).unwrap_or_default();
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest.split_whitespace().collect())
+        .unwrap_or_default();
     // Fields after the command: state is [0], utime [11], stime [12] (man 5 proc: 14 and 15).
-    let ticks: f64 = fields.get(11).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0) + fields.get(12).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    let ticks: f64 = fields
+        .get(11)
+        .and_then(|v| v.parse::<f64>().ok())
+        .unwrap_or(0.0)
+        + fields
+            .get(12)
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0);
     Ok((kib("VmRSS:"), kib("VmHWM:"), ticks / 100.0))
 }
 
 /// `apiserver_request_total` summed by (verb, resource, subresource).
-async fn request_totals(client: &kube::Client) -> anyhow::Result<BTreeMap<(String, String, String), f64>> {
-    let text = client.request_text(http::Request::get("/metrics").body(Vec::new())?).await?;
+async fn request_totals(
+    client: &kube::Client,
+) -> anyhow::Result<BTreeMap<(String, String, String), f64>> {
+    let text = client
+        .request_text(http::Request::get("/metrics").body(Vec::new())?)
+        .await?;
     let mut totals = BTreeMap::new();
-    for line in text.lines().filter(|l| l.starts_with("apiserver_request_total{")) {
-        let Some((labels, value)) = line.rsplit_once(' ') else { continue };
+    for line in text
+        .lines()
+        .filter(|l| l.starts_with("apiserver_request_total{"))
+    {
+        let Some((labels, value)) = line.rsplit_once(' ') else {
+            continue;
+        };
         let label = |name: &str| {
             labels
                 .split(&format!("{name}=\"")[..])
@@ -183,14 +235,19 @@ async fn request_totals(client: &kube::Client) -> anyhow::Result<BTreeMap<(Strin
                 .to_owned()
         };
         let value: f64 = value.parse().unwrap_or(0.0);
-        *totals.entry((label("verb"), label("resource"), label("subresource"))).or_default() += value;
+        *totals
+            .entry((label("verb"), label("resource"), label("subresource")))
+            .or_default() += value;
     }
     Ok(totals)
 }
 
 /// Audit events by (user, verb, resource[/subresource]) from `from_line` on; returns the counts
 /// and the number of lines read.
-fn audit_counts(path: &Path, from_line: usize) -> anyhow::Result<(BTreeMap<(String, String, String), u64>, usize, Vec<String>)> {
+fn audit_counts(
+    path: &Path,
+    from_line: usize,
+) -> anyhow::Result<(BTreeMap<(String, String, String), u64>, usize, Vec<String>)> {
     let text = std::fs::read_to_string(path).unwrap_or_default();
     let mut counts = BTreeMap::new();
     let mut patched_nodes = Vec::new();
@@ -200,11 +257,16 @@ fn audit_counts(path: &Path, from_line: usize) -> anyhow::Result<(BTreeMap<(Stri
         if n <= from_line {
             continue;
         }
-        let Ok(event) = serde_json::from_str::<serde_json::Value>(line) else { continue };
+        let Ok(event) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
         if event["stage"] != "ResponseComplete" {
             continue;
         }
-        let user = event["user"]["username"].as_str().unwrap_or_default().to_owned();
+        let user = event["user"]["username"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
         let verb = event["verb"].as_str().unwrap_or_default().to_owned();
         let obj = &event["objectRef"];
         let mut resource = obj["resource"].as_str().unwrap_or_default().to_owned();
@@ -221,13 +283,26 @@ fn audit_counts(path: &Path, from_line: usize) -> anyhow::Result<(BTreeMap<(Stri
 
 /// Applies the controller's RBAC from deploy/controller and returns a kubeconfig for its
 /// ServiceAccount, so its requests are counted apart from kwok's and the bench's.
-async fn controller_kubeconfig(client: &kube::Client, root: &Path, admin: &Path, out: &Path) -> anyhow::Result<()> {
+async fn controller_kubeconfig(
+    client: &kube::Client,
+    root: &Path,
+    admin: &Path,
+    out: &Path,
+) -> anyhow::Result<()> {
     let text = std::fs::read_to_string(root.join("deploy/controller/controller.yaml"))?;
     use serde::Deserialize as _;
     for doc in serde_yaml::Deserializer::from_str(&text) {
         let value = serde_json::Value::deserialize(doc)?;
         let kind = value["kind"].as_str().unwrap_or_default();
-        if !["ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"].contains(&kind) {
+        if ![
+            "ServiceAccount",
+            "ClusterRole",
+            "ClusterRoleBinding",
+            "Role",
+            "RoleBinding",
+        ]
+        .contains(&kind)
+        {
             continue;
         }
         let obj: kube::api::DynamicObject = serde_json::from_value(value.clone())?;
@@ -238,21 +313,32 @@ async fn controller_kubeconfig(client: &kube::Client, root: &Path, admin: &Path,
             None => Api::all_with(client.clone(), &ar),
         };
         let name = obj.metadata.name.clone().context("no name")?;
-        api.patch(&name, &PatchParams::apply("nodekeeper-bench").force(), &Patch::Apply(&value)).await?;
+        api.patch(
+            &name,
+            &PatchParams::apply("nodekeeper-bench").force(),
+            &Patch::Apply(&value),
+        )
+        .await?;
     }
     let sas: Api<ServiceAccount> = Api::namespaced(client.clone(), NAMESPACE);
     let token = sas
         .create_token_request(
             "nodekeeper-controller",
             &PostParams::default(),
-            &serde_json::from_value(json!({"spec": {"expirationSeconds": 86400, "audiences": []}}))?,
+            &serde_json::from_value(
+                json!({"spec": {"expirationSeconds": 86400, "audiences": []}}),
+            )?,
         )
         .await?
         .status
         .context("token request without status")?
         .token;
     let kubeconfig = kube::config::Kubeconfig::read_from(admin)?;
-    let cluster = kubeconfig.clusters.first().and_then(|c| c.cluster.clone()).context("admin kubeconfig has no cluster")?;
+    let cluster = kubeconfig
+        .clusters
+        .first()
+        .and_then(|c| c.cluster.clone())
+        .context("admin kubeconfig has no cluster")?;
     let config = json!({
         "apiVersion": "v1", "kind": "Config",
         "clusters": [{"name": "local", "cluster": {
@@ -284,7 +370,10 @@ async fn metric(addr: SocketAddr, name: &str, matcher: &str) -> anyhow::Result<f
 async fn bench(args: FleetArgs, root: PathBuf, host: PathBuf) -> anyhow::Result<()> {
     let n = args.nodes;
     let say = |text: String| eprintln!("[bench fleet] {text}");
-    let mut options = Options::new(format!("bench-fleet-{}", std::process::id()), Lifetime::WithThisProcess);
+    let mut options = Options::new(
+        format!("bench-fleet-{}", std::process::id()),
+        Lifetime::WithThisProcess,
+    );
     options.audit = true;
     options.max_requests_inflight = Some(2000);
     options.max_mutating_requests_inflight = Some(1000);
@@ -294,13 +383,21 @@ async fn bench(args: FleetArgs, root: PathBuf, host: PathBuf) -> anyhow::Result<
     let audit = cp.audit_log().context("audit log")?;
 
     let namespaces: Api<Namespace> = Api::all(client.clone());
-    namespaces.create(&PostParams::default(), &serde_json::from_value(json!({"metadata": {"name": NAMESPACE}}))?).await?;
+    namespaces
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({"metadata": {"name": NAMESPACE}}))?,
+        )
+        .await?;
     wait_for("default ServiceAccount", Duration::from_secs(60), || {
         let sas: Api<ServiceAccount> = Api::namespaced(client.clone(), NAMESPACE);
         async move { Ok(sas.get_opt("default").await?.map(|_| ())) }
     })
     .await?;
-    let kubeconfig = std::env::temp_dir().join(format!("nodekeeper-bench-controller-{}.yaml", std::process::id()));
+    let kubeconfig = std::env::temp_dir().join(format!(
+        "nodekeeper-bench-controller-{}.yaml",
+        std::process::id()
+    ));
     controller_kubeconfig(&client, &root, cp.kubeconfig(), &kubeconfig).await?;
 
     let rules = "tunables:\n  - name: somaxconn\n    key: net.core.somaxconn\n    atLeast: 4096\n";
@@ -333,38 +430,54 @@ async fn bench(args: FleetArgs, root: PathBuf, host: PathBuf) -> anyhow::Result<
     wait_for("every node Ready (kwok)", Duration::from_secs(600), || {
         let nodes = nodes.clone();
         async move {
-            let list = nodes.list(&ListParams::default().labels(&format!("{GROUP_LABEL}=fleet"))).await?;
-            let ready = list.items.iter().filter(|n| nodekeeper_e2e::controlplane::nodes::is_ready(n)).count();
+            let list = nodes
+                .list(&ListParams::default().labels(&format!("{GROUP_LABEL}=fleet")))
+                .await?;
+            let ready = list
+                .items
+                .iter()
+                .filter(|n| nodekeeper_e2e::controlplane::nodes::is_ready(n))
+                .count();
             Ok((ready == n).then_some(()))
         }
     })
     .await?;
-    say(format!("{n} nodes created and Ready in {:.0?}", created.elapsed()));
+    say(format!(
+        "{n} nodes created and Ready in {:.0?}",
+        created.elapsed()
+    ));
 
     let binary = root.join("target/release/nodekeeper-controller");
     let http: SocketAddr = "127.0.0.1:18080".parse()?;
-    let mut controller = ControllerChild(
-        Command::new(&binary)
-            .env("KUBECONFIG", &kubeconfig)
-            .env("NODEKEEPER_NAMESPACE", NAMESPACE)
-            .env("NODEKEEPER_IDENTITY", "bench-controller")
-            .env("NODEKEEPER_HTTP_LISTEN", http.to_string())
-            .env("NODEKEEPER_AGENT_PORT", args.port.to_string())
-            .env("NODEKEEPER_NODE_SELECTOR", format!("{GROUP_LABEL}=fleet"))
-            .env("NODEKEEPER_LOG_FORMAT", "plain")
-            .env("NODEKEEPER_LOG", "warn")
-            .stdout(Stdio::null())
-            .spawn()
-            .context("start the controller")?,
-    );
-    let pid = controller.0.id();
+    let start_controller = || -> anyhow::Result<ControllerChild> {
+        Ok(ControllerChild(
+            Command::new(&binary)
+                .env("KUBECONFIG", &kubeconfig)
+                .env("NODEKEEPER_NAMESPACE", NAMESPACE)
+                .env("NODEKEEPER_IDENTITY", "bench-controller")
+                .env("NODEKEEPER_HTTP_LISTEN", http.to_string())
+                .env("NODEKEEPER_AGENT_PORT", args.port.to_string())
+                .env("NODEKEEPER_NODE_SELECTOR", format!("{GROUP_LABEL}=fleet"))
+                .env("NODEKEEPER_LOG_FORMAT", "plain")
+                .env("NODEKEEPER_LOG", "warn")
+                .stdout(Stdio::null())
+                .spawn()
+                .context("start the controller")?,
+        ))
+    };
+    // A first controller creates the PKI the agents need.
+    let mut controller = start_controller()?;
 
     // The agents use the certificate the controller created.
     let secrets: Api<Secret> = Api::namespaced(client.clone(), NAMESPACE);
-    let secret = wait_for("Secret nodekeeper-agent-tls", Duration::from_secs(60), || {
-        let secrets = secrets.clone();
-        async move { Ok(secrets.get_opt("nodekeeper-agent-tls").await?) }
-    })
+    let secret = wait_for(
+        "Secret nodekeeper-agent-tls",
+        Duration::from_secs(60),
+        || {
+            let secrets = secrets.clone();
+            async move { Ok(secrets.get_opt("nodekeeper-agent-tls").await?) }
+        },
+    )
     .await?;
     let tls: BTreeMap<String, String> = secret
         .data
@@ -373,16 +486,29 @@ async fn bench(args: FleetArgs, root: PathBuf, host: PathBuf) -> anyhow::Result<
         .map(|(k, v)| (k, String::from_utf8_lossy(&v.0).into_owned()))
         .collect();
     let agents = start_agents(&host, &names, args.port, &tls)?;
+    // Restart the controller (SIGTERM releases the Lease) so that its first sweep is measured
+    // with every agent already listening, as after a controller restart in a running cluster.
+    controller.stop();
+    let mut controller = start_controller()?;
+    let pid = controller.0.id();
     let agents_ready = Instant::now();
-    say(format!("{n} agents listening; waiting for the first full sweep"));
+    say(format!(
+        "{n} agents listening; controller restarted; waiting for the first full sweep"
+    ));
 
-    let sweep_secs = wait_for("the first full sweep", Duration::from_secs(900), || async move {
-        let s = metric(http, "nodekeeper_sweep_initial_sweep_seconds", "").await?;
-        Ok((s > 0.0).then_some(s))
-    })
+    let sweep_secs = wait_for(
+        "the first full sweep",
+        Duration::from_secs(900),
+        || async move {
+            let s = metric(http, "nodekeeper_sweep_initial_sweep_seconds", "").await?;
+            Ok((s > 0.0).then_some(s))
+        },
+    )
     .await?;
     let since_agents = agents_ready.elapsed();
-    say(format!("first full sweep: {sweep_secs:.1} s after the controller led ({since_agents:.0?} after the agents listened)"));
+    say(format!(
+        "first full sweep: {sweep_secs:.1} s after the controller led ({since_agents:.0?} after the agents listened)"
+    ));
     // Let the initial writes land before the window opens.
     tokio::time::sleep(Duration::from_secs(20)).await;
 
@@ -407,23 +533,30 @@ async fn bench(args: FleetArgs, root: PathBuf, host: PathBuf) -> anyhow::Result<
     let cpu_share = (cpu1 - cpu0) / window;
 
     // Flip 1 % unhealthy and wait for exactly those patches.
-    let k = ((n as f64) * args.unhealthy_percent / 100.0).round().max(1.0) as usize;
+    let k = ((n as f64) * args.unhealthy_percent / 100.0)
+        .round()
+        .max(1.0) as usize;
     let step = n / k;
     let flipped: Vec<usize> = (0..k).map(|j| j * step).collect();
     for &i in &flipped {
         std::fs::write(agents.sysctl(i), "128\n")?;
     }
     let flip_start = Instant::now();
-    let expected: std::collections::BTreeSet<String> = flipped.iter().map(|&i| names[i].clone()).collect();
-    let after = wait_for("the flipped nodes' patches", Duration::from_secs(420), || {
-        let audit = audit.clone();
-        let expected = expected.clone();
-        async move {
-            let (_, _, patched) = audit_counts(&audit, audit_to)?;
-            let set: std::collections::BTreeSet<String> = patched.iter().cloned().collect();
-            Ok(expected.is_subset(&set).then_some(patched))
-        }
-    })
+    let expected: std::collections::BTreeSet<String> =
+        flipped.iter().map(|&i| names[i].clone()).collect();
+    let after = wait_for(
+        "the flipped nodes' patches",
+        Duration::from_secs(420),
+        || {
+            let audit = audit.clone();
+            let expected = expected.clone();
+            async move {
+                let (_, _, patched) = audit_counts(&audit, audit_to)?;
+                let set: std::collections::BTreeSet<String> = patched.iter().cloned().collect();
+                Ok(expected.is_subset(&set).then_some(patched))
+            }
+        },
+    )
     .await?;
     let flip_secs = flip_start.elapsed().as_secs_f64();
     // A little longer, so a second patch would show.
@@ -433,31 +566,64 @@ async fn bench(args: FleetArgs, root: PathBuf, host: PathBuf) -> anyhow::Result<
     for name in &patched {
         *per_node.entry(name.clone()).or_default() += 1;
     }
-    let exact = per_node.keys().cloned().collect::<std::collections::BTreeSet<_>>() == expected && per_node.values().all(|&c| c == 1);
+    let exact = per_node
+        .keys()
+        .cloned()
+        .collect::<std::collections::BTreeSet<_>>()
+        == expected
+        && per_node.values().all(|&c| c == 1);
     let _ = after;
     drop(agents);
     controller.stop();
 
     // Report.
     let mut report = String::new();
-    let host_cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
+    let host_cpus = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(0);
     report.push_str(&format!("### N = {n}\n\n"));
     report.push_str(&format!("Command: `cargo xtask bench fleet --nodes {n}` (window {:?}); machine: {host_cpus} cores, shared with the control plane, kwok and all {n} agents.\n\n", args.window));
     report.push_str("| figure | value |\n|---|---|\n");
-    report.push_str(&format!("| first full sweep (controller leading → every node read once) | {sweep_secs:.1} s |\n"));
+    report.push_str(&format!(
+        "| first full sweep (controller leading → every node read once) | {sweep_secs:.1} s |\n"
+    ));
     report.push_str(&format!("| controller RSS at the end of the window / max sampled / peak (VmHWM) | {:.1} / {:.1} / {:.1} MiB |\n", rss as f64 / 1024.0, rss_max as f64 / 1024.0, hwm as f64 / 1024.0));
-    report.push_str(&format!("| controller CPU in the window | {:.3} cores ({:.1} s in {window:.0} s) |\n", cpu_share, cpu1 - cpu0));
-    report.push_str(&format!("| agent calls in the window | {:.0} ({:.2}/s) |\n", calls1 - calls0, (calls1 - calls0) / window));
-    report.push_str(&format!("| condition patches in the window (controller metric) | {:.0} ({:.3}/s) |\n", patches1 - patches0, (patches1 - patches0) / window));
-    let controller_total: u64 = audit_window.iter().filter(|((u, _, _), _)| u == CONTROLLER_USER).map(|(_, c)| c).sum();
+    report.push_str(&format!(
+        "| controller CPU in the window | {:.3} cores ({:.1} s in {window:.0} s) |\n",
+        cpu_share,
+        cpu1 - cpu0
+    ));
+    report.push_str(&format!(
+        "| agent calls in the window | {:.0} ({:.2}/s) |\n",
+        calls1 - calls0,
+        (calls1 - calls0) / window
+    ));
+    report.push_str(&format!(
+        "| condition patches in the window (controller metric) | {:.0} ({:.3}/s) |\n",
+        patches1 - patches0,
+        (patches1 - patches0) / window
+    ));
+    let controller_total: u64 = audit_window
+        .iter()
+        .filter(|((u, _, _), _)| u == CONTROLLER_USER)
+        .map(|(_, c)| c)
+        .sum();
     let controller_writes: u64 = audit_window
         .iter()
-        .filter(|((u, v, _), _)| u == CONTROLLER_USER && ["create", "update", "patch", "delete"].contains(&v.as_str()))
+        .filter(|((u, v, _), _)| {
+            u == CONTROLLER_USER && ["create", "update", "patch", "delete"].contains(&v.as_str())
+        })
         .map(|(_, c)| c)
         .sum();
     report.push_str(&format!("| controller API requests in the window (audit) | {controller_total} ({:.3}/s), writes {controller_writes} ({:.3}/s) |\n", controller_total as f64 / window, controller_writes as f64 / window));
-    let agent_requests: u64 = audit_window.iter().filter(|((u, _, _), _)| u.contains("agent")).map(|(_, c)| c).sum();
-    report.push_str(&format!("| API requests from agents | {agent_requests} (agents have no Kubernetes client) |\n"));
+    let agent_requests: u64 = audit_window
+        .iter()
+        .filter(|((u, _, _), _)| u.contains("agent"))
+        .map(|(_, c)| c)
+        .sum();
+    report.push_str(&format!(
+        "| API requests from agents | {agent_requests} (agents have no Kubernetes client) |\n"
+    ));
     report.push_str(&format!("| 1 % flipped unhealthy: nodes | {k}; all patched {flip_secs:.0} s after the flip; exactly those nodes, one patch each: **{}** ({} patches on {} nodes) |\n\n", if exact { "yes" } else { "NO" }, patched.len(), per_node.len()));
     report.push_str("Controller requests in the window by verb and resource (audit log, user `");
     report.push_str(CONTROLLER_USER);
@@ -471,8 +637,16 @@ async fn bench(args: FleetArgs, root: PathBuf, host: PathBuf) -> anyhow::Result<
     for (key, v1) in &totals1 {
         let delta = v1 - totals0.get(key).copied().unwrap_or(0.0);
         if delta >= 1.0 {
-            let resource = if key.2.is_empty() { key.1.clone() } else { format!("{}/{}", key.1, key.2) };
-            report.push_str(&format!("| {} | {resource} | {delta:.0} | {:.2} |\n", key.0, delta / window));
+            let resource = if key.2.is_empty() {
+                key.1.clone()
+            } else {
+                format!("{}/{}", key.1, key.2)
+            };
+            report.push_str(&format!(
+                "| {} | {resource} | {delta:.0} | {:.2} |\n",
+                key.0,
+                delta / window
+            ));
         }
     }
     report.push('\n');
@@ -490,7 +664,10 @@ struct ControllerChild(Child);
 
 impl ControllerChild {
     fn stop(&mut self) {
-        let _ = Command::new("kill").arg("-TERM").arg(self.0.id().to_string()).status();
+        let _ = Command::new("kill")
+            .arg("-TERM")
+            .arg(self.0.id().to_string())
+            .status();
         let deadline = Instant::now() + Duration::from_secs(10);
         while Instant::now() < deadline {
             if let Ok(Some(_)) = self.0.try_wait() {
@@ -521,21 +698,36 @@ fn write_section(root: &Path, n: usize, report: &str) -> anyhow::Result<()> {
     let (before, section, after) = match text.find(header) {
         Some(start) => {
             let rest = &text[start + header.len()..];
-            let end = rest.find("\n## ").map_or(text.len(), |e| start + header.len() + e + 1);
-            (text[..start].to_owned(), text[start..end].to_owned(), text[end..].to_owned())
+            let end = rest
+                .find("\n## ")
+                .map_or(text.len(), |e| start + header.len() + e + 1);
+            (
+                text[..start].to_owned(),
+                text[start..end].to_owned(),
+                text[end..].to_owned(),
+            )
         }
-        None => (format!("{}\n\n", text.trim_end()), intro.to_owned(), String::new()),
+        None => (
+            format!("{}\n\n", text.trim_end()),
+            intro.to_owned(),
+            String::new(),
+        ),
     };
     let sub = format!("### N = {n}\n");
     let section = match section.find(&sub) {
         Some(s) => {
             let rest = &section[s + sub.len()..];
-            let e = rest.find("\n### ").map_or(section.len(), |e| s + sub.len() + e + 1);
+            let e = rest
+                .find("\n### ")
+                .map_or(section.len(), |e| s + sub.len() + e + 1);
             format!("{}{}{}", &section[..s], report, &section[e..])
         }
         None => format!("{}\n{}", section.trim_end(), format!("\n\n{report}")),
     };
-    std::fs::write(&path, format!("{before}{}{after}", section.trim_end().to_owned() + "\n"))?;
+    std::fs::write(
+        &path,
+        format!("{before}{}{after}", section.trim_end().to_owned() + "\n"),
+    )?;
     Ok(())
 }
 
@@ -547,6 +739,9 @@ mod tests {
     fn node_ips_are_distinct_loopback_host_addresses() {
         let ips: std::collections::HashSet<Ipv4Addr> = (0..70_000).map(node_ip).collect();
         assert_eq!(ips.len(), 70_000);
-        assert!(ips.iter().all(|ip| ip.octets()[0] == 127 && ip.octets()[3] != 0 && ip.octets()[3] != 255));
+        assert!(
+            ips.iter()
+                .all(|ip| ip.octets()[0] == 127 && ip.octets()[3] != 0 && ip.octets()[3] != 255)
+        );
     }
 }

@@ -60,7 +60,17 @@ struct UpArgs {
     max_mutating_requests_inflight: Option<u32>,
 }
 
+/// Runs the subcommand. Failures are reported as one `error: …` line that says what to do (no
+/// backtrace, whatever RUST_BACKTRACE says) and exit status 1.
 pub fn run(args: ClusterArgs) -> anyhow::Result<()> {
+    if let Err(error) = dispatch(args) {
+        eprintln!("error: {error:#}");
+        std::process::exit(1);
+    }
+    Ok(())
+}
+
+fn dispatch(args: ClusterArgs) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     match args.command {
         ClusterCommand::Up(up) => runtime.block_on(up_cmd(&args.name, up)),

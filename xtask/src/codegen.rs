@@ -7,7 +7,6 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
-use kube::CustomResourceExt;
 use nodekeeper_api::crd;
 
 /// The proto files compiled into `crates/api`, relative to `proto/`.
@@ -76,8 +75,8 @@ fn generate_proto(root: &Path) -> anyhow::Result<Vec<(String, String)>> {
     for entry in fs::read_dir(scratch.path()).context("read the scratch directory")? {
         let entry = entry?;
         let name = entry.file_name().to_string_lossy().into_owned();
-        let content = fs::read_to_string(entry.path())
-            .with_context(|| format!("read generated {name}"))?;
+        let content =
+            fs::read_to_string(entry.path()).with_context(|| format!("read generated {name}"))?;
         out.push((name, content));
     }
     out.sort();
@@ -100,9 +99,23 @@ fn generate_crds() -> anyhow::Result<Vec<(String, String)>> {
     Ok(out)
 }
 
-/// Writes every generated file and removes stale ones from the generated directories.
-pub fn run() -> anyhow::Result<()> {
+/// Arguments of `cargo xtask codegen`.
+#[derive(clap::Args, Debug)]
+pub struct CodegenArgs {
+    /// Change nothing; fail if any generated file is out of date (what CI runs).
+    #[arg(long, env = "NODEKEEPER_CODEGEN_CHECK")]
+    pub check: bool,
+}
+
+/// Writes every generated file and removes stale ones from the generated directories, or with
+/// `--check` only reports what differs.
+pub fn run(args: &CodegenArgs) -> anyhow::Result<()> {
     let root = repo_root();
+    if args.check {
+        check(&root)?;
+        eprintln!("generated files are up to date");
+        return Ok(());
+    }
     let generated = generate(&root)?;
     for (dir, ext) in &generated.owned_dirs {
         let abs = root.join(dir);
@@ -202,10 +215,8 @@ impl ScratchDir {
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_nanos())
             .unwrap_or(0);
-        let path = std::env::temp_dir().join(format!(
-            "nodekeeper-codegen-{}-{nanos}",
-            std::process::id()
-        ));
+        let path =
+            std::env::temp_dir().join(format!("nodekeeper-codegen-{}-{nanos}", std::process::id()));
         fs::create_dir(&path).with_context(|| format!("create {}", path.display()))?;
         Ok(Self(path))
     }
@@ -259,7 +270,10 @@ mod tests {
         let extra = Path::new(CRD_DIR).join("old.example.yaml");
         fs::write(copy.path().join(&extra), "kind: Old\n").unwrap();
         let err = format!("{:#}", check(copy.path()).unwrap_err());
-        assert!(err.contains("old.example.yaml is not generated any more"), "{err}");
+        assert!(
+            err.contains("old.example.yaml is not generated any more"),
+            "{err}"
+        );
         fs::remove_file(copy.path().join(&extra)).unwrap();
 
         let (last, _) = generated.files.iter().next_back().unwrap();

@@ -1,10 +1,13 @@
 //! `cargo xtask`: the project's own automation — code generation, the local control plane,
 //! the VM used for VLAN tests, benchmarks and the demo.
 
+mod bench_agent;
 mod bench_fleet;
 mod bench_netconf;
 mod cluster;
 mod codegen;
+mod deps;
+mod test;
 mod vm;
 
 use clap::{Parser, Subcommand};
@@ -19,7 +22,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Regenerate the checked-in gRPC code (crates/api/src/generated) and CRDs (deploy/crds).
-    Codegen,
+    Codegen(codegen::CodegenArgs),
     /// The local control plane (etcd, kube-apiserver, controller-manager, scheduler, kwok) on 127.0.0.1.
     Cluster(cluster::ClusterArgs),
     /// Cache Debian's kernel and modules for the 802.1Q VLAN tests under qemu; optionally boot it.
@@ -27,10 +30,15 @@ enum Command {
     /// Benchmarks: print figures and update their section of BENCHMARKS.md.
     #[command(subcommand)]
     Bench(Bench),
+    /// Run the whole test suite against one freshly started local control plane (what CI runs).
+    /// Run as root so that network-namespace and VM tests run instead of reporting SKIPPED.
+    Test(test::TestArgs),
 }
 
 #[derive(Subcommand)]
 enum Bench {
+    /// The node agent: idle/loaded RSS, CPU, GetReport latency, binary size; vs node-problem-detector.
+    Agent(bench_agent::AgentArgs),
     /// The controller against N kwok nodes with N real agents: sweep time, RSS, CPU, API requests.
     Fleet(bench_fleet::FleetArgs),
     /// Host network configuration: apply, no-op re-apply and rollback of N VNICs vs nmstatectl.
@@ -40,9 +48,11 @@ enum Bench {
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
-        Command::Codegen => codegen::run(),
+        Command::Codegen(args) => codegen::run(&args),
         Command::Cluster(args) => cluster::run(args),
         Command::Vm(args) => vm::run(args),
+        Command::Test(args) => test::run(args),
+        Command::Bench(Bench::Agent(args)) => bench_agent::run(args),
         Command::Bench(Bench::Fleet(args)) => bench_fleet::run(args),
         Command::Bench(Bench::Netconf(args)) => bench_netconf::run_bench(args),
     }

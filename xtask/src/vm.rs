@@ -31,16 +31,19 @@ pub struct VmArgs {
     args: Vec<String>,
 }
 
-/// The busybox shell script the smoke boot runs: the bare-metal layout with `ip`, read back.
+/// The busybox shell script the smoke boot runs: the bare-metal stack built with busybox `ip`
+/// (which has no `-d`, hence the read-back through `/proc/net/vlan/config`).
 const SMOKE_SCRIPT: &str = "set -e
-ip link add nic0 mtu 9000 type dummy
-ip link set nic0 up
-ip link add link nic0 name vnic0 address 02:00:17:00:00:05 mtu 9000 type macvlan mode bridge
-ip link add link vnic0 name vnic0.100 mtu 9000 type vlan id 100
-ip link set vnic0 up
-ip link set vnic0.100 up
-ip -d link show vnic0.100 | grep -q 'vlan protocol 802.1Q id 100'
+ip link add name nic0 type dummy
+ip link set nic0 mtu 9000 up
+ip link add link nic0 name vnic0 type macvlan
+ip link set vnic0 address 02:00:17:00:00:05 mtu 9000 up
+ip link add link vnic0 name vnic0.100 type vlan id 100
+ip link set vnic0.100 mtu 9000 up
+cat /proc/net/vlan/config
+grep -Eq '^vnic0[.]100 +[|] 100 +[|] vnic0$' /proc/net/vlan/config
 ip link show vnic0.100 | grep -q 'mtu 9000'
+ip link show vnic0.100 | grep -q '02:00:17:00:00:05'
 echo 'smoke: 802.1Q VLAN 100 on macvlan vnic0 on dummy nic0 is up with MTU 9000'
 ";
 

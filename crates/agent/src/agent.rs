@@ -8,13 +8,13 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tracing::debug;
 
+use crate::Error;
 use crate::collect::gpu::GpuReading;
 use crate::collect::load::CpuTimes;
 use crate::collect::{self, CollectError, Measurement, Unit};
 use crate::config::{Config, under_root};
 use crate::report::{self, Inputs, NetworkStatus, Report, SystemInfo};
 use crate::tunables::{RawRuleSet, Tunables};
-use crate::Error;
 
 /// What the collectors read, taken from the configuration.
 #[derive(Clone, Debug)]
@@ -115,7 +115,9 @@ impl Agent {
         // Failures are gathered beside the figures: a failed collector never fails the report.
         let mut errors: Vec<(String, String)> = Vec::new();
         let mut measurements: Vec<Measurement> = Vec::new();
-        let mut take = |name: &str, r: Result<Vec<Measurement>, CollectError>, errors: &mut Vec<(String, String)>| match r {
+        let mut take = |name: &str,
+                        r: Result<Vec<Measurement>, CollectError>,
+                        errors: &mut Vec<(String, String)>| match r {
             Ok(m) => measurements.extend(m),
             Err(e) => errors.push((name.to_string(), e.to_string())),
         };
@@ -125,16 +127,28 @@ impl Agent {
             Ok(stat) => {
                 system.cpus = stat.cpus;
                 system.booted_at_unix = stat.btime;
-                if let Some(before) = cache.cpu {
-                    if let Some(busy) = collect::load::busy_percent(before, stat.cpu) {
-                        take("cpu", Ok(vec![Measurement::new("cpu.busy_percent", busy, Unit::Percent)]), &mut errors);
-                    }
+                if let Some(before) = cache.cpu
+                    && let Some(busy) = collect::load::busy_percent(before, stat.cpu)
+                {
+                    take(
+                        "cpu",
+                        Ok(vec![Measurement::new(
+                            "cpu.busy_percent",
+                            busy,
+                            Unit::Percent,
+                        )]),
+                        &mut errors,
+                    );
                 }
                 cache.cpu = Some(stat.cpu);
             }
             Err(e) => errors.push(("cpu".into(), e.to_string())),
         }
-        take("load", collect::load::collect_load(&s.proc_root, system.cpus), &mut errors);
+        take(
+            "load",
+            collect::load::collect_load(&s.proc_root, system.cpus),
+            &mut errors,
+        );
         match collect::memory::collect_memory(&s.proc_root) {
             Ok((info, m)) => {
                 system.memory_total_bytes = info.total;
@@ -143,7 +157,11 @@ impl Agent {
             Err(e) => errors.push(("memory".into(), e.to_string())),
         }
         for resource in ["cpu", "memory", "io"] {
-            take(&format!("psi:{resource}"), collect::memory::collect_psi(&s.proc_root, resource), &mut errors);
+            take(
+                &format!("psi:{resource}"),
+                collect::memory::collect_psi(&s.proc_root, resource),
+                &mut errors,
+            );
         }
         for mount in &s.mounts {
             let name = mount.display().to_string();
@@ -153,8 +171,16 @@ impl Agent {
                 &mut errors,
             );
         }
-        take("conntrack", collect::kernel::collect_conntrack(&s.proc_root), &mut errors);
-        take("files", collect::kernel::collect_files(&s.proc_root), &mut errors);
+        take(
+            "conntrack",
+            collect::kernel::collect_conntrack(&s.proc_root),
+            &mut errors,
+        );
+        take(
+            "files",
+            collect::kernel::collect_files(&s.proc_root),
+            &mut errors,
+        );
         take("time", collect::time::collect(), &mut errors);
         match collect::kernel::release_and_boot_id(&s.proc_root) {
             Ok((release, boot_id)) => {
@@ -177,7 +203,11 @@ impl Agent {
         if !gpu_fresh {
             cache.gpu = Some((Instant::now(), collect::gpu::collect(&s.nvidia_smi).await));
         }
-        inputs.gpu = cache.gpu.as_ref().map(|(_, g)| g.clone()).unwrap_or_default();
+        inputs.gpu = cache
+            .gpu
+            .as_ref()
+            .map(|(_, g)| g.clone())
+            .unwrap_or_default();
         if !inputs.gpu.error.is_empty() {
             errors.push(("gpu".into(), inputs.gpu.error.clone()));
         }
@@ -186,7 +216,11 @@ impl Agent {
             match collect::oca::collect(dir) {
                 Ok((plugins, file_errors)) => {
                     inputs.plugins = plugins;
-                    errors.extend(file_errors.into_iter().map(|(f, e)| (format!("oca:{f}"), e)));
+                    errors.extend(
+                        file_errors
+                            .into_iter()
+                            .map(|(f, e)| (format!("oca:{f}"), e)),
+                    );
                 }
                 Err(e) => errors.push(("oca".into(), format!("read {}: {e}", dir.display()))),
             }
@@ -202,7 +236,11 @@ impl Agent {
         report.tunables = tunables.evaluate(report.collected_at_unix_ms);
         report.rules_revision = tunables.revision();
         drop(tunables);
-        report.network = self.network.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        report.network = self
+            .network
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
         report
     }
 }

@@ -44,13 +44,27 @@ pub struct Config {
     #[arg(long, env = "NODEKEEPER_CLIENT_CA")]
     pub client_ca: PathBuf,
 
+    /// How often the TLS files are checked for a reissued certificate; when they change the
+    /// server restarts with them.
+    #[arg(long, env = "NODEKEEPER_TLS_RELOAD_INTERVAL", default_value = "30s", value_parser = parse_duration)]
+    pub tls_reload_interval: Duration,
+
     /// Directory for the agent's state (the rules in force, repair history); survives restarts.
-    #[arg(long, env = "NODEKEEPER_STATE_DIR", default_value = "/var/lib/nodekeeper")]
+    #[arg(
+        long,
+        env = "NODEKEEPER_STATE_DIR",
+        default_value = "/var/lib/nodekeeper"
+    )]
     pub state_dir: PathBuf,
 
     /// Host mount points whose disk and inode use is reported (comma-separated absolute paths,
     /// resolved under `--host-root`).
-    #[arg(long, env = "NODEKEEPER_MOUNTS", value_delimiter = ',', default_value = "/")]
+    #[arg(
+        long,
+        env = "NODEKEEPER_MOUNTS",
+        value_delimiter = ',',
+        default_value = "/"
+    )]
     pub mounts: Vec<PathBuf>,
 
     /// Where the host's root filesystem is visible to the agent (e.g. `/host/root` in the
@@ -77,10 +91,6 @@ pub struct Config {
     #[arg(long, env = "NODEKEEPER_PROC_ROOT", default_value = "/proc")]
     pub proc_root: PathBuf,
 
-    /// Where the host's sysfs is mounted (e.g. `/host/sys`).
-    #[arg(long, env = "NODEKEEPER_SYS_ROOT", default_value = "/sys")]
-    pub sys_root: PathBuf,
-
     /// The sysctl tree the tunable rules read and (where a rule allows repair) write. Defaults
     /// to `<proc-root>/sys`. Mount it writable only on nodes where repair is wanted.
     #[arg(long, env = "NODEKEEPER_SYSCTL_ROOT")]
@@ -101,7 +111,12 @@ pub struct Config {
     pub imds_endpoint: Option<String>,
 
     /// Log line format.
-    #[arg(long, env = "NODEKEEPER_LOG_FORMAT", value_enum, default_value = "json")]
+    #[arg(
+        long,
+        env = "NODEKEEPER_LOG_FORMAT",
+        value_enum,
+        default_value = "json"
+    )]
     pub log_format: LogFormat,
 
     /// Log filter in `tracing` env-filter syntax, e.g. `info` or `nodekeeper_agent=debug`.
@@ -147,13 +162,19 @@ pub fn check_host_path(flag: &'static str, path: &Path) -> Result<(), Error> {
     if !path.is_absolute() {
         return Err(Error::InvalidConfig {
             flag,
-            reason: format!("{} is not an absolute path; write it from /", path.display()),
+            reason: format!(
+                "{} is not an absolute path; write it from /",
+                path.display()
+            ),
         });
     }
     if path.components().any(|c| matches!(c, Component::ParentDir)) {
         return Err(Error::InvalidConfig {
             flag,
-            reason: format!("{} contains `..`; name the directory directly", path.display()),
+            reason: format!(
+                "{} contains `..`; name the directory directly",
+                path.display()
+            ),
         });
     }
     Ok(())
@@ -204,7 +225,10 @@ mod tests {
         let mut args = base();
         args.push("--mounts=/,/var/lib");
         let c = Config::try_parse_from(args).unwrap();
-        assert_eq!(c.mounts, vec![PathBuf::from("/"), PathBuf::from("/var/lib")]);
+        assert_eq!(
+            c.mounts,
+            vec![PathBuf::from("/"), PathBuf::from("/var/lib")]
+        );
         assert_eq!(c.sysctl_root(), PathBuf::from("/proc/sys"));
         assert_eq!(c.report_max_age, Duration::from_secs(1));
         c.validate().unwrap();
@@ -228,7 +252,10 @@ mod tests {
 
     #[test]
     fn joins_under_root() {
-        assert_eq!(under_root(Path::new("/host"), Path::new("/")), PathBuf::from("/host"));
+        assert_eq!(
+            under_root(Path::new("/host"), Path::new("/")),
+            PathBuf::from("/host")
+        );
         assert_eq!(
             under_root(Path::new("/host"), Path::new("/var/lib")),
             PathBuf::from("/host/var/lib")

@@ -38,7 +38,10 @@ pub enum Error {
     #[error("rules refused, previous rules stay in force: {0}")]
     InvalidRules(String),
     #[error("save state to {path}: {source}")]
-    SaveState { path: PathBuf, source: std::io::Error },
+    SaveState {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("bind {addr}: {source}")]
     Bind {
         addr: std::net::SocketAddr,
@@ -50,18 +53,35 @@ pub enum Error {
     Serve(#[from] tonic::transport::Error),
 }
 
-/// Runs the agent until `shutdown` is cancelled.
+/// Runs the agent until `shutdown` is cancelled. When the TLS files change (a reissued
+/// certificate in the Secret volume) the server stops gracefully and starts again with them.
 pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Error> {
-    let listener = TcpListener::bind(config.listen).await.map_err(|source| Error::Bind {
-        addr: config.listen,
-        source,
-    })?;
-    serve(config, listener, shutdown).await
+    loop {
+        let listener = TcpListener::bind(config.listen)
+            .await
+            .map_err(|source| Error::Bind {
+                addr: config.listen,
+                source,
+            })?;
+        let generation = shutdown.child_token();
+        let watcher = tokio::spawn(tls::watch(config.clone(), generation.clone()));
+        let served = serve(config.clone(), listener, generation).await;
+        watcher.abort();
+        served?;
+        if shutdown.is_cancelled() {
+            return Ok(());
+        }
+        info!("TLS files changed; serving again with the new certificates");
+    }
 }
 
 /// Serves on an already bound listener (tests bind port 0 and read the address back). On
 /// shutdown the health service reports NOT_SERVING first, then in-flight calls finish.
-pub async fn serve(config: Config, listener: TcpListener, shutdown: CancellationToken) -> Result<(), Error> {
+pub async fn serve(
+    config: Config,
+    listener: TcpListener,
+    shutdown: CancellationToken,
+) -> Result<(), Error> {
     config.validate()?;
     let tls = tls::server_config(&config)?;
     let addr = listener.local_addr().ok();
@@ -72,7 +92,9 @@ pub async fn serve(config: Config, listener: TcpListener, shutdown: Cancellation
         .max_encoding_message_size(max);
 
     let (reporter, health) = tonic_health::server::health_reporter();
-    reporter.set_serving::<NodeAgentServer<service::AgentService>>().await;
+    reporter
+        .set_serving::<NodeAgentServer<service::AgentService>>()
+        .await;
     reporter
         .set_service_status("", tonic_health::ServingStatus::Serving)
         .await;
@@ -81,7 +103,9 @@ pub async fn serve(config: Config, listener: TcpListener, shutdown: Cancellation
     let signal = async move {
         shutdown.cancelled().await;
         info!("shutting down: reporting NOT_SERVING, finishing calls in flight");
-        reporter.set_not_serving::<NodeAgentServer<service::AgentService>>().await;
+        reporter
+            .set_not_serving::<NodeAgentServer<service::AgentService>>()
+            .await;
         reporter
             .set_service_status("", tonic_health::ServingStatus::NotServing)
             .await;

@@ -8,7 +8,9 @@ use tokio_util::sync::CancellationToken;
 fn main() -> anyhow::Result<()> {
     let config = Config::parse();
     let filter = tracing_subscriber::EnvFilter::try_new(&config.log).context("parse --log")?;
-    let logs = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
     match config.log_format {
         LogFormat::Json => logs.json().init(),
         LogFormat::Plain => logs.init(),
@@ -23,7 +25,10 @@ fn main() -> anyhow::Result<()> {
         let on_signal = shutdown.clone();
         tokio::spawn(async move {
             use tokio::signal::unix::{SignalKind, signal};
-            let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+            let (Ok(mut term), Ok(mut int)) = (
+                signal(SignalKind::terminate()),
+                signal(SignalKind::interrupt()),
+            ) else {
                 tracing::error!("cannot install signal handlers");
                 return;
             };
@@ -33,6 +38,8 @@ fn main() -> anyhow::Result<()> {
             }
             on_signal.cancel();
         });
-        nodekeeper_agent::run(config, shutdown).await.context("nodekeeper-agent")
+        nodekeeper_agent::run(config, shutdown)
+            .await
+            .context("nodekeeper-agent")
     })
 }

@@ -14,7 +14,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use nodekeeper_api::network::{NetworkState, format_errors};
 use nodekeeper_api::proto::agent::v1 as pb;
-use nodekeeper_netconf::{ApplyOptions, ApplyReport, NetconfError, Netconf, Outcome, PlanError, Target};
+use nodekeeper_netconf::{
+    ApplyOptions, ApplyReport, Netconf, NetconfError, Outcome, PlanError, Target,
+};
 use tonic::Status;
 use tracing::{info, warn};
 
@@ -39,16 +41,19 @@ pub enum NetworkError {
     CheckTarget(String),
     #[error("host networking: {0}")]
     Netlink(String),
+    #[error("instance metadata: {0}")]
+    Metadata(String),
 }
 
 impl From<NetworkError> for Status {
     fn from(e: NetworkError) -> Status {
         match e {
-            NetworkError::ParseDesired(_) | NetworkError::Invalid(_) | NetworkError::CheckTarget(_) => {
-                Status::invalid_argument(e.to_string())
-            }
+            NetworkError::ParseDesired(_)
+            | NetworkError::Invalid(_)
+            | NetworkError::CheckTarget(_) => Status::invalid_argument(e.to_string()),
             NetworkError::Plan(_) => Status::failed_precondition(e.to_string()),
             NetworkError::Netlink(_) => Status::internal(e.to_string()),
+            NetworkError::Metadata(_) => Status::unavailable(e.to_string()),
         }
     }
 }
@@ -56,7 +61,9 @@ impl From<NetworkError> for Status {
 impl From<NetconfError> for NetworkError {
     fn from(e: NetconfError) -> Self {
         match e {
-            NetconfError::Plan(PlanError::Invalid(errs)) => NetworkError::Invalid(format_errors(&errs)),
+            NetconfError::Plan(PlanError::Invalid(errs)) => {
+                NetworkError::Invalid(format_errors(&errs))
+            }
             NetconfError::Plan(p) => NetworkError::Plan(p.to_string()),
             NetconfError::BadCheckTarget(t) => NetworkError::CheckTarget(t),
             other => NetworkError::Netlink(other.to_string()),
@@ -80,7 +87,9 @@ pub struct NetworkManager {
 }
 
 fn now_ms() -> i64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }
 
 /// The manager of `agent`, created on first use (with its drift loop) on the current runtime.
@@ -112,7 +121,10 @@ impl NetworkManager {
 
     /// The status for the node report.
     pub fn status(&self) -> NetworkStatus {
-        self.status.lock().unwrap_or_else(PoisonError::into_inner).clone()
+        self.status
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
     }
 
     async fn publish(&self, f: impl FnOnce(&mut NetworkStatus)) {
@@ -128,10 +140,15 @@ impl NetworkManager {
     }
 
     /// Serves `ApplyNetwork`.
-    pub async fn apply(&self, req: pb::ApplyNetworkRequest) -> Result<pb::ApplyNetworkResponse, NetworkError> {
-        let desired: NetworkState =
-            serde_json::from_str(&req.desired_state_json).map_err(|e| NetworkError::ParseDesired(e.to_string()))?;
-        desired.validate().map_err(|e| NetworkError::Invalid(format_errors(&e)))?;
+    pub async fn apply(
+        &self,
+        req: pb::ApplyNetworkRequest,
+    ) -> Result<pb::ApplyNetworkResponse, NetworkError> {
+        let desired: NetworkState = serde_json::from_str(&req.desired_state_json)
+            .map_err(|e| NetworkError::ParseDesired(e.to_string()))?;
+        desired
+            .validate()
+            .map_err(|e| NetworkError::Invalid(format_errors(&e)))?;
         let check_targets = req
             .check_targets
             .iter()
@@ -141,7 +158,11 @@ impl NetworkManager {
         let opts = ApplyOptions {
             dry_run: req.dry_run,
             check_targets,
-            check_timeout: Duration::from_millis(if req.check_timeout_ms == 0 { 5000 } else { u64::from(req.check_timeout_ms) }),
+            check_timeout: Duration::from_millis(if req.check_timeout_ms == 0 {
+                5000
+            } else {
+                u64::from(req.check_timeout_ms)
+            }),
             fail_at_step: None,
         };
         let mut applied = self.lock.lock().await;
@@ -159,10 +180,17 @@ impl NetworkManager {
         info!(generation = %req.generation, outcome = ?report.outcome, steps = report.plan.steps.len(), writes = report.writes, "apply network");
         if !req.dry_run {
             if report.outcome == Outcome::Applied {
-                *applied = Some(Applied { desired: desired.clone(), generation: req.generation.clone(), opts });
+                *applied = Some(Applied {
+                    desired: desired.clone(),
+                    generation: req.generation.clone(),
+                    opts,
+                });
                 let generation = req.generation.clone();
                 self.publish(|s| {
-                    *s = NetworkStatus { applied_generation: generation, ..NetworkStatus::default() };
+                    *s = NetworkStatus {
+                        applied_generation: generation,
+                        ..NetworkStatus::default()
+                    };
                 })
                 .await;
             } else {
@@ -170,14 +198,20 @@ impl NetworkManager {
                 self.publish(|s| s.last_error = msg).await;
             }
         }
-        let observed = self.netconf.observed_state(&desired).await.map_err(NetworkError::from)?;
+        let observed = self
+            .netconf
+            .observed_state(&desired)
+            .await
+            .map_err(NetworkError::from)?;
         Ok(response(&report, &observed))
     }
 
     /// Re-plans the last applied state; on drift, records it and (if `reconverge`) applies again.
     pub async fn check_drift(&self, reconverge: bool) -> Result<Vec<String>, NetworkError> {
         let applied = self.lock.lock().await;
-        let Some(a) = applied.as_ref() else { return Ok(Vec::new()) };
+        let Some(a) = applied.as_ref() else {
+            return Ok(Vec::new());
+        };
         let drift = self.netconf.drift(&a.desired).await?;
         if drift.is_empty() {
             return Ok(drift);
@@ -227,9 +261,60 @@ impl NetworkManager {
     }
 }
 
+impl NetworkManager {
+    /// The OCI secondary-VNIC layout of this host: asks the metadata service at `imds` for the
+    /// instance and its VNICs, matches them with the interfaces netlink reports (PCI addresses
+    /// from `sys_class_net`, normally `/sys/class/net`, number the physical NICs for bare metal's
+    /// `nicIndex`), and returns the desired state plus what waits. Used only with an endpoint the
+    /// agent was configured with; nothing here has a default address.
+    pub async fn oci_vnic_layout(
+        &self,
+        imds: &nodekeeper_oci::ImdsClient,
+        sys_class_net: &std::path::Path,
+        opts: &nodekeeper_oci::LayoutOptions,
+    ) -> Result<nodekeeper_oci::Layout, NetworkError> {
+        let instance = imds
+            .instance()
+            .await
+            .map_err(|e| NetworkError::Metadata(e.to_string()))?;
+        let vnics = imds
+            .vnics()
+            .await
+            .map_err(|e| NetworkError::Metadata(e.to_string()))?;
+        let observed = self.netconf.observe().await?;
+        let host: Vec<nodekeeper_oci::HostInterface> = observed
+            .links
+            .iter()
+            .filter_map(|l| {
+                let mac = l.mac.clone()?;
+                // A physical NIC's `device` link points at its PCI function, e.g.
+                // `../../../0000:31:00.0`; virtual devices have none.
+                let pci_address = std::fs::read_link(sys_class_net.join(&l.name).join("device"))
+                    .ok()
+                    .and_then(|p| p.file_name().map(|f| f.to_string_lossy().into_owned()));
+                Some(nodekeeper_oci::HostInterface {
+                    name: l.name.clone(),
+                    mac,
+                    pci_address,
+                })
+            })
+            .collect();
+        nodekeeper_oci::secondary_vnics(&instance, &vnics, &host, opts)
+            .map_err(|e| NetworkError::Metadata(e.to_string()))
+    }
+}
+
 fn response(report: &ApplyReport, observed: &NetworkState) -> pb::ApplyNetworkResponse {
     pb::ApplyNetworkResponse {
-        plan: report.plan.steps.iter().map(|s| pb::PlanStep { op: s.op().to_string(), object: s.to_string() }).collect(),
+        plan: report
+            .plan
+            .steps
+            .iter()
+            .map(|s| pb::PlanStep {
+                op: s.op().to_string(),
+                object: s.to_string(),
+            })
+            .collect(),
         outcome: match report.outcome {
             Outcome::Planned => pb::ApplyOutcome::Planned,
             Outcome::Applied => pb::ApplyOutcome::Applied,
@@ -239,5 +324,347 @@ fn response(report: &ApplyReport, observed: &NetworkState) -> pb::ApplyNetworkRe
         message: report.error.clone().unwrap_or_default(),
         observed_state_json: serde_json::to_string(observed).unwrap_or_default(),
         netlink_writes: u32::try_from(report.writes).unwrap_or(u32::MAX),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The manager in a fresh network namespace (root only), driven with the gRPC messages.
+
+    use std::process::Command;
+
+    use clap::Parser;
+    use tonic::Code;
+
+    use super::*;
+    use crate::config::Config;
+
+    fn ip(ns: &str, args: &[&str]) -> String {
+        let out = Command::new("ip")
+            .arg("-n")
+            .arg(ns)
+            .args(args)
+            .output()
+            .expect("run ip");
+        assert!(
+            out.status.success(),
+            "ip {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    struct Ns(String);
+    impl Drop for Ns {
+        fn drop(&mut self) {
+            let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
+        }
+    }
+
+    const DESIRED: &str = r#"{
+      "links": [{"name": "vnic1", "kind": "existing", "mac": "02:00:17:0a:22:02", "mtu": 9000, "up": true}],
+      "addresses": [{"link": "vnic1", "cidr": "10.0.20.33/24"}],
+      "routes": [{"destination": "default", "gateway": "10.0.20.1", "link": "vnic1", "table": 101}],
+      "rules": [{"from": "10.0.20.33/32", "table": 101, "priority": 20101}]
+    }"#;
+
+    fn request(json: &str, dry_run: bool) -> pb::ApplyNetworkRequest {
+        pb::ApplyNetworkRequest {
+            desired_state_json: json.into(),
+            dry_run,
+            generation: "uid-1/3".into(),
+            check_targets: vec!["10.0.20.1".into()],
+            check_timeout_ms: 2000,
+        }
+    }
+
+    #[test]
+    #[allow(clippy::print_stdout)] // SKIPPED goes to stdout (TESTING.md)
+    fn apply_network_dry_run_apply_reapply_errors_and_drift() {
+        if !nix::unistd::geteuid().is_root() {
+            println!("SKIPPED: needs root to create network namespaces");
+            return;
+        }
+        let ns = Ns(format!("nk-test-agent-{}", std::process::id()));
+        assert!(
+            Command::new("ip")
+                .args(["netns", "add", &ns.0])
+                .status()
+                .unwrap()
+                .success()
+        );
+        ip(&ns.0, &["link", "set", "lo", "up"]);
+        ip(
+            &ns.0,
+            &[
+                "link",
+                "add",
+                "nic0",
+                "address",
+                "02:00:17:0a:22:02",
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "nic0p",
+            ],
+        );
+        ip(&ns.0, &["link", "set", "nic0", "up"]);
+        ip(&ns.0, &["link", "set", "nic0p", "up"]);
+        ip(&ns.0, &["addr", "add", "10.0.20.1/24", "dev", "nic0p"]);
+        let state = tempfile::tempdir().unwrap();
+        let name = ns.0.clone();
+        let state_dir = state.path().to_string_lossy().into_owned();
+        std::thread::spawn(move || {
+            let f = std::fs::File::open(format!("/run/netns/{name}")).unwrap();
+            nix::sched::setns(f, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async move {
+                let config = Config::parse_from([
+                    "nodekeeper-agent",
+                    "--node-name=n1",
+                    "--tls-cert=/nonexistent",
+                    "--tls-key=/nonexistent",
+                    "--client-ca=/nonexistent",
+                    &format!("--state-dir={state_dir}"),
+                ]);
+                let agent = Arc::new(Agent::new(&config));
+                let m = manager_for(&agent).unwrap();
+                assert!(Arc::ptr_eq(&m, &manager_for(&agent).unwrap()));
+
+                let r = m.apply(request(DESIRED, true)).await.unwrap();
+                assert_eq!(r.outcome, pb::ApplyOutcome::Planned as i32);
+                assert_eq!(r.netlink_writes, 0);
+                let ops: Vec<&str> = r.plan.iter().map(|s| s.op.as_str()).collect();
+                assert_eq!(
+                    ops,
+                    vec!["set-link", "add-address", "add-route", "add-rule"]
+                );
+                assert_eq!(r.plan[0].object, "nic0 mtu 9000");
+                assert!(!ip(&name, &["addr", "show", "dev", "nic0"]).contains("10.0.20.33"));
+
+                let r = m.apply(request(DESIRED, false)).await.unwrap();
+                assert_eq!(r.outcome, pb::ApplyOutcome::Applied as i32, "{}", r.message);
+                assert_eq!(r.netlink_writes, 4);
+                let observed: NetworkState = serde_json::from_str(&r.observed_state_json).unwrap();
+                assert_eq!(observed.addresses[0].cidr, "10.0.20.33/24");
+                assert_eq!(observed.links[0].name, "vnic1");
+                assert_eq!(observed.links[0].mtu, Some(9000));
+                assert_eq!(m.status().applied_generation, "uid-1/3");
+
+                let r = m.apply(request(DESIRED, false)).await.unwrap();
+                assert_eq!(
+                    (r.outcome, r.netlink_writes, r.plan.len()),
+                    (pb::ApplyOutcome::Applied as i32, 0, 0)
+                );
+
+                // Bad input: refused before any change, naming the field.
+                let e = Status::from(m.apply(request("{not json", false)).await.unwrap_err());
+                assert_eq!(e.code(), Code::InvalidArgument);
+                let bad = DESIRED.replace("\"mtu\": 9000", "\"mtu\": 60");
+                let e = Status::from(m.apply(request(&bad, false)).await.unwrap_err());
+                assert_eq!(e.code(), Code::InvalidArgument);
+                assert!(
+                    e.message().contains("links[0].mtu: 60 is outside 68–65535"),
+                    "{}",
+                    e.message()
+                );
+                let orphan =
+                    r#"{"links": [{"name": "nkm9", "kind": "macvlan", "parent": "ens9"}]}"#;
+                let e = Status::from(m.apply(request(orphan, false)).await.unwrap_err());
+                assert_eq!(e.code(), Code::FailedPrecondition);
+                assert!(
+                    e.message().contains("parent ens9 does not exist"),
+                    "{}",
+                    e.message()
+                );
+                let mut req = request(DESIRED, false);
+                req.check_targets = vec!["example.com".into()];
+                let e = Status::from(m.apply(req).await.unwrap_err());
+                assert_eq!(e.code(), Code::InvalidArgument);
+
+                // Drift: someone removes the VNIC's default route; the manager sees it, reports
+                // it and puts it back.
+                ip(&name, &["route", "del", "default", "table", "101"]);
+                let drift = m.check_drift(true).await.unwrap();
+                assert_eq!(
+                    drift,
+                    vec!["add-route 0.0.0.0/0 via 10.0.20.1 dev nic0 table 101".to_string()]
+                );
+                let s = m.status();
+                assert!(
+                    s.drifted && s.reconverged_at_unix_ms > 0 && s.last_error.is_empty(),
+                    "{s:?}"
+                );
+                assert_eq!(
+                    ip(&name, &["route", "show", "table", "101"]).trim(),
+                    "default via 10.0.20.1 dev nic0 proto 176"
+                );
+                assert!(m.check_drift(true).await.unwrap().is_empty());
+                let (_, report) = agent.report(0).await;
+                assert!(report.unwrap().network.drifted);
+            });
+        })
+        .join()
+        .unwrap();
+    }
+
+    /// A minimal IMDS stand-in on 127.0.0.1 (inside the test namespace) serving the shared VM
+    /// samples; it answers 401 without the v2 header.
+    async fn imds_server() -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let fixtures =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../oci/tests/fixtures");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 1024];
+                while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match stream.read(&mut chunk).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                }
+                let req = String::from_utf8_lossy(&buf).to_lowercase();
+                let (status, body) = if !req.contains("\r\nauthorization: bearer oracle\r\n") {
+                    ("401 Unauthorized", String::new())
+                } else if req.starts_with("get /opc/v2/vnics/ ") {
+                    (
+                        "200 OK",
+                        std::fs::read_to_string(fixtures.join("vnics-vm.json")).unwrap(),
+                    )
+                } else if req.starts_with("get /opc/v2/instance/ ") {
+                    (
+                        "200 OK",
+                        std::fs::read_to_string(fixtures.join("instance-vm.json")).unwrap(),
+                    )
+                } else {
+                    ("404 Not Found", String::new())
+                };
+                let resp = format!(
+                    "HTTP/1.1 {status}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = stream.write_all(resp.as_bytes()).await;
+            }
+        });
+        format!("http://{addr}")
+    }
+
+    #[test]
+    #[allow(clippy::print_stdout)] // SKIPPED goes to stdout (TESTING.md)
+    fn oci_layout_from_metadata_applies_and_reports_what_waits() {
+        if !nix::unistd::geteuid().is_root() {
+            println!("SKIPPED: needs root to create network namespaces");
+            return;
+        }
+        let ns = Ns(format!("nk-test-agent-oci-{}", std::process::id()));
+        assert!(
+            Command::new("ip")
+                .args(["netns", "add", &ns.0])
+                .status()
+                .unwrap()
+                .success()
+        );
+        ip(&ns.0, &["link", "set", "lo", "up"]);
+        // The primary VNIC and the second one are visible; the third is not attached yet.
+        ip(
+            &ns.0,
+            &[
+                "link",
+                "add",
+                "ens3",
+                "address",
+                "02:00:17:0a:11:01",
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "ens3p",
+            ],
+        );
+        ip(
+            &ns.0,
+            &[
+                "link",
+                "add",
+                "ens5",
+                "address",
+                "02:00:17:0a:22:02",
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "ens5p",
+            ],
+        );
+        ip(&ns.0, &["link", "set", "ens5p", "up", "mtu", "9000"]);
+        ip(&ns.0, &["addr", "add", "10.0.20.1/24", "dev", "ens5p"]);
+        let state = tempfile::tempdir().unwrap();
+        let name = ns.0.clone();
+        let state_dir = state.path().to_string_lossy().into_owned();
+        std::thread::spawn(move || {
+            let f = std::fs::File::open(format!("/run/netns/{name}")).unwrap();
+            nix::sched::setns(f, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async move {
+                let config = Config::parse_from([
+                    "nodekeeper-agent",
+                    "--node-name=n1",
+                    "--tls-cert=/nonexistent",
+                    "--tls-key=/nonexistent",
+                    "--client-ca=/nonexistent",
+                    &format!("--state-dir={state_dir}"),
+                ]);
+                let agent = Arc::new(Agent::new(&config));
+                let m = NetworkManager::new(&agent).unwrap();
+                let imds = nodekeeper_oci::ImdsClient::new(nodekeeper_oci::ImdsConfig::new(
+                    imds_server().await,
+                ))
+                .unwrap();
+                let no_sysfs = tempfile::tempdir().unwrap();
+                let layout = m
+                    .oci_vnic_layout(
+                        &imds,
+                        no_sysfs.path(),
+                        &nodekeeper_oci::LayoutOptions::default(),
+                    )
+                    .await
+                    .unwrap();
+                assert_eq!(layout.waiting.len(), 1);
+                assert!(
+                    layout.waiting[0]
+                        .contains("waiting for an interface with MAC 02:00:17:0a:33:03")
+                );
+                let json = serde_json::to_string(&layout.desired).unwrap();
+                let r = m.apply(request(&json, false)).await.unwrap();
+                assert_eq!(r.outcome, pb::ApplyOutcome::Applied as i32, "{}", r.message);
+                assert_eq!(
+                    ip(&name, &["route", "show", "table", "101"]).trim(),
+                    "default via 10.0.20.1 dev ens5 proto 176"
+                );
+                let rules = ip(&name, &["rule", "show"]);
+                assert!(
+                    rules.contains("20100:\tfrom all to 169.254.0.0/16 lookup main proto 176"),
+                    "{rules}"
+                );
+                assert!(
+                    rules.contains("20101:\tfrom 10.0.20.33 lookup 101 proto 176"),
+                    "{rules}"
+                );
+                // The primary VNIC was not touched.
+                assert!(!ip(&name, &["addr", "show", "dev", "ens3"]).contains("inet "));
+            });
+        })
+        .join()
+        .unwrap();
     }
 }

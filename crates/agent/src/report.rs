@@ -15,7 +15,9 @@ use crate::collect::{Measurement, Unit};
 use crate::tunables::TunableStatus;
 
 /// How a figure compares with the rules in force.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
+)]
 pub enum Verdict {
     /// Not evaluated; never treated as healthy.
     #[default]
@@ -46,8 +48,20 @@ struct Family {
     step: f64,
 }
 
-const fn fam(pattern: &'static str, lower_is_worse: bool, warning: f64, critical: f64, step: f64) -> Family {
-    Family { pattern, lower_is_worse, warning, critical, step }
+const fn fam(
+    pattern: &'static str,
+    lower_is_worse: bool,
+    warning: f64,
+    critical: f64,
+    step: f64,
+) -> Family {
+    Family {
+        pattern,
+        lower_is_worse,
+        warning,
+        critical,
+        step,
+    }
 }
 
 /// Default levels. Load is per CPU; PSI levels follow the kernel's guidance that sustained
@@ -77,7 +91,9 @@ fn matches(pattern: &str, name: &str) -> bool {
     match pattern.split_once('*') {
         None => pattern == name,
         Some((prefix, suffix)) => {
-            name.len() >= prefix.len() + suffix.len() && name.starts_with(prefix) && name.ends_with(suffix)
+            name.len() >= prefix.len() + suffix.len()
+                && name.starts_with(prefix)
+                && name.ends_with(suffix)
         }
     }
 }
@@ -127,12 +143,22 @@ pub fn quantize(name: &str, value: f64) -> f64 {
     let s = step(name);
     let q = (value / s).round() * s;
     // Avoid "-0" and float dust in messages and hashes.
-    if q == 0.0 { 0.0 } else { (q * 1e6).round() / 1e6 }
+    if q == 0.0 {
+        0.0
+    } else {
+        (q * 1e6).round() / 1e6
+    }
 }
 
 /// Judges `value` against (warning, critical) levels.
 pub fn judge(value: f64, lower_is_worse: bool, (warning, critical): (f64, f64)) -> Verdict {
-    let beyond = |level: f64| if lower_is_worse { value <= level } else { value >= level };
+    let beyond = |level: f64| {
+        if lower_is_worse {
+            value <= level
+        } else {
+            value >= level
+        }
+    };
     if beyond(critical) {
         Verdict::Critical
     } else if beyond(warning) {
@@ -208,7 +234,11 @@ pub fn judge_gpu(gpu: &Gpu, overrides: &[Threshold]) -> (Verdict, String) {
         if let Some(levels) = levels(name, overrides) {
             let v = judge(value, false, levels);
             if v > Verdict::Ok {
-                let shown = if name == "gpu.temperature_c" { quantize(name, value) } else { value };
+                let shown = if name == "gpu.temperature_c" {
+                    quantize(name, value)
+                } else {
+                    value
+                };
                 why.push(format!("{name} is {shown}"));
             }
             verdict = verdict.max(v);
@@ -279,7 +309,11 @@ pub struct Inputs {
 
 /// Judges the inputs into a report (without tunables, which the caller adds).
 pub fn assemble(inputs: Inputs, overrides: &[Threshold]) -> Report {
-    let mut indicators: Vec<Indicator> = inputs.measurements.iter().map(|m| evaluate(m, overrides)).collect();
+    let mut indicators: Vec<Indicator> = inputs
+        .measurements
+        .iter()
+        .map(|m| evaluate(m, overrides))
+        .collect();
     indicators.sort_by(|a, b| a.name.cmp(&b.name));
     let gpus = inputs
         .gpu
@@ -287,7 +321,11 @@ pub fn assemble(inputs: Inputs, overrides: &[Threshold]) -> Report {
         .into_iter()
         .map(|gpu| {
             let (verdict, message) = judge_gpu(&gpu, overrides);
-            JudgedGpu { gpu, verdict, message }
+            JudgedGpu {
+                gpu,
+                verdict,
+                message,
+            }
         })
         .collect();
     let mut collector_errors = inputs.collector_errors;
@@ -311,21 +349,44 @@ pub fn assemble(inputs: Inputs, overrides: &[Threshold]) -> Report {
 pub fn revision(r: &Report) -> u64 {
     let mut s = String::with_capacity(4096);
     // `write!` into a String cannot fail.
-    let _ = writeln!(s, "node {} {} rules {}", r.node_name, r.agent_version, r.rules_revision);
+    let _ = writeln!(
+        s,
+        "node {} {} rules {}",
+        r.node_name, r.agent_version, r.rules_revision
+    );
     for i in &r.indicators {
-        let _ = writeln!(s, "i {} {} {:?} {}", i.name, quantize(&i.name, i.value), i.verdict, i.message);
+        let _ = writeln!(
+            s,
+            "i {} {} {:?} {}",
+            i.name,
+            quantize(&i.name, i.value),
+            i.verdict,
+            i.message
+        );
     }
     for t in &r.tunables {
         let _ = writeln!(
             s,
             "t {} {} {:?} {:?} {:?} {:?} {} {} {:?}",
-            t.rule, t.key, t.current, t.verdict, t.expected, t.previous, t.repaired_at_unix_ms, t.conflict, t.error
+            t.rule,
+            t.key,
+            t.current,
+            t.verdict,
+            t.expected,
+            t.previous,
+            t.repaired_at_unix_ms,
+            t.conflict,
+            t.error
         );
     }
     for i in &r.interfaces {
         let _ = writeln!(s, "n {i:?}");
     }
-    let _ = writeln!(s, "g {} {:?} {:?}", r.gpu_present, r.gpu_source, r.gpu_error);
+    let _ = writeln!(
+        s,
+        "g {} {:?} {:?}",
+        r.gpu_present, r.gpu_source, r.gpu_error
+    );
     for g in &r.gpus {
         let _ = writeln!(
             s,
@@ -368,25 +429,67 @@ mod tests {
     fn default_levels_and_direction() {
         let i = evaluate(&m("memory.available_percent", 7.2, Unit::Percent), &[]);
         assert_eq!(i.verdict, Verdict::Warning);
-        assert_eq!(i.message, "memory.available_percent is 7%, warning at <= 10%");
-        assert_eq!(evaluate(&m("memory.available_percent", 50.0, Unit::Percent), &[]).verdict, Verdict::Ok);
-        assert_eq!(evaluate(&m("disk./var/lib.used_percent", 93.0, Unit::Percent), &[]).verdict, Verdict::Critical);
-        assert_eq!(evaluate(&m("time.synchronized", 0.0, Unit::Bool), &[]).verdict, Verdict::Warning);
-        assert_eq!(evaluate(&m("time.synchronized", 1.0, Unit::Bool), &[]).verdict, Verdict::Ok);
-        assert_eq!(evaluate(&m("load.avg5_per_cpu", 4.5, Unit::Ratio), &[]).verdict, Verdict::Critical);
+        assert_eq!(
+            i.message,
+            "memory.available_percent is 7%, warning at <= 10%"
+        );
+        assert_eq!(
+            evaluate(&m("memory.available_percent", 50.0, Unit::Percent), &[]).verdict,
+            Verdict::Ok
+        );
+        assert_eq!(
+            evaluate(&m("disk./var/lib.used_percent", 93.0, Unit::Percent), &[]).verdict,
+            Verdict::Critical
+        );
+        assert_eq!(
+            evaluate(&m("time.synchronized", 0.0, Unit::Bool), &[]).verdict,
+            Verdict::Warning
+        );
+        assert_eq!(
+            evaluate(&m("time.synchronized", 1.0, Unit::Bool), &[]).verdict,
+            Verdict::Ok
+        );
+        assert_eq!(
+            evaluate(&m("load.avg5_per_cpu", 4.5, Unit::Ratio), &[]).verdict,
+            Verdict::Critical
+        );
     }
 
     #[test]
     fn overrides_exact_beats_prefix_beats_default() {
         let overrides = vec![
-            Threshold { indicator: "disk.*".into(), warning: 50.0, critical: 60.0 },
-            Threshold { indicator: "disk./data.*".into(), warning: 95.0, critical: 99.0 },
-            Threshold { indicator: "disk./.used_percent".into(), warning: 10.0, critical: 20.0 },
+            Threshold {
+                indicator: "disk.*".into(),
+                warning: 50.0,
+                critical: 60.0,
+            },
+            Threshold {
+                indicator: "disk./data.*".into(),
+                warning: 95.0,
+                critical: 99.0,
+            },
+            Threshold {
+                indicator: "disk./.used_percent".into(),
+                warning: 10.0,
+                critical: 20.0,
+            },
         ];
-        assert_eq!(levels("disk./var.used_percent", &overrides), Some((50.0, 60.0)));
-        assert_eq!(levels("disk./data.used_percent", &overrides), Some((95.0, 99.0)));
-        assert_eq!(levels("disk./.used_percent", &overrides), Some((10.0, 20.0)));
-        assert_eq!(levels("conntrack.used_percent", &overrides), Some((75.0, 90.0)));
+        assert_eq!(
+            levels("disk./var.used_percent", &overrides),
+            Some((50.0, 60.0))
+        );
+        assert_eq!(
+            levels("disk./data.used_percent", &overrides),
+            Some((95.0, 99.0))
+        );
+        assert_eq!(
+            levels("disk./.used_percent", &overrides),
+            Some((10.0, 20.0))
+        );
+        assert_eq!(
+            levels("conntrack.used_percent", &overrides),
+            Some((75.0, 90.0))
+        );
         assert_eq!(levels("something.else", &overrides), None);
     }
 
@@ -401,13 +504,23 @@ mod tests {
 
     #[test]
     fn gpu_verdicts() {
-        let cool = Gpu { temperature_c: 40.0, ..Gpu::default() };
+        let cool = Gpu {
+            temperature_c: 40.0,
+            ..Gpu::default()
+        };
         assert_eq!(judge_gpu(&cool, &[]).0, Verdict::Ok);
-        let ecc = Gpu { ecc_uncorrected: 2, temperature_c: 40.0, ..Gpu::default() };
+        let ecc = Gpu {
+            ecc_uncorrected: 2,
+            temperature_c: 40.0,
+            ..Gpu::default()
+        };
         let (v, msg) = judge_gpu(&ecc, &[]);
         assert_eq!(v, Verdict::Critical);
         assert!(msg.contains("ecc"), "{msg}");
-        let hot = Gpu { temperature_c: 88.0, ..Gpu::default() };
+        let hot = Gpu {
+            temperature_c: 88.0,
+            ..Gpu::default()
+        };
         assert_eq!(judge_gpu(&hot, &[]).0, Verdict::Warning);
     }
 

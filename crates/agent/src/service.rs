@@ -32,15 +32,22 @@ impl AgentService {
 /// The one place where agent errors become gRPC statuses.
 pub fn status(error: Error) -> Status {
     match error {
-        Error::InvalidRules(_) | Error::InvalidConfig { .. } => Status::invalid_argument(error.to_string()),
-        Error::RunProbes(crate::probes::ProbeError::InvalidRequest { .. }) => Status::invalid_argument(error.to_string()),
+        Error::InvalidRules(_) | Error::InvalidConfig { .. } => {
+            Status::invalid_argument(error.to_string())
+        }
+        Error::RunProbes(crate::probes::ProbeError::InvalidRequest { .. }) => {
+            Status::invalid_argument(error.to_string())
+        }
         _ => Status::internal(error.to_string()),
     }
 }
 
 #[tonic::async_trait]
 impl NodeAgent for AgentService {
-    async fn get_report(&self, request: Request<pb::GetReportRequest>) -> Result<Response<pb::GetReportResponse>, Status> {
+    async fn get_report(
+        &self,
+        request: Request<pb::GetReportRequest>,
+    ) -> Result<Response<pb::GetReportResponse>, Status> {
         let since = request.into_inner().since_revision;
         let (revision, report) = self.agent.report(since).await;
         let result = match report {
@@ -53,14 +60,22 @@ impl NodeAgent for AgentService {
         }))
     }
 
-    async fn set_rules(&self, request: Request<pb::SetRulesRequest>) -> Result<Response<pb::SetRulesResponse>, Status> {
+    async fn set_rules(
+        &self,
+        request: Request<pb::SetRulesRequest>,
+    ) -> Result<Response<pb::SetRulesResponse>, Status> {
         let raw = from_proto(request.into_inner());
         let active_revision = self.agent.set_rules(&raw).await.map_err(status)?;
         Ok(Response::new(pb::SetRulesResponse { active_revision }))
     }
 
-    async fn run_probes(&self, request: Request<pb::RunProbesRequest>) -> Result<Response<pb::RunProbesResponse>, Status> {
-        let response = crate::probes::run(request.into_inner()).await.map_err(|e| status(e.into()))?;
+    async fn run_probes(
+        &self,
+        request: Request<pb::RunProbesRequest>,
+    ) -> Result<Response<pb::RunProbesResponse>, Status> {
+        let response = crate::probes::run(request.into_inner())
+            .await
+            .map_err(|e| status(e.into()))?;
         Ok(Response::new(response))
     }
 

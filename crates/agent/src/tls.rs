@@ -36,3 +36,34 @@ pub fn server_config(config: &Config) -> Result<ServerTlsConfig, Error> {
         .client_auth_optional(false)
         .timeout(std::time::Duration::from_secs(10)))
 }
+
+/// A digest of the three TLS files, to notice when they change.
+pub fn fingerprint(config: &Config) -> Option<[u8; 32]> {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    for path in [&config.tls_cert, &config.tls_key, &config.client_ca] {
+        h.update(std::fs::read(path).ok()?);
+        h.update([0]);
+    }
+    Some(h.finalize().into())
+}
+
+/// Cancels `generation` when the TLS files differ from what they were at the start (checked every
+/// `--tls-reload-interval`). Unreadable files (mid-update) are ignored until readable again.
+pub async fn watch(config: Config, generation: tokio_util::sync::CancellationToken) {
+    let start = fingerprint(&config);
+    let mut tick = tokio::time::interval(config.tls_reload_interval);
+    tick.tick().await;
+    loop {
+        tokio::select! {
+            _ = generation.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let now = fingerprint(&config);
+        if now.is_some() && now != start {
+            tracing::info!("TLS files changed");
+            generation.cancel();
+            return;
+        }
+    }
+}

@@ -135,7 +135,10 @@ pub fn sysctl_path(root: &Path, key: &str) -> Result<PathBuf, String> {
         return Err("is empty; write a sysctl key such as net.core.somaxconn".into());
     }
     if key.len() > MAX_NAME_LEN {
-        return Err(format!("is {} characters long; at most {MAX_NAME_LEN}", key.len()));
+        return Err(format!(
+            "is {} characters long; at most {MAX_NAME_LEN}",
+            key.len()
+        ));
     }
     if key.contains('/') {
         return Err(format!(
@@ -144,20 +147,37 @@ pub fn sysctl_path(root: &Path, key: &str) -> Result<PathBuf, String> {
     }
     let parts: Vec<&str> = key.split('.').collect();
     if parts.iter().any(|p| p.is_empty()) {
-        return Err(format!("{key:?} has an empty component; write e.g. net.core.somaxconn"));
+        return Err(format!(
+            "{key:?} has an empty component; write e.g. net.core.somaxconn"
+        ));
     }
-    if let Some(bad) = key.chars().find(|c| !(c.is_ascii_alphanumeric() || *c == '_' || *c == '-' || *c == '.')) {
-        return Err(format!("{key:?} contains {bad:?}; keys use letters, digits, `_`, `-` and `.`"));
+    if let Some(bad) = key
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || *c == '_' || *c == '-' || *c == '.'))
+    {
+        return Err(format!(
+            "{key:?} contains {bad:?}; keys use letters, digits, `_`, `-` and `.`"
+        ));
     }
-    let path = parts.iter().fold(root.to_path_buf(), |p, part| p.join(part));
-    let meta = std::fs::metadata(&path)
-        .map_err(|_| format!("{key:?} is not a known sysctl (no {} on this node)", path.display()))?;
+    let path = parts
+        .iter()
+        .fold(root.to_path_buf(), |p, part| p.join(part));
+    let meta = std::fs::metadata(&path).map_err(|_| {
+        format!(
+            "{key:?} is not a known sysctl (no {} on this node)",
+            path.display()
+        )
+    })?;
     if !meta.is_file() {
         return Err(format!("{key:?} is a group of sysctls, not a single key"));
     }
     // Belt and braces: the components above cannot leave the root, and neither may links.
-    let real = path.canonicalize().map_err(|e| format!("resolve {}: {e}", path.display()))?;
-    let real_root = root.canonicalize().map_err(|e| format!("resolve {}: {e}", root.display()))?;
+    let real = path
+        .canonicalize()
+        .map_err(|e| format!("resolve {}: {e}", path.display()))?;
+    let real_root = root
+        .canonicalize()
+        .map_err(|e| format!("resolve {}: {e}", root.display()))?;
     if !real.starts_with(&real_root) {
         return Err(format!("{key:?} resolves outside {}", root.display()));
     }
@@ -198,13 +218,28 @@ pub fn validate(raw: &RawRuleSet, sysctl_root: &Path) -> Result<RuleSet, Error> 
     for (i, r) in raw.rules.iter().enumerate() {
         let name = r.name.trim();
         if name.is_empty() {
-            return Err(refuse(i, name, "name", "is empty; every rule needs a unique name"));
+            return Err(refuse(
+                i,
+                name,
+                "name",
+                "is empty; every rule needs a unique name",
+            ));
         }
         if name.len() > MAX_NAME_LEN || name.chars().any(char::is_control) {
-            return Err(refuse(i, name, "name", "must be at most 253 printable characters"));
+            return Err(refuse(
+                i,
+                name,
+                "name",
+                "must be at most 253 printable characters",
+            ));
         }
         if !names.insert(name.to_string()) {
-            return Err(refuse(i, name, "name", "is used by an earlier rule; names must be unique"));
+            return Err(refuse(
+                i,
+                name,
+                "name",
+                "is used by an earlier rule; names must be unique",
+            ));
         }
         sysctl_path(sysctl_root, r.key.trim()).map_err(|e| refuse(i, name, "key", e))?;
         let comparison = match r.comparison {
@@ -213,20 +248,40 @@ pub fn validate(raw: &RawRuleSet, sysctl_root: &Path) -> Result<RuleSet, Error> 
             3 => Comparison::AtMost,
             4 => Comparison::OneOf,
             0 => {
-                return Err(refuse(i, name, "comparison", "is unspecified; use EQUAL, AT_LEAST, AT_MOST or ONE_OF"));
+                return Err(refuse(
+                    i,
+                    name,
+                    "comparison",
+                    "is unspecified; use EQUAL, AT_LEAST, AT_MOST or ONE_OF",
+                ));
             }
-            n => return Err(refuse(i, name, "comparison", format!("{n} is not a known comparison"))),
+            n => {
+                return Err(refuse(
+                    i,
+                    name,
+                    "comparison",
+                    format!("{n} is not a known comparison"),
+                ));
+            }
         };
         let values: Vec<String> = r.values.iter().map(|v| normalize(v)).collect();
         if values.is_empty() {
-            return Err(refuse(i, name, "values", "is empty; give the expected value"));
+            return Err(refuse(
+                i,
+                name,
+                "values",
+                "is empty; give the expected value",
+            ));
         }
         if comparison != Comparison::OneOf && values.len() != 1 {
             return Err(refuse(
                 i,
                 name,
                 "values",
-                format!("has {} values; this comparison takes exactly one (use ONE_OF for several)", values.len()),
+                format!(
+                    "has {} values; this comparison takes exactly one (use ONE_OF for several)",
+                    values.len()
+                ),
             ));
         }
         for v in &values {
@@ -234,24 +289,56 @@ pub fn validate(raw: &RawRuleSet, sysctl_root: &Path) -> Result<RuleSet, Error> 
                 return Err(refuse(i, name, "values", "contains an empty value"));
             }
             if v.len() > MAX_VALUE_LEN || v.chars().any(char::is_control) {
-                return Err(refuse(i, name, "values", "values are at most 256 printable characters"));
+                return Err(refuse(
+                    i,
+                    name,
+                    "values",
+                    "values are at most 256 printable characters",
+                ));
             }
         }
-        if matches!(comparison, Comparison::AtLeast | Comparison::AtMost) && values[0].parse::<i64>().is_err() {
-            return Err(refuse(i, name, "values", format!("{:?} is not an integer, as this comparison needs", values[0])));
+        if matches!(comparison, Comparison::AtLeast | Comparison::AtMost)
+            && values[0].parse::<i64>().is_err()
+        {
+            return Err(refuse(
+                i,
+                name,
+                "values",
+                format!(
+                    "{:?} is not an integer, as this comparison needs",
+                    values[0]
+                ),
+            ));
         }
         let severity = match r.severity {
             0 | 2 => Verdict::Warning,
             3 => Verdict::Critical,
-            1 => return Err(refuse(i, name, "severity", "OK is not a severity; use WARNING or CRITICAL")),
-            n => return Err(refuse(i, name, "severity", format!("{n} is not a known verdict"))),
+            1 => {
+                return Err(refuse(
+                    i,
+                    name,
+                    "severity",
+                    "OK is not a severity; use WARNING or CRITICAL",
+                ));
+            }
+            n => {
+                return Err(refuse(
+                    i,
+                    name,
+                    "severity",
+                    format!("{n} is not a known verdict"),
+                ));
+            }
         };
         if r.repair_max_per_hour > 60 {
             return Err(refuse(
                 i,
                 name,
                 "repair_max_per_hour",
-                format!("{} is more than once a minute; at most 60", r.repair_max_per_hour),
+                format!(
+                    "{} is more than once a minute; at most 60",
+                    r.repair_max_per_hour
+                ),
             ));
         }
         rules.push(Rule {
@@ -266,7 +353,11 @@ pub fn validate(raw: &RawRuleSet, sysctl_root: &Path) -> Result<RuleSet, Error> 
     }
     for (i, t) in raw.thresholds.iter().enumerate() {
         let at = |reason: String| {
-            Error::InvalidRules(format!("threshold {:?} (#{}): {reason}", t.indicator, i + 1))
+            Error::InvalidRules(format!(
+                "threshold {:?} (#{}): {reason}",
+                t.indicator,
+                i + 1
+            ))
         };
         if !report::known_indicator(&t.indicator) {
             return Err(at(
@@ -274,13 +365,17 @@ pub fn validate(raw: &RawRuleSet, sysctl_root: &Path) -> Result<RuleSet, Error> 
             ));
         }
         if !t.warning.is_finite() || !t.critical.is_finite() {
-            return Err(at("fields `warning`/`critical`: must be finite numbers".into()));
+            return Err(at(
+                "fields `warning`/`critical`: must be finite numbers".into()
+            ));
         }
         if !t.indicator.ends_with('*') {
             let lower = report::lower_is_worse(&t.indicator);
             if (lower && t.critical > t.warning) || (!lower && t.critical < t.warning) {
                 let word = if lower { "at or below" } else { "at or above" };
-                return Err(at(format!("field `critical`: must be {word} `warning` for this indicator")));
+                return Err(at(format!(
+                    "field `critical`: must be {word} `warning` for this indicator"
+                )));
             }
         }
     }
@@ -294,8 +389,9 @@ pub fn validate(raw: &RawRuleSet, sysctl_root: &Path) -> Result<RuleSet, Error> 
 /// Compares a normalised value with a rule. `Err` when the value cannot be compared.
 pub fn in_bounds(rule: &Rule, current: &str) -> Result<bool, String> {
     let integer = |v: &str| {
-        v.parse::<i64>()
-            .map_err(|_| format!("value {v:?} is not a single integer; use EQUAL or ONE_OF for this key"))
+        v.parse::<i64>().map_err(|_| {
+            format!("value {v:?} is not a single integer; use EQUAL or ONE_OF for this key")
+        })
     };
     Ok(match rule.comparison {
         Comparison::Equal => current == rule.values[0],
@@ -327,15 +423,26 @@ impl Tunables {
         };
         match std::fs::read(&me.state_file) {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => warn!(error = %e, path = %me.state_file.display(), "cannot read the state file; starting without rules"),
+            Err(e) => {
+                warn!(error = %e, path = %me.state_file.display(), "cannot read the state file; starting without rules")
+            }
             Ok(bytes) => match serde_json::from_slice::<StateFile>(&bytes) {
                 Ok(state) if state.version == 1 => {
-                    info!(revision = state.rules.revision, rules = state.rules.rules.len(), "restored rules from the state file");
+                    info!(
+                        revision = state.rules.revision,
+                        rules = state.rules.rules.len(),
+                        "restored rules from the state file"
+                    );
                     me.set = Some(state.rules);
                     me.runtime = state.runtime;
                 }
-                Ok(state) => warn!(version = state.version, "state file has an unknown version; starting without rules"),
-                Err(e) => warn!(error = %e, path = %me.state_file.display(), "state file is corrupt; starting without rules"),
+                Ok(state) => warn!(
+                    version = state.version,
+                    "state file has an unknown version; starting without rules"
+                ),
+                Err(e) => {
+                    warn!(error = %e, path = %me.state_file.display(), "state file is corrupt; starting without rules")
+                }
             },
         }
         me
@@ -372,7 +479,12 @@ impl Tunables {
             .collect();
         write_state(&self.state_file, &set, &runtime)?;
         let revision = set.revision;
-        info!(revision, rules = set.rules.len(), thresholds = set.thresholds.len(), "installed rules");
+        info!(
+            revision,
+            rules = set.rules.len(),
+            thresholds = set.thresholds.len(),
+            "installed rules"
+        );
         self.set = Some(set);
         self.runtime = runtime;
         Ok(revision)
@@ -392,16 +504,19 @@ impl Tunables {
             changed |= rt_changed;
             out.push(status);
         }
-        if changed {
-            if let Err(e) = write_state(&self.state_file, set, &self.runtime) {
-                warn!(error = %e, "cannot persist repair history");
-            }
+        if changed && let Err(e) = write_state(&self.state_file, set, &self.runtime) {
+            warn!(error = %e, "cannot persist repair history");
         }
         out
     }
 }
 
-fn evaluate_rule(root: &Path, rule: &Rule, rt: &mut RuleRuntime, now: i64) -> (TunableStatus, bool) {
+fn evaluate_rule(
+    root: &Path,
+    rule: &Rule,
+    rt: &mut RuleRuntime,
+    now: i64,
+) -> (TunableStatus, bool) {
     let mut status = TunableStatus {
         rule: rule.name.clone(),
         key: rule.key.clone(),
@@ -441,12 +556,13 @@ fn evaluate_rule(root: &Path, rule: &Rule, rt: &mut RuleRuntime, now: i64) -> (T
     }
     status.verdict = rule.severity;
     // Out of bounds after the agent wrote an in-bounds value: someone set it back.
-    if let Some(written) = &rt.written {
-        if *written != current && !rt.conflict {
-            warn!(rule = %rule.name, key = %rule.key, %current, %written, "value changed back by someone else; backing off");
-            rt.conflict = true;
-            changed = true;
-        }
+    if let Some(written) = &rt.written
+        && *written != current
+        && !rt.conflict
+    {
+        warn!(rule = %rule.name, key = %rule.key, %current, %written, "value changed back by someone else; backing off");
+        rt.conflict = true;
+        changed = true;
     }
     status.conflict = rt.conflict;
     if rt.conflict {
@@ -463,7 +579,10 @@ fn evaluate_rule(root: &Path, rule: &Rule, rt: &mut RuleRuntime, now: i64) -> (T
     rt.repairs_unix_ms.retain(|t| now - t < HOUR_MS);
     changed |= rt.repairs_unix_ms.len() != before;
     if rt.repairs_unix_ms.len() >= rule.repair_max_per_hour as usize {
-        status.error = format!("repair rate limit reached ({} per hour)", rule.repair_max_per_hour);
+        status.error = format!(
+            "repair rate limit reached ({} per hour)",
+            rule.repair_max_per_hour
+        );
         return (status, changed);
     }
     let value = &rule.values[0];
@@ -483,7 +602,10 @@ fn evaluate_rule(root: &Path, rule: &Rule, rt: &mut RuleRuntime, now: i64) -> (T
             status.current = after.clone();
             match in_bounds(rule, &after) {
                 Ok(true) => status.verdict = Verdict::Ok,
-                Ok(false) => status.error = format!("the kernel kept {after:?} after nodekeeper wrote {value:?}"),
+                Ok(false) => {
+                    status.error =
+                        format!("the kernel kept {after:?} after nodekeeper wrote {value:?}")
+                }
                 Err(e) => status.error = e,
             }
             // What stands is what later reads are compared with.
@@ -496,7 +618,11 @@ fn evaluate_rule(root: &Path, rule: &Rule, rt: &mut RuleRuntime, now: i64) -> (T
 
 /// Writes the state file atomically: a temporary file in the same directory, synced, renamed
 /// over the old one, then the directory synced so the rename survives a crash.
-fn write_state(path: &Path, set: &RuleSet, runtime: &BTreeMap<String, RuleRuntime>) -> Result<(), Error> {
+fn write_state(
+    path: &Path,
+    set: &RuleSet,
+    runtime: &BTreeMap<String, RuleRuntime>,
+) -> Result<(), Error> {
     let save = |e: std::io::Error| Error::SaveState {
         path: path.to_path_buf(),
         source: e,
@@ -515,7 +641,9 @@ fn write_state(path: &Path, set: &RuleSet, runtime: &BTreeMap<String, RuleRuntim
     f.sync_all().map_err(save)?;
     drop(f);
     std::fs::rename(&tmp, path).map_err(save)?;
-    std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(save)?;
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(save)?;
     Ok(())
 }
 
@@ -531,7 +659,11 @@ mod tests {
         std::fs::create_dir_all(&core).unwrap();
         std::fs::write(core.join("somaxconn"), "128\n").unwrap();
         std::fs::create_dir_all(dir.path().join("net/ipv4")).unwrap();
-        std::fs::write(dir.path().join("net/ipv4/tcp_rmem"), "4096\t131072\t6291456\n").unwrap();
+        std::fs::write(
+            dir.path().join("net/ipv4/tcp_rmem"),
+            "4096\t131072\t6291456\n",
+        )
+        .unwrap();
         std::fs::write(dir.path().join("net/ipv4/ip_forward"), "0\n").unwrap();
         dir
     }
@@ -548,45 +680,136 @@ mod tests {
     }
 
     fn set(rules: Vec<RawRule>) -> RawRuleSet {
-        RawRuleSet { revision: 7, rules, thresholds: vec![] }
+        RawRuleSet {
+            revision: 7,
+            rules,
+            thresholds: vec![],
+        }
     }
 
     #[test]
     fn refuses_bad_rules_naming_rule_and_field() {
         let root = fake_root();
         let cases: Vec<(RawRuleSet, &str)> = vec![
-            (set(vec![rule("a", "net.core.nonexistent", 1, &["1"], false)]), "rule \"a\" (#1): field `key`: \"net.core.nonexistent\" is not a known sysctl"),
-            (set(vec![rule("a", "net.core/../../etc/passwd", 1, &["1"], false)]), "field `key`: \"net.core/../../etc/passwd\" is a path"),
-            (set(vec![rule("a", "/etc/passwd", 1, &["1"], false)]), "field `key`: \"/etc/passwd\" is a path"),
-            (set(vec![rule("a", "net..core", 1, &["1"], false)]), "empty component"),
-            (set(vec![rule("a", "net.core", 1, &["1"], false)]), "is a group of sysctls"),
-            (set(vec![rule("a", "net.core.somaxconn", 0, &["1"], false)]), "field `comparison`: is unspecified"),
-            (set(vec![rule("a", "net.core.somaxconn", 9, &["1"], false)]), "field `comparison`: 9 is not"),
-            (set(vec![rule("a", "net.core.somaxconn", 2, &[], false)]), "field `values`: is empty"),
-            (set(vec![rule("a", "net.core.somaxconn", 2, &["1", "2"], false)]), "field `values`: has 2 values"),
-            (set(vec![rule("a", "net.core.somaxconn", 2, &["lots"], false)]), "\"lots\" is not an integer"),
-            (set(vec![rule("a", "net.core.somaxconn", 1, &["1\u{0}2"], false)]), "field `values`: values are at most 256 printable"),
-            (set(vec![rule("", "net.core.somaxconn", 1, &["1"], false)]), "rule #1: field `name`: is empty"),
             (
-                set(vec![rule("a", "net.core.somaxconn", 1, &["1"], false), rule("a", "net.ipv4.ip_forward", 1, &["1"], false)]),
+                set(vec![rule("a", "net.core.nonexistent", 1, &["1"], false)]),
+                "rule \"a\" (#1): field `key`: \"net.core.nonexistent\" is not a known sysctl",
+            ),
+            (
+                set(vec![rule(
+                    "a",
+                    "net.core/../../etc/passwd",
+                    1,
+                    &["1"],
+                    false,
+                )]),
+                "field `key`: \"net.core/../../etc/passwd\" is a path",
+            ),
+            (
+                set(vec![rule("a", "/etc/passwd", 1, &["1"], false)]),
+                "field `key`: \"/etc/passwd\" is a path",
+            ),
+            (
+                set(vec![rule("a", "net..core", 1, &["1"], false)]),
+                "empty component",
+            ),
+            (
+                set(vec![rule("a", "net.core", 1, &["1"], false)]),
+                "is a group of sysctls",
+            ),
+            (
+                set(vec![rule("a", "net.core.somaxconn", 0, &["1"], false)]),
+                "field `comparison`: is unspecified",
+            ),
+            (
+                set(vec![rule("a", "net.core.somaxconn", 9, &["1"], false)]),
+                "field `comparison`: 9 is not",
+            ),
+            (
+                set(vec![rule("a", "net.core.somaxconn", 2, &[], false)]),
+                "field `values`: is empty",
+            ),
+            (
+                set(vec![rule("a", "net.core.somaxconn", 2, &["1", "2"], false)]),
+                "field `values`: has 2 values",
+            ),
+            (
+                set(vec![rule("a", "net.core.somaxconn", 2, &["lots"], false)]),
+                "\"lots\" is not an integer",
+            ),
+            (
+                set(vec![rule(
+                    "a",
+                    "net.core.somaxconn",
+                    1,
+                    &["1\u{0}2"],
+                    false,
+                )]),
+                "field `values`: values are at most 256 printable",
+            ),
+            (
+                set(vec![rule("", "net.core.somaxconn", 1, &["1"], false)]),
+                "rule #1: field `name`: is empty",
+            ),
+            (
+                set(vec![
+                    rule("a", "net.core.somaxconn", 1, &["1"], false),
+                    rule("a", "net.ipv4.ip_forward", 1, &["1"], false),
+                ]),
                 "rule \"a\" (#2): field `name`: is used by an earlier rule",
             ),
-            (set(vec![RawRule { severity: 1, ..rule("a", "net.core.somaxconn", 1, &["1"], false) }]), "field `severity`"),
-            (set(vec![RawRule { repair_max_per_hour: 1000, ..rule("a", "net.core.somaxconn", 1, &["1"], false) }]), "field `repair_max_per_hour`"),
-            (RawRuleSet { revision: 0, ..set(vec![]) }, "field `revision`"),
             (
-                RawRuleSet { thresholds: vec![Threshold { indicator: "bogus".into(), warning: 1.0, critical: 2.0 }], ..set(vec![]) },
+                set(vec![RawRule {
+                    severity: 1,
+                    ..rule("a", "net.core.somaxconn", 1, &["1"], false)
+                }]),
+                "field `severity`",
+            ),
+            (
+                set(vec![RawRule {
+                    repair_max_per_hour: 1000,
+                    ..rule("a", "net.core.somaxconn", 1, &["1"], false)
+                }]),
+                "field `repair_max_per_hour`",
+            ),
+            (
+                RawRuleSet {
+                    revision: 0,
+                    ..set(vec![])
+                },
+                "field `revision`",
+            ),
+            (
+                RawRuleSet {
+                    thresholds: vec![Threshold {
+                        indicator: "bogus".into(),
+                        warning: 1.0,
+                        critical: 2.0,
+                    }],
+                    ..set(vec![])
+                },
                 "threshold \"bogus\" (#1): field `indicator`",
             ),
             (
                 RawRuleSet {
-                    thresholds: vec![Threshold { indicator: "memory.available_percent".into(), warning: 5.0, critical: 10.0 }],
+                    thresholds: vec![Threshold {
+                        indicator: "memory.available_percent".into(),
+                        warning: 5.0,
+                        critical: 10.0,
+                    }],
                     ..set(vec![])
                 },
                 "field `critical`: must be at or below",
             ),
             (
-                RawRuleSet { thresholds: vec![Threshold { indicator: "disk.*".into(), warning: f64::NAN, critical: 2.0 }], ..set(vec![]) },
+                RawRuleSet {
+                    thresholds: vec![Threshold {
+                        indicator: "disk.*".into(),
+                        warning: f64::NAN,
+                        critical: 2.0,
+                    }],
+                    ..set(vec![])
+                },
                 "finite",
             ),
         ];
@@ -601,9 +824,15 @@ mod tests {
             // The previous rules stay in force and on disk.
             assert_eq!(t.revision(), 7);
             assert_eq!(t.evaluate(0)[0].rule, "keep");
-            assert_eq!(std::fs::read(state.path().join(STATE_FILE)).unwrap(), before);
+            assert_eq!(
+                std::fs::read(state.path().join(STATE_FILE)).unwrap(),
+                before
+            );
         }
-        assert_eq!(std::fs::read_to_string(root.path().join("net/core/somaxconn")).unwrap(), "128\n");
+        assert_eq!(
+            std::fs::read_to_string(root.path().join("net/core/somaxconn")).unwrap(),
+            "128\n"
+        );
     }
 
     #[test]
@@ -628,7 +857,13 @@ mod tests {
         assert!(in_bounds(&r(Comparison::AtLeast, &["4096"]), "8192").unwrap());
         assert!(!in_bounds(&r(Comparison::AtLeast, &["4096"]), "128").unwrap());
         assert!(in_bounds(&r(Comparison::AtMost, &["10"]), "10").unwrap());
-        assert!(in_bounds(&r(Comparison::Equal, &["4096 131072 6291456"]), "4096 131072 6291456").unwrap());
+        assert!(
+            in_bounds(
+                &r(Comparison::Equal, &["4096 131072 6291456"]),
+                "4096 131072 6291456"
+            )
+            .unwrap()
+        );
         assert!(in_bounds(&r(Comparison::OneOf, &["1", "2"]), "2").unwrap());
         assert!(in_bounds(&r(Comparison::AtLeast, &["1"]), "1 2").is_err());
     }
@@ -641,7 +876,13 @@ mod tests {
         let mut t = Tunables::load(root.path().to_path_buf(), state.path());
         t.set_rules(&set(vec![
             rule("somaxconn", "net.core.somaxconn", 2, &["4096"], true),
-            rule("rmem", "net.ipv4.tcp_rmem", 1, &["4096 131072 6291456"], false),
+            rule(
+                "rmem",
+                "net.ipv4.tcp_rmem",
+                1,
+                &["4096 131072 6291456"],
+                false,
+            ),
             rule("forward", "net.ipv4.ip_forward", 1, &["1"], false),
         ]))
         .unwrap();
@@ -655,7 +896,10 @@ mod tests {
         // Not allowed to repair: reported, left alone.
         assert_eq!(s[2].verdict, Verdict::Warning);
         assert_eq!(s[2].expected, "= 1");
-        assert_eq!(std::fs::read_to_string(root.path().join("net/ipv4/ip_forward")).unwrap(), "0\n");
+        assert_eq!(
+            std::fs::read_to_string(root.path().join("net/ipv4/ip_forward")).unwrap(),
+            "0\n"
+        );
 
         // Someone sets it back: conflict, and the agent does not write again.
         std::fs::write(&key, "256\n").unwrap();
@@ -693,7 +937,14 @@ mod tests {
         let state = tempfile::tempdir().unwrap();
         let key = root.path().join("net/core/somaxconn");
         let mut t = Tunables::load(root.path().to_path_buf(), state.path());
-        t.set_rules(&set(vec![rule("s", "net.core.somaxconn", 2, &["4096"], true)])).unwrap();
+        t.set_rules(&set(vec![rule(
+            "s",
+            "net.core.somaxconn",
+            2,
+            &["4096"],
+            true,
+        )]))
+        .unwrap();
         // A repair at t=0 is still within the hour at t=1s.
         let rt = t.runtime.entry("s".into()).or_default();
         rt.repairs_unix_ms = vec![0];

@@ -12,8 +12,14 @@ struct Netns(String);
 
 impl Netns {
     fn create(name: &str) -> Self {
-        let _ = Command::new("ip").args(["netns", "del", name]).status();
-        let ok = Command::new("ip").args(["netns", "add", name]).status().unwrap();
+        let _ = Command::new("ip")
+            .args(["netns", "del", name])
+            .stderr(std::process::Stdio::null())
+            .status();
+        let ok = Command::new("ip")
+            .args(["netns", "add", name])
+            .status()
+            .unwrap();
         assert!(ok.success(), "ip netns add {name}");
         Netns(name.to_string())
     }
@@ -29,7 +35,14 @@ impl Netns {
 
     fn set(&self, key: &str, value: &str) {
         let ok = Command::new("ip")
-            .args(["netns", "exec", &self.0, "sysctl", "-qw", &format!("{key}={value}")])
+            .args([
+                "netns",
+                "exec",
+                &self.0,
+                "sysctl",
+                "-qw",
+                &format!("{key}={value}"),
+            ])
             .status()
             .unwrap();
         assert!(ok.success());
@@ -56,11 +69,17 @@ impl Drop for Netns {
 }
 
 fn host(key: &str) -> String {
-    std::fs::read_to_string(format!("/proc/sys/{}", key.replace('.', "/"))).unwrap().trim().to_string()
+    std::fs::read_to_string(format!("/proc/sys/{}", key.replace('.', "/")))
+        .unwrap()
+        .trim()
+        .to_string()
 }
 
 fn now_ms() -> i64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as i64
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64
 }
 
 fn rules() -> RawRuleSet {
@@ -101,6 +120,7 @@ fn evaluate_in(ns: &Netns, state: std::path::PathBuf, install: bool) -> Vec<Tuna
 }
 
 #[test]
+#[allow(clippy::print_stdout)] // the SKIPPED line is for the person reading the test output
 fn repairs_in_a_namespace_and_backs_off_on_conflict() {
     if !nix::unistd::Uid::effective().is_root() {
         println!("SKIPPED: needs root to create a network namespace (ip netns add)");
@@ -108,7 +128,11 @@ fn repairs_in_a_namespace_and_backs_off_on_conflict() {
     }
     let ns = Netns::create(&format!("nk-agent-tun-{}", std::process::id()));
     let host_before = (host("net.ipv4.ip_forward"), host("net.core.somaxconn"));
-    assert_eq!(ns.sysctl("net.ipv4.ip_forward"), "0", "a fresh namespace starts without forwarding");
+    assert_eq!(
+        ns.sysctl("net.ipv4.ip_forward"),
+        "0",
+        "a fresh namespace starts without forwarding"
+    );
     let state = tempfile::tempdir().unwrap();
 
     let s = evaluate_in(&ns, state.path().to_path_buf(), true);
@@ -128,9 +152,16 @@ fn repairs_in_a_namespace_and_backs_off_on_conflict() {
     assert_eq!(s[0].verdict, Verdict::Critical);
     assert_eq!(s[0].current, "0");
     assert!(s[0].error.contains("someone else"), "{s:?}");
-    assert_eq!(ns.sysctl("net.ipv4.ip_forward"), "0", "the agent must not fight");
+    assert_eq!(
+        ns.sysctl("net.ipv4.ip_forward"),
+        "0",
+        "the agent must not fight"
+    );
     assert!(!s[1].conflict);
 
     // The host never changed.
-    assert_eq!((host("net.ipv4.ip_forward"), host("net.core.somaxconn")), host_before);
+    assert_eq!(
+        (host("net.ipv4.ip_forward"), host("net.core.somaxconn")),
+        host_before
+    );
 }

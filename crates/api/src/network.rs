@@ -257,29 +257,17 @@ impl RouteSpec {
     /// The destination as a prefix (`default` is `0.0.0.0/0`).
     pub fn destination_net(&self) -> Option<IpNet> {
         if self.destination == "default" {
-            return Some("0.0.0.0/0".parse().ok()?);
+            return "0.0.0.0/0".parse().ok();
         }
         self.destination.parse().ok()
     }
 }
 
-impl RuleSpec {
-    /// The `from` prefix, parsed (a bare address counts as a host prefix).
-    pub fn from_net(&self) -> Option<Option<IpNet>> {
-        self.from.as_deref().map(parse_prefix).transpose().ok()
-    }
-    /// The `to` prefix, parsed (a bare address counts as a host prefix).
-    pub fn to_net(&self) -> Option<Option<IpNet>> {
-        self.to.as_deref().map(parse_prefix).transpose().ok()
-    }
-}
-
 /// Parses `a.b.c.d/n`, or a bare address as a host prefix.
-pub fn parse_prefix(s: &str) -> Result<IpNet, ()> {
-    if let Ok(net) = s.parse::<IpNet>() {
-        return Ok(net);
-    }
-    s.parse::<IpAddr>().map(IpNet::from).map_err(|_| ())
+pub fn parse_prefix(s: &str) -> Option<IpNet> {
+    s.parse::<IpNet>()
+        .ok()
+        .or_else(|| s.parse::<IpAddr>().ok().map(IpNet::from))
 }
 
 fn link_local_v4() -> IpNet {
@@ -538,7 +526,7 @@ impl NetworkState {
                     }
                     if let Some(j) = route_keys.insert((r.table, d.trunc(), r.metric), i) {
                         err(
-                            format!("{p}"),
+                            p.clone(),
                             format!("same table, destination and metric as routes[{j}]"),
                         );
                     }
@@ -578,10 +566,7 @@ impl NetworkState {
             match &r.gateway {
                 None => {
                     if r.link.is_none() {
-                        err(
-                            format!("{p}"),
-                            "a route needs a gateway, a link, or both".into(),
-                        );
+                        err(p.clone(), "a route needs a gateway, a link, or both".into());
                     }
                     if r.on_link {
                         err(format!("{p}.onLink"), "onLink needs a gateway".into());
@@ -623,7 +608,7 @@ impl NetworkState {
             }
             if let Some(j) = rule_keys.insert((r.priority, r.from.as_deref(), r.to.as_deref()), i) {
                 err(
-                    format!("{p}"),
+                    p.clone(),
                     format!("same priority, from and to as rules[{j}]; remove one"),
                 );
             }
@@ -640,20 +625,20 @@ impl NetworkState {
             let to = r.to.as_deref().map(|s| (s, parse_prefix(s)));
             if from.is_none() && to.is_none() {
                 err(
-                    format!("{p}"),
+                    p.clone(),
                     "a rule needs from, to or both (a catch-all rule would capture all traffic)"
                         .into(),
                 );
             }
             for (field, v) in [("from", &from), ("to", &to)] {
-                if let Some((s, Err(()))) = v {
+                if let Some((s, None)) = v {
                     err(
                         format!("{p}.{field}"),
                         format!("{s:?} is not a prefix, e.g. 10.0.20.33/32"),
                     );
                 }
             }
-            if let (Some((_, Ok(f))), Some((_, Ok(t)))) = (&from, &to)
+            if let (Some((_, Some(f))), Some((_, Some(t)))) = (&from, &to)
                 && f.addr().is_ipv6() != t.addr().is_ipv6()
             {
                 err(
@@ -661,7 +646,7 @@ impl NetworkState {
                     "from and to are of different IP families".into(),
                 );
             }
-            if let Some((_, Ok(t))) = &to
+            if let Some((_, Some(t))) = &to
                 && overlaps(t, &link_local_v4())
                 && r.table != TABLE_MAIN
             {
@@ -808,6 +793,20 @@ mod tests {
                 "rules[1]"
             ]
         );
+    }
+
+    #[test]
+    fn one_priority_may_hold_rules_of_both_families_but_not_the_same_rule_twice() {
+        let mut s = vm_state();
+        s.rules.push(RuleSpec {
+            from: Some("fd00::33/128".into()),
+            to: None,
+            table: 101,
+            priority: 20101,
+        });
+        s.validate().unwrap();
+        s.rules.push(s.rules[0].clone());
+        assert_eq!(paths(&s), vec!["rules[2]"]);
     }
 
     #[test]

@@ -844,6 +844,20 @@ mod tests {
     }
 
     #[test]
+    fn the_documented_example_is_valid() {
+        let text = include_str!("../../../deploy/examples/tuning-configmap.yaml");
+        let cm: serde_yaml::Value = serde_yaml::from_str(text).unwrap();
+        let data: BTreeMap<String, String> = serde_yaml::from_value(cm["data"].clone()).unwrap();
+        let config = parse(&data).unwrap();
+        assert_eq!(config.rules.tunables.len(), 3);
+        assert!(
+            config.rules.tunables[0].repair,
+            "the example turns repair on for somaxconn"
+        );
+        assert_eq!(config.sweep_interval, Duration::from_secs(300));
+    }
+
+    #[test]
     fn durations_round_trip() {
         for (text, secs) in [("30s", 30), ("5m", 300), ("1h30m", 5400), ("2h", 7200)] {
             assert_eq!(parse_duration(text).unwrap(), Duration::from_secs(secs));

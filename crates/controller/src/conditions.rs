@@ -10,22 +10,23 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use nodekeeper_api::names;
 use nodekeeper_api::tuning::{Features, format_duration};
 use serde_json::json;
 
 use crate::view::{NodeView, Verdict};
 
 /// Field manager of the condition patches (server-side apply on `nodes/status`).
-pub const FIELD_MANAGER: &str = "nodekeeper-conditions";
+pub const FIELD_MANAGER: &str = names::MANAGER_NODE_CONDITIONS;
 
 /// The agent answers.
-pub const REACHABLE: &str = "NodekeeperReachable";
+pub const REACHABLE: &str = names::NODE_CONDITION_REACHABLE;
 /// Every tunable rule is satisfied.
-pub const TUNABLES_IN_BOUNDS: &str = "TunablesInBounds";
+pub const TUNABLES_IN_BOUNDS: &str = names::NODE_CONDITION_TUNABLES_IN_BOUNDS;
 /// Every GPU reports healthy (set only on nodes with GPUs).
-pub const GPU_HEALTHY: &str = "GpuHealthy";
+pub const GPU_HEALTHY: &str = names::NODE_CONDITION_GPU_HEALTHY;
 /// nodekeeper-managed host networking is applied and has not drifted (set only on nodes with it).
-pub const NETWORK_READY: &str = "NodeNetworkReady";
+pub const NETWORK_READY: &str = names::NODE_CONDITION_NETWORK_READY;
 
 /// Every condition type this module writes; others on the Node are not ours and never touched.
 pub const OWNED_TYPES: [&str; 4] = [REACHABLE, TUNABLES_IN_BOUNDS, GPU_HEALTHY, NETWORK_READY];
@@ -33,7 +34,7 @@ pub const OWNED_TYPES: [&str; 4] = [REACHABLE, TUNABLES_IN_BOUNDS, GPU_HEALTHY, 
 /// Condition reasons (PascalCase).
 pub mod reason {
     pub const AGENT_REACHABLE: &str = "AgentReachable";
-    pub const AGENT_UNREACHABLE: &str = "AgentUnreachable";
+    pub const AGENT_UNREACHABLE: &str = nodekeeper_api::names::REASON_AGENT_UNREACHABLE;
     pub const AGENT_CERTIFICATE_REJECTED: &str = "AgentCertificateRejected";
     pub const AGENT_REPLY_INVALID: &str = "AgentReplyInvalid";
     pub const NO_RULES: &str = "NoRules";

@@ -10,6 +10,7 @@ pub mod fleet;
 pub mod http;
 pub mod leader;
 pub mod metrics;
+pub mod networktest;
 pub mod schedule;
 pub mod sweep;
 pub mod view;

@@ -308,16 +308,13 @@ impl Link {
         msg.header.family = family(&a.net.addr());
         msg.header.scope = AddressScope::Universe;
         msg.attributes.push(AddressAttribute::Local(a.net.addr()));
-        if let IpAddr::V4(_) = a.net.addr() {
-            msg.attributes.push(AddressAttribute::Address(a.net.addr()));
-            if a.net.prefix_len() < 31
-                && let IpNet::V4(n) = a.net
-            {
-                msg.attributes
-                    .push(AddressAttribute::Broadcast(n.broadcast()));
-            }
-        } else {
-            msg.attributes.push(AddressAttribute::Address(a.net.addr()));
+        // IFA_ADDRESS equal to IFA_LOCAL: no peer address (what `ip addr add` sends too).
+        msg.attributes.push(AddressAttribute::Address(a.net.addr()));
+        if let IpNet::V4(n) = a.net
+            && n.prefix_len() < 31
+        {
+            msg.attributes
+                .push(AddressAttribute::Broadcast(n.broadcast()));
         }
         msg.attributes
             .push(AddressAttribute::Protocol(AddressProtocol::from(

@@ -41,7 +41,7 @@ fn bare_metal_vnic_layout_on_a_real_8021q_kernel() -> Result<()> {
             "--nocapture".into(),
             "--test-threads=1".into(),
         ],
-        env: vec![("RUST_BACKTRACE".into(), "1".into())],
+        env: vec![("RUST_BACKTRACE".into(), "0".into())],
     };
     let echo = std::env::var_os("NODEKEEPER_VM_ECHO").is_some();
     let outcome = vm::run_in_vm(&program, BOOT_TIMEOUT, echo)?;
@@ -235,7 +235,7 @@ mod guest {
             .await?;
         handle
             .link()
-            .add(LinkVlan::new("nic0p.21", nic, 22).mtu(MTU).up().build())
+            .add(LinkVlan::new("nic0p.21", nic, 21).mtu(MTU).up().build())
             .execute()
             .await
             .context("create the router's VLAN 21")?;

@@ -353,7 +353,8 @@ mod tests {
     fn bm_layout_builds_macvlan_and_vlan_on_the_nic_by_index() {
         let vnics = parse_vnics(&fixture("vnics-bm.json")).unwrap();
         let l = secondary_vnics(&bm(), &vnics, &bm_host(), &LayoutOptions::default()).unwrap();
-        let links: Vec<(String, Option<String>, Option<u16>, Option<String>)> = l
+        type Row = (String, Option<String>, Option<u16>, Option<String>);
+        let links: Vec<Row> = l
             .desired
             .links
             .iter()

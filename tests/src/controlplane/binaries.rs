@@ -161,6 +161,8 @@ pub fn ensure_in(cache_root: &Path, go: &str, progress: &mut dyn FnMut(&str)) ->
     if missing(&binaries) == 0 {
         return Ok(binaries);
     }
+    // Before anything is written: without Go nothing can be built, and nothing should change.
+    let go_version = check_go(go)?;
     fs::create_dir_all(&bin).map_err(|source| Error::Io { context: format!("create {}", bin.display()), source })?;
     let lock_path = root.join(".build.lock");
     let lock_file = fs::OpenOptions::new()
@@ -177,7 +179,6 @@ pub fn ensure_in(cache_root: &Path, go: &str, progress: &mut dyn FnMut(&str)) ->
     if missing(&binaries) == 0 {
         return Ok(binaries);
     }
-    let go_version = check_go(go)?;
     progress(&format!("control-plane binaries go to {} ({go_version})", bin.display()));
     let log_path = root.join("build.log");
     for component in COMPONENTS.iter().filter(|c| !binaries.path(c.name).is_file()) {

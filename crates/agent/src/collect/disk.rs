@@ -24,11 +24,19 @@ pub fn measurements(mount: &str, usage: FsUsage) -> Vec<Measurement> {
     let mut out = Vec::with_capacity(2);
     let used = usage.blocks.saturating_sub(usage.blocks_free);
     if let Some(p) = super::percent(used as f64, (used + usage.blocks_available) as f64) {
-        out.push(Measurement::new(format!("disk.{mount}.used_percent"), p, Unit::Percent));
+        out.push(Measurement::new(
+            format!("disk.{mount}.used_percent"),
+            p,
+            Unit::Percent,
+        ));
     }
     let inodes_used = usage.files.saturating_sub(usage.files_free);
     if let Some(p) = super::percent(inodes_used as f64, usage.files as f64) {
-        out.push(Measurement::new(format!("disk.{mount}.inodes_used_percent"), p, Unit::Percent));
+        out.push(Measurement::new(
+            format!("disk.{mount}.inodes_used_percent"),
+            p,
+            Unit::Percent,
+        ));
     }
     out
 }
@@ -76,7 +84,13 @@ mod tests {
     fn no_inode_figure_without_inodes() {
         let m = measurements(
             "/",
-            FsUsage { blocks: 10, blocks_free: 5, blocks_available: 5, files: 0, files_free: 0 },
+            FsUsage {
+                blocks: 10,
+                blocks_free: 5,
+                blocks_available: 5,
+                files: 0,
+                files_free: 0,
+            },
         );
         assert_eq!(m.len(), 1);
     }

@@ -36,9 +36,15 @@ pub struct GpuReading {
     pub gpus: Vec<Gpu>,
 }
 
-fn field<'a>(line: usize, name: &str, value: Option<&'a str>) -> Result<Option<&'a str>, CollectError> {
+fn field<'a>(
+    line: usize,
+    name: &str,
+    value: Option<&'a str>,
+) -> Result<Option<&'a str>, CollectError> {
     let value = value
-        .ok_or_else(|| CollectError::parse("nvidia-smi output", format!("line {line}: no {name} field")))?
+        .ok_or_else(|| {
+            CollectError::parse("nvidia-smi output", format!("line {line}: no {name} field"))
+        })?
         .trim();
     // nvidia-smi's words for "this GPU does not report that".
     Ok(match value {
@@ -47,11 +53,18 @@ fn field<'a>(line: usize, name: &str, value: Option<&'a str>) -> Result<Option<&
     })
 }
 
-fn number<T: std::str::FromStr + Default>(line: usize, name: &str, value: Option<&str>) -> Result<T, CollectError> {
+fn number<T: std::str::FromStr + Default>(
+    line: usize,
+    name: &str,
+    value: Option<&str>,
+) -> Result<T, CollectError> {
     match field(line, name, value)? {
         None => Ok(T::default()),
         Some(v) => v.parse().map_err(|_| {
-            CollectError::parse("nvidia-smi output", format!("line {line}: {name} {v:?} is not a number"))
+            CollectError::parse(
+                "nvidia-smi output",
+                format!("line {line}: {name} {v:?} is not a number"),
+            )
         }),
     }
 }
@@ -59,7 +72,11 @@ fn number<T: std::str::FromStr + Default>(line: usize, name: &str, value: Option
 /// Parses the CSV lines of [`QUERY`].
 pub fn parse_csv(text: &str) -> Result<Vec<Gpu>, CollectError> {
     let mut gpus = Vec::new();
-    for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+    for (i, line) in text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+    {
         let n = i + 1;
         let mut f = line.split(',');
         gpus.push(Gpu {
@@ -73,7 +90,10 @@ pub fn parse_csv(text: &str) -> Result<Vec<Gpu>, CollectError> {
             ecc_uncorrected: number(n, "ecc.errors.uncorrected.volatile.total", f.next())?,
         });
         if f.next().is_some() {
-            return Err(CollectError::parse("nvidia-smi output", format!("line {n}: more fields than asked for")));
+            return Err(CollectError::parse(
+                "nvidia-smi output",
+                format!("line {n}: more fields than asked for"),
+            ));
         }
     }
     Ok(gpus)
@@ -109,7 +129,12 @@ pub async fn collect(program: &Path) -> GpuReading {
         .kill_on_drop(true)
         .output();
     let output = match tokio::time::timeout(TIMEOUT, child).await {
-        Err(_) => return reading(format!("{} did not answer within {TIMEOUT:?}", path.display()), vec![]),
+        Err(_) => {
+            return reading(
+                format!("{} did not answer within {TIMEOUT:?}", path.display()),
+                vec![],
+            );
+        }
         Ok(Err(e)) => return reading(format!("run {}: {e}", path.display()), vec![]),
         Ok(Ok(output)) => output,
     };
@@ -122,8 +147,15 @@ pub async fn collect(program: &Path) -> GpuReading {
     }
     if !output.status.success() {
         let stderr = String::from_utf8_lossy(&output.stderr);
-        let said = stderr.lines().chain(stdout.lines()).find(|l| !l.trim().is_empty()).unwrap_or("");
-        return reading(format!("{} exited with {}: {said}", path.display(), output.status), vec![]);
+        let said = stderr
+            .lines()
+            .chain(stdout.lines())
+            .find(|l| !l.trim().is_empty())
+            .unwrap_or("");
+        return reading(
+            format!("{} exited with {}: {said}", path.display(), output.status),
+            vec![],
+        );
     }
     match parse_csv(&stdout) {
         Ok(gpus) => reading(String::new(), gpus),
@@ -155,7 +187,12 @@ mod tests {
 
     #[test]
     fn rejects_garbage() {
-        assert!(parse_csv("0, GPU-x, A10, lots, 1, 1, 1, 0").unwrap_err().to_string().contains("memory.total"));
+        assert!(
+            parse_csv("0, GPU-x, A10, lots, 1, 1, 1, 0")
+                .unwrap_err()
+                .to_string()
+                .contains("memory.total")
+        );
         assert!(parse_csv("0, GPU-x").is_err());
         assert!(parse_csv("0, GPU-x, A10, 1, 1, 1, 1, 0, extra").is_err());
         assert!(parse_csv("").unwrap().is_empty());
@@ -193,7 +230,10 @@ mod tests {
         assert_eq!(r.error, "");
         assert_eq!(r.gpus.len(), 2);
 
-        let path = script(dir.path(), "echo 'NVIDIA-SMI has failed because it could not communicate with the NVIDIA driver.'; exit 9");
+        let path = script(
+            dir.path(),
+            "echo 'NVIDIA-SMI has failed because it could not communicate with the NVIDIA driver.'; exit 9",
+        );
         let r = collect(&path).await;
         assert!(!r.present);
         assert!(r.error.contains("could not communicate"), "{r:?}");

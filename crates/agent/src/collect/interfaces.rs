@@ -83,9 +83,20 @@ pub async fn collect() -> Result<Vec<Interface>, CollectError> {
         rtnetlink::new_connection().map_err(|e| CollectError::Netlink(e.to_string()))?;
     let task = tokio::spawn(connection);
     let result = async {
-        let links: Vec<LinkMessage> = handle.link().get().execute().try_collect().await.map_err(netlink)?;
-        let addresses: Vec<AddressMessage> =
-            handle.address().get().execute().try_collect().await.map_err(netlink)?;
+        let links: Vec<LinkMessage> = handle
+            .link()
+            .get()
+            .execute()
+            .try_collect()
+            .await
+            .map_err(netlink)?;
+        let addresses: Vec<AddressMessage> = handle
+            .address()
+            .get()
+            .execute()
+            .try_collect()
+            .await
+            .map_err(netlink)?;
         Ok::<_, CollectError>((links, addresses))
     }
     .await;
@@ -122,7 +133,10 @@ mod tests {
 
     #[test]
     fn formats_mac() {
-        assert_eq!(format_mac(&[0x02, 0, 0x17, 0xAB, 0xcd, 1]), "02:00:17:ab:cd:01");
+        assert_eq!(
+            format_mac(&[0x02, 0, 0x17, 0xAB, 0xcd, 1]),
+            "02:00:17:ab:cd:01"
+        );
         assert_eq!(format_mac(&[0; 6]), "");
     }
 
@@ -163,7 +177,10 @@ mod tests {
     #[tokio::test]
     async fn dumps_this_namespace() {
         let out = collect().await.unwrap();
-        let lo = out.iter().find(|i| i.name == "lo").expect("every namespace has lo");
+        let lo = out
+            .iter()
+            .find(|i| i.name == "lo")
+            .expect("every namespace has lo");
         assert!(lo.addresses.iter().any(|a| a == "127.0.0.1/8"), "{lo:?}");
     }
 }

@@ -7,8 +7,12 @@ use super::{CollectError, Measurement, Unit, read};
 
 /// `kernel.osrelease` and `kernel.random.boot_id`.
 pub fn release_and_boot_id(proc_root: &Path) -> Result<(String, String), CollectError> {
-    let release = read(&proc_root.join("sys/kernel/osrelease"))?.trim().to_string();
-    let boot_id = read(&proc_root.join("sys/kernel/random/boot_id"))?.trim().to_string();
+    let release = read(&proc_root.join("sys/kernel/osrelease"))?
+        .trim()
+        .to_string();
+    let boot_id = read(&proc_root.join("sys/kernel/random/boot_id"))?
+        .trim()
+        .to_string();
     Ok((release, boot_id))
 }
 
@@ -18,10 +22,18 @@ pub fn parse_file_nr(text: &str) -> Result<(u64, u64), CollectError> {
         .split_whitespace()
         .map(str::parse)
         .collect::<Result<_, _>>()
-        .map_err(|_| CollectError::parse("fs/file-nr", format!("{:?} is not three numbers", text.trim())))?;
+        .map_err(|_| {
+            CollectError::parse(
+                "fs/file-nr",
+                format!("{:?} is not three numbers", text.trim()),
+            )
+        })?;
     match f[..] {
         [allocated, free, max] => Ok((allocated.saturating_sub(free), max)),
-        _ => Err(CollectError::parse("fs/file-nr", format!("{:?} is not three numbers", text.trim()))),
+        _ => Err(CollectError::parse(
+            "fs/file-nr",
+            format!("{:?} is not three numbers", text.trim()),
+        )),
     }
 }
 
@@ -64,7 +76,10 @@ mod tests {
 
     #[test]
     fn parses_file_nr() {
-        assert_eq!(parse_file_nr("1322\t0\t2465610\n").unwrap(), (1322, 2_465_610));
+        assert_eq!(
+            parse_file_nr("1322\t0\t2465610\n").unwrap(),
+            (1322, 2_465_610)
+        );
         assert!(parse_file_nr("1 2").is_err());
         assert!(parse_file_nr("a b c").is_err());
     }

@@ -26,12 +26,12 @@ pub fn parse_loadavg(text: &str) -> Result<[f64; 3], CollectError> {
     let mut fields = text.split_whitespace();
     let mut out = [0.0; 3];
     for (i, slot) in out.iter_mut().enumerate() {
-        let field = fields
-            .next()
-            .ok_or_else(|| CollectError::parse("/proc/loadavg", format!("field {} missing", i + 1)))?;
-        *slot = field
-            .parse()
-            .map_err(|_| CollectError::parse("/proc/loadavg", format!("{field:?} is not a number")))?;
+        let field = fields.next().ok_or_else(|| {
+            CollectError::parse("/proc/loadavg", format!("field {} missing", i + 1))
+        })?;
+        *slot = field.parse().map_err(|_| {
+            CollectError::parse("/proc/loadavg", format!("{field:?} is not a number"))
+        })?;
     }
     Ok(out)
 }
@@ -50,7 +50,10 @@ pub fn parse_stat(text: &str) -> Result<ProcStat, CollectError> {
                     .collect::<Result<_, _>>()
                     .map_err(|_| CollectError::parse("/proc/stat", "cpu line has a non-number"))?;
                 if ticks.len() < 4 {
-                    return Err(CollectError::parse("/proc/stat", "cpu line has fewer than 4 fields"));
+                    return Err(CollectError::parse(
+                        "/proc/stat",
+                        "cpu line has fewer than 4 fields",
+                    ));
                 }
                 // user nice system idle iowait irq softirq steal [guest guest_nice]; guest time is
                 // already counted in user/nice, so only the first eight are summed.
@@ -123,15 +126,24 @@ processes 12000
 
     #[test]
     fn busy_between_samples() {
-        let a = CpuTimes { busy: 100, total: 1000 };
-        let b = CpuTimes { busy: 150, total: 1100 };
+        let a = CpuTimes {
+            busy: 100,
+            total: 1000,
+        };
+        let b = CpuTimes {
+            busy: 150,
+            total: 1100,
+        };
         assert_eq!(busy_percent(a, b), Some(50.0));
         assert_eq!(busy_percent(a, a), None);
     }
 
     #[test]
     fn parses_loadavg() {
-        assert_eq!(parse_loadavg("7.31 3.07 1.21 14/160 12802\n").unwrap(), [7.31, 3.07, 1.21]);
+        assert_eq!(
+            parse_loadavg("7.31 3.07 1.21 14/160 12802\n").unwrap(),
+            [7.31, 3.07, 1.21]
+        );
         assert!(parse_loadavg("7.31 x").is_err());
         assert!(parse_loadavg("").is_err());
     }

@@ -30,7 +30,9 @@ pub fn parse_meminfo(text: &str) -> Result<MemInfo, CollectError> {
             .split_whitespace()
             .nth(1)
             .and_then(|v| v.parse().ok())
-            .ok_or_else(|| CollectError::parse("/proc/meminfo", format!("{key} is not a number")))?;
+            .ok_or_else(|| {
+                CollectError::parse("/proc/meminfo", format!("{key} is not a number"))
+            })?;
         Ok(kb * 1024)
     };
     Ok(MemInfo {
@@ -67,7 +69,11 @@ pub fn collect_memory(proc_root: &Path) -> Result<(MemInfo, Vec<Measurement>), C
         .ok_or_else(|| CollectError::parse("/proc/meminfo", "MemTotal is 0"))?;
     Ok((
         info,
-        vec![Measurement::new("memory.available_percent", available, Unit::Percent)],
+        vec![Measurement::new(
+            "memory.available_percent",
+            available,
+            Unit::Percent,
+        )],
     ))
 }
 
@@ -82,7 +88,11 @@ pub fn collect_psi(proc_root: &Path, resource: &str) -> Result<Vec<Measurement>,
         Unit::Percent,
     )];
     if let (Some(full), true) = (psi.full_avg60, resource != "cpu") {
-        out.push(Measurement::new(format!("psi.{resource}.full_avg60"), full, Unit::Percent));
+        out.push(Measurement::new(
+            format!("psi.{resource}.full_avg60"),
+            full,
+            Unit::Percent,
+        ));
     }
     Ok(out)
 }
@@ -93,11 +103,18 @@ mod tests {
 
     #[test]
     fn parses_meminfo() {
-        let m = parse_meminfo("MemTotal:       24000000 kB\nMemFree:  100 kB\nMemAvailable:   12000000 kB\n")
-            .unwrap();
+        let m = parse_meminfo(
+            "MemTotal:       24000000 kB\nMemFree:  100 kB\nMemAvailable:   12000000 kB\n",
+        )
+        .unwrap();
         assert_eq!(m.total, 24_000_000 * 1024);
         assert_eq!(m.available, 12_000_000 * 1024);
-        assert!(parse_meminfo("MemTotal: 1 kB\n").unwrap_err().to_string().contains("MemAvailable"));
+        assert!(
+            parse_meminfo("MemTotal: 1 kB\n")
+                .unwrap_err()
+                .to_string()
+                .contains("MemAvailable")
+        );
     }
 
     #[test]

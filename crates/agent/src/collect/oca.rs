@@ -50,15 +50,23 @@ pub struct Plugin {
 pub fn judge(state: &str) -> (Verdict, Option<String>) {
     match state.to_ascii_uppercase().as_str() {
         "RUNNING" | "DISABLED" => (Verdict::Ok, None),
-        "STOPPED" | "STARTING" | "STOPPING" => (Verdict::Warning, Some(format!("plugin is {state}"))),
-        "INVALID" | "FAILED" | "ERROR" | "CRASHED" => (Verdict::Critical, Some(format!("plugin is {state}"))),
-        _ => (Verdict::Warning, Some(format!("unknown plugin state {state:?}"))),
+        "STOPPED" | "STARTING" | "STOPPING" => {
+            (Verdict::Warning, Some(format!("plugin is {state}")))
+        }
+        "INVALID" | "FAILED" | "ERROR" | "CRASHED" => {
+            (Verdict::Critical, Some(format!("plugin is {state}")))
+        }
+        _ => (
+            Verdict::Warning,
+            Some(format!("unknown plugin state {state:?}")),
+        ),
     }
 }
 
 /// Parses one plugin file.
 pub fn parse(text: &str) -> Result<Plugin, String> {
-    let file: PluginFile = serde_json::from_str(text).map_err(|e| format!("not a plugin state object: {e}"))?;
+    let file: PluginFile =
+        serde_json::from_str(text).map_err(|e| format!("not a plugin state object: {e}"))?;
     if file.name.trim().is_empty() {
         return Err("field `name` is empty".into());
     }
@@ -79,8 +87,11 @@ pub fn parse(text: &str) -> Result<Plugin, String> {
     })
 }
 
-/// Reads the directory: plugins sorted by name, and per-file failures as (file, reason).
-pub fn collect(dir: &Path) -> Result<(Vec<Plugin>, Vec<(String, String)>), std::io::Error> {
+/// Per-file failures: (file name, reason).
+pub type FileErrors = Vec<(String, String)>;
+
+/// Reads the directory: plugins sorted by name, and per-file failures.
+pub fn collect(dir: &Path) -> Result<(Vec<Plugin>, FileErrors), std::io::Error> {
     let mut entries: Vec<_> = std::fs::read_dir(dir)?
         .filter_map(Result::ok)
         .filter(|e| e.file_name().to_string_lossy().ends_with(".json"))
@@ -91,7 +102,10 @@ pub fn collect(dir: &Path) -> Result<(Vec<Plugin>, Vec<(String, String)>), std::
     if entries.len() > MAX_FILES {
         errors.push((
             dir.display().to_string(),
-            format!("{} plugin files; only the first {MAX_FILES} are read", entries.len()),
+            format!(
+                "{} plugin files; only the first {MAX_FILES} are read",
+                entries.len()
+            ),
         ));
         entries.truncate(MAX_FILES);
     }
@@ -104,7 +118,10 @@ pub fn collect(dir: &Path) -> Result<(Vec<Plugin>, Vec<(String, String)>), std::
                 return Err("not a regular file (symbolic links are not followed)".to_string());
             }
             if meta.len() > MAX_FILE_BYTES {
-                return Err(format!("{} bytes; at most {MAX_FILE_BYTES} are read", meta.len()));
+                return Err(format!(
+                    "{} bytes; at most {MAX_FILE_BYTES} are read",
+                    meta.len()
+                ));
             }
             parse(&std::fs::read_to_string(entry.path()).map_err(|e| e.to_string())?)
         })();
@@ -128,7 +145,10 @@ mod tests {
     #[test]
     fn reads_shipped_fixtures() {
         let (plugins, errors) = collect(&fixtures()).unwrap();
-        let names: Vec<_> = plugins.iter().map(|p| (p.name.as_str(), p.verdict)).collect();
+        let names: Vec<_> = plugins
+            .iter()
+            .map(|p| (p.name.as_str(), p.verdict))
+            .collect();
         assert_eq!(
             names,
             vec![
@@ -138,7 +158,10 @@ mod tests {
                 ("OS Management Service Agent", Verdict::Critical),
             ]
         );
-        assert_eq!(plugins[3].message, "plugin is INVALID: unable to reach the service endpoint");
+        assert_eq!(
+            plugins[3].message,
+            "plugin is INVALID: unable to reach the service endpoint"
+        );
         // The fixture set includes one broken file, reported by name, not failing the rest.
         assert_eq!(errors.len(), 1, "{errors:?}");
         assert_eq!(errors[0].0, "zz-broken.json");
@@ -149,13 +172,25 @@ mod tests {
     fn refuses_links_and_large_files() {
         let dir = tempfile::tempdir().unwrap();
         std::os::unix::fs::symlink("/etc/hostname", dir.path().join("link.json")).unwrap();
-        std::fs::write(dir.path().join("big.json"), vec![b' '; MAX_FILE_BYTES as usize + 1]).unwrap();
+        std::fs::write(
+            dir.path().join("big.json"),
+            vec![b' '; MAX_FILE_BYTES as usize + 1],
+        )
+        .unwrap();
         std::fs::write(dir.path().join("notes.txt"), "ignored").unwrap();
         let (plugins, errors) = collect(dir.path()).unwrap();
         assert!(plugins.is_empty());
         assert_eq!(errors.len(), 2, "{errors:?}");
-        assert!(errors.iter().any(|(f, e)| f == "link.json" && e.contains("symbolic")));
-        assert!(errors.iter().any(|(f, e)| f == "big.json" && e.contains("bytes")));
+        assert!(
+            errors
+                .iter()
+                .any(|(f, e)| f == "link.json" && e.contains("symbolic"))
+        );
+        assert!(
+            errors
+                .iter()
+                .any(|(f, e)| f == "big.json" && e.contains("bytes"))
+        );
     }
 
     #[test]
@@ -165,7 +200,11 @@ mod tests {
         assert_eq!(judge("STOPPED").0, Verdict::Warning);
         assert_eq!(judge("INVALID").0, Verdict::Critical);
         assert_eq!(judge("SLEEPING").0, Verdict::Warning);
-        assert!(parse(r#"{"name":"","state":"RUNNING"}"#).unwrap_err().contains("name"));
+        assert!(
+            parse(r#"{"name":"","state":"RUNNING"}"#)
+                .unwrap_err()
+                .contains("name")
+        );
         assert!(parse("[]").is_err());
     }
 }

@@ -41,7 +41,11 @@ pub fn read_kernel() -> Result<TimeSync, CollectError> {
 pub fn collect() -> Result<Vec<Measurement>, CollectError> {
     let t = read_kernel()?;
     Ok(vec![
-        Measurement::new("time.synchronized", if t.synchronized { 1.0 } else { 0.0 }, Unit::Bool),
+        Measurement::new(
+            "time.synchronized",
+            if t.synchronized { 1.0 } else { 0.0 },
+            Unit::Bool,
+        ),
         Measurement::new("time.max_error_seconds", t.max_error_seconds, Unit::Seconds),
     ])
 }

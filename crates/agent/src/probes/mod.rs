@@ -91,8 +91,15 @@ pub async fn run_with(
         opts,
         tls,
     };
-    let results: Vec<TargetResult> = futures::stream::iter(plan.targets.iter())
+    // The futures are made up front (they do nothing until polled) rather than in a stream
+    // adapter's closure: a borrowing closure there makes the future fail the `Send` bound of
+    // the gRPC handler ("FnOnce is not general enough").
+    let probes: Vec<_> = plan
+        .targets
+        .iter()
         .map(|target| probe_target(&ctx, target))
+        .collect();
+    let results: Vec<TargetResult> = futures::stream::iter(probes)
         .buffered(plan.concurrency)
         .collect()
         .await;

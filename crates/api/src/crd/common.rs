@@ -54,7 +54,7 @@ pub struct LabelSelector {
     pub match_expressions: Vec<LabelSelectorRequirement>,
 }
 
-/// One requirement of a [`LabelSelector`].
+/// One requirement of a label selector.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-validations" = [
@@ -218,7 +218,11 @@ impl IntOrPercent {
 
     /// Parses `"25%"`.
     pub fn parse_percent(s: &str) -> Result<Self, String> {
-        let bad = || format!("{s:?} is not a percentage; write a whole number from 0 to 100 followed by %, e.g. \"25%\"");
+        let bad = || {
+            format!(
+                "{s:?} is not a percentage; write a whole number from 0 to 100 followed by %, e.g. \"25%\""
+            )
+        };
         let digits = s.strip_suffix('%').ok_or_else(bad)?;
         if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
             return Err(bad());
@@ -277,12 +281,13 @@ impl JsonSchema for IntOrPercent {
     }
 
     fn json_schema(_: &mut SchemaGenerator) -> Schema {
-        // The shape Kubernetes itself uses for int-or-string fields: an integer or a string, with
-        // the percentage's form checked by CEL (a `pattern` would also apply to nothing but
-        // strings, but CEL lets the message say what to write).
+        // An int-or-string field (structural without a `type`), with the percentage's form
+        // checked by CEL so that the message can say what to write. `nullable: false` is explicit
+        // because kube's schema rewriter marks every non-required int-or-string field nullable,
+        // and a `null` here would reach the controller instead of taking the default.
         json_schema!({
             "x-kubernetes-int-or-string": true,
-            "anyOf": [{"type": "integer"}, {"type": "string"}],
+            "nullable": false,
             "x-kubernetes-validations": [{
                 "rule": "type(self) == int ? self >= 0 : self.matches('^(100|[1-9]?[0-9])%$')",
                 "message": "must be a non-negative whole number or a percentage from 0% to 100%, e.g. 1 or \"25%\""
@@ -326,7 +331,11 @@ mod tests {
         assert!(!sel.matches(&labels(&[("pool", "gpu"), ("zone", "c")])));
         assert!(!sel.matches(&labels(&[("pool", "cpu"), ("zone", "a")])));
         assert!(!sel.matches(&labels(&[("pool", "gpu"), ("zone", "a"), ("tainted", "")])));
-        assert!(!sel.matches(&labels(&[("pool", "gpu"), ("zone", "a"), ("tier", "system")])));
+        assert!(!sel.matches(&labels(&[
+            ("pool", "gpu"),
+            ("zone", "a"),
+            ("tier", "system")
+        ])));
         assert_eq!(
             sel.to_query(),
             "pool=gpu,zone in (a,b),!tainted,tier notin (system)"
@@ -347,8 +356,14 @@ mod tests {
         let mut errors = Vec::new();
         sel.validate("spec.nodeSelector", &mut errors);
         assert_eq!(errors.len(), 2);
-        assert_eq!(errors[0].field, "spec.nodeSelector.matchExpressions[0].values");
-        assert_eq!(errors[1].field, "spec.nodeSelector.matchExpressions[1].values");
+        assert_eq!(
+            errors[0].field,
+            "spec.nodeSelector.matchExpressions[0].values"
+        );
+        assert_eq!(
+            errors[1].field,
+            "spec.nodeSelector.matchExpressions[1].values"
+        );
     }
 
     #[test]
@@ -365,10 +380,7 @@ mod tests {
         assert_eq!(v.resolve(1000, true), 3);
         for bad in ["\"101%\"", "\"25\"", "\"%\"", "\"-1%\"", "-1", "\"2.5%\""] {
             let err = serde_json::from_str::<IntOrPercent>(bad).unwrap_err();
-            assert!(
-                err.to_string().contains("percentage"),
-                "{bad}: {err}"
-            );
+            assert!(err.to_string().contains("percentage"), "{bad}: {err}");
         }
     }
 

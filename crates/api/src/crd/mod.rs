@@ -22,13 +22,46 @@ pub use node_network_config::{NodeNetworkConfig, NodeNetworkConfigSpec, NodeNetw
 pub use node_set::{NodeSet, NodeSetSpec, NodeSetStatus};
 
 /// Every CRD nodekeeper installs, in a stable order (the manifests in `deploy/crds/` are generated
-/// from this list by `cargo xtask codegen`).
+/// from this list by `cargo xtask codegen`). Install these rather than `Kind::crd()`: they carry
+/// the schema clean-up below.
 pub fn all() -> Vec<CustomResourceDefinition> {
-    vec![
+    [
         NetworkTest::crd(),
         NodeNetworkConfig::crd(),
         NodeMaintenance::crd(),
         NodeClass::crd(),
         NodeSet::crd(),
     ]
+    .into_iter()
+    .map(drop_unknown_formats)
+    .collect()
+}
+
+/// Integer formats schemars writes for Rust's unsigned and small types, which the API server
+/// does not know and warns about on every apply; the bounds they imply are already in the
+/// schema as `minimum`/`maximum` where they matter.
+const UNKNOWN_FORMATS: &[&str] = &[
+    "uint", "uint8", "uint16", "uint32", "uint64", "int8", "int16",
+];
+
+fn drop_unknown_formats(crd: CustomResourceDefinition) -> CustomResourceDefinition {
+    fn walk(value: &mut serde_json::Value) {
+        match value {
+            serde_json::Value::Object(map) => {
+                if map
+                    .get("format")
+                    .and_then(|f| f.as_str())
+                    .is_some_and(|f| UNKNOWN_FORMATS.contains(&f))
+                {
+                    map.remove("format");
+                }
+                map.values_mut().for_each(walk);
+            }
+            serde_json::Value::Array(items) => items.iter_mut().for_each(walk),
+            _ => {}
+        }
+    }
+    let mut value = serde_json::to_value(&crd).expect("a CRD serialises to JSON");
+    walk(&mut value);
+    serde_json::from_value(value).expect("removing formats keeps a valid CRD")
 }

@@ -45,7 +45,11 @@ pub const MAX_PEERS_PER_NODE: u32 = 16;
         json_path = ".status.latency.p95Us",
         description = "95th percentile latency of successful probes, in microseconds"
     ),
-    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
 )]
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-validations" = [
@@ -82,7 +86,7 @@ pub const MAX_PEERS_PER_NODE: u32 = 16;
         "message": "spec.resolver is only for kind dns; remove it"
     },
     {
-        "rule": "self.kind == 'http' || size(self.expectedStatus) == 0",
+        "rule": "self.kind == 'http' || !has(self.expectedStatus) || size(self.expectedStatus) == 0",
         "message": "spec.expectedStatus is only for kind http; remove it"
     },
     {
@@ -210,11 +214,21 @@ pub struct Target {
     pub address: Option<String>,
     /// `host:port` for `tcp`, where host is an address or a DNS name (IPv6 as `[address]:port`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(max = 261), regex(pattern = r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?):[0-9]{1,5}$"))]
+    #[schemars(
+        length(max = 261),
+        regex(
+            pattern = r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?):[0-9]{1,5}$"
+        )
+    )]
     pub host_port: Option<String>,
     /// A DNS name: queried for `dns`; resolved by the controller and probed for the other kinds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(min = 1, max = 253), regex(pattern = r"^[A-Za-z0-9]([-A-Za-z0-9]*[A-Za-z0-9])?(\.[A-Za-z0-9]([-A-Za-z0-9]*[A-Za-z0-9])?)*\.?$"))]
+    #[schemars(
+        length(min = 1, max = 253),
+        regex(
+            pattern = r"^[A-Za-z0-9]([-A-Za-z0-9]*[A-Za-z0-9])?(\.[A-Za-z0-9]([-A-Za-z0-9]*[A-Za-z0-9])?)*\.?$"
+        )
+    )]
     pub hostname: Option<String>,
     /// An `http://` or `https://` URL, for `http`.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -25,7 +25,11 @@ use super::common::{Condition, conditions_schema};
     doc = "A machine template (provider, shape, image, network) that NodeSets create nodes from.",
     printcolumn(name = "Provider", type_ = "string", json_path = ".spec.provider"),
     printcolumn(name = "Shape", type_ = "string", json_path = ".spec.oci.shape"),
-    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
 )]
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-validations" = [
@@ -69,22 +73,34 @@ pub enum Provider {
 #[serde(rename_all = "camelCase")]
 pub struct OciTemplate {
     /// The compartment's OCID.
-    #[schemars(length(max = 255), regex(pattern = r"^ocid1\.(compartment|tenancy)\.[a-z0-9][a-z0-9.-]*$"))]
+    #[schemars(
+        length(max = 255),
+        regex(pattern = r"^ocid1\.(compartment|tenancy)\.[a-z0-9][a-z0-9.-]*$")
+    )]
     pub compartment_id: String,
     /// The availability domain, e.g. `Uocm:PHX-AD-1`.
     #[schemars(length(min = 1, max = 255))]
     pub availability_domain: String,
     /// The shape, e.g. `VM.Standard.E5.Flex` or `BM.Standard3.64`.
-    #[schemars(length(min = 1, max = 255), regex(pattern = r"^(VM|BM)\.[A-Za-z0-9.]+$"))]
+    #[schemars(
+        length(min = 1, max = 255),
+        regex(pattern = r"^(VM|BM)\.[A-Za-z0-9.]+$")
+    )]
     pub shape: String,
     /// For flexible shapes: OCPUs and memory.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shape_config: Option<ShapeConfig>,
     /// The boot image's OCID.
-    #[schemars(length(max = 255), regex(pattern = r"^ocid1\.image\.[a-z0-9][a-z0-9.-]*$"))]
+    #[schemars(
+        length(max = 255),
+        regex(pattern = r"^ocid1\.image\.[a-z0-9][a-z0-9.-]*$")
+    )]
     pub image_id: String,
     /// The primary VNIC's subnet OCID.
-    #[schemars(length(max = 255), regex(pattern = r"^ocid1\.subnet\.[a-z0-9][a-z0-9.-]*$"))]
+    #[schemars(
+        length(max = 255),
+        regex(pattern = r"^ocid1\.subnet\.[a-z0-9][a-z0-9.-]*$")
+    )]
     pub subnet_id: String,
     /// Instance metadata (e.g. `user_data` base64 cloud-init, `ssh_authorized_keys`).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
@@ -104,7 +120,11 @@ pub struct ShapeConfig {
     #[schemars(range(min = 1, max = 512))]
     pub ocpus: f64,
     /// Memory in gigabytes.
-    #[serde(default, skip_serializing_if = "Option::is_none", rename = "memoryInGBs")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        rename = "memoryInGBs"
+    )]
     #[schemars(range(min = 1, max = 8192))]
     pub memory_in_gbs: Option<f64>,
 }

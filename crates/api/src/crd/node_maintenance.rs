@@ -8,8 +8,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use super::common::{
-    Condition, DURATION_PATTERN, FieldError, LabelSelector, conditions_schema,
-    parse_duration_field,
+    Condition, DURATION_PATTERN, FieldError, LabelSelector, conditions_schema, parse_duration_field,
 };
 
 /// Cordons and drains the nodes `nodeSelector` picks, stage by stage: `Idle` (nothing), `Cordon`
@@ -31,8 +30,17 @@ use super::common::{
     printcolumn(name = "Nodes", type_ = "integer", json_path = ".status.matched"),
     printcolumn(name = "Drained", type_ = "integer", json_path = ".status.drained"),
     printcolumn(name = "Blocked", type_ = "integer", json_path = ".status.blocked"),
-    printcolumn(name = "Reason", type_ = "string", json_path = ".spec.reason", priority = 1),
-    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
+    printcolumn(
+        name = "Reason",
+        type_ = "string",
+        json_path = ".spec.reason",
+        priority = 1
+    ),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
 )]
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-validations" = [
@@ -51,7 +59,7 @@ pub struct NodeMaintenanceSpec {
     /// The nodes to maintain. Required and must select something specific: write at least one
     /// label or expression.
     #[schemars(extend("x-kubernetes-validations" = [{
-        "rule": "size(self.matchLabels) + size(self.matchExpressions) > 0",
+        "rule": "(has(self.matchLabels) && size(self.matchLabels) > 0) || (has(self.matchExpressions) && size(self.matchExpressions) > 0)",
         "message": "spec.nodeSelector must name at least one label or expression; maintaining every node by accident is not allowed"
     }]))]
     pub node_selector: LabelSelector,
@@ -164,8 +172,11 @@ impl NodeMaintenanceSpec {
     /// What the schema cannot check; each error names its field.
     pub fn validate(&self) -> Result<(), Vec<FieldError>> {
         let mut errors = Vec::new();
-        self.node_selector.validate("spec.nodeSelector", &mut errors);
-        if self.node_selector.match_labels.is_empty() && self.node_selector.match_expressions.is_empty() {
+        self.node_selector
+            .validate("spec.nodeSelector", &mut errors);
+        if self.node_selector.match_labels.is_empty()
+            && self.node_selector.match_expressions.is_empty()
+        {
             errors.push(FieldError::new(
                 "spec.nodeSelector",
                 "must name at least one label or expression; maintaining every node by accident is not allowed",
@@ -190,7 +201,11 @@ impl NodeMaintenanceSpec {
             Ok(_) => {}
             Err(e) => errors.push(e),
         }
-        if errors.is_empty() { Ok(()) } else { Err(errors) }
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(errors)
+        }
     }
 }
 
@@ -230,8 +245,10 @@ pub enum BlockReason {
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct BlockingPod {
+    /// The pod's namespace.
     #[schemars(length(max = 63))]
     pub namespace: String,
+    /// The pod's name.
     #[schemars(length(max = 253))]
     pub name: String,
     /// Why it blocks.

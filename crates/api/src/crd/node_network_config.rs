@@ -5,9 +5,7 @@ use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use super::common::{
-    Condition, FieldError, IntOrPercent, LabelSelector, conditions_schema,
-};
+use super::common::{Condition, FieldError, IntOrPercent, LabelSelector, conditions_schema};
 use crate::network::{NetworkState, RULE_PRIORITY_MAX, RULE_PRIORITY_MIN};
 
 /// Host network configuration for the nodes `nodeSelector` picks: the OCI secondary-VNIC layout
@@ -29,7 +27,11 @@ use crate::network::{NetworkState, RULE_PRIORITY_MAX, RULE_PRIORITY_MIN};
     printcolumn(name = "Matched", type_ = "integer", json_path = ".status.matched"),
     printcolumn(name = "Applied", type_ = "integer", json_path = ".status.applied"),
     printcolumn(name = "Failing", type_ = "integer", json_path = ".status.failing"),
-    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
 )]
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-validations" = [
@@ -57,7 +59,13 @@ pub struct NodeNetworkConfigSpec {
     /// After applying, each of these `address` or `address:port` targets must answer (ICMP, or TCP
     /// connect when a port is given) from the node, or the change is rolled back. Empty: no check.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[schemars(length(max = 16), inner(length(min = 1, max = 64), regex(pattern = r"^([0-9.]+|\[[0-9A-Fa-f:.]+\]|[0-9A-Fa-f:.]+)(:[0-9]{1,5})?$")))]
+    #[schemars(
+        length(max = 16),
+        inner(
+            length(min = 1, max = 64),
+            regex(pattern = r"^([0-9.]+|\[[0-9A-Fa-f:.]+\]|[0-9A-Fa-f:.]+)(:[0-9]{1,5})?$")
+        )
+    )]
     pub check_targets: Vec<String>,
     /// Timeout of the whole post-apply check, in milliseconds.
     #[serde(default = "default_check_timeout_ms")]
@@ -116,7 +124,8 @@ impl NodeNetworkConfigSpec {
     /// links, address syntax, reserved ranges) and the selector. Each error names its field.
     pub fn validate(&self) -> Result<(), Vec<FieldError>> {
         let mut errors = Vec::new();
-        self.node_selector.validate("spec.nodeSelector", &mut errors);
+        self.node_selector
+            .validate("spec.nodeSelector", &mut errors);
         if self.oci_vnics.is_none() && self.state.is_none() {
             errors.push(FieldError::new(
                 "spec",
@@ -125,7 +134,9 @@ impl NodeNetworkConfigSpec {
         }
         if let Some(v) = &self.oci_vnics {
             // VNIC rules take rulePriorityBase + index; leave room for 100 VNICs inside the reserved range.
-            if v.rule_priority_base < RULE_PRIORITY_MIN || v.rule_priority_base > RULE_PRIORITY_MAX - 99 {
+            if v.rule_priority_base < RULE_PRIORITY_MIN
+                || v.rule_priority_base > RULE_PRIORITY_MAX - 99
+            {
                 errors.push(FieldError::new(
                     "spec.ociVnics.rulePriorityBase",
                     format!(
@@ -153,7 +164,11 @@ impl NodeNetworkConfigSpec {
                 ));
             }
         }
-        if errors.is_empty() { Ok(()) } else { Err(errors) }
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(errors)
+        }
     }
 }
 
@@ -255,8 +270,9 @@ mod tests {
 
     #[test]
     fn node_selector_is_required() {
-        let err = serde_json::from_value::<NodeNetworkConfigSpec>(serde_json::json!({"ociVnics": {}}))
-            .unwrap_err();
+        let err =
+            serde_json::from_value::<NodeNetworkConfigSpec>(serde_json::json!({"ociVnics": {}}))
+                .unwrap_err();
         assert!(err.to_string().contains("nodeSelector"), "{err}");
     }
 }

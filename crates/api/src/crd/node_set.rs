@@ -9,8 +9,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use super::common::{
-    Condition, DURATION_PATTERN, FieldError, IntOrPercent, conditions_schema,
-    parse_duration_field,
+    Condition, DURATION_PATTERN, FieldError, IntOrPercent, conditions_schema, parse_duration_field,
 };
 use super::node_class::Taint;
 use super::node_maintenance::OnTimeout;
@@ -37,7 +36,11 @@ use super::node_maintenance::OnTimeout;
     printcolumn(name = "Desired", type_ = "integer", json_path = ".spec.replicas"),
     printcolumn(name = "Current", type_ = "integer", json_path = ".status.replicas"),
     printcolumn(name = "Ready", type_ = "integer", json_path = ".status.readyReplicas"),
-    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
 )]
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-validations" = [
@@ -48,7 +51,10 @@ use super::node_maintenance::OnTimeout;
 ]))]
 pub struct NodeSetSpec {
     /// The NodeClass nodes are made from.
-    #[schemars(length(min = 1, max = 253), regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"))]
+    #[schemars(
+        length(min = 1, max = 253),
+        regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+    )]
     pub node_class_name: String,
     /// The number of nodes wanted.
     #[schemars(range(min = 0, max = 10000))]
@@ -126,7 +132,10 @@ fn default_drain_timeout() -> String {
 impl NodeSetSpec {
     /// The scale-down drain timeout as a duration.
     pub fn drain_timeout(&self) -> Result<Duration, FieldError> {
-        parse_duration_field("spec.scaleDown.drainTimeout", &self.scale_down.drain_timeout)
+        parse_duration_field(
+            "spec.scaleDown.drainTimeout",
+            &self.scale_down.drain_timeout,
+        )
     }
 
     /// The rollout bounds for the current `replicas`: (most nodes that may exist, fewest nodes
@@ -158,7 +167,11 @@ impl NodeSetSpec {
             Ok(_) => {}
             Err(e) => errors.push(e),
         }
-        if errors.is_empty() { Ok(()) } else { Err(errors) }
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(errors)
+        }
     }
 }
 

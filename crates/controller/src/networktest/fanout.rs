@@ -51,19 +51,25 @@ where
     F: Fn(String, Vec<PlannedTarget>, Duration) -> Fut,
     Fut: Future<Output = Result<Vec<PairResult>, String>>,
 {
-    let call = &call;
-    futures::stream::iter(plan.sources.iter())
-        .map(|(source, targets)| async move {
+    // The futures are made up front (they do nothing until polled): a borrowing closure inside a
+    // stream adapter would make the reconciler's future fail its `Send` bound.
+    let calls: Vec<_> = plan
+        .sources
+        .iter()
+        .map(|(source, targets)| {
             let budget = call_budget(&plan.params, targets.len());
-            let outcome =
-                match tokio::time::timeout(budget, call(source.clone(), targets.clone(), budget))
-                    .await
-                {
+            let call = call(source.clone(), targets.clone(), budget);
+            let source = source.clone();
+            async move {
+                let outcome = match tokio::time::timeout(budget, call).await {
                     Ok(r) => r,
                     Err(_) => Err(format!("no answer within {budget:?}")),
                 };
-            (source.clone(), outcome)
+                (source, outcome)
+            }
         })
+        .collect();
+    futures::stream::iter(calls)
         .buffer_unordered(concurrency.max(1))
         .collect()
         .await
@@ -76,7 +82,9 @@ pub async fn resolve(
     names: &[String],
     timeout: Duration,
 ) -> BTreeMap<String, Vec<std::net::IpAddr>> {
-    futures::stream::iter(names.iter().cloned())
+    let lookups: Vec<_> = names
+        .iter()
+        .cloned()
         .map(|name| async move {
             // Port 0 only satisfies the resolver's signature; no connection is made.
             let addrs: Vec<std::net::IpAddr> = {
@@ -89,10 +97,14 @@ pub async fn resolve(
             };
             (name, addrs)
         })
+        .collect();
+    let all: Vec<(String, Vec<std::net::IpAddr>)> = futures::stream::iter(lookups)
         .buffer_unordered(16)
-        .filter(|(_, addrs)| futures::future::ready(!addrs.is_empty()))
         .collect()
-        .await
+        .await;
+    all.into_iter()
+        .filter(|(_, addrs)| !addrs.is_empty())
+        .collect()
 }
 
 /// Every pair's result in one list, sorted by source then target id: what the HTTP API serves.

@@ -4,9 +4,11 @@
 //! plain data wherever possible; the Kubernetes- and gRPC-facing reconciler is not here yet.
 
 pub mod aggregate;
+pub mod crd;
 pub mod fanout;
 pub mod peers;
 pub mod plan;
+pub mod reconcile;
 pub mod status;
 pub mod store;
 pub mod wire;

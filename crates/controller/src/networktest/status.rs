@@ -5,18 +5,17 @@
 use super::aggregate::Summary;
 use super::plan::SpecError;
 
-/// Condition: whether the spec could be turned into probes.
-pub const CONDITION_SPEC_VALID: &str = "SpecValid";
-/// Condition: whether the test has finished, and how.
-pub const CONDITION_COMPLETE: &str = "Complete";
+pub use nodekeeper_api::names::{
+    CONDITION_COMPLETE, CONDITION_SPEC_VALID, REASON_AGENT_UNREACHABLE, REASON_IN_PROGRESS,
+    REASON_INVALID_SPEC, REASON_NO_MATCHING_NODES,
+};
 
-pub const REASON_INVALID_SPEC: &str = "InvalidSpec";
-pub const REASON_NO_MATCHING_NODES: &str = "NoMatchingNodes";
+/// `SpecValid` is true.
 pub const REASON_VALID: &str = "Valid";
-pub const REASON_RUNNING: &str = "Running";
+/// `Complete`: every probed pair succeeded.
 pub const REASON_ALL_SUCCEEDED: &str = "AllProbesSucceeded";
+/// `Complete`: some pair failed (the agents answered).
 pub const REASON_PROBES_FAILED: &str = "ProbesFailed";
-pub const REASON_AGENTS_UNREACHABLE: &str = "AgentsUnreachable";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum Phase {
@@ -115,7 +114,7 @@ pub fn transition(current: Option<&TestStatus>, event: Event, now_unix: i64) -> 
                 cond(
                     CONDITION_COMPLETE,
                     false,
-                    REASON_RUNNING,
+                    REASON_IN_PROGRESS,
                     format!("probing {pairs} source→target pairs from {sources} nodes"),
                 ),
             ],
@@ -182,7 +181,7 @@ pub fn verdict(s: &Summary) -> (Phase, &'static str, String) {
     if s.sources_unreachable > 0 {
         (
             Phase::Failed,
-            REASON_AGENTS_UNREACHABLE,
+            REASON_AGENT_UNREACHABLE,
             format!(
                 "{} of {} nodes did not answer; {figures}{worst}",
                 s.sources_unreachable, s.sources
@@ -216,29 +215,6 @@ pub fn expiry(status: Option<&TestStatus>, ttl_seconds: Option<i64>, now_unix: i
     } else {
         Expiry::RecheckAfter((at - now_unix) as u64)
     }
-}
-
-/// The status as the resource's `status` JSON (camelCase, RFC 3339 times), for a merge patch of
-/// the status subresource. The CRD's status schema must accept exactly these fields.
-pub fn status_json(s: &TestStatus) -> serde_json::Value {
-    let time = |unix: i64| {
-        let t = std::time::UNIX_EPOCH
-            + std::time::Duration::from_secs(u64::try_from(unix).unwrap_or(0));
-        humantime::format_rfc3339_seconds(t).to_string()
-    };
-    serde_json::json!({
-        "phase": s.phase.as_str(),
-        "startTime": s.start_unix.map(time),
-        "completionTime": s.completion_unix.map(time),
-        "conditions": s.conditions.iter().map(|c| serde_json::json!({
-            "type": c.type_,
-            "status": c.status,
-            "reason": c.reason,
-            "message": c.message,
-            "lastTransitionTime": time(c.last_transition_unix),
-        })).collect::<Vec<_>>(),
-        "summary": s.summary,
-    })
 }
 
 #[cfg(test)]
@@ -367,7 +343,7 @@ mod tests {
     #[test]
     fn verdicts() {
         assert_eq!(verdict(&summary(9, 0, 0)).0, Phase::Succeeded);
-        assert_eq!(verdict(&summary(9, 3, 1)).1, REASON_AGENTS_UNREACHABLE);
+        assert_eq!(verdict(&summary(9, 3, 1)).1, REASON_AGENT_UNREACHABLE);
         assert_eq!(
             verdict(&summary(0, 0, 0)).0,
             Phase::Failed,
@@ -391,27 +367,5 @@ mod tests {
         )
         .unwrap();
         assert_eq!(expiry(Some(&running), Some(0), 10_000), Expiry::Keep);
-    }
-
-    #[test]
-    fn status_as_json() {
-        let err = SpecError {
-            field: "spec.count".into(),
-            reason: "0 is out of range; use 1–100".into(),
-        };
-        let s = transition(None, Event::Rejected(err), 1_795_000_000).unwrap();
-        let v = status_json(&s);
-        assert_eq!(v["phase"], "Failed");
-        assert_eq!(v["completionTime"], "2026-11-18T11:06:40Z");
-        assert_eq!(v["startTime"], serde_json::Value::Null);
-        assert_eq!(v["conditions"][0]["type"], CONDITION_SPEC_VALID);
-        assert_eq!(
-            v["conditions"][0]["message"],
-            "spec.count: 0 is out of range; use 1–100"
-        );
-        let done = transition(None, Event::Finished(summary(9, 1, 0)), 1_795_000_000).unwrap();
-        let v = status_json(&done);
-        assert_eq!(v["summary"]["pairsFailed"], 1);
-        assert_eq!(v["summary"]["failures"][0]["targetId"], "hole");
     }
 }

@@ -94,10 +94,8 @@ pub fn find_busybox() -> Option<PathBuf> {
 pub fn prepare_kernel(refresh: bool) -> Result<Kernel> {
     let cache = cache_dir()?;
     fs::create_dir_all(&cache).with_context(|| format!("create cache dir {}", cache.display()))?;
-    if !refresh {
-        if let Some(kernel) = cached_kernel(&cache)? {
-            return Ok(kernel);
-        }
+    if !refresh && let Some(kernel) = cached_kernel(&cache)? {
+        return Ok(kernel);
     }
     let package = resolve_kernel_package(&cache)?;
     let dir = cache.join(&package);
@@ -172,8 +170,10 @@ fn apt_download(dir: &Path, package: &str) -> Result<PathBuf> {
     }
     ensure!(
         out.status.success(),
-        "apt-get download {package} failed: {}\nfix: run `apt-get update` as root, then `cargo xtask vm`",
-        String::from_utf8_lossy(&out.stderr).trim()
+        "apt-get download {package} failed ({}); fix: `apt-get update && cargo xtask vm` as root",
+        String::from_utf8_lossy(&out.stderr)
+            .trim()
+            .replace('\n', " ")
     );
     let prefix = format!("{package}_");
     fs::read_dir(dir)?
@@ -275,11 +275,15 @@ fn unpack_kernel(cache: &Path, package: &str) -> Result<()> {
             load.push('\n');
         }
         fs::write(staged.join("modules.load"), load)?;
+        // Another run may have finished the same kernel meanwhile; its copy is as good as ours,
+        // and replacing it could pull files from under a VM that is booting from it.
         let dest = cache.join(package);
-        if dest.exists() {
-            fs::remove_dir_all(&dest)?;
+        if !dest.join("modules.load").is_file() {
+            if dest.exists() {
+                fs::remove_dir_all(&dest)?;
+            }
+            fs::rename(&staged, &dest)?;
         }
-        fs::rename(&staged, &dest)?;
         eprintln!("cached {package}: vmlinuz and modules {}", order.join(" "));
         Ok(())
     })();
@@ -681,10 +685,20 @@ pub fn init_script(modules: &[String], program: &GuestProgram, library_dirs: &[S
         .map(|a| quote(a))
         .collect::<Vec<_>>()
         .join(" ");
-    s.push_str(&format!("/guest/program {args}\n"));
+    let path = quote(&format!("/guest/{}", program_file_name(program)));
+    s.push_str(&format!("{path} {args}\n"));
     s.push_str(&format!("rc=$?\necho \"{VERDICT_PREFIX} exit $rc\"\n"));
     s.push_str("poweroff -f\nsleep 10\n");
     s
+}
+
+/// The program keeps its file name in the guest: multi-call binaries such as busybox choose what
+/// to do by `argv[0]`.
+fn program_file_name(program: &GuestProgram) -> String {
+    program.binary.file_name().map_or_else(
+        || "program".to_owned(),
+        |n| n.to_string_lossy().into_owned(),
+    )
 }
 
 /// Writes the initramfs for one run: busybox, the kernel's modules, `program` with its libraries.
@@ -723,7 +737,11 @@ pub fn build_initramfs(kernel: &Kernel, program: &GuestProgram, out: &Path) -> R
         module_names.push(name.to_owned());
     }
 
-    cpio.file("guest/program", 0o755, &program.binary)?;
+    cpio.file(
+        &format!("guest/{}", program_file_name(program)),
+        0o755,
+        &program.binary,
+    )?;
     libs.extend(shared_libraries(&program.binary)?);
     let mut seen = BTreeSet::new();
     let mut library_dirs = Vec::new();
@@ -734,10 +752,10 @@ pub fn build_initramfs(kernel: &Kernel, program: &GuestProgram, out: &Path) -> R
         }
         ensure_parents(&mut cpio, &mut made, &name)?;
         cpio.file(&name, 0o755, &lib)?;
-        if let Some(parent) = lib.parent().map(|p| p.to_string_lossy().into_owned()) {
-            if !library_dirs.contains(&parent) {
-                library_dirs.push(parent);
-            }
+        if let Some(parent) = lib.parent().map(|p| p.to_string_lossy().into_owned())
+            && !library_dirs.contains(&parent)
+        {
+            library_dirs.push(parent);
         }
     }
     cpio.bytes(
@@ -1004,7 +1022,7 @@ mod tests {
         let llc = script.find("insmod /lib/modules/llc.ko").unwrap();
         let stp = script.find("insmod /lib/modules/stp.ko").unwrap();
         assert!(llc < stp);
-        assert!(script.contains(r"/guest/program 'a b' 'it'\''s'"));
+        assert!(script.contains(r"'/guest/x' 'a b' 'it'\''s'"));
         assert!(script.contains(&format!("echo \"{VERDICT_PREFIX} exit $rc\"")));
         assert!(script.contains(&format!("export {GUEST_ENV}=1")));
     }

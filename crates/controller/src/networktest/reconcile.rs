@@ -1,0 +1,265 @@
+//! The `NetworkTest` reconciler: plans the test from the resource and the selected Nodes, asks the
+//! agents (bounded concurrency and time), aggregates, keeps the full results in memory for the
+//! HTTP API, and writes status only when the phase changes (Running, then Succeeded or Failed:
+//! two writes per test, three at most). Deletes the test when its TTL after finishing has passed.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::net::{IpAddr, SocketAddr};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use futures::StreamExt as _;
+use k8s_openapi::api::core::v1::Node;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, Preconditions};
+use kube::runtime::controller::{Action, Config as ControllerConfig, Controller};
+use kube::runtime::watcher;
+use kube::{Resource as _, ResourceExt as _};
+use nodekeeper_api::crd::NetworkTest;
+use nodekeeper_api::names::{API_VERSION, MANAGER_NETWORK_TEST};
+use nodekeeper_api::proto::agent::v1 as pb;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use super::aggregate::aggregate;
+use super::plan::{self, Environment, SourceNode, SpecError};
+use super::status::{Event, Expiry, TestStatus, expiry, transition};
+use super::store::{ResultsStore, StoredResults};
+use super::{crd, fanout, wire};
+
+/// How the reconciler asks one agent to run probes: the agent's endpoint, the request, and the
+/// time the call may take. The controller supplies it (mutual TLS, reply limits); keeping it a
+/// function keeps this module free of transport details.
+pub type AgentCall = Arc<
+    dyn Fn(
+            SocketAddr,
+            pb::RunProbesRequest,
+            Duration,
+        ) -> Pin<Box<dyn Future<Output = Result<pb::RunProbesResponse, String>> + Send>>
+        + Send
+        + Sync,
+>;
+
+/// What the reconciler needs.
+pub struct Context {
+    pub client: kube::Client,
+    /// The agents' gRPC port on each node's InternalIP.
+    pub agent_port: u16,
+    pub call: AgentCall,
+    /// The API server and metadata service addresses, from the controller's configuration.
+    pub env: Environment,
+    pub store: ResultsStore,
+    /// Agents asked at once, per test.
+    pub agent_concurrency: usize,
+    /// Tests run at once.
+    pub test_concurrency: u16,
+    /// Watch only this namespace's tests; `None` watches all.
+    pub namespace: Option<String>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("list nodes for networktest {test}: {source}")]
+    ListNodes { test: String, source: kube::Error },
+    #[error("write status of networktest {test}: {source}")]
+    WriteStatus { test: String, source: kube::Error },
+    #[error("delete expired networktest {test}: {source}")]
+    DeleteExpired { test: String, source: kube::Error },
+}
+
+/// Runs the controller until `cancel`.
+pub async fn run(ctx: Arc<Context>, cancel: CancellationToken) {
+    let api: Api<NetworkTest> = match &ctx.namespace {
+        Some(ns) => Api::namespaced(ctx.client.clone(), ns),
+        None => Api::all(ctx.client.clone()),
+    };
+    let config = ControllerConfig::default().concurrency(ctx.test_concurrency.max(1));
+    Controller::new(api, watcher::Config::default())
+        .with_config(config)
+        .graceful_shutdown_on(async move { cancel.cancelled().await })
+        .run(reconcile, error_policy, ctx)
+        .for_each(|_| futures::future::ready(()))
+        .await;
+}
+
+fn error_policy(nt: Arc<NetworkTest>, error: &Error, _ctx: Arc<Context>) -> Action {
+    warn!(%error, test = %nt.name_any(), "networktest reconcile failed; retrying in 30s");
+    Action::requeue(Duration::from_secs(30))
+}
+
+fn now_unix() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64)
+}
+
+pub async fn reconcile(nt: Arc<NetworkTest>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let ns = nt.namespace().unwrap_or_default();
+    let name = nt.name_any();
+    let uid = nt.uid().unwrap_or_default();
+    let test = format!("{ns}/{name}");
+    let api: Api<NetworkTest> = Api::namespaced(ctx.client.clone(), &ns);
+    let generation = nt.meta().generation;
+    let ttl = i64::from(nt.spec.ttl_seconds_after_finished);
+    let current = crd::current(nt.status.as_ref());
+
+    if current.as_ref().is_some_and(|s| s.phase.is_terminal()) {
+        return match expiry(current.as_ref(), Some(ttl), now_unix()) {
+            Expiry::Delete => {
+                let dp = DeleteParams {
+                    preconditions: Some(Preconditions {
+                        uid: Some(uid.clone()),
+                        resource_version: None,
+                    }),
+                    ..DeleteParams::default()
+                };
+                match api.delete(&name, &dp).await {
+                    Ok(_) => info!(%test, "networktest deleted after its TTL"),
+                    Err(kube::Error::Api(e)) if e.code == 404 || e.code == 409 => {}
+                    Err(source) => return Err(Error::DeleteExpired { test, source }),
+                }
+                ctx.store.remove(&ns, &name, &uid);
+                Ok(Action::await_change())
+            }
+            Expiry::RecheckAfter(secs) => Ok(Action::requeue(Duration::from_secs(secs))),
+            Expiry::Keep => Ok(Action::await_change()),
+        };
+    }
+    // This process finished the test but the watch has not shown the final status yet: do not
+    // run it again (a restarted controller has no results and does run it again).
+    if ctx.store.get(&ns, &name).is_some_and(|r| r.uid == uid) {
+        return Ok(Action::requeue(Duration::from_secs(5)));
+    }
+
+    let write = |status: TestStatus| {
+        let api = api.clone();
+        let name = name.clone();
+        let test = test.clone();
+        async move {
+            let body = serde_json::json!({
+                "apiVersion": API_VERSION,
+                "kind": "NetworkTest",
+                "status": crd::status(&status, generation),
+            });
+            api.patch_status(
+                &name,
+                &PatchParams::apply(MANAGER_NETWORK_TEST).force(),
+                &Patch::Apply(&body),
+            )
+            .await
+            .map_err(|source| Error::WriteStatus { test, source })?;
+            Ok::<TestStatus, Error>(status)
+        }
+    };
+    let reject = |e: SpecError| {
+        let current = current.clone();
+        let test = test.clone();
+        async move {
+            info!(%test, field = %e.field, reason = %e.reason, "networktest refused");
+            if let Some(status) = transition(current.as_ref(), Event::Rejected(e), now_unix()) {
+                write(status).await?;
+            }
+            Ok::<Action, Error>(Action::requeue(Duration::from_secs(
+                u64::try_from(ttl).unwrap_or(0),
+            )))
+        }
+    };
+
+    let spec = match crd::spec(&nt.spec) {
+        Ok(s) => s,
+        Err(e) => return reject(e).await,
+    };
+
+    let nodes: Api<Node> = Api::all(ctx.client.clone());
+    let lp = ListParams::default().labels(&nt.spec.node_selector.to_query());
+    let list = nodes.list(&lp).await.map_err(|source| Error::ListNodes {
+        test: test.clone(),
+        source,
+    })?;
+    let mut sources = Vec::with_capacity(list.items.len());
+    for node in &list.items {
+        let facts = crate::fleet::node_facts(node);
+        match facts.address {
+            Some(address) => sources.push(SourceNode {
+                name: facts.name,
+                address,
+            }),
+            None => {
+                warn!(%test, node = %facts.name, "node has no InternalIP; it cannot run probes")
+            }
+        }
+    }
+
+    let mut names: Vec<String> = plan::hostnames_to_resolve(&spec)
+        .into_iter()
+        .map(|(_, h)| h)
+        .collect();
+    names.sort();
+    names.dedup();
+    let resolved = fanout::resolve(&names, Duration::from_secs(5)).await;
+    let test_plan = match plan::plan(&spec, &sources, &ctx.env, &resolved, &uid) {
+        Ok(p) => p,
+        Err(e) => return reject(e).await,
+    };
+
+    let started = Event::Started {
+        sources: test_plan.sources.len(),
+        pairs: test_plan.pair_count(),
+    };
+    let running = match transition(current.as_ref(), started, now_unix()) {
+        Some(status) => write(status).await?,
+        // Running already (this is a restarted controller): run again, write nothing yet.
+        None => current
+            .clone()
+            .expect("a status exists when no transition is needed"),
+    };
+    info!(%test, sources = test_plan.sources.len(), pairs = test_plan.pair_count(), "networktest running");
+
+    let addresses: BTreeMap<String, IpAddr> = sources
+        .iter()
+        .map(|s| (s.name.clone(), s.address))
+        .collect();
+    let run_id = format!("{ns}/{name}/{uid}");
+    let port = ctx.agent_port;
+    let outcomes = fanout::fan_out(
+        &test_plan,
+        ctx.agent_concurrency,
+        |source, targets, budget| {
+            let endpoint = SocketAddr::new(addresses[&source], port);
+            let request = wire::request(&run_id, &test_plan.params, &targets);
+            let call = Arc::clone(&ctx.call);
+            async move {
+                let response = call(endpoint, request, budget).await?;
+                Ok(wire::pairs(&source, &targets, response))
+            }
+        },
+    )
+    .await;
+    let summary = aggregate(&test_plan, &outcomes);
+    let pairs = fanout::flatten(&outcomes, &test_plan);
+    let finished_at = now_unix();
+    ctx.store.insert(
+        &ns,
+        &name,
+        StoredResults {
+            uid: uid.clone(),
+            finished_unix: finished_at,
+            summary: summary.clone(),
+            pairs,
+        },
+    );
+    info!(
+        %test,
+        pairs = summary.pairs,
+        failed = summary.pairs_failed,
+        loss_percent = summary.loss_percent,
+        "networktest finished"
+    );
+    if let Some(status) = transition(Some(&running), Event::Finished(summary), finished_at) {
+        write(status).await?;
+    }
+    Ok(Action::requeue(Duration::from_secs(
+        u64::try_from(ttl).unwrap_or(0),
+    )))
+}

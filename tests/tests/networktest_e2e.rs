@@ -1,0 +1,435 @@
+//! `NetworkTest` end to end on real parts: the real kube-apiserver (CRDs from `deploy/crds/`),
+//! kwok-simulated Nodes whose InternalIPs are the addresses of network-namespace "nodes", the
+//! NetworkTest reconciler of the controller crate, and the agent's real probe code running inside
+//! each node's namespace. Only the gRPC hop between controller and agent is left out: the
+//! reconciler's agent call runs `nodekeeper_agent::probes::run` in the source node's namespace.
+//!
+//! ```text
+//!  n0 10.88.0.10 ─┐
+//!                 ├─ bridge (in ns sw) ── 10.88.0.1 R 10.88.1.1 ── veth mtu 1400 ── 10.88.1.2 n2
+//!  n1 10.88.0.11 ─┘                         (R blackholes 10.88.9.0/24)
+//! ```
+//! n1 also blackholes n2's address in its own table: the one failing node pair.
+
+// A skipped test prints `SKIPPED: <reason>`: that line is the contract with CI.
+#![allow(clippy::print_stdout)]
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::process::Command;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context as _, bail};
+use kube::Api;
+use kube::api::{DeleteParams, PostParams};
+use nix::sched::{CloneFlags, setns};
+use nodekeeper_api::crd::NetworkTest;
+use nodekeeper_api::crd::network_test::Phase;
+use nodekeeper_api::proto::agent::v1 as pb;
+use nodekeeper_controller::networktest::plan::Environment;
+use nodekeeper_controller::networktest::reconcile::{self, AgentCall};
+use nodekeeper_controller::networktest::store::ResultsStore;
+use nodekeeper_e2e::{
+    ControlPlane, create_simulated_nodes, install_crds, test_namespace, unique_name, wait_for,
+};
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+const TIMEOUT: Duration = Duration::from_secs(90);
+
+fn ip(args: &[&str]) -> anyhow::Result<()> {
+    let out = Command::new("ip").args(args).output().context("run ip")?;
+    if !out.status.success() {
+        bail!(
+            "ip {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(())
+}
+
+fn sysctl(ns: &str, kv: &str) -> anyhow::Result<()> {
+    ip(&["netns", "exec", ns, "sysctl", "-qw", kv])
+}
+
+/// The namespaces of the picture above; deleted on drop.
+struct Topology {
+    namespaces: Vec<String>,
+    /// Node address → its namespace.
+    by_address: BTreeMap<IpAddr, String>,
+}
+
+const N0: Ipv4Addr = Ipv4Addr::new(10, 88, 0, 10);
+const N1: Ipv4Addr = Ipv4Addr::new(10, 88, 0, 11);
+const N2: Ipv4Addr = Ipv4Addr::new(10, 88, 1, 2);
+const R: &str = "10.88.0.1";
+const HOLE: &str = "10.88.9.9";
+
+impl Topology {
+    fn create() -> anyhow::Result<Self> {
+        let tag = format!("nknt{}", std::process::id());
+        let name = |s: &str| format!("{tag}-{s}");
+        let (sw, r, n0, n1, n2) = (name("sw"), name("r"), name("n0"), name("n1"), name("n2"));
+        let mut t = Self {
+            namespaces: Vec::new(),
+            by_address: BTreeMap::new(),
+        };
+        for ns in [&sw, &r, &n0, &n1, &n2] {
+            ip(&["netns", "add", ns])?;
+            t.namespaces.push(ns.clone());
+            ip(&["-n", ns, "link", "set", "lo", "up"])?;
+        }
+        ip(&["-n", &sw, "link", "add", "br0", "type", "bridge"])?;
+        ip(&["-n", &sw, "link", "set", "br0", "up"])?;
+        for (ns, port, addr) in [
+            (&n0, "p0", "10.88.0.10/24"),
+            (&n1, "p1", "10.88.0.11/24"),
+            (&r, "pr", "10.88.0.1/24"),
+        ] {
+            ip(&[
+                "-n", ns, "link", "add", "eth0", "type", "veth", "peer", "name", port, "netns", &sw,
+            ])?;
+            ip(&["-n", &sw, "link", "set", port, "master", "br0", "up"])?;
+            ip(&["-n", ns, "addr", "add", addr, "dev", "eth0"])?;
+            ip(&["-n", ns, "link", "set", "eth0", "up"])?;
+        }
+        ip(&[
+            "-n", &r, "link", "add", "eth1", "mtu", "1400", "type", "veth", "peer", "name", "eth0",
+            "netns", &n2,
+        ])?;
+        ip(&["-n", &n2, "link", "set", "eth0", "mtu", "1400"])?;
+        ip(&["-n", &r, "addr", "add", "10.88.1.1/24", "dev", "eth1"])?;
+        ip(&["-n", &r, "link", "set", "eth1", "up"])?;
+        ip(&["-n", &n2, "addr", "add", "10.88.1.2/24", "dev", "eth0"])?;
+        ip(&["-n", &n2, "link", "set", "eth0", "up"])?;
+        sysctl(&r, "net.ipv4.ip_forward=1")?;
+        ip(&["-n", &r, "route", "add", "blackhole", "10.88.9.0/24"])?;
+        for ns in [&n0, &n1] {
+            ip(&["-n", ns, "route", "add", "10.88.0.0/16", "via", R])?;
+        }
+        ip(&[
+            "-n",
+            &n2,
+            "route",
+            "add",
+            "10.88.0.0/16",
+            "via",
+            "10.88.1.1",
+        ])?;
+        ip(&["-n", &n1, "route", "add", "blackhole", &format!("{N2}/32")])?;
+        t.by_address = BTreeMap::from([(N0.into(), n0), (N1.into(), n1), (N2.into(), n2)]);
+        Ok(t)
+    }
+}
+
+impl Drop for Topology {
+    fn drop(&mut self) {
+        for ns in &self.namespaces {
+            let _ = ip(&["netns", "del", ns]);
+        }
+    }
+}
+
+/// The reconciler's agent call: the probe request runs inside the namespace of the node whose
+/// address the endpoint names, on a thread of its own with a current-thread runtime.
+fn netns_agents(by_address: BTreeMap<IpAddr, String>) -> AgentCall {
+    let by_address = Arc::new(by_address);
+    Arc::new(
+        move |endpoint: SocketAddr, req: pb::RunProbesRequest, budget: Duration| {
+            let by_address = Arc::clone(&by_address);
+            Box::pin(async move {
+                let ns = by_address
+                    .get(&endpoint.ip())
+                    .cloned()
+                    .ok_or_else(|| format!("no agent at {endpoint}"))?;
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                std::thread::spawn(move || {
+                    let result = (|| {
+                        let f =
+                            File::open(format!("/run/netns/{ns}")).map_err(|e| e.to_string())?;
+                        setns(&f, CloneFlags::CLONE_NEWNET).map_err(|e| e.to_string())?;
+                        let rt = tokio::runtime::Builder::new_current_thread()
+                            .enable_all()
+                            .build()
+                            .map_err(|e| e.to_string())?;
+                        rt.block_on(nodekeeper_agent::probes::run(req))
+                            .map_err(|e| e.to_string())
+                    })();
+                    let _ = tx.send(result);
+                });
+                match tokio::time::timeout(budget, rx).await {
+                    Ok(Ok(r)) => r,
+                    Ok(Err(_)) => Err("agent thread died".into()),
+                    Err(_) => Err(format!("no answer within {budget:?}")),
+                }
+            })
+        },
+    )
+}
+
+fn start_reconciler(
+    client: kube::Client,
+    namespace: &str,
+    call: AgentCall,
+    env: Environment,
+) -> (ResultsStore, CancellationToken) {
+    let store = ResultsStore::default();
+    let cancel = CancellationToken::new();
+    let ctx = Arc::new(reconcile::Context {
+        client,
+        agent_port: 9443,
+        call,
+        env,
+        store: store.clone(),
+        agent_concurrency: 8,
+        test_concurrency: 4,
+        namespace: Some(namespace.to_owned()),
+    });
+    tokio::spawn(reconcile::run(ctx, cancel.clone()));
+    (store, cancel)
+}
+
+async fn finished(api: &Api<NetworkTest>, name: &str) -> anyhow::Result<NetworkTest> {
+    wait_for(&format!("networktest {name} to finish"), TIMEOUT, || {
+        let api = api.clone();
+        async move {
+            let nt = api.get(name).await?;
+            let done = nt
+                .status
+                .as_ref()
+                .and_then(|s| s.phase)
+                .is_some_and(|p| matches!(p, Phase::Succeeded | Phase::Failed));
+            Ok(done.then_some(nt))
+        }
+    })
+    .await
+}
+
+fn test_object(name: &str, spec: serde_json::Value) -> anyhow::Result<NetworkTest> {
+    Ok(serde_json::from_value(json!({
+        "apiVersion": "nodekeeper.dev/v1alpha1",
+        "kind": "NetworkTest",
+        "metadata": { "name": name },
+        "spec": spec,
+    }))?)
+}
+
+#[tokio::test]
+async fn bad_input_is_refused_by_the_schema_or_fails_naming_the_field() -> anyhow::Result<()> {
+    let client = ControlPlane::shared().client().await?;
+    install_crds(&client).await?;
+    let ns = test_namespace(&client, "nt-bad").await?;
+    let api: Api<NetworkTest> = Api::namespaced(client.clone(), &ns);
+
+    // Refused by the API server (schema and CEL rules): nothing is created.
+    let many: Vec<serde_json::Value> = (0..10_000)
+        .map(|i| json!({"address": format!("10.1.{}.{}", i / 250, i % 250 + 1)}))
+        .collect();
+    for (what, spec, expect) in [
+        (
+            "unknown kind",
+            json!({"kind": "udp", "targets": [{"address": "10.0.0.1"}]}),
+            "kind",
+        ),
+        (
+            "zero count",
+            json!({"kind": "icmp", "count": 0, "targets": [{"address": "10.0.0.1"}]}),
+            "count",
+        ),
+        (
+            "negative count",
+            json!({"kind": "icmp", "count": -3, "targets": [{"address": "10.0.0.1"}]}),
+            "count",
+        ),
+        (
+            "10,000 targets",
+            json!({"kind": "icmp", "targets": many}),
+            "targets",
+        ),
+        (
+            "bad URL scheme",
+            json!({"kind": "http", "targets": [{"url": "ftp://10.0.0.1/"}]}),
+            "url",
+        ),
+    ] {
+        // Sent as raw JSON: the typed client could not even express some of these.
+        let body = json!({
+            "apiVersion": "nodekeeper.dev/v1alpha1", "kind": "NetworkTest",
+            "metadata": {"name": unique_name("bad")}, "spec": spec,
+        });
+        let err = match raw_create(&client, &ns, &body).await {
+            Ok(()) => bail!("{what}: the API server accepted it"),
+            Err(e) => format!("{e:#}"),
+        };
+        assert!(err.contains(expect), "{what}: {err}");
+    }
+
+    // Accepted by the schema, refused by the controller: Failed with a condition naming the field.
+    let (_store, cancel) = start_reconciler(
+        client.clone(),
+        &ns,
+        netns_agents(BTreeMap::new()),
+        Environment::default(),
+    );
+    let none = unique_name("no-nodes");
+    let spec = json!({"kind": "icmp", "nodeSelector": {"matchLabels": {"nodekeeper.dev/pool": unique_name("empty")}}, "targets": [{"address": "10.0.0.1"}]});
+    api.create(&PostParams::default(), &test_object(&none, spec)?)
+        .await?;
+    let md = unique_name("metadata");
+    let pool = unique_name("pool");
+    let labels = BTreeMap::from([("nodekeeper.dev/pool".to_owned(), pool.clone())]);
+    create_simulated_nodes(&client, "nt-bad", 1, &labels, &[]).await?;
+    let spec = json!({"kind": "icmp", "nodeSelector": {"matchLabels": {"nodekeeper.dev/pool": pool}}, "targets": [{"metadataService": true}], "ttlSecondsAfterFinished": 2});
+    api.create(&PostParams::default(), &test_object(&md, spec)?)
+        .await?;
+
+    for (name, field, reason) in [
+        (&none, "spec.nodeSelector", "NoMatchingNodes"),
+        (&md, "spec.targets[0].metadataService", "InvalidSpec"),
+    ] {
+        let nt = finished(&api, name).await?;
+        let status = nt.status.context("status")?;
+        assert_eq!(status.phase, Some(Phase::Failed), "{name}");
+        let valid = status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "SpecValid")
+            .context("SpecValid condition")?;
+        assert_eq!(valid.reason, reason, "{name}");
+        assert!(
+            valid.message.starts_with(field),
+            "{name}: {}",
+            valid.message
+        );
+    }
+    // The TTL after finishing deletes the test.
+    wait_for(
+        &format!("networktest {md} deleted after its TTL"),
+        TIMEOUT,
+        || {
+            let api = api.clone();
+            let md = md.clone();
+            async move { Ok(api.get_opt(&md).await?.is_none().then_some(())) }
+        },
+    )
+    .await?;
+    api.delete(&none, &DeleteParams::default()).await?;
+    cancel.cancel();
+    Ok(())
+}
+
+async fn raw_create(
+    client: &kube::Client,
+    ns: &str,
+    body: &serde_json::Value,
+) -> anyhow::Result<()> {
+    let req = http::Request::post(format!(
+        "/apis/nodekeeper.dev/v1alpha1/namespaces/{ns}/networktests"
+    ))
+    .header("content-type", "application/json")
+    .body(serde_json::to_vec(body)?)?;
+    client.request::<serde_json::Value>(req).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn netns_nodes_report_the_failed_pair_the_loss_and_the_mtu() -> anyhow::Result<()> {
+    if !nix::unistd::geteuid().is_root() {
+        println!("SKIPPED: needs root to create network namespaces");
+        return Ok(());
+    }
+    let topo = Topology::create()?;
+    let client = ControlPlane::shared().client().await?;
+    install_crds(&client).await?;
+    let ns = test_namespace(&client, "nt-netns").await?;
+    let api: Api<NetworkTest> = Api::namespaced(client.clone(), &ns);
+    let pool = unique_name("pool");
+    let labels = BTreeMap::from([("nodekeeper.dev/pool".to_owned(), pool.clone())]);
+    let nodes = create_simulated_nodes(&client, "ntn", 3, &labels, &[N0, N1, N2]).await?;
+    let (store, cancel) = start_reconciler(
+        client.clone(),
+        &ns,
+        netns_agents(topo.by_address.clone()),
+        Environment::default(),
+    );
+    let selector = json!({"matchLabels": {"nodekeeper.dev/pool": pool}});
+
+    // ICMP between all nodes (peers) and to a blackholed address.
+    let mesh = unique_name("mesh");
+    let spec = json!({"kind": "icmp", "nodeSelector": selector, "count": 3, "intervalMs": 20, "timeoutMs": 500,
+        "targets": [{"peers": {"perNode": 2}}, {"address": HOLE}]});
+    api.create(&PostParams::default(), &test_object(&mesh, spec)?)
+        .await?;
+    let nt = finished(&api, &mesh).await?;
+    let s = nt.status.context("status")?;
+    assert_eq!(s.phase, Some(Phase::Failed));
+    assert_eq!((s.sources, s.pairs), (3, 9), "{s:?}");
+    // Failing: every node → the blackholed address, and n1 ↔ n2 (n1's blackhole route to n2
+    // also drops its replies to n2); nothing else.
+    let mut failed: Vec<(String, String)> = s
+        .worst_failures
+        .iter()
+        .map(|f| (f.source.clone(), f.target.clone()))
+        .collect();
+    failed.sort();
+    let mut expected: Vec<(String, String)> =
+        nodes.iter().map(|n| (n.clone(), HOLE.to_owned())).collect();
+    expected.push((nodes[1].clone(), format!("node/{}", nodes[2])));
+    expected.push((nodes[2].clone(), format!("node/{}", nodes[1])));
+    expected.sort();
+    assert_eq!(failed, expected);
+    assert_eq!(s.pairs_failed, 5);
+    assert!(
+        s.worst_failures.iter().all(|f| f.loss_percent == 100.0),
+        "{s:?}"
+    );
+    // 9 pairs × 3 probes; 4 pairs answered every probe.
+    assert_eq!((s.sent, s.received), (27, 12), "{s:?}");
+    assert_eq!(s.loss_percent, Some(55.56));
+    let hole = s
+        .targets
+        .iter()
+        .find(|t| t.target == HOLE)
+        .context("blackholed target summary")?;
+    assert_eq!((hole.pairs_failed, hole.loss_percent), (3, 100.0));
+    assert!(
+        s.latency
+            .is_some_and(|l| l.p50_us > 0 && l.p50_us <= l.p95_us && l.p95_us <= l.max_us)
+    );
+    // The full per-pair results are in the controller's memory for its HTTP API.
+    let full = store
+        .get(&ns, &mesh)
+        .context("results kept for the HTTP API")?;
+    assert_eq!(full.pairs.len(), 9);
+
+    // Path MTU from the bridge nodes to n2, behind the 1400-byte link.
+    let mtu = unique_name("mtu");
+    // maxNodes 1: the first node by name, n0.
+    let spec = json!({"kind": "pathMtu", "nodeSelector": selector, "maxNodes": 1,
+        "count": 1, "timeoutMs": 500, "maxMtu": 1500, "targets": [{"address": N2.to_string()}, {"address": R}]});
+    api.create(&PostParams::default(), &test_object(&mtu, spec)?)
+        .await?;
+    let s = finished(&api, &mtu).await?.status.context("status")?;
+    assert_eq!(s.phase, Some(Phase::Succeeded), "{s:?}");
+    assert_eq!(s.sources, 1);
+    let to_n2 = s
+        .targets
+        .iter()
+        .find(|t| t.target == N2.to_string())
+        .context("n2 summary")?;
+    assert_eq!(to_n2.path_mtu_min, Some(1400));
+    let to_r = s
+        .targets
+        .iter()
+        .find(|t| t.target == R)
+        .context("router summary")?;
+    assert_eq!(to_r.path_mtu_min, Some(1500));
+    assert_eq!(s.path_mtu_min, Some(1400));
+
+    cancel.cancel();
+    drop(topo);
+    Ok(())
+}

@@ -1,0 +1,59 @@
+//! `cargo xtask test`: the whole test suite — the one command CI runs.
+//!
+//! It installs missing host prerequisites, builds the pinned control plane if the cache lacks it,
+//! starts **one** control plane for the whole run, and runs `cargo test --workspace` with
+//! `NODEKEEPER_TEST_KUBECONFIG` pointing at it, so every test binary shares it instead of starting
+//! its own. The control plane dies with this process however the run ends.
+
+use std::{process::Command, time::Instant};
+
+use anyhow::{Context as _, Result, bail};
+use clap::Args;
+use nodekeeper_e2e::{KUBECONFIG_ENV, Lifetime, Options, controlplane};
+
+use crate::deps;
+
+#[derive(Args)]
+pub struct TestArgs {
+    /// Arguments for `cargo test`, after `--`: e.g. `-- -p nodekeeper-agent` for one package, or
+    /// `-- -p nodekeeper-e2e -- pdb` for the tests whose names contain `pdb`.
+    #[arg(last = true)]
+    cargo_args: Vec<String>,
+}
+
+pub fn run(args: TestArgs) -> Result<()> {
+    let started = Instant::now();
+    deps::ensure(deps::TEST)?;
+    if !deps::is_root() {
+        eprintln!(
+            "xtask: not running as root: network-namespace and VM tests will report SKIPPED (CI runs them as root)"
+        );
+    }
+
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let name = format!("test-suite-{}", std::process::id());
+    let options = Options::new(name.clone(), Lifetime::WithThisProcess);
+    let mut cluster = runtime
+        .block_on(controlplane::up(&options, &mut |line| eprintln!("xtask: {line}")))
+        .context("start the test control plane")?;
+    eprintln!(
+        "xtask: control plane `{name}` ready at {} after {:.0}s; running the test suite",
+        cluster.apiserver_url(),
+        started.elapsed().as_secs_f64()
+    );
+
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+    let mut command = Command::new(cargo);
+    command.args(["test", "--workspace", "--no-fail-fast"]);
+    command.args(&args.cargo_args);
+    command.env(KUBECONFIG_ENV, &cluster.kubeconfig);
+    let status = command.status().context("run cargo test")?;
+
+    cluster.stop();
+    let _ = controlplane::down(&name, true);
+    eprintln!("xtask: test suite finished in {:.0}s ({status})", started.elapsed().as_secs_f64());
+    if !status.success() {
+        bail!("the test suite failed; see the failing tests above");
+    }
+    Ok(())
+}
