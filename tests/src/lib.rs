@@ -27,6 +27,8 @@
 //!   namespaced ones, and a label of your own on your simulated nodes.
 //! - Simulated nodes carry `nodekeeper.dev/simulated=true` (what kwok manages), have no taints,
 //!   and get a distinct 127.1.x.y InternalIP each.
+//! - Clients from [`ControlPlane::client`] have kube's default retry layer switched off: kube 5
+//!   otherwise retries every 429 (a PDB-refused eviction included) with backoff for minutes.
 //! - Clients act as `nodekeeper-admin` (`system:masters`); kwok acts as `kwok`, the controllers as
 //!   `system:kube-controller-manager` / their service accounts, the scheduler as
 //!   `system:kube-scheduler`.

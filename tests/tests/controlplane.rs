@@ -152,15 +152,12 @@ fn api_error_code(result: &Result<kube::core::response::Status, kube::Error>) ->
 
 #[tokio::test]
 async fn pod_disruption_budget_blocks_eviction_until_the_budget_permits() -> anyhow::Result<()> {
-    let t0 = std::time::Instant::now();
-    macro_rules! probe { ($l:expr) => { eprintln!("PROBE {} {:?}", $l, t0.elapsed()) } }
     let client = ControlPlane::shared().client().await?;
     let ns = test_namespace(&client, "pdb").await?;
     let pool = unique_name("pool");
     let labels = BTreeMap::from([("nodekeeper.dev/test-pool".to_owned(), pool.clone())]);
     let nodes = create_simulated_nodes(&client, "pdb", 2, &labels, &[]).await?;
 
-    probe!('let deployments: Api');
     let deployments: Api<Deployment> = Api::namespaced(client.clone(), &ns);
     deployments.create(&PostParams::default(), &deployment("db", &pool, 2)?).await?;
     let pdbs: Api<PodDisruptionBudget> = Api::namespaced(client.clone(), &ns);
@@ -172,7 +169,6 @@ async fn pod_disruption_budget_blocks_eviction_until_the_budget_permits() -> any
     }))?;
     pdbs.create(&PostParams::default(), &pdb).await?;
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
-    probe!('let running = wait_r');
     let running = wait_running(&pods, "db", 2, &nodes).await?;
 
     // The disruption controller (kube-controller-manager) must have computed the budget.
@@ -189,7 +185,6 @@ async fn pod_disruption_budget_blocks_eviction_until_the_budget_permits() -> any
     };
     wait_for("PDB db: 2 healthy, 0 disruptions allowed", TIMEOUT, healthy_allowed(0)).await?;
 
-    probe!('let victim = running');
     let victim = running[0].metadata.name.clone().context("pod name")?;
     let refused = pods.evict(&victim, &EvictParams::default()).await;
     assert_eq!(api_error_code(&refused), Some(429), "eviction past the budget is refused: {refused:?}");
@@ -198,16 +193,13 @@ async fn pod_disruption_budget_blocks_eviction_until_the_budget_permits() -> any
     }
     assert!(pods.get_opt(&victim).await?.is_some(), "a refused eviction leaves the pod");
 
-    probe!('// One more replica');
     // One more replica makes one disruption affordable.
     deployments
         .patch("db", &PatchParams::default(), &Patch::Merge(json!({ "spec": { "replicas": 3 } })))
         .await?;
     wait_running(&pods, "db", 3, &nodes).await?;
     wait_for("PDB db: 3 healthy, 1 disruption allowed", TIMEOUT, healthy_allowed(1)).await?;
-    probe!('pods.evict(&victim, ');
     pods.evict(&victim, &EvictParams::default()).await.context("eviction within the budget is allowed")?;
-    probe!('// kwok plays the ku');
     // kwok plays the kubelet: the evicted pod goes away, and the Deployment replaces it.
     wait_for(&format!("evicted pod {victim} to be gone"), TIMEOUT, || {
         let pods = pods.clone();

@@ -22,8 +22,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context as _, bail};
+use futures::StreamExt as _;
 use kube::Api;
-use kube::api::{DeleteParams, PostParams};
+use kube::api::{DeleteParams, WatchEvent, WatchParams};
 use nix::sched::{CloneFlags, setns};
 use nodekeeper_api::crd::NetworkTest;
 use nodekeeper_api::crd::network_test::Phase;
@@ -208,13 +209,22 @@ async fn finished(api: &Api<NetworkTest>, name: &str) -> anyhow::Result<NetworkT
     .await
 }
 
-fn test_object(name: &str, spec: serde_json::Value) -> anyhow::Result<NetworkTest> {
-    Ok(serde_json::from_value(json!({
+/// Creates a NetworkTest from raw JSON (as `kubectl apply` would send it).
+async fn create_test(
+    client: &kube::Client,
+    ns: &str,
+    name: &str,
+    spec: serde_json::Value,
+) -> anyhow::Result<()> {
+    let body = json!({
         "apiVersion": "nodekeeper.dev/v1alpha1",
         "kind": "NetworkTest",
         "metadata": { "name": name },
         "spec": spec,
-    }))?)
+    });
+    raw_create(client, ns, &body)
+        .await
+        .with_context(|| format!("create networktest {ns}/{name}"))
 }
 
 #[tokio::test]
@@ -276,15 +286,13 @@ async fn bad_input_is_refused_by_the_schema_or_fails_naming_the_field() -> anyho
     );
     let none = unique_name("no-nodes");
     let spec = json!({"kind": "icmp", "nodeSelector": {"matchLabels": {"nodekeeper.dev/pool": unique_name("empty")}}, "targets": [{"address": "10.0.0.1"}]});
-    api.create(&PostParams::default(), &test_object(&none, spec)?)
-        .await?;
+    create_test(&client, &ns, &none, spec).await?;
     let md = unique_name("metadata");
     let pool = unique_name("pool");
     let labels = BTreeMap::from([("nodekeeper.dev/pool".to_owned(), pool.clone())]);
     create_simulated_nodes(&client, "nt-bad", 1, &labels, &[]).await?;
     let spec = json!({"kind": "icmp", "nodeSelector": {"matchLabels": {"nodekeeper.dev/pool": pool}}, "targets": [{"metadataService": true}], "ttlSecondsAfterFinished": 2});
-    api.create(&PostParams::default(), &test_object(&md, spec)?)
-        .await?;
+    create_test(&client, &ns, &md, spec).await?;
 
     for (name, field, reason) in [
         (&none, "spec.nodeSelector", "NoMatchingNodes"),
@@ -361,8 +369,35 @@ async fn netns_nodes_report_the_failed_pair_the_loss_and_the_mtu() -> anyhow::Re
     let mesh = unique_name("mesh");
     let spec = json!({"kind": "icmp", "nodeSelector": selector, "count": 3, "intervalMs": 20, "timeoutMs": 500,
         "targets": [{"peers": {"perNode": 2}}, {"address": HOLE}]});
-    api.create(&PostParams::default(), &test_object(&mesh, spec)?)
-        .await?;
+    // Count the writes to the object from its creation on: status must be written once per
+    // phase change (Running, then Failed), never more.
+    let wp = WatchParams::default()
+        .fields(&format!("metadata.name={mesh}"))
+        .timeout(120);
+    let mut events = api.watch(&wp, "0").await?.boxed();
+    let writes = tokio::spawn(async move {
+        let mut writes = 0;
+        let mut quiet_until = None;
+        loop {
+            let deadline = quiet_until.unwrap_or_else(|| tokio::time::Instant::now() + TIMEOUT);
+            match tokio::time::timeout_at(deadline, events.next()).await {
+                Ok(Some(Ok(WatchEvent::Modified(nt)))) => {
+                    writes += 1;
+                    let terminal = nt
+                        .status
+                        .and_then(|s| s.phase)
+                        .is_some_and(|p| matches!(p, Phase::Succeeded | Phase::Failed));
+                    if terminal && quiet_until.is_none() {
+                        // Anything written after the final status would show within seconds.
+                        quiet_until = Some(tokio::time::Instant::now() + Duration::from_secs(5));
+                    }
+                }
+                Ok(Some(Ok(_))) => {}
+                _ => return writes,
+            }
+        }
+    });
+    create_test(&client, &ns, &mesh, spec).await?;
     let nt = finished(&api, &mesh).await?;
     let s = nt.status.context("status")?;
     assert_eq!(s.phase, Some(Phase::Failed));
@@ -399,6 +434,11 @@ async fn netns_nodes_report_the_failed_pair_the_loss_and_the_mtu() -> anyhow::Re
         s.latency
             .is_some_and(|l| l.p50_us > 0 && l.p50_us <= l.p95_us && l.p95_us <= l.max_us)
     );
+    assert_eq!(
+        writes.await?,
+        2,
+        "status writes for one test: Running, then the final phase"
+    );
     // The full per-pair results are in the controller's memory for its HTTP API.
     let full = store
         .get(&ns, &mesh)
@@ -410,8 +450,7 @@ async fn netns_nodes_report_the_failed_pair_the_loss_and_the_mtu() -> anyhow::Re
     // maxNodes 1: the first node by name, n0.
     let spec = json!({"kind": "pathMtu", "nodeSelector": selector, "maxNodes": 1,
         "count": 1, "timeoutMs": 500, "maxMtu": 1500, "targets": [{"address": N2.to_string()}, {"address": R}]});
-    api.create(&PostParams::default(), &test_object(&mtu, spec)?)
-        .await?;
+    create_test(&client, &ns, &mtu, spec).await?;
     let s = finished(&api, &mtu).await?.status.context("status")?;
     assert_eq!(s.phase, Some(Phase::Succeeded), "{s:?}");
     assert_eq!(s.sources, 1);

@@ -43,6 +43,10 @@ pub struct FleetArgs {
     /// Do not write BENCHMARKS.md.
     #[arg(long)]
     pub no_write: bool,
+    /// Build the agents host in the dev profile instead of release (a shorter build on a busy
+    /// machine; the agents then answer more slowly, which can only lengthen the sweep).
+    #[arg(long)]
+    pub agents_debug: bool,
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -79,7 +83,7 @@ pub fn run(args: FleetArgs) -> anyhow::Result<()> {
     if !status.success() {
         bail!("building nodekeeper-controller failed");
     }
-    let host = build_agents_host(&root)?;
+    let host = build_agents_host(&root, !args.agents_debug)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
@@ -582,7 +586,12 @@ async fn bench(args: FleetArgs, root: PathBuf, host: PathBuf) -> anyhow::Result<
         .map(|n| n.get())
         .unwrap_or(0);
     report.push_str(&format!("### N = {n}\n\n"));
-    report.push_str(&format!("Command: `cargo xtask bench fleet --nodes {n}` (window {:?}); machine: {host_cpus} cores, shared with the control plane, kwok and all {n} agents.\n\n", args.window));
+    report.push_str(&format!(
+        "Command: `cargo xtask bench fleet --nodes {n} --window {}{}`; controller built in release, agents host in {}; machine: {host_cpus} cores shared with the control plane, kwok and all {n} agents (and, during this run, other builds).\n\n",
+        nodekeeper_api::tuning::format_duration(args.window),
+        if args.agents_debug { " --agents-debug" } else { "" },
+        if args.agents_debug { "the dev profile" } else { "release" },
+    ));
     report.push_str("| figure | value |\n|---|---|\n");
     report.push_str(&format!(
         "| first full sweep (controller leading → every node read once) | {sweep_secs:.1} s |\n"

@@ -237,13 +237,16 @@ fn kubeconfig_text(name: &str, port: u16, ca: &Path, user: &str, cert: &Path, ke
     )
 }
 
-/// Builds a client from a kubeconfig file.
+/// Builds a client from a kubeconfig file, without kube's automatic retries.
 pub async fn client_from_kubeconfig(path: &Path) -> Result<kube::Client, Error> {
     let kubeconfig = kube::config::Kubeconfig::read_from(path)
         .map_err(|source| Error::ReadKubeconfig { path: path.to_owned(), source })?;
-    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &kube::config::KubeConfigOptions::default())
+    let mut config = kube::Config::from_custom_kubeconfig(kubeconfig, &kube::config::KubeConfigOptions::default())
         .await
         .map_err(|source| Error::ReadKubeconfig { path: path.to_owned(), source })?;
+    // kube's default retry layer silently retries 429s with backoff for minutes — including an
+    // eviction refused by a PodDisruptionBudget. Tests must see what the API answered.
+    config.default_retry = false;
     Ok(kube::Client::try_from(config)?)
 }
 

@@ -176,6 +176,46 @@ pub struct Condition {
     pub observed_generation: Option<i64>,
 }
 
+/// Sets condition `type_` in `list` the way Kubernetes expects: `lastTransitionTime` moves to
+/// `now` (RFC 3339) only when `status` changes. Returns whether anything changed, so a controller
+/// writes status only when this (or another field) says so — never as a heartbeat.
+pub fn set_condition(
+    list: &mut Vec<Condition>,
+    type_: &str,
+    status: ConditionStatus,
+    reason: &str,
+    message: &str,
+    observed_generation: Option<i64>,
+    now: &str,
+) -> bool {
+    if let Some(c) = list.iter_mut().find(|c| c.type_ == type_) {
+        if c.status == status
+            && c.reason == reason
+            && c.message == message
+            && c.observed_generation == observed_generation
+        {
+            return false;
+        }
+        if c.status != status {
+            c.last_transition_time = now.to_string();
+        }
+        c.status = status;
+        c.reason = reason.to_string();
+        c.message = message.to_string();
+        c.observed_generation = observed_generation;
+        return true;
+    }
+    list.push(Condition {
+        type_: type_.to_string(),
+        status,
+        reason: reason.to_string(),
+        message: message.to_string(),
+        last_transition_time: now.to_string(),
+        observed_generation,
+    });
+    true
+}
+
 /// The schema of a `conditions` list: a map keyed by `type` (so server-side apply merges by type),
 /// bounded.
 pub(crate) fn conditions_schema(generator: &mut SchemaGenerator) -> Schema {
@@ -364,6 +404,63 @@ mod tests {
             errors[1].field,
             "spec.nodeSelector.matchExpressions[1].values"
         );
+    }
+
+    #[test]
+    fn set_condition_changes_only_on_change() {
+        let mut list = Vec::new();
+        let t0 = "2026-01-01T00:00:00Z";
+        let t1 = "2026-01-01T00:05:00Z";
+        assert!(set_condition(
+            &mut list,
+            "Ready",
+            ConditionStatus::False,
+            "InProgress",
+            "",
+            Some(1),
+            t0
+        ));
+        assert!(!set_condition(
+            &mut list,
+            "Ready",
+            ConditionStatus::False,
+            "InProgress",
+            "",
+            Some(1),
+            t1
+        ));
+        assert_eq!(list[0].last_transition_time, t0);
+        // A new reason is a change, but not a transition.
+        assert!(set_condition(
+            &mut list,
+            "Ready",
+            ConditionStatus::False,
+            "Blocked",
+            "pdb x",
+            Some(1),
+            t1
+        ));
+        assert_eq!(list[0].last_transition_time, t0);
+        assert!(set_condition(
+            &mut list,
+            "Ready",
+            ConditionStatus::True,
+            "Done",
+            "",
+            Some(2),
+            t1
+        ));
+        assert_eq!(list[0].last_transition_time, t1);
+        assert!(set_condition(
+            &mut list,
+            "Progressing",
+            ConditionStatus::False,
+            "Done",
+            "",
+            Some(2),
+            t1
+        ));
+        assert_eq!(list.len(), 2);
     }
 
     #[test]

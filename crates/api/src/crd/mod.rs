@@ -13,7 +13,7 @@ use kube::CustomResourceExt;
 
 pub use common::{
     Condition, ConditionStatus, FieldError, IntOrPercent, LabelSelector, LabelSelectorRequirement,
-    MAX_LISTED, SelectorOperator, format_field_errors,
+    MAX_LISTED, SelectorOperator, format_field_errors, set_condition,
 };
 pub use network_test::{NetworkTest, NetworkTestSpec, NetworkTestStatus};
 pub use node_class::{NodeClass, NodeClassSpec, NodeClassStatus};

@@ -1,6 +1,10 @@
 //! `NetworkTest`: an on-demand network test run from the nodes a selector picks, and its
 //! aggregated result.
 
+// kube's `printcolumn(...)` repeats `type_ = …` once per column, which clippy mistakes for a
+// duplicated attribute.
+#![allow(clippy::duplicated_attributes)]
+
 use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};

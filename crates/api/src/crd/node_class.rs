@@ -1,6 +1,10 @@
 //! `NodeClass`: the machine template a `NodeSet` creates nodes from, per provider (OCI compute
 //! instances, or kwok-simulated nodes).
 
+// kube's `printcolumn(...)` repeats `type_ = …` once per column, which clippy mistakes for a
+// duplicated attribute.
+#![allow(clippy::duplicated_attributes)]
+
 use std::collections::BTreeMap;
 
 use kube::CustomResource;

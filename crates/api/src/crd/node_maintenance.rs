@@ -1,6 +1,10 @@
 //! `NodeMaintenance`: declarative cordon and drain of the nodes a selector picks (the shape of
 //! Kubernetes KEP-4212), with per-node progress and the pods that block it.
 
+// kube's `printcolumn(...)` repeats `type_ = …` once per column, which clippy mistakes for a
+// duplicated attribute.
+#![allow(clippy::duplicated_attributes)]
+
 use std::time::Duration;
 
 use kube::CustomResource;

@@ -1,6 +1,10 @@
 //! `NodeNetworkConfig`: desired secondary VNICs and host interfaces for the nodes a selector picks,
 //! rolled out a few nodes at a time, with counts and the failing nodes in status.
 
+// kube's `printcolumn(...)` repeats `type_ = …` once per column, which clippy mistakes for a
+// duplicated attribute.
+#![allow(clippy::duplicated_attributes)]
+
 use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};

@@ -1,6 +1,10 @@
 //! `NodeSet`: a desired number of nodes made from a `NodeClass`, replaced and scaled within surge
 //! and unavailability limits; nodes are drained (the `NodeMaintenance` way) before removal.
 
+// kube's `printcolumn(...)` repeats `type_ = …` once per column, which clippy mistakes for a
+// duplicated attribute.
+#![allow(clippy::duplicated_attributes)]
+
 use std::collections::BTreeMap;
 use std::time::Duration;
 

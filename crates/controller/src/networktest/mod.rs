@@ -1,7 +1,8 @@
-//! The `NetworkTest` controller's domain logic: spec checking and target expansion, deterministic
-//! peer selection, fan-out to agents, result aggregation, the phase machine with the status it
-//! produces, and the in-memory store of full results behind the HTTP API. Plain functions over
-//! plain data wherever possible; the Kubernetes- and gRPC-facing reconciler is not here yet.
+//! The `NetworkTest` controller: spec checking and target expansion, deterministic peer
+//! selection, fan-out to agents, result aggregation, the phase machine with the status it
+//! produces, the in-memory store of full results behind the HTTP API, and the reconciler
+//! (`reconcile`) that drives them from the API server. Everything but `reconcile` is plain
+//! functions over plain data.
 
 pub mod aggregate;
 pub mod crd;
