@@ -66,13 +66,24 @@ impl ControlPlane {
         // `up` is async, but this may be called from inside a test's runtime: run it on a
         // thread of its own with its own runtime.
         let handle = std::thread::spawn(move || -> Result<Cluster, controlplane::Error> {
-            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|source| {
-                controlplane::Error::Io { context: "build a tokio runtime".into(), source }
-            })?;
-            runtime.block_on(controlplane::up(&options, &mut |line| eprintln!("[control plane] {line}")))
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(|source| controlplane::Error::Io {
+                    context: "build a tokio runtime".into(),
+                    source,
+                })?;
+            runtime.block_on(controlplane::up(&options, &mut |line| {
+                eprintln!("[control plane] {line}")
+            }))
         });
-        let cluster = handle.join().map_err(|_| anyhow::anyhow!("control-plane startup thread panicked"))??;
-        Ok(ControlPlane { kubeconfig: cluster.kubeconfig.clone(), cluster: Some(cluster) })
+        let cluster = handle
+            .join()
+            .map_err(|_| anyhow::anyhow!("control-plane startup thread panicked"))??;
+        Ok(ControlPlane {
+            kubeconfig: cluster.kubeconfig.clone(),
+            cluster: Some(cluster),
+        })
     }
 
     /// Path of the admin kubeconfig (user `nodekeeper-admin`, group `system:masters`).
@@ -106,7 +117,13 @@ pub fn unique_name(prefix: &str) -> String {
     let prefix: String = prefix
         .to_ascii_lowercase()
         .chars()
-        .map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '-' })
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' {
+                c
+            } else {
+                '-'
+            }
+        })
         .take(63 - suffix.len())
         .collect();
     format!("{}{suffix}", prefix.trim_matches('-'))
@@ -129,7 +146,9 @@ where
         }
         if Instant::now() > deadline {
             match last_error {
-                Some(error) => bail!("timed out after {timeout:?} waiting for {what}; last error: {error:#}"),
+                Some(error) => {
+                    bail!("timed out after {timeout:?} waiting for {what}; last error: {error:#}")
+                }
                 None => bail!("timed out after {timeout:?} waiting for {what}"),
             }
         }
@@ -146,19 +165,29 @@ pub async fn test_namespace(client: &kube::Client, prefix: &str) -> anyhow::Resu
         "kind": "Namespace",
         "metadata": { "name": name, "labels": { "nodekeeper.dev/e2e": "true" } },
     }))?;
-    Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &ns).await.context("create namespace")?;
+    Api::<Namespace>::all(client.clone())
+        .create(&PostParams::default(), &ns)
+        .await
+        .context("create namespace")?;
     let sas: Api<ServiceAccount> = Api::namespaced(client.clone(), &name);
-    wait_for(&format!("ServiceAccount {name}/default"), Duration::from_secs(60), || {
-        let sas = sas.clone();
-        async move { Ok(sas.get_opt("default").await?.map(|_| ())) }
-    })
+    wait_for(
+        &format!("ServiceAccount {name}/default"),
+        Duration::from_secs(60),
+        || {
+            let sas = sas.clone();
+            async move { Ok(sas.get_opt("default").await?.map(|_| ())) }
+        },
+    )
     .await?;
     Ok(name)
 }
 
 /// `deploy/crds/` in this checkout.
 pub fn crds_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join("deploy").join("crds")
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join("deploy")
+        .join("crds")
 }
 
 /// Applies every CRD in `deploy/crds/*.yaml` (server-side apply, field manager
@@ -175,41 +204,58 @@ pub async fn install_crds(client: &kube::Client) -> anyhow::Result<Vec<String>> 
     let api: Api<CustomResourceDefinition> = Api::all(client.clone());
     let mut names = Vec::new();
     for file in &files {
-        let text = std::fs::read_to_string(file).with_context(|| format!("read {}", file.display()))?;
+        let text =
+            std::fs::read_to_string(file).with_context(|| format!("read {}", file.display()))?;
         for document in serde_yaml::Deserializer::from_str(&text) {
-            let value = serde_json::Value::deserialize(document).with_context(|| format!("parse {}", file.display()))?;
+            let value = serde_json::Value::deserialize(document)
+                .with_context(|| format!("parse {}", file.display()))?;
             if value.is_null() {
                 continue;
             }
             if value["kind"] != "CustomResourceDefinition" {
-                bail!("{} holds a {} where only CustomResourceDefinitions belong", file.display(), value["kind"]);
+                bail!(
+                    "{} holds a {} where only CustomResourceDefinitions belong",
+                    file.display(),
+                    value["kind"]
+                );
             }
             let name = value["metadata"]["name"]
                 .as_str()
                 .with_context(|| format!("{}: CRD without metadata.name", file.display()))?
                 .to_owned();
-            api.patch(&name, &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&value))
-                .await
-                .with_context(|| format!("apply CRD {name} from {}", file.display()))?;
+            api.patch(
+                &name,
+                &PatchParams::apply(FIELD_MANAGER).force(),
+                &Patch::Apply(&value),
+            )
+            .await
+            .with_context(|| format!("apply CRD {name} from {}", file.display()))?;
             names.push(name);
         }
     }
     if names.is_empty() {
-        bail!("no CustomResourceDefinitions in {}: run `cargo xtask codegen`", dir.display());
+        bail!(
+            "no CustomResourceDefinitions in {}: run `cargo xtask codegen`",
+            dir.display()
+        );
     }
     for name in &names {
         let api = api.clone();
-        wait_for(&format!("CRD {name} to be Established"), Duration::from_secs(60), || {
-            let api = api.clone();
-            async move {
-                let crd = api.get(name).await?;
-                let established = crd
-                    .status
-                    .and_then(|s| s.conditions)
-                    .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Established" && c.status == "True"));
-                Ok(established.then_some(()))
-            }
-        })
+        wait_for(
+            &format!("CRD {name} to be Established"),
+            Duration::from_secs(60),
+            || {
+                let api = api.clone();
+                async move {
+                    let crd = api.get(name).await?;
+                    let established = crd.status.and_then(|s| s.conditions).is_some_and(|cs| {
+                        cs.iter()
+                            .any(|c| c.type_ == "Established" && c.status == "True")
+                    });
+                    Ok(established.then_some(()))
+                }
+            },
+        )
         .await?;
     }
     Ok(names)
@@ -230,12 +276,17 @@ pub async fn create_simulated_nodes(
 ) -> anyhow::Result<Vec<String>> {
     static NEXT_IP: AtomicU32 = AtomicU32::new(0);
     if !ips.is_empty() && ips.len() != n {
-        bail!("create_simulated_nodes: {} ips given for {n} nodes; pass one per node or none", ips.len());
+        bail!(
+            "create_simulated_nodes: {} ips given for {n} nodes; pass one per node or none",
+            ips.len()
+        );
     }
     let base = unique_name(prefix);
     let names: Vec<String> = (0..n).map(|i| format!("{base}-{i}")).collect();
     let ips: Vec<Ipv4Addr> = if ips.is_empty() {
-        (0..n).map(|_| controlplane::simulated_node_ip(NEXT_IP.fetch_add(1, Ordering::Relaxed))).collect()
+        (0..n)
+            .map(|_| controlplane::simulated_node_ip(NEXT_IP.fetch_add(1, Ordering::Relaxed)))
+            .collect()
     } else {
         ips.to_vec()
     };
@@ -256,6 +307,9 @@ mod tests {
         assert!(a.starts_with("my-test-"), "{a}");
         let long = unique_name(&"x".repeat(100));
         assert!(long.len() <= 63, "{long}");
-        assert!(long.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-'));
+        assert!(
+            long.chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+        );
     }
 }

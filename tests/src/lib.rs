@@ -41,6 +41,6 @@ mod harness;
 
 pub use controlplane::{Lifetime, Options};
 pub use harness::{
-    ControlPlane, FIELD_MANAGER, KUBECONFIG_ENV, create_simulated_nodes, crds_dir, install_crds, test_namespace,
-    unique_name, wait_for,
+    ControlPlane, FIELD_MANAGER, KUBECONFIG_ENV, crds_dir, create_simulated_nodes, install_crds,
+    test_namespace, unique_name, wait_for,
 };

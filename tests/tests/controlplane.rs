@@ -25,18 +25,41 @@ async fn simulated_nodes_become_ready_with_their_address_and_lease() -> anyhow::
     let client = ControlPlane::shared().client().await?;
     let pool = unique_name("pool");
     let labels = BTreeMap::from([("nodekeeper.dev/test-pool".to_owned(), pool.clone())]);
-    let ips = [Ipv4Addr::new(127, 1, 200, 1), Ipv4Addr::new(127, 1, 200, 2), Ipv4Addr::new(127, 1, 200, 3)];
+    let ips = [
+        Ipv4Addr::new(127, 1, 200, 1),
+        Ipv4Addr::new(127, 1, 200, 2),
+        Ipv4Addr::new(127, 1, 200, 3),
+    ];
     let names = create_simulated_nodes(&client, "ready", 3, &labels, &ips).await?;
 
     let nodes: Api<Node> = Api::all(client.clone());
     for (name, ip) in names.iter().zip(ips) {
         let node = nodes.get(name).await?;
         let status = node.status.context("node has status")?;
-        let ready = status.conditions.unwrap_or_default().into_iter().find(|c| c.type_ == "Ready");
-        assert_eq!(ready.map(|c| c.status).as_deref(), Some("True"), "{name} Ready");
-        let internal = status.addresses.unwrap_or_default().into_iter().find(|a| a.type_ == "InternalIP");
-        assert_eq!(internal.map(|a| a.address), Some(ip.to_string()), "{name} keeps the InternalIP it was created with");
-        assert_eq!(status.node_info.map(|i| i.operating_system).as_deref(), Some("linux"));
+        let ready = status
+            .conditions
+            .unwrap_or_default()
+            .into_iter()
+            .find(|c| c.type_ == "Ready");
+        assert_eq!(
+            ready.map(|c| c.status).as_deref(),
+            Some("True"),
+            "{name} Ready"
+        );
+        let internal = status
+            .addresses
+            .unwrap_or_default()
+            .into_iter()
+            .find(|a| a.type_ == "InternalIP");
+        assert_eq!(
+            internal.map(|a| a.address),
+            Some(ip.to_string()),
+            "{name} keeps the InternalIP it was created with"
+        );
+        assert_eq!(
+            status.node_info.map(|i| i.operating_system).as_deref(),
+            Some("linux")
+        );
     }
     // Liveness between the (rare) status heartbeats is the node Lease, which kwok renews.
     let leases: Api<Lease> = Api::namespaced(client.clone(), "kube-node-lease");
@@ -47,16 +70,25 @@ async fn simulated_nodes_become_ready_with_their_address_and_lease() -> anyhow::
         })
         .await?;
         let spec = lease.spec.context("lease spec")?;
-        assert_eq!(spec.lease_duration_seconds, Some(40), "{name}: kwok's --node-lease-duration-seconds");
+        assert_eq!(
+            spec.lease_duration_seconds,
+            Some(40),
+            "{name}: kwok's --node-lease-duration-seconds"
+        );
         assert!(spec.renew_time.is_some(), "{name}: lease renewed");
     }
     // Only labelled nodes are kwok's: an unlabelled node stays without a Ready condition.
     let plain = unique_name("not-simulated");
-    let node: Node = serde_json::from_value(json!({ "apiVersion": "v1", "kind": "Node", "metadata": { "name": plain } }))?;
+    let node: Node = serde_json::from_value(
+        json!({ "apiVersion": "v1", "kind": "Node", "metadata": { "name": plain } }),
+    )?;
     nodes.create(&PostParams::default(), &node).await?;
     tokio::time::sleep(Duration::from_secs(3)).await;
     let plain_node = nodes.get(&plain).await?;
-    assert!(!controlplane::nodes::is_ready(&plain_node), "kwok must not manage a node without the label");
+    assert!(
+        !controlplane::nodes::is_ready(&plain_node),
+        "kwok must not manage a node without the label"
+    );
     nodes.delete(&plain, &Default::default()).await?;
     Ok(())
 }
@@ -81,11 +113,18 @@ fn deployment(name: &str, pool: &str, replicas: i32) -> anyhow::Result<Deploymen
 }
 
 /// Waits until exactly `n` pods of `app` are Running and Ready on nodes of `nodes`; returns them.
-async fn wait_running(pods: &Api<Pod>, app: &str, n: usize, nodes: &[String]) -> anyhow::Result<Vec<Pod>> {
-    wait_for(&format!("{n} Running pods of {app}"), TIMEOUT, || {
+async fn wait_running(
+    pods: &Api<Pod>,
+    app: &str,
+    n: usize,
+    nodes: &[String],
+) -> anyhow::Result<Vec<Pod>> {
+    let running = wait_for(&format!("{n} Running pods of {app}"), TIMEOUT, || {
         let pods = pods.clone();
         async move {
-            let list = pods.list(&ListParams::default().labels(&format!("app={app}"))).await?;
+            let list = pods
+                .list(&ListParams::default().labels(&format!("app={app}")))
+                .await?;
             let running: Vec<Pod> = list
                 .items
                 .into_iter()
@@ -95,21 +134,28 @@ async fn wait_running(pods: &Api<Pod>, app: &str, n: usize, nodes: &[String]) ->
                     let phase_running = status.and_then(|s| s.phase.as_deref()) == Some("Running");
                     let ready = status
                         .and_then(|s| s.conditions.as_ref())
-                        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+                        .is_some_and(|cs| {
+                            cs.iter().any(|c| c.type_ == "Ready" && c.status == "True")
+                        });
                     phase_running && ready
                 })
                 .collect();
             Ok((running.len() == n).then_some(running))
         }
     })
-    .await
-    .map(|running| {
-        for pod in &running {
-            let node = pod.spec.as_ref().and_then(|s| s.node_name.clone()).unwrap_or_default();
-            assert!(nodes.contains(&node), "pod scheduled onto {node}, not one of {nodes:?}");
-        }
-        running
-    })
+    .await?;
+    for pod in &running {
+        let node = pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.node_name.clone())
+            .unwrap_or_default();
+        assert!(
+            nodes.contains(&node),
+            "pod scheduled onto {node}, not one of {nodes:?}"
+        );
+    }
+    Ok(running)
 }
 
 #[tokio::test]
@@ -121,14 +167,19 @@ async fn deployment_pods_are_scheduled_onto_simulated_nodes_and_run() -> anyhow:
     let nodes = create_simulated_nodes(&client, "deploy", 2, &labels, &[]).await?;
 
     let deployments: Api<Deployment> = Api::namespaced(client.clone(), &ns);
-    deployments.create(&PostParams::default(), &deployment("web", &pool, 3)?).await?;
+    deployments
+        .create(&PostParams::default(), &deployment("web", &pool, 3)?)
+        .await?;
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
     let running = wait_running(&pods, "web", 3, &nodes).await?;
     for pod in &running {
         let status = pod.status.as_ref().context("pod status")?;
         assert!(status.pod_ip.is_some(), "kwok gives running pods an IP");
         let host_ip = status.host_ip.clone().unwrap_or_default();
-        assert!(host_ip.starts_with("127.1."), "hostIP {host_ip} is the node's InternalIP");
+        assert!(
+            host_ip.starts_with("127.1."),
+            "hostIP {host_ip} is the node's InternalIP"
+        );
     }
     let ready = wait_for("Deployment web to report 3 ready replicas", TIMEOUT, || {
         let deployments = deployments.clone();
@@ -159,7 +210,9 @@ async fn pod_disruption_budget_blocks_eviction_until_the_budget_permits() -> any
     let nodes = create_simulated_nodes(&client, "pdb", 2, &labels, &[]).await?;
 
     let deployments: Api<Deployment> = Api::namespaced(client.clone(), &ns);
-    deployments.create(&PostParams::default(), &deployment("db", &pool, 2)?).await?;
+    deployments
+        .create(&PostParams::default(), &deployment("db", &pool, 2)?)
+        .await?;
     let pdbs: Api<PodDisruptionBudget> = Api::namespaced(client.clone(), &ns);
     let pdb: PodDisruptionBudget = serde_json::from_value(json!({
         "apiVersion": "policy/v1",
@@ -178,28 +231,56 @@ async fn pod_disruption_budget_blocks_eviction_until_the_budget_permits() -> any
             let pdbs = pdbs.clone();
             async move {
                 let status = pdbs.get("db").await?.status.unwrap_or_default();
-                Ok((status.current_healthy == Some(2 + want_allowed) && status.disruptions_allowed == Some(want_allowed))
-                    .then_some(()))
+                Ok((status.current_healthy == Some(2 + want_allowed)
+                    && status.disruptions_allowed == Some(want_allowed))
+                .then_some(()))
             }
         }
     };
-    wait_for("PDB db: 2 healthy, 0 disruptions allowed", TIMEOUT, healthy_allowed(0)).await?;
+    wait_for(
+        "PDB db: 2 healthy, 0 disruptions allowed",
+        TIMEOUT,
+        healthy_allowed(0),
+    )
+    .await?;
 
     let victim = running[0].metadata.name.clone().context("pod name")?;
     let refused = pods.evict(&victim, &EvictParams::default()).await;
-    assert_eq!(api_error_code(&refused), Some(429), "eviction past the budget is refused: {refused:?}");
+    assert_eq!(
+        api_error_code(&refused),
+        Some(429),
+        "eviction past the budget is refused: {refused:?}"
+    );
     if let Err(kube::Error::Api(status)) = &refused {
-        assert!(status.message.contains("disruption budget"), "message names the budget: {}", status.message);
+        assert!(
+            status.message.contains("disruption budget"),
+            "message names the budget: {}",
+            status.message
+        );
     }
-    assert!(pods.get_opt(&victim).await?.is_some(), "a refused eviction leaves the pod");
+    assert!(
+        pods.get_opt(&victim).await?.is_some(),
+        "a refused eviction leaves the pod"
+    );
 
     // One more replica makes one disruption affordable.
     deployments
-        .patch("db", &PatchParams::default(), &Patch::Merge(json!({ "spec": { "replicas": 3 } })))
+        .patch(
+            "db",
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "spec": { "replicas": 3 } })),
+        )
         .await?;
     wait_running(&pods, "db", 3, &nodes).await?;
-    wait_for("PDB db: 3 healthy, 1 disruption allowed", TIMEOUT, healthy_allowed(1)).await?;
-    pods.evict(&victim, &EvictParams::default()).await.context("eviction within the budget is allowed")?;
+    wait_for(
+        "PDB db: 3 healthy, 1 disruption allowed",
+        TIMEOUT,
+        healthy_allowed(1),
+    )
+    .await?;
+    pods.evict(&victim, &EvictParams::default())
+        .await
+        .context("eviction within the budget is allowed")?;
     // kwok plays the kubelet: the evicted pod goes away, and the Deployment replaces it.
     wait_for(&format!("evicted pod {victim} to be gone"), TIMEOUT, || {
         let pods = pods.clone();
@@ -215,12 +296,19 @@ async fn pod_disruption_budget_blocks_eviction_until_the_budget_permits() -> any
 async fn cluster_up_on_a_taken_port_names_the_port_and_the_fix() -> anyhow::Result<()> {
     let taken = TcpListener::bind("127.0.0.1:0")?;
     let port = taken.local_addr()?.port();
-    let mut options = Options::new(format!("test-{}-taken-port", std::process::id()), Lifetime::WithThisProcess);
+    let mut options = Options::new(
+        format!("test-{}-taken-port", std::process::id()),
+        Lifetime::WithThisProcess,
+    );
     options.apiserver_port = Some(port);
-    let error = controlplane::up(&options, &mut |_| {}).await.expect_err("a taken port must be refused");
+    let error = controlplane::up(&options, &mut |_| {})
+        .await
+        .expect_err("a taken port must be refused");
     assert_eq!(
         error.to_string(),
-        format!("port {port} on 127.0.0.1 is in use: run `cargo xtask cluster down` or pass --port")
+        format!(
+            "port {port} on 127.0.0.1 is in use: run `cargo xtask cluster down` or pass --port"
+        )
     );
     // Nothing was started for it.
     assert!(controlplane::read_state(&options.name).is_err());

@@ -115,20 +115,23 @@ impl Drop for Agents {
     }
 }
 
-/// Builds the agents host (release) and returns its path.
-fn build_agents_host(root: &Path) -> anyhow::Result<PathBuf> {
+/// Builds the agents host (release unless `--agents-debug`) and returns its path.
+fn build_agents_host(root: &Path, release: bool) -> anyhow::Result<PathBuf> {
+    let mut args = vec![
+        "test",
+        "-p",
+        "nodekeeper-e2e",
+        "--test",
+        "controller_fleet_agents",
+        "--no-run",
+        "--message-format=json",
+    ];
+    if release {
+        args.push("--release");
+    }
     let output = Command::new("cargo")
         .current_dir(root)
-        .args([
-            "test",
-            "--release",
-            "-p",
-            "nodekeeper-e2e",
-            "--test",
-            "controller_fleet_agents",
-            "--no-run",
-            "--message-format=json",
-        ])
+        .args(&args)
         .stderr(Stdio::inherit())
         .output()?;
     if !output.status.success() {

@@ -19,7 +19,12 @@ pub struct ClusterArgs {
     #[command(subcommand)]
     command: ClusterCommand,
     /// Cluster name: its state lives in ${XDG_CACHE_HOME:-~/.cache}/nodekeeper/clusters/<name>/.
-    #[arg(long, global = true, env = "NODEKEEPER_CLUSTER_NAME", default_value = "dev")]
+    #[arg(
+        long,
+        global = true,
+        env = "NODEKEEPER_CLUSTER_NAME",
+        default_value = "dev"
+    )]
     name: String,
 }
 
@@ -71,7 +76,9 @@ pub fn run(args: ClusterArgs) -> anyhow::Result<()> {
 }
 
 fn dispatch(args: ClusterArgs) -> anyhow::Result<()> {
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
     match args.command {
         ClusterCommand::Up(up) => runtime.block_on(up_cmd(&args.name, up)),
         ClusterCommand::Down { purge } => down_cmd(&args.name, purge),
@@ -93,7 +100,10 @@ async fn up_cmd(name: &str, args: UpArgs) -> anyhow::Result<()> {
     options.max_requests_inflight = args.max_requests_inflight;
     options.max_mutating_requests_inflight = args.max_mutating_requests_inflight;
     let cluster = controlplane::up(&options, &mut |line| eprintln!("{line}")).await?;
-    eprintln!("control plane ready in {:.1}s", started.elapsed().as_secs_f64());
+    eprintln!(
+        "control plane ready in {:.1}s",
+        started.elapsed().as_secs_f64()
+    );
 
     let client = controlplane::client_from_kubeconfig(&cluster.kubeconfig).await?;
     let api: Api<Node> = Api::all(client.clone());
@@ -120,7 +130,12 @@ async fn up_cmd(name: &str, args: UpArgs) -> anyhow::Result<()> {
     if let Some(audit) = cluster.audit_log() {
         eprintln!("audit log: {}", audit.display());
     }
-    eprintln!("kubectl: {}", controlplane::binaries::ensure(&mut |_| {})?.path("kubectl").display());
+    eprintln!(
+        "kubectl: {}",
+        controlplane::binaries::ensure(&mut |_| {})?
+            .path("kubectl")
+            .display()
+    );
     println!("export KUBECONFIG={}", cluster.kubeconfig.display());
     Ok(())
 }
@@ -142,7 +157,11 @@ fn down_cmd(name: &str, purge: bool) -> anyhow::Result<()> {
 async fn status_cmd(name: &str) -> anyhow::Result<()> {
     let state = controlplane::read_state(name)?;
     let dir = controlplane::state_dir(name);
-    println!("cluster `{name}`: https://127.0.0.1:{}  state {}", state.ports.apiserver, dir.display());
+    println!(
+        "cluster `{name}`: https://127.0.0.1:{}  state {}",
+        state.ports.apiserver,
+        dir.display()
+    );
     if state.components.is_empty() {
         println!("  stopped (start it with `cargo xtask cluster up`)");
         return Ok(());
@@ -151,7 +170,12 @@ async fn status_cmd(name: &str) -> anyhow::Result<()> {
     for c in &state.components {
         let running = c.is_running();
         apiserver_up |= running && c.name == "kube-apiserver";
-        println!("  {:<24} pid {:<8} {}", c.name, c.pid, if running { "running" } else { "NOT RUNNING" });
+        println!(
+            "  {:<24} pid {:<8} {}",
+            c.name,
+            c.pid,
+            if running { "running" } else { "NOT RUNNING" }
+        );
     }
     if !apiserver_up {
         return Ok(());
@@ -170,8 +194,16 @@ async fn status_cmd(name: &str) -> anyhow::Result<()> {
             .and_then(|a| a.iter().find(|a| a.type_ == "InternalIP"))
             .map(|a| a.address.as_str())
             .unwrap_or("-");
-        let ready = if nodes::is_ready(node) { "Ready" } else { "NotReady" };
-        println!("    {:<24} {:<9} {ip}", node.metadata.name.as_deref().unwrap_or("?"), ready);
+        let ready = if nodes::is_ready(node) {
+            "Ready"
+        } else {
+            "NotReady"
+        };
+        println!(
+            "    {:<24} {:<9} {ip}",
+            node.metadata.name.as_deref().unwrap_or("?"),
+            ready
+        );
     }
     if list.items.len() > 50 {
         println!("    … and {} more", list.items.len() - 50);

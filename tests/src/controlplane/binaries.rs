@@ -28,8 +28,18 @@ pub struct Component {
 /// Every binary `cluster up` and the test harness need, in build order (smallest first, so a
 /// broken toolchain fails fast).
 pub const COMPONENTS: [Component; 6] = [
-    Component { name: "etcd", module: "etcd", package: "go.etcd.io/etcd/server/v3", cold_minutes: 2 },
-    Component { name: "kwok", module: "kwok", package: "sigs.k8s.io/kwok/cmd/kwok", cold_minutes: 6 },
+    Component {
+        name: "etcd",
+        module: "etcd",
+        package: "go.etcd.io/etcd/server/v3",
+        cold_minutes: 2,
+    },
+    Component {
+        name: "kwok",
+        module: "kwok",
+        package: "sigs.k8s.io/kwok/cmd/kwok",
+        cold_minutes: 6,
+    },
     Component {
         name: "kube-apiserver",
         module: "kubernetes",
@@ -48,7 +58,12 @@ pub const COMPONENTS: [Component; 6] = [
         package: "k8s.io/kubernetes/cmd/kube-scheduler",
         cold_minutes: 3,
     },
-    Component { name: "kubectl", module: "kubernetes", package: "k8s.io/kubernetes/cmd/kubectl", cold_minutes: 3 },
+    Component {
+        name: "kubectl",
+        module: "kubernetes",
+        package: "k8s.io/kubernetes/cmd/kubectl",
+        cold_minutes: 3,
+    },
 ];
 
 /// The directory holding the built binaries.
@@ -72,7 +87,10 @@ impl Binaries {
 /// `xtask/controlplane/` in this checkout: the Go modules that pin every component, plus the
 /// kwok stages and the audit policy.
 pub fn controlplane_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join("xtask").join("controlplane")
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join("xtask")
+        .join("controlplane")
 }
 
 /// `${XDG_CACHE_HOME:-$HOME/.cache}/nodekeeper`.
@@ -80,7 +98,9 @@ pub fn cache_root() -> PathBuf {
     let base = match std::env::var_os("XDG_CACHE_HOME") {
         Some(dir) if !dir.is_empty() => PathBuf::from(dir),
         _ => {
-            let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("/tmp"));
+            let home = std::env::var_os("HOME")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| PathBuf::from("/tmp"));
             home.join(".cache")
         }
     };
@@ -101,18 +121,27 @@ pub fn required_version(go_mod: &str, module_path: &str) -> Option<String> {
         let line = line.trim();
         let line = line.strip_prefix("require").map(str::trim).unwrap_or(line);
         let mut words = line.split_whitespace();
-        (words.next() == Some(module_path)).then(|| words.next().map(str::to_owned)).flatten()
+        (words.next() == Some(module_path))
+            .then(|| words.next().map(str::to_owned))
+            .flatten()
     })
 }
 
 fn read(path: &Path) -> Result<String, Error> {
-    fs::read_to_string(path).map_err(|source| Error::Io { context: format!("read {}", path.display()), source })
+    fs::read_to_string(path).map_err(|source| Error::Io {
+        context: format!("read {}", path.display()),
+        source,
+    })
 }
 
 /// Reads the pinned versions and a short hash of every `go.mod`/`go.sum`, which together name
 /// the cache directory (a changed pin or checksum builds into a fresh directory).
 pub fn cache_key(dir: &Path) -> Result<(Versions, String), Error> {
-    let pins = [("kubernetes", "k8s.io/kubernetes"), ("etcd", "go.etcd.io/etcd/server/v3"), ("kwok", "sigs.k8s.io/kwok")];
+    let pins = [
+        ("kubernetes", "k8s.io/kubernetes"),
+        ("etcd", "go.etcd.io/etcd/server/v3"),
+        ("kwok", "sigs.k8s.io/kwok"),
+    ];
     let mut hasher = Sha256::new();
     let mut found = Vec::new();
     for (module, path) in pins {
@@ -138,8 +167,14 @@ pub fn cache_key(dir: &Path) -> Result<(Versions, String), Error> {
 
 /// Checks that `go` runs; the one-line error says how to get it.
 fn check_go(go: &str) -> Result<String, Error> {
-    match Command::new(go).arg("version").stdin(Stdio::null()).output() {
-        Ok(out) if out.status.success() => Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned()),
+    match Command::new(go)
+        .arg("version")
+        .stdin(Stdio::null())
+        .output()
+    {
+        Ok(out) if out.status.success() => {
+            Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+        }
         Ok(_) | Err(_) => Err(Error::FindGo),
     }
 }
@@ -151,49 +186,89 @@ pub fn ensure(progress: &mut dyn FnMut(&str)) -> Result<Binaries, Error> {
 }
 
 /// [`ensure`] with the cache root and the `go` command given (tests use a missing one).
-pub fn ensure_in(cache_root: &Path, go: &str, progress: &mut dyn FnMut(&str)) -> Result<Binaries, Error> {
+pub fn ensure_in(
+    cache_root: &Path,
+    go: &str,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Binaries, Error> {
     let source = controlplane_dir();
     let (v, hash) = cache_key(&source)?;
-    let root = cache_root.join("controlplane").join(format!("{}-{}-{}-{hash}", v.kubernetes, v.etcd, v.kwok));
+    let root = cache_root
+        .join("controlplane")
+        .join(format!("{}-{}-{}-{hash}", v.kubernetes, v.etcd, v.kwok));
     let bin = root.join("bin");
     let binaries = Binaries { dir: bin.clone() };
-    let missing = |b: &Binaries| COMPONENTS.iter().filter(|c| !b.path(c.name).is_file()).count();
+    let missing = |b: &Binaries| {
+        COMPONENTS
+            .iter()
+            .filter(|c| !b.path(c.name).is_file())
+            .count()
+    };
     if missing(&binaries) == 0 {
         return Ok(binaries);
     }
     // Before anything is written: without Go nothing can be built, and nothing should change.
     let go_version = check_go(go)?;
-    fs::create_dir_all(&bin).map_err(|source| Error::Io { context: format!("create {}", bin.display()), source })?;
+    fs::create_dir_all(&bin).map_err(|source| Error::Io {
+        context: format!("create {}", bin.display()),
+        source,
+    })?;
     let lock_path = root.join(".build.lock");
     let lock_file = fs::OpenOptions::new()
         .create(true)
         .truncate(false)
         .write(true)
         .open(&lock_path)
-        .map_err(|source| Error::Io { context: format!("open {}", lock_path.display()), source })?;
-    let _lock = Flock::lock(lock_file, FlockArg::LockExclusive).map_err(|(_, errno)| Error::Io {
-        context: format!("lock {}", lock_path.display()),
-        source: io::Error::from(errno),
-    })?;
+        .map_err(|source| Error::Io {
+            context: format!("open {}", lock_path.display()),
+            source,
+        })?;
+    let _lock =
+        Flock::lock(lock_file, FlockArg::LockExclusive).map_err(|(_, errno)| Error::Io {
+            context: format!("lock {}", lock_path.display()),
+            source: io::Error::from(errno),
+        })?;
     // Another process may have finished the build while this one waited for the lock.
     if missing(&binaries) == 0 {
         return Ok(binaries);
     }
-    progress(&format!("control-plane binaries go to {} ({go_version})", bin.display()));
+    progress(&format!(
+        "control-plane binaries go to {} ({go_version})",
+        bin.display()
+    ));
     let log_path = root.join("build.log");
-    for component in COMPONENTS.iter().filter(|c| !binaries.path(c.name).is_file()) {
+    for component in COMPONENTS
+        .iter()
+        .filter(|c| !binaries.path(c.name).is_file())
+    {
         progress(&format!(
             "building {} (first run takes ~{} minutes on 2 cores; later runs reuse the cache)…",
             component.name, component.cold_minutes
         ));
         let started = Instant::now();
-        build_one(go, component, &source.join(component.module), &bin, &log_path)?;
-        progress(&format!("built {} in {:.0}s", component.name, started.elapsed().as_secs_f64()));
+        build_one(
+            go,
+            component,
+            &source.join(component.module),
+            &bin,
+            &log_path,
+        )?;
+        progress(&format!(
+            "built {} in {:.0}s",
+            component.name,
+            started.elapsed().as_secs_f64()
+        ));
     }
     Ok(binaries)
 }
 
-fn build_one(go: &str, component: &Component, module_dir: &Path, bin: &Path, log_path: &Path) -> Result<(), Error> {
+fn build_one(
+    go: &str,
+    component: &Component,
+    module_dir: &Path,
+    bin: &Path,
+    log_path: &Path,
+) -> Result<(), Error> {
     let tmp = bin.join(format!(".{}.partial", component.name));
     let out = Command::new(go)
         .args(["build", "-trimpath", "-o"])
@@ -205,7 +280,11 @@ fn build_one(go: &str, component: &Component, module_dir: &Path, bin: &Path, log
         .stdin(Stdio::null())
         .output()
         .map_err(|_| Error::FindGo)?;
-    if let Ok(mut log) = fs::OpenOptions::new().create(true).append(true).open(log_path) {
+    if let Ok(mut log) = fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log_path)
+    {
         let _ = writeln!(log, "== go build {} ({})", component.package, out.status);
         let _ = log.write_all(&out.stderr);
     }
@@ -217,7 +296,10 @@ fn build_one(go: &str, component: &Component, module_dir: &Path, bin: &Path, log
         });
     }
     let dest = bin.join(component.name);
-    fs::rename(&tmp, &dest).map_err(|source| Error::Io { context: format!("move build to {}", dest.display()), source })
+    fs::rename(&tmp, &dest).map_err(|source| Error::Io {
+        context: format!("move build to {}", dest.display()),
+        source,
+    })
 }
 
 /// The last `n` lines of `text`, for error messages that quote a log.
@@ -233,8 +315,14 @@ mod tests {
     #[test]
     fn reads_required_version_inline_and_in_block() {
         let go_mod = "module x\n\ngo 1.26.0\n\nrequire k8s.io/kubernetes v1.36.3\n\nrequire (\n\tgo.etcd.io/etcd/server/v3 v3.6.16\n\tcel.dev/expr v0.25.1 // indirect\n)\n";
-        assert_eq!(required_version(go_mod, "k8s.io/kubernetes").as_deref(), Some("v1.36.3"));
-        assert_eq!(required_version(go_mod, "go.etcd.io/etcd/server/v3").as_deref(), Some("v3.6.16"));
+        assert_eq!(
+            required_version(go_mod, "k8s.io/kubernetes").as_deref(),
+            Some("v1.36.3")
+        );
+        assert_eq!(
+            required_version(go_mod, "go.etcd.io/etcd/server/v3").as_deref(),
+            Some("v3.6.16")
+        );
         assert_eq!(required_version(go_mod, "sigs.k8s.io/kwok"), None);
     }
 

@@ -32,36 +32,67 @@ pub enum Error {
         "`go` was not found on PATH, and the control plane is built from Go modules on first use: install Go 1.26 or newer (https://go.dev/dl/ or `apt-get install golang-go`, which fetches the pinned toolchain itself) and re-run"
     )]
     FindGo,
-    #[error("`setpriv` (util-linux) was not found on PATH; it ties the control plane to the test process: `apt-get install util-linux`")]
+    #[error(
+        "`setpriv` (util-linux) was not found on PATH; it ties the control plane to the test process: `apt-get install util-linux`"
+    )]
     FindSetpriv,
-    #[error("{path} does not pin {module} with a `require {module} vX.Y.Z` line; restore it from git")]
+    #[error(
+        "{path} does not pin {module} with a `require {module} vX.Y.Z` line; restore it from git"
+    )]
     ReadPin { path: PathBuf, module: String },
     #[error("go build of {component} failed ({status}); last output:\n{tail}")]
-    BuildComponent { component: &'static str, status: String, tail: String },
+    BuildComponent {
+        component: &'static str,
+        status: String,
+        tail: String,
+    },
     #[error("port {port} on 127.0.0.1 is in use: run `cargo xtask cluster down` or pass --port")]
     PortInUse { port: u16 },
     #[error(
         "cluster `{name}` is already running (kube-apiserver pid {pid}): use it (`cargo xtask cluster env`) or stop it with `cargo xtask cluster down`"
     )]
     AlreadyRunning { name: String, pid: u32 },
-    #[error("no cluster `{name}` has been started here ({path} is missing): run `cargo xtask cluster up`")]
+    #[error(
+        "no cluster `{name}` has been started here ({path} is missing): run `cargo xtask cluster up`"
+    )]
     NotStarted { name: String, path: PathBuf },
     #[error("start {program}: {source}")]
-    Spawn { program: String, source: std::io::Error },
+    Spawn {
+        program: String,
+        source: std::io::Error,
+    },
     #[error("{component} exited during startup ({status}); last lines of {log}:\n{tail}")]
-    ComponentExited { component: String, status: String, log: PathBuf, tail: String },
+    ComponentExited {
+        component: String,
+        status: String,
+        log: PathBuf,
+        tail: String,
+    },
     #[error("{what} was not ready after {secs}s; see the logs in {logs}")]
-    WaitReady { what: String, secs: u64, logs: PathBuf },
+    WaitReady {
+        what: String,
+        secs: u64,
+        logs: PathBuf,
+    },
     #[error("{context}: {source}")]
-    Io { context: String, source: std::io::Error },
+    Io {
+        context: String,
+        source: std::io::Error,
+    },
     #[error("generate certificates: {0}")]
     GenerateCertificates(#[from] rcgen::Error),
     #[error("read kubeconfig {path}: {source}")]
-    ReadKubeconfig { path: PathBuf, source: kube::config::KubeconfigError },
+    ReadKubeconfig {
+        path: PathBuf,
+        source: kube::config::KubeconfigError,
+    },
     #[error("kubernetes API: {0}")]
     Kube(#[from] kube::Error),
     #[error("read cluster state {path}: {source}")]
-    ReadState { path: PathBuf, source: serde_json::Error },
+    ReadState {
+        path: PathBuf,
+        source: serde_json::Error,
+    },
 }
 
 /// How to start a cluster.
@@ -185,9 +216,17 @@ pub fn read_state(name: &str) -> Result<State, Error> {
     let text = match fs::read_to_string(&path) {
         Ok(text) => text,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Err(Error::NotStarted { name: name.to_owned(), path });
+            return Err(Error::NotStarted {
+                name: name.to_owned(),
+                path,
+            });
         }
-        Err(source) => return Err(Error::Io { context: format!("read {}", path.display()), source }),
+        Err(source) => {
+            return Err(Error::Io {
+                context: format!("read {}", path.display()),
+                source,
+            });
+        }
     };
     serde_json::from_str(&text).map_err(|source| Error::ReadState { path, source })
 }
@@ -195,7 +234,10 @@ pub fn read_state(name: &str) -> Result<State, Error> {
 fn write_state(dir: &Path, state: &State) -> Result<(), Error> {
     let path = dir.join("cluster.json");
     let text = serde_json::to_string_pretty(state).unwrap_or_default();
-    fs::write(&path, text).map_err(|source| Error::Io { context: format!("write {}", path.display()), source })
+    fs::write(&path, text).map_err(|source| Error::Io {
+        context: format!("write {}", path.display()),
+        source,
+    })
 }
 
 /// The node-local address simulated node `i` gets as its InternalIP: `127.1.x.y`, distinct for
@@ -210,12 +252,20 @@ fn port_is_free(port: u16) -> bool {
 }
 
 fn free_port() -> Result<u16, Error> {
-    let listener = TcpListener::bind(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 0))
-        .map_err(|source| Error::Io { context: "find a free port on 127.0.0.1".into(), source })?;
+    let listener =
+        TcpListener::bind(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 0)).map_err(|source| {
+            Error::Io {
+                context: "find a free port on 127.0.0.1".into(),
+                source,
+            }
+        })?;
     listener
         .local_addr()
         .map(|a| a.port())
-        .map_err(|source| Error::Io { context: "find a free port on 127.0.0.1".into(), source })
+        .map_err(|source| Error::Io {
+            context: "find a free port on 127.0.0.1".into(),
+            source,
+        })
 }
 
 /// Reuses the port a restarted cluster had when it is still free, else picks a new one.
@@ -226,7 +276,14 @@ fn reuse_or_free(previous: Option<u16>) -> Result<u16, Error> {
     }
 }
 
-fn kubeconfig_text(name: &str, port: u16, ca: &Path, user: &str, cert: &Path, key: &Path) -> String {
+fn kubeconfig_text(
+    name: &str,
+    port: u16,
+    ca: &Path,
+    user: &str,
+    cert: &Path,
+    key: &Path,
+) -> String {
     // JSON strings are valid YAML scalars and quote any path safely.
     let q = |p: &Path| serde_json::to_string(&p.display().to_string()).unwrap_or_default();
     format!(
@@ -239,11 +296,20 @@ fn kubeconfig_text(name: &str, port: u16, ca: &Path, user: &str, cert: &Path, ke
 
 /// Builds a client from a kubeconfig file, without kube's automatic retries.
 pub async fn client_from_kubeconfig(path: &Path) -> Result<kube::Client, Error> {
-    let kubeconfig = kube::config::Kubeconfig::read_from(path)
-        .map_err(|source| Error::ReadKubeconfig { path: path.to_owned(), source })?;
-    let mut config = kube::Config::from_custom_kubeconfig(kubeconfig, &kube::config::KubeConfigOptions::default())
-        .await
-        .map_err(|source| Error::ReadKubeconfig { path: path.to_owned(), source })?;
+    let kubeconfig =
+        kube::config::Kubeconfig::read_from(path).map_err(|source| Error::ReadKubeconfig {
+            path: path.to_owned(),
+            source,
+        })?;
+    let mut config = kube::Config::from_custom_kubeconfig(
+        kubeconfig,
+        &kube::config::KubeConfigOptions::default(),
+    )
+    .await
+    .map_err(|source| Error::ReadKubeconfig {
+        path: path.to_owned(),
+        source,
+    })?;
     // kube's default retry layer silently retries 429s with backoff for minutes — including an
     // eviction refused by a PodDisruptionBudget. Tests must see what the API answered.
     config.default_retry = false;
@@ -259,10 +325,21 @@ struct Starting {
 }
 
 impl Starting {
-    fn spawn(&mut self, name: &str, binary: PathBuf, args: Vec<String>, envs: &[(&str, &Path)]) -> Result<(), Error> {
+    fn spawn(
+        &mut self,
+        name: &str,
+        binary: PathBuf,
+        args: Vec<String>,
+        envs: &[(&str, &Path)],
+    ) -> Result<(), Error> {
         let log = self.logs.join(format!("{name}.log"));
         let child = process::spawn(&binary, &args, envs, &log, self.lifetime)?;
-        self.components.push(Component { name: name.to_owned(), pid: child.id(), binary, log });
+        self.components.push(Component {
+            name: name.to_owned(),
+            pid: child.id(),
+            binary,
+            log,
+        });
         self.children.push(child);
         Ok(())
     }
@@ -293,7 +370,12 @@ impl Starting {
     }
 
     /// Polls `check` every 250 ms until it returns true, a component dies, or `timeout` passes.
-    async fn wait<F, Fut>(&mut self, what: &str, timeout: Duration, mut check: F) -> Result<(), Error>
+    async fn wait<F, Fut>(
+        &mut self,
+        what: &str,
+        timeout: Duration,
+        mut check: F,
+    ) -> Result<(), Error>
     where
         F: FnMut() -> Fut,
         Fut: std::future::Future<Output = bool>,
@@ -305,7 +387,11 @@ impl Starting {
                 return Ok(());
             }
             if Instant::now() > deadline {
-                return Err(Error::WaitReady { what: what.to_owned(), secs: timeout.as_secs(), logs: self.logs.clone() });
+                return Err(Error::WaitReady {
+                    what: what.to_owned(),
+                    secs: timeout.as_secs(),
+                    logs: self.logs.clone(),
+                });
             }
             tokio::time::sleep(Duration::from_millis(250)).await;
         }
@@ -318,7 +404,10 @@ fn etcd_healthy(port: u16) -> bool {
         return false;
     };
     let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
-    if stream.write_all(b"GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").is_err() {
+    if stream
+        .write_all(b"GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+        .is_err()
+    {
         return false;
     }
     let mut response = String::new();
@@ -327,7 +416,9 @@ fn etcd_healthy(port: u16) -> bool {
 }
 
 async fn get_ok(client: &kube::Client, path: &str) -> bool {
-    let Ok(request) = http::Request::get(path).body(Vec::new()) else { return false };
+    let Ok(request) = http::Request::get(path).body(Vec::new()) else {
+        return false;
+    };
     matches!(client.request_text(request).await, Ok(body) if body.trim() == "ok")
 }
 
@@ -338,8 +429,15 @@ pub async fn up(options: &Options, progress: &mut dyn FnMut(&str)) -> Result<Clu
     let dir = state_dir(&options.name);
     let previous = read_state(&options.name).ok();
     if let Some(state) = &previous {
-        if let Some(api) = state.components.iter().find(|c| c.name == "kube-apiserver" && c.is_running()) {
-            return Err(Error::AlreadyRunning { name: options.name.clone(), pid: api.pid });
+        if let Some(api) = state
+            .components
+            .iter()
+            .find(|c| c.name == "kube-apiserver" && c.is_running())
+        {
+            return Err(Error::AlreadyRunning {
+                name: options.name.clone(),
+                pid: api.pid,
+            });
         }
         // Whatever is left of a half-started cluster goes before the ports are reused.
         for component in state.components.iter().rev() {
@@ -364,7 +462,10 @@ pub async fn up(options: &Options, progress: &mut dyn FnMut(&str)) -> Result<Clu
     let logs = dir.join("logs");
     let kubeconfigs = dir.join("kubeconfigs");
     for d in [&dir, &logs, &kubeconfigs, &dir.join("kwok-home")] {
-        fs::create_dir_all(d).map_err(|source| Error::Io { context: format!("create {}", d.display()), source })?;
+        fs::create_dir_all(d).map_err(|source| Error::Io {
+            context: format!("create {}", d.display()),
+            source,
+        })?;
     }
     let pki = pki::ensure(&dir.join("pki"))?;
     let kubeconfig_of = |id: &pki::Identity| -> Result<PathBuf, Error> {
@@ -381,7 +482,10 @@ pub async fn up(options: &Options, progress: &mut dyn FnMut(&str)) -> Result<Clu
             &pki.client_cert(id),
             &pki.client_key(id),
         );
-        fs::write(&path, text).map_err(|source| Error::Io { context: format!("write {}", path.display()), source })?;
+        fs::write(&path, text).map_err(|source| Error::Io {
+            context: format!("write {}", path.display()),
+            source,
+        })?;
         Ok(path)
     };
     let admin_kubeconfig = kubeconfig_of(&pki::ADMIN)?;
@@ -389,13 +493,27 @@ pub async fn up(options: &Options, progress: &mut dyn FnMut(&str)) -> Result<Clu
     let scheduler_kubeconfig = kubeconfig_of(&pki::SCHEDULER)?;
     let kwok_kubeconfig = kubeconfig_of(&pki::KWOK)?;
 
-    let mut starting = Starting { lifetime: options.lifetime, components: Vec::new(), children: Vec::new(), logs };
-    let result = start_components(options, &dir, &bin, &pki, ports, &mut starting, progress, Kubeconfigs {
-        admin: &admin_kubeconfig,
-        controller_manager: &kcm_kubeconfig,
-        scheduler: &scheduler_kubeconfig,
-        kwok: &kwok_kubeconfig,
-    })
+    let mut starting = Starting {
+        lifetime: options.lifetime,
+        components: Vec::new(),
+        children: Vec::new(),
+        logs,
+    };
+    let result = start_components(
+        options,
+        &dir,
+        &bin,
+        &pki,
+        ports,
+        &mut starting,
+        progress,
+        Kubeconfigs {
+            admin: &admin_kubeconfig,
+            controller_manager: &kcm_kubeconfig,
+            scheduler: &scheduler_kubeconfig,
+            kwok: &kwok_kubeconfig,
+        },
+    )
     .await;
     if let Err(error) = result {
         starting.abort();
@@ -459,9 +577,16 @@ async fn start_components(
         ],
         &[],
     )?;
-    starting.wait("etcd", Duration::from_secs(60), || async { etcd_healthy(ports.etcd_client) }).await?;
+    starting
+        .wait("etcd", Duration::from_secs(60), || async {
+            etcd_healthy(ports.etcd_client)
+        })
+        .await?;
 
-    progress(&format!("starting kube-apiserver on https://127.0.0.1:{}", ports.apiserver));
+    progress(&format!(
+        "starting kube-apiserver on https://127.0.0.1:{}",
+        ports.apiserver
+    ));
     let mut args = vec![
         format!("--etcd-servers={etcd_client}"),
         "--bind-address=127.0.0.1".into(),
@@ -491,7 +616,9 @@ async fn start_components(
     if options.audit {
         args.push(format!(
             "--audit-policy-file={}",
-            s(&binaries::controlplane_dir().join("config").join("audit-policy.yaml"))
+            s(&binaries::controlplane_dir()
+                .join("config")
+                .join("audit-policy.yaml"))
         ));
         args.push(format!("--audit-log-path={}", s(&dir.join("audit.log"))));
         args.push("--audit-log-format=json".into());
@@ -499,7 +626,11 @@ async fn start_components(
     }
     starting.spawn("kube-apiserver", bin.path("kube-apiserver"), args, &[])?;
     let client = client_from_kubeconfig(kubeconfigs.admin).await?;
-    starting.wait("kube-apiserver /readyz", Duration::from_secs(180), || get_ok(&client, "/readyz")).await?;
+    starting
+        .wait("kube-apiserver /readyz", Duration::from_secs(180), || {
+            get_ok(&client, "/readyz")
+        })
+        .await?;
 
     progress("starting kube-controller-manager, kube-scheduler and kwok");
     starting.spawn(
@@ -540,8 +671,16 @@ async fn start_components(
         bin.path("kwok"),
         vec![
             format!("--kubeconfig={}", s(kubeconfigs.kwok)),
-            format!("--config={}", s(&binaries::controlplane_dir().join("config").join("kwok-stages.yaml"))),
-            format!("--manage-nodes-with-label-selector={}=true", nodes::SIMULATED_LABEL),
+            format!(
+                "--config={}",
+                s(&binaries::controlplane_dir()
+                    .join("config")
+                    .join("kwok-stages.yaml"))
+            ),
+            format!(
+                "--manage-nodes-with-label-selector={}=true",
+                nodes::SIMULATED_LABEL
+            ),
             // kwok renews each node's Lease every quarter of this; node status itself is
             // rewritten only every 5-6 minutes by the heartbeat stage.
             "--node-lease-duration-seconds=40".into(),
@@ -553,27 +692,45 @@ async fn start_components(
 
     let sa_client = client.clone();
     starting
-        .wait("the `default` ServiceAccount (created by kube-controller-manager)", Duration::from_secs(120), || {
-            let client = sa_client.clone();
-            async move {
-                let api: kube::Api<k8s_openapi::api::core::v1::ServiceAccount> =
-                    kube::Api::namespaced(client, "default");
-                matches!(api.get_opt("default").await, Ok(Some(_)))
-            }
-        })
+        .wait(
+            "the `default` ServiceAccount (created by kube-controller-manager)",
+            Duration::from_secs(120),
+            || {
+                let client = sa_client.clone();
+                async move {
+                    let api: kube::Api<k8s_openapi::api::core::v1::ServiceAccount> =
+                        kube::Api::namespaced(client, "default");
+                    matches!(api.get_opt("default").await, Ok(Some(_)))
+                }
+            },
+        )
         .await?;
     let mut scheduler_config = kube::Config::from_custom_kubeconfig(
-        kube::config::Kubeconfig::read_from(kubeconfigs.admin)
-            .map_err(|source| Error::ReadKubeconfig { path: kubeconfigs.admin.to_owned(), source })?,
+        kube::config::Kubeconfig::read_from(kubeconfigs.admin).map_err(|source| {
+            Error::ReadKubeconfig {
+                path: kubeconfigs.admin.to_owned(),
+                source,
+            }
+        })?,
         &kube::config::KubeConfigOptions::default(),
     )
     .await
-    .map_err(|source| Error::ReadKubeconfig { path: kubeconfigs.admin.to_owned(), source })?;
+    .map_err(|source| Error::ReadKubeconfig {
+        path: kubeconfigs.admin.to_owned(),
+        source,
+    })?;
     scheduler_config.cluster_url = format!("https://127.0.0.1:{}", ports.scheduler)
         .parse()
-        .map_err(|e| Error::Io { context: "scheduler url".into(), source: std::io::Error::other(e) })?;
+        .map_err(|e| Error::Io {
+            context: "scheduler url".into(),
+            source: std::io::Error::other(e),
+        })?;
     let scheduler = kube::Client::try_from(scheduler_config)?;
-    starting.wait("kube-scheduler /healthz", Duration::from_secs(60), || get_ok(&scheduler, "/healthz")).await?;
+    starting
+        .wait("kube-scheduler /healthz", Duration::from_secs(60), || {
+            get_ok(&scheduler, "/healthz")
+        })
+        .await?;
     starting.check_alive()?;
     Ok(())
 }
@@ -600,17 +757,27 @@ pub fn down(name: &str, purge: bool) -> Result<Vec<Component>, Error> {
         Err(e) => return Err(e),
     }
     if purge && dir.exists() {
-        fs::remove_dir_all(&dir).map_err(|source| Error::Io { context: format!("remove {}", dir.display()), source })?;
+        fs::remove_dir_all(&dir).map_err(|source| Error::Io {
+            context: format!("remove {}", dir.display()),
+            source,
+        })?;
     }
     Ok(stopped)
 }
 
 /// Removes state directories of test clusters (`test-<pid>`) whose process is gone.
 pub fn remove_stale_test_clusters() {
-    let Ok(entries) = fs::read_dir(clusters_root()) else { return };
+    let Ok(entries) = fs::read_dir(clusters_root()) else {
+        return;
+    };
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
-        let Some(pid) = name.strip_prefix("test-").and_then(|p| p.parse::<u32>().ok()) else { continue };
+        let Some(pid) = name
+            .strip_prefix("test-")
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
         if !Path::new(&format!("/proc/{pid}")).exists() {
             if let Ok(state) = read_state(&name) {
                 for component in &state.components {
@@ -633,15 +800,31 @@ mod tests {
         assert_eq!(simulated_node_ip(254), Ipv4Addr::new(127, 1, 1, 1));
         let ips: std::collections::BTreeSet<_> = (0..10_000).map(simulated_node_ip).collect();
         assert_eq!(ips.len(), 10_000);
-        assert!(ips.iter().all(|ip| ip.is_loopback() && ip.octets()[3] != 0 && ip.octets()[3] != 255));
+        assert!(
+            ips.iter()
+                .all(|ip| ip.is_loopback() && ip.octets()[3] != 0 && ip.octets()[3] != 255)
+        );
     }
 
     #[test]
     fn kubeconfig_quotes_paths() {
-        let text = kubeconfig_text("dev", 6443, Path::new("/a b/ca.crt"), "u", Path::new("/c.crt"), Path::new("/c.key"));
+        let text = kubeconfig_text(
+            "dev",
+            6443,
+            Path::new("/a b/ca.crt"),
+            "u",
+            Path::new("/c.crt"),
+            Path::new("/c.key"),
+        );
         let parsed: serde_yaml::Value = serde_yaml::from_str(&text).unwrap();
-        assert_eq!(parsed["clusters"][0]["cluster"]["certificate-authority"].as_str(), Some("/a b/ca.crt"));
-        assert_eq!(parsed["clusters"][0]["cluster"]["server"].as_str(), Some("https://127.0.0.1:6443"));
+        assert_eq!(
+            parsed["clusters"][0]["cluster"]["certificate-authority"].as_str(),
+            Some("/a b/ca.crt")
+        );
+        assert_eq!(
+            parsed["clusters"][0]["cluster"]["server"].as_str(),
+            Some("https://127.0.0.1:6443")
+        );
         assert_eq!(parsed["current-context"].as_str(), Some("dev"));
     }
 
@@ -653,7 +836,9 @@ mod tests {
         let message = Error::PortInUse { port }.to_string();
         assert_eq!(
             message,
-            format!("port {port} on 127.0.0.1 is in use: run `cargo xtask cluster down` or pass --port")
+            format!(
+                "port {port} on 127.0.0.1 is in use: run `cargo xtask cluster down` or pass --port"
+            )
         );
     }
 }

@@ -18,7 +18,11 @@ pub const SIMULATED_LABEL: &str = "nodekeeper.dev/simulated";
 
 /// The Node object for one simulated node: linux/amd64 labels, the simulation label, the caller's
 /// labels, and `ip` as its InternalIP (kept by kwok's initialize stage).
-pub fn simulated_node(name: &str, ip: Ipv4Addr, labels: &BTreeMap<String, String>) -> serde_json::Value {
+pub fn simulated_node(
+    name: &str,
+    ip: Ipv4Addr,
+    labels: &BTreeMap<String, String>,
+) -> serde_json::Value {
     let mut all = BTreeMap::from([
         ("kubernetes.io/hostname".to_owned(), name.to_owned()),
         ("kubernetes.io/os".to_owned(), "linux".to_owned()),
@@ -49,8 +53,11 @@ pub async fn create(
 ) -> Result<(), Error> {
     let api: Api<Node> = Api::all(client.clone());
     for (name, ip) in names.iter().zip(ips) {
-        let node: Node = serde_json::from_value(simulated_node(name, *ip, labels))
-            .map_err(|e| Error::Io { context: format!("build node {name}"), source: std::io::Error::other(e) })?;
+        let node: Node =
+            serde_json::from_value(simulated_node(name, *ip, labels)).map_err(|e| Error::Io {
+                context: format!("build node {name}"),
+                source: std::io::Error::other(e),
+            })?;
         api.create(&PostParams::default(), &node).await?;
     }
     Ok(())
@@ -65,7 +72,11 @@ pub fn is_ready(node: &Node) -> bool {
 }
 
 /// Waits until every named node is Ready; the error names the nodes that are not.
-pub async fn wait_ready(client: &kube::Client, names: &[String], timeout: Duration) -> Result<(), Error> {
+pub async fn wait_ready(
+    client: &kube::Client,
+    names: &[String],
+    timeout: Duration,
+) -> Result<(), Error> {
     let api: Api<Node> = Api::all(client.clone());
     let deadline = Instant::now() + timeout;
     loop {
@@ -81,7 +92,10 @@ pub async fn wait_ready(client: &kube::Client, names: &[String], timeout: Durati
         }
         if Instant::now() > deadline {
             return Err(Error::WaitReady {
-                what: format!("simulated nodes {} (Ready condition, set by kwok)", not_ready.join(", ")),
+                what: format!(
+                    "simulated nodes {} (Ready condition, set by kwok)",
+                    not_ready.join(", ")
+                ),
                 secs: timeout.as_secs(),
                 logs: super::clusters_root(),
             });

@@ -6,8 +6,8 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use rcgen::{
-    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose,
-    SanType,
+    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+    KeyUsagePurpose, SanType,
 };
 
 use super::Error;
@@ -22,16 +22,31 @@ pub struct Identity {
 }
 
 /// The test and `kubectl` user: full access through `system:masters`.
-pub const ADMIN: Identity = Identity { stem: "admin", user: "nodekeeper-admin", groups: &["system:masters"] };
+pub const ADMIN: Identity = Identity {
+    stem: "admin",
+    user: "nodekeeper-admin",
+    groups: &["system:masters"],
+};
 /// kube-controller-manager's bootstrap identity; with `--use-service-account-credentials` each
 /// controller then acts as its own service account.
-pub const CONTROLLER_MANAGER: Identity =
-    Identity { stem: "kube-controller-manager", user: "system:kube-controller-manager", groups: &[] };
+pub const CONTROLLER_MANAGER: Identity = Identity {
+    stem: "kube-controller-manager",
+    user: "system:kube-controller-manager",
+    groups: &[],
+};
 /// kube-scheduler's identity, bound by the apiserver's bootstrap RBAC policy.
-pub const SCHEDULER: Identity = Identity { stem: "kube-scheduler", user: "system:kube-scheduler", groups: &[] };
+pub const SCHEDULER: Identity = Identity {
+    stem: "kube-scheduler",
+    user: "system:kube-scheduler",
+    groups: &[],
+};
 /// kwok: writes node status, leases and pod status for every simulated node, so it gets full
 /// access; its own user name keeps its (heartbeat) traffic countable apart from nodekeeper's.
-pub const KWOK: Identity = Identity { stem: "kwok", user: "kwok", groups: &["system:masters"] };
+pub const KWOK: Identity = Identity {
+    stem: "kwok",
+    user: "kwok",
+    groups: &["system:masters"],
+};
 
 pub const CLIENTS: [Identity; 4] = [ADMIN, CONTROLLER_MANAGER, SCHEDULER, KWOK];
 
@@ -68,8 +83,14 @@ impl Pki {
     }
 
     fn all_files(&self) -> Vec<PathBuf> {
-        let mut files =
-            vec![self.ca_cert(), self.ca_key(), self.serving_cert(), self.serving_key(), self.sa_key(), self.sa_pub()];
+        let mut files = vec![
+            self.ca_cert(),
+            self.ca_key(),
+            self.serving_cert(),
+            self.serving_key(),
+            self.sa_key(),
+            self.sa_pub(),
+        ];
         for id in &CLIENTS {
             files.push(self.client_cert(id));
             files.push(self.client_key(id));
@@ -81,17 +102,28 @@ impl Pki {
 /// Returns the PKI under `dir`, generating all of it unless every file is already there (a
 /// restarted cluster keeps its CA, so existing kubeconfigs stay valid).
 pub fn ensure(dir: &Path) -> Result<Pki, Error> {
-    let pki = Pki { dir: dir.to_owned() };
+    let pki = Pki {
+        dir: dir.to_owned(),
+    };
     if pki.all_files().iter().all(|f| f.is_file()) {
         return Ok(pki);
     }
-    fs::create_dir_all(dir).map_err(|source| Error::Io { context: format!("create {}", dir.display()), source })?;
+    fs::create_dir_all(dir).map_err(|source| Error::Io {
+        context: format!("create {}", dir.display()),
+        source,
+    })?;
 
     let ca_key = KeyPair::generate()?;
     let mut ca_params = CertificateParams::new(Vec::<String>::new())?;
-    ca_params.distinguished_name.push(DnType::CommonName, "nodekeeper local control plane CA");
+    ca_params
+        .distinguished_name
+        .push(DnType::CommonName, "nodekeeper local control plane CA");
     ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca_params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
+    ca_params.key_usages = vec![
+        KeyUsagePurpose::KeyCertSign,
+        KeyUsagePurpose::CrlSign,
+        KeyUsagePurpose::DigitalSignature,
+    ];
     let ca_cert = ca_params.self_signed(&ca_key)?;
     write(&pki.ca_cert(), &ca_cert.pem(), false)?;
     write(&pki.ca_key(), &ca_key.serialize_pem(), true)?;
@@ -106,12 +138,25 @@ pub fn ensure(dir: &Path) -> Result<Pki, Error> {
         "kubernetes.default.svc".to_owned(),
         "kubernetes.default.svc.cluster.local".to_owned(),
     ])?;
-    serving.subject_alt_names.push(SanType::IpAddress([127, 0, 0, 1].into()));
-    serving.subject_alt_names.push(SanType::IpAddress([10, 96, 0, 1].into()));
-    serving.distinguished_name.push(DnType::CommonName, "kube-apiserver");
-    serving.key_usages = vec![KeyUsagePurpose::DigitalSignature, KeyUsagePurpose::KeyEncipherment];
+    serving
+        .subject_alt_names
+        .push(SanType::IpAddress([127, 0, 0, 1].into()));
+    serving
+        .subject_alt_names
+        .push(SanType::IpAddress([10, 96, 0, 1].into()));
+    serving
+        .distinguished_name
+        .push(DnType::CommonName, "kube-apiserver");
+    serving.key_usages = vec![
+        KeyUsagePurpose::DigitalSignature,
+        KeyUsagePurpose::KeyEncipherment,
+    ];
     serving.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
-    write(&pki.serving_cert(), &serving.signed_by(&serving_key, &issuer)?.pem(), false)?;
+    write(
+        &pki.serving_cert(),
+        &serving.signed_by(&serving_key, &issuer)?.pem(),
+        false,
+    )?;
     write(&pki.serving_key(), &serving_key.serialize_pem(), true)?;
 
     for id in &CLIENTS {
@@ -119,11 +164,17 @@ pub fn ensure(dir: &Path) -> Result<Pki, Error> {
         let mut params = CertificateParams::new(Vec::<String>::new())?;
         params.distinguished_name.push(DnType::CommonName, id.user);
         for group in id.groups {
-            params.distinguished_name.push(DnType::OrganizationName, *group);
+            params
+                .distinguished_name
+                .push(DnType::OrganizationName, *group);
         }
         params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
         params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
-        write(&pki.client_cert(id), &params.signed_by(&key, &issuer)?.pem(), false)?;
+        write(
+            &pki.client_cert(id),
+            &params.signed_by(&key, &issuer)?.pem(),
+            false,
+        )?;
         write(&pki.client_key(id), &key.serialize_pem(), true)?;
     }
 
@@ -138,10 +189,19 @@ pub fn ensure(dir: &Path) -> Result<Pki, Error> {
 fn write(path: &Path, contents: &str, private: bool) -> Result<(), Error> {
     use std::os::unix::fs::OpenOptionsExt as _;
     let mut options = fs::OpenOptions::new();
-    options.create(true).truncate(true).write(true).mode(if private { 0o600 } else { 0o644 });
-    let mut file = options.open(path).map_err(|source| Error::Io { context: format!("write {}", path.display()), source })?;
-    std::io::Write::write_all(&mut file, contents.as_bytes())
-        .map_err(|source| Error::Io { context: format!("write {}", path.display()), source })
+    options
+        .create(true)
+        .truncate(true)
+        .write(true)
+        .mode(if private { 0o600 } else { 0o644 });
+    let mut file = options.open(path).map_err(|source| Error::Io {
+        context: format!("write {}", path.display()),
+        source,
+    })?;
+    std::io::Write::write_all(&mut file, contents.as_bytes()).map_err(|source| Error::Io {
+        context: format!("write {}", path.display()),
+        source,
+    })
 }
 
 #[cfg(test)]

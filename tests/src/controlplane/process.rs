@@ -60,7 +60,10 @@ pub fn spawn(
             .create(true)
             .append(true)
             .open(log)
-            .map_err(|source| Error::Io { context: format!("open log {}", log.display()), source })
+            .map_err(|source| Error::Io {
+                context: format!("open log {}", log.display()),
+                source,
+            })
     };
     let mut command = match lifetime {
         Lifetime::Detached => {
@@ -77,7 +80,11 @@ pub fn spawn(
             c
         }
     };
-    command.args(args).stdin(Stdio::null()).stdout(open_log()?).stderr(open_log()?);
+    command
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(open_log()?)
+        .stderr(open_log()?);
     for (key, value) in envs {
         command.env(key, value);
     }
@@ -86,18 +93,26 @@ pub fn spawn(
         Lifetime::Detached => command.spawn(),
         Lifetime::WithThisProcess => {
             let (tx, rx) = mpsc::channel();
-            spawner().lock().unwrap_or_else(|e| e.into_inner()).send((command, tx)).map_err(|_| Error::Spawn {
-                program: what.clone(),
-                source: std::io::Error::other("spawner thread is gone"),
-            })?;
-            rx.recv().unwrap_or_else(|_| Err(std::io::Error::other("spawner thread is gone")))
+            spawner()
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .send((command, tx))
+                .map_err(|_| Error::Spawn {
+                    program: what.clone(),
+                    source: std::io::Error::other("spawner thread is gone"),
+                })?;
+            rx.recv()
+                .unwrap_or_else(|_| Err(std::io::Error::other("spawner thread is gone")))
         }
     };
     spawned.map_err(|source| {
         if source.kind() == std::io::ErrorKind::NotFound && lifetime == Lifetime::WithThisProcess {
             Error::FindSetpriv
         } else {
-            Error::Spawn { program: what, source }
+            Error::Spawn {
+                program: what,
+                source,
+            }
         }
     })
 }
@@ -116,7 +131,10 @@ pub fn is_running(pid: u32, binary: &Path) -> bool {
 fn is_zombie(pid: u32) -> bool {
     fs::read_to_string(format!("/proc/{pid}/stat"))
         .ok()
-        .and_then(|s| s.rsplit_once(')').map(|(_, rest)| rest.trim_start().starts_with('Z')))
+        .and_then(|s| {
+            s.rsplit_once(')')
+                .map(|(_, rest)| rest.trim_start().starts_with('Z'))
+        })
         .unwrap_or(false)
 }
 
@@ -126,7 +144,9 @@ pub fn stop(pid: u32, binary: &Path, grace: Duration) -> bool {
     if !is_running(pid, binary) {
         return false;
     }
-    let Ok(raw) = i32::try_from(pid) else { return false };
+    let Ok(raw) = i32::try_from(pid) else {
+        return false;
+    };
     let target = Pid::from_raw(raw);
     let _ = kill(target, Signal::SIGTERM);
     let deadline = Instant::now() + grace;
