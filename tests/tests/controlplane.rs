@@ -314,3 +314,46 @@ async fn cluster_up_on_a_taken_port_names_the_port_and_the_fix() -> anyhow::Resu
     assert!(controlplane::read_state(&options.name).is_err());
     Ok(())
 }
+
+#[tokio::test]
+async fn opt_in_audit_log_counts_requests_by_user() -> anyhow::Result<()> {
+    let mut options = Options::new(
+        format!("test-{}-audit", std::process::id()),
+        Lifetime::WithThisProcess,
+    );
+    options.audit = true;
+    // A private control plane; `start` blocks, so keep it off this test's runtime thread.
+    let cp = tokio::task::spawn_blocking(move || ControlPlane::start(options)).await??;
+    let audit_log = cp.audit_log().context("audit enabled")?;
+    let client = cp.client().await?;
+    let names = create_simulated_nodes(&client, "audited", 1, &BTreeMap::new(), &[]).await?;
+    let by_user = wait_for(
+        "audit events from nodekeeper-admin and kwok",
+        TIMEOUT,
+        || {
+            let audit_log = audit_log.clone();
+            async move {
+                let text = std::fs::read_to_string(&audit_log).unwrap_or_default();
+                let mut by_user = BTreeMap::<String, usize>::new();
+                for line in text.lines() {
+                    let event: serde_json::Value = serde_json::from_str(line)?;
+                    if let Some(user) = event["user"]["username"].as_str() {
+                        *by_user.entry(user.to_owned()).or_default() += 1;
+                    }
+                }
+                let seen = by_user.contains_key("nodekeeper-admin") && by_user.contains_key("kwok");
+                Ok(seen.then_some(by_user))
+            }
+        },
+    )
+    .await?;
+    // The test's own node creation is attributed to the admin user, kwok's status writes to kwok.
+    assert!(by_user["nodekeeper-admin"] >= 1, "{by_user:?}");
+    assert!(by_user["kwok"] >= 1, "{by_user:?}");
+    assert_eq!(names.len(), 1);
+    assert!(
+        ControlPlane::shared().audit_log().is_none(),
+        "the shared control plane runs without audit"
+    );
+    Ok(())
+}

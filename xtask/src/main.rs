@@ -6,6 +6,7 @@ mod bench_fleet;
 mod bench_netconf;
 mod cluster;
 mod codegen;
+mod demo;
 mod deps;
 mod test;
 mod vm;
@@ -33,6 +34,9 @@ enum Command {
     /// Run the whole test suite against one freshly started local control plane (what CI runs).
     /// Run as root so that network-namespace and VM tests run instead of reporting SKIPPED.
     Test(test::TestArgs),
+    /// Run nodekeeper end to end on this machine: a local control plane with simulated nodes, a
+    /// real agent per node, the controller, the fleet summary and a NetworkTest.
+    Demo(demo::DemoArgs),
 }
 
 #[derive(Subcommand)]
@@ -52,6 +56,7 @@ fn main() -> anyhow::Result<()> {
         Command::Cluster(args) => cluster::run(args),
         Command::Vm(args) => vm::run(args),
         Command::Test(args) => test::run(args),
+        Command::Demo(args) => demo::run(args),
         Command::Bench(Bench::Agent(args)) => bench_agent::run(args),
         Command::Bench(Bench::Fleet(args)) => bench_fleet::run(args),
         Command::Bench(Bench::Netconf(args)) => bench_netconf::run_bench(args),

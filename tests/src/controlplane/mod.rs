@@ -765,7 +765,7 @@ pub fn down(name: &str, purge: bool) -> Result<Vec<Component>, Error> {
     Ok(stopped)
 }
 
-/// Removes state directories of test clusters (`test-<pid>`) whose process is gone.
+/// Removes state directories of test clusters (`test-<pid>` and `test-<pid>-…`) whose process is gone.
 pub fn remove_stale_test_clusters() {
     let Ok(entries) = fs::read_dir(clusters_root()) else {
         return;
@@ -774,7 +774,7 @@ pub fn remove_stale_test_clusters() {
         let name = entry.file_name().to_string_lossy().into_owned();
         let Some(pid) = name
             .strip_prefix("test-")
-            .and_then(|p| p.parse::<u32>().ok())
+            .and_then(|p| p.split('-').next()?.parse::<u32>().ok())
         else {
             continue;
         };
