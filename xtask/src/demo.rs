@@ -273,17 +273,16 @@ async fn steps(args: &DemoArgs, bins: &Binaries, running: &mut Running) -> Resul
             "Starting the local control plane `{CLUSTER}` (etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kwok)"
         ),
     );
-    if let Ok(state) = controlplane::read_state(CLUSTER) {
-        if let Some(api) = state
-            .components
-            .iter()
-            .find(|c| c.name == "kube-apiserver" && c.is_running())
-        {
-            bail!(
-                "the `{CLUSTER}` control plane is still running (kube-apiserver pid {}, left by `cargo xtask demo --keep`?): stop it with `cargo xtask cluster down --name {CLUSTER}` and retry",
-                api.pid
-            );
-        }
+    let state = controlplane::read_state(CLUSTER).ok();
+    if let Some(api) = state
+        .iter()
+        .flat_map(|s| &s.components)
+        .find(|c| c.name == "kube-apiserver" && c.is_running())
+    {
+        bail!(
+            "the `{CLUSTER}` control plane is still running (kube-apiserver pid {}, left by `cargo xtask demo --keep`?): stop it with `cargo xtask cluster down --name {CLUSTER}` and retry",
+            api.pid
+        );
     }
     // A fresh cluster every time: no Nodes, Secrets or NetworkTests left from an earlier run.
     controlplane::down(CLUSTER, true).context("remove the previous demo cluster's state")?;
@@ -359,7 +358,11 @@ async fn steps(args: &DemoArgs, bins: &Binaries, running: &mut Running) -> Resul
     let child = process::spawn(
         &bins.controller,
         &controller_args,
-        &[("KUBECONFIG", kubeconfig.as_path())],
+        &[
+            ("KUBECONFIG", kubeconfig.as_path()),
+            // Plain log files, without terminal colour codes.
+            ("NO_COLOR", Path::new("1")),
+        ],
         &controller_log,
         Lifetime::WithThisProcess,
     )?;
@@ -452,7 +455,7 @@ async fn steps(args: &DemoArgs, bins: &Binaries, running: &mut Running) -> Resul
         let child = process::spawn(
             &bins.agent,
             &agent_args,
-            &[],
+            &[("NO_COLOR", Path::new("1"))],
             &log,
             Lifetime::WithThisProcess,
         )?;
@@ -485,6 +488,7 @@ async fn steps(args: &DemoArgs, bins: &Binaries, running: &mut Running) -> Resul
     );
     let names: Vec<String> = sim.iter().map(|n| n.name.clone()).collect();
     let ips: Vec<Ipv4Addr> = sim.iter().map(|n| n.ip).collect();
+    let created = Instant::now();
     nodes::create(&client, &names, &ips, &BTreeMap::new()).await?;
     nodes::wait_ready(&client, &names, timeout).await?;
     println!(
@@ -495,7 +499,6 @@ async fn steps(args: &DemoArgs, bins: &Binaries, running: &mut Running) -> Resul
 
     // 5. The controller reads every agent and writes conditions.
     step(5, "Waiting for the controller to read every agent");
-    let t = Instant::now();
     let n = sim.len() as u64;
     let summary = wait_until_some(
         running,
@@ -515,8 +518,8 @@ async fn steps(args: &DemoArgs, bins: &Binaries, running: &mut Running) -> Resul
     )
     .await?;
     println!(
-        "    all {n} agents read in {:.1}s",
-        t.elapsed().as_secs_f64()
+        "    all {n} agents read, and their conditions written, within {:.1}s of their Nodes' creation",
+        created.elapsed().as_secs_f64()
     );
     print_summary(&summary, http);
     let mut details = Vec::new();
@@ -556,9 +559,27 @@ async fn steps(args: &DemoArgs, bins: &Binaries, running: &mut Running) -> Resul
         test["spec"]["targets"]
     );
     let t = Instant::now();
+    // A controller running the NetworkTest reconciler writes `Running` within seconds; without
+    // one the test would wait out the whole timeout for nothing.
+    wait_until(
+        running,
+        &format!("the controller to pick up NetworkTest {NAMESPACE}/{test_name} (any status.phase)"),
+        timeout.min(Duration::from_secs(20)),
+        &controller_log,
+        move || async move {
+            let test = tests.get(test_name).await?;
+            Ok(test.status.as_ref().and_then(|s| s.phase).is_some())
+        },
+    )
+    .await
+    .context(
+        "the controller did not pick up the NetworkTest (does this build of nodekeeper-controller run the NetworkTest reconciler? `grep -n networktest crates/controller/src/lib.rs`)",
+    )?;
     let done = wait_until_some(
         running,
-        &format!("NetworkTest {NAMESPACE}/{test_name} to finish (status.phase Succeeded or Failed)"),
+        &format!(
+            "NetworkTest {NAMESPACE}/{test_name} to finish (status.phase Succeeded or Failed)"
+        ),
         timeout,
         &controller_log,
         move || async move {
@@ -571,10 +592,7 @@ async fn steps(args: &DemoArgs, bins: &Binaries, running: &mut Running) -> Resul
             Ok(finished.then_some(test))
         },
     )
-    .await
-    .context(
-        "the controller did not finish the NetworkTest (does this build of nodekeeper-controller run the NetworkTest reconciler? `grep -n networktest crates/controller/src/lib.rs`)",
-    )?;
+    .await?;
     println!("    finished in {:.1}s", t.elapsed().as_secs_f64());
     print_network_test(&done);
     let path = format!("/api/networktests/{NAMESPACE}/{test_name}");
@@ -828,6 +846,18 @@ fn print_summary(summary: &Value, http: SocketAddr) {
     }
 }
 
+/// An indicator's value for people: `93%`, `16.0s`, `2.27`.
+fn with_unit(value: Option<f64>, unit: &str) -> String {
+    let Some(v) = value else { return "?".into() };
+    match unit {
+        "percent" => format!("{v:.0}%"),
+        "seconds" => format!("{v:.1}s"),
+        "bool" => (if v == 0.0 { "false" } else { "true" }).into(),
+        "" | "ratio" => format!("{v:.2}"),
+        other => format!("{v:.2} {other}"),
+    }
+}
+
 fn verdict_counts(items: &Value) -> String {
     let mut counts: BTreeMap<&str, u32> = BTreeMap::new();
     for item in items.as_array().into_iter().flatten() {
@@ -855,7 +885,7 @@ fn print_nodes(details: &[Value], http: SocketAddr) {
     println!();
     println!("    Nodes as the controller sees them (GET http://{http}/api/v1/nodes/<name>):");
     println!(
-        "      {:<8} {:<12} {:<10} {:<24} {:<26} {:>10} {:>10}",
+        "      {:<8} {:<12} {:<10} {:<26} {:<22} {:>9} {:>9}",
         "NODE", "ADDRESS", "REACHABLE", "TUNABLES", "INDICATORS", "LOAD1/CPU", "MEM AVAIL"
     );
     for d in details {
@@ -877,7 +907,7 @@ fn print_nodes(details: &[Value], http: SocketAddr) {
                 .and_then(|i| i["value"].as_f64())
         };
         println!(
-            "      {:<8} {:<12} {:<10} {:<24} {:<26} {:>10} {:>10}",
+            "      {:<8} {:<12} {:<10} {:<26} {:<22} {:>9} {:>9}",
             d["name"].as_str().unwrap_or("?"),
             d["address"].as_str().unwrap_or("-"),
             condition_of(d, names::NODE_CONDITION_REACHABLE)
@@ -887,6 +917,31 @@ fn print_nodes(details: &[Value], http: SocketAddr) {
             verdict_counts(&d["report"]["indicators"]),
             indicator("load.avg1_per_cpu").map_or("-".into(), |v| format!("{v:.2}")),
             indicator("memory.available_percent").map_or("-".into(), |v| format!("{v:.0}%")),
+        );
+    }
+    if let Some(first) = details.first() {
+        let flagged: Vec<String> = first["report"]["indicators"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|i| i["verdict"] != "ok")
+            .map(|i| {
+                format!(
+                    "{} {} {}",
+                    i["name"].as_str().unwrap_or("?"),
+                    with_unit(i["value"].as_f64(), i["unit"].as_str().unwrap_or("")),
+                    i["verdict"].as_str().unwrap_or("?"),
+                )
+            })
+            .collect();
+        println!(
+            "      Every agent reads this machine's /proc, so their indicators agree; not ok on {}: {}",
+            first["name"].as_str().unwrap_or("?"),
+            if flagged.is_empty() {
+                "none".into()
+            } else {
+                flagged.join(", ")
+            }
         );
     }
     println!();
@@ -1027,5 +1082,49 @@ fn print_pairs(page: &Value) {
     }
     if pairs.len() > 12 {
         println!("      …");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_examples_the_demo_edits_have_the_fields_it_sets() {
+        let tuning = read_example("tuning-configmap.yaml").unwrap();
+        assert_eq!(tuning["kind"], "ConfigMap");
+        assert!(
+            tuning["data"]["sweepInterval"].is_string(),
+            "the demo shortens data.sweepInterval; the example must name it"
+        );
+        assert!(tuning["metadata"]["name"].is_string());
+        let mesh = read_example(NETWORK_TEST_EXAMPLE).unwrap();
+        assert_eq!(mesh["kind"], "NetworkTest");
+        assert!(mesh["metadata"]["name"].is_string());
+    }
+
+    #[test]
+    fn only_the_first_three_nodes_are_seeded_out_of_bounds() {
+        let values = |i| seed_sysctls(i).0;
+        assert_eq!(values(0)[0], ("net.core.somaxconn", "128"));
+        assert_eq!(values(1)[1], ("net.ipv4.ip_forward", "0"));
+        assert_eq!(values(2)[2], ("vm.swappiness", "60"));
+        assert_eq!(
+            values(3),
+            vec![
+                ("net.core.somaxconn", "4096"),
+                ("net.ipv4.ip_forward", "1"),
+                ("vm.swappiness", "10")
+            ]
+        );
+    }
+
+    #[test]
+    fn indicator_units_read_naturally() {
+        assert_eq!(with_unit(Some(93.4), "percent"), "93%");
+        assert_eq!(with_unit(Some(16.0), "seconds"), "16.0s");
+        assert_eq!(with_unit(Some(0.0), "bool"), "false");
+        assert_eq!(with_unit(Some(2.271), "ratio"), "2.27");
+        assert_eq!(with_unit(None, "percent"), "?");
     }
 }
