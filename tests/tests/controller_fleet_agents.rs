@@ -149,7 +149,12 @@ fn fleet_agents_host() {
     runtime.block_on(async {
         let stop = tokio_util::sync::CancellationToken::new();
         host(&spec, stop.clone()).await.expect("start agents");
-        println!("READY {} agents", spec.nodes.len());
+        // The bench polls for this file (a pipe to libtest's stdout is not a reliable signal).
+        std::fs::write(
+            spec.dir.join("ready"),
+            format!("{} agents\n", spec.nodes.len()),
+        )
+        .expect("write ready file");
         // Runs until the bench kills it.
         std::future::pending::<()>().await;
     });

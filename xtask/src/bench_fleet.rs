@@ -153,7 +153,6 @@ fn start_agents(
     port: u16,
     tls: &BTreeMap<String, String>,
 ) -> anyhow::Result<Agents> {
-    use std::io::BufRead;
     let work = tempfile::tempdir()?;
     for (k, v) in tls {
         std::fs::write(work.path().join(k), v)?;
@@ -178,16 +177,20 @@ fn start_agents(
         ])
         .env("NODEKEEPER_E2E_ROLE", "fleet-agents")
         .env("NODEKEEPER_FLEET_SPEC", &spec)
-        .stdout(Stdio::piped())
+        .stdout(Stdio::null())
         .spawn()?;
-    let stdout = child.stdout.take().context("no stdout")?;
-    for line in std::io::BufReader::new(stdout).lines() {
-        let line = line?;
-        if line.starts_with("READY") {
+    let deadline = Instant::now() + Duration::from_secs(600);
+    while Instant::now() < deadline {
+        if work.path().join("ready").exists() {
             return Ok(Agents { child, work });
         }
+        if let Some(status) = child.try_wait()? {
+            bail!("the agents host exited before it was ready ({status})");
+        }
+        std::thread::sleep(Duration::from_millis(200));
     }
-    bail!("the agents host exited before it was ready")
+    let _ = child.kill();
+    bail!("the agents host was not ready within 10 minutes")
 }
 
 /// RSS (KiB), peak RSS (KiB) and CPU seconds (user + system) of a process.

@@ -306,6 +306,12 @@ async fn steps(args: &DemoArgs, bins: &Binaries, running: &mut Running) -> Resul
         t.elapsed().as_secs_f64(),
         state_dir.join("logs").display()
     );
+    if args.keep {
+        println!(
+            "    --keep: it stays up after the demo; use it with `export KUBECONFIG={}`, stop it with `cargo xtask cluster down --name {CLUSTER}`",
+            kubeconfig.display()
+        );
+    }
     let client = controlplane::client_from_kubeconfig(&kubeconfig).await?;
     let crds = nodekeeper_e2e::install_crds(&client).await?;
     println!("    CRDs installed from deploy/crds/: {}", crds.join(", "));

@@ -114,7 +114,13 @@ pub async fn serve(
         .tls_config(tls)?
         .add_service(health)
         .add_service(svc)
-        .serve_with_incoming_shutdown(TcpIncoming::from(listener), signal)
+        .serve_with_incoming_shutdown(
+            // Without TCP_NODELAY small responses wait on the peer's delayed ACK (~40 ms).
+            TcpIncoming::from(listener)
+                .with_nodelay(Some(true))
+                .with_keepalive(Some(std::time::Duration::from_secs(60))),
+            signal,
+        )
         .await?;
     info!("stopped");
     Ok(())

@@ -162,12 +162,12 @@ fn chain(error: &dyn std::error::Error) -> String {
     let mut source = error.source();
     while let Some(e) = source {
         // io::Error hides a custom inner error from `source()`; show it.
-        if let Some(io) = e.downcast_ref::<std::io::Error>() {
-            if let Some(inner) = io.get_ref() {
-                text.push_str(&format!(": {inner}"));
-                source = inner.source();
-                continue;
-            }
+        if let Some(io) = e.downcast_ref::<std::io::Error>()
+            && let Some(inner) = io.get_ref()
+        {
+            text.push_str(&format!(": {inner}"));
+            source = inner.source();
+            continue;
         }
         text.push_str(&format!(": {e}"));
         source = e.source();

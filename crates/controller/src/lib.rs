@@ -90,8 +90,10 @@ pub struct Cli {
     #[arg(long, env = "NODEKEEPER_RENEW_DEADLINE", default_value = "10s", value_parser = duration)]
     pub renew_deadline: Duration,
 
-    /// Interval of Lease renewals and acquisition attempts.
-    #[arg(long, env = "NODEKEEPER_RETRY_PERIOD", default_value = "2s", value_parser = duration)]
+    /// Interval of Lease renewals and acquisition attempts. Each renewal is an API write, so
+    /// this sets the controller's steady-state write rate: 5s is 0.2 writes/s (client-go's 2s
+    /// would be 0.5/s, measured in BENCHMARKS.md).
+    #[arg(long, env = "NODEKEEPER_RETRY_PERIOD", default_value = "5s", value_parser = duration)]
     pub retry_period: Duration,
 
     /// Name of the tuning ConfigMap in `--namespace`.
