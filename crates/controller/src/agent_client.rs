@@ -131,6 +131,16 @@ impl AgentConnection {
         let (endpoint, timeout) = (self.endpoint, self.limits.timeout);
         finish(endpoint, timeout, self.client.set_rules(request)).await
     }
+
+    /// Asks the agent to run a `NetworkTest`'s probes; same limits and failure classes as
+    /// every other call.
+    pub async fn run_probes(
+        &mut self,
+        request: pb::RunProbesRequest,
+    ) -> Result<pb::RunProbesResponse, CallError> {
+        let (endpoint, timeout) = (self.endpoint, self.limits.timeout);
+        finish(endpoint, timeout, self.client.run_probes(request)).await
+    }
 }
 
 async fn finish<T>(

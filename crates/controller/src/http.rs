@@ -1,5 +1,5 @@
 //! The controller's HTTP API, served from memory (never from etcd): `/api/v1/summary`,
-//! `/api/v1/nodes/{name}`, `/metrics` (Prometheus text), `/healthz`, `/readyz`. Reachable in a
+//! `/api/v1/nodes/{name}`, `/api/networktests/{namespace}/{name}` (full NetworkTest results), `/metrics` (Prometheus text), `/healthz`, `/readyz`. Reachable in a
 //! cluster through the API server's service proxy, e.g.
 //! `kubectl get --raw /api/v1/namespaces/nodekeeper/services/nodekeeper-controller:http/proxy/api/v1/summary`.
 
@@ -23,6 +23,9 @@ pub fn router(ctx: Arc<Context>) -> Router {
         .route("/metrics", get(metrics))
         .route("/api/v1/summary", get(summary))
         .route("/api/v1/nodes/{name}", get(node))
+        .merge(crate::networktest::store::router(
+            ctx.networktest_results.clone(),
+        ))
         .with_state(ctx)
 }
 

@@ -15,7 +15,7 @@ pub mod schedule;
 pub mod sweep;
 pub mod view;
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
@@ -32,10 +32,11 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{error, info, warn};
 
-use crate::agent_client::AgentTls;
+use crate::agent_client::{AgentTls, CallLimits};
 use crate::configmap::TuningState;
 use crate::fleet::Fleet;
 use crate::metrics::Metrics;
+use crate::networktest::ResultsStore;
 
 /// Log line format.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -104,6 +105,18 @@ pub struct Cli {
     #[arg(long, env = "NODEKEEPER_MAX_REPLY_BYTES", default_value_t = 4 * 1024 * 1024)]
     pub max_reply_bytes: usize,
 
+    /// The API server as nodes reach it (`host:port`, e.g. `10.0.0.1:6443`), probed by a
+    /// NetworkTest target `apiServer: true`. Unset by default: such a test then fails with a
+    /// condition naming `spec.targets[i].apiServer`.
+    #[arg(long, env = "NODEKEEPER_API_SERVER_ADDRESS")]
+    pub api_server_address: Option<SocketAddr>,
+
+    /// The cloud metadata service's IP address, probed by a NetworkTest target
+    /// `metadataService: true`. Unset by default and never assumed: such a test then fails with a
+    /// condition naming `spec.targets[i].metadataService`.
+    #[arg(long, env = "NODEKEEPER_METADATA_SERVICE_ADDRESS")]
+    pub metadata_service_address: Option<IpAddr>,
+
     /// Log line format.
     #[arg(
         long,
@@ -158,6 +171,8 @@ pub struct Context {
     pub fleet: Arc<Fleet>,
     pub tuning: watch::Receiver<Arc<TuningState>>,
     pub agent_tls: RwLock<Option<AgentTls>>,
+    /// Full results of finished NetworkTests, served by the HTTP API.
+    pub networktest_results: ResultsStore,
     pub is_leader: AtomicBool,
     pub cancel: CancellationToken,
 }
@@ -260,6 +275,7 @@ pub async fn run(cli: Cli) -> Result<(), Error> {
         fleet: Arc::new(Fleet::default()),
         tuning: tuning_rx,
         agent_tls: RwLock::new(None),
+        networktest_results: ResultsStore::default(),
         is_leader: AtomicBool::new(false),
         cancel: cancel.clone(),
     });
@@ -335,6 +351,22 @@ pub async fn run(cli: Cli) -> Result<(), Error> {
         tracker.spawn(sweep::run(Arc::clone(&ctx)));
         tracker.spawn(renew_certificates(Arc::clone(&ctx), secrets.clone()));
         tracker.spawn(condition_gauges(Arc::clone(&ctx)));
+        tracker.spawn(networktest::reconcile::run(
+            Arc::new(networktest::reconcile::Context {
+                client: client.clone(),
+                agent_port: cli.agent_port,
+                call: probe_call(Arc::clone(&ctx)),
+                env: networktest::Environment {
+                    api_server: cli.api_server_address,
+                    metadata_service: cli.metadata_service_address,
+                },
+                store: ctx.networktest_results.clone(),
+                agent_concurrency: 64,
+                test_concurrency: 4,
+                namespace: None,
+            }),
+            cancel.clone(),
+        ));
 
         leader::hold(&leases, &lease_config, &cancel)
             .await
@@ -353,6 +385,36 @@ pub async fn run(cli: Cli) -> Result<(), Error> {
         warn!("tasks did not stop within 10s");
     }
     result
+}
+
+/// The NetworkTest reconciler's agent call: mutual TLS with the current certificates, the
+/// reconciler's time budget as the whole-call timeout, and the configured reply limit. Only
+/// agents of Nodes this controller manages (its `--node-selector`) are contacted: another
+/// controller's nodes, or addresses outside the fleet, get an error naming the address instead.
+fn probe_call(ctx: Arc<Context>) -> networktest::reconcile::AgentCall {
+    Arc::new(move |endpoint: SocketAddr, request, budget| {
+        let ctx = Arc::clone(&ctx);
+        Box::pin(async move {
+            let managed = ctx
+                .fleet
+                .lock()
+                .values()
+                .any(|e| e.address == Some(endpoint.ip()));
+            if !managed {
+                return Err(format!(
+                    "{endpoint}: no node with this InternalIP is managed by this controller (check --node-selector); not contacted"
+                ));
+            }
+            let limits = CallLimits {
+                timeout: budget,
+                max_reply_bytes: ctx.settings.max_reply_bytes,
+            };
+            let mut conn = agent_client::connect(&ctx.agent_tls(), endpoint, limits)
+                .await
+                .map_err(|e| e.to_string())?;
+            conn.run_probes(request).await.map_err(|e| e.to_string())
+        })
+    })
 }
 
 /// Reissues leaves that near expiry while this replica leads.
