@@ -103,6 +103,8 @@ fn demo(args: &DemoArgs) -> Result<()> {
         // Ctrl-C also reaches the children (same process group) and the control plane (unless
         // --keep detached it); dropping `running` then stops whatever is left, by pid.
         let result = tokio::select! {
+            // Steps first: in --wait mode they take Ctrl-C as the normal end.
+            biased;
             result = steps(args, &bins, &mut running) => result,
             _ = tokio::signal::ctrl_c() => Err(anyhow!("interrupted by Ctrl-C")),
         };
@@ -137,7 +139,7 @@ struct Binaries {
 /// directory cargo reports (which honours `CARGO_TARGET_DIR` and config).
 fn build_binaries() -> Result<Binaries> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
-    let status = Command::new(&cargo)
+    let status = crate::cargo::command(&cargo)
         .args([
             "build",
             "-p",
@@ -153,7 +155,7 @@ fn build_binaries() -> Result<Binaries> {
             "cargo build of nodekeeper-agent and nodekeeper-controller failed ({status}); see the compiler output above"
         );
     }
-    let output = Command::new(&cargo)
+    let output = crate::cargo::command(&cargo)
         .args(["metadata", "--format-version", "1", "--no-deps"])
         .output()
         .with_context(|| format!("run {cargo} metadata"))?;
@@ -299,6 +301,7 @@ async fn steps(args: &DemoArgs, bins: &Binaries, running: &mut Running) -> Resul
     .context("start the local control plane")?;
     let kubeconfig = cluster.kubeconfig.clone();
     let apiserver = cluster.apiserver_url();
+    let apiserver_port = cluster.state.ports.apiserver;
     let state_dir = cluster.state_dir.clone();
     running.cluster = Some(cluster);
     println!(
@@ -358,6 +361,8 @@ async fn steps(args: &DemoArgs, bins: &Binaries, running: &mut Running) -> Resul
         format!("--http-listen={http}"),
         format!("--agent-port={agent_port}"),
         format!("--node-selector={}=true", nodes::SIMULATED_LABEL),
+        // For `apiServer: true` targets (deploy/examples/networktest-apiserver.yaml).
+        format!("--api-server-address=127.0.0.1:{apiserver_port}"),
         "--identity=demo-controller".into(),
         "--log-format=plain".into(),
     ];
@@ -636,9 +641,13 @@ async fn steps(args: &DemoArgs, bins: &Binaries, running: &mut Running) -> Resul
             "    controller: curl http://{http}/api/v1/summary  (/api/v1/nodes/<name>, /metrics)"
         );
         println!("    press Ctrl-C to stop the agents and the controller");
+        // Ctrl-C is how this mode ends, so it is a success here.
+        let mut interrupted = std::pin::pin!(tokio::signal::ctrl_c());
         loop {
-            tokio::time::sleep(Duration::from_secs(1)).await;
-            running.check_alive()?;
+            tokio::select! {
+                _ = &mut interrupted => break,
+                () = tokio::time::sleep(Duration::from_secs(1)) => running.check_alive()?,
+            }
         }
     }
     Ok(())

@@ -21,6 +21,7 @@ pub struct Requirement {
 /// What the full test suite needs.
 pub const TEST: &[Requirement] = &[
     Requirement { command: "go", package: None, why: "builds the local Kubernetes control plane" },
+    SETPRIV,
     Requirement { command: "ip", package: Some("iproute2"), why: "creates network namespaces for netlink tests" },
     Requirement {
         command: "qemu-system-x86_64",
@@ -35,8 +36,13 @@ pub const TEST: &[Requirement] = &[
 /// What the local demo needs.
 pub const DEMO: &[Requirement] = &[
     Requirement { command: "go", package: None, why: "builds the local Kubernetes control plane" },
-    Requirement { command: "ip", package: Some("iproute2"), why: "creates network namespaces for the demo's nodes" },
+    SETPRIV,
 ];
+
+/// The control plane's processes are started through `setpriv --pdeathsig` so they die with the
+/// process that started them.
+const SETPRIV: Requirement =
+    Requirement { command: "setpriv", package: Some("util-linux"), why: "ties the control plane's lifetime to ours" };
 
 /// Makes sure every requirement is on `PATH`, installing missing Debian packages when running as
 /// root with apt available; otherwise fails with one line naming the fix.

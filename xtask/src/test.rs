@@ -5,7 +5,7 @@
 //! `NODEKEEPER_TEST_KUBECONFIG` pointing at it, so every test binary shares it instead of starting
 //! its own. The control plane dies with this process however the run ends.
 
-use std::{process::Command, time::Instant};
+use std::time::Instant;
 
 use anyhow::{Context as _, Result, bail};
 use clap::Args;
@@ -43,7 +43,7 @@ pub fn run(args: TestArgs) -> Result<()> {
     );
 
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
-    let mut command = Command::new(cargo);
+    let mut command = crate::cargo::command(&cargo);
     command.args(["test", "--workspace", "--no-fail-fast"]);
     command.args(&args.cargo_args);
     command.env(KUBECONFIG_ENV, &cluster.kubeconfig);

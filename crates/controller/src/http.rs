@@ -23,10 +23,10 @@ pub fn router(ctx: Arc<Context>) -> Router {
         .route("/metrics", get(metrics))
         .route("/api/v1/summary", get(summary))
         .route("/api/v1/nodes/{name}", get(node))
+        .with_state(Arc::clone(&ctx))
         .merge(crate::networktest::store::router(
             ctx.networktest_results.clone(),
         ))
-        .with_state(ctx)
 }
 
 /// Ready when this replica leads and has read the Node list, or when it is a healthy standby:

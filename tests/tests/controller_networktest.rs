@@ -1,0 +1,192 @@
+//! A `NetworkTest` through the real `nodekeeper-controller` process: the controller's reconciler
+//! calls real agents over mutual TLS (RunProbes), the agents ping each other on 127.x.y.z, the
+//! status reaches `Succeeded`, and the controller's HTTP API serves the full per-pair results.
+//! A target the controller was not configured for (`apiServer` with no `--api-server-address`)
+//! fails with a condition naming the field.
+//!
+//! Run (as root: the agents' ICMP uses a raw socket where a ping socket is not allowed):
+//! `cargo test -p nodekeeper-e2e --test controller_networktest`.
+
+// A skipped test prints `SKIPPED: <reason>`: that line is the contract with CI.
+#![allow(clippy::print_stdout)]
+
+mod controller_common;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use controller_common::*;
+use kube::Api;
+use kube::api::{Patch, PatchParams};
+use nodekeeper_api::crd::NetworkTest;
+use nodekeeper_api::crd::network_test::Phase;
+use nodekeeper_e2e::{
+    ControlPlane, create_simulated_nodes, install_crds, test_namespace, unique_name, wait_for,
+};
+use serde_json::json;
+
+const TIMEOUT: Duration = Duration::from_secs(90);
+
+#[test]
+#[ignore = "helper: re-executed by the tests in this file as a controller process; not a test by itself"]
+fn run_as_controller() {
+    run_as_controller_if_asked();
+}
+
+async fn apply_test(
+    api: &Api<NetworkTest>,
+    name: &str,
+    spec: serde_json::Value,
+) -> anyhow::Result<()> {
+    let body = json!({
+        "apiVersion": "nodekeeper.dev/v1alpha1",
+        "kind": "NetworkTest",
+        "metadata": { "name": name },
+        "spec": spec,
+    });
+    api.patch(
+        name,
+        &PatchParams::apply("nodekeeper-e2e"),
+        &Patch::Apply(&body),
+    )
+    .await
+    .with_context(|| format!("apply networktest {name}"))?;
+    Ok(())
+}
+
+async fn finished(api: &Api<NetworkTest>, name: &str) -> anyhow::Result<NetworkTest> {
+    wait_for(&format!("networktest {name} to finish"), TIMEOUT, || {
+        let api = api.clone();
+        async move {
+            let nt = api.get(name).await?;
+            let done = nt
+                .status
+                .as_ref()
+                .and_then(|s| s.phase)
+                .is_some_and(|p| matches!(p, Phase::Succeeded | Phase::Failed));
+            Ok(done.then_some(nt))
+        }
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn controller_runs_an_icmp_mesh_and_serves_the_full_results() -> anyhow::Result<()> {
+    if !nix::unistd::geteuid().is_root() {
+        println!("SKIPPED: needs root for the agents' ICMP sockets");
+        return Ok(());
+    }
+    let client = ControlPlane::shared().client().await?;
+    install_crds(&client).await?;
+    let ns = test_namespace(&client, "nk-nettest").await?;
+    let group = unique_name("nettest");
+    let labels: BTreeMap<String, String> =
+        [("nodekeeper.dev/e2e-group".to_string(), group.clone())].into();
+    let selector = format!("nodekeeper.dev/e2e-group={group}");
+    let ips = loopback_ips(3);
+    let nodes = create_simulated_nodes(&client, "nk-nettest", 3, &labels, &ips).await?;
+    let port = free_port();
+    put_tuning(
+        &client,
+        &ns,
+        &BTreeMap::from([("sweepInterval", "10s"), ("callTimeout", "2s")]),
+    )
+    .await?;
+
+    let controller = ControllerProcess::start(&ns, "nettest-a", &selector, port, &[])?;
+    let tls = agent_tls(&client, &ns).await?;
+    let mut agents = Vec::new();
+    for (node, ip) in nodes.iter().zip(&ips) {
+        agents.push(start_agent(node, SocketAddr::new((*ip).into(), port), &tls).await?);
+    }
+    // The controller knows every node and reaches its agent before the test starts.
+    for node in &nodes {
+        wait_condition(
+            &client,
+            node,
+            "NodekeeperReachable",
+            "True",
+            Some("AgentReachable"),
+            TIMEOUT,
+        )
+        .await?;
+    }
+
+    let api: Api<NetworkTest> = Api::namespaced(client.clone(), &ns);
+    let node_selector = json!({"matchLabels": {"nodekeeper.dev/e2e-group": group}});
+    let mesh = unique_name("mesh");
+    apply_test(
+        &api,
+        &mesh,
+        json!({"kind": "icmp", "nodeSelector": node_selector, "count": 3, "intervalMs": 20,
+            "timeoutMs": 1000, "targets": [{"peers": {"perNode": 2}}],
+            "ttlSecondsAfterFinished": 600}),
+    )
+    .await?;
+    let s = finished(&api, &mesh).await?.status.context("status")?;
+    assert_eq!(s.phase, Some(Phase::Succeeded), "{s:?}");
+    // 3 nodes, each pinging both others.
+    assert_eq!((s.sources, s.sources_unreachable), (3, 0), "{s:?}");
+    assert_eq!((s.pairs, s.pairs_failed), (6, 0), "{s:?}");
+    assert_eq!(s.success_percent, Some(100.0), "{s:?}");
+    assert_eq!((s.sent, s.received), (18, 18), "{s:?}");
+
+    // The full results, from the controller's memory.
+    let (code, body) = http_get(controller.http, &format!("/api/networktests/{ns}/{mesh}")).await?;
+    assert_eq!(code, 200, "{body}");
+    let page: serde_json::Value = serde_json::from_str(&body)?;
+    assert_eq!(page["totalPairs"], 6, "{body}");
+    assert_eq!(page["summary"]["successRatePercent"], 100.0, "{body}");
+    let pairs = page["pairs"].as_array().context("pairs")?;
+    assert_eq!(pairs.len(), 6, "{body}");
+    for node in &nodes {
+        let from: Vec<&serde_json::Value> = pairs
+            .iter()
+            .filter(|p| p["source"] == node.as_str())
+            .collect();
+        assert_eq!(from.len(), 2, "{node} probes two peers: {body}");
+        for p in from {
+            assert_eq!(
+                (p["sent"].as_u64(), p["received"].as_u64()),
+                (Some(3), Some(3)),
+                "{p}"
+            );
+            assert_eq!(p["error"], "", "{p}");
+            assert_eq!(p["rttUs"].as_array().map(Vec::len), Some(3), "{p}");
+        }
+    }
+    let (code, body) = http_get(
+        controller.http,
+        &format!("/api/networktests/{ns}/no-such-test"),
+    )
+    .await?;
+    assert_eq!(code, 404, "{body}");
+
+    // Without --api-server-address an apiServer target fails naming the field.
+    let apiserver = unique_name("apiserver");
+    apply_test(
+        &api,
+        &apiserver,
+        json!({"kind": "tcp", "nodeSelector": node_selector, "count": 1,
+            "targets": [{"apiServer": true}], "ttlSecondsAfterFinished": 600}),
+    )
+    .await?;
+    let s = finished(&api, &apiserver).await?.status.context("status")?;
+    assert_eq!(s.phase, Some(Phase::Failed), "{s:?}");
+    let valid = s
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "SpecValid")
+        .context("SpecValid condition")?;
+    assert_eq!(valid.reason, "InvalidSpec", "{valid:?}");
+    assert!(
+        valid.message.starts_with("spec.targets[0].apiServer"),
+        "{}",
+        valid.message
+    );
+
+    drop((agents, controller));
+    Ok(())
+}
