@@ -512,36 +512,9 @@ pub fn run(args: AgentArgs) -> anyhow::Result<()> {
     }
     println!("{r}");
     if !args.no_write {
-        write_section(&root, &r)?;
+        crate::benchmarks::write_section(&root, "agent", &r)?;
         eprintln!("updated {}", root.join("BENCHMARKS.md").display());
     }
     Ok(())
 }
 
-/// Replaces the `## agent` section of BENCHMARKS.md (appending it if absent).
-fn write_section(root: &Path, section: &str) -> anyhow::Result<()> {
-    let path = root.join("BENCHMARKS.md");
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|_| "# Benchmarks\n".to_owned());
-    let header = "## agent\n";
-    let out = match text.find(header) {
-        Some(start) => {
-            let after = start + header.len();
-            let end = text[after..]
-                .find("\n## ")
-                .map_or(text.len(), |e| after + e + 1);
-            format!(
-                "{}{}\n{}",
-                &text[..start],
-                section.trim_end(),
-                if end < text.len() {
-                    format!("\n{}", &text[end..])
-                } else {
-                    String::new()
-                }
-            )
-        }
-        None => format!("{}\n\n{}\n", text.trim_end(), section.trim_end()),
-    };
-    std::fs::write(&path, out)?;
-    Ok(())
-}

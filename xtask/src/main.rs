@@ -4,6 +4,7 @@
 mod bench_agent;
 mod bench_fleet;
 mod bench_netconf;
+mod benchmarks;
 mod cargo;
 mod cluster;
 mod codegen;

@@ -43,6 +43,8 @@ pub struct Agent {
     tunables: Mutex<Tunables>,
     cache: tokio::sync::Mutex<Cache>,
     network: Mutex<NetworkStatus>,
+    /// `--imds-endpoint`: the only metadata service the agent may ask; `None` means never.
+    imds_endpoint: Option<String>,
 }
 
 fn now_unix_ms() -> i64 {
@@ -68,7 +70,13 @@ impl Agent {
             tunables: Mutex::new(Tunables::load(config.sysctl_root(), &config.state_dir)),
             cache: tokio::sync::Mutex::new(Cache::default()),
             network: Mutex::new(NetworkStatus::default()),
+            imds_endpoint: config.imds_endpoint.clone(),
         }
+    }
+
+    /// The configured instance metadata service base URL, if any.
+    pub fn imds_endpoint(&self) -> Option<&str> {
+        self.imds_endpoint.as_deref()
     }
 
     /// The current revision and, unless the caller already holds it, the report.

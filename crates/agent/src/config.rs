@@ -106,7 +106,8 @@ pub struct Config {
     pub max_message_bytes: usize,
 
     /// Base URL of the instance metadata service (e.g. `http://169.254.169.254`). Unset: the
-    /// agent never contacts it. Reserved for the VNIC work; no collector uses it yet.
+    /// agent never contacts it, and `ApplyNetwork` with `oci_vnics.enabled` fails with
+    /// FAILED_PRECONDITION. Set: that call reads the secondary VNICs from it to lay them out.
     #[arg(long, env = "NODEKEEPER_IMDS_ENDPOINT")]
     pub imds_endpoint: Option<String>,
 

@@ -1,4 +1,5 @@
-//! The agent's host-network manager: serves `ApplyNetwork` (parse, validate, plan, dry-run or
+//! The agent's host-network manager: serves `ApplyNetwork` (parse, add the OCI secondary-VNIC
+//! layout from the configured metadata service when `oci_vnics` asks, validate, plan, dry-run or
 //! apply, check, roll back), remembers the last applied desired state, and runs the drift loop
 //! that re-converges what nodekeeper owns and reports drift in `NetworkStatus`.
 //!
@@ -43,6 +44,15 @@ pub enum NetworkError {
     Netlink(String),
     #[error("instance metadata: {0}")]
     Metadata(String),
+    #[error(
+        "oci_vnics.enabled needs an instance metadata service, but this agent was started without \
+         --imds-endpoint (NODEKEEPER_IMDS_ENDPOINT); start it with one or leave oci_vnics unset"
+    )]
+    NoImdsEndpoint,
+    #[error("oci_vnics: {0}")]
+    OciOptions(String),
+    #[error("the OCI VNIC layout conflicts with desired_state_json: {0}")]
+    LayoutConflict(String),
 }
 
 impl From<NetworkError> for Status {
@@ -50,8 +60,12 @@ impl From<NetworkError> for Status {
         match e {
             NetworkError::ParseDesired(_)
             | NetworkError::Invalid(_)
-            | NetworkError::CheckTarget(_) => Status::invalid_argument(e.to_string()),
-            NetworkError::Plan(_) => Status::failed_precondition(e.to_string()),
+            | NetworkError::CheckTarget(_)
+            | NetworkError::OciOptions(_)
+            | NetworkError::LayoutConflict(_) => Status::invalid_argument(e.to_string()),
+            NetworkError::Plan(_) | NetworkError::NoImdsEndpoint => {
+                Status::failed_precondition(e.to_string())
+            }
             NetworkError::Netlink(_) => Status::internal(e.to_string()),
             NetworkError::Metadata(_) => Status::unavailable(e.to_string()),
         }
@@ -84,6 +98,10 @@ pub struct NetworkManager {
     /// Serialises applies and drift checks.
     lock: tokio::sync::Mutex<Option<Applied>>,
     status: Mutex<NetworkStatus>,
+    /// `--imds-endpoint`, for `oci_vnics`; `None`: the metadata service is never asked.
+    imds_endpoint: Option<String>,
+    /// Where physical NICs' PCI addresses are read (bare metal's `nicIndex` numbering).
+    sys_class_net: std::path::PathBuf,
 }
 
 fn now_ms() -> i64 {
@@ -116,6 +134,8 @@ impl NetworkManager {
             netconf: Netconf::connect()?,
             lock: tokio::sync::Mutex::new(None),
             status: Mutex::new(NetworkStatus::default()),
+            imds_endpoint: agent.imds_endpoint().map(str::to_owned),
+            sys_class_net: "/sys/class/net".into(),
         })
     }
 
@@ -144,8 +164,22 @@ impl NetworkManager {
         &self,
         req: pb::ApplyNetworkRequest,
     ) -> Result<pb::ApplyNetworkResponse, NetworkError> {
-        let desired: NetworkState = serde_json::from_str(&req.desired_state_json)
+        let mut desired: NetworkState = serde_json::from_str(&req.desired_state_json)
             .map_err(|e| NetworkError::ParseDesired(e.to_string()))?;
+        if let Some(oci) = req.oci_vnics.as_ref().filter(|o| o.enabled) {
+            let opts = layout_options(oci)?;
+            let endpoint = self
+                .imds_endpoint
+                .as_deref()
+                .ok_or(NetworkError::NoImdsEndpoint)?;
+            let layout = self
+                .oci_vnic_layout(endpoint, &self.sys_class_net, &opts)
+                .await?;
+            for line in &layout.waiting {
+                info!(generation = %req.generation, %endpoint, waiting = %line, "oci vnic left out");
+            }
+            merge_layout(&mut desired, layout.desired)?;
+        }
         desired
             .validate()
             .map_err(|e| NetworkError::Invalid(format_errors(&e)))?;
@@ -262,25 +296,25 @@ impl NetworkManager {
 }
 
 impl NetworkManager {
-    /// The OCI secondary-VNIC layout of this host: asks the metadata service at `imds` for the
-    /// instance and its VNICs, matches them with the interfaces netlink reports (PCI addresses
+    /// The OCI secondary-VNIC layout of this host: asks the metadata service at `endpoint` for
+    /// the instance and its VNICs, matches them with the interfaces netlink reports (PCI addresses
     /// from `sys_class_net`, normally `/sys/class/net`, number the physical NICs for bare metal's
     /// `nicIndex`), and returns the desired state plus what waits. Used only with an endpoint the
     /// agent was configured with; nothing here has a default address.
     pub async fn oci_vnic_layout(
         &self,
-        imds: &nodekeeper_oci::ImdsClient,
+        endpoint: &str,
         sys_class_net: &std::path::Path,
         opts: &nodekeeper_oci::LayoutOptions,
     ) -> Result<nodekeeper_oci::Layout, NetworkError> {
-        let instance = imds
-            .instance()
-            .await
-            .map_err(|e| NetworkError::Metadata(e.to_string()))?;
-        let vnics = imds
-            .vnics()
-            .await
-            .map_err(|e| NetworkError::Metadata(e.to_string()))?;
+        // Every metadata failure names the endpoint, so a wrong `--imds-endpoint` is obvious.
+        let unavailable = |e: &dyn std::fmt::Display| {
+            NetworkError::Metadata(format!("--imds-endpoint {endpoint}: {e}"))
+        };
+        let imds = nodekeeper_oci::ImdsClient::new(nodekeeper_oci::ImdsConfig::new(endpoint))
+            .map_err(|e| unavailable(&e))?;
+        let instance = imds.instance().await.map_err(|e| unavailable(&e))?;
+        let vnics = imds.vnics().await.map_err(|e| unavailable(&e))?;
         let observed = self.netconf.observe().await?;
         let host: Vec<nodekeeper_oci::HostInterface> = observed
             .links
@@ -299,9 +333,123 @@ impl NetworkManager {
                 })
             })
             .collect();
-        nodekeeper_oci::secondary_vnics(&instance, &vnics, &host, opts)
-            .map_err(|e| NetworkError::Metadata(e.to_string()))
+        nodekeeper_oci::secondary_vnics(&instance, &vnics, &host, opts).map_err(|e| match e {
+            nodekeeper_oci::LayoutError::BadOptions(m) => NetworkError::OciOptions(m),
+            // Anything else is about what the metadata service answered.
+            other => unavailable(&other),
+        })
     }
+}
+
+/// The layout knobs of a request, with the proto's zero-means-default rule.
+fn layout_options(oci: &pb::OciVnics) -> Result<nodekeeper_oci::LayoutOptions, NetworkError> {
+    let d = nodekeeper_oci::LayoutOptions::default();
+    let opts = nodekeeper_oci::LayoutOptions {
+        table_base: if oci.table_base == 0 {
+            d.table_base
+        } else {
+            oci.table_base
+        },
+        rule_priority_base: if oci.rule_priority_base == 0 {
+            d.rule_priority_base
+        } else {
+            oci.rule_priority_base
+        },
+        mtu: if oci.mtu == 0 { d.mtu } else { oci.mtu },
+    };
+    if !(68..=65535).contains(&opts.mtu) {
+        return Err(NetworkError::OciOptions(format!(
+            "mtu {} is outside 68–65535 (0 means 9000)",
+            opts.mtu
+        )));
+    }
+    Ok(opts)
+}
+
+/// Adds the layout's objects to `desired`. An object equal to one already given is kept once; one
+/// that claims the same link (name or MAC), address, route (destination and table) or rule
+/// priority differently is refused, naming both, rather than letting either silently win.
+fn merge_layout(desired: &mut NetworkState, layout: NetworkState) -> Result<(), NetworkError> {
+    let conflict = |what: String| Err(NetworkError::LayoutConflict(what));
+    let norm_mac = |m: &Option<String>| {
+        m.as_deref().map(|m| {
+            nodekeeper_api::network::parse_mac(m).map_or(m.to_lowercase(), |b| {
+                nodekeeper_api::network::format_mac(&b)
+            })
+        })
+    };
+    let ip_of = |cidr: &str| cidr.split('/').next().unwrap_or(cidr).to_owned();
+    for l in layout.links {
+        if desired.links.contains(&l) {
+            continue;
+        }
+        if let Some((i, g)) = desired.links.iter().enumerate().find(|(_, g)| {
+            g.name == l.name || (l.mac.is_some() && norm_mac(&g.mac) == norm_mac(&l.mac))
+        }) {
+            return conflict(format!(
+                "links[{i}] ({}) and the layout's link {} (MAC {}) claim the same interface; \
+                 drop one of them",
+                g.name,
+                l.name,
+                l.mac.as_deref().unwrap_or("-")
+            ));
+        }
+        desired.links.push(l);
+    }
+    for a in layout.addresses {
+        if desired.addresses.contains(&a) {
+            continue;
+        }
+        if let Some((i, g)) = desired
+            .addresses
+            .iter()
+            .enumerate()
+            .find(|(_, g)| ip_of(&g.cidr) == ip_of(&a.cidr))
+        {
+            return conflict(format!(
+                "addresses[{i}] ({} on {}) and the layout's address {} on {} are the same IP",
+                g.cidr, g.link, a.cidr, a.link
+            ));
+        }
+        desired.addresses.push(a);
+    }
+    for r in layout.routes {
+        if desired.routes.contains(&r) {
+            continue;
+        }
+        if let Some((i, g)) = desired
+            .routes
+            .iter()
+            .enumerate()
+            .find(|(_, g)| g.destination == r.destination && g.table == r.table)
+        {
+            return conflict(format!(
+                "routes[{i}] ({} table {}) and the layout's route to {} in table {} differ; \
+                 drop the route or move the layout with oci_vnics.table_base",
+                g.destination, g.table, r.destination, r.table
+            ));
+        }
+        desired.routes.push(r);
+    }
+    for r in layout.rules {
+        if desired.rules.contains(&r) {
+            continue;
+        }
+        if let Some((i, g)) = desired
+            .rules
+            .iter()
+            .enumerate()
+            .find(|(_, g)| g.priority == r.priority)
+        {
+            return conflict(format!(
+                "rules[{i}] (priority {}, table {}) and the layout's rule at priority {} (table {}) \
+                 differ; drop the rule or move the layout with oci_vnics.rule_priority_base",
+                g.priority, g.table, r.priority, r.table
+            ));
+        }
+        desired.rules.push(r);
+    }
+    Ok(())
 }
 
 fn response(report: &ApplyReport, observed: &NetworkState) -> pb::ApplyNetworkResponse {
@@ -375,6 +523,7 @@ mod tests {
             generation: "uid-1/3".into(),
             check_targets: vec!["10.0.20.1".into()],
             check_timeout_ms: 2000,
+            ..Default::default()
         }
     }
 
@@ -512,6 +661,77 @@ mod tests {
         .unwrap();
     }
 
+    #[test]
+    fn merge_keeps_equal_objects_once_and_refuses_conflicts_by_name() {
+        let layout: NetworkState = serde_json::from_str(DESIRED).unwrap();
+        let mut desired = layout.clone();
+        merge_layout(&mut desired, layout.clone()).unwrap();
+        assert_eq!(desired, layout);
+
+        let mut empty = NetworkState::default();
+        merge_layout(&mut empty, layout.clone()).unwrap();
+        assert_eq!(empty, layout);
+
+        let cases = [
+            (
+                r#"{"links": [{"name": "x", "kind": "existing", "mac": "02:00:17:0A:22:02"}]}"#,
+                "links[0] (x)",
+            ),
+            (
+                r#"{"addresses": [{"link": "y", "cidr": "10.0.20.33/16"}]}"#,
+                "addresses[0] (10.0.20.33/16 on y)",
+            ),
+            (
+                r#"{"routes": [{"destination": "default", "gateway": "10.0.20.9", "table": 101}]}"#,
+                "routes[0] (default table 101)",
+            ),
+            (
+                r#"{"rules": [{"from": "10.9.9.9/32", "table": 7, "priority": 20101}]}"#,
+                "rules[0] (priority 20101, table 7)",
+            ),
+        ];
+        for (given, named) in cases {
+            let mut d: NetworkState = serde_json::from_str(given).unwrap();
+            let e = Status::from(merge_layout(&mut d, layout.clone()).unwrap_err());
+            assert_eq!(e.code(), Code::InvalidArgument);
+            assert!(e.message().contains(named), "{given}: {}", e.message());
+        }
+    }
+
+    #[test]
+    fn layout_options_default_zeros_and_refuse_bad_mtu() {
+        let o = layout_options(&pb::OciVnics {
+            enabled: true,
+            ..Default::default()
+        })
+        .unwrap();
+        assert_eq!(o, nodekeeper_oci::LayoutOptions::default());
+        let o = layout_options(&pb::OciVnics {
+            enabled: true,
+            mtu: 1500,
+            table_base: 200,
+            rule_priority_base: 21000,
+        })
+        .unwrap();
+        assert_eq!(
+            (o.mtu, o.table_base, o.rule_priority_base),
+            (1500, 200, 21000)
+        );
+        let e = Status::from(
+            layout_options(&pb::OciVnics {
+                enabled: true,
+                mtu: 70000,
+                ..Default::default()
+            })
+            .unwrap_err(),
+        );
+        assert!(
+            e.message().contains("oci_vnics: mtu 70000"),
+            "{}",
+            e.message()
+        );
+    }
+
     /// A minimal IMDS stand-in on 127.0.0.1 (inside the test namespace) serving the shared VM
     /// samples; it answers 401 without the v2 header.
     async fn imds_server() -> String {
@@ -616,24 +836,57 @@ mod tests {
                 .build()
                 .unwrap();
             rt.block_on(async move {
-                let config = Config::parse_from([
-                    "nodekeeper-agent",
-                    "--node-name=n1",
-                    "--tls-cert=/nonexistent",
-                    "--tls-key=/nonexistent",
-                    "--client-ca=/nonexistent",
-                    &format!("--state-dir={state_dir}"),
-                ]);
-                let agent = Arc::new(Agent::new(&config));
+                let agent_with = |imds: Option<&str>| {
+                    let mut args = vec![
+                        "nodekeeper-agent".to_string(),
+                        "--node-name=n1".into(),
+                        "--tls-cert=/nonexistent".into(),
+                        "--tls-key=/nonexistent".into(),
+                        "--client-ca=/nonexistent".into(),
+                        format!("--state-dir={state_dir}"),
+                    ];
+                    args.extend(imds.map(|e| format!("--imds-endpoint={e}")));
+                    Arc::new(Agent::new(&Config::parse_from(args)))
+                };
+                let oci_request = |json: &str, dry_run: bool| pb::ApplyNetworkRequest {
+                    oci_vnics: Some(pb::OciVnics {
+                        enabled: true,
+                        ..Default::default()
+                    }),
+                    ..request(json, dry_run)
+                };
+                let primary_before = ip(&name, &["addr", "show", "dev", "ens3"]);
+
+                // Without --imds-endpoint: refused, naming the flag, nothing changed.
+                let bare = agent_with(None);
+                let m0 = NetworkManager::new(&bare).unwrap();
+                let e = Status::from(m0.apply(oci_request("{}", false)).await.unwrap_err());
+                assert_eq!(e.code(), Code::FailedPrecondition, "{}", e.message());
+                assert!(e.message().contains("--imds-endpoint"), "{}", e.message());
+                // oci_vnics present but not enabled: the metadata service is not needed.
+                let mut off = oci_request("{}", true);
+                off.oci_vnics = Some(pb::OciVnics::default());
+                let r = m0.apply(off).await.unwrap();
+                assert_eq!(r.outcome, pb::ApplyOutcome::Planned as i32);
+                assert!(r.plan.is_empty(), "{:?}", r.plan);
+
+                // A metadata service that does not answer: UNAVAILABLE naming the endpoint.
+                // (Port 1 on this namespace's loopback: connection refused, bounded retries.)
+                let dead = agent_with(Some("http://127.0.0.1:1"));
+                let md = NetworkManager::new(&dead).unwrap();
+                let e = Status::from(md.apply(oci_request("{}", false)).await.unwrap_err());
+                assert_eq!(e.code(), Code::Unavailable, "{}", e.message());
+                assert!(e.message().contains("http://127.0.0.1:1"), "{}", e.message());
+
+                let endpoint = imds_server().await;
+                let agent = agent_with(Some(&endpoint));
                 let m = NetworkManager::new(&agent).unwrap();
-                let imds = nodekeeper_oci::ImdsClient::new(nodekeeper_oci::ImdsConfig::new(
-                    imds_server().await,
-                ))
-                .unwrap();
+
+                // What the layout leaves out (the third VNIC has no interface yet).
                 let no_sysfs = tempfile::tempdir().unwrap();
                 let layout = m
                     .oci_vnic_layout(
-                        &imds,
+                        &endpoint,
                         no_sysfs.path(),
                         &nodekeeper_oci::LayoutOptions::default(),
                     )
@@ -644,9 +897,37 @@ mod tests {
                     layout.waiting[0]
                         .contains("waiting for an interface with MAC 02:00:17:0a:33:03")
                 );
-                let json = serde_json::to_string(&layout.desired).unwrap();
-                let r = m.apply(request(&json, false)).await.unwrap();
+
+                // A given object that claims the VNIC's interface differently: refused, naming it.
+                let clash = r#"{"links": [{"name": "mine", "kind": "existing", "mac": "02:00:17:0a:22:02", "mtu": 1500}]}"#;
+                let e = Status::from(m.apply(oci_request(clash, false)).await.unwrap_err());
+                assert_eq!(e.code(), Code::InvalidArgument, "{}", e.message());
+                assert!(e.message().contains("links[0] (mine)"), "{}", e.message());
+                // Bad layout knobs are the caller's.
+                let mut bad = oci_request("{}", true);
+                bad.oci_vnics = Some(pb::OciVnics {
+                    enabled: true,
+                    table_base: 253,
+                    ..Default::default()
+                });
+                let e = Status::from(m.apply(bad).await.unwrap_err());
+                assert_eq!(e.code(), Code::InvalidArgument, "{}", e.message());
+                assert!(e.message().starts_with("oci_vnics: "), "{}", e.message());
+
+                // Dry run: the plan, no change.
+                let r = m.apply(oci_request("{}", true)).await.unwrap();
+                assert_eq!(r.outcome, pb::ApplyOutcome::Planned as i32);
+                assert_eq!(r.netlink_writes, 0);
+                assert!(!r.plan.is_empty());
+                assert!(!ip(&name, &["addr", "show", "dev", "ens5"]).contains("10.0.20.33"));
+
+                // Apply from the metadata alone (desired state `{}`).
+                let r = m.apply(oci_request("{}", false)).await.unwrap();
                 assert_eq!(r.outcome, pb::ApplyOutcome::Applied as i32, "{}", r.message);
+                assert!(r.netlink_writes > 0);
+                let addr = ip(&name, &["addr", "show", "dev", "ens5"]);
+                assert!(addr.contains("inet 10.0.20.33/24"), "{addr}");
+                assert!(addr.contains("mtu 9000"), "{addr}");
                 assert_eq!(
                     ip(&name, &["route", "show", "table", "101"]).trim(),
                     "default via 10.0.20.1 dev ens5 proto 176"
@@ -661,7 +942,17 @@ mod tests {
                     "{rules}"
                 );
                 // The primary VNIC was not touched.
-                assert!(!ip(&name, &["addr", "show", "dev", "ens3"]).contains("inet "));
+                assert_eq!(ip(&name, &["addr", "show", "dev", "ens3"]), primary_before);
+                assert!(!primary_before.contains("inet "));
+
+                // Again, with the same object also given explicitly: kept once, nothing to do.
+                let r = m.apply(oci_request(DESIRED, false)).await.unwrap();
+                assert_eq!(
+                    (r.outcome, r.netlink_writes, r.plan.len()),
+                    (pb::ApplyOutcome::Applied as i32, 0, 0),
+                    "{:?}",
+                    r.plan
+                );
             });
         })
         .join()

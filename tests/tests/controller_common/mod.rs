@@ -226,6 +226,7 @@ pub async fn start_agent(
     let ca = write("ca.crt", &tls.2)?;
     let sysctl_root = dir.path().join("sysctl");
     let state_dir = dir.path().join("state");
+    let proc_root = frozen_proc(dir.path())?;
     std::fs::create_dir_all(&sysctl_root)?;
     std::fs::create_dir_all(&state_dir)?;
     let s = |p: &Path| p.display().to_string();
@@ -239,6 +240,7 @@ pub async fn start_agent(
         format!("--client-ca={}", s(&ca)),
         format!("--state-dir={}", s(&state_dir)),
         format!("--sysctl-root={}", s(&sysctl_root)),
+        format!("--proc-root={}", s(&proc_root)),
         "--nvidia-smi=/nonexistent/nvidia-smi".into(),
     ])?;
     let stop = CancellationToken::new();
@@ -338,3 +340,33 @@ pub async fn put_tuning(
 }
 
 pub type Shared<T> = Arc<T>;
+
+/// A copy of this machine's `/proc` files the agent reads, taken once and never updated.
+///
+/// These tests count writes and "unchanged" answers, so a report must change only when the test
+/// changes something. The live `/proc` does not hold still while other work runs on the machine:
+/// load and CPU use move by more than their significance steps, and an agent reading them reports
+/// a new revision, as it should.
+fn frozen_proc(dir: &Path) -> anyhow::Result<PathBuf> {
+    let root = dir.join("proc");
+    for file in [
+        "loadavg",
+        "stat",
+        "meminfo",
+        "pressure/cpu",
+        "pressure/memory",
+        "pressure/io",
+        "sys/kernel/osrelease",
+        "sys/kernel/random/boot_id",
+        "sys/fs/file-nr",
+        "sys/net/netfilter/nf_conntrack_count",
+        "sys/net/netfilter/nf_conntrack_max",
+    ] {
+        // A file this kernel lacks stays missing: the agent reports that collector's error.
+        let Ok(text) = std::fs::read_to_string(Path::new("/proc").join(file)) else { continue };
+        let path = root.join(file);
+        std::fs::create_dir_all(path.parent().expect("a file under the root"))?;
+        std::fs::write(path, text)?;
+    }
+    Ok(root)
+}

@@ -395,6 +395,36 @@ pub struct ApplyNetworkRequest {
     /// Timeout of the whole post-apply check in milliseconds; 0 means 5,000.
     #[prost(uint32, tag = "5")]
     pub check_timeout_ms: u32,
+    /// Also lay out this host's OCI secondary VNICs, from the instance metadata service the agent was
+    /// configured with (`--imds-endpoint`). Unset or not enabled: the metadata service is not asked.
+    #[prost(message, optional, tag = "6")]
+    pub oci_vnics: ::core::option::Option<OciVnics>,
+}
+/// The OCI secondary-VNIC layout requested with `ApplyNetworkRequest.oci_vnics`. When `enabled`, the
+/// agent asks its configured metadata service for `/opc/v2/instance/` and `/opc/v2/vnics/`, builds the
+/// layout (VM: the interface with the VNIC's MAC; bare metal: a macvlan and VLAN on physical NIC
+/// `nicIndex`), and adds it to `desired_state_json` (which may be `{}`) before validating, planning and
+/// applying as usual. The primary VNIC and 169.254.0.0/16 are never touched; VNICs whose interface is
+/// not visible yet are left out and logged. Errors: no `--imds-endpoint` configured gives
+/// FAILED_PRECONDITION; the metadata service failing or answering badly gives UNAVAILABLE naming the
+/// endpoint; a layout object that conflicts with one in `desired_state_json` gives INVALID_ARGUMENT
+/// naming it.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct OciVnics {
+    /// Lay out the secondary VNICs. False: the other fields are ignored.
+    #[prost(bool, tag = "1")]
+    pub enabled: bool,
+    /// MTU of the VNIC interfaces; 0 means 9000 (OCI's MTU).
+    #[prost(uint32, tag = "2")]
+    pub mtu: u32,
+    /// Secondary VNIC number i (its position in the metadata answer) uses routing table
+    /// `table_base + i`; 0 means 100.
+    #[prost(uint32, tag = "3")]
+    pub table_base: u32,
+    /// The rule keeping 169.254.0.0/16 on the main table uses this priority and VNIC i uses
+    /// `rule_priority_base + i`; 0 means 20100.
+    #[prost(uint32, tag = "4")]
+    pub rule_priority_base: u32,
 }
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct PlanStep {
