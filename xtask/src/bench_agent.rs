@@ -305,7 +305,9 @@ fn measure_npd(version: &str, work: &Path, seconds: u32) -> anyhow::Result<Npd> 
         .stderr(log)
         .spawn()
         .context("start node-problem-detector")?;
-    wait_for_port(port, &mut child)?;
+    // With the Kubernetes exporter off, NPD serves nothing on `--port` (that server belongs to the
+    // exporter); its Prometheus endpoint is what shows it is up.
+    wait_for_port(prom, &mut child)?;
     let pid = child.id();
     std::thread::sleep(Duration::from_secs(5));
     let idle = rss_kib(pid)?;
