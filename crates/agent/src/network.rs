@@ -502,7 +502,23 @@ mod tests {
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
+    /// A network namespace this test created; deleted when dropped.
     struct Ns(String);
+    impl Ns {
+        /// Creates `<prefix>-<pid>` with its loopback up.
+        fn create(prefix: &str) -> Ns {
+            let ns = Ns(format!("{prefix}-{}", std::process::id()));
+            assert!(
+                Command::new("ip")
+                    .args(["netns", "add", &ns.0])
+                    .status()
+                    .unwrap()
+                    .success()
+            );
+            ip(&ns.0, &["link", "set", "lo", "up"]);
+            ns
+        }
+    }
     impl Drop for Ns {
         fn drop(&mut self) {
             let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
@@ -534,15 +550,7 @@ mod tests {
             println!("SKIPPED: needs root to create network namespaces");
             return;
         }
-        let ns = Ns(format!("nk-test-agent-{}", std::process::id()));
-        assert!(
-            Command::new("ip")
-                .args(["netns", "add", &ns.0])
-                .status()
-                .unwrap()
-                .success()
-        );
-        ip(&ns.0, &["link", "set", "lo", "up"]);
+        let ns = Ns::create("nk-test-agent");
         ip(
             &ns.0,
             &[
@@ -783,15 +791,7 @@ mod tests {
             println!("SKIPPED: needs root to create network namespaces");
             return;
         }
-        let ns = Ns(format!("nk-test-agent-oci-{}", std::process::id()));
-        assert!(
-            Command::new("ip")
-                .args(["netns", "add", &ns.0])
-                .status()
-                .unwrap()
-                .success()
-        );
-        ip(&ns.0, &["link", "set", "lo", "up"]);
+        let ns = Ns::create("nk-test-agent-oci");
         // The primary VNIC and the second one are visible; the third is not attached yet.
         ip(
             &ns.0,
