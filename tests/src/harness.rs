@@ -105,6 +105,18 @@ impl ControlPlane {
     pub fn audit_log(&self) -> Option<PathBuf> {
         self.cluster.as_ref().and_then(Cluster::audit_log)
     }
+
+    /// The PID of a component this process started (`kube-apiserver`, `etcd`, `kwok`, …), for
+    /// benchmarks that read its CPU time.
+    pub fn component_pid(&self, name: &str) -> Option<u32> {
+        self.cluster
+            .as_ref()?
+            .state
+            .components
+            .iter()
+            .find(|c| c.name == name)
+            .map(|c| c.pid)
+    }
 }
 
 /// A name unique to this run: `prefix-<random>-<counter>`, a valid DNS label (≤ 63 chars).

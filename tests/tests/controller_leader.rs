@@ -1,6 +1,7 @@
 //! Leadership and certificates with real processes: two controller replicas share one Lease,
 //! only the holder writes, killing the holder hands over within the lease duration without a
-//! second write of any condition; and two replicas creating the PKI at once end with one CA.
+//! second write of any condition, and the leader's Pod label (which the Service selects)
+//! follows the Lease; and two replicas creating the PKI at once end with one CA.
 //!
 //! Run: `cargo test -p nodekeeper-e2e --test controller_leader`.
 
@@ -12,14 +13,23 @@ use std::time::{Duration, Instant};
 
 use controller_common::*;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::api::core::v1::{Pod, Secret};
 use kube::Api;
+use kube::api::PostParams;
 use nodekeeper_e2e::{ControlPlane, create_simulated_nodes, test_namespace, unique_name, wait_for};
 
 #[test]
 #[ignore = "helper: re-executed by the tests in this file as a controller process; not a test by itself"]
 fn run_as_controller() {
     run_as_controller_if_asked();
+}
+
+fn leader_label(pod: &Pod) -> Option<String> {
+    pod.metadata
+        .labels
+        .as_ref()?
+        .get("nodekeeper.dev/leader")
+        .cloned()
 }
 
 async fn holder(leases: &Api<Lease>) -> anyhow::Result<Option<String>> {
@@ -60,9 +70,29 @@ async fn killing_the_leader_hands_over_without_writing_twice() -> anyhow::Result
         ("NODEKEEPER_RENEW_DEADLINE", "4s"),
         ("NODEKEEPER_RETRY_PERIOD", "1s"),
     ];
+    // Each replica's Pod (as the Deployment would have made it), so the leader label that
+    // routes the Service to the leader can be checked.
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    for name in ["replica-a", "replica-b"] {
+        pods.create(
+            &PostParams::default(),
+            &serde_json::from_value(serde_json::json!({
+                "metadata": {"name": name, "labels": {"app.kubernetes.io/name": "nodekeeper-controller"}},
+                "spec": {"containers": [{"name": "controller", "image": "nodekeeper-controller:test"}]},
+            }))?,
+        )
+        .await?;
+    }
+    let with_pod = |pod: &'static str| {
+        let mut env: Vec<(&str, &str)> = timing.to_vec();
+        env.push(("NODEKEEPER_POD_NAME", pod));
+        env
+    };
     // Both replicas start together: they race for the Lease and for the PKI.
-    let mut a = ControllerProcess::start(&ns, "replica-a", &selector, port, &timing)?;
-    let mut b = ControllerProcess::start(&ns, "replica-b", &selector, port, &timing)?;
+    let mut a =
+        ControllerProcess::start(&ns, "replica-a", &selector, port, &with_pod("replica-a"))?;
+    let mut b =
+        ControllerProcess::start(&ns, "replica-b", &selector, port, &with_pod("replica-b"))?;
 
     let leases: Api<Lease> = Api::namespaced(client.clone(), &ns);
     let first = wait_for("a Lease holder", Duration::from_secs(60), || {
@@ -123,6 +153,19 @@ async fn killing_the_leader_hands_over_without_writing_twice() -> anyhow::Result
         0.0
     );
     assert_eq!(http_get(standby.http, "/api/v1/summary").await?.0, 503);
+    // The Service selects `nodekeeper.dev/leader=true`: only the leader's Pod carries it.
+    let leader_pod = leader.identity.clone();
+    let standby_pod = standby.identity.clone();
+    wait_for("the leader's Pod label", Duration::from_secs(30), || {
+        let pods = pods.clone();
+        let (leader_pod, standby_pod) = (leader_pod.clone(), standby_pod.clone());
+        async move {
+            let l = leader_label(&pods.get(&leader_pod).await?);
+            let s = leader_label(&pods.get(&standby_pod).await?);
+            Ok((l.as_deref() == Some("true") && s.as_deref() == Some("false")).then_some(()))
+        }
+    })
+    .await?;
 
     // Kill the leader (SIGKILL, no release) and time the handover.
     let killed = Instant::now();
@@ -157,6 +200,11 @@ async fn killing_the_leader_hands_over_without_writing_twice() -> anyhow::Result
     .await?;
     tokio::time::sleep(Duration::from_secs(12)).await;
     assert!(metric(standby.http, "nodekeeper_sweep_agent_calls_total", &[]).await? >= 3.0);
+    assert_eq!(
+        leader_label(&pods.get(&standby.identity).await?).as_deref(),
+        Some("true"),
+        "the new leader labels its Pod, so the Service follows the handover"
+    );
     assert_eq!(
         metric(standby.http, "nodekeeper_conditions_patches_total", &[]).await?,
         0.0,
@@ -214,5 +262,43 @@ async fn two_replicas_creating_the_pki_at_once_end_with_one_ca() -> anyhow::Resu
             .resource_version,
         before
     );
+
+    // Renewal: a leaf that can no longer be read as a valid certificate (as one past two thirds
+    // of its validity is treated) is reissued from the same CA, in place.
+    let mut agent_secret = secrets.get("nodekeeper-agent-tls").await?;
+    agent_secret.data.get_or_insert_default().insert(
+        "tls.crt".into(),
+        k8s_openapi::ByteString(b"expired".to_vec()),
+    );
+    secrets
+        .replace(
+            "nodekeeper-agent-tls",
+            &PostParams::default(),
+            &agent_secret,
+        )
+        .await?;
+    let (d, renewed) = nodekeeper_controller::certs::ensure(&secrets).await?;
+    assert!(renewed, "the unreadable agent leaf was reissued");
+    assert_eq!(d.ca, a.ca, "renewal keeps the CA");
+    let reissued = secrets.get("nodekeeper-agent-tls").await?;
+    let pem = |k: &str| {
+        String::from_utf8(
+            reissued
+                .data
+                .as_ref()
+                .and_then(|m| m.get(k))
+                .map(|b| b.0.clone())
+                .unwrap_or_default(),
+        )
+        .unwrap_or_default()
+    };
+    assert!(pem("tls.crt").starts_with("-----BEGIN CERTIFICATE-----"));
+    assert!(!nodekeeper_controller::certs::needs_renewal(
+        &pem("tls.crt"),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)?
+            .as_secs() as i64
+    ));
+    assert_eq!(pem("ca.crt"), a.ca);
     Ok(())
 }

@@ -519,4 +519,3 @@ pub fn run(args: AgentArgs) -> anyhow::Result<()> {
     }
     Ok(())
 }
-

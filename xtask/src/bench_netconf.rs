@@ -516,4 +516,3 @@ pub fn run_bench(args: NetconfArgs) -> anyhow::Result<()> {
     }
     Ok(())
 }
-

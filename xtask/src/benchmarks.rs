@@ -19,7 +19,12 @@ fn replace_section(text: &str, name: &str, section: &str) -> String {
     };
     let after = start + header.len();
     match text[after..].find("\n## ") {
-        Some(offset) => format!("{}{}\n\n{}", &text[..start], section.trim_end(), &text[after + offset + 1..]),
+        Some(offset) => format!(
+            "{}{}\n\n{}",
+            &text[..start],
+            section.trim_end(),
+            &text[after + offset + 1..]
+        ),
         None => format!("{}{}\n", &text[..start], section.trim_end()),
     }
 }
@@ -33,9 +38,15 @@ mod tests {
     #[test]
     fn replaces_only_the_named_section() {
         let out = replace_section(DOC, "agent", "## agent\n\nnew agent\n");
-        assert_eq!(out, "# Benchmarks\n\n## agent\n\nnew agent\n\n## netconf\n\nold netconf\n");
+        assert_eq!(
+            out,
+            "# Benchmarks\n\n## agent\n\nnew agent\n\n## netconf\n\nold netconf\n"
+        );
         let out = replace_section(DOC, "netconf", "## netconf\n\nnew netconf\n");
-        assert_eq!(out, "# Benchmarks\n\n## agent\n\nold agent\n\n## netconf\n\nnew netconf\n");
+        assert_eq!(
+            out,
+            "# Benchmarks\n\n## agent\n\nold agent\n\n## netconf\n\nnew netconf\n"
+        );
     }
 
     #[test]

@@ -4,12 +4,14 @@
 mod bench_agent;
 mod bench_fleet;
 mod bench_netconf;
+mod bench_networktest;
 mod benchmarks;
 mod cargo;
 mod cluster;
 mod codegen;
 mod demo;
 mod deps;
+mod fleet_rig;
 mod test;
 mod vm;
 
@@ -47,6 +49,8 @@ enum Bench {
     Agent(bench_agent::AgentArgs),
     /// The controller against N kwok nodes with N real agents: sweep time, RSS, CPU, API requests.
     Fleet(bench_fleet::FleetArgs),
+    /// A peers-mesh NetworkTest over N simulated nodes: time to Succeeded, status writes, CPU.
+    Networktest(bench_networktest::NetworkTestArgs),
     /// Host network configuration: apply, no-op re-apply and rollback of N VNICs vs nmstatectl.
     Netconf(bench_netconf::NetconfArgs),
 }
@@ -61,6 +65,7 @@ fn main() -> anyhow::Result<()> {
         Command::Demo(args) => demo::run(args),
         Command::Bench(Bench::Agent(args)) => bench_agent::run(args),
         Command::Bench(Bench::Fleet(args)) => bench_fleet::run(args),
+        Command::Bench(Bench::Networktest(args)) => bench_networktest::run(args),
         Command::Bench(Bench::Netconf(args)) => bench_netconf::run_bench(args),
     }
 }

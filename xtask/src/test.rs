@@ -30,11 +30,15 @@ pub fn run(args: TestArgs) -> Result<()> {
         );
     }
 
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
     let name = format!("test-suite-{}", std::process::id());
     let options = Options::new(name.clone(), Lifetime::WithThisProcess);
     let mut cluster = runtime
-        .block_on(controlplane::up(&options, &mut |line| eprintln!("xtask: {line}")))
+        .block_on(controlplane::up(&options, &mut |line| {
+            eprintln!("xtask: {line}")
+        }))
         .context("start the test control plane")?;
     eprintln!(
         "xtask: control plane `{name}` ready at {} after {:.0}s; running the test suite",
@@ -51,7 +55,10 @@ pub fn run(args: TestArgs) -> Result<()> {
 
     cluster.stop();
     let _ = controlplane::down(&name, true);
-    eprintln!("xtask: test suite finished in {:.0}s ({status})", started.elapsed().as_secs_f64());
+    eprintln!(
+        "xtask: test suite finished in {:.0}s ({status})",
+        started.elapsed().as_secs_f64()
+    );
     if !status.success() {
         bail!("the test suite failed; see the failing tests above");
     }

@@ -170,8 +170,13 @@ impl Fleet {
             .filter(|(_, e)| e.address.is_some() && e.schedule.is_due(now))
             .map(|(name, e)| (e.schedule.next_due, name))
             .collect();
-        due.sort();
-        let names: Vec<String> = due.into_iter().take(max).map(|(_, n)| n.clone()).collect();
+        // Only the `max` earliest matter: a linear selection, not a sort of every due node
+        // (after a controller start all 10,000 are due, and this runs on every completed call).
+        if due.len() > max {
+            due.select_nth_unstable(max);
+            due.truncate(max);
+        }
+        let names: Vec<String> = due.into_iter().map(|(_, n)| n.clone()).collect();
         names
             .into_iter()
             .filter_map(|name| {
@@ -354,6 +359,33 @@ mod tests {
         assert_eq!(jobs[0].endpoint, "127.1.0.4:9443".parse().unwrap());
         // In flight now: not handed out twice.
         assert!(fleet.take_due(now, 10, 9443).is_empty());
+    }
+
+    #[test]
+    fn the_earliest_due_nodes_are_taken_first() {
+        let fleet = Fleet::default();
+        let t0 = Instant::now();
+        for i in 0..50u64 {
+            let mut facts = node_facts(&node("1", Some("127.1.0.4"), json!([])));
+            facts.name = format!("n{i}");
+            fleet.observe(facts, t0);
+            // Node i is due i seconds after t0.
+            fleet
+                .lock()
+                .get_mut(&format!("n{i}"))
+                .unwrap()
+                .schedule
+                .next_due = t0 + std::time::Duration::from_secs(i);
+        }
+        let now = t0 + std::time::Duration::from_secs(100);
+        let mut names: Vec<String> = fleet
+            .take_due(now, 5, 9443)
+            .into_iter()
+            .map(|j| j.name)
+            .collect();
+        names.sort();
+        assert_eq!(names, ["n0", "n1", "n2", "n3", "n4"]);
+        assert_eq!(fleet.take_due(now, 100, 9443).len(), 45);
     }
 
     #[test]

@@ -361,7 +361,9 @@ pub async fn run(cli: Cli) -> Result<(), Error> {
                     metadata_service: cli.metadata_service_address,
                 },
                 store: ctx.networktest_results.clone(),
-                agent_concurrency: 64,
+                // Probe calls mostly wait (count × interval); 256 in flight finish a
+                // 1,000-node mesh in four rounds.
+                agent_concurrency: 256,
                 test_concurrency: 4,
                 namespace: None,
             }),

@@ -36,11 +36,11 @@ pub async fn run(ctx: Arc<Context>) {
     let mut initial_done = false;
     let mut last_interval = ctx.tuning().config.sweep_interval;
     loop {
-        tokio::select! {
+        let ticked = tokio::select! {
             () = ctx.cancel.cancelled() => break,
-            _ = ticker.tick() => {}
-            Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
-        }
+            _ = ticker.tick() => true,
+            Some(_) = tasks.join_next(), if !tasks.is_empty() => false,
+        };
         while tasks.try_join_next().is_some() {}
         let config = ctx.tuning().config.clone();
         let now = Instant::now();
@@ -52,6 +52,11 @@ pub async fn run(ctx: Arc<Context>) {
         last_interval = config.sweep_interval;
 
         let room = config.concurrency.saturating_sub(tasks.len());
+        // Looking for due nodes scans the fleet; after a completed call, do it only once a
+        // sixteenth of the slots are free (the tick refills whatever is left).
+        if !ticked && room < (config.concurrency / 16).max(1) {
+            continue;
+        }
         for job in ctx.fleet.take_due(now, room, ctx.settings.agent_port) {
             let ctx = Arc::clone(&ctx);
             tasks.spawn(async move { poll(&ctx, job).await });

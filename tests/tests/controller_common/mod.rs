@@ -363,7 +363,9 @@ fn frozen_proc(dir: &Path) -> anyhow::Result<PathBuf> {
         "sys/net/netfilter/nf_conntrack_max",
     ] {
         // A file this kernel lacks stays missing: the agent reports that collector's error.
-        let Ok(text) = std::fs::read_to_string(Path::new("/proc").join(file)) else { continue };
+        let Ok(text) = std::fs::read_to_string(Path::new("/proc").join(file)) else {
+            continue;
+        };
         let path = root.join(file);
         std::fs::create_dir_all(path.parent().expect("a file under the root"))?;
         std::fs::write(path, text)?;

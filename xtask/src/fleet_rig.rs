@@ -1,0 +1,639 @@
+//! The simulated fleet the controller benchmarks run on (`cargo xtask bench fleet` and
+//! `cargo xtask bench networktest`): a private local control plane (audit log on) with N kwok
+//! nodes, each with a distinct 127.x.y.z InternalIP and a real agent (the agent crate's service
+//! and mTLS) listening on it — all N agents in one process
+//! (`tests/tests/controller_fleet_agents.rs`, built in release) behind one gRPC server with N
+//! listeners, dispatched by local address — and the release controller under its own
+//! ServiceAccount token, so the audit log tells its requests from kwok's and the bench's.
+//!
+//! Every address is on 127.0.0.0/8; every process is started here and stopped by PID.
+
+use std::collections::BTreeMap;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use futures::{StreamExt, TryStreamExt};
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Node, Secret, ServiceAccount};
+use kube::Api;
+use kube::api::{ListParams, Patch, PatchParams, PostParams};
+use nodekeeper_e2e::controlplane::{Lifetime, Options};
+use nodekeeper_e2e::{ControlPlane, wait_for};
+use serde_json::json;
+
+pub const NAMESPACE: &str = "nodekeeper";
+pub const GROUP_LABEL: &str = "nodekeeper.dev/bench";
+pub const CONTROLLER_USER: &str = "system:serviceaccount:nodekeeper:nodekeeper-controller";
+
+/// What a rig is made of.
+#[derive(Clone, Debug)]
+pub struct RigConfig {
+    /// Names the private cluster (`bench-<what>-<pid>`).
+    pub what: &'static str,
+    pub nodes: usize,
+    pub port: u16,
+    /// The tuning ConfigMap's data.
+    pub tuning: serde_json::Value,
+}
+
+/// The built programs: the release controller and the agents host.
+pub struct Programs {
+    pub controller: PathBuf,
+    pub agents_host: PathBuf,
+}
+
+/// Builds the controller in release and the agents host (release unless `agents_debug`), and
+/// finds both where cargo put them (which honours `CARGO_TARGET_DIR`).
+pub fn build(root: &Path, agents_debug: bool) -> anyhow::Result<Programs> {
+    let controller = built_executable(
+        root,
+        &[
+            "build",
+            "--release",
+            "-p",
+            "nodekeeper-controller",
+            "--bin",
+            "nodekeeper-controller",
+        ],
+        "nodekeeper-controller",
+    )?;
+    let mut args = vec![
+        "test",
+        "-p",
+        "nodekeeper-e2e",
+        "--test",
+        "controller_fleet_agents",
+        "--no-run",
+    ];
+    if !agents_debug {
+        args.push("--release");
+    }
+    let agents_host = built_executable(root, &args, "controller_fleet_agents")?;
+    Ok(Programs {
+        controller,
+        agents_host,
+    })
+}
+
+/// Runs a cargo build with JSON messages (compiler output still on the terminal) and returns
+/// the executable of target `name`.
+fn built_executable(root: &Path, args: &[&str], name: &str) -> anyhow::Result<PathBuf> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+    let output = crate::cargo::command(&cargo)
+        .current_dir(root)
+        .args(args)
+        .arg("--message-format=json-render-diagnostics")
+        .stderr(Stdio::inherit())
+        .output()
+        .with_context(|| format!("run {cargo} {}", args.join(" ")))?;
+    if !output.status.success() {
+        bail!(
+            "`cargo {}` failed; see the compiler output above",
+            args.join(" ")
+        );
+    }
+    String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|m| m["reason"] == "compiler-artifact" && m["target"]["name"] == name)
+        .find_map(|m| m["executable"].as_str().map(PathBuf::from))
+        .with_context(|| format!("cargo named no executable for {name}"))
+}
+
+/// The simulated kubelets' node Lease duration for N nodes: a kubelet's 40 s up to 400 nodes,
+/// then long enough that kwok renews at most about 40 Leases a second (it renews every quarter
+/// of the duration). Real kubelets renew every 10 s; at 10,000 nodes that is 1,000 writes a
+/// second, which a 2-core machine also running etcd, the apiserver, kwok, every agent and the
+/// controller cannot carry without distorting what is measured. The controller never reads
+/// Leases of nodes, so this changes only the background load.
+pub fn node_lease_seconds(nodes: usize) -> u32 {
+    u32::try_from(nodes / 10).unwrap_or(u32::MAX).max(40)
+}
+
+/// A running rig. Dropping it stops the agents, the controller and the control plane.
+pub struct Rig {
+    pub client: kube::Client,
+    pub audit: PathBuf,
+    pub names: Vec<String>,
+    pub agents: Agents,
+    pub controller: ControllerChild,
+    launch: Launch,
+    /// The controller's HTTP API and metrics.
+    pub http: SocketAddr,
+    pub node_lease_seconds: u32,
+    // Last: the control plane outlives everything that talks to it.
+    pub cp: ControlPlane,
+}
+
+impl Rig {
+    /// Starts the control plane, creates the nodes and waits until kwok has made them Ready,
+    /// starts the controller (which creates the PKI), and starts the agents with its
+    /// certificate, and then the controller that is measured. Its first sweep is under way
+    /// when this returns.
+    pub async fn start(
+        config: &RigConfig,
+        root: &Path,
+        programs: &Programs,
+        say: &dyn Fn(String),
+    ) -> anyhow::Result<Rig> {
+        let n = config.nodes;
+        let node_lease = node_lease_seconds(n);
+        let mut options = Options::new(
+            format!("bench-{}-{}", config.what, std::process::id()),
+            Lifetime::WithThisProcess,
+        );
+        options.audit = true;
+        options.max_requests_inflight = Some(2000);
+        options.max_mutating_requests_inflight = Some(1000);
+        options.node_lease_seconds = Some(node_lease);
+        say(format!(
+            "starting a private control plane (audit on, node Leases of {node_lease} s)"
+        ));
+        let cp = ControlPlane::start(options)?;
+        let client = cp.client().await?;
+        let audit = cp.audit_log().context("audit log")?;
+
+        let namespaces: Api<Namespace> = Api::all(client.clone());
+        namespaces
+            .create(
+                &PostParams::default(),
+                &serde_json::from_value(json!({"metadata": {"name": NAMESPACE}}))?,
+            )
+            .await?;
+        wait_for("default ServiceAccount", Duration::from_secs(60), || {
+            let sas: Api<ServiceAccount> = Api::namespaced(client.clone(), NAMESPACE);
+            async move { Ok(sas.get_opt("default").await?.map(|_| ())) }
+        })
+        .await?;
+        let kubeconfig = cp.kubeconfig().with_file_name("controller-kubeconfig.yaml");
+        nodekeeper_e2e::install_crds(&client).await?;
+        controller_kubeconfig(&client, root, cp.kubeconfig(), &kubeconfig).await?;
+
+        let cms: Api<ConfigMap> = Api::namespaced(client.clone(), NAMESPACE);
+        cms.patch(
+            "nodekeeper-tuning",
+            &PatchParams::apply("nodekeeper-bench").force(),
+            &Patch::Apply(json!({"apiVersion": "v1", "kind": "ConfigMap",
+                "metadata": {"name": "nodekeeper-tuning"}, "data": config.tuning})),
+        )
+        .await?;
+
+        // Nodes, created 32 at a time.
+        let created = Instant::now();
+        let names: Vec<String> = (0..n).map(|i| format!("bench-{i:05}")).collect();
+        let labels: BTreeMap<String, String> =
+            [(GROUP_LABEL.to_owned(), "fleet".to_owned())].into();
+        let nodes: Api<Node> = Api::all(client.clone());
+        let mut done = 0usize;
+        {
+            let mut creates = futures::stream::iter(names.iter().enumerate().map(|(i, name)| {
+                let nodes = nodes.clone();
+                let body =
+                    nodekeeper_e2e::controlplane::nodes::simulated_node(name, node_ip(i), &labels);
+                async move {
+                    let node: Node = serde_json::from_value(body)?;
+                    nodes.create(&PostParams::default(), &node).await?;
+                    anyhow::Ok(())
+                }
+            }))
+            .buffer_unordered(32);
+            while creates.try_next().await?.is_some() {
+                done += 1;
+                if done % 1000 == 0 && done < n {
+                    say(format!("{done}/{n} nodes created"));
+                }
+            }
+        }
+        wait_for("every node Ready (kwok)", Duration::from_secs(1200), || {
+            let nodes = nodes.clone();
+            async move {
+                let list = nodes
+                    .list(&ListParams::default().labels(&format!("{GROUP_LABEL}=fleet")))
+                    .await?;
+                let ready = list
+                    .items
+                    .iter()
+                    .filter(|n| nodekeeper_e2e::controlplane::nodes::is_ready(n))
+                    .count();
+                Ok((ready == n).then_some(()))
+            }
+        })
+        .await?;
+        say(format!(
+            "{n} nodes created and Ready in {:.0?}",
+            created.elapsed()
+        ));
+
+        let http: SocketAddr = "127.0.0.1:18080".parse()?;
+        let launch = Launch {
+            binary: programs.controller.clone(),
+            kubeconfig,
+            http,
+            port: config.port,
+        };
+        // A first controller creates the PKI the agents need; it is stopped once it has, so
+        // that the measured controller starts with every agent listening.
+        let mut pki_maker = launch.start()?;
+        let secrets: Api<Secret> = Api::namespaced(client.clone(), NAMESPACE);
+        let secret = wait_for(
+            "Secret nodekeeper-agent-tls",
+            Duration::from_secs(60),
+            || {
+                let secrets = secrets.clone();
+                async move { Ok(secrets.get_opt("nodekeeper-agent-tls").await?) }
+            },
+        )
+        .await?;
+        let tls: BTreeMap<String, String> = secret
+            .data
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(k, v)| (k, String::from_utf8_lossy(&v.0).into_owned()))
+            .collect();
+        say(format!("starting {n} agents"));
+        let agents = start_agents(&programs.agents_host, &names, config.port, &tls)?;
+        pki_maker.stop();
+        let controller = launch.start()?;
+        say(format!("{n} agents listening; controller started"));
+        Ok(Rig {
+            client,
+            audit,
+            names,
+            agents,
+            controller,
+            launch,
+            http,
+            node_lease_seconds: node_lease,
+            cp,
+        })
+    }
+
+    /// Stops the controller with SIGTERM (it releases the Lease) and starts a new one, which
+    /// leads at once: a controller restart in a running cluster.
+    pub fn restart_controller(&mut self) -> anyhow::Result<()> {
+        self.controller.stop();
+        self.controller = self.launch.start()?;
+        Ok(())
+    }
+
+    /// Waits for the controller's first full sweep and returns its duration in seconds.
+    pub async fn first_sweep(&self, within: Duration) -> anyhow::Result<f64> {
+        let http = self.http;
+        wait_for("the first full sweep", within, || async move {
+            let s = metric(http, "nodekeeper_sweep_initial_sweep_seconds", "").await?;
+            Ok((s > 0.0).then_some(s))
+        })
+        .await
+    }
+}
+
+/// How the controller is started.
+struct Launch {
+    binary: PathBuf,
+    kubeconfig: PathBuf,
+    http: SocketAddr,
+    port: u16,
+}
+
+impl Launch {
+    fn start(&self) -> anyhow::Result<ControllerChild> {
+        Ok(ControllerChild(
+            Command::new(&self.binary)
+                .env("KUBECONFIG", &self.kubeconfig)
+                .env("NODEKEEPER_NAMESPACE", NAMESPACE)
+                .env("NODEKEEPER_IDENTITY", "bench-controller")
+                .env("NODEKEEPER_HTTP_LISTEN", self.http.to_string())
+                .env("NODEKEEPER_AGENT_PORT", self.port.to_string())
+                .env("NODEKEEPER_NODE_SELECTOR", format!("{GROUP_LABEL}=fleet"))
+                .env("NODEKEEPER_LOG_FORMAT", "plain")
+                .env("NODEKEEPER_LOG", "warn")
+                .stdout(Stdio::null())
+                .spawn()
+                .with_context(|| format!("start {}", self.binary.display()))?,
+        ))
+    }
+}
+
+/// The i-th node address: 127.100.0.1, 127.100.0.2, … (host part 1–254, never .0 or .255).
+pub fn node_ip(i: usize) -> Ipv4Addr {
+    let per_b = 254;
+    let per_a = per_b * 256;
+    let a = 100 + i / per_a;
+    let b = (i / per_b) % 256;
+    let c = i % per_b + 1;
+    Ipv4Addr::new(
+        127,
+        u8::try_from(a).unwrap_or(255),
+        u8::try_from(b).unwrap_or(0),
+        u8::try_from(c).unwrap_or(1),
+    )
+}
+
+/// The agents host: `tests/tests/controller_fleet_agents.rs` built in release, serving every
+/// node's agent from one process (see that file). Its work directory holds each node's fake
+/// sysctl tree, which the bench edits to make a node unhealthy.
+pub struct Agents {
+    child: Child,
+    work: tempfile::TempDir,
+}
+
+impl Agents {
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn sysctl(&self, i: usize) -> PathBuf {
+        self.work
+            .path()
+            .join(format!("n{i}"))
+            .join("sysctl")
+            .join("net/core/somaxconn")
+    }
+}
+
+impl Drop for Agents {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start_agents(
+    host: &Path,
+    names: &[String],
+    port: u16,
+    tls: &BTreeMap<String, String>,
+) -> anyhow::Result<Agents> {
+    let work = tempfile::tempdir()?;
+    for (k, v) in tls {
+        std::fs::write(work.path().join(k), v)?;
+    }
+    let nodes: Vec<serde_json::Value> = names
+        .iter()
+        .enumerate()
+        .map(|(i, name)| json!({"name": name, "ip": node_ip(i).to_string()}))
+        .collect();
+    let spec = work.path().join("spec.json");
+    std::fs::write(
+        &spec,
+        serde_json::to_vec(&json!({"port": port, "dir": work.path(), "nodes": nodes}))?,
+    )?;
+    let mut child = Command::new(host)
+        .args([
+            "--ignored",
+            "--exact",
+            "fleet_agents_host",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("NODEKEEPER_E2E_ROLE", "fleet-agents")
+        .env("NODEKEEPER_FLEET_SPEC", &spec)
+        .stdout(Stdio::null())
+        .spawn()?;
+    let deadline = Instant::now() + Duration::from_secs(600);
+    while Instant::now() < deadline {
+        if work.path().join("ready").exists() {
+            return Ok(Agents { child, work });
+        }
+        if let Some(status) = child.try_wait()? {
+            bail!("the agents host exited before it was ready ({status})");
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let _ = child.kill();
+    bail!("the agents host was not ready within 10 minutes")
+}
+
+/// RSS (KiB), peak RSS (KiB) and CPU seconds (user + system) of a process.
+pub fn proc_usage(pid: u32) -> anyhow::Result<(u64, u64, f64)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let kib = |key: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(key))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest.split_whitespace().collect())
+        .unwrap_or_default();
+    // Fields after the command: state is [0], utime [11], stime [12] (man 5 proc: 14 and 15).
+    let ticks: f64 = fields
+        .get(11)
+        .and_then(|v| v.parse::<f64>().ok())
+        .unwrap_or(0.0)
+        + fields
+            .get(12)
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0);
+    Ok((kib("VmRSS:"), kib("VmHWM:"), ticks / 100.0))
+}
+
+/// `apiserver_request_total` summed by (verb, resource, subresource).
+pub async fn request_totals(
+    client: &kube::Client,
+) -> anyhow::Result<BTreeMap<(String, String, String), f64>> {
+    let text = client
+        .request_text(http::Request::get("/metrics").body(Vec::new())?)
+        .await?;
+    let mut totals = BTreeMap::new();
+    for line in text
+        .lines()
+        .filter(|l| l.starts_with("apiserver_request_total{"))
+    {
+        let Some((labels, value)) = line.rsplit_once(' ') else {
+            continue;
+        };
+        let label = |name: &str| {
+            labels
+                .split(&format!("{name}=\"")[..])
+                .nth(1)
+                .and_then(|rest| rest.split('"').next())
+                .unwrap_or_default()
+                .to_owned()
+        };
+        let value: f64 = value.parse().unwrap_or(0.0);
+        *totals
+            .entry((label("verb"), label("resource"), label("subresource")))
+            .or_default() += value;
+    }
+    Ok(totals)
+}
+
+/// Audit events by (user, verb, resource[/subresource]) from `from_line` on; returns the counts
+/// and the number of lines read.
+pub fn audit_counts(
+    path: &Path,
+    from_line: usize,
+) -> anyhow::Result<(BTreeMap<(String, String, String), u64>, usize, Vec<String>)> {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let mut counts = BTreeMap::new();
+    let mut patched_nodes = Vec::new();
+    let mut n = 0;
+    for line in text.lines() {
+        n += 1;
+        if n <= from_line {
+            continue;
+        }
+        let Ok(event) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
+        if event["stage"] != "ResponseComplete" {
+            continue;
+        }
+        let user = event["user"]["username"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        let verb = event["verb"].as_str().unwrap_or_default().to_owned();
+        let obj = &event["objectRef"];
+        let mut resource = obj["resource"].as_str().unwrap_or_default().to_owned();
+        if let Some(sub) = obj["subresource"].as_str() {
+            resource = format!("{resource}/{sub}");
+        }
+        if user == CONTROLLER_USER && verb == "patch" && resource == "nodes/status" {
+            patched_nodes.push(obj["name"].as_str().unwrap_or_default().to_owned());
+        }
+        *counts.entry((user, verb, resource)).or_default() += 1;
+    }
+    Ok((counts, n, patched_nodes))
+}
+
+/// Applies the controller's RBAC from deploy/controller and returns a kubeconfig for its
+/// ServiceAccount, so its requests are counted apart from kwok's and the bench's.
+async fn controller_kubeconfig(
+    client: &kube::Client,
+    root: &Path,
+    admin: &Path,
+    out: &Path,
+) -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(root.join("deploy/controller/controller.yaml"))?;
+    use serde::Deserialize as _;
+    for doc in serde_yaml::Deserializer::from_str(&text) {
+        let value = serde_json::Value::deserialize(doc)?;
+        let kind = value["kind"].as_str().unwrap_or_default();
+        if ![
+            "ServiceAccount",
+            "ClusterRole",
+            "ClusterRoleBinding",
+            "Role",
+            "RoleBinding",
+        ]
+        .contains(&kind)
+        {
+            continue;
+        }
+        let obj: kube::api::DynamicObject = serde_json::from_value(value.clone())?;
+        let gvk = kube::api::GroupVersionKind::try_from(obj.types.as_ref().context("no types")?)?;
+        let (ar, _) = kube::discovery::pinned_kind(client, &gvk).await?;
+        let api: Api<kube::api::DynamicObject> = match obj.metadata.namespace.as_deref() {
+            Some(ns) => Api::namespaced_with(client.clone(), ns, &ar),
+            None => Api::all_with(client.clone(), &ar),
+        };
+        let name = obj.metadata.name.clone().context("no name")?;
+        api.patch(
+            &name,
+            &PatchParams::apply("nodekeeper-bench").force(),
+            &Patch::Apply(&value),
+        )
+        .await?;
+    }
+    let sas: Api<ServiceAccount> = Api::namespaced(client.clone(), NAMESPACE);
+    let token = sas
+        .create_token_request(
+            "nodekeeper-controller",
+            &PostParams::default(),
+            &serde_json::from_value(
+                json!({"spec": {"expirationSeconds": 86400, "audiences": []}}),
+            )?,
+        )
+        .await?
+        .status
+        .context("token request without status")?
+        .token;
+    let kubeconfig = kube::config::Kubeconfig::read_from(admin)?;
+    let cluster = kubeconfig
+        .clusters
+        .first()
+        .and_then(|c| c.cluster.clone())
+        .context("admin kubeconfig has no cluster")?;
+    let config = json!({
+        "apiVersion": "v1", "kind": "Config",
+        "clusters": [{"name": "local", "cluster": {
+            "server": cluster.server,
+            "certificate-authority-data": cluster.certificate_authority_data,
+            "certificate-authority": cluster.certificate_authority,
+        }}],
+        "users": [{"name": "controller", "user": {"token": token}}],
+        "contexts": [{"name": "controller", "context": {"cluster": "local", "user": "controller"}}],
+        "current-context": "controller",
+    });
+    std::fs::write(out, serde_yaml::to_string(&config)?)?;
+    Ok(())
+}
+
+pub async fn metric(addr: SocketAddr, name: &str, matcher: &str) -> anyhow::Result<f64> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await?;
+    stream.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").await?;
+    let mut body = String::new();
+    stream.read_to_string(&mut body).await?;
+    Ok(body
+        .lines()
+        .filter(|l| l.split(['{', ' ']).next() == Some(name) && l.contains(matcher))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum())
+}
+
+pub struct ControllerChild(Child);
+
+impl ControllerChild {
+    pub fn pid(&self) -> u32 {
+        self.0.id()
+    }
+
+    pub fn stop(&mut self) {
+        let _ = Command::new("kill")
+            .arg("-TERM")
+            .arg(self.0.id().to_string())
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.0.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Drop for ControllerChild {
+    fn drop(&mut self) {
+        if let Ok(None) = self.0.try_wait() {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn node_ips_are_distinct_loopback_host_addresses() {
+        let ips: std::collections::HashSet<Ipv4Addr> = (0..70_000).map(node_ip).collect();
+        assert_eq!(ips.len(), 70_000);
+        assert!(
+            ips.iter()
+                .all(|ip| ip.octets()[0] == 127 && ip.octets()[3] != 0 && ip.octets()[3] != 255)
+        );
+    }
+}
