@@ -474,6 +474,13 @@ pub fn audit_counts(
     let text = std::fs::read_to_string(path).unwrap_or_default();
     let mut counts = BTreeMap::new();
     let mut patched_nodes = Vec::new();
+    let total = text.lines().count();
+    if total < from_line {
+        bail!(
+            "{} has {total} lines, fewer than the {from_line} already counted: it was rotated, so requests would go uncounted",
+            path.display()
+        );
+    }
     let mut n = 0;
     for line in text.lines() {
         n += 1;
@@ -587,7 +594,8 @@ pub async fn metric(addr: SocketAddr, name: &str, matcher: &str) -> anyhow::Resu
         .lines()
         .filter(|l| l.split(['{', ' ']).next() == Some(name) && l.contains(matcher))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum())
+        // An empty float sum is -0.0, which would print as "-0".
+        .fold(0.0, |a, b| a + b))
 }
 
 pub struct ControllerChild(Child);

@@ -629,6 +629,9 @@ async fn start_components(
         args.push(format!("--audit-log-path={}", s(&dir.join("audit.log"))));
         args.push("--audit-log-format=json".into());
         args.push("--audit-log-maxbackup=1".into());
+        // Unset (0), the log rotates at 100 MB, which a 10,000-node run passes within minutes;
+        // benchmarks count lines from an offset and need one file.
+        args.push("--audit-log-maxsize=100000".into());
     }
     starting.spawn("kube-apiserver", bin.path("kube-apiserver"), args, &[])?;
     let client = client_from_kubeconfig(kubeconfigs.admin).await?;
