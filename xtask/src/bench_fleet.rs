@@ -8,7 +8,7 @@
 //! The controller and the agents host are built and run in release.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::bail;
@@ -108,7 +108,12 @@ async fn bench(args: FleetArgs, root: PathBuf, programs: Programs) -> anyhow::Re
         .map(|c| cpu_of(rig.cp.component_pid(c)))
         .chain([cpu_of(Some(agents_pid))])
         .zip(&before)
-        .zip(others.iter().map(|c| (*c).to_owned()).chain(["agents host".to_owned()]))
+        .zip(
+            others
+                .iter()
+                .map(|c| (*c).to_owned())
+                .chain(["agents host".to_owned()]),
+        )
         .map(|((after, before), name)| (name, after - before))
         .collect();
     let restart_patches = metric(http, "nodekeeper_conditions_patches_total", "").await?;
@@ -202,8 +207,16 @@ async fn bench(args: FleetArgs, root: PathBuf, programs: Programs) -> anyhow::Re
     ));
     report.push_str(&format!(
         "| CPU during that sweep: controller (from its start) / {} | {restart_cpu:.1} s / {} |\n",
-        sweep_cpu.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>().join(" / "),
-        sweep_cpu.iter().map(|(_, c)| format!("{c:.1} s")).collect::<Vec<_>>().join(" / "),
+        sweep_cpu
+            .iter()
+            .map(|(n, _)| n.as_str())
+            .collect::<Vec<_>>()
+            .join(" / "),
+        sweep_cpu
+            .iter()
+            .map(|(_, c)| format!("{c:.1} s"))
+            .collect::<Vec<_>>()
+            .join(" / "),
     ));
     report.push_str(&format!(
         "| first sweep of a fresh fleet (every node's conditions written for the first time) | {fresh_secs:.1} s, {fresh_patches:.0} condition patches |\n"
@@ -273,7 +286,7 @@ async fn bench(args: FleetArgs, root: PathBuf, programs: Programs) -> anyhow::Re
     report.push('\n');
     println!("{report}");
     if !args.no_write {
-        write_section(&root, n, &report)?;
+        crate::benchmarks::write_subsection(&root, "fleet", INTRO, &format!("N = {n}"), &report)?;
     }
     if !exact {
         bail!("the flipped nodes did not get exactly one patch each: {per_node:?}");
@@ -281,44 +294,5 @@ async fn bench(args: FleetArgs, root: PathBuf, programs: Programs) -> anyhow::Re
     Ok(())
 }
 
-/// Replaces `### N = n` inside `## fleet` in BENCHMARKS.md (creating either as needed).
-fn write_section(root: &Path, n: usize, report: &str) -> anyhow::Result<()> {
-    let path = root.join("BENCHMARKS.md");
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|_| "# Benchmarks\n".to_owned());
-    let header = "## fleet\n";
-    let intro = "## fleet\n\nThe controller against a local control plane with N kwok nodes and N real agents (mTLS, many per process, each on its own 127.x.y.z). Targets at 10,000 nodes: full sweep ≤ 30 s, controller RSS ≤ 200 MiB, steady-state writes ≤ 0.3/s, 0 requests from agents. Anchor: node-problem-detector's 5-minute heartbeat alone is ~33 Node patches/s at 10,000 nodes (10,000 / 300 s).\n\n";
-    let (before, section, after) = match text.find(header) {
-        Some(start) => {
-            let rest = &text[start + header.len()..];
-            let end = rest
-                .find("\n## ")
-                .map_or(text.len(), |e| start + header.len() + e + 1);
-            (
-                text[..start].to_owned(),
-                text[start..end].to_owned(),
-                text[end..].to_owned(),
-            )
-        }
-        None => (
-            format!("{}\n\n", text.trim_end()),
-            intro.to_owned(),
-            String::new(),
-        ),
-    };
-    let sub = format!("### N = {n}\n");
-    let section = match section.find(&sub) {
-        Some(s) => {
-            let rest = &section[s + sub.len()..];
-            let e = rest
-                .find("\n### ")
-                .map_or(section.len(), |e| s + sub.len() + e + 1);
-            format!("{}{}{}", &section[..s], report, &section[e..])
-        }
-        None => format!("{}\n{}", section.trim_end(), format!("\n\n{report}")),
-    };
-    std::fs::write(
-        &path,
-        format!("{before}{}{after}", section.trim_end().to_owned() + "\n"),
-    )?;
-    Ok(())
-}
+/// The `## fleet` section's opening, written when BENCHMARKS.md has no such section yet.
+const INTRO: &str = "## fleet\n\nThe controller against a local control plane with N kwok nodes and N real agents (mTLS, many per process, each on its own 127.x.y.z). Targets at 10,000 nodes: full sweep ≤ 30 s, controller RSS ≤ 200 MiB, steady-state writes ≤ 0.3/s, 0 requests from agents. Anchor: node-problem-detector's 5-minute heartbeat alone is ~33 Node patches/s at 10,000 nodes (10,000 / 300 s).\n";

@@ -135,54 +135,22 @@ struct Binaries {
     controller: PathBuf,
 }
 
-/// Builds both binaries with cargo's output on the terminal, and finds them in the target
-/// directory cargo reports (which honours `CARGO_TARGET_DIR` and config).
+/// Builds both binaries with cargo's output on the terminal, and takes their paths from
+/// cargo's own report (which honours `CARGO_TARGET_DIR` and config).
 fn build_binaries() -> Result<Binaries> {
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
-    let status = crate::cargo::command(&cargo)
-        .args([
+    let [agent, controller] = crate::cargo::build_executables(
+        &crate::codegen::repo_root(),
+        &[
             "build",
             "-p",
             "nodekeeper-agent",
             "-p",
             "nodekeeper-controller",
             "--bins",
-        ])
-        .status()
-        .with_context(|| format!("run {cargo} build"))?;
-    if !status.success() {
-        bail!(
-            "cargo build of nodekeeper-agent and nodekeeper-controller failed ({status}); see the compiler output above"
-        );
-    }
-    let output = crate::cargo::command(&cargo)
-        .args(["metadata", "--format-version", "1", "--no-deps"])
-        .output()
-        .with_context(|| format!("run {cargo} metadata"))?;
-    if !output.status.success() {
-        bail!(
-            "cargo metadata failed: {}",
-            String::from_utf8_lossy(&output.stderr).trim()
-        );
-    }
-    let metadata: Value = serde_json::from_slice(&output.stdout).context("parse cargo metadata")?;
-    let target = metadata["target_directory"]
-        .as_str()
-        .context("cargo metadata has no target_directory")?;
-    let dir = Path::new(target).join("debug");
-    let bins = Binaries {
-        agent: dir.join("nodekeeper-agent"),
-        controller: dir.join("nodekeeper-controller"),
-    };
-    for bin in [&bins.agent, &bins.controller] {
-        if !bin.is_file() {
-            bail!(
-                "{} is missing after cargo build; check CARGO_TARGET_DIR and the build output above",
-                bin.display()
-            );
-        }
-    }
-    Ok(bins)
+        ],
+        ["nodekeeper-agent", "nodekeeper-controller"],
+    )?;
+    Ok(Binaries { agent, controller })
 }
 
 /// A process the demo started and owns: stopped by pid through its `Child` handle, which we

@@ -15,13 +15,14 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
-use futures::{StreamExt, TryStreamExt};
-use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Node, Secret, ServiceAccount};
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Secret, ServiceAccount};
 use kube::Api;
-use kube::api::{ListParams, Patch, PatchParams, PostParams};
-use nodekeeper_e2e::controlplane::{Lifetime, Options};
+use kube::api::{Patch, PatchParams, PostParams};
+use nodekeeper_e2e::controlplane::{Lifetime, Options, nodes};
 use nodekeeper_e2e::{ControlPlane, wait_for};
 use serde_json::json;
+
+use crate::cargo::build_executables;
 
 pub const NAMESPACE: &str = "nodekeeper";
 pub const GROUP_LABEL: &str = "nodekeeper.dev/bench";
@@ -47,7 +48,7 @@ pub struct Programs {
 /// Builds the controller in release and the agents host (release unless `agents_debug`), and
 /// finds both where cargo put them (which honours `CARGO_TARGET_DIR`).
 pub fn build(root: &Path, agents_debug: bool) -> anyhow::Result<Programs> {
-    let controller = built_executable(
+    let [controller] = build_executables(
         root,
         &[
             "build",
@@ -57,7 +58,7 @@ pub fn build(root: &Path, agents_debug: bool) -> anyhow::Result<Programs> {
             "--bin",
             "nodekeeper-controller",
         ],
-        "nodekeeper-controller",
+        ["nodekeeper-controller"],
     )?;
     let mut args = vec![
         "test",
@@ -70,36 +71,11 @@ pub fn build(root: &Path, agents_debug: bool) -> anyhow::Result<Programs> {
     if !agents_debug {
         args.push("--release");
     }
-    let agents_host = built_executable(root, &args, "controller_fleet_agents")?;
+    let [agents_host] = build_executables(root, &args, ["controller_fleet_agents"])?;
     Ok(Programs {
         controller,
         agents_host,
     })
-}
-
-/// Runs a cargo build with JSON messages (compiler output still on the terminal) and returns
-/// the executable of target `name`.
-fn built_executable(root: &Path, args: &[&str], name: &str) -> anyhow::Result<PathBuf> {
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
-    let output = crate::cargo::command(&cargo)
-        .current_dir(root)
-        .args(args)
-        .arg("--message-format=json-render-diagnostics")
-        .stderr(Stdio::inherit())
-        .output()
-        .with_context(|| format!("run {cargo} {}", args.join(" ")))?;
-    if !output.status.success() {
-        bail!(
-            "`cargo {}` failed; see the compiler output above",
-            args.join(" ")
-        );
-    }
-    String::from_utf8_lossy(&output.stdout)
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|m| m["reason"] == "compiler-artifact" && m["target"]["name"] == name)
-        .find_map(|m| m["executable"].as_str().map(PathBuf::from))
-        .with_context(|| format!("cargo named no executable for {name}"))
 }
 
 /// The simulated kubelets' node Lease duration for N nodes: a kubelet's 40 s up to 400 nodes,
@@ -180,47 +156,14 @@ impl Rig {
         )
         .await?;
 
-        // Nodes, created 32 at a time.
+        say(format!("creating {n} nodes"));
         let created = Instant::now();
         let names: Vec<String> = (0..n).map(|i| format!("bench-{i:05}")).collect();
+        let ips: Vec<Ipv4Addr> = (0..n).map(node_ip).collect();
         let labels: BTreeMap<String, String> =
             [(GROUP_LABEL.to_owned(), "fleet".to_owned())].into();
-        let nodes: Api<Node> = Api::all(client.clone());
-        let mut done = 0usize;
-        {
-            let mut creates = futures::stream::iter(names.iter().enumerate().map(|(i, name)| {
-                let nodes = nodes.clone();
-                let body =
-                    nodekeeper_e2e::controlplane::nodes::simulated_node(name, node_ip(i), &labels);
-                async move {
-                    let node: Node = serde_json::from_value(body)?;
-                    nodes.create(&PostParams::default(), &node).await?;
-                    anyhow::Ok(())
-                }
-            }))
-            .buffer_unordered(32);
-            while creates.try_next().await?.is_some() {
-                done += 1;
-                if done % 1000 == 0 && done < n {
-                    say(format!("{done}/{n} nodes created"));
-                }
-            }
-        }
-        wait_for("every node Ready (kwok)", Duration::from_secs(1200), || {
-            let nodes = nodes.clone();
-            async move {
-                let list = nodes
-                    .list(&ListParams::default().labels(&format!("{GROUP_LABEL}=fleet")))
-                    .await?;
-                let ready = list
-                    .items
-                    .iter()
-                    .filter(|n| nodekeeper_e2e::controlplane::nodes::is_ready(n))
-                    .count();
-                Ok((ready == n).then_some(()))
-            }
-        })
-        .await?;
+        nodes::create(&client, &names, &ips, &labels).await?;
+        nodes::wait_ready(&client, &names, Duration::from_secs(1200)).await?;
         say(format!(
             "{n} nodes created and Ready in {:.0?}",
             created.elapsed()
