@@ -16,8 +16,8 @@ use controller_common::*;
 use k8s_openapi::api::core::v1::Node;
 use kube::Api;
 use kube::api::PostParams;
-use nodekeeper_api::proto::agent::v1 as pb;
 use nodekeeper_e2e::{ControlPlane, create_simulated_nodes, test_namespace, unique_name};
+use nodekeeper_proto::agent::v1 as pb;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 

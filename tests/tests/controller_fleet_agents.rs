@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use anyhow::Context as _;
 use nodekeeper_agent::service::AgentService;
-use nodekeeper_api::proto::agent::v1 as pb;
+use nodekeeper_proto::agent::v1 as pb;
 use tonic::{Request, Response, Status};
 
 /// One agent per node, dispatched by the connection's local address.

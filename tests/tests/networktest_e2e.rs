@@ -28,13 +28,13 @@ use kube::api::{DeleteParams, WatchEvent, WatchParams};
 use nix::sched::{CloneFlags, setns};
 use nodekeeper_api::crd::NetworkTest;
 use nodekeeper_api::crd::network_test::Phase;
-use nodekeeper_api::proto::agent::v1 as pb;
 use nodekeeper_controller::networktest::plan::Environment;
 use nodekeeper_controller::networktest::reconcile::{self, AgentCall};
 use nodekeeper_controller::networktest::store::ResultsStore;
 use nodekeeper_e2e::{
     ControlPlane, create_simulated_nodes, install_crds, test_namespace, unique_name, wait_for,
 };
+use nodekeeper_proto::agent::v1 as pb;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 

@@ -45,7 +45,7 @@ pub struct FleetArgs {
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
-    nodekeeper_api::tuning::parse_duration(s)
+    nodekeeper_model::tuning::parse_duration(s)
 }
 
 pub fn run(args: FleetArgs) -> anyhow::Result<()> {
@@ -196,7 +196,7 @@ async fn bench(args: FleetArgs, root: PathBuf, programs: Programs) -> anyhow::Re
     report.push_str(&format!("### N = {n}\n\n"));
     report.push_str(&format!(
         "Command: `cargo xtask bench fleet --nodes {n} --window {}{}`; controller built in release, agents host in {}; machine: {host_cpus} cores shared with the control plane, kwok and all {n} agents. The simulated kubelets' node Leases last {node_lease} s (kwok renews each every {} s; see `fleet_rig::node_lease_seconds`).\n\n",
-        nodekeeper_api::tuning::format_duration(args.window),
+        nodekeeper_model::tuning::format_duration(args.window),
         if args.agents_debug { " --agents-debug" } else { "" },
         if args.agents_debug { "the dev profile" } else { "release" },
         node_lease / 4,

@@ -13,7 +13,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail, ensure};
-use nodekeeper_api::network::NetworkState;
+use nodekeeper_model::network::NetworkState;
 use nodekeeper_netconf::{ApplyOptions, Netconf, Outcome};
 
 /// `cargo xtask bench netconf` arguments.

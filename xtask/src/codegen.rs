@@ -1,4 +1,4 @@
-//! `cargo xtask codegen`: regenerates the checked-in gRPC code (`crates/api/src/generated/`) from
+//! `cargo xtask codegen`: regenerates the checked-in gRPC code (`crates/proto/src/generated/`) from
 //! `proto/` and the CRD manifests (`deploy/crds/`) from the Rust types, and the drift test that
 //! fails when either is out of date.
 
@@ -13,7 +13,7 @@ use nodekeeper_api::crd;
 const PROTO_FILES: &[&str] = &["nodekeeper/agent/v1/agent.proto"];
 
 /// Where generated Rust lands, relative to the repository root.
-const GENERATED_RUST_DIR: &str = "crates/api/src/generated";
+const GENERATED_RUST_DIR: &str = "crates/proto/src/generated";
 
 /// Where generated CRD manifests land, relative to the repository root.
 const CRD_DIR: &str = "deploy/crds";

@@ -12,6 +12,7 @@ mod codegen;
 mod demo;
 mod deps;
 mod fleet_rig;
+mod layering;
 mod test;
 mod vm;
 
@@ -26,7 +27,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Regenerate the checked-in gRPC code (crates/api/src/generated) and CRDs (deploy/crds).
+    /// Regenerate the checked-in gRPC code (crates/proto/src/generated) and CRDs (deploy/crds).
     Codegen(codegen::CodegenArgs),
     /// The local control plane (etcd, kube-apiserver, controller-manager, scheduler, kwok) on 127.0.0.1.
     Cluster(cluster::ClusterArgs),

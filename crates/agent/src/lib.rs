@@ -15,7 +15,7 @@ pub mod tunables;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use nodekeeper_api::proto::agent::v1::node_agent_server::NodeAgentServer;
+use nodekeeper_proto::agent::v1::node_agent_server::NodeAgentServer;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Server;

@@ -13,11 +13,11 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use nodekeeper_api::network::{NetworkState, format_errors};
-use nodekeeper_api::proto::agent::v1 as pb;
+use nodekeeper_model::network::{NetworkState, format_errors};
 use nodekeeper_netconf::{
     ApplyOptions, ApplyReport, Netconf, NetconfError, Outcome, PlanError, Target,
 };
+use nodekeeper_proto::agent::v1 as pb;
 use tonic::Status;
 use tracing::{info, warn};
 
@@ -373,8 +373,8 @@ fn merge_layout(desired: &mut NetworkState, layout: NetworkState) -> Result<(), 
     let conflict = |what: String| Err(NetworkError::LayoutConflict(what));
     let norm_mac = |m: &Option<String>| {
         m.as_deref().map(|m| {
-            nodekeeper_api::network::parse_mac(m).map_or(m.to_lowercase(), |b| {
-                nodekeeper_api::network::format_mac(&b)
+            nodekeeper_model::network::parse_mac(m).map_or(m.to_lowercase(), |b| {
+                nodekeeper_model::network::format_mac(&b)
             })
         })
     };

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use nodekeeper_api::proto::agent::v1 as pb;
+use nodekeeper_proto::agent::v1 as pb;
 use pb::node_agent_server::NodeAgent;
 use tonic::{Request, Response, Status};
 

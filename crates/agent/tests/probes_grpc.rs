@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use clap::Parser as _;
 use nodekeeper_agent::Config;
-use nodekeeper_api::proto::agent::v1 as pb;
+use nodekeeper_proto::agent::v1 as pb;
 use pb::node_agent_client::NodeAgentClient;
 use rcgen::{
     BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,

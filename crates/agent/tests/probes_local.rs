@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use nodekeeper_agent::probes::{self, ProbeError, ProbeOptions};
-use nodekeeper_api::proto::agent::v1::{ProbeKind, ProbeTarget, RunProbesRequest};
+use nodekeeper_proto::agent::v1::{ProbeKind, ProbeTarget, RunProbesRequest};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, UdpSocket};
 

@@ -20,9 +20,7 @@ use std::time::Duration;
 use anyhow::{Context as _, bail};
 use nix::sched::{CloneFlags, setns};
 use nodekeeper_agent::probes::{self, IcmpSocketPolicy, ProbeOptions};
-use nodekeeper_api::proto::agent::v1::{
-    ProbeKind, ProbeTarget, RunProbesRequest, RunProbesResponse,
-};
+use nodekeeper_proto::agent::v1::{ProbeKind, ProbeTarget, RunProbesRequest, RunProbesResponse};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, UdpSocket};
 

@@ -6,7 +6,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use nodekeeper_api::proto::agent::v1 as pb;
+use nodekeeper_proto::agent::v1 as pb;
 use pb::node_agent_client::NodeAgentClient;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 

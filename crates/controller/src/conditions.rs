@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use nodekeeper_api::names;
-use nodekeeper_api::tuning::{Features, format_duration};
+use nodekeeper_model::tuning::{Features, format_duration};
 use serde_json::json;
 
 use crate::view::{NodeView, Verdict};

@@ -1,5 +1,5 @@
 //! The tuning ConfigMap controller: watches `nodekeeper-tuning` in the controller's namespace,
-//! parses it with [`nodekeeper_api::tuning::parse`], and publishes the result to the rest of the
+//! parses it with [`nodekeeper_model::tuning::parse`], and publishes the result to the rest of the
 //! controller through a `watch` channel, so changes take effect without a restart. An invalid
 //! ConfigMap is refused with a Warning Event on it naming every bad key and the problem, and the
 //! last good configuration stays in force. A deleted ConfigMap means the defaults.
@@ -12,7 +12,7 @@ use k8s_openapi::api::core::v1::ConfigMap;
 use kube::runtime::events::{Event, EventType, Recorder};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Resource};
-use nodekeeper_api::tuning::{self, TuningConfig};
+use nodekeeper_model::tuning::{self, TuningConfig};
 use serde::Serialize;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;

@@ -98,7 +98,7 @@ pub struct Cli {
     pub retry_period: Duration,
 
     /// Name of the tuning ConfigMap in `--namespace`.
-    #[arg(long, env = "NODEKEEPER_TUNING_CONFIGMAP", default_value = nodekeeper_api::tuning::CONFIGMAP_NAME)]
+    #[arg(long, env = "NODEKEEPER_TUNING_CONFIGMAP", default_value = nodekeeper_model::tuning::CONFIGMAP_NAME)]
     pub tuning_configmap: String,
 
     /// Largest agent reply accepted, in bytes; a larger one counts as an invalid reply.
@@ -132,7 +132,7 @@ pub struct Cli {
 }
 
 fn duration(s: &str) -> Result<Duration, String> {
-    nodekeeper_api::tuning::parse_duration(s)
+    nodekeeper_model::tuning::parse_duration(s)
 }
 
 /// Errors that end the process.

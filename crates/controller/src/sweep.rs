@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::core::v1::Node;
 use kube::Api;
 use kube::api::{Patch, PatchParams};
-use nodekeeper_api::proto::agent::v1 as pb;
-use nodekeeper_api::tuning::{self, RuleSet};
+use nodekeeper_model::tuning::{self, RuleSet};
+use nodekeeper_proto::agent::v1 as pb;
 use tokio::task::JoinSet;
 use tracing::{debug, info, warn};
 
@@ -246,7 +246,7 @@ async fn call_agent(
 
 /// The `SetRules` request for a rule set.
 pub fn set_rules_request(rules: &RuleSet, revision: u64) -> pb::SetRulesRequest {
-    use nodekeeper_api::tuning::{Comparison, Severity};
+    use nodekeeper_model::tuning::{Comparison, Severity};
     pb::SetRulesRequest {
         revision,
         rules: rules

@@ -2,7 +2,7 @@
 //! converted from the gRPC message in exactly one place ([`NodeView::from_proto`]) where a
 //! malformed reply is refused rather than half-used.
 
-use nodekeeper_api::proto::agent::v1 as pb;
+use nodekeeper_proto::agent::v1 as pb;
 use serde::Serialize;
 
 /// How an indicator, tunable, GPU or plugin compares with the rules.

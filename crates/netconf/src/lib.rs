@@ -4,7 +4,7 @@
 //! Entry point (also used by the qemu VLAN harness):
 //!
 //! ```no_run
-//! # async fn f(desired: nodekeeper_api::network::NetworkState) -> Result<(), nodekeeper_netconf::NetconfError> {
+//! # async fn f(desired: nodekeeper_model::network::NetworkState) -> Result<(), nodekeeper_netconf::NetconfError> {
 //! use nodekeeper_netconf::{ApplyOptions, Netconf};
 //! // Must run inside a tokio runtime, on a thread in the target network namespace.
 //! let nc = Netconf::connect()?;
@@ -21,7 +21,7 @@ pub mod plan;
 use std::time::Duration;
 
 pub use check::Target;
-use nodekeeper_api::network::{LinkKind, NetworkState};
+use nodekeeper_model::network::{LinkKind, NetworkState};
 pub use observed::{LINK_ALIAS_PREFIX, NK_PROTOCOL, Observed};
 pub use plan::{Plan, PlanError, Step, plan};
 
@@ -214,7 +214,7 @@ impl Netconf {
 /// Projects observed state onto the model: the links `desired` names (found by name or MAC) and
 /// links nodekeeper created, owned addresses, routes and rules.
 pub fn owned_state(desired: &NetworkState, obs: &Observed) -> NetworkState {
-    use nodekeeper_api::network::{AddressSpec, LinkSpec, MacvlanMode, RouteSpec, RuleSpec};
+    use nodekeeper_model::network::{AddressSpec, LinkSpec, MacvlanMode, RouteSpec, RuleSpec};
     let mut out = NetworkState::default();
     let mut label = std::collections::BTreeMap::new();
     for l in &obs.links {

@@ -23,7 +23,7 @@ use netlink_packet_route::route::{
 };
 use netlink_packet_route::rule::{RuleAction, RuleAttribute, RuleMessage};
 use netlink_packet_route::{AddressFamily, RouteNetlinkMessage};
-use nodekeeper_api::network::{MacvlanMode as ApiMode, format_mac};
+use nodekeeper_model::network::{MacvlanMode as ApiMode, format_mac};
 use rtnetlink::Handle;
 
 use crate::NetconfError;

@@ -11,7 +11,7 @@ use std::fmt;
 use std::net::IpAddr;
 
 use ipnet::IpNet;
-use nodekeeper_api::network::{
+use nodekeeper_model::network::{
     LinkKind, LinkSpec, MacvlanMode, NetworkState, format_errors, format_mac, parse_mac,
     parse_prefix,
 };
@@ -207,7 +207,7 @@ impl fmt::Display for Step {
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
 pub enum PlanError {
     #[error("invalid desired state: {}", format_errors(.0))]
-    Invalid(Vec<nodekeeper_api::network::ValidationError>),
+    Invalid(Vec<nodekeeper_model::network::ValidationError>),
     #[error("links[{index}] ({name}): {message}")]
     ResolveLink {
         index: usize,

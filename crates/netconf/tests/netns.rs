@@ -7,7 +7,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use nodekeeper_api::network::NetworkState;
+use nodekeeper_model::network::NetworkState;
 use nodekeeper_netconf::{ApplyOptions, Netconf, Outcome, Target};
 use pretty_assertions::assert_eq;
 
@@ -415,7 +415,7 @@ fn failure_while_changing_an_applied_state_restores_it() {
     // A changed state that deletes (and re-creates) links, addresses, routes and rules; the last
     // step is made to fail.
     let mut changed = desired();
-    changed.links[1].macvlan_mode = Some(nodekeeper_api::network::MacvlanMode::Private);
+    changed.links[1].macvlan_mode = Some(nodekeeper_model::network::MacvlanMode::Private);
     changed.links[0].mtu = Some(1500);
     changed.rules.remove(0);
     changed.routes[0].gateway = Some("10.0.20.254".into());

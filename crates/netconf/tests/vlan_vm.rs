@@ -88,7 +88,7 @@ mod guest {
         InfoData, InfoKind, InfoVlan, LinkAttribute, LinkInfo, LinkMessage, VlanProtocol,
     };
     use nix::sched::CloneFlags;
-    use nodekeeper_api::network::NetworkState;
+    use nodekeeper_model::network::NetworkState;
     use nodekeeper_netconf::{ApplyOptions, Netconf, Observed, Outcome, Target};
     use pretty_assertions::assert_eq;
     use rtnetlink::{LinkDummy, LinkUnspec, LinkVeth, LinkVlan};
@@ -125,7 +125,7 @@ mod guest {
         if let Err(errors) = state.validate() {
             bail!(
                 "test layout is invalid: {}",
-                nodekeeper_api::network::format_errors(&errors)
+                nodekeeper_model::network::format_errors(&errors)
             );
         }
         Ok(state)

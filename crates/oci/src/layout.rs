@@ -14,7 +14,7 @@
 
 use std::collections::BTreeMap;
 
-use nodekeeper_api::network::{
+use nodekeeper_model::network::{
     AddressSpec, LINK_LOCAL_V4, LinkKind, LinkSpec, MacvlanMode, NetworkState, RULE_PRIORITY_MAX,
     RouteSpec, RuleSpec, TABLE_MAIN, format_errors, format_mac, parse_mac,
 };
@@ -83,7 +83,7 @@ pub fn secondary_vnics(
     opts: &LayoutOptions,
 ) -> Result<Layout, LayoutError> {
     let n = vnics.len() as u32;
-    if opts.rule_priority_base < nodekeeper_api::network::RULE_PRIORITY_MIN
+    if opts.rule_priority_base < nodekeeper_model::network::RULE_PRIORITY_MIN
         || opts.rule_priority_base + n > RULE_PRIORITY_MAX
     {
         return Err(LayoutError::BadOptions(format!(

@@ -5,7 +5,7 @@
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use ipnet::{Ipv4Net, Ipv6Net};
-use nodekeeper_api::network::{format_mac, parse_mac};
+use nodekeeper_model::network::{format_mac, parse_mac};
 use serde_json::{Map, Value};
 
 /// One VNIC as `/opc/v2/vnics/` describes it.

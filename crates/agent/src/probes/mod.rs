@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt as _;
-use nodekeeper_api::proto::agent::v1::{RunProbesRequest, RunProbesResponse, TargetResult};
+use nodekeeper_proto::agent::v1::{RunProbesRequest, RunProbesResponse, TargetResult};
 use tokio_rustls::rustls;
 use tracing::{debug, info};
 

@@ -4,7 +4,7 @@
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
-use nodekeeper_api::proto::agent::v1::{ProbeKind, RunProbesRequest};
+use nodekeeper_proto::agent::v1::{ProbeKind, RunProbesRequest};
 
 use super::ProbeError;
 
@@ -265,7 +265,7 @@ pub fn plan(req: &RunProbesRequest) -> Result<Plan, ProbeError> {
 }
 
 /// A target without a caller-chosen id is named by what it points at.
-fn default_id(t: &nodekeeper_api::proto::agent::v1::ProbeTarget) -> String {
+fn default_id(t: &nodekeeper_proto::agent::v1::ProbeTarget) -> String {
     [&t.url, &t.hostname, &t.address]
         .into_iter()
         .find(|s| !s.is_empty())
@@ -353,7 +353,7 @@ pub fn parse_url(s: &str) -> Result<http::Uri, String> {
 
 #[cfg(test)]
 mod tests {
-    use nodekeeper_api::proto::agent::v1::ProbeTarget;
+    use nodekeeper_proto::agent::v1::ProbeTarget;
 
     use super::*;
 

@@ -342,7 +342,7 @@ pub const DURATION_PATTERN: &str = "^([0-9]{1,9}(ms|s|m|h))+$";
 
 /// Parses a duration field, naming it on error.
 pub fn parse_duration_field(field: &str, raw: &str) -> Result<Duration, FieldError> {
-    crate::tuning::parse_duration(raw).map_err(|message| FieldError::new(field, message))
+    nodekeeper_model::tuning::parse_duration(raw).map_err(|message| FieldError::new(field, message))
 }
 
 #[cfg(test)]

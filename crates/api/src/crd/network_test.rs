@@ -11,12 +11,9 @@ use serde::{Deserialize, Serialize};
 
 use super::common::{Condition, LabelSelector, MAX_LISTED, conditions_schema};
 
-/// Most entries in `spec.targets` (the agent's limit per call).
-pub const MAX_TARGETS: usize = 1_000;
-/// Most source nodes one test may use.
-pub const MAX_SOURCE_NODES: u32 = 10_000;
-/// Most peers each node probes for a `peers` target.
-pub const MAX_PEERS_PER_NODE: u32 = 16;
+// The limits are the model's, so the schema, the controller and the agent agree.
+use nodekeeper_model::probe::{MAX_COUNT, MAX_INTERVAL_MS, MAX_MTU, MAX_TIMEOUT_MS, MIN_MTU_V4};
+pub use nodekeeper_model::probe::{MAX_PEERS_PER_NODE, MAX_SOURCE_NODES, MAX_TARGETS};
 
 /// Asks the nodes a selector picks to probe targets (addresses, names, URLs, the API server, the
 /// metadata service, or each other) and reports aggregated latency, loss and the worst failures.
@@ -105,25 +102,25 @@ pub struct NetworkTestSpec {
     pub node_selector: LabelSelector,
     /// The most nodes that run the probes.
     #[serde(default = "default_max_nodes")]
-    #[schemars(range(min = 1, max = 10000))]
+    #[schemars(range(min = 1, max = MAX_SOURCE_NODES))]
     pub max_nodes: u32,
     /// The probe: `icmp` (echo), `tcp` (connect), `dns` (A/AAAA query), `http` (GET of a URL), or
     /// `pathMtu` (largest packet that passes with don't-fragment set).
     pub kind: ProbeKind,
     /// What to probe. Each entry names exactly one target.
-    #[schemars(length(min = 1, max = 1000))]
+    #[schemars(length(min = 1, max = MAX_TARGETS))]
     pub targets: Vec<Target>,
     /// Probes sent to each target from each node.
     #[serde(default = "default_count")]
-    #[schemars(range(min = 1, max = 100))]
+    #[schemars(range(min = 1, max = MAX_COUNT))]
     pub count: u32,
     /// Pause between two probes to one target, in milliseconds.
     #[serde(default = "default_interval_ms")]
-    #[schemars(range(min = 1, max = 60000))]
+    #[schemars(range(min = 1, max = MAX_INTERVAL_MS))]
     pub interval_ms: u32,
     /// Timeout of each probe, in milliseconds.
     #[serde(default = "default_timeout_ms")]
-    #[schemars(range(min = 1, max = 30000))]
+    #[schemars(range(min = 1, max = MAX_TIMEOUT_MS))]
     pub timeout_ms: u32,
     /// For `tcp`: the port of `address`, `hostname`, `peers` and `metadataService` targets
     /// (`hostPort` targets carry their own; `apiServer` uses the API server's port unless this is set).
@@ -142,7 +139,7 @@ pub struct NetworkTestSpec {
     pub expected_status: Vec<u32>,
     /// For `pathMtu`: the largest packet size tried, in bytes. Unset means 9000.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 68, max = 65535))]
+    #[schemars(range(min = MIN_MTU_V4, max = MAX_MTU))]
     pub max_mtu: Option<u32>,
     /// Seconds after the test finishes before the controller deletes it. 0 deletes it as soon as
     /// it finishes.
@@ -228,7 +225,7 @@ pub struct Target {
     /// A DNS name: queried for `dns`; resolved by the controller and probed for the other kinds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(
-        length(min = 1, max = 253),
+        length(min = 1, max = nodekeeper_model::probe::MAX_HOSTNAME_LEN),
         regex(
             pattern = r"^[A-Za-z0-9]([-A-Za-z0-9]*[A-Za-z0-9])?(\.[A-Za-z0-9]([-A-Za-z0-9]*[A-Za-z0-9])?)*\.?$"
         )
@@ -236,7 +233,7 @@ pub struct Target {
     pub hostname: Option<String>,
     /// An `http://` or `https://` URL, for `http`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(max = 2048), extend("x-kubernetes-validations" = [
+    #[schemars(length(max = nodekeeper_model::probe::MAX_URL_LEN), extend("x-kubernetes-validations" = [
         {"rule": "isURL(self) && url(self).getScheme() in ['http', 'https']", "message": "spec.targets[].url must be an absolute http:// or https:// URL"}
     ]))]
     pub url: Option<String>,
@@ -258,7 +255,7 @@ pub struct Target {
 pub struct Peers {
     /// How many other nodes each node probes.
     #[serde(default = "default_per_node")]
-    #[schemars(range(min = 1, max = 16))]
+    #[schemars(range(min = 1, max = MAX_PEERS_PER_NODE))]
     pub per_node: u32,
 }
 

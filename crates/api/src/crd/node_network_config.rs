@@ -10,7 +10,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use super::common::{Condition, FieldError, IntOrPercent, LabelSelector, conditions_schema};
-use crate::network::{NetworkState, RULE_PRIORITY_MAX, RULE_PRIORITY_MIN};
+use nodekeeper_model::network::{NetworkState, RULE_PRIORITY_MAX, RULE_PRIORITY_MIN};
 
 /// Host network configuration for the nodes `nodeSelector` picks: the OCI secondary-VNIC layout
 /// derived from each node's instance metadata (`ociVnics`), and/or an explicit `state` of links,

@@ -18,7 +18,7 @@ use kube::runtime::watcher;
 use kube::{Resource as _, ResourceExt as _};
 use nodekeeper_api::crd::NetworkTest;
 use nodekeeper_api::names::{API_VERSION, MANAGER_NETWORK_TEST};
-use nodekeeper_api::proto::agent::v1 as pb;
+use nodekeeper_proto::agent::v1 as pb;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 

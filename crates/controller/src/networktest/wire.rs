@@ -1,6 +1,6 @@
 //! Conversion between the plan's plain data and the `RunProbes` messages of the agent contract.
 
-use nodekeeper_api::proto::agent::v1 as pb;
+use nodekeeper_proto::agent::v1 as pb;
 
 use super::aggregate::PairResult;
 use super::fanout::AGENT_CONCURRENCY;

@@ -1,6 +1,6 @@
 //! Unit tests of the planner: pure, no root.
 
-use nodekeeper_api::network::NetworkState;
+use nodekeeper_model::network::NetworkState;
 use pretty_assertions::assert_eq;
 
 use super::*;
