@@ -342,8 +342,125 @@ pub fn set_rules_request(rules: &RuleSet, revision: u64) -> pb::SetRulesRequest 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::shared::fleet::NodeFacts;
+    use crate::shared::metrics::AgentCallLabels;
     use nodekeeper_model::tuning;
     use std::collections::BTreeMap;
+
+    fn agents(fleet: &Arc<Fleet>) -> (MtlsAgents, AgentMetrics) {
+        let metrics = AgentMetrics::default();
+        (
+            MtlsAgents::new(Arc::clone(fleet), 1024, metrics.clone()),
+            metrics,
+        )
+    }
+
+    fn calls(metrics: &AgentMetrics, method: AgentMethod, outcome: CallOutcome) -> u64 {
+        metrics
+            .calls
+            .get_or_create(&AgentCallLabels { method, outcome })
+            .get()
+    }
+
+    #[tokio::test]
+    async fn nodes_outside_the_fleet_are_not_contacted() {
+        // A listener that would see any connection attempt.
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let fleet = Arc::new(Fleet::default());
+        let (agents, metrics) = agents(&fleet);
+        let node = AgentNode {
+            name: "w1".into(),
+            endpoint: listener.local_addr().unwrap(),
+        };
+        let err = agents
+            .run_probes(
+                &node,
+                pb::RunProbesRequest::default(),
+                Duration::from_secs(1),
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(err.outcome, CallOutcome::NotManaged);
+        assert!(err.to_string().contains("check --node-selector"), "{err}");
+        let err = agents
+            .apply_network(
+                &node,
+                pb::ApplyNetworkRequest::default(),
+                Duration::from_secs(1),
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(err.outcome, CallOutcome::NotManaged);
+        assert!(listener.accept().is_err(), "a connection was made");
+
+        // The same name at another address is not the managed node either.
+        fleet.observe(
+            NodeFacts {
+                name: "w1".into(),
+                address: Some("127.0.0.2".parse().unwrap()),
+                resource_version: 1,
+                written: vec![],
+            },
+            Instant::now(),
+        );
+        let report = agents
+            .report(
+                &node,
+                ReportRequest {
+                    cached_revision: None,
+                    rules: None,
+                },
+                Duration::from_secs(1),
+            )
+            .await;
+        assert_eq!(report.view.unwrap_err().outcome, CallOutcome::NotManaged);
+        assert!(matches!(report.rules, RulesOutcome::NotPushed));
+        assert!(listener.accept().is_err(), "a connection was made");
+
+        let counted = [
+            (AgentMethod::RunProbes, 1),
+            (AgentMethod::ApplyNetwork, 1),
+            (AgentMethod::Report, 1),
+        ];
+        for (method, n) in counted {
+            assert_eq!(
+                calls(&metrics, method, CallOutcome::NotManaged),
+                n,
+                "{method:?}"
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn managed_nodes_need_the_certificates_first() {
+        let fleet = Arc::new(Fleet::default());
+        fleet.observe(
+            NodeFacts {
+                name: "w1".into(),
+                address: Some("127.0.0.1".parse().unwrap()),
+                resource_version: 1,
+                written: vec![],
+            },
+            Instant::now(),
+        );
+        let (agents, metrics) = agents(&fleet);
+        let node = AgentNode {
+            name: "w1".into(),
+            endpoint: "127.0.0.1:1".parse().unwrap(),
+        };
+        let err = agents
+            .run_probes(
+                &node,
+                pb::RunProbesRequest::default(),
+                Duration::from_secs(1),
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(err.outcome, CallOutcome::Tls);
+        assert!(err.detail.contains("not loaded"), "{err}");
+        assert_eq!(calls(&metrics, AgentMethod::RunProbes, CallOutcome::Tls), 1);
+    }
 
     #[test]
     fn rules_request_carries_every_field() {
