@@ -243,13 +243,6 @@ impl MtlsAgents {
     }
 }
 
-fn outcome_of<T>(result: &Result<T, CallError>) -> CallOutcome {
-    match result {
-        Ok(_) => CallOutcome::Answered,
-        Err(e) => e.outcome,
-    }
-}
-
 impl Agents for MtlsAgents {
     fn report<'a>(
         &'a self,
@@ -274,14 +267,12 @@ impl Agents for MtlsAgents {
         request: pb::RunProbesRequest,
         timeout: Duration,
     ) -> BoxFuture<'a, Result<pb::RunProbesResponse, CallError>> {
-        self.measured(AgentMethod::RunProbes, node, async move {
-            let result = async {
-                let mut conn = self.connect(node, timeout).await?;
-                conn.run_probes(request).await
-            }
-            .await;
-            (outcome_of(&result), result)
-        })
+        self.unary(
+            AgentMethod::RunProbes,
+            node,
+            timeout,
+            |mut conn| async move { conn.run_probes(request).await },
+        )
     }
 
     fn apply_network<'a>(
@@ -290,13 +281,39 @@ impl Agents for MtlsAgents {
         request: pb::ApplyNetworkRequest,
         timeout: Duration,
     ) -> BoxFuture<'a, Result<pb::ApplyNetworkResponse, CallError>> {
-        self.measured(AgentMethod::ApplyNetwork, node, async move {
-            let result = async {
-                let mut conn = self.connect(node, timeout).await?;
-                conn.apply_network(request).await
-            }
-            .await;
-            (outcome_of(&result), result)
+        self.unary(
+            AgentMethod::ApplyNetwork,
+            node,
+            timeout,
+            |mut conn| async move { conn.apply_network(request).await },
+        )
+    }
+}
+
+impl MtlsAgents {
+    /// One request and its answer on a fresh connection, measured.
+    fn unary<'a, T, F, Fut>(
+        &'a self,
+        method: AgentMethod,
+        node: &'a AgentNode,
+        timeout: Duration,
+        call: F,
+    ) -> BoxFuture<'a, Result<T, CallError>>
+    where
+        T: Send + 'a,
+        F: FnOnce(AgentConnection) -> Fut + Send + 'a,
+        Fut: Future<Output = Result<T, CallError>> + Send + 'a,
+    {
+        self.measured(method, node, async move {
+            let result = match self.connect(node, timeout).await {
+                Ok(conn) => call(conn).await,
+                Err(error) => Err(error),
+            };
+            let outcome = match &result {
+                Ok(_) => CallOutcome::Answered,
+                Err(e) => e.outcome,
+            };
+            (outcome, result)
         })
     }
 }
