@@ -185,6 +185,32 @@ impl MtlsAgents {
         )
     }
 
+    /// One request and its answer on a fresh connection, measured.
+    fn unary<'a, T, F, Fut>(
+        &'a self,
+        method: AgentMethod,
+        node: &'a AgentNode,
+        timeout: Duration,
+        call: F,
+    ) -> BoxFuture<'a, Result<T, CallError>>
+    where
+        T: Send + 'a,
+        F: FnOnce(AgentConnection) -> Fut + Send + 'a,
+        Fut: Future<Output = Result<T, CallError>> + Send + 'a,
+    {
+        self.measured(method, node, async move {
+            let result = match self.connect(node, timeout).await {
+                Ok(conn) => call(conn).await,
+                Err(error) => Err(error),
+            };
+            let outcome = match &result {
+                Ok(_) => CallOutcome::Answered,
+                Err(e) => e.outcome,
+            };
+            (outcome, result)
+        })
+    }
+
     async fn report_inner(
         &self,
         node: &AgentNode,
@@ -287,34 +313,6 @@ impl Agents for MtlsAgents {
             timeout,
             |mut conn| async move { conn.apply_network(request).await },
         )
-    }
-}
-
-impl MtlsAgents {
-    /// One request and its answer on a fresh connection, measured.
-    fn unary<'a, T, F, Fut>(
-        &'a self,
-        method: AgentMethod,
-        node: &'a AgentNode,
-        timeout: Duration,
-        call: F,
-    ) -> BoxFuture<'a, Result<T, CallError>>
-    where
-        T: Send + 'a,
-        F: FnOnce(AgentConnection) -> Fut + Send + 'a,
-        Fut: Future<Output = Result<T, CallError>> + Send + 'a,
-    {
-        self.measured(method, node, async move {
-            let result = match self.connect(node, timeout).await {
-                Ok(conn) => call(conn).await,
-                Err(error) => Err(error),
-            };
-            let outcome = match &result {
-                Ok(_) => CallOutcome::Answered,
-                Err(e) => e.outcome,
-            };
-            (outcome, result)
-        })
     }
 }
 
