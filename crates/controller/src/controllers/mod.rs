@@ -142,11 +142,10 @@ impl Controllers {
     ) {
         // The one exception (see the module doc): the sweep schedules agent reads itself.
         let sweep = Arc::new(nodes::Context::new(shared));
-        tracker.spawn(nodes::sweep::run(
-            Arc::clone(&sweep),
-            shutdown.child_token(),
-        ));
-        tracker.spawn(nodes::condition_gauges(sweep, shutdown.child_token()));
+        let run = nodes::sweep::run(Arc::clone(&sweep), shutdown.child_token());
+        tracker.spawn(run.instrument(tracing::info_span!("sweep")));
+        let gauges = nodes::condition_gauges(sweep, shutdown.child_token());
+        tracker.spawn(gauges.instrument(tracing::info_span!("condition_gauges")));
 
         // Watch-reconcile controllers: one registration line each.
         let r = Registrar {
