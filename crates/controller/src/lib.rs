@@ -26,7 +26,8 @@
 //! r.add(<name>::Context::new(shared, &config.<name>));
 //! ```
 //!
-//! Nothing outside `src/controllers/` changes.
+//! Nothing else in the crate changes; outside it, a new watched kind needs its RBAC rules in
+//! `deploy/controller/controller.yaml`.
 
 pub mod certs;
 pub mod conditions;

@@ -18,8 +18,9 @@
 //! 2. Add `pub mod <name>;` below and ONE registration line in [`Controllers::start`]:
 //!    `r.add(<name>::Context::new(shared, &config.<name>));`
 //!
-//! Nothing outside `controllers/` changes: the runtime calls [`Controllers::start`] once this
-//! replica leads, and stops everything through the token when it no longer does.
+//! Nothing else in the crate changes: the runtime calls [`Controllers::start`] once this replica
+//! leads, and stops everything through the token when it no longer does. (Outside the crate, a
+//! new watched kind needs its RBAC rules in `deploy/controller/controller.yaml`.)
 //!
 //! # The one exception: the node sweep
 //!
