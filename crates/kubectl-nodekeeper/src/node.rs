@@ -125,11 +125,7 @@ pub fn format(d: &NodeDetail, out: &Output) -> String {
 
     let mut t = Table::new(&["INDICATOR", "VALUE", "VERDICT", "MESSAGE"]);
     for i in &r.indicators {
-        let value = if i.unit.is_empty() {
-            trim_float(i.value)
-        } else {
-            format!("{} {}", trim_float(i.value), i.unit)
-        };
+        let value = with_unit(i.value, &i.unit);
         t.row(vec![
             i.name.as_str().into(),
             value.into(),
@@ -277,6 +273,17 @@ pub fn format(d: &NodeDetail, out: &Output) -> String {
     text
 }
 
+/// An indicator's value with its unit as a person writes it: `91.4%`, `16s`, `1.74`, `false`.
+fn with_unit(value: f64, unit: &str) -> String {
+    match unit {
+        "percent" | "%" => format!("{}%", trim_float(value)),
+        "seconds" | "s" => format!("{}s", trim_float(value)),
+        "bool" => (if value == 0.0 { "false" } else { "true" }).to_owned(),
+        "" | "ratio" | "count" => trim_float(value),
+        other => format!("{} {other}", trim_float(value)),
+    }
+}
+
 fn dash(s: &str) -> &str {
     if s.is_empty() { "-" } else { s }
 }
@@ -311,8 +318,8 @@ mod tests {
                 "nodeName": "worker-7", "agentVersion": "0.1.0", "revision": 12,
                 "collectedAtUnixMs": 1700000000000i64,
                 "indicators": [
-                    {"name": "load1-per-cpu", "value": 0.25, "unit": "", "verdict": "ok"},
-                    {"name": "memory-available", "value": 3.5, "unit": "%", "verdict": "critical", "message": "below 5%"}
+                    {"name": "load1-per-cpu", "value": 0.25, "unit": "ratio", "verdict": "ok"},
+                    {"name": "memory-available", "value": 3.5, "unit": "percent", "verdict": "critical", "message": "below 5%"}
                 ],
                 "tunables": [
                     {"rule": "somaxconn", "key": "net.core.somaxconn", "current": "128", "expected": ">= 4096", "verdict": "critical"}

@@ -318,15 +318,23 @@ async fn service_account_kubeconfig(
         &serde_json::from_value(json!({"metadata": {"name": name}}))?,
     )
     .await?;
-    let request =
+    let request: k8s_openapi::api::authentication::v1::TokenRequest =
         serde_json::from_value(json!({"spec": {"audiences": [], "expirationSeconds": 3600}}))?;
-    let token = sas
-        .create_token_request(name, &PostParams::default(), &request)
-        .await?
-        .status
-        .context("token request without status")?
-        .token
-        .context("token request without a token")?;
+    // A freshly started API server answers 429 "storage is (re)initializing" for a moment.
+    let token = wait_for(
+        &format!("a token for ServiceAccount {name}"),
+        TIMEOUT,
+        || {
+            let (sas, request) = (sas.clone(), request.clone());
+            async move {
+                let answer = sas
+                    .create_token_request(name, &PostParams::default(), &request)
+                    .await?;
+                Ok(answer.status.and_then(|s| s.token))
+            }
+        },
+    )
+    .await?;
     token_kubeconfig(dir, &token)
 }
 
@@ -467,11 +475,11 @@ async fn with_a_controller_each_verb_works_and_bad_input_gets_one_line() -> anyh
     );
 
     // netcheck: a mesh that succeeds, exit 0, and the test deleted afterwards.
-    let sel = ["-l", selector.as_str()];
+    let nc = ["netcheck", "-l", selector.as_str()];
     let run = plugin(
         kubeconfig,
         &ns,
-        &[&sel[..], &["netcheck", "--count", "2", "peers:2"]].concat(),
+        &[&nc[..], &["--count", "2", "peers:2"]].concat(),
     )
     .await?;
     assert_eq!(run.code, 0, "{run:?}");
@@ -497,9 +505,9 @@ async fn with_a_controller_each_verb_works_and_bad_input_gets_one_line() -> anyh
         kubeconfig,
         &ns,
         &[
-            &sel[..],
+            &nc[..],
             &[
-                "netcheck", "--kind", "tcp", "--port", &closed, "--count", "1", "peers:1",
+                "--kind", "tcp", "--port", &closed, "--count", "1", "peers:1",
             ],
         ]
         .concat(),
@@ -522,11 +530,7 @@ async fn with_a_controller_each_verb_works_and_bad_input_gets_one_line() -> anyh
     let run = plugin(
         kubeconfig,
         &ns,
-        &[
-            &sel[..],
-            &["netcheck", "--count", "1", "--keep", "-o", "json"],
-        ]
-        .concat(),
+        &[&nc[..], &["--count", "1", "--keep", "-o", "json"]].concat(),
     )
     .await?;
     assert_eq!(run.code, 0, "{run:?}");
@@ -547,7 +551,7 @@ async fn with_a_controller_each_verb_works_and_bad_input_gets_one_line() -> anyh
     let run = plugin(
         kubeconfig,
         &ns,
-        &[&sel[..], &["netcheck", "--kind", "dns", "10.0.0.1"]].concat(),
+        &[&nc[..], &["--kind", "dns", "10.0.0.1"]].concat(),
     )
     .await?;
     assert_eq!(run.code, 2, "{run:?}");
@@ -609,7 +613,7 @@ async fn with_a_controller_each_verb_works_and_bad_input_gets_one_line() -> anyh
         "subjects": [{"kind": "ServiceAccount", "name": "viewer", "namespace": ns}],
     }))?).await?;
     let run = wait_for("RBAC to take effect", TIMEOUT, || async {
-        let run = plugin(&viewer_kubeconfig, &ns, &[&sel[..], &["netcheck"]].concat()).await?;
+        let run = plugin(&viewer_kubeconfig, &ns, &nc[..]).await?;
         Ok(run
             .stderr
             .contains("cannot create resource \"networktests\"")
@@ -636,7 +640,7 @@ async fn with_a_controller_each_verb_works_and_bad_input_gets_one_line() -> anyh
         cmd.arg("--kubeconfig")
             .arg(kubeconfig)
             .args([
-                "-n", &ns, "-l", &selector, "netcheck", "--count", "60", "peers:2",
+                "-n", &ns, "netcheck", "-l", &selector, "--count", "60", "peers:2",
             ])
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
