@@ -84,7 +84,7 @@ fn classify(namespace: &str, server: &str, code: u16, text: &str) -> Result<Answ
         // No Service, no endpoints, no ready leader, or the proxy could not dial the Pod.
         404 | 503 if from_api_server => Err(unavailable(message())),
         404 => Ok(Answer::NotFound(message())),
-        502 | 503 | 504 => Err(unavailable(message())),
+        502..=504 => Err(unavailable(message())),
         _ => Err(Error::UnexpectedAnswer {
             what: format!("the controller in namespace {namespace}"),
             detail: format!("HTTP {code}: {}", truncate(&message(), 200)),

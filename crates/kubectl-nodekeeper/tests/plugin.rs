@@ -136,6 +136,15 @@ fn golden(name: &str) -> String {
     .expect("golden file")
 }
 
+/// What Ctrl-C sends: SIGINT to the plugin process this test started.
+fn ctrl_c(child: &std::process::Child) -> anyhow::Result<()> {
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(i32::try_from(child.id())?),
+        nix::sys::signal::Signal::SIGINT,
+    )?;
+    Ok(())
+}
+
 /// NetworkTests this plugin created in `namespace`.
 async fn created_tests(client: &kube::Client, namespace: &str) -> anyhow::Result<Vec<String>> {
     let api: Api<NetworkTest> = Api::namespaced(client.clone(), namespace);
@@ -427,6 +436,26 @@ async fn with_a_controller_each_verb_works_and_bad_input_gets_one_line() -> anyh
         "{run:?}"
     );
 
+    // --watch refreshes until Ctrl-C, which exits 0; piped, each snapshot is headed by its time.
+    let child = Command::new(PLUGIN)
+        .arg("--kubeconfig")
+        .arg(kubeconfig)
+        .args(["-n", &ns, "status", "--watch", "--interval", "1s"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    ctrl_c(&child)?;
+    let out = tokio::task::spawn_blocking(move || child.wait_with_output()).await??;
+    let stdout = String::from_utf8(out.stdout)?;
+    assert_eq!(out.status.code(), Some(0), "{stdout}");
+    let snapshots = stdout
+        .lines()
+        .filter(|l| l.starts_with("Controller:"))
+        .count();
+    let stamps = stdout.lines().filter(|l| l.starts_with("# 20")).count();
+    assert!(snapshots >= 2 && stamps == snapshots, "{stdout}");
+
     // node: the full report, and the two ways a name can be wrong.
     let run = plugin(kubeconfig, &ns, &["node", &nodes[0]]).await?;
     assert_eq!(run.code, 0, "{run:?}");
@@ -652,10 +681,7 @@ async fn with_a_controller_each_verb_works_and_bad_input_gets_one_line() -> anyh
             Ok(created_tests(&client, &ns).await?.into_iter().next())
         })
         .await?;
-        nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(i32::try_from(child.id())?),
-            nix::sys::signal::Signal::SIGINT,
-        )?;
+        ctrl_c(&child)?;
         let out = tokio::task::spawn_blocking(move || child.wait_with_output()).await??;
         let stderr = String::from_utf8(out.stderr)?;
         assert_eq!(out.status.code(), Some(130), "{stderr}");
@@ -665,7 +691,7 @@ async fn with_a_controller_each_verb_works_and_bad_input_gets_one_line() -> anyh
                 stderr.contains(&format!("interrupted; kept networktest {ns}/{name}")),
                 "{stderr}"
             );
-            assert_eq!(left, [name.clone()]);
+            assert_eq!(left, std::slice::from_ref(&name));
             Api::<NetworkTest>::namespaced(client.clone(), &ns)
                 .delete(&name, &DeleteParams::default())
                 .await?;
