@@ -528,6 +528,36 @@ async fn with_a_controller_each_verb_works_and_bad_input_gets_one_line() -> anyh
         "deleted without --keep"
     );
 
+    // On a terminal (script(1) gives it a pty): the live progress line and colour.
+    let line = format!(
+        "{PLUGIN} --kubeconfig {} -n {ns} netcheck -l {selector} --count 8 peers:2",
+        kubeconfig.display()
+    );
+    let tty = tokio::process::Command::new("script")
+        .args(["-qefc", &line, "/dev/null"])
+        .stdin(Stdio::null())
+        .output()
+        .await
+        .context("run script(1)")?;
+    let transcript = String::from_utf8_lossy(&tty.stdout);
+    assert_eq!(tty.status.code(), Some(0), "{transcript:?}");
+    assert!(
+        transcript.contains("\r\x1b[2K"),
+        "progress line: {transcript:?}"
+    );
+    assert!(
+        transcript.contains(": Running"),
+        "progress line: {transcript:?}"
+    );
+    assert!(
+        transcript.contains("\x1b[32mSucceeded\x1b[0m"),
+        "colour: {transcript:?}"
+    );
+    assert!(
+        created_tests(&client, &ns).await?.is_empty(),
+        "deleted without --keep"
+    );
+
     // Failing pairs: TCP to a closed port; exit 1, the pairs named.
     let closed = free_port().to_string();
     let run = plugin(
