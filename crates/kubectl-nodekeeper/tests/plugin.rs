@@ -444,7 +444,8 @@ async fn with_a_controller_each_verb_works_and_bad_input_gets_one_line() -> anyh
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()?;
-    tokio::time::sleep(Duration::from_millis(2500)).await;
+    // Long enough for at least two refreshes on a loaded machine.
+    tokio::time::sleep(Duration::from_secs(4)).await;
     ctrl_c(&child)?;
     let out = tokio::task::spawn_blocking(move || child.wait_with_output()).await??;
     let stdout = String::from_utf8(out.stdout)?;
