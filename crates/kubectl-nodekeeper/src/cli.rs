@@ -33,7 +33,8 @@ Exit codes:
   0    done, and what was checked is fine
   1    done, and what was checked failed (netcheck: a pair failed, or the test did not finish)
   2    not done: bad usage, API server unreachable, credentials refused, permission denied,
-       unknown node, selector matching no node, object refused, controller not reachable
+       unknown node, selector matching no node, NetworkTest refused (by the API server or the
+       controller), controller not reachable
   130  interrupted (Ctrl-C) during netcheck; its NetworkTest is deleted unless --keep
 
 Output: tables on a terminal are coloured; piped output is plain and stable. Use -o json or

@@ -51,6 +51,12 @@ pub enum Error {
         "the API server refused the NetworkTest in namespace {namespace}: {message}; nothing was created"
     )]
     RefusedNetworkTest { namespace: String, message: String },
+    #[error("the controller refused networktest {id}: {message}; {disposition}")]
+    ControllerRefusedNetworkTest {
+        id: String,
+        message: String,
+        disposition: String,
+    },
     #[error("unexpected answer from {what}: {detail}")]
     UnexpectedAnswer { what: String, detail: String },
     #[error("{what}: {detail}")]

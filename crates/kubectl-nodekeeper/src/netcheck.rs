@@ -12,6 +12,7 @@ use kube::Api;
 use kube::api::{DeleteParams, ListParams, PostParams};
 use nodekeeper_api::crd::network_test::{NetworkTestStatus, Phase};
 use nodekeeper_api::crd::{NetworkTest, NetworkTestSpec};
+use nodekeeper_api::names;
 use serde_json::json;
 use tokio::signal::unix::{SignalKind, signal};
 
@@ -268,6 +269,21 @@ pub async fn run(conn: &Connection, args: &Args, out: &Output) -> Result<Outcome
         }
     };
     progress.clear();
+
+    // A spec the controller could not turn into probes (a target it is not configured for) is
+    // a usage problem, not a network result.
+    if let Some(invalid) = finished.status.as_ref().and_then(|s| {
+        s.conditions.iter().find(|c| {
+            c.type_ == names::CONDITION_SPEC_VALID
+                && c.status == nodekeeper_api::crd::common::ConditionStatus::False
+        })
+    }) {
+        return Err(Error::ControllerRefusedNetworkTest {
+            id: id.clone(),
+            message: invalid.message.clone(),
+            disposition: cleanup(&api, &name, &id, args.keep).await,
+        });
+    }
 
     let disposition = if args.keep {
         Disposition::Kept

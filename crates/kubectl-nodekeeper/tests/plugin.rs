@@ -621,6 +621,25 @@ async fn with_a_controller_each_verb_works_and_bad_input_gets_one_line() -> anyh
             && line.contains("kind dns takes hostname targets"),
         "{run:?}"
     );
+    // Refused by the controller: an apiServer target when it was not given the address.
+    let run = plugin(
+        kubeconfig,
+        &ns,
+        &[&nc[..], &["--kind", "tcp", "apiserver"]].concat(),
+    )
+    .await?;
+    assert_eq!(run.code, 2, "{run:?}");
+    let line = run.error_line();
+    assert!(
+        line.contains("the controller refused networktest")
+            && line.contains("spec.targets[0].apiServer"),
+        "{run:?}"
+    );
+    assert!(
+        line.contains(&format!("; deleted networktest {ns}/")),
+        "{run:?}"
+    );
+    assert!(created_tests(&client, &ns).await?.is_empty(), "deleted");
     let run = plugin(
         kubeconfig,
         &ns,
@@ -775,6 +794,13 @@ async fn without_a_running_controller_or_without_rights_each_verb_says_so() -> a
             }))?,
         )
         .await?;
+    // kube-controller-manager writes the (empty) Endpoints a moment after the Service; until
+    // then the proxy still answers "not found".
+    wait_for("the Service's empty Endpoints", TIMEOUT, || async {
+        let run = plugin(kubeconfig, &ns, &["status"]).await?;
+        Ok(run.stderr.contains("no endpoints available").then_some(()))
+    })
+    .await?;
     for args in [vec!["status"], vec!["netcheck"]] {
         let run = plugin(kubeconfig, &ns, &args).await?;
         assert_eq!(run.code, 2, "{run:?}");
