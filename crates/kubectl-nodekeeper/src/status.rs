@@ -509,6 +509,11 @@ mod tests {
         assert_eq!(v["controller"]["fleet"]["stale"], 1);
         assert_eq!(v["networkTests"][0]["name"], "netcheck-x7k2q");
         assert!(v.get("problemNodes").is_none());
+        let yaml = format(&sample(), &Output::plain(OutputFormat::Yaml));
+        assert!(
+            yaml.contains("networkTests:\n- namespace: nodekeeper\n"),
+            "{yaml}"
+        );
     }
 
     #[test]

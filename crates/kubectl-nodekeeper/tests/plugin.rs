@@ -529,6 +529,21 @@ async fn with_a_controller_each_verb_works_and_bad_input_gets_one_line() -> anyh
         "deleted without --keep"
     );
 
+    // A test that does not finish within --wait: exit 1, said on stderr, and deleted.
+    let run = plugin(
+        kubeconfig,
+        &ns,
+        &[&nc[..], &["--count", "60", "--wait", "1s"]].concat(),
+    )
+    .await?;
+    assert_eq!(run.code, 1, "{run:?}");
+    assert!(run.stderr.contains("did not finish within 1s"), "{run:?}");
+    assert!(run.stderr.contains("; deleted networktest"), "{run:?}");
+    assert!(
+        created_tests(&client, &ns).await?.is_empty(),
+        "deleted after the wait"
+    );
+
     // On a terminal (script(1) gives it a pty): the live progress line and colour.
     let line = format!(
         "{PLUGIN} --kubeconfig {} -n {ns} netcheck -l {selector} --count 8 peers:2",
