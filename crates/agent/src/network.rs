@@ -574,7 +574,7 @@ mod tests {
     }
 
     #[test]
-    #[allow(clippy::print_stdout)] // SKIPPED goes to stdout (TESTING.md)
+    #[allow(clippy::print_stdout)] // SKIPPED goes to stdout (README, "Try it": root-only tests report it)
     fn apply_network_dry_run_apply_reapply_errors_and_drift() {
         if !nix::unistd::geteuid().is_root() {
             println!("SKIPPED: needs root to create network namespaces");
@@ -814,7 +814,7 @@ mod tests {
     }
 
     #[test]
-    #[allow(clippy::print_stdout)] // SKIPPED goes to stdout (TESTING.md)
+    #[allow(clippy::print_stdout)] // SKIPPED goes to stdout (README, "Try it": root-only tests report it)
     fn oci_layout_from_metadata_applies_and_reports_what_waits() {
         if !nix::unistd::geteuid().is_root() {
             println!("SKIPPED: needs root to create network namespaces");

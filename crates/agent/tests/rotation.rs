@@ -164,7 +164,7 @@ const DESIRED: &str = r#"{
 }"#;
 
 #[test]
-#[allow(clippy::print_stdout)] // SKIPPED goes to stdout (see ../shared/TESTING.md)
+#[allow(clippy::print_stdout)] // SKIPPED goes to stdout (README, "Try it": root-only tests report it)
 fn certificate_rotation_keeps_the_applied_network_and_its_drift_repair() {
     if !nix::unistd::geteuid().is_root() {
         println!("SKIPPED: needs root to create network namespaces");

@@ -306,21 +306,20 @@ pub fn parse(data: &BTreeMap<String, String>) -> Result<TuningConfig, TuningErro
         }
     }
 
-    if data.contains_key("staleAfter") || data.contains_key("sweepInterval") {
-        if config.stale_after < config.sweep_interval
-            && !errors
-                .iter()
-                .any(|e| e.key == "staleAfter" || e.key == "sweepInterval")
-        {
-            errors.push(KeyError {
-                key: "staleAfter".into(),
-                problem: format!(
-                    "{} is shorter than sweepInterval ({}); every agent would turn stale between two reads",
-                    format_duration(config.stale_after),
-                    format_duration(config.sweep_interval)
-                ),
-            });
-        }
+    if (data.contains_key("staleAfter") || data.contains_key("sweepInterval"))
+        && config.stale_after < config.sweep_interval
+        && !errors
+            .iter()
+            .any(|e| e.key == "staleAfter" || e.key == "sweepInterval")
+    {
+        errors.push(KeyError {
+            key: "staleAfter".into(),
+            problem: format!(
+                "{} is shorter than sweepInterval ({}); every agent would turn stale between two reads",
+                format_duration(config.stale_after),
+                format_duration(config.sweep_interval)
+            ),
+        });
     }
 
     if let Some(raw) = data.get("rules.yaml") {
@@ -375,7 +374,7 @@ pub fn parse_duration(raw: &str) -> Result<Duration, String> {
 /// Formats a duration the way [`parse_duration`] reads it.
 pub fn format_duration(duration: Duration) -> String {
     let ms = duration.as_millis();
-    if ms % 1000 != 0 {
+    if !ms.is_multiple_of(1000) {
         return format!("{ms}ms");
     }
     let secs = duration.as_secs();
