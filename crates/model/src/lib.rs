@@ -9,4 +9,5 @@
 pub mod indicators;
 pub mod network;
 pub mod probe;
+pub mod text;
 pub mod tuning;
