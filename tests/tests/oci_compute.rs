@@ -1,0 +1,507 @@
+//! The Compute API client (`nodekeeper_oci::compute`) against the local OCI endpoint
+//! (`nodekeeper_e2e::oci_endpoint`) on 127.0.0.1: every request signed and verified, attach →
+//! poll → ATTACHED → visible in the instance's IMDS answer, idempotent find by display name,
+//! pagination, bounded retries on 429/500 with one retry token per create, error parsing, the
+//! capacity answer, 409 on concurrent attaches and the per-instance lock that avoids it.
+//!
+//! Run: `cargo test -p nodekeeper-e2e --test oci_compute`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Result;
+use nodekeeper_e2e::oci_endpoint::{EndpointConfig, Fault, InstanceSpec, OciEndpoint};
+use nodekeeper_oci::auth::{ApiKeyProvider, AuthProvider};
+use nodekeeper_oci::compute::{
+    AttachVnicDetails, ComputeClient, ComputeConfig, ComputeError, CreateVnicDetails,
+    InstanceLocks, InstanceState, LaunchInstanceDetails, ListInstancesFilter, TerminateOptions,
+    VnicAttachmentState,
+};
+use nodekeeper_oci::retry::RetryPolicy;
+use nodekeeper_oci::signer::PrivateKey;
+use nodekeeper_oci::{ImdsClient, ImdsConfig};
+
+const COMPARTMENT: &str = "ocid1.compartment.oc1..localtest";
+const AD: &str = "Uocm:PHX-AD-1";
+const VM_SHAPE: &str = "VM.Standard.E5.Flex"; // 2 VNICs in the endpoint's default limits
+const VM4_SHAPE: &str = "VM.Standard2.4"; // 4 VNICs
+const POLL: Duration = Duration::from_millis(50);
+const WAIT: Duration = Duration::from_secs(10);
+
+fn test_key() -> PrivateKey {
+    let pem = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../crates/oci/tests/fixtures/test-key-2048.pem"
+    ))
+    .expect("read the test key fixture");
+    PrivateKey::from_pem(&pem).expect("parse the test key")
+}
+
+fn fast_retry(max_attempts: u32) -> RetryPolicy {
+    RetryPolicy {
+        max_attempts,
+        base: Duration::from_millis(10),
+        cap: Duration::from_millis(40),
+        max_elapsed: Duration::from_secs(5),
+    }
+}
+
+struct Rig {
+    endpoint: OciEndpoint,
+    client: ComputeClient,
+    subnet_primary: String,
+    subnet_pods: String,
+}
+
+impl Rig {
+    async fn new(retry: RetryPolicy, page_size: u32) -> Result<Self> {
+        let endpoint = OciEndpoint::start(EndpointConfig {
+            attach_delay: Duration::from_millis(300),
+            detach_delay: Duration::from_millis(200),
+            launch_delay: Duration::from_millis(200),
+            terminate_delay: Duration::from_millis(200),
+            ..Default::default()
+        })
+        .await?;
+        let key = test_key();
+        let auth = ApiKeyProvider::new("ocid1.tenancy.oc1..t", "ocid1.user.oc1..u", key.clone());
+        let key_id = auth.credentials().await?.key_id;
+        endpoint.register_key(&key_id, &key.public_key_pem()?)?;
+        let mut cfg = ComputeConfig::new(endpoint.url());
+        cfg.retry = retry;
+        cfg.page_size = page_size;
+        cfg.timeout = Duration::from_secs(5);
+        let client = ComputeClient::new(cfg, Arc::new(auth))?;
+        let subnet_primary = endpoint.add_subnet("10.0.10.0/24")?;
+        let subnet_pods = endpoint.add_subnet("10.0.20.0/24")?;
+        Ok(Self {
+            endpoint,
+            client,
+            subnet_primary,
+            subnet_pods,
+        })
+    }
+
+    fn instance(&self, name: &str, shape: &str) -> Result<String> {
+        self.endpoint.add_instance(&InstanceSpec {
+            display_name: name.into(),
+            shape: shape.into(),
+            compartment_id: COMPARTMENT.into(),
+            availability_domain: AD.into(),
+            subnet_id: self.subnet_primary.clone(),
+        })
+    }
+
+    fn attach_details(&self, instance: &str, name: &str) -> AttachVnicDetails {
+        AttachVnicDetails {
+            instance_id: instance.into(),
+            create_vnic_details: CreateVnicDetails {
+                subnet_id: self.subnet_pods.clone(),
+                skip_source_dest_check: Some(true),
+                display_name: Some(name.into()),
+                ..Default::default()
+            },
+            nic_index: None,
+            display_name: Some(name.into()),
+        }
+    }
+
+    fn requests_to(
+        &self,
+        method: &str,
+        path_prefix: &str,
+    ) -> Vec<nodekeeper_e2e::oci_endpoint::Recorded> {
+        self.endpoint
+            .requests()
+            .into_iter()
+            .filter(|r| r.method.as_str() == method && r.path.starts_with(path_prefix))
+            .collect()
+    }
+}
+
+#[tokio::test]
+async fn attach_polls_to_attached_and_imds_lists_the_vnic() -> Result<()> {
+    let rig = Rig::new(fast_retry(3), 100).await?;
+    let instance = rig.instance("node-a", VM_SHAPE)?;
+    let imds = ImdsClient::new(ImdsConfig::new(rig.endpoint.imds_url(&instance)))?;
+    assert_eq!(
+        imds.vnics().await?.len(),
+        1,
+        "only the primary VNIC at first"
+    );
+    assert_eq!(imds.instance().await?.shape, VM_SHAPE);
+
+    let created = rig
+        .client
+        .attach_vnic(&rig.attach_details(&instance, "nk-pods-0"))
+        .await?;
+    assert_eq!(created.lifecycle_state, VnicAttachmentState::Attaching);
+    assert_eq!(created.vnic_id, None, "vnicId appears only once attached");
+
+    // A caller that lost the answer finds its attachment by display name instead of attaching again.
+    let found = rig
+        .client
+        .find_vnic_attachment(COMPARTMENT, &instance, "nk-pods-0")
+        .await?
+        .expect("the attachment is found by display name");
+    assert_eq!(found.id, created.id);
+    assert!(
+        rig.client
+            .find_vnic_attachment(COMPARTMENT, &instance, "nk-other")
+            .await?
+            .is_none()
+    );
+
+    let attached = rig
+        .client
+        .wait_for_attached(&created.id, POLL, WAIT)
+        .await?;
+    assert_eq!(attached.lifecycle_state, VnicAttachmentState::Attached);
+    let vnic_id = attached.vnic_id.clone().expect("vnicId once attached");
+    let vnic = rig.client.get_vnic(&vnic_id).await?;
+    assert!(vnic.skip_source_dest_check);
+    let private_ip = vnic.private_ip.clone().expect("private IP");
+    assert!(private_ip.starts_with("10.0.20."), "{private_ip}");
+
+    // The agent's IMDS path now sees the VNIC, with the MAC and address the API reports.
+    let vnics = imds.vnics().await?;
+    assert_eq!(vnics.len(), 2, "{vnics:?}");
+    let second = format!("{:?}", vnics[1]);
+    assert!(second.contains(&private_ip), "{second}");
+    assert!(
+        second
+            .to_lowercase()
+            .contains(&vnic.mac_address.clone().unwrap_or_default().to_lowercase()),
+        "{second}"
+    );
+
+    // Detach: DELETE, DETACHING → DETACHED, gone from IMDS.
+    rig.client.detach_vnic(&created.id, None).await?;
+    let gone = tokio::time::timeout(WAIT, async {
+        loop {
+            let a = rig.client.get_vnic_attachment(&created.id).await?;
+            if a.lifecycle_state == VnicAttachmentState::Detached {
+                return Ok::<_, anyhow::Error>(a);
+            }
+            tokio::time::sleep(POLL).await;
+        }
+    })
+    .await??;
+    assert_eq!(gone.lifecycle_state, VnicAttachmentState::Detached);
+    assert_eq!(imds.vnics().await?.len(), 1);
+    let err = rig.client.get_vnic(&vnic_id).await.unwrap_err();
+    assert!(err.is_not_found(), "{err}");
+
+    // Every request was signed and verified.
+    let requests = rig.endpoint.requests();
+    assert!(requests.iter().all(|r| r.key_id.is_some()), "{requests:?}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn shape_limit_nic_index_and_unknown_ids_are_errors_with_oci_code_and_request_id()
+-> Result<()> {
+    let rig = Rig::new(fast_retry(3), 100).await?;
+    let instance = rig.instance("node-b", VM_SHAPE)?;
+    let first = rig
+        .client
+        .attach_vnic(&rig.attach_details(&instance, "nk-0"))
+        .await?;
+    rig.client.wait_for_attached(&first.id, POLL, WAIT).await?;
+
+    let err = rig
+        .client
+        .attach_vnic(&rig.attach_details(&instance, "nk-1"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.status(), Some(400), "{err}");
+    assert_eq!(err.code(), Some("LimitExceeded"), "{err}");
+    assert!(err.to_string().contains(VM_SHAPE), "{err}");
+    assert_eq!(err.request_id().map(str::len), Some(32), "{err}");
+
+    let mut on_vm = rig.attach_details(&instance, "nk-2");
+    on_vm.nic_index = Some(1);
+    let err = rig.client.attach_vnic(&on_vm).await.unwrap_err();
+    assert_eq!(err.code(), Some("InvalidParameter"), "{err}");
+    assert!(err.to_string().contains("nicIndex"), "{err}");
+
+    let err = rig
+        .client
+        .get_instance("ocid1.instance.oc1.phx.doesnotexist")
+        .await
+        .unwrap_err();
+    assert!(err.is_not_found(), "{err}");
+    assert_eq!(err.code(), Some("NotAuthorizedOrNotFound"));
+    let ComputeError::Service {
+        message,
+        request_id,
+        attempts,
+        ..
+    } = &err
+    else {
+        panic!("expected a service error, got {err:?}");
+    };
+    assert!(message.contains("not found"), "{message}");
+    assert!(!request_id.is_empty());
+    assert_eq!(*attempts, 1, "404 is not retried");
+    Ok(())
+}
+
+#[tokio::test]
+async fn concurrent_attach_gets_409_and_the_instance_lock_serialises() -> Result<()> {
+    let rig = Rig::new(fast_retry(3), 100).await?;
+    let instance = rig.instance("node-c", VM4_SHAPE)?;
+    let first = rig
+        .client
+        .attach_vnic(&rig.attach_details(&instance, "nk-0"))
+        .await?;
+    let err = rig
+        .client
+        .attach_vnic(&rig.attach_details(&instance, "nk-1"))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ComputeError::Conflict { .. }), "{err:?}");
+    assert_eq!(err.status(), Some(409));
+    assert_eq!(
+        rig.requests_to("POST", "/vnicAttachments")
+            .iter()
+            .filter(|r| r.status == 409)
+            .count(),
+        1,
+        "409 is surfaced, not retried"
+    );
+    rig.client.wait_for_attached(&first.id, POLL, WAIT).await?;
+
+    // Two attaches under the per-instance lock: each waits for the other's ATTACHED.
+    let locks = Arc::new(InstanceLocks::new());
+    let mut tasks = Vec::new();
+    for name in ["nk-1", "nk-2"] {
+        let (client, locks) = (rig.client.clone(), locks.clone());
+        let details = rig.attach_details(&instance, name);
+        let instance = instance.clone();
+        tasks.push(tokio::spawn(async move {
+            let _guard = locks.lock(&instance).await;
+            let a = client.attach_vnic(&details).await?;
+            client.wait_for_attached(&a.id, POLL, WAIT).await
+        }));
+    }
+    for t in tasks {
+        t.await??;
+    }
+    assert_eq!(rig.endpoint.live_attachment_count(&instance), 4);
+    Ok(())
+}
+
+#[tokio::test]
+async fn retries_429_and_500_within_bounds_with_one_retry_token() -> Result<()> {
+    let rig = Rig::new(fast_retry(4), 100).await?;
+    let instance = rig.instance("node-d", VM4_SHAPE)?;
+
+    // A 429 burst shorter than the budget is absorbed.
+    rig.endpoint.inject(Fault::throttle(2));
+    let got = rig.client.get_instance(&instance).await?;
+    assert_eq!(got.lifecycle_state, InstanceState::Running);
+    let gets = rig.requests_to("GET", "/instances/");
+    assert_eq!(
+        gets.iter().map(|r| r.status).collect::<Vec<_>>(),
+        vec![429, 429, 200]
+    );
+
+    // A retried create sends the same token each time and creates once.
+    rig.endpoint.inject(Fault::internal(2));
+    let a = rig
+        .client
+        .attach_vnic(&rig.attach_details(&instance, "nk-0"))
+        .await?;
+    let posts = rig.requests_to("POST", "/vnicAttachments");
+    assert_eq!(
+        posts.iter().map(|r| r.status).collect::<Vec<_>>(),
+        vec![500, 500, 200]
+    );
+    let tokens: std::collections::BTreeSet<_> =
+        posts.iter().map(|r| r.retry_token.clone()).collect();
+    assert_eq!(tokens.len(), 1, "{tokens:?}");
+    assert!(
+        tokens
+            .iter()
+            .all(|t| t.as_ref().is_some_and(|t| t.len() == 32))
+    );
+    assert_eq!(rig.endpoint.live_attachment_count(&instance), 2);
+    rig.client.wait_for_attached(&a.id, POLL, WAIT).await?;
+
+    // A fault that outlasts the budget ends after max_attempts, with the last answer.
+    rig.endpoint.inject(Fault::internal(10));
+    let before = rig.endpoint.requests().len();
+    let err = rig.client.get_instance(&instance).await.unwrap_err();
+    let ComputeError::Service {
+        status,
+        attempts,
+        code,
+        ..
+    } = &err
+    else {
+        panic!("expected a service error, got {err:?}");
+    };
+    assert_eq!(
+        (*status, *attempts, code.as_str()),
+        (500, 4, "InternalError")
+    );
+    assert_eq!(rig.endpoint.requests().len() - before, 4);
+
+    // The time bound stops retries before the count does.
+    let mut slow = ComputeConfig::new(rig.endpoint.url());
+    slow.retry = RetryPolicy {
+        max_attempts: 100,
+        base: Duration::from_millis(100),
+        cap: Duration::from_millis(100),
+        max_elapsed: Duration::from_millis(450),
+    };
+    let key = test_key();
+    let client = ComputeClient::new(
+        slow,
+        Arc::new(ApiKeyProvider::new(
+            "ocid1.tenancy.oc1..t",
+            "ocid1.user.oc1..u",
+            key,
+        )),
+    )?;
+    rig.endpoint.clear_faults();
+    rig.endpoint.inject(Fault::throttle(100));
+    let started = std::time::Instant::now();
+    let err = client.get_instance(&instance).await.unwrap_err();
+    assert_eq!(err.status(), Some(429), "{err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    let attempts = match err {
+        ComputeError::Service { attempts, .. } => attempts,
+        _ => 0,
+    };
+    assert!(
+        (3..=10).contains(&attempts),
+        "{attempts} attempts in 450 ms of 50–100 ms pauses"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn lists_follow_opc_next_page() -> Result<()> {
+    let rig = Rig::new(fast_retry(2), 3).await?;
+    let mut ids = Vec::new();
+    for n in 0..7 {
+        ids.push(rig.instance(&format!("node-{n}"), VM_SHAPE)?);
+    }
+    let listed = rig
+        .client
+        .list_instances(COMPARTMENT, &ListInstancesFilter::default())
+        .await?;
+    assert_eq!(listed.iter().map(|i| i.id.clone()).collect::<Vec<_>>(), ids);
+    let pages = rig.requests_to("GET", "/instances");
+    assert_eq!(pages.len(), 3, "7 items at 3 per page");
+    assert!(pages[1].query.contains("page="), "{:?}", pages[1]);
+
+    let attachments = rig
+        .client
+        .list_vnic_attachments(COMPARTMENT, &Default::default())
+        .await?;
+    assert_eq!(attachments.len(), 7, "one primary VNIC each");
+
+    let one = rig
+        .client
+        .list_instances(
+            COMPARTMENT,
+            &ListInstancesFilter {
+                display_name: Some("node-4".into()),
+                ..Default::default()
+            },
+        )
+        .await?;
+    assert_eq!(one.len(), 1);
+    assert_eq!(one[0].id, ids[4]);
+    Ok(())
+}
+
+#[tokio::test]
+async fn launch_terminate_and_out_of_host_capacity() -> Result<()> {
+    let rig = Rig::new(fast_retry(4), 100).await?;
+    let details = LaunchInstanceDetails {
+        availability_domain: AD.into(),
+        compartment_id: COMPARTMENT.into(),
+        shape: VM_SHAPE.into(),
+        shape_config: None,
+        source_details: None,
+        create_vnic_details: Some(CreateVnicDetails {
+            subnet_id: rig.subnet_primary.clone(),
+            ..Default::default()
+        }),
+        metadata: Default::default(),
+        display_name: Some("launched".into()),
+        freeform_tags: [("nodekeeper.dev/nodeset".to_string(), "pool-a".to_string())].into(),
+        fault_domain: None,
+    };
+
+    rig.endpoint.set_out_of_capacity(VM_SHAPE, true);
+    let err = rig.client.launch_instance(&details).await.unwrap_err();
+    assert!(matches!(err, ComputeError::OutOfCapacity { .. }), "{err:?}");
+    assert!(err.to_string().contains("another shape"), "{err}");
+    assert_eq!(
+        rig.requests_to("POST", "/instances").len(),
+        1,
+        "capacity is not retried"
+    );
+    rig.endpoint.set_out_of_capacity(VM_SHAPE, false);
+
+    let launched = rig.client.launch_instance(&details).await?;
+    assert_eq!(launched.lifecycle_state, InstanceState::Provisioning);
+    assert_eq!(launched.freeform_tags["nodekeeper.dev/nodeset"], "pool-a");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        rig.client.get_instance(&launched.id).await?.lifecycle_state,
+        InstanceState::Running
+    );
+    rig.client
+        .terminate_instance(&launched.id, &TerminateOptions::default())
+        .await?;
+    let terminating = rig.client.get_instance(&launched.id).await?;
+    assert_eq!(terminating.lifecycle_state, InstanceState::Terminating);
+    assert!(
+        rig.requests_to("DELETE", "/instances/")[0]
+            .query
+            .contains("preserveBootVolume=false")
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let listed = rig
+        .client
+        .list_instances(
+            COMPARTMENT,
+            &ListInstancesFilter {
+                lifecycle_state: Some(InstanceState::Terminated),
+                ..Default::default()
+            },
+        )
+        .await?;
+    assert_eq!(listed.len(), 1, "terminated instances stay listed");
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_key_the_service_does_not_know_is_refused_with_401() -> Result<()> {
+    let rig = Rig::new(fast_retry(3), 100).await?;
+    let instance = rig.instance("node-e", VM_SHAPE)?;
+    let stranger = ComputeClient::new(
+        ComputeConfig::new(rig.endpoint.url()),
+        Arc::new(ApiKeyProvider::new(
+            "ocid1.tenancy.oc1..other",
+            "ocid1.user.oc1..x",
+            test_key(),
+        )),
+    )?;
+    let err = stranger.get_instance(&instance).await.unwrap_err();
+    assert_eq!(err.status(), Some(401), "{err}");
+    assert_eq!(err.code(), Some("NotAuthenticated"));
+    // One renewal of credentials after a 401, then the answer stands.
+    assert_eq!(rig.requests_to("GET", "/instances/").len(), 2);
+    Ok(())
+}
