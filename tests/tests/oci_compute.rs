@@ -505,3 +505,132 @@ async fn a_key_the_service_does_not_know_is_refused_with_401() -> Result<()> {
     assert_eq!(rig.requests_to("GET", "/instances/").len(), 2);
     Ok(())
 }
+
+#[tokio::test]
+async fn instance_principal_tokens_sign_calls_and_are_renewed() -> Result<()> {
+    use nodekeeper_oci::auth::{SessionTokenProvider, X509FederationSource};
+    let endpoint = OciEndpoint::start(EndpointConfig {
+        token_ttl: Duration::from_secs(3),
+        ..Default::default()
+    })
+    .await?;
+    let subnet = endpoint.add_subnet("10.0.10.0/24")?;
+    let instance = endpoint.add_instance(&InstanceSpec {
+        display_name: "node-ip".into(),
+        shape: VM_SHAPE.into(),
+        compartment_id: COMPARTMENT.into(),
+        availability_domain: AD.into(),
+        subnet_id: subnet,
+    })?;
+    let leaf_pem = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../crates/oci/tests/fixtures/test-key-2048.pem"
+    ))?;
+    endpoint.enable_instance_principal(&instance, "ocid1.tenancy.oc1..ip", &leaf_pem)?;
+    let session_pem = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../crates/oci/tests/fixtures/test-key-2048-b.pem"
+    ))?;
+    let imds = ImdsClient::new(ImdsConfig::new(endpoint.imds_url(&instance)))?;
+    let source = X509FederationSource::new(imds, endpoint.federation_url(), Duration::from_secs(5));
+    // Session keys come from a fixture: RSA generation is slow in unoptimised test builds.
+    let provider = SessionTokenProvider::new(source)
+        .with_renew_before(Duration::from_secs(2))
+        .with_key_factory(Arc::new(move || PrivateKey::from_pem(&session_pem)));
+    let mut cfg = ComputeConfig::new(endpoint.url());
+    cfg.retry = fast_retry(3);
+    let client = ComputeClient::new(cfg, Arc::new(provider))?;
+    let federations = || {
+        endpoint
+            .requests()
+            .iter()
+            .filter(|r| r.path == "/v1/x509" && r.status == 200)
+            .count()
+    };
+
+    client.get_instance(&instance).await?;
+    client.get_instance(&instance).await?;
+    assert_eq!(
+        federations(),
+        1,
+        "one token serves calls until close to expiry"
+    );
+    let signed_with: Vec<_> = endpoint
+        .requests()
+        .iter()
+        .filter(|r| r.path.starts_with("/instances/"))
+        .map(|r| r.key_id.clone().unwrap_or_default())
+        .collect();
+    assert!(
+        signed_with.iter().all(|k| k.starts_with("ST$")),
+        "{signed_with:?}"
+    );
+    let fed = endpoint
+        .requests()
+        .into_iter()
+        .find(|r| r.path == "/v1/x509")
+        .unwrap();
+    assert!(
+        fed.key_id
+            .as_deref()
+            .is_some_and(|k| k.starts_with("ocid1.tenancy.oc1..ip/fed-x509-sha256/")),
+        "{fed:?}"
+    );
+
+    // Within renew_before of exp (3 s lifetime, 2 s margin): a new token.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    client.get_instance(&instance).await?;
+    assert_eq!(federations(), 2);
+
+    // A revoked token gets 401 once; the provider renews and the call succeeds.
+    endpoint.revoke_sessions();
+    client.get_instance(&instance).await?;
+    assert_eq!(federations(), 3);
+    let last_two: Vec<u16> = endpoint
+        .requests()
+        .iter()
+        .filter(|r| r.path.starts_with("/instances/"))
+        .map(|r| r.status)
+        .rev()
+        .take(2)
+        .collect();
+    assert_eq!(last_two, vec![200, 401]);
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_signature_by_another_key_under_a_known_key_id_is_refused() -> Result<()> {
+    #[derive(Debug)]
+    struct Impostor(nodekeeper_oci::signer::Credentials);
+    impl AuthProvider for Impostor {
+        fn credentials(
+            &self,
+        ) -> nodekeeper_oci::auth::BoxFuture<
+            '_,
+            Result<nodekeeper_oci::signer::Credentials, nodekeeper_oci::auth::AuthError>,
+        > {
+            let c = self.0.clone();
+            Box::pin(async move { Ok(c) })
+        }
+    }
+    let rig = Rig::new(fast_retry(2), 100).await?;
+    let instance = rig.instance("node-f", VM_SHAPE)?;
+    let known = ApiKeyProvider::new("ocid1.tenancy.oc1..t", "ocid1.user.oc1..u", test_key())
+        .credentials()
+        .await?;
+    let other = PrivateKey::from_pem(&std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../crates/oci/tests/fixtures/test-key-2048-b.pem"
+    ))?)?;
+    let impostor = ComputeClient::new(
+        ComputeConfig::new(rig.endpoint.url()),
+        Arc::new(Impostor(nodekeeper_oci::signer::Credentials {
+            key_id: known.key_id,
+            key: other,
+        })),
+    )?;
+    let err = impostor.get_instance(&instance).await.unwrap_err();
+    assert_eq!(err.code(), Some("NotAuthenticated"), "{err}");
+    assert!(err.to_string().contains("does not verify"), "{err}");
+    Ok(())
+}

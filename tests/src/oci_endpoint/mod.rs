@@ -56,6 +56,8 @@ pub struct EndpointConfig {
     pub max_page_size: usize,
     /// Short region code IMDS reports (`phx`) and its canonical name.
     pub region: (String, String),
+    /// Lifetime of the security tokens the federation endpoint issues.
+    pub token_ttl: Duration,
 }
 
 impl Default for EndpointConfig {
@@ -73,6 +75,7 @@ impl Default for EndpointConfig {
             default_limit: 2,
             max_page_size: 1000,
             region: ("phx".into(), "us-phoenix-1".into()),
+            token_ttl: Duration::from_secs(3600),
         }
     }
 }
@@ -207,8 +210,19 @@ impl InstanceRec {
     }
 }
 
+/// An instance's identity for instance principals: what IMDS serves under `/opc/v2/identity/`.
+#[derive(Clone, Debug)]
+struct Identity {
+    cert_pem: String,
+    key_pem: String,
+    intermediate_pem: String,
+    /// `<tenancy>/fed-x509-sha256/<SHA-256 of the certificate>`.
+    key_id: String,
+}
+
 struct State {
     cfg: EndpointConfig,
+    identities: HashMap<String, Identity>,
     keys: verify::Keys,
     subnets: HashMap<String, Subnet>,
     instances: HashMap<String, InstanceRec>,
@@ -424,29 +438,38 @@ impl State {
 struct Answer {
     status: u16,
     body: Option<Value>,
+    /// A plain-text answer (IMDS identity files) instead of JSON.
+    text: Option<String>,
     headers: Vec<(&'static str, String)>,
+}
+
+fn empty(status: u16) -> Answer {
+    Answer {
+        status,
+        body: None,
+        text: None,
+        headers: Vec::new(),
+    }
 }
 
 fn ok(body: Value) -> Answer {
     Answer {
         status: 200,
         body: Some(body),
+        text: None,
         headers: Vec::new(),
     }
 }
 
 fn no_content() -> Answer {
-    Answer {
-        status: 204,
-        body: None,
-        headers: Vec::new(),
-    }
+    empty(204)
 }
 
 fn error(status: u16, code: &str, message: &str) -> Answer {
     Answer {
         status,
         body: Some(json!({"code": code, "message": message})),
+        text: None,
         headers: Vec::new(),
     }
 }
@@ -554,6 +577,7 @@ impl OciEndpoint {
         let addr = listener.local_addr()?;
         let state = Arc::new(Mutex::new(State {
             cfg,
+            identities: HashMap::new(),
             keys: verify::Keys::default(),
             subnets: HashMap::new(),
             instances: HashMap::new(),
@@ -639,6 +663,73 @@ impl OciEndpoint {
         self.lock().faults.push_back(fault);
     }
 
+    /// Gives `instance_id` an identity certificate for instance principals: a certificate for
+    /// `leaf_key_pem` (PKCS#8 RSA) whose subject carries `opc-tenant:<tenancy>`, served by its IMDS
+    /// with an intermediate, and accepted by [`OciEndpoint::federation_url`].
+    pub fn enable_instance_principal(
+        &self,
+        instance_id: &str,
+        tenancy: &str,
+        leaf_key_pem: &str,
+    ) -> anyhow::Result<()> {
+        use rsa::pkcs8::{DecodePrivateKey as _, EncodePublicKey as _};
+        let leaf_key =
+            rcgen::KeyPair::from_pkcs8_pem_and_sign_algo(leaf_key_pem, &rcgen::PKCS_RSA_SHA256)?;
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new())?;
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, instance_id);
+        params.distinguished_name.push(
+            rcgen::DnType::OrganizationalUnitName,
+            format!("opc-tenant:{tenancy}"),
+        );
+        params.distinguished_name.push(
+            rcgen::DnType::OrganizationName,
+            format!("opc-instance:{instance_id}"),
+        );
+        let leaf = params.self_signed(&leaf_key)?;
+        let mut ca = rcgen::CertificateParams::new(Vec::<String>::new())?;
+        ca.distinguished_name
+            .push(rcgen::DnType::CommonName, "local oci intermediate");
+        let intermediate = ca.self_signed(&rcgen::KeyPair::generate()?)?;
+        let fingerprint = Sha256::digest(leaf.der().as_ref())
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect::<Vec<_>>()
+            .join(":");
+        let key_id = format!("{tenancy}/fed-x509-sha256/{fingerprint}");
+        let public = rsa::RsaPrivateKey::from_pkcs8_pem(leaf_key_pem)?
+            .to_public_key()
+            .to_public_key_pem(rsa::pkcs8::LineEnding::LF)?;
+        let mut s = self.lock();
+        anyhow::ensure!(
+            s.instances.contains_key(instance_id),
+            "no instance {instance_id}"
+        );
+        s.keys.insert_pem(&key_id, &public)?;
+        s.identities.insert(
+            instance_id.to_string(),
+            Identity {
+                cert_pem: leaf.pem(),
+                key_pem: leaf_key_pem.to_string(),
+                intermediate_pem: intermediate.pem(),
+                key_id,
+            },
+        );
+        Ok(())
+    }
+
+    /// The X.509 federation endpoint (`…/v1/x509`) that exchanges identity certificates for
+    /// security tokens.
+    pub fn federation_url(&self) -> String {
+        format!("http://{}/v1/x509", self.addr)
+    }
+
+    /// Revokes every security token issued so far: their next use gets 401.
+    pub fn revoke_sessions(&self) {
+        self.lock().keys.revoke_sessions();
+    }
+
     /// Drops every queued fault.
     pub fn clear_faults(&self) {
         self.lock().faults.clear();
@@ -694,12 +785,16 @@ async fn handle(
     for (k, v) in &answer.headers {
         response = response.header(*k, v);
     }
-    let body = match answer.body {
-        Some(v) => {
+    let body = match (answer.body, answer.text) {
+        (Some(v), _) => {
             response = response.header("content-type", "application/json");
             Bytes::from(v.to_string())
         }
-        None => Bytes::new(),
+        (None, Some(t)) => {
+            response = response.header("content-type", "text/plain");
+            Bytes::from(t)
+        }
+        (None, None) => Bytes::new(),
     };
     response
         .body(Full::new(body))
@@ -710,35 +805,19 @@ async fn handle(
 fn imds(s: &State, uri: &Uri, headers: &HeaderMap) -> Answer {
     let rest = &uri.path()["/imds/".len()..];
     let Some((id, path)) = rest.split_once('/') else {
-        return Answer {
-            status: 404,
-            body: None,
-            headers: Vec::new(),
-        };
+        return empty(404);
     };
     if headers.get("authorization").and_then(|v| v.to_str().ok()) != Some("Bearer Oracle") {
-        return Answer {
-            status: 401,
-            body: None,
-            headers: Vec::new(),
-        };
+        return empty(401);
     }
     if ["forwarded", "x-forwarded-for", "x-forwarded-host"]
         .iter()
         .any(|h| headers.contains_key(*h))
     {
-        return Answer {
-            status: 403,
-            body: None,
-            headers: Vec::new(),
-        };
+        return empty(403);
     }
     let Some(instance) = s.instances.get(id) else {
-        return Answer {
-            status: 404,
-            body: None,
-            headers: Vec::new(),
-        };
+        return empty(404);
     };
     let now = Instant::now();
     let bare_metal = instance.shape.starts_with("BM.");
@@ -755,6 +834,19 @@ fn imds(s: &State, uri: &Uri, headers: &HeaderMap) -> Answer {
             "state": "Running",
             "metadata": instance.metadata,
         })),
+        file @ ("opc/v2/identity/cert.pem"
+        | "opc/v2/identity/key.pem"
+        | "opc/v2/identity/intermediate.pem") => match s.identities.get(id) {
+            Some(identity) => Answer {
+                text: Some(match file {
+                    "opc/v2/identity/cert.pem" => identity.cert_pem.clone(),
+                    "opc/v2/identity/key.pem" => identity.key_pem.clone(),
+                    _ => identity.intermediate_pem.clone(),
+                }),
+                ..empty(200)
+            },
+            None => empty(404),
+        },
         "opc/v2/vnics" => {
             // Only attachments that completed are visible to the guest; primary first.
             let mut attached: Vec<&AttachmentRec> = s
@@ -784,11 +876,7 @@ fn imds(s: &State, uri: &Uri, headers: &HeaderMap) -> Answer {
                 .collect();
             ok(Value::Array(list))
         }
-        _ => Answer {
-            status: 404,
-            body: None,
-            headers: Vec::new(),
-        },
+        _ => empty(404),
     }
 }
 
@@ -803,7 +891,22 @@ fn api(s: &mut State, method: &Method, uri: &Uri, headers: &HeaderMap, body: &[u
         .get("opc-retry-token")
         .and_then(|v| v.to_str().ok())
         .map(str::to_string);
-    let verified = verify::verify(&s.keys, method, uri, headers, body, SystemTime::now());
+    let required = if path == "/v1/x509" {
+        verify::FEDERATION
+    } else if matches!(*method, Method::POST | Method::PUT | Method::PATCH) {
+        verify::BODY
+    } else {
+        verify::GENERIC
+    };
+    let verified = verify::verify(
+        &s.keys,
+        required,
+        method,
+        uri,
+        headers,
+        body,
+        SystemTime::now(),
+    );
     let answer = match &verified {
         Err(reason) => error(
             401,
@@ -812,6 +915,7 @@ fn api(s: &mut State, method: &Method, uri: &Uri, headers: &HeaderMap, body: &[u
                 "The required information to complete authentication was not provided or was incorrect ({reason})."
             ),
         ),
+        Ok(key_id) if path == "/v1/x509" => federate(s, key_id, body),
         Ok(_) => {
             let fault = s
                 .faults
@@ -942,6 +1046,65 @@ fn route(
         ),
         _ => not_found(&format!("path {path}")),
     }
+}
+
+/// The X.509 federation call: the caller signed with its identity key; answers a token bound to
+/// the session public key it sent, valid for `token_ttl`.
+fn federate(s: &mut State, key_id: &str, body: &[u8]) -> Answer {
+    use base64::Engine as _;
+    use rsa::pkcs8::DecodePublicKey as _;
+    let Some((instance_id, identity)) = s
+        .identities
+        .iter()
+        .find(|(_, i)| i.key_id == key_id)
+        .map(|(id, i)| (id.clone(), i.clone()))
+    else {
+        return error(
+            401,
+            "NotAuthenticated",
+            "The keyId is not an instance identity.",
+        );
+    };
+    let details: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+    let strip = |pem: &str| -> String {
+        pem.lines()
+            .filter(|l| !l.starts_with("-----"))
+            .map(str::trim)
+            .collect()
+    };
+    if details.get("certificate").and_then(Value::as_str) != Some(&strip(&identity.cert_pem)) {
+        return error(
+            401,
+            "NotAuthenticated",
+            "The certificate does not match the signing key.",
+        );
+    }
+    let b64 = base64::engine::general_purpose::STANDARD;
+    let session_key = details
+        .get("publicKey")
+        .and_then(Value::as_str)
+        .and_then(|k| b64.decode(k).ok())
+        .and_then(|der| rsa::RsaPublicKey::from_public_key_der(&der).ok());
+    let Some(session_key) = session_key else {
+        return error(
+            400,
+            "InvalidParameter",
+            "publicKey is not a base64 DER RSA public key.",
+        );
+    };
+    let exp = (SystemTime::now() + s.cfg.token_ttl)
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs();
+    let url = base64::engine::general_purpose::URL_SAFE_NO_PAD;
+    let token = format!(
+        "{}.{}.{}",
+        url.encode(br#"{"alg":"RS256","typ":"JWT"}"#),
+        url.encode(json!({"exp": exp, "sub": instance_id, "n": s.next()}).to_string()),
+        url.encode(rand::random::<u128>().to_be_bytes()),
+    );
+    s.keys.insert(format!("ST${token}"), session_key);
+    ok(json!({ "token": token }))
 }
 
 /// A create with `opc-retry-token`: the same token and body replays the first answer; the same
