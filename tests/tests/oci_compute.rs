@@ -634,3 +634,43 @@ async fn a_signature_by_another_key_under_a_known_key_id_is_refused() -> Result<
     assert!(err.to_string().contains("does not verify"), "{err}");
     Ok(())
 }
+
+#[tokio::test]
+async fn oke_workload_identity_tokens_sign_calls() -> Result<()> {
+    use nodekeeper_oci::auth::{OkeWorkloadIdentitySource, SessionTokenProvider};
+    let rig = Rig::new(fast_retry(2), 100).await?;
+    let instance = rig.instance("node-wi", VM_SHAPE)?;
+    rig.endpoint.enable_workload_identity("sa-token-1");
+    let dir = tempfile::tempdir()?;
+    let token_path = dir.path().join("token");
+    std::fs::write(&token_path, "sa-token-0\n")?;
+    let source = OkeWorkloadIdentitySource::new(
+        rig.endpoint.workload_identity_url(),
+        &token_path,
+        None,
+        Duration::from_secs(5),
+    )?;
+    let session_pem = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../crates/oci/tests/fixtures/test-key-2048-b.pem"
+    ))?;
+    let provider = SessionTokenProvider::new(source)
+        .with_key_factory(Arc::new(move || PrivateKey::from_pem(&session_pem)));
+    let client = ComputeClient::new(ComputeConfig::new(rig.endpoint.url()), Arc::new(provider))?;
+
+    // A token the cluster does not know: the error names the token endpoint.
+    let err = client.get_instance(&instance).await.unwrap_err();
+    assert!(matches!(err, ComputeError::Authenticate { .. }), "{err:?}");
+    assert!(
+        err.to_string().contains("resourcePrincipalSessionTokens"),
+        "{err}"
+    );
+
+    // The projected token rotates: the file is read again for the next exchange.
+    std::fs::write(&token_path, "sa-token-1\n")?;
+    let got = client.get_instance(&instance).await?;
+    assert_eq!(got.id, instance);
+    let last = rig.endpoint.requests().pop().unwrap();
+    assert!(last.key_id.is_some_and(|k| k.starts_with("ST$")));
+    Ok(())
+}

@@ -466,6 +466,151 @@ impl TokenSource for X509FederationSource {
     }
 }
 
+/// OKE workload identity (enhanced clusters): the pod's service-account token exchanged at the
+/// cluster's proxy, `https://$KUBERNETES_SERVICE_HOST:12250/resourcePrincipalSessionTokens`, for a
+/// resource-principal token bound to the session key (`shared/oci/compute-api.md` §2).
+pub struct OkeWorkloadIdentitySource {
+    url: String,
+    service_account_token: PathBuf,
+    transport: Transport,
+}
+
+impl fmt::Debug for OkeWorkloadIdentitySource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("OkeWorkloadIdentitySource")
+            .field("url", &self.url)
+            .field("service_account_token", &self.service_account_token)
+            .finish()
+    }
+}
+
+/// Where a pod finds its service account.
+pub const SERVICE_ACCOUNT_DIR: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
+
+impl OkeWorkloadIdentitySource {
+    /// `url` is the token endpoint; `ca_pem` the CA that signs its certificate (the cluster CA),
+    /// or `None` for a plain `http://` test endpoint. The token file is re-read for every
+    /// exchange: projected tokens rotate.
+    pub fn new(
+        url: impl Into<String>,
+        service_account_token: impl Into<PathBuf>,
+        ca_pem: Option<&str>,
+        timeout: Duration,
+    ) -> Result<Self, AuthError> {
+        let url = url.into();
+        let transport = match ca_pem {
+            Some(pem) => {
+                Transport::with_ca(pem, timeout).map_err(|message| AuthError::RequestToken {
+                    url: url.clone(),
+                    message,
+                })?
+            }
+            None => Transport::new(timeout),
+        };
+        Ok(Self {
+            url,
+            service_account_token: service_account_token.into(),
+            transport,
+        })
+    }
+
+    /// The in-cluster configuration: `KUBERNETES_SERVICE_HOST`, the service account's token and
+    /// CA (`OCI_KUBERNETES_SERVICE_ACCOUNT_CERT_PATH` overrides the CA path, as in Oracle's SDKs).
+    pub fn from_env(timeout: Duration) -> Result<Self, AuthError> {
+        let host =
+            std::env::var("KUBERNETES_SERVICE_HOST").map_err(|_| AuthError::RequestToken {
+                url: "https://$KUBERNETES_SERVICE_HOST:12250".into(),
+                message:
+                    "KUBERNETES_SERVICE_HOST is not set: workload identity works only in a pod"
+                        .into(),
+            })?;
+        let host = if host.contains(':') {
+            format!("[{host}]")
+        } else {
+            host
+        };
+        let dir = Path::new(SERVICE_ACCOUNT_DIR);
+        let ca_path = std::env::var_os("OCI_KUBERNETES_SERVICE_ACCOUNT_CERT_PATH")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| dir.join("ca.crt"));
+        let ca = std::fs::read_to_string(&ca_path).map_err(|e| AuthError::ReadFile {
+            path: ca_path.clone(),
+            message: e.to_string(),
+        })?;
+        Self::new(
+            format!("https://{host}:12250/resourcePrincipalSessionTokens"),
+            dir.join("token"),
+            Some(&ca),
+            timeout,
+        )
+    }
+}
+
+impl TokenSource for OkeWorkloadIdentitySource {
+    fn fetch<'a>(
+        &'a self,
+        session_key: &'a PrivateKey,
+    ) -> BoxFuture<'a, Result<String, AuthError>> {
+        Box::pin(async move {
+            let url = &self.url;
+            let request_error = |message: String| AuthError::RequestToken {
+                url: url.clone(),
+                message,
+            };
+            let sa_token = read_trimmed(
+                self.service_account_token
+                    .parent()
+                    .unwrap_or(Path::new("/")),
+                &self
+                    .service_account_token
+                    .file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_default(),
+                "service account token",
+            )?;
+            let body = serde_json::json!({ "podKey": strip_pem(&session_key.public_key_pem()?) })
+                .to_string();
+            let request_id = format!("{:032X}", rand::random::<u128>());
+            let request = Request::post(url.as_str())
+                .header(http::header::AUTHORIZATION, format!("Bearer {sa_token}"))
+                .header(http::header::CONTENT_TYPE, "application/json")
+                .header("opc-request-id", request_id)
+                .body(Full::new(Bytes::from(body)))
+                .map_err(|e| request_error(e.to_string()))?;
+            let response = self.transport.send(request).await.map_err(request_error)?;
+            if response.status == http::StatusCode::FORBIDDEN {
+                return Err(request_error(
+                    "403: workload identity needs an enhanced OKE cluster and a policy for this service account".into(),
+                ));
+            }
+            if !response.status.is_success() {
+                return Err(request_error(format!(
+                    "status {}: {}",
+                    response.status,
+                    String::from_utf8_lossy(&response.body[..response.body.len().min(300)])
+                )));
+            }
+            let parse_error = |message: String| AuthError::ParseToken {
+                url: url.clone(),
+                message,
+            };
+            // The answer is a JSON string holding base64 of `{"token":"ST$<JWT>"}`.
+            let wrapped: String = serde_json::from_slice(&response.body)
+                .map_err(|e| parse_error(format!("not a JSON string: {e}")))?;
+            let inner = base64::engine::general_purpose::STANDARD
+                .decode(wrapped.trim())
+                .map_err(|e| parse_error(format!("not base64: {e}")))?;
+            let inner: serde_json::Value = serde_json::from_slice(&inner)
+                .map_err(|e| parse_error(format!("decoded answer is not JSON: {e}")))?;
+            let token = inner
+                .get("token")
+                .and_then(serde_json::Value::as_str)
+                .ok_or_else(|| parse_error("decoded answer has no token".into()))?;
+            Ok(token.strip_prefix("ST$").unwrap_or(token).to_string())
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

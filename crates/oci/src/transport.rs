@@ -1,6 +1,7 @@
 //! The one HTTP client the OCI API callers share: HTTP/1.1 over rustls (webpki roots) for the
 //! real service, plain `http://` for the local test endpoint, a timeout per attempt.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use http::{HeaderMap, Request, StatusCode};
@@ -28,16 +29,46 @@ pub struct Transport {
 }
 
 impl Transport {
+    /// Trusts the public web PKI (what OCI's service endpoints use).
     pub fn new(timeout: Duration) -> Self {
+        let builder = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_provider_and_webpki_roots(rustls::crypto::ring::default_provider())
+            .expect("ring provider supports the default TLS versions");
+        Self::build(builder, timeout)
+    }
+
+    /// Trusts only the certificates in `ca_pem` (the cluster CA, for OKE's in-cluster token
+    /// endpoint).
+    pub fn with_ca(ca_pem: &str, timeout: Duration) -> Result<Self, String> {
+        let mut roots = rustls::RootCertStore::empty();
+        for cert in rustls_pemfile::certs(&mut ca_pem.as_bytes()) {
+            let cert = cert.map_err(|e| format!("read CA certificate: {e}"))?;
+            roots
+                .add(cert)
+                .map_err(|e| format!("add CA certificate: {e}"))?;
+        }
+        if roots.is_empty() {
+            return Err("no certificate in the CA bundle".into());
+        }
+        let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+        let builder = hyper_rustls::HttpsConnectorBuilder::new().with_tls_config(config);
+        Ok(Self::build(builder, timeout))
+    }
+
+    fn build(
+        builder: hyper_rustls::HttpsConnectorBuilder<hyper_rustls::builderstates::WantsSchemes>,
+        timeout: Duration,
+    ) -> Self {
         let mut http = HttpConnector::new();
         http.enforce_http(false);
         http.set_connect_timeout(Some(timeout));
-        let connector = hyper_rustls::HttpsConnectorBuilder::new()
-            .with_provider_and_webpki_roots(rustls::crypto::ring::default_provider())
-            .expect("ring provider supports the default TLS versions")
-            .https_or_http()
-            .enable_http1()
-            .wrap_connector(http);
+        let connector = builder.https_or_http().enable_http1().wrap_connector(http);
         let client = Client::builder(TokioExecutor::new()).build(connector);
         Self {
             client,

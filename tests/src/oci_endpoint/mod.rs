@@ -223,6 +223,8 @@ struct Identity {
 struct State {
     cfg: EndpointConfig,
     identities: HashMap<String, Identity>,
+    /// Service-account tokens OKE workload identity accepts.
+    service_account_tokens: Vec<String>,
     keys: verify::Keys,
     subnets: HashMap<String, Subnet>,
     instances: HashMap<String, InstanceRec>,
@@ -578,6 +580,7 @@ impl OciEndpoint {
         let state = Arc::new(Mutex::new(State {
             cfg,
             identities: HashMap::new(),
+            service_account_tokens: Vec::new(),
             keys: verify::Keys::default(),
             subnets: HashMap::new(),
             instances: HashMap::new(),
@@ -725,6 +728,19 @@ impl OciEndpoint {
         format!("http://{}/v1/x509", self.addr)
     }
 
+    /// Accepts `token` as a pod's service-account token at
+    /// [`OciEndpoint::workload_identity_url`] (OKE workload identity).
+    pub fn enable_workload_identity(&self, service_account_token: &str) {
+        self.lock()
+            .service_account_tokens
+            .push(service_account_token.to_string());
+    }
+
+    /// OKE's in-cluster token endpoint (`…:12250/resourcePrincipalSessionTokens` in a cluster).
+    pub fn workload_identity_url(&self) -> String {
+        format!("http://{}/resourcePrincipalSessionTokens", self.addr)
+    }
+
     /// Revokes every security token issued so far: their next use gets 401.
     pub fn revoke_sessions(&self) {
         self.lock().keys.revoke_sessions();
@@ -775,6 +791,19 @@ async fn handle(
         let mut s = state.lock().unwrap_or_else(|p| p.into_inner());
         if parts.uri.path().starts_with("/imds/") {
             imds(&s, &parts.uri, &parts.headers)
+        } else if parts.uri.path() == "/resourcePrincipalSessionTokens"
+            && parts.method == Method::POST
+        {
+            let a = workload_identity(&mut s, &parts.headers, &body);
+            s.log.push(Recorded {
+                method: parts.method.clone(),
+                path: parts.uri.path().to_string(),
+                query: String::new(),
+                status: a.status,
+                retry_token: None,
+                key_id: None,
+            });
+            a
         } else {
             api(&mut s, &parts.method, &parts.uri, &parts.headers, &body)
         }
@@ -1092,6 +1121,13 @@ fn federate(s: &mut State, key_id: &str, body: &[u8]) -> Answer {
             "publicKey is not a base64 DER RSA public key.",
         );
     };
+    let token = issue_token(s, &instance_id, session_key);
+    ok(json!({ "token": token }))
+}
+
+/// A JWT-shaped token valid for `token_ttl`, accepted as keyId `ST$<token>` with `session_key`.
+fn issue_token(s: &mut State, subject: &str, session_key: rsa::RsaPublicKey) -> String {
+    use base64::Engine as _;
     let exp = (SystemTime::now() + s.cfg.token_ttl)
         .duration_since(SystemTime::UNIX_EPOCH)
         .unwrap_or_default()
@@ -1100,11 +1136,42 @@ fn federate(s: &mut State, key_id: &str, body: &[u8]) -> Answer {
     let token = format!(
         "{}.{}.{}",
         url.encode(br#"{"alg":"RS256","typ":"JWT"}"#),
-        url.encode(json!({"exp": exp, "sub": instance_id, "n": s.next()}).to_string()),
+        url.encode(json!({"exp": exp, "sub": subject, "n": s.next()}).to_string()),
         url.encode(rand::random::<u128>().to_be_bytes()),
     );
     s.keys.insert(format!("ST${token}"), session_key);
-    ok(json!({ "token": token }))
+    token
+}
+
+/// OKE workload identity: a known service-account token and a `podKey` give a token whose answer
+/// is a JSON string holding base64 of `{"token":"ST$<JWT>"}`.
+fn workload_identity(s: &mut State, headers: &HeaderMap, body: &[u8]) -> Answer {
+    use base64::Engine as _;
+    use rsa::pkcs8::DecodePublicKey as _;
+    let bearer = headers
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::to_string);
+    let Some(bearer) = bearer.filter(|b| s.service_account_tokens.contains(b)) else {
+        return error(401, "NotAuthenticated", "Unknown service account token.");
+    };
+    let b64 = base64::engine::general_purpose::STANDARD;
+    let session_key = serde_json::from_slice::<Value>(body)
+        .ok()
+        .and_then(|d| d.get("podKey").and_then(Value::as_str).map(str::to_string))
+        .and_then(|k| b64.decode(k).ok())
+        .and_then(|der| rsa::RsaPublicKey::from_public_key_der(&der).ok());
+    let Some(session_key) = session_key else {
+        return error(
+            400,
+            "InvalidParameter",
+            "podKey is not a base64 DER RSA public key.",
+        );
+    };
+    let token = issue_token(s, &format!("workload:{}", bearer.len()), session_key);
+    let wrapped = b64.encode(json!({ "token": format!("ST${token}") }).to_string());
+    ok(Value::String(wrapped))
 }
 
 /// A create with `opc-retry-token`: the same token and body replays the first answer; the same
