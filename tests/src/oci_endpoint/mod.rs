@@ -1080,8 +1080,6 @@ fn route(
 /// The X.509 federation call: the caller signed with its identity key; answers a token bound to
 /// the session public key it sent, valid for `token_ttl`.
 fn federate(s: &mut State, key_id: &str, body: &[u8]) -> Answer {
-    use base64::Engine as _;
-    use rsa::pkcs8::DecodePublicKey as _;
     let Some((instance_id, identity)) = s
         .identities
         .iter()
@@ -1108,21 +1106,31 @@ fn federate(s: &mut State, key_id: &str, body: &[u8]) -> Answer {
             "The certificate does not match the signing key.",
         );
     }
-    let b64 = base64::engine::general_purpose::STANDARD;
-    let session_key = details
-        .get("publicKey")
-        .and_then(Value::as_str)
-        .and_then(|k| b64.decode(k).ok())
-        .and_then(|der| rsa::RsaPublicKey::from_public_key_der(&der).ok());
-    let Some(session_key) = session_key else {
-        return error(
-            400,
-            "InvalidParameter",
-            "publicKey is not a base64 DER RSA public key.",
-        );
+    let session_key = match session_key(&details, "publicKey") {
+        Ok(k) => k,
+        Err(a) => return a,
     };
     let token = issue_token(s, &instance_id, session_key);
     ok(json!({ "token": token }))
+}
+
+/// The session public key a token request carries in `field` (base64 DER SubjectPublicKeyInfo,
+/// PEM armour stripped).
+fn session_key(details: &Value, field: &str) -> Result<rsa::RsaPublicKey, Answer> {
+    use base64::Engine as _;
+    use rsa::pkcs8::DecodePublicKey as _;
+    details
+        .get(field)
+        .and_then(Value::as_str)
+        .and_then(|k| base64::engine::general_purpose::STANDARD.decode(k).ok())
+        .and_then(|der| rsa::RsaPublicKey::from_public_key_der(&der).ok())
+        .ok_or_else(|| {
+            error(
+                400,
+                "InvalidParameter",
+                &format!("{field} is not a base64 DER RSA public key."),
+            )
+        })
 }
 
 /// A JWT-shaped token valid for `token_ttl`, accepted as keyId `ST$<token>` with `session_key`.
@@ -1147,7 +1155,6 @@ fn issue_token(s: &mut State, subject: &str, session_key: rsa::RsaPublicKey) -> 
 /// is a JSON string holding base64 of `{"token":"ST$<JWT>"}`.
 fn workload_identity(s: &mut State, headers: &HeaderMap, body: &[u8]) -> Answer {
     use base64::Engine as _;
-    use rsa::pkcs8::DecodePublicKey as _;
     let bearer = headers
         .get("authorization")
         .and_then(|v| v.to_str().ok())
@@ -1156,19 +1163,12 @@ fn workload_identity(s: &mut State, headers: &HeaderMap, body: &[u8]) -> Answer 
     let Some(bearer) = bearer.filter(|b| s.service_account_tokens.contains(b)) else {
         return error(401, "NotAuthenticated", "Unknown service account token.");
     };
-    let b64 = base64::engine::general_purpose::STANDARD;
-    let session_key = serde_json::from_slice::<Value>(body)
-        .ok()
-        .and_then(|d| d.get("podKey").and_then(Value::as_str).map(str::to_string))
-        .and_then(|k| b64.decode(k).ok())
-        .and_then(|der| rsa::RsaPublicKey::from_public_key_der(&der).ok());
-    let Some(session_key) = session_key else {
-        return error(
-            400,
-            "InvalidParameter",
-            "podKey is not a base64 DER RSA public key.",
-        );
+    let details: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+    let session_key = match session_key(&details, "podKey") {
+        Ok(k) => k,
+        Err(a) => return a,
     };
+    let b64 = base64::engine::general_purpose::STANDARD;
     let token = issue_token(s, &format!("workload:{}", bearer.len()), session_key);
     let wrapped = b64.encode(json!({ "token": format!("ST${token}") }).to_string());
     ok(Value::String(wrapped))
