@@ -674,3 +674,31 @@ async fn oke_workload_identity_tokens_sign_calls() -> Result<()> {
     assert!(last.key_id.is_some_and(|k| k.starts_with("ST$")));
     Ok(())
 }
+
+#[tokio::test]
+async fn an_unreachable_endpoint_ends_after_the_retry_budget() -> Result<()> {
+    // A port that was free a moment ago: connections are refused.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let mut cfg = ComputeConfig::new(format!("http://127.0.0.1:{port}"));
+    cfg.retry = fast_retry(3);
+    let client = ComputeClient::new(
+        cfg,
+        Arc::new(ApiKeyProvider::new(
+            "ocid1.tenancy.oc1..t",
+            "ocid1.user.oc1..u",
+            test_key(),
+        )),
+    )?;
+    let err = client
+        .get_instance("ocid1.instance.oc1.phx.x")
+        .await
+        .unwrap_err();
+    let ComputeError::Transport { attempts, .. } = err else {
+        panic!("expected a transport error, got {err:?}");
+    };
+    assert_eq!(attempts, 3);
+    assert_eq!(client.counts(), (1, 3));
+    Ok(())
+}

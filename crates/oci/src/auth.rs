@@ -336,6 +336,12 @@ impl X509FederationSource {
     }
 }
 
+/// The X.509 federation endpoint of `region` in the realm whose domain is `realm_domain`
+/// (`oraclecloud.com` for oc1; on an instance, IMDS `regionInfo.realmDomainComponent`).
+pub fn federation_url(region: &str, realm_domain: &str) -> String {
+    format!("https://auth.{region}.{realm_domain}/v1/x509")
+}
+
 /// PEM body without armour lines or newlines, as the federation API wants certificates and keys.
 fn strip_pem(pem: &str) -> String {
     pem.lines()
@@ -622,6 +628,20 @@ mod tests {
             enc.encode(br#"{"alg":"RS256"}"#),
             enc.encode(format!(r#"{{"exp":{exp},"sub":"x"}}"#))
         )
+    }
+
+    #[test]
+    fn federation_url_follows_region_and_realm() {
+        assert_eq!(
+            federation_url("us-phoenix-1", "oraclecloud.com"),
+            "https://auth.us-phoenix-1.oraclecloud.com/v1/x509"
+        );
+    }
+
+    #[test]
+    fn a_ca_bundle_without_certificates_is_refused() {
+        let err = Transport::with_ca("not pem", Duration::from_secs(1)).unwrap_err();
+        assert!(err.contains("no certificate"), "{err}");
     }
 
     #[test]
