@@ -746,6 +746,11 @@ impl OciEndpoint {
         self.lock().keys.revoke_sessions();
     }
 
+    /// Changes the ATTACHING → ATTACHED delay for attaches made from now on.
+    pub fn set_attach_delay(&self, delay: Duration) {
+        self.lock().cfg.attach_delay = delay;
+    }
+
     /// Drops every queued fault.
     pub fn clear_faults(&self) {
         self.lock().faults.clear();
