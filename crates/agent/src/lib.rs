@@ -5,6 +5,7 @@
 pub mod agent;
 pub mod collect;
 pub mod config;
+pub mod monitor;
 pub mod network;
 pub mod probes;
 pub mod report;

@@ -1,0 +1,300 @@
+//! The kernel log reader: `/dev/kmsg` records (`prio,seq,ts_usec,flags;message`, followed by
+//! dictionary lines that start with a space) read one by one on a thread of their own and fed
+//! to the kmsg rule files. Memory stays bounded when the log floods: records are matched as they
+//! are read (the kernel's ring buffer is the only queue), a line is cut at [`MAX_LINE_BYTES`],
+//! and records the kernel overwrote before they were read are counted from the sequence gaps.
+
+use std::fs::File;
+use std::io::{BufRead, BufReader, ErrorKind};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, SystemTime};
+
+use super::rules::LogMonitor;
+use super::state::{SharedState, lock};
+
+/// Longest record line kept; the kernel's own limit is about 1 KiB, a file stand-in may hold more.
+pub const MAX_LINE_BYTES: usize = 8 * 1024;
+/// How long to wait at the end of a file (or a FIFO without a writer) before reading again.
+const IDLE_POLL: Duration = Duration::from_millis(100);
+/// How long to wait before reopening a log that cannot be opened.
+const REOPEN: Duration = Duration::from_secs(5);
+
+/// One parsed `/dev/kmsg` record.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Record {
+    /// Syslog priority and facility (`facility << 3 | level`).
+    pub priority: u32,
+    pub seq: u64,
+    /// Microseconds since boot.
+    pub ts_usec: u64,
+    /// The message, decoded lossily (invalid UTF-8 becomes U+FFFD) and trimmed, as NPD trims it.
+    pub message: String,
+}
+
+/// Parses one record line (without its dictionary lines). `None` when it is not a record.
+pub fn parse_record(line: &[u8]) -> Option<Record> {
+    let semi = line.iter().position(|&b| b == b';')?;
+    let header = std::str::from_utf8(&line[..semi]).ok()?;
+    let mut fields = header.split(',');
+    let priority = fields.next()?.parse().ok()?;
+    let seq = fields.next()?.parse().ok()?;
+    let ts_usec = fields.next()?.parse().ok()?;
+    let text = String::from_utf8_lossy(&line[semi + 1..]);
+    Some(Record {
+        priority,
+        seq,
+        ts_usec,
+        message: text.trim().to_owned(),
+    })
+}
+
+/// Boot time as NPD computes it: now minus `/proc/uptime`.
+pub fn boot_time() -> std::io::Result<SystemTime> {
+    let uptime = std::fs::read_to_string("/proc/uptime")?;
+    let secs: f64 = uptime
+        .split_whitespace()
+        .next()
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| std::io::Error::new(ErrorKind::InvalidData, "odd /proc/uptime"))?;
+    Ok(SystemTime::now() - Duration::from_secs_f64(secs))
+}
+
+/// Where to read and what to apply.
+pub struct KmsgReader {
+    pub path: PathBuf,
+    pub boot: SystemTime,
+    pub monitors: Vec<LogMonitor>,
+    pub state: SharedState,
+    /// Set to stop; checked after every record and while idle. A blocking read of `/dev/kmsg`
+    /// returns at the next kernel message, so the thread may outlive the request by that much.
+    pub stop: Arc<AtomicBool>,
+    /// Stop at the end of the input instead of waiting for more (tests and one-shot reads).
+    pub stop_at_end: bool,
+}
+
+/// What one read loop saw (for tests and logs).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReadStats {
+    pub records: u64,
+    pub skipped_before_start: u64,
+    pub malformed: u64,
+    pub truncated: u64,
+    pub lost: u64,
+}
+
+impl KmsgReader {
+    /// Runs on the calling thread until stopped; reopens the log when it cannot be read.
+    pub fn run(mut self) -> ReadStats {
+        let mut stats = ReadStats::default();
+        let now = SystemTime::now();
+        {
+            let mut state = lock(&self.state);
+            for m in &self.monitors {
+                m.declare(&mut state, now);
+            }
+        }
+        let starts: Vec<SystemTime> = self
+            .monitors
+            .iter()
+            .map(|m| m.start_time(self.boot, now))
+            .collect();
+        let origin = self.path.display().to_string();
+        while !self.stop.load(Ordering::Relaxed) {
+            let file = match File::open(&self.path) {
+                Ok(f) => {
+                    lock(&self.state).clear_refusals(&origin);
+                    f
+                }
+                Err(e) => {
+                    let mut state = lock(&self.state);
+                    if !state.refusals().iter().any(|r| r.origin == origin) {
+                        state.refuse(&origin, "", &format!("open kernel log: {e}; retrying"));
+                    }
+                    drop(state);
+                    if self.stop_at_end {
+                        break;
+                    }
+                    self.sleep(REOPEN);
+                    continue;
+                }
+            };
+            self.read(file, &starts, &mut stats);
+            if self.stop_at_end {
+                break;
+            }
+        }
+        stats
+    }
+
+    fn sleep(&self, total: Duration) {
+        let step = IDLE_POLL.min(total);
+        let mut slept = Duration::ZERO;
+        while slept < total && !self.stop.load(Ordering::Relaxed) {
+            std::thread::sleep(step);
+            slept += step;
+        }
+    }
+
+    fn read(&mut self, file: File, starts: &[SystemTime], stats: &mut ReadStats) {
+        let mut reader = BufReader::with_capacity(16 * 1024, file);
+        let mut line = Vec::with_capacity(1024);
+        let mut last_seq: Option<u64> = None;
+        while !self.stop.load(Ordering::Relaxed) {
+            line.clear();
+            match read_line_bounded(&mut reader, &mut line) {
+                Ok(LineRead::Eof) => {
+                    if self.stop_at_end {
+                        return;
+                    }
+                    std::thread::sleep(IDLE_POLL);
+                    continue;
+                }
+                Ok(LineRead::Line { truncated }) => {
+                    if truncated {
+                        stats.truncated += 1;
+                    }
+                }
+                // /dev/kmsg answers EPIPE when the record to read was overwritten; the next
+                // read continues at the oldest record still there, and the gap counts it.
+                Err(e) if e.kind() == ErrorKind::BrokenPipe => continue,
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    tracing::warn!(error = %e, path = %self.path.display(), "read kernel log");
+                    return;
+                }
+            }
+            // Dictionary lines (` SUBSYSTEM=…`) belong to the record before them.
+            if line.first() == Some(&b' ') || line.is_empty() {
+                continue;
+            }
+            let Some(record) = parse_record(&line) else {
+                stats.malformed += 1;
+                continue;
+            };
+            stats.records += 1;
+            if let Some(prev) = last_seq
+                && record.seq > prev + 1
+            {
+                let gap = record.seq - prev - 1;
+                stats.lost += gap;
+                lock(&self.state).add_lost(gap);
+            }
+            last_seq = Some(record.seq);
+            if record.message.is_empty() {
+                continue;
+            }
+            let at = self.boot + Duration::from_micros(record.ts_usec);
+            let mut state = None;
+            for (monitor, start) in self.monitors.iter_mut().zip(starts) {
+                if at < *start {
+                    stats.skipped_before_start += 1;
+                    continue;
+                }
+                // Lock only while applying; most lines touch no rule, but the buffer must see
+                // every line, so the lock is taken lazily per record.
+                let guard = state.get_or_insert_with(|| lock(&self.state));
+                monitor.process(&record.message, at, guard);
+            }
+        }
+    }
+}
+
+enum LineRead {
+    Eof,
+    Line { truncated: bool },
+}
+
+/// Reads up to the next newline, keeping at most [`MAX_LINE_BYTES`] of it.
+fn read_line_bounded(reader: &mut impl BufRead, line: &mut Vec<u8>) -> std::io::Result<LineRead> {
+    let mut truncated = false;
+    let mut any = false;
+    loop {
+        let buf = reader.fill_buf()?;
+        if buf.is_empty() {
+            return Ok(if any {
+                LineRead::Line { truncated }
+            } else {
+                LineRead::Eof
+            });
+        }
+        any = true;
+        let (chunk, done) = match buf.iter().position(|&b| b == b'\n') {
+            Some(i) => (&buf[..i], i + 1),
+            None => (buf, buf.len()),
+        };
+        let room = MAX_LINE_BYTES.saturating_sub(line.len());
+        if chunk.len() > room {
+            truncated = true;
+        }
+        line.extend_from_slice(&chunk[..chunk.len().min(room)]);
+        let ended = done > chunk.len();
+        reader.consume(done);
+        if ended {
+            return Ok(LineRead::Line { truncated });
+        }
+    }
+}
+
+/// Starts the reader on its own thread (a blocking read of `/dev/kmsg` must not hold a runtime
+/// worker). Returns the stop flag's owner side and the thread.
+pub fn spawn(
+    path: &Path,
+    boot: SystemTime,
+    monitors: Vec<LogMonitor>,
+    state: SharedState,
+) -> (Arc<AtomicBool>, std::thread::JoinHandle<ReadStats>) {
+    let stop = Arc::new(AtomicBool::new(false));
+    let reader = KmsgReader {
+        path: path.to_owned(),
+        boot,
+        monitors,
+        state,
+        stop: stop.clone(),
+        stop_at_end: false,
+    };
+    let handle = std::thread::Builder::new()
+        .name("kmsg".into())
+        .spawn(move || reader.run())
+        .expect("spawn the kernel log thread");
+    (stop, handle)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_records_lossily() {
+        let r = parse_record(b"6,339,5140900,-;NET: Registered protocol family 10").unwrap();
+        assert_eq!((r.priority, r.seq, r.ts_usec), (6, 339, 5_140_900));
+        assert_eq!(r.message, "NET: Registered protocol family 10");
+        let r = parse_record(b"3,1,2,c;bad \xff\xfe bytes  ").unwrap();
+        assert_eq!(r.message, "bad \u{fffd}\u{fffd} bytes");
+        assert!(parse_record(b" SUBSYSTEM=pci").is_none());
+        assert!(parse_record(b"x,1,2,-;msg").is_none());
+        assert!(parse_record(b"no header at all").is_none());
+    }
+
+    #[test]
+    fn long_lines_are_cut() {
+        let mut input = vec![b'a'; MAX_LINE_BYTES * 3];
+        input.extend_from_slice(b"\nnext\n");
+        let mut reader = BufReader::with_capacity(100, &input[..]);
+        let mut line = Vec::new();
+        assert!(matches!(
+            read_line_bounded(&mut reader, &mut line).unwrap(),
+            LineRead::Line { truncated: true }
+        ));
+        assert_eq!(line.len(), MAX_LINE_BYTES);
+        line.clear();
+        read_line_bounded(&mut reader, &mut line).unwrap();
+        assert_eq!(line, b"next");
+        line.clear();
+        assert!(matches!(
+            read_line_bounded(&mut reader, &mut line).unwrap(),
+            LineRead::Eof
+        ));
+    }
+}
