@@ -243,7 +243,7 @@ fn load_one(origin: &str, bytes: &[u8], state: &mut ProblemState, loaded: &mut L
             }
             Err(e) => state.refuse(origin, "", &e.to_string()),
         },
-        "custom" => match PluginMonitor::parse(origin, bytes) {
+        "custom" => match PluginMonitor::parse(origin, bytes, None) {
             Ok((m, refusals)) => {
                 record_refusals(state, origin, refusals);
                 loaded.plugin_monitors.push(m);

@@ -4,7 +4,7 @@
 //! signal, a timeout) unknown; the first `max_output_length` bytes of stdout are the message.
 //! Output is read bounded: a plugin that prints megabytes is drained, not buffered.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -99,9 +99,12 @@ pub struct RunResult {
 }
 
 impl PluginMonitor {
+    /// Parses a custom-plugin-monitor file. Relative plugin paths resolve against `base`, or
+    /// against the working directory when `None` (as NPD resolves them).
     pub fn parse(
         origin: &str,
         json: &[u8],
+        base: Option<&Path>,
     ) -> Result<(PluginMonitor, Vec<RuleRefusal>), MonitorError> {
         let file: PluginMonitorFile = parse_json(origin, json)?;
         let invalid = |field: &str, reason: String| invalid(origin, field, reason);
@@ -152,7 +155,7 @@ impl PluginMonitor {
                 );
                 continue;
             }
-            let rule: PluginRule = match serde_json::from_value(value) {
+            let mut rule: PluginRule = match serde_json::from_value(value) {
                 Ok(r) => r,
                 Err(e) => {
                     refuse(format!("rules[{i}]"), format!("not a rule: {e}"));
@@ -192,6 +195,11 @@ impl PluginMonitor {
                     ),
                 );
                 continue;
+            }
+            if let Some(base) = base
+                && rule.path.is_relative()
+            {
+                rule.path = base.join(&rule.path);
             }
             if !rule.path.exists() {
                 refuse(item, format!("path {} does not exist", rule.path.display()));
@@ -325,12 +333,7 @@ impl PluginMonitor {
 
 /// Runs one plugin: its own process group, stdin closed, stdout kept up to [`MAX_READ_BYTES`]
 /// (the rest drained and dropped), the group killed with SIGKILL at `timeout`.
-pub async fn exec(
-    path: &std::path::Path,
-    args: &[String],
-    timeout: Duration,
-    max_output: usize,
-) -> RunResult {
+pub async fn exec(path: &Path, args: &[String], timeout: Duration, max_output: usize) -> RunResult {
     let mut cmd = tokio::process::Command::new(path);
     cmd.args(args)
         .stdin(Stdio::null())
