@@ -22,6 +22,8 @@ use plugin::PluginMonitor;
 use rules::{LogMonitor, RuleRefusal};
 use state::{ProblemState, SharedState, lock};
 
+/// The node-problem-detector release the built-in rules come from (its Go module version).
+pub const NPD_VERSION: &str = "v1.36.0";
 /// NPD v1.36.0 `config/kernel-monitor.json`.
 pub const DEFAULT_KERNEL_MONITOR: &str = include_str!("defaults/kernel-monitor.json");
 /// NPD v1.36.0 `config/readonly-monitor.json`.
