@@ -107,6 +107,22 @@ pub struct Config {
     #[arg(long, env = "NODEKEEPER_DRIFT_INTERVAL", default_value = "60s", value_parser = parse_duration)]
     pub drift_interval: Duration,
 
+    /// The kernel log the kernel-log monitor reads (NPD's kmsg monitor; records as in
+    /// `/dev/kmsg`). Its rules are NPD's kernel-monitor.json and readonly-monitor.json plus the
+    /// kmsg files in `--monitor-config-dir`.
+    #[arg(long, env = "NODEKEEPER_KMSG_PATH", default_value = "/dev/kmsg")]
+    pub kmsg_path: PathBuf,
+
+    /// Run the kernel-log monitor (`false` turns it off).
+    #[arg(long, env = "NODEKEEPER_KERNEL_MONITOR", default_value_t = true, action = clap::ArgAction::Set)]
+    pub kernel_monitor: bool,
+
+    /// Directory of node-problem-detector monitor files (`*.json`): kmsg rule files
+    /// (`"plugin": "kmsg"`; one with the `source` of a built-in file replaces it) and
+    /// custom-plugin files (`"plugin": "custom"`), read unchanged. Unset: built-in rules only.
+    #[arg(long, env = "NODEKEEPER_MONITOR_CONFIG_DIR")]
+    pub monitor_config_dir: Option<PathBuf>,
+
     /// Largest gRPC message accepted or sent, in bytes; larger requests are refused.
     #[arg(long, env = "NODEKEEPER_MAX_MESSAGE_BYTES", default_value_t = 1024 * 1024)]
     pub max_message_bytes: usize,
@@ -132,6 +148,14 @@ pub struct Config {
 }
 
 impl Config {
+    /// Where the node problem monitors read from.
+    pub fn monitors(&self) -> crate::monitor::MonitorConfig {
+        crate::monitor::MonitorConfig {
+            kmsg_path: self.kernel_monitor.then(|| self.kmsg_path.clone()),
+            config_dir: self.monitor_config_dir.clone(),
+        }
+    }
+
     /// The sysctl tree in use.
     pub fn sysctl_root(&self) -> PathBuf {
         self.sysctl_root

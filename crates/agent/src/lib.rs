@@ -83,6 +83,7 @@ async fn with_agent(
     let interval = config.drift_interval;
     let stop = background.clone();
     tasks.spawn(async move { drift.network().drift_loop(interval, stop).await });
+    monitor::start(&config.monitors(), agent.problems(), &background, &tasks).await;
     let served = match listener {
         Some(listener) => serve_once(&config, &agent, listener, shutdown).await,
         None => serve_reloading(&config, &agent, &tasks, &shutdown).await,

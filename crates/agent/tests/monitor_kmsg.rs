@@ -64,6 +64,7 @@ fn read_with(path: &Path, monitors: Vec<LogMonitor>, shared: &SharedState) -> Re
         state: shared.clone(),
         stop: Arc::new(AtomicBool::new(false)),
         stop_at_end: true,
+        caught_up: None,
     }
     .run()
 }
@@ -385,7 +386,7 @@ fn a_fifo_is_followed_until_stopped() {
     nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
     let shared = ProblemState::new_shared();
     let loaded = monitor::load(None, &mut lock(&shared));
-    let (stop, thread) = kmsg::spawn(
+    let kmsg::Running { stop, thread, .. } = kmsg::spawn(
         &fifo,
         SystemTime::now() - UPTIME,
         loaded.log_monitors,

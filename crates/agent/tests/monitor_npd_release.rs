@@ -144,6 +144,7 @@ fn release_kmsg_rule_files_equal_the_builtin_defaults_and_run() {
         state: shared.clone(),
         stop: Default::default(),
         stop_at_end: true,
+        caught_up: None,
     }
     .run();
     let state = lock(&shared);

@@ -6,6 +6,7 @@
 
 use std::fs::File;
 use std::io::{BufRead, BufReader, ErrorKind};
+use std::os::unix::fs::OpenOptionsExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -67,11 +68,14 @@ pub struct KmsgReader {
     pub boot: SystemTime,
     pub monitors: Vec<LogMonitor>,
     pub state: SharedState,
-    /// Set to stop; checked after every record and while idle. A blocking read of `/dev/kmsg`
-    /// returns at the next kernel message, so the thread may outlive the request by that much.
+    /// Set to stop; checked after every record and while idle (the log is read non-blocking,
+    /// so the thread ends within [`IDLE_POLL`] of the request).
     pub stop: Arc<AtomicBool>,
     /// Stop at the end of the input instead of waiting for more (tests and one-shot reads).
     pub stop_at_end: bool,
+    /// Told once the backlog has been read (or the log cannot be opened), so that the first
+    /// report already holds what the backlog showed.
+    pub caught_up: Option<tokio::sync::oneshot::Sender<()>>,
 }
 
 /// What one read loop saw (for tests and logs).
@@ -102,12 +106,17 @@ impl KmsgReader {
             .collect();
         let origin = self.path.display().to_string();
         while !self.stop.load(Ordering::Relaxed) {
-            let file = match File::open(&self.path) {
+            let opened = std::fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_NONBLOCK)
+                .open(&self.path);
+            let file = match opened {
                 Ok(f) => {
                     lock(&self.state).clear_refusals(&origin);
                     f
                 }
                 Err(e) => {
+                    self.signal_caught_up();
                     let mut state = lock(&self.state);
                     if !state.refusals().iter().any(|r| r.origin == origin) {
                         state.refuse(&origin, "", &format!("open kernel log: {e}; retrying"));
@@ -128,6 +137,12 @@ impl KmsgReader {
         stats
     }
 
+    fn signal_caught_up(&mut self) {
+        if let Some(tx) = self.caught_up.take() {
+            let _ = tx.send(());
+        }
+    }
+
     fn sleep(&self, total: Duration) {
         let step = IDLE_POLL.min(total);
         let mut slept = Duration::ZERO;
@@ -139,113 +154,142 @@ impl KmsgReader {
 
     fn read(&mut self, file: File, starts: &[SystemTime], stats: &mut ReadStats) {
         let mut reader = BufReader::with_capacity(16 * 1024, file);
-        let mut line = Vec::with_capacity(1024);
+        let mut pending = Line::default();
         let mut last_seq: Option<u64> = None;
         while !self.stop.load(Ordering::Relaxed) {
-            line.clear();
-            match read_line_bounded(&mut reader, &mut line) {
-                Ok(LineRead::Eof) => {
-                    if self.stop_at_end {
-                        return;
-                    }
-                    std::thread::sleep(IDLE_POLL);
-                    continue;
-                }
-                Ok(LineRead::Line { truncated }) => {
-                    if truncated {
-                        stats.truncated += 1;
-                    }
-                }
+            let complete = match read_line_bounded(&mut reader, &mut pending) {
+                Ok(complete) => complete,
+                // The log is opened non-blocking so that a stop request is seen while idle.
+                Err(e) if e.kind() == ErrorKind::WouldBlock => false,
                 // /dev/kmsg answers EPIPE when the record to read was overwritten; the next
                 // read continues at the oldest record still there, and the gap counts it.
-                Err(e) if e.kind() == ErrorKind::BrokenPipe => continue,
+                Err(e) if e.kind() == ErrorKind::BrokenPipe => {
+                    pending.clear();
+                    continue;
+                }
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
                 Err(e) => {
                     tracing::warn!(error = %e, path = %self.path.display(), "read kernel log");
                     return;
                 }
-            }
-            // Dictionary lines (` SUBSYSTEM=…`) belong to the record before them.
-            if line.first() == Some(&b' ') || line.is_empty() {
-                continue;
-            }
-            let Some(record) = parse_record(&line) else {
-                stats.malformed += 1;
-                continue;
             };
-            stats.records += 1;
-            if let Some(prev) = last_seq
-                && record.seq > prev + 1
-            {
-                let gap = record.seq - prev - 1;
-                stats.lost += gap;
-                lock(&self.state).add_lost(gap);
-            }
-            last_seq = Some(record.seq);
-            if record.message.is_empty() {
-                continue;
-            }
-            let at = self.boot + Duration::from_micros(record.ts_usec);
-            let mut state = None;
-            for (monitor, start) in self.monitors.iter_mut().zip(starts) {
-                if at < *start {
-                    stats.skipped_before_start += 1;
+            if !complete {
+                self.signal_caught_up();
+                // A line without its newline yet stays pending, unless the input has ended.
+                if !self.stop_at_end {
+                    std::thread::sleep(IDLE_POLL);
                     continue;
                 }
-                // Lock only while applying; most lines touch no rule, but the buffer must see
-                // every line, so the lock is taken lazily per record.
-                let guard = state.get_or_insert_with(|| lock(&self.state));
-                monitor.process(&record.message, at, guard);
+                if pending.bytes.is_empty() {
+                    return;
+                }
             }
+            if pending.truncated {
+                stats.truncated += 1;
+            }
+            self.handle(&pending.bytes, starts, stats, &mut last_seq);
+            pending.clear();
+        }
+    }
+
+    fn handle(
+        &mut self,
+        line: &[u8],
+        starts: &[SystemTime],
+        stats: &mut ReadStats,
+        last_seq: &mut Option<u64>,
+    ) {
+        // Dictionary lines (` SUBSYSTEM=…`) belong to the record before them.
+        if line.first() == Some(&b' ') || line.is_empty() {
+            return;
+        }
+        let Some(record) = parse_record(line) else {
+            stats.malformed += 1;
+            return;
+        };
+        stats.records += 1;
+        if let Some(prev) = *last_seq
+            && record.seq > prev + 1
+        {
+            let gap = record.seq - prev - 1;
+            stats.lost += gap;
+            lock(&self.state).add_lost(gap);
+        }
+        *last_seq = Some(record.seq);
+        if record.message.is_empty() {
+            return;
+        }
+        let at = self.boot + Duration::from_micros(record.ts_usec);
+        let mut state = None;
+        for (monitor, start) in self.monitors.iter_mut().zip(starts) {
+            if at < *start {
+                stats.skipped_before_start += 1;
+                continue;
+            }
+            // Every monitor's buffer must see every line, so the lock is taken once per record.
+            let guard = state.get_or_insert_with(|| lock(&self.state));
+            monitor.process(&record.message, at, guard);
         }
     }
 }
 
-enum LineRead {
-    Eof,
-    Line { truncated: bool },
+/// A line being read: at most [`MAX_LINE_BYTES`] kept, and whether more was dropped.
+#[derive(Default)]
+struct Line {
+    bytes: Vec<u8>,
+    truncated: bool,
 }
 
-/// Reads up to the next newline, keeping at most [`MAX_LINE_BYTES`] of it.
-fn read_line_bounded(reader: &mut impl BufRead, line: &mut Vec<u8>) -> std::io::Result<LineRead> {
-    let mut truncated = false;
-    let mut any = false;
+impl Line {
+    fn clear(&mut self) {
+        self.bytes.clear();
+        self.truncated = false;
+    }
+}
+
+/// Reads into `line` up to the next newline; `Ok(false)` when the input has no more for now
+/// (the part read so far stays in `line`).
+fn read_line_bounded(reader: &mut impl BufRead, line: &mut Line) -> std::io::Result<bool> {
     loop {
         let buf = reader.fill_buf()?;
         if buf.is_empty() {
-            return Ok(if any {
-                LineRead::Line { truncated }
-            } else {
-                LineRead::Eof
-            });
+            return Ok(false);
         }
-        any = true;
         let (chunk, done) = match buf.iter().position(|&b| b == b'\n') {
             Some(i) => (&buf[..i], i + 1),
             None => (buf, buf.len()),
         };
-        let room = MAX_LINE_BYTES.saturating_sub(line.len());
+        let room = MAX_LINE_BYTES.saturating_sub(line.bytes.len());
         if chunk.len() > room {
-            truncated = true;
+            line.truncated = true;
         }
-        line.extend_from_slice(&chunk[..chunk.len().min(room)]);
+        line.bytes
+            .extend_from_slice(&chunk[..chunk.len().min(room)]);
         let ended = done > chunk.len();
         reader.consume(done);
         if ended {
-            return Ok(LineRead::Line { truncated });
+            return Ok(true);
         }
     }
 }
 
-/// Starts the reader on its own thread (a blocking read of `/dev/kmsg` must not hold a runtime
-/// worker). Returns the stop flag's owner side and the thread.
+/// A started reader.
+pub struct Running {
+    pub stop: Arc<AtomicBool>,
+    pub thread: std::thread::JoinHandle<ReadStats>,
+    /// Resolves once the backlog has been read.
+    pub caught_up: tokio::sync::oneshot::Receiver<()>,
+}
+
+/// Starts the reader on its own thread (reading and matching must not hold a runtime worker).
 pub fn spawn(
     path: &Path,
     boot: SystemTime,
     monitors: Vec<LogMonitor>,
     state: SharedState,
-) -> (Arc<AtomicBool>, std::thread::JoinHandle<ReadStats>) {
+) -> Running {
     let stop = Arc::new(AtomicBool::new(false));
+    let (tx, caught_up) = tokio::sync::oneshot::channel();
     let reader = KmsgReader {
         path: path.to_owned(),
         boot,
@@ -253,12 +297,17 @@ pub fn spawn(
         state,
         stop: stop.clone(),
         stop_at_end: false,
+        caught_up: Some(tx),
     };
-    let handle = std::thread::Builder::new()
+    let thread = std::thread::Builder::new()
         .name("kmsg".into())
         .spawn(move || reader.run())
         .expect("spawn the kernel log thread");
-    (stop, handle)
+    Running {
+        stop,
+        thread,
+        caught_up,
+    }
 }
 
 #[cfg(test)]
@@ -278,23 +327,22 @@ mod tests {
     }
 
     #[test]
-    fn long_lines_are_cut() {
+    fn long_lines_are_cut_and_partial_lines_wait() {
         let mut input = vec![b'a'; MAX_LINE_BYTES * 3];
-        input.extend_from_slice(b"\nnext\n");
+        input.extend_from_slice(b"\nnext\npart");
         let mut reader = BufReader::with_capacity(100, &input[..]);
-        let mut line = Vec::new();
-        assert!(matches!(
-            read_line_bounded(&mut reader, &mut line).unwrap(),
-            LineRead::Line { truncated: true }
-        ));
-        assert_eq!(line.len(), MAX_LINE_BYTES);
+        let mut line = Line::default();
+        assert!(read_line_bounded(&mut reader, &mut line).unwrap());
+        assert!(line.truncated);
+        assert_eq!(line.bytes.len(), MAX_LINE_BYTES);
         line.clear();
-        read_line_bounded(&mut reader, &mut line).unwrap();
-        assert_eq!(line, b"next");
+        assert!(read_line_bounded(&mut reader, &mut line).unwrap());
+        assert_eq!(
+            (line.bytes.as_slice(), line.truncated),
+            (&b"next"[..], false)
+        );
         line.clear();
-        assert!(matches!(
-            read_line_bounded(&mut reader, &mut line).unwrap(),
-            LineRead::Eof
-        ));
+        assert!(!read_line_bounded(&mut reader, &mut line).unwrap());
+        assert_eq!(line.bytes, b"part");
     }
 }

@@ -16,7 +16,9 @@ pub mod state;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
+use nodekeeper_proto::agent::v1 as pb;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use plugin::PluginMonitor;
 use rules::{LogMonitor, RuleRefusal};
@@ -262,27 +264,111 @@ fn load_one(origin: &str, bytes: &[u8], state: &mut ProblemState, loaded: &mut L
     }
 }
 
-/// Loads the monitors and starts them under `shutdown`: the kernel-log reader on a thread of
-/// its own, each plugin file as a task. Returns the shared state the report reads.
-pub fn start(config: &MonitorConfig, shutdown: CancellationToken) -> SharedState {
-    let shared = ProblemState::new_shared();
-    let loaded = load(config.config_dir.as_deref(), &mut lock(&shared));
+/// How long [`start`] waits for the kernel log's backlog to be read.
+const CATCH_UP: Duration = Duration::from_secs(5);
+
+/// Loads the monitors into `shared` (their conditions declared healthy) and starts them under
+/// `shutdown`: the kernel-log reader on a thread of its own (stopped through its flag), each
+/// plugin file as a task on `tasks`. Returns once the kernel log's backlog (the lookback window)
+/// has been read, or after [`CATCH_UP`], so the first report already shows it.
+pub async fn start(
+    config: &MonitorConfig,
+    shared: &SharedState,
+    shutdown: &CancellationToken,
+    tasks: &TaskTracker,
+) {
+    let loaded = load(config.config_dir.as_deref(), &mut lock(shared));
+    {
+        let mut state = lock(shared);
+        let now = SystemTime::now();
+        for m in &loaded.log_monitors {
+            m.declare(&mut state, now);
+        }
+        for m in &loaded.plugin_monitors {
+            for c in &m.conditions {
+                state.declare(&m.source, c, now);
+            }
+        }
+    }
+    tracing::info!(
+        kernel_rule_files = loaded.log_monitors.len(),
+        plugin_files = loaded.plugin_monitors.len(),
+        kmsg = ?config.kmsg_path,
+        "node problem monitors loaded"
+    );
+    let mut caught_up = None;
     if let Some(path) = &config.kmsg_path {
         let boot = kmsg::boot_time().unwrap_or_else(|e| {
             tracing::warn!(error = %e, "read /proc/uptime; kernel log lookback counts from now");
             SystemTime::now()
         });
-        let (stop, _thread) = kmsg::spawn(path, boot, loaded.log_monitors, shared.clone());
+        let running = kmsg::spawn(path, boot, loaded.log_monitors, shared.clone());
+        let stop = running.stop;
+        caught_up = Some(running.caught_up);
         let token = shutdown.clone();
-        tokio::spawn(async move {
+        tasks.spawn(async move {
             token.cancelled().await;
             stop.store(true, std::sync::atomic::Ordering::Relaxed);
         });
     }
     for m in loaded.plugin_monitors {
-        tokio::spawn(m.run(shared.clone(), shutdown.clone()));
+        tasks.spawn(m.run(shared.clone(), shutdown.clone()));
     }
-    shared
+    if let Some(rx) = caught_up
+        && tokio::time::timeout(CATCH_UP, rx).await.is_err()
+    {
+        tracing::warn!("kernel log backlog not read within {CATCH_UP:?}; serving meanwhile");
+    }
+}
+
+fn unix_ms(t: SystemTime) -> i64 {
+    t.duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}
+
+/// The report's view of the state.
+pub fn to_proto(p: &ProblemState) -> pb::NodeProblems {
+    pb::NodeProblems {
+        conditions: p
+            .conditions()
+            .map(|c| pb::ProblemCondition {
+                r#type: c.kind.clone(),
+                status: c.status.as_str().to_owned(),
+                reason: c.reason.clone(),
+                message: c.message.clone(),
+                source: c.source.clone(),
+                transition_unix_ms: unix_ms(c.transition),
+            })
+            .collect(),
+        counts: p
+            .counters()
+            .iter()
+            .map(|(reason, count)| pb::ProblemCount {
+                reason: reason.clone(),
+                count: *count,
+            })
+            .collect(),
+        recent: p
+            .recent()
+            .map(|e| pb::ProblemEvent {
+                source: e.source.clone(),
+                reason: e.reason.clone(),
+                message: e.message.clone(),
+                timestamp_unix_ms: unix_ms(e.timestamp),
+            })
+            .collect(),
+        refused: p
+            .refusals()
+            .iter()
+            .map(|r| pb::MonitorRefusal {
+                origin: r.origin.clone(),
+                item: r.item.clone(),
+                reason: r.reason.clone(),
+            })
+            .collect(),
+        refused_dropped: p.refusals_dropped(),
+        lost_records: p.lost_records(),
+    }
 }
 
 #[cfg(test)]

@@ -238,6 +238,29 @@ impl ProblemState {
         }
     }
 
+    /// The content as text for the report's revision: everything but times (a condition
+    /// declared again after a restart is the same content) and the internal revision.
+    pub fn fingerprint(&self, out: &mut String) {
+        use std::fmt::Write as _;
+        for c in self.conditions.values() {
+            let _ = writeln!(
+                out,
+                "pc {} {:?} {} {:?}",
+                c.kind, c.status, c.reason, c.message
+            );
+        }
+        for (reason, n) in &self.counters {
+            let _ = writeln!(out, "pn {reason} {n}");
+        }
+        for p in &self.recent {
+            let _ = writeln!(out, "pe {} {} {:?}", p.source, p.reason, p.message);
+        }
+        for r in &self.refusals {
+            let _ = writeln!(out, "pr {} {} {:?}", r.origin, r.item, r.reason);
+        }
+        let _ = writeln!(out, "pl {} {}", self.refusals_dropped, self.lost_records);
+    }
+
     pub fn condition(&self, kind: &str) -> Option<&Condition> {
         self.conditions.get(kind)
     }
