@@ -123,6 +123,30 @@ pub struct Config {
     #[arg(long, env = "NODEKEEPER_MONITOR_CONFIG_DIR")]
     pub monitor_config_dir: Option<PathBuf>,
 
+    /// Run the built-in kubelet and container-runtime health checks (conditions
+    /// `KubeletUnhealthy` and `ContainerRuntimeUnhealthy`, as NPD's health checker).
+    #[arg(long, env = "NODEKEEPER_HEALTH_CHECKS", default_value_t = true, action = clap::ArgAction::Set)]
+    pub health_checks: bool,
+
+    /// The kubelet's healthz endpoint (plain HTTP; the kubelet's `--healthz-bind-address` and
+    /// `--healthz-port`).
+    #[arg(
+        long,
+        env = "NODEKEEPER_KUBELET_HEALTHZ_URL",
+        default_value = "http://127.0.0.1:10248/healthz"
+    )]
+    pub kubelet_healthz_url: String,
+
+    /// The container runtime's CRI socket. Unset: the first of containerd's and CRI-O's usual
+    /// sockets that exists under `--host-root`; none: the runtime check is off.
+    #[arg(long, env = "NODEKEEPER_CRI_SOCKET")]
+    pub cri_socket: Option<PathBuf>,
+
+    /// The `crictl` program (a bare name is looked up on PATH). When it is not found the runtime
+    /// check only connects to the CRI socket.
+    #[arg(long, env = "NODEKEEPER_CRICTL", default_value = "crictl")]
+    pub crictl: PathBuf,
+
     /// Largest gRPC message accepted or sent, in bytes; larger requests are refused.
     #[arg(long, env = "NODEKEEPER_MAX_MESSAGE_BYTES", default_value_t = 1024 * 1024)]
     pub max_message_bytes: usize,
@@ -148,11 +172,32 @@ pub struct Config {
 }
 
 impl Config {
-    /// Where the node problem monitors read from.
+    /// Where the node problem monitors read from (the healthz URL checked by [`Self::validate`]).
     pub fn monitors(&self) -> crate::monitor::MonitorConfig {
+        use crate::monitor::health;
+        let health = self.health_checks.then(|| {
+            let cri_socket = self.cri_socket.clone().or_else(|| {
+                [
+                    "/run/containerd/containerd.sock",
+                    "/run/crio/crio.sock",
+                    "/var/run/crio/crio.sock",
+                ]
+                .iter()
+                .map(|p| under_root(&self.host_root, Path::new(p)))
+                .find(|p| p.exists())
+            });
+            health::HealthConfig {
+                kubelet: health::parse_healthz_url(&self.kubelet_healthz_url).ok(),
+                cri_socket,
+                crictl: crate::collect::gpu::locate(&self.crictl),
+                interval: Duration::from_secs(10),
+                timeout: Duration::from_secs(10),
+            }
+        });
         crate::monitor::MonitorConfig {
             kmsg_path: self.kernel_monitor.then(|| self.kmsg_path.clone()),
             config_dir: self.monitor_config_dir.clone(),
+            health,
         }
     }
 
@@ -170,6 +215,15 @@ impl Config {
         }
         if let Some(dir) = &self.oca_plugin_dir {
             check_host_path("--oca-plugin-dir", dir)?;
+        }
+        if self.health_checks
+            && let Err(reason) =
+                crate::monitor::health::parse_healthz_url(&self.kubelet_healthz_url)
+        {
+            return Err(Error::InvalidConfig {
+                flag: "--kubelet-healthz-url",
+                reason,
+            });
         }
         if self.node_name.trim().is_empty() {
             return Err(Error::InvalidConfig {

@@ -215,7 +215,7 @@ async fn release_custom_plugin_files_parse_and_run() {
         tokio::time::timeout(Duration::from_secs(30), monitor.run_once(&shared))
             .await
             .unwrap_or_else(|_| panic!("{name} did not finish"));
-        let state = lock(&shared);
+        let state = lock(&shared).clone();
         // check_ntp.sh answers on every machine: running (OK), not running (problem: the
         // condition True and an NTPIsDown record) or no systemctl (unknown: also a record).
         let c = state.condition("NTPProblem").unwrap();
@@ -231,7 +231,6 @@ async fn release_custom_plugin_files_parse_and_run() {
             "{c:?}"
         );
         let status = c.status;
-        drop(state);
         // The same script run directly agrees (and shows it ran even when all is healthy).
         let script = root.join("config/plugin/check_ntp.sh");
         let direct = plugin::exec(&script, &[], Duration::from_secs(5), 80).await;

@@ -35,6 +35,8 @@ fn config(dir: &Path, kmsg: &Path, monitors: &Path) -> Config {
         "--report-max-age=60s".into(),
         format!("--kmsg-path={}", kmsg.display()),
         format!("--monitor-config-dir={}", monitors.display()),
+        // No kubelet here; monitor_health.rs covers those checks.
+        "--health-checks=false".into(),
     ])
     .unwrap()
 }

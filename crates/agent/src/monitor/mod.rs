@@ -8,6 +8,7 @@
 //! and polarity, so alerts and remediation keyed on NPD's conditions keep working. A file in the
 //! configuration directory with the same `source` replaces a built-in one.
 
+pub mod health;
 pub mod kmsg;
 pub mod plugin;
 pub mod rules;
@@ -147,6 +148,8 @@ pub struct MonitorConfig {
     pub kmsg_path: Option<PathBuf>,
     /// A directory of NPD `*.json` monitor files (kmsg rule files and custom-plugin files).
     pub config_dir: Option<PathBuf>,
+    /// The built-in kubelet and container-runtime checks; `None` turns them off.
+    pub health: Option<health::HealthConfig>,
 }
 
 /// The monitor files that loaded.
@@ -313,6 +316,9 @@ pub async fn start(
     }
     for m in loaded.plugin_monitors {
         tasks.spawn(m.run(shared.clone(), shutdown.clone()));
+    }
+    if let Some(h) = &config.health {
+        tasks.spawn(health::run(h.clone(), shared.clone(), shutdown.clone()));
     }
     if let Some(rx) = caught_up
         && tokio::time::timeout(CATCH_UP, rx).await.is_err()
