@@ -147,6 +147,11 @@ pub struct Config {
     #[arg(long, env = "NODEKEEPER_CRICTL", default_value = "crictl")]
     pub crictl: PathBuf,
 
+    /// Address for `/metrics` (plain HTTP) with node-problem-detector's `problem_counter` and
+    /// `problem_gauge` (NPD serves them on 127.0.0.1:20257). Unset: not served.
+    #[arg(long, env = "NODEKEEPER_METRICS_LISTEN")]
+    pub metrics_listen: Option<SocketAddr>,
+
     /// Largest gRPC message accepted or sent, in bytes; larger requests are refused.
     #[arg(long, env = "NODEKEEPER_MAX_MESSAGE_BYTES", default_value_t = 1024 * 1024)]
     pub max_message_bytes: usize,
@@ -198,6 +203,7 @@ impl Config {
             kmsg_path: self.kernel_monitor.then(|| self.kmsg_path.clone()),
             config_dir: self.monitor_config_dir.clone(),
             health,
+            metrics: self.metrics_listen,
         }
     }
 

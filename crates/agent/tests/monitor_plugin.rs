@@ -75,7 +75,9 @@ async fn exit_codes_map_to_ok_problem_and_unknown() {
             "sda: 12 reallocated sectors"
         )
     );
-    assert_eq!(state.counter("DiskIsBad"), 1);
+    // Counted twice, as NPD's problem_counter does: the temporary rule's problem and the
+    // condition turning True, both under the reason the two rules share.
+    assert_eq!(state.counter("DiskIsBad"), 2);
 
     let unknown = script(dir.path(), "unknown.sh", "echo 'smartctl missing'; exit 3");
     let state = run_once(&config(&unknown, "")).await;

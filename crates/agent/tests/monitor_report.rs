@@ -22,7 +22,7 @@ fn uptime_us() -> u128 {
     (secs * 1e6) as u128
 }
 
-fn config(dir: &Path, kmsg: &Path, monitors: &Path) -> Config {
+fn config(dir: &Path, kmsg: &Path, monitors: &Path, metrics: std::net::SocketAddr) -> Config {
     std::fs::create_dir_all(dir.join("state")).unwrap();
     Config::try_parse_from([
         "nodekeeper-agent".to_string(),
@@ -37,8 +37,20 @@ fn config(dir: &Path, kmsg: &Path, monitors: &Path) -> Config {
         format!("--monitor-config-dir={}", monitors.display()),
         // No kubelet here; monitor_health.rs covers those checks.
         "--health-checks=false".into(),
+        format!("--metrics-listen={metrics}"),
     ])
     .unwrap()
+}
+
+async fn get_metrics(addr: std::net::SocketAddr) -> String {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.unwrap();
+    out
 }
 
 #[tokio::test]
@@ -79,7 +91,11 @@ async fn kernel_lines_and_plugins_reach_the_report() {
     )
     .unwrap();
 
-    let config = config(dir.path(), &kmsg, &monitors);
+    let metrics = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let config = config(dir.path(), &kmsg, &monitors, metrics);
     let agent = Agent::new(&config);
     let shutdown = CancellationToken::new();
     let tasks = TaskTracker::new();
@@ -110,6 +126,21 @@ async fn kernel_lines_and_plugins_reach_the_report() {
         "EXT4-fs (sda1): Remounting filesystem read-only"
     );
     assert!(pb.refused.is_empty(), "{:?}", pb.refused);
+
+    // NPD's problem metrics, under NPD's names, on /metrics.
+    let text = get_metrics(metrics).await;
+    for line in [
+        "HTTP/1.1 200 OK",
+        "problem_gauge{reason=\"FilesystemIsReadOnly\",type=\"ReadonlyFilesystem\"} 1",
+        "problem_gauge{reason=\"KernelHasNoDeadlock\",type=\"KernelDeadlock\"} 0",
+        "problem_counter{reason=\"FilesystemIsReadOnly\"} 1",
+        "problem_counter{reason=\"OOMKilling\"} 0",
+    ] {
+        assert!(
+            text.lines().any(|l| l.trim() == line),
+            "{line:?} missing from\n{text}"
+        );
+    }
 
     // A new kernel line moves the revision even within --report-max-age.
     let mut f = std::fs::OpenOptions::new()

@@ -10,6 +10,7 @@
 
 pub mod health;
 pub mod kmsg;
+pub mod metrics;
 pub mod plugin;
 pub mod rules;
 pub mod state;
@@ -150,6 +151,8 @@ pub struct MonitorConfig {
     pub config_dir: Option<PathBuf>,
     /// The built-in kubelet and container-runtime checks; `None` turns them off.
     pub health: Option<health::HealthConfig>,
+    /// Where `/metrics` (NPD's problem metrics) is served; `None`: not served.
+    pub metrics: Option<std::net::SocketAddr>,
 }
 
 /// The monitor files that loaded.
@@ -288,9 +291,7 @@ pub async fn start(
             m.declare(&mut state, now);
         }
         for m in &loaded.plugin_monitors {
-            for c in &m.conditions {
-                state.declare(&m.source, c, now);
-            }
+            m.declare(&mut state, now);
         }
     }
     tracing::info!(
@@ -319,6 +320,17 @@ pub async fn start(
     }
     if let Some(h) = &config.health {
         tasks.spawn(health::run(h.clone(), shared.clone(), shutdown.clone()));
+    }
+    if let Some(addr) = config.metrics {
+        match metrics::bind(addr).await {
+            Ok(listener) => {
+                tasks.spawn(metrics::serve(listener, shared.clone(), shutdown.clone()));
+            }
+            Err(e) => {
+                tracing::error!(%addr, error = %e, "metrics endpoint not served");
+                lock(shared).refuse("--metrics-listen", &addr.to_string(), &format!("bind: {e}"));
+            }
+        }
     }
     if let Some(rx) = caught_up
         && tokio::time::timeout(CATCH_UP, rx).await.is_err()

@@ -15,7 +15,7 @@ use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
 use super::rules::RuleRefusal;
-use super::state::{ConditionDefault, ConditionStatus, RuleType, SharedState, lock};
+use super::state::{ConditionDefault, ConditionStatus, ProblemState, RuleType, SharedState, lock};
 use super::{MonitorError, MonitorFile, invalid, parse_go_duration, parse_json};
 
 /// NPD's defaults (pkg/custompluginmonitor/types/config.go).
@@ -230,6 +230,16 @@ impl PluginMonitor {
         self.rules.len()
     }
 
+    /// Declares this file's conditions (healthy) and starts its reasons' counters.
+    pub fn declare(&self, state: &mut ProblemState, now: SystemTime) {
+        for c in &self.conditions {
+            state.declare(&self.source, c, now);
+        }
+        for r in &self.rules {
+            state.init_counter(&r.rule.reason);
+        }
+    }
+
     /// Runs every rule once (at most `concurrency` at a time) and applies the results.
     pub async fn run_once(&self, state: &SharedState) {
         let limit = Arc::new(Semaphore::new(self.concurrency));
@@ -265,7 +275,7 @@ impl PluginMonitor {
         &self,
         rule: &PluginRule,
         result: &RunResult,
-        state: &mut super::state::ProblemState,
+        state: &mut ProblemState,
         now: SystemTime,
     ) {
         if result.outcome != Outcome::Ok {
@@ -310,12 +320,7 @@ impl PluginMonitor {
 
     /// Declares the conditions, then runs the rules every `interval` until `shutdown`.
     pub async fn run(self, state: SharedState, shutdown: CancellationToken) {
-        {
-            let mut s = lock(&state);
-            for c in &self.conditions {
-                s.declare(&self.source, c, SystemTime::now());
-            }
-        }
+        self.declare(&mut lock(&state), SystemTime::now());
         let mut tick = tokio::time::interval(self.interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {

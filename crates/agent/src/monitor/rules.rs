@@ -170,6 +170,9 @@ impl LogMonitor {
         for c in &self.conditions {
             state.declare(&self.source, c, now);
         }
+        for r in &self.rules {
+            state.init_counter(&r.rule.reason);
+        }
     }
 
     /// The earliest log timestamp this monitor acts on, from boot time and now (NPD's start time).

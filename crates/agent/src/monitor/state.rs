@@ -1,6 +1,7 @@
 //! What the problem monitors found, in one bounded place the report reads: the current
-//! permanent conditions, counts of temporary problems by reason, the latest few temporary
-//! problems, and the rules, files and plugins that were refused.
+//! permanent conditions, counts of problems by reason (temporary problems and conditions turning
+//! True, as NPD's `problem_counter`), the latest few temporary problems, and the rules, files
+//! and plugins that were refused.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -169,7 +170,30 @@ impl ProblemState {
         condition.message = truncate(message, MAX_MESSAGE_BYTES).into_owned();
         condition.transition = at;
         self.revision += 1;
+        // NPD counts a condition turning into a problem under its reason, as it counts events.
+        if status == ConditionStatus::True {
+            *self.counter_slot(reason) += 1;
+        }
         true
+    }
+
+    /// The counter for `reason`, or [`OTHER_REASON`]'s when [`MAX_REASONS`] are taken.
+    fn counter_slot(&mut self, reason: &str) -> &mut u64 {
+        let key = if self.counters.contains_key(reason) || self.counters.len() < MAX_REASONS {
+            reason
+        } else {
+            OTHER_REASON
+        };
+        self.counters.entry(key.to_owned()).or_default()
+    }
+
+    /// Starts a reason's counter at 0, so that `problem_counter` has the series before the
+    /// first problem (as NPD initialises it for every rule).
+    pub fn init_counter(&mut self, reason: &str) {
+        if !self.counters.contains_key(reason) && self.counters.len() < MAX_REASONS {
+            self.counters.insert(reason.to_owned(), 0);
+            self.revision += 1;
+        }
     }
 
     /// Like [`Self::set_condition`] but also replaces the message of an unchanged condition
@@ -189,12 +213,7 @@ impl ProblemState {
 
     /// Records a temporary problem: counted by reason (bounded) and kept among the latest few.
     pub fn record(&mut self, source: &str, reason: &str, message: &str, at: SystemTime) {
-        let key = if self.counters.contains_key(reason) || self.counters.len() < MAX_REASONS {
-            reason
-        } else {
-            OTHER_REASON
-        };
-        *self.counters.entry(key.to_owned()).or_default() += 1;
+        *self.counter_slot(reason) += 1;
         if self.recent.len() == MAX_RECENT {
             self.recent.pop_front();
         }

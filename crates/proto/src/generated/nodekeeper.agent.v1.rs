@@ -80,7 +80,8 @@ pub struct NodeProblems {
     /// One per condition type declared by a loaded rule file, sorted by type.
     #[prost(message, repeated, tag = "1")]
     pub conditions: ::prost::alloc::vec::Vec<ProblemCondition>,
-    /// Temporary problems seen since the agent started, by reason, sorted by reason.
+    /// Problems since the agent started, by reason, sorted by reason: temporary problems and
+    /// conditions turning True (NPD's problem_counter); every rule's reason is listed from 0.
     #[prost(message, repeated, tag = "2")]
     pub counts: ::prost::alloc::vec::Vec<ProblemCount>,
     /// The latest temporary problems, oldest first.
