@@ -12,6 +12,8 @@
 //! - [`tunables`]: `SetRules` validation, evaluation and repair of sysctls, the state file;
 //! - [`network`]: the host network manager — `ApplyNetwork`, the applied state, its status and
 //!   the drift loop (through `nodekeeper_netconf`);
+//! - [`monitor`]: node problems in node-problem-detector's terms — the kernel-log monitor and
+//!   custom plugins (NPD's own rule files), kubelet and runtime health, NPD's problem metrics;
 //! - [`report`]: judging the measurements into a report, and its revision;
 //! - [`error`]: the agent's one error type;
 //! - [`config`] (flags) and [`tls`] (mutual TLS, reload on file change);

@@ -69,7 +69,7 @@ pub struct KmsgReader {
     pub monitors: Vec<LogMonitor>,
     pub state: SharedState,
     /// Set to stop; checked after every record and while idle (the log is read non-blocking,
-    /// so the thread ends within [`IDLE_POLL`] of the request).
+    /// so the thread ends within 100 ms of the request).
     pub stop: Arc<AtomicBool>,
     /// Stop at the end of the input instead of waiting for more (tests and one-shot reads).
     pub stop_at_end: bool,

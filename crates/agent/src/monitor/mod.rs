@@ -276,7 +276,7 @@ const CATCH_UP: Duration = Duration::from_secs(5);
 /// Loads the monitors into `shared` (their conditions declared healthy) and starts them under
 /// `shutdown`: the kernel-log reader on a thread of its own (stopped through its flag), each
 /// plugin file as a task on `tasks`. Returns once the kernel log's backlog (the lookback window)
-/// has been read, or after [`CATCH_UP`], so the first report already shows it.
+/// has been read, or after 5 s, so the first report already shows it.
 pub async fn start(
     config: &MonitorConfig,
     shared: &SharedState,
