@@ -424,3 +424,20 @@ fn a_fifo_is_followed_until_stopped() {
     let stats = thread.join().unwrap();
     assert_eq!(stats.records, 1);
 }
+
+/// After a reopen, /dev/kmsg starts again at its oldest record; records up to the last sequence
+/// number already read are skipped, so nothing fires twice.
+#[test]
+fn records_read_before_do_not_fire_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let oom = "Out of memory: Killed process 9 (x) total-vm:1kB, anon-rss:1kB, file-rss:0kB, shmem-rss:0kB";
+    let mut lines = String::new();
+    for seq in [1, 2, 3, 2, 3, 4] {
+        let message = if seq == 3 { oom } else { "usb 1-1: reset" };
+        lines.push_str(&record(seq, Duration::from_secs(1), message));
+    }
+    let path = write(dir.path(), "kmsg", &lines);
+    let (state, stats) = read_file(&path, None);
+    assert_eq!(state.counter("OOMKilling"), 1);
+    assert_eq!((stats.records, stats.already_read, stats.lost), (4, 2, 0));
+}

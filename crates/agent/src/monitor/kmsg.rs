@@ -86,6 +86,8 @@ pub struct ReadStats {
     pub malformed: u64,
     pub truncated: u64,
     pub lost: u64,
+    /// Records at or before the last sequence number read (seen again after a reopen).
+    pub already_read: u64,
 }
 
 impl KmsgReader {
@@ -105,6 +107,9 @@ impl KmsgReader {
             .map(|m| m.start_time(self.boot, now))
             .collect();
         let origin = self.path.display().to_string();
+        // Kept across reopens: a reopened /dev/kmsg starts again at its oldest record, and what
+        // was already read must not fire twice.
+        let mut last_seq: Option<u64> = None;
         while !self.stop.load(Ordering::Relaxed) {
             let opened = std::fs::OpenOptions::new()
                 .read(true)
@@ -129,10 +134,12 @@ impl KmsgReader {
                     continue;
                 }
             };
-            self.read(file, &starts, &mut stats);
+            self.read(file, &starts, &mut stats, &mut last_seq);
             if self.stop_at_end {
                 break;
             }
+            // A read error ended that pass; do not spin on a log that keeps failing.
+            self.sleep(REOPEN);
         }
         stats
     }
@@ -152,10 +159,15 @@ impl KmsgReader {
         }
     }
 
-    fn read(&mut self, file: File, starts: &[SystemTime], stats: &mut ReadStats) {
+    fn read(
+        &mut self,
+        file: File,
+        starts: &[SystemTime],
+        stats: &mut ReadStats,
+        last_seq: &mut Option<u64>,
+    ) {
         let mut reader = BufReader::with_capacity(16 * 1024, file);
         let mut pending = Line::default();
-        let mut last_seq: Option<u64> = None;
         while !self.stop.load(Ordering::Relaxed) {
             let complete = match read_line_bounded(&mut reader, &mut pending) {
                 Ok(complete) => complete,
@@ -187,7 +199,7 @@ impl KmsgReader {
             if pending.truncated {
                 stats.truncated += 1;
             }
-            self.handle(&pending.bytes, starts, stats, &mut last_seq);
+            self.handle(&pending.bytes, starts, stats, last_seq);
             pending.clear();
         }
     }
@@ -207,6 +219,10 @@ impl KmsgReader {
             stats.malformed += 1;
             return;
         };
+        if last_seq.is_some_and(|prev| record.seq <= prev) {
+            stats.already_read += 1;
+            return;
+        }
         stats.records += 1;
         if let Some(prev) = *last_seq
             && record.seq > prev + 1
