@@ -2,25 +2,27 @@
 //! holds sysctl tunables in bounds, applies host networking (and keeps it applied) and runs
 //! network probes. It never calls the Kubernetes API.
 //!
-//! What lives where, from the bottom up (a module uses only those above it in this list):
+//! What lives where, from the bottom up (a module uses only those above it in this list; test
+//! modules may drive a module through the ones that use it):
 //! - `nodekeeper_model` (another crate): indicator families, levels and verdicts
 //!   (`indicators`), the tuning rules' checks and limits (`tuning`), probe limits (`probe`), the
 //!   host network model (`network`) — the rules the controller applies too;
 //! - [`collect`]: the collectors (procfs, statvfs, netlink, `nvidia-smi`, plugin files), plain
 //!   measurements with no verdicts;
 //! - [`probes`]: `RunProbes` — request validation and the ICMP, TCP, DNS, HTTP and path-MTU probes;
+//! - [`network`]: the host network manager — `ApplyNetwork`, the applied state, its status, which
+//!   links it manages, and the drift loop (through `nodekeeper_netconf`);
+//! - [`error`]: the agent's one error type;
 //! - [`tunables`]: `SetRules` validation, evaluation and repair of sysctls, the state file;
-//! - [`network`]: the host network manager — `ApplyNetwork`, the applied state, its status and
-//!   the drift loop (through `nodekeeper_netconf`);
 //! - [`monitor`]: node problems in node-problem-detector's terms — the kernel-log monitor and
 //!   custom plugins (NPD's own rule files), kubelet and runtime health, NPD's problem metrics;
 //! - [`report`]: judging the measurements into a report, and its revision;
-//! - [`error`]: the agent's one error type;
-//! - [`config`] (flags) and [`tls`] (mutual TLS, reload on file change);
+//! - [`config`] (flags) and [`tls`] (mutual TLS, the file watch that triggers a reload);
 //! - [`agent`]: the state shared by every call, built once per process;
 //! - [`service`]: the gRPC service — proto conversions, and the one place errors become
 //!   `tonic::Status`;
-//! - this file: [`run`] and [`serve`], the server and its shutdown tree.
+//! - this file: [`run`] and [`serve`] — the agent built once, its drift loop and problem monitors under the shutdown
+//!   token, and the server generations (one per set of TLS files).
 //!
 //! Tests that need root run in network namespaces they create and report `SKIPPED` otherwise
 //! (the README's "Try it"); the crate README lists the flags and the plugin file format.
@@ -60,7 +62,8 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
 }
 
 /// Serves on an already bound listener (tests bind port 0 and read the address back), with the
-/// agent and its drift loop as [`run`] has them. The TLS files are read once (no reload: [`run`] does that).
+/// agent and its drift loop as [`run`] has them. The TLS files are read once (no reload: [`run`]
+/// does that).
 pub async fn serve(
     config: Config,
     listener: TcpListener,

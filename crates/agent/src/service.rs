@@ -258,3 +258,53 @@ pub fn to_proto(r: &Report) -> pb::NodeReport {
         }),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use tonic::Code;
+
+    use super::*;
+
+    #[test]
+    fn data_errors_are_not_retryable_and_host_faults_are_internal() {
+        let code = |e: Error| status(e).code();
+        let net = |e: NetworkError| code(Error::ApplyNetwork(e));
+        assert_eq!(code(Error::InvalidRules("x".into())), Code::InvalidArgument);
+        assert_eq!(
+            code(Error::RunProbes(ProbeError::InvalidRequest {
+                field: "count".into(),
+                reason: "0".into()
+            })),
+            Code::InvalidArgument
+        );
+        assert_eq!(
+            net(NetworkError::ParseDesired("x".into())),
+            Code::InvalidArgument
+        );
+        assert_eq!(
+            net(NetworkError::LayoutConflict("x".into())),
+            Code::InvalidArgument
+        );
+        assert_eq!(
+            net(NetworkError::Plan("x".into())),
+            Code::FailedPrecondition
+        );
+        assert_eq!(net(NetworkError::NoImdsEndpoint), Code::FailedPrecondition);
+        // The metadata service answered something that cannot be laid out: asking again gives
+        // the same answer, so not UNAVAILABLE.
+        assert_eq!(
+            net(NetworkError::Layout("vnics[1].vlanTag: missing".into())),
+            Code::FailedPrecondition
+        );
+        assert_eq!(
+            net(NetworkError::Metadata("connection refused".into())),
+            Code::Unavailable
+        );
+        assert_eq!(net(NetworkError::Netlink("EPERM".into())), Code::Internal);
+        // The message is the manager's own, unchanged by the mapping.
+        assert_eq!(
+            status(Error::ApplyNetwork(NetworkError::NoImdsEndpoint)).message(),
+            NetworkError::NoImdsEndpoint.to_string()
+        );
+    }
+}

@@ -719,6 +719,35 @@ mod tests {
     }
 
     #[test]
+    fn limits_and_names_are_the_tuning_models() {
+        let root = fake_root();
+        let many = set(vec![
+            rule("a", "net.core.somaxconn", 1, &["1"], false);
+            tuning::MAX_RULES + 1
+        ]);
+        let err = validate(&many, root.path()).unwrap_err().to_string();
+        assert!(
+            err.contains(&format!(
+                "field `rules`: {} rules; at most {}",
+                tuning::MAX_RULES + 1,
+                tuning::MAX_RULES
+            )),
+            "{err}"
+        );
+        // A name the ConfigMap parser refuses is refused here too, with the same reason.
+        let upper = set(vec![rule(
+            "Somaxconn",
+            "net.core.somaxconn",
+            1,
+            &["1"],
+            false,
+        )]);
+        let err = validate(&upper, root.path()).unwrap_err().to_string();
+        let model = check_rule_name("Somaxconn").unwrap_err();
+        assert!(err.contains(&model), "{err}");
+    }
+
+    #[test]
     fn the_real_proc_sys_validates_keys() {
         let root = Path::new("/proc/sys");
         assert!(sysctl_path(root, "net.core.somaxconn").is_ok());
