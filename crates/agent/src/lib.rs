@@ -21,8 +21,8 @@
 //! - [`agent`]: the state shared by every call, built once per process;
 //! - [`service`]: the gRPC service — proto conversions, and the one place errors become
 //!   `tonic::Status`;
-//! - this file: [`run`] and [`serve`] — the agent built once, its drift loop and problem monitors under the shutdown
-//!   token, and the server generations (one per set of TLS files).
+//! - this file: [`run`] and [`serve`] — the agent built once, its drift loop and problem
+//!   monitors under the shutdown token, and the server generations (one per set of TLS files).
 //!
 //! Tests that need root run in network namespaces they create and report `SKIPPED` otherwise
 //! (the README's "Try it"); the crate README lists the flags and the plugin file format.
