@@ -14,6 +14,7 @@ use crate::collect::load::CpuTimes;
 use crate::collect::{self, CollectError, Measurement, Unit};
 use crate::config::{Config, under_root};
 use crate::error::Error;
+use crate::monitor::state::{self as monitor_state, ProblemState, SharedState};
 use crate::network::NetworkManager;
 use crate::report::{self, Inputs, Report, SystemInfo};
 use crate::tunables::{RawRuleSet, Tunables};
@@ -37,6 +38,8 @@ struct Cache {
     last: Option<(Instant, Arc<Report>, u64)>,
     /// The network manager's `status_changes()` that the last report shows.
     network_changes: u64,
+    /// The problem monitors' state revision that the last report shows.
+    problems_revision: u64,
     cpu: Option<CpuTimes>,
     gpu: Option<(Instant, GpuReading)>,
 }
@@ -47,6 +50,8 @@ pub struct Agent {
     tunables: Mutex<Tunables>,
     cache: tokio::sync::Mutex<Cache>,
     network: NetworkManager,
+    /// Filled by the node problem monitors (started by [`crate::run`]).
+    problems: SharedState,
 }
 
 fn now_unix_ms() -> i64 {
@@ -73,6 +78,7 @@ impl Agent {
             tunables: Mutex::new(Tunables::load(config.sysctl_root(), &config.state_dir)),
             cache: tokio::sync::Mutex::new(Cache::default()),
             network: NetworkManager::new(config.imds_endpoint.clone()),
+            problems: ProblemState::new_shared(),
         }
     }
 
@@ -81,18 +87,26 @@ impl Agent {
         &self.network
     }
 
+    /// What the node problem monitors write into.
+    pub fn problems(&self) -> &SharedState {
+        &self.problems
+    }
+
     /// The current revision and, unless the caller already holds it, the report.
     pub async fn report(&self, since_revision: u64) -> (u64, Option<Arc<Report>>) {
         let mut cache = self.cache.lock().await;
         // Read before collecting: a change published meanwhile makes the next call collect again.
         let network_changes = self.network.status_changes();
+        let problems_revision = monitor_state::lock(&self.problems).revision();
         let fresh = cache
             .last
             .as_ref()
             .is_some_and(|(at, _, _)| at.elapsed() < self.sources.report_max_age)
-            && cache.network_changes == network_changes;
+            && cache.network_changes == network_changes
+            && cache.problems_revision == problems_revision;
         if !fresh {
             cache.network_changes = network_changes;
+            cache.problems_revision = problems_revision;
             let report = Arc::new(self.collect(&mut cache).await);
             let revision = report::revision(&report);
             debug!(revision, "collected report");
@@ -250,6 +264,7 @@ impl Agent {
         report.rules_revision = tunables.revision();
         drop(tunables);
         report.network = self.network.status();
+        report.problems = monitor_state::lock(&self.problems).clone();
         report
     }
 }

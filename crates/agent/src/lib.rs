@@ -14,13 +14,15 @@
 //!   links it manages, and the drift loop (through `nodekeeper_netconf`);
 //! - [`error`]: the agent's one error type;
 //! - [`tunables`]: `SetRules` validation, evaluation and repair of sysctls, the state file;
+//! - [`monitor`]: node problems in node-problem-detector's terms — the kernel-log monitor and
+//!   custom plugins (NPD's own rule files), kubelet and runtime health, NPD's problem metrics;
 //! - [`report`]: judging the measurements into a report, and its revision;
 //! - [`config`] (flags) and [`tls`] (mutual TLS, the file watch that triggers a reload);
 //! - [`agent`]: the state shared by every call, built once per process;
 //! - [`service`]: the gRPC service — proto conversions, and the one place errors become
 //!   `tonic::Status`;
-//! - this file: [`run`] and [`serve`] — the agent built once, its drift loop under the shutdown
-//!   token, and the server generations (one per set of TLS files).
+//! - this file: [`run`] and [`serve`] — the agent built once, its drift loop and problem
+//!   monitors under the shutdown token, and the server generations (one per set of TLS files).
 //!
 //! Tests that need root run in network namespaces they create and report `SKIPPED` otherwise
 //! (the README's "Try it"); the crate README lists the flags and the plugin file format.
@@ -29,6 +31,7 @@ pub mod agent;
 pub mod collect;
 pub mod config;
 pub mod error;
+pub mod monitor;
 pub mod network;
 pub mod probes;
 pub mod report;
@@ -85,6 +88,7 @@ async fn with_agent(
     let interval = config.drift_interval;
     let stop = background.clone();
     tasks.spawn(async move { drift.network().drift_loop(interval, stop).await });
+    monitor::start(&config.monitors(), agent.problems(), &background, &tasks).await;
     let served = match listener {
         Some(listener) => serve_once(&config, &agent, listener, shutdown).await,
         None => serve_reloading(&config, &agent, &tasks, &shutdown).await,

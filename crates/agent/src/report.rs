@@ -12,6 +12,7 @@ use crate::collect::gpu::{Gpu, GpuReading};
 use crate::collect::interfaces::Interface;
 use crate::collect::oca::Plugin;
 use crate::collect::{Measurement, Unit};
+use crate::monitor::state::ProblemState;
 use crate::network::NetworkStatus;
 use crate::tunables::TunableStatus;
 
@@ -131,6 +132,8 @@ pub struct Report {
     pub collector_errors: Vec<(String, String)>,
     pub system: SystemInfo,
     pub network: NetworkStatus,
+    /// What the node problem monitors found (kernel log, custom plugins).
+    pub problems: ProblemState,
 }
 
 /// What the collectors produced, before judging.
@@ -248,6 +251,7 @@ pub fn revision(r: &Report) -> u64 {
     }
     let _ = writeln!(s, "s {:?}", r.system);
     let _ = writeln!(s, "w {:?}", r.network);
+    r.problems.fingerprint(&mut s);
     let digest = Sha256::digest(s.as_bytes());
     let mut first = [0u8; 8];
     first.copy_from_slice(&digest[..8]);

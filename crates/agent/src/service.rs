@@ -184,6 +184,7 @@ pub fn to_proto(r: &Report) -> pb::NodeReport {
                 error: t.error.clone(),
             })
             .collect(),
+        problems: Some(crate::monitor::to_proto(&r.problems)),
         rules_revision: r.rules_revision,
         interfaces: r
             .interfaces
