@@ -38,6 +38,7 @@
 
 pub mod controlplane;
 mod harness;
+pub mod rig;
 
 pub use controlplane::{Lifetime, Options};
 pub use harness::{

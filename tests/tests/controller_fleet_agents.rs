@@ -3,17 +3,18 @@
 //! node address, one gRPC server with one TLS configuration (the fleet's certificate) behind all
 //! of them, each call dispatched to the agent whose address it arrived on.
 //!
-//! Not a test by itself: `fleet_agents_host` is ignored and runs only when the bench starts this
-//! binary with `NODEKEEPER_E2E_ROLE=fleet-agents` and `NODEKEEPER_FLEET_SPEC=<spec.json>`.
+//! Not a test by itself: `fleet_agents_host` is ignored and runs only when the rig
+//! (`nodekeeper_e2e::rig::AgentsHost`) starts this binary with `NODEKEEPER_E2E_ROLE=fleet-agents`
+//! and `NODEKEEPER_FLEET_SPEC=<spec.json>`.
 //! The dispatch itself is tested below with a handful of agents.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::Context as _;
 use nodekeeper_agent::service::AgentService;
+use nodekeeper_e2e::rig::{FLEET_ROLE, FleetNode, FleetSpec, ROLE_ENV, sysctl_path};
 use nodekeeper_proto::agent::v1 as pb;
 use tonic::{Request, Response, Status};
 
@@ -67,47 +68,20 @@ impl pb::node_agent_server::NodeAgent for Fleet {
     }
 }
 
-#[derive(serde::Deserialize)]
-struct Spec {
-    port: u16,
-    /// Holds tls.crt, tls.key, ca.crt; node i's files go under `n<i>/`.
-    dir: PathBuf,
-    nodes: Vec<SpecNode>,
-}
-
-#[derive(serde::Deserialize)]
-struct SpecNode {
-    name: String,
-    ip: std::net::Ipv4Addr,
-}
-
 /// Starts the agents of `spec`; returns when every listener is bound.
-async fn host(spec: &Spec, stop: tokio_util::sync::CancellationToken) -> anyhow::Result<()> {
+async fn host(spec: &FleetSpec, stop: tokio_util::sync::CancellationToken) -> anyhow::Result<()> {
     use clap::Parser;
-    let p = |name: &str| spec.dir.join(name).display().to_string();
     let mut agents = HashMap::new();
     let mut listeners = Vec::new();
     let mut tls = None;
-    for (i, node) in spec.nodes.iter().enumerate() {
-        let dir = spec.dir.join(format!("n{i}"));
-        std::fs::create_dir_all(dir.join("sysctl/net/core"))?;
-        std::fs::create_dir_all(dir.join("state"))?;
-        let sysctl = dir.join("sysctl/net/core/somaxconn");
-        if !sysctl.exists() {
-            std::fs::write(&sysctl, "8192\n")?;
+    for i in 0..spec.nodes.len() {
+        let setup = spec.agent(i);
+        setup.create_dirs()?;
+        if !sysctl_path(&setup.sysctl_root, "net.core.somaxconn").exists() {
+            setup.write_sysctl("net.core.somaxconn", "8192")?;
         }
-        let addr = SocketAddr::new(node.ip.into(), spec.port);
-        let config = nodekeeper_agent::Config::try_parse_from([
-            "nodekeeper-agent".to_string(),
-            format!("--listen={addr}"),
-            format!("--node-name={}", node.name),
-            format!("--tls-cert={}", p("tls.crt")),
-            format!("--tls-key={}", p("tls.key")),
-            format!("--client-ca={}", p("ca.crt")),
-            format!("--state-dir={}", dir.join("state").display()),
-            format!("--sysctl-root={}", dir.join("sysctl").display()),
-            "--nvidia-smi=/nonexistent/nvidia-smi".to_string(),
-        ])?;
+        let addr = setup.listen;
+        let config = nodekeeper_agent::Config::try_parse_from(setup.args())?;
         if tls.is_none() {
             tls = Some(nodekeeper_agent::tls::server_config(&config)?);
         }
@@ -139,22 +113,15 @@ async fn host(spec: &Spec, stop: tokio_util::sync::CancellationToken) -> anyhow:
 #[test]
 #[ignore = "helper: the agents host of `cargo xtask bench fleet`, which starts it; not a test by itself"]
 fn fleet_agents_host() {
-    if std::env::var("NODEKEEPER_E2E_ROLE").as_deref() != Ok("fleet-agents") {
+    if std::env::var(ROLE_ENV).as_deref() != Ok(FLEET_ROLE) {
         return;
     }
-    let path = std::env::var("NODEKEEPER_FLEET_SPEC").expect("NODEKEEPER_FLEET_SPEC");
-    let spec: Spec = serde_json::from_slice(&std::fs::read(Path::new(&path)).expect("read spec"))
-        .expect("parse spec");
+    let spec = FleetSpec::from_env().expect("read the fleet spec");
     let runtime = tokio::runtime::Runtime::new().expect("runtime");
     runtime.block_on(async {
         let stop = tokio_util::sync::CancellationToken::new();
         host(&spec, stop.clone()).await.expect("start agents");
-        // The bench polls for this file (a pipe to libtest's stdout is not a reliable signal).
-        std::fs::write(
-            spec.dir.join("ready"),
-            format!("{} agents\n", spec.nodes.len()),
-        )
-        .expect("write ready file");
+        spec.write_ready().expect("write ready file");
         // Runs until the bench kills it.
         std::future::pending::<()>().await;
     });
@@ -172,17 +139,15 @@ async fn calls_reach_the_agent_of_the_address_called() -> anyhow::Result<()> {
     std::fs::write(dir.path().join("tls.crt"), &agent.cert)?;
     std::fs::write(dir.path().join("tls.key"), &agent.key)?;
     std::fs::write(dir.path().join("ca.crt"), &agent.ca)?;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port();
+    let port = nodekeeper_testkit::free_port();
     let b = 1 + rand::random::<u8>() % 250;
-    let nodes: Vec<SpecNode> = (1..=3)
-        .map(|i| SpecNode {
+    let nodes: Vec<FleetNode> = (1..=3)
+        .map(|i| FleetNode {
             name: format!("host-node-{i}"),
             ip: std::net::Ipv4Addr::new(127, 44, b, i),
         })
         .collect();
-    let spec = Spec {
+    let spec = FleetSpec {
         port,
         dir: dir.path().to_path_buf(),
         nodes,

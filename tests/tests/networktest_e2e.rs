@@ -19,7 +19,7 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::Context as _;
+use anyhow::{Context as _, bail};
 use futures::StreamExt as _;
 use kube::Api;
 use kube::api::{DeleteParams, WatchEvent, WatchParams};

@@ -191,78 +191,80 @@ struct NkFigures {
 /// Runs nodekeeper's measurements on a thread inside the namespace.
 fn bench_nodekeeper(ns: &Netns, n: u32, iterations: u32, full: bool) -> anyhow::Result<NkFigures> {
     let ns_name = ns.name().to_owned();
-    let thread = ns.entry().spawn_blocking(move || -> anyhow::Result<NkFigures> {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()?;
-        rt.block_on(async move {
-            let nc = Netconf::connect()?;
-            let d = desired(n, full);
-            let (mut apply, mut reapply, mut rollback, mut remove) =
-                (vec![], vec![], vec![], vec![]);
-            let mut f = NkFigures {
-                apply: Duration::ZERO,
-                reapply: Duration::ZERO,
-                rollback: Duration::ZERO,
-                remove: Duration::ZERO,
-                apply_writes: 0,
-                reapply_writes: 0,
-                rollback_writes: 0,
-                steps: 0,
-            };
-            for _ in 0..iterations {
-                reset(&ns_name, n)?;
-                let t = Instant::now();
-                let r = nc.apply(&d, &ApplyOptions::default()).await?;
-                apply.push(t.elapsed());
-                ensure!(r.outcome == Outcome::Applied, "apply failed: {:?}", r.error);
-                f.apply_writes = r.writes;
-                f.steps = r.plan.steps.len();
-                let before = nc.writes();
-                let t = Instant::now();
-                let r = nc.apply(&d, &ApplyOptions::default()).await?;
-                reapply.push(t.elapsed());
-                ensure!(
-                    r.plan.is_empty(),
-                    "re-apply planned {} steps",
-                    r.plan.steps.len()
-                );
-                f.reapply_writes = f.reapply_writes.max(nc.writes() - before);
-                let t = Instant::now();
+    let thread = ns
+        .entry()
+        .spawn_blocking(move || -> anyhow::Result<NkFigures> {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            rt.block_on(async move {
+                let nc = Netconf::connect()?;
+                let d = desired(n, full);
+                let (mut apply, mut reapply, mut rollback, mut remove) =
+                    (vec![], vec![], vec![], vec![]);
+                let mut f = NkFigures {
+                    apply: Duration::ZERO,
+                    reapply: Duration::ZERO,
+                    rollback: Duration::ZERO,
+                    remove: Duration::ZERO,
+                    apply_writes: 0,
+                    reapply_writes: 0,
+                    rollback_writes: 0,
+                    steps: 0,
+                };
+                for _ in 0..iterations {
+                    reset(&ns_name, n)?;
+                    let t = Instant::now();
+                    let r = nc.apply(&d, &ApplyOptions::default()).await?;
+                    apply.push(t.elapsed());
+                    ensure!(r.outcome == Outcome::Applied, "apply failed: {:?}", r.error);
+                    f.apply_writes = r.writes;
+                    f.steps = r.plan.steps.len();
+                    let before = nc.writes();
+                    let t = Instant::now();
+                    let r = nc.apply(&d, &ApplyOptions::default()).await?;
+                    reapply.push(t.elapsed());
+                    ensure!(
+                        r.plan.is_empty(),
+                        "re-apply planned {} steps",
+                        r.plan.steps.len()
+                    );
+                    f.reapply_writes = f.reapply_writes.max(nc.writes() - before);
+                    let t = Instant::now();
+                    nc.apply(&NetworkState::default(), &ApplyOptions::default())
+                        .await?;
+                    remove.push(t.elapsed());
+                    reset(&ns_name, n)?;
+                    let last = f.steps - 1;
+                    let t = Instant::now();
+                    let r = nc
+                        .apply(
+                            &d,
+                            &ApplyOptions {
+                                fail_at_step: Some(last),
+                                ..Default::default()
+                            },
+                        )
+                        .await?;
+                    rollback.push(t.elapsed());
+                    ensure!(
+                        r.outcome == Outcome::RolledBack,
+                        "rollback: {:?} {:?}",
+                        r.outcome,
+                        r.error
+                    );
+                    f.rollback_writes = r.writes;
+                }
+                // Leave the namespace unconfigured for the next tool.
                 nc.apply(&NetworkState::default(), &ApplyOptions::default())
                     .await?;
-                remove.push(t.elapsed());
-                reset(&ns_name, n)?;
-                let last = f.steps - 1;
-                let t = Instant::now();
-                let r = nc
-                    .apply(
-                        &d,
-                        &ApplyOptions {
-                            fail_at_step: Some(last),
-                            ..Default::default()
-                        },
-                    )
-                    .await?;
-                rollback.push(t.elapsed());
-                ensure!(
-                    r.outcome == Outcome::RolledBack,
-                    "rollback: {:?} {:?}",
-                    r.outcome,
-                    r.error
-                );
-                f.rollback_writes = r.writes;
-            }
-            // Leave the namespace unconfigured for the next tool.
-            nc.apply(&NetworkState::default(), &ApplyOptions::default())
-                .await?;
-            f.apply = median(&mut apply);
-            f.reapply = median(&mut reapply);
-            f.rollback = median(&mut rollback);
-            f.remove = median(&mut remove);
-            Ok(f)
-        })
-    });
+                f.apply = median(&mut apply);
+                f.reapply = median(&mut reapply);
+                f.rollback = median(&mut rollback);
+                f.remove = median(&mut remove);
+                Ok(f)
+            })
+        });
     thread
         .join()
         .map_err(|_| anyhow::anyhow!("bench thread panicked"))?

@@ -64,7 +64,14 @@ pub fn random_loopback_block(n: usize) -> Vec<Ipv4Addr> {
     let a = 50 + (rand::random::<u8>() % 100);
     let b = rand::random::<u8>();
     (0..n)
-        .map(|i| Ipv4Addr::new(127, a, b, u8::try_from(i + 1).expect("at most 254 addresses")))
+        .map(|i| {
+            Ipv4Addr::new(
+                127,
+                a,
+                b,
+                u8::try_from(i + 1).expect("at most 254 addresses"),
+            )
+        })
         .collect()
 }
 

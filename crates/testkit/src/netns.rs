@@ -291,7 +291,8 @@ mod tests {
         assert_eq!(a.sysctl("net.ipv4.ip_forward")?, "1");
         assert_eq!(b.sysctl("net.ipv4.ip_forward")?, "0");
         // Code run inside sees the namespace's links, and a socket opened there is there.
-        let links = b.run_blocking(|| std::fs::read_to_string("/proc/thread-self/net/dev").unwrap());
+        let links =
+            b.run_blocking(|| std::fs::read_to_string("/proc/thread-self/net/dev").unwrap());
         assert!(links.contains("tb:") && !links.contains("ta:"), "{links}");
         let bound = a.run(|| async { tokio::net::TcpListener::bind("10.99.0.1:0").await.is_ok() });
         assert!(bound, "10.99.0.1 is an address inside `a`");
@@ -310,7 +311,8 @@ mod tests {
         crate::skip_unless_root!("needs root to create network namespaces");
         let ns = Netns::anonymous()?;
         assert!(matches!(ns.ip(&["link"]), Err(Error::Anonymous)));
-        let links = ns.run_blocking(|| std::fs::read_to_string("/proc/thread-self/net/dev").unwrap());
+        let links =
+            ns.run_blocking(|| std::fs::read_to_string("/proc/thread-self/net/dev").unwrap());
         assert_eq!(links.lines().count(), 3, "only lo: {links}");
         Ok(())
     }
