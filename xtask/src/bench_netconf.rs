@@ -283,11 +283,8 @@ fn bench_nmstate(
         reset(ns.name(), n)?;
         for times in [&mut apply, &mut reapply] {
             let t = Instant::now();
-            run(
-                "ip",
-                &["netns", "exec", ns.name(), bin, "apply", "--kernel", file],
-            )
-            .context("nmstatectl apply --kernel")?;
+            ns.exec(&[bin, "apply", "--kernel", file])
+                .context("nmstatectl apply --kernel")?;
             times.push(t.elapsed());
         }
         // nmstate really did it: the last VNIC's table is there.
