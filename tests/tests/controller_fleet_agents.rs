@@ -172,3 +172,59 @@ async fn calls_reach_the_agent_of_the_address_called() -> anyhow::Result<()> {
     stop.cancel();
     Ok(())
 }
+
+/// The rig's agents host, as the fleet bench starts it: this binary re-executed as
+/// `fleet_agents_host`, ready once every agent listens, each answering for its own node, and
+/// its fake sysctl files where the rig says they are.
+#[tokio::test]
+async fn the_rig_starts_the_agents_host_and_each_agent_answers_for_its_node() -> anyhow::Result<()>
+{
+    use nodekeeper_controller::agent_client::{AgentTls, CallLimits, connect};
+    use nodekeeper_controller::certs::{Leaf, generate_ca, issue};
+    use nodekeeper_e2e::rig::{self, AgentsHost};
+    let (ca_cert, ca_key) = generate_ca()?;
+    let agent = issue(Leaf::Agent, &ca_cert, &ca_key)?;
+    let controller = issue(Leaf::Controller, &ca_cert, &ca_key)?;
+    let ips = nodekeeper_testkit::net::random_loopback_block(3);
+    let port = nodekeeper_testkit::net::port_free_on_all(&ips, nodekeeper_testkit::free_port())
+        .context("a port free on every node address")?;
+    let nodes: Vec<FleetNode> = ips
+        .iter()
+        .enumerate()
+        .map(|(i, ip)| FleetNode {
+            name: format!("rig-node-{i}"),
+            ip: *ip,
+        })
+        .collect();
+    let tls = rig::AgentTls {
+        cert: agent.cert.clone(),
+        key: agent.key.clone(),
+        ca: agent.ca.clone(),
+    };
+    let exe = std::env::current_exe()?;
+    let host = AgentsHost::start(
+        &exe,
+        nodes.clone(),
+        port,
+        &tls,
+        std::time::Duration::from_secs(60),
+    )?;
+    let client_tls = AgentTls::new(&controller.ca, &controller.cert, &controller.key);
+    let limits = CallLimits {
+        timeout: std::time::Duration::from_secs(10),
+        max_reply_bytes: 4 << 20,
+    };
+    for (i, node) in nodes.iter().enumerate() {
+        let mut conn = connect(&client_tls, SocketAddr::new(node.ip.into(), port), limits).await?;
+        let reply = conn.get_report(0).await?;
+        match reply.result {
+            Some(pb::get_report_response::Result::Report(report)) => {
+                assert_eq!(report.node_name, node.name)
+            }
+            other => anyhow::bail!("expected a report from {}, got {other:?}", node.name),
+        }
+        let somaxconn = sysctl_path(&host.spec.agent(i).sysctl_root, "net.core.somaxconn");
+        assert_eq!(std::fs::read_to_string(somaxconn)?, "8192\n");
+    }
+    Ok(())
+}

@@ -201,7 +201,8 @@ impl FleetSpec {
 
     /// Read from the file named by `NODEKEEPER_FLEET_SPEC` (in the agents host).
     pub fn from_env() -> anyhow::Result<FleetSpec> {
-        let path = std::env::var(FLEET_SPEC_ENV).with_context(|| format!("read {FLEET_SPEC_ENV}"))?;
+        let path =
+            std::env::var(FLEET_SPEC_ENV).with_context(|| format!("read {FLEET_SPEC_ENV}"))?;
         Ok(serde_json::from_slice(
             &std::fs::read(&path).with_context(|| format!("read {path}"))?,
         )?)
