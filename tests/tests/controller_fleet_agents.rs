@@ -130,7 +130,7 @@ fn fleet_agents_host() {
 /// Three agents in one process answer for their own nodes, over mTLS, by address.
 #[tokio::test]
 async fn calls_reach_the_agent_of_the_address_called() -> anyhow::Result<()> {
-    use nodekeeper_controller::agent_client::{AgentTls, CallLimits, connect};
+    use nodekeeper_controller::agent_client::AgentTls;
     use nodekeeper_controller::certs::{Leaf, generate_ca, issue};
     let (ca_cert, ca_key) = generate_ca()?;
     let agent = issue(Leaf::Agent, &ca_cert, &ca_key)?;
@@ -155,19 +155,9 @@ async fn calls_reach_the_agent_of_the_address_called() -> anyhow::Result<()> {
     let stop = tokio_util::sync::CancellationToken::new();
     host(&spec, stop.clone()).await?;
     let tls = AgentTls::new(&controller.ca, &controller.cert, &controller.key);
-    let limits = CallLimits {
-        timeout: std::time::Duration::from_secs(10),
-        max_reply_bytes: 4 << 20,
-    };
     for node in &spec.nodes {
-        let mut conn = connect(&tls, SocketAddr::new(node.ip.into(), port), limits).await?;
-        let reply = conn.get_report(0).await?;
-        match reply.result {
-            Some(pb::get_report_response::Result::Report(report)) => {
-                assert_eq!(report.node_name, node.name)
-            }
-            other => anyhow::bail!("expected a report from {}, got {other:?}", node.name),
-        }
+        let addr = SocketAddr::new(node.ip.into(), port);
+        assert_eq!(reported_node(&tls, addr).await?, node.name);
     }
     stop.cancel();
     Ok(())
@@ -179,7 +169,7 @@ async fn calls_reach_the_agent_of_the_address_called() -> anyhow::Result<()> {
 #[tokio::test]
 async fn the_rig_starts_the_agents_host_and_each_agent_answers_for_its_node() -> anyhow::Result<()>
 {
-    use nodekeeper_controller::agent_client::{AgentTls, CallLimits, connect};
+    use nodekeeper_controller::agent_client::AgentTls;
     use nodekeeper_controller::certs::{Leaf, generate_ca, issue};
     use nodekeeper_e2e::rig::{self, AgentsHost};
     let (ca_cert, ca_key) = generate_ca()?;
@@ -210,21 +200,28 @@ async fn the_rig_starts_the_agents_host_and_each_agent_answers_for_its_node() ->
         std::time::Duration::from_secs(60),
     )?;
     let client_tls = AgentTls::new(&controller.ca, &controller.cert, &controller.key);
-    let limits = CallLimits {
-        timeout: std::time::Duration::from_secs(10),
-        max_reply_bytes: 4 << 20,
-    };
     for (i, node) in nodes.iter().enumerate() {
-        let mut conn = connect(&client_tls, SocketAddr::new(node.ip.into(), port), limits).await?;
-        let reply = conn.get_report(0).await?;
-        match reply.result {
-            Some(pb::get_report_response::Result::Report(report)) => {
-                assert_eq!(report.node_name, node.name)
-            }
-            other => anyhow::bail!("expected a report from {}, got {other:?}", node.name),
-        }
+        let addr = SocketAddr::new(node.ip.into(), port);
+        assert_eq!(reported_node(&client_tls, addr).await?, node.name);
         let somaxconn = sysctl_path(&host.spec.agent(i).sysctl_root, "net.core.somaxconn");
         assert_eq!(std::fs::read_to_string(somaxconn)?, "8192\n");
     }
     Ok(())
+}
+
+/// The node name in the report of the agent at `addr`, over mTLS as the controller calls it.
+async fn reported_node(
+    tls: &nodekeeper_controller::agent_client::AgentTls,
+    addr: SocketAddr,
+) -> anyhow::Result<String> {
+    use nodekeeper_controller::agent_client::{CallLimits, connect};
+    let limits = CallLimits {
+        timeout: std::time::Duration::from_secs(10),
+        max_reply_bytes: 4 << 20,
+    };
+    let mut conn = connect(tls, addr, limits).await?;
+    match conn.get_report(0).await?.result {
+        Some(pb::get_report_response::Result::Report(report)) => Ok(report.node_name),
+        other => anyhow::bail!("expected a report from {addr}, got {other:?}"),
+    }
 }
