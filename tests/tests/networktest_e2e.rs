@@ -21,13 +21,16 @@ use std::time::Duration;
 
 use anyhow::{Context as _, bail};
 use futures::StreamExt as _;
+use futures::future::BoxFuture;
 use kube::Api;
 use kube::api::{DeleteParams, WatchEvent, WatchParams};
 use nodekeeper_api::crd::NetworkTest;
 use nodekeeper_api::crd::network_test::Phase;
-use nodekeeper_controller::networktest::plan::Environment;
-use nodekeeper_controller::networktest::reconcile::{self, AgentCall};
-use nodekeeper_controller::networktest::store::ResultsStore;
+use nodekeeper_controller::agent_client::{CallError, CallOutcome};
+use nodekeeper_controller::controllers::networktest::plan::Environment;
+use nodekeeper_controller::controllers::networktest::store::ResultsStore;
+use nodekeeper_controller::controllers::{self, networktest};
+use nodekeeper_controller::shared::agents::{AgentNode, Agents, Report, RulesOutcome};
 use nodekeeper_e2e::{
     ControlPlane, create_simulated_nodes, install_crds, test_namespace, unique_name, wait_for,
 };
@@ -93,55 +96,99 @@ impl Topology {
     }
 }
 
-/// The reconciler's agent call: the probe request runs inside the namespace of the node whose
+/// The reconciler's agents: the probe request runs inside the namespace of the node whose
 /// address the endpoint names, on a thread of its own with a current-thread runtime.
-fn netns_agents(by_address: BTreeMap<IpAddr, NetnsEntry>) -> AgentCall {
-    let by_address = Arc::new(by_address);
-    Arc::new(
-        move |endpoint: SocketAddr, req: pb::RunProbesRequest, budget: Duration| {
-            let by_address = Arc::clone(&by_address);
-            Box::pin(async move {
-                let ns = by_address
-                    .get(&endpoint.ip())
-                    .cloned()
-                    .ok_or_else(|| format!("no agent at {endpoint}"))?;
-                let (tx, rx) = tokio::sync::oneshot::channel();
-                // A thread that cannot enter the namespace panics and drops `tx`.
-                ns.spawn(move || async move {
-                    let result = nodekeeper_agent::probes::run(req)
-                        .await
-                        .map_err(|e| e.to_string());
-                    let _ = tx.send(result);
-                });
-                match tokio::time::timeout(budget, rx).await {
-                    Ok(Ok(r)) => r,
-                    Ok(Err(_)) => Err("agent thread died".into()),
-                    Err(_) => Err(format!("no answer within {budget:?}")),
-                }
-            })
-        },
-    )
+struct NetnsAgents {
+    /// Node address → a way into its namespace.
+    by_address: BTreeMap<IpAddr, NetnsEntry>,
+}
+
+fn call_error(endpoint: SocketAddr, detail: String) -> CallError {
+    CallError {
+        outcome: CallOutcome::Connect,
+        endpoint,
+        detail,
+    }
+}
+
+impl Agents for NetnsAgents {
+    fn run_probes<'a>(
+        &'a self,
+        node: &'a AgentNode,
+        req: pb::RunProbesRequest,
+        budget: Duration,
+    ) -> BoxFuture<'a, Result<pb::RunProbesResponse, CallError>> {
+        let endpoint = node.endpoint;
+        Box::pin(async move {
+            let ns = self
+                .by_address
+                .get(&endpoint.ip())
+                .cloned()
+                .ok_or_else(|| call_error(endpoint, "no agent here".into()))?;
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            // A thread that cannot enter the namespace panics and drops `tx`.
+            ns.spawn(move || async move {
+                let result = nodekeeper_agent::probes::run(req)
+                    .await
+                    .map_err(|e| e.to_string());
+                let _ = tx.send(result);
+            });
+            match tokio::time::timeout(budget, rx).await {
+                Ok(Ok(r)) => r.map_err(|e| call_error(endpoint, e)),
+                Ok(Err(_)) => Err(call_error(endpoint, "agent thread died".into())),
+                Err(_) => Err(call_error(endpoint, format!("no answer within {budget:?}"))),
+            }
+        })
+    }
+
+    // The NetworkTest reconciler reads no reports and applies no network state.
+    fn report<'a>(
+        &'a self,
+        node: &'a AgentNode,
+        _: nodekeeper_controller::shared::agents::ReportRequest<'a>,
+        _: Duration,
+    ) -> BoxFuture<'a, Report> {
+        let view = Err(call_error(node.endpoint, "no reports in this test".into()));
+        Box::pin(std::future::ready(Report {
+            view,
+            rules: RulesOutcome::NotPushed,
+        }))
+    }
+
+    fn apply_network<'a>(
+        &'a self,
+        node: &'a AgentNode,
+        _: pb::ApplyNetworkRequest,
+        _: Duration,
+    ) -> BoxFuture<'a, Result<pb::ApplyNetworkResponse, CallError>> {
+        let error = call_error(node.endpoint, "no network state in this test".into());
+        Box::pin(std::future::ready(Err(error)))
+    }
+}
+
+fn netns_agents(by_address: BTreeMap<IpAddr, NetnsEntry>) -> Arc<dyn Agents> {
+    Arc::new(NetnsAgents { by_address })
 }
 
 fn start_reconciler(
     client: kube::Client,
     namespace: &str,
-    call: AgentCall,
+    agents: Arc<dyn Agents>,
     env: Environment,
 ) -> (ResultsStore, CancellationToken) {
     let store = ResultsStore::default();
     let cancel = CancellationToken::new();
-    let ctx = Arc::new(reconcile::Context {
+    let ctx = Arc::new(networktest::Context {
         client,
         agent_port: 9443,
-        call,
+        agents,
         env,
         store: store.clone(),
         agent_concurrency: 8,
         test_concurrency: 4,
         namespace: Some(namespace.to_owned()),
     });
-    tokio::spawn(reconcile::run(ctx, cancel.clone()));
+    tokio::spawn(controllers::start(ctx, Default::default(), cancel.clone()));
     (store, cancel)
 }
 

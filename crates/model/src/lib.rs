@@ -8,4 +8,5 @@
 
 pub mod network;
 pub mod probe;
+pub mod text;
 pub mod tuning;

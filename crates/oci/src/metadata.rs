@@ -77,12 +77,7 @@ fn is_absent(v: Option<&Value>) -> bool {
 }
 
 fn shown(v: &Value) -> String {
-    let s = v.to_string();
-    if s.len() > 80 {
-        format!("{}…", &s[..80])
-    } else {
-        s
-    }
+    nodekeeper_model::text::truncate(&v.to_string(), 80).into_owned()
 }
 
 fn req_str<'a>(o: &'a Map<String, Value>, path: &str, key: &str) -> Result<&'a str, ParseError> {
@@ -390,5 +385,22 @@ mod tests {
             parse_instance(r#"{"id":"x"}"#).unwrap_err().to_string(),
             "instance.shape: missing"
         );
+    }
+
+    #[test]
+    fn multibyte_text_in_a_field_is_reported_not_a_panic() {
+        // A long non-ASCII value where an address belongs: the error quotes it shortened, and the
+        // cut falls inside a multibyte character for every length class (this panicked before).
+        for pad in 0..4 {
+            let value = format!("{}{}", "a".repeat(pad), "日本語".repeat(40));
+            let doc = serde_json::json!([{
+                "vnicId": "ocid1.vnic.oc1..x", "privateIp": value, "vlanTag": 0,
+                "macAddr": "02:00:17:00:00:01", "virtualRouterIp": "10.0.0.1",
+                "subnetCidrBlock": "10.0.0.0/24"
+            }]);
+            let error = parse_vnics(&doc.to_string()).unwrap_err().to_string();
+            assert!(error.contains("privateIp"), "{error}");
+            assert!(error.contains('…'), "{error}");
+        }
     }
 }
