@@ -87,7 +87,7 @@ pub fn ensure(requirements: &[Requirement]) -> Result<()> {
         "apt-get install -y --no-install-recommends {}",
         packages.join(" ")
     );
-    if !is_root() || which("apt-get").is_none() {
+    if !nodekeeper_testkit::is_root() || which("apt-get").is_none() {
         let needs: Vec<String> = missing
             .iter()
             .map(|r| format!("{} ({})", r.command, r.why))
@@ -198,17 +198,6 @@ pub fn which(command: &str) -> Option<PathBuf> {
                 .metadata()
                 .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
         })
-}
-
-/// Whether this process runs with uid 0, read from `/proc/self/status` to avoid a libc binding.
-pub fn is_root() -> bool {
-    std::fs::read_to_string("/proc/self/status").is_ok_and(|status| {
-        status
-            .lines()
-            .find_map(|line| line.strip_prefix("Uid:"))
-            .and_then(|ids| ids.split_whitespace().nth(1))
-            == Some("0")
-    })
 }
 
 #[cfg(test)]
