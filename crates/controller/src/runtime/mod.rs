@@ -133,12 +133,15 @@ pub async fn run(cli: Cli) -> Result<(), Error> {
         renew_deadline: cli.renew_deadline,
         retry_period: cli.retry_period,
     };
-    if !leader::acquire(&leases, &lease_config, &shutdown).await {
+    let Some(acquired) = leader::acquire(&leases, &lease_config, &shutdown).await else {
         tracker.close();
         tracker.wait().await;
         return Ok(());
+    };
+    info!(identity = %identity, lease = %cli.lease_name, previous = acquired.previous.as_deref().unwrap_or("none seen"), "leading");
+    if let Some(at) = acquired.previous_renewed {
+        fleet.set_previous_leader_renewed(at);
     }
-    info!(identity = %identity, lease = %cli.lease_name, "leading");
     is_leader.store(true, Ordering::Relaxed);
     metrics.runtime.is_leader.set(1);
     leader::label_pod(&client, &cli.namespace, pod, true).await;
@@ -188,6 +191,14 @@ pub async fn run(cli: Cli) -> Result<(), Error> {
     let result = leading.await;
     if let Err(error) = &result {
         error!(%error, "stopping: this replica no longer leads");
+    }
+    // Off the Service first, then the Lease: the label never outlives the leadership, and the
+    // standby (which labels itself once it holds the Lease) never shares it with this Pod.
+    is_leader.store(false, Ordering::Relaxed);
+    metrics.runtime.is_leader.set(0);
+    leader::label_pod(&client, &cli.namespace, pod, false).await;
+    if result.is_ok() {
+        leader::release(&leases, &lease_config).await;
     }
     shutdown.cancel();
     tracker.close();

@@ -414,6 +414,19 @@ pub fn plan(
                 if peers_per_node.is_some() {
                     return Err(bad(field("peers"), "peers may be given once"));
                 }
+                // With one source there is no peer: the agent would be sent an empty target
+                // list and refuse it, which would read as an unreachable agent.
+                if nodes.len() < 2 {
+                    return Err(bad(
+                        field("peers"),
+                        format!(
+                            "a peers test needs at least two selected nodes, and {} selected; \
+                             widen spec.nodeSelector (or raise spec.maxNodes), or name the \
+                             targets with address",
+                            nodes.len()
+                        ),
+                    ));
+                }
                 peers_per_node = Some(*per_node as u32);
             }
         }
@@ -747,6 +760,32 @@ mod tests {
         let p = plan(&s, &nodes(1), &env, &no_dns(), "u").unwrap();
         assert_eq!(p.sources["w0"][0].address, "10.96.0.10");
         assert!(hostnames_to_resolve(&s).is_empty());
+    }
+
+    #[test]
+    fn peers_on_a_single_selected_node_names_the_field_and_the_fix() {
+        let s = spec("icmp", vec![TargetSpec::Peers { per_node: 1 }]);
+        let e = plan(&s, &nodes(1), &Environment::default(), &no_dns(), "u").unwrap_err();
+        assert_eq!(e.field, "spec.targets[0].peers");
+        assert!(
+            e.reason.contains("at least two selected nodes") && e.reason.contains("1 selected"),
+            "{e}"
+        );
+        // maxNodes 1 over many matching nodes is the same single source.
+        let mut s = spec("icmp", vec![TargetSpec::Peers { per_node: 1 }]);
+        s.max_nodes = Some(1);
+        let e = plan(&s, &nodes(5), &Environment::default(), &no_dns(), "u").unwrap_err();
+        assert_eq!(e.field, "spec.targets[0].peers");
+        assert!(
+            plan(
+                &spec("icmp", vec![TargetSpec::Peers { per_node: 1 }]),
+                &nodes(2),
+                &Environment::default(),
+                &no_dns(),
+                "u"
+            )
+            .is_ok()
+        );
     }
 
     #[test]
