@@ -63,9 +63,27 @@ pub async fn run(cli: Cli) -> Result<(), Error> {
     logging::init(&cli);
     cli.check().map_err(Error::InvalidFlags)?;
     let identity = cli.identity();
-    let client = kube::Client::try_default()
+    let kube_config = kube::Config::infer()
         .await
-        .map_err(Error::ConnectKube)?;
+        .map_err(|e| Error::ConnectKube(kube::Error::InferConfig(e)))?;
+    let cluster_url = kube_config.cluster_url.to_string();
+    let client = kube::Client::try_from(kube_config).map_err(Error::ConnectKube)?;
+    // NetworkTests' `apiServer` target: the flag, else the address this process reaches the
+    // API server at (in a Pod, the `kubernetes` Service), so the shipped example works on the
+    // shipped Deployment.
+    let mut controllers_config = cli.controllers.clone();
+    let api_server = &mut controllers_config.networktest.api_server_address;
+    if api_server.is_none() {
+        *api_server = crate::controllers::networktest::plan::api_server_from_url(&cluster_url);
+    }
+    match api_server {
+        Some(addr) => {
+            info!(%addr, from = if cli.controllers.networktest.api_server_address.is_some() { "flag" } else { "client" }, "API server address for NetworkTests")
+        }
+        None => {
+            warn!(url = %cluster_url, "no API server address for NetworkTests: the API server URL is not an IP address; set --api-server-address")
+        }
+    }
 
     let shutdown = CancellationToken::new();
     let tracker = TaskTracker::new();
@@ -182,7 +200,7 @@ pub async fn run(cli: Cli) -> Result<(), Error> {
             )
             .instrument(info_span!("certificate_renewal")),
         );
-        controllers.start(&shared, &cli.controllers, &tracker, &shutdown);
+        controllers.start(&shared, &controllers_config, &tracker, &shutdown);
 
         leader::hold(&leases, &lease_config, &shutdown)
             .await

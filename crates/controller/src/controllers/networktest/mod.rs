@@ -35,9 +35,11 @@ use crate::shared::{Agents, Shared};
 #[derive(Clone, Debug, clap::Args)]
 #[group(id = "networktest")]
 pub struct Config {
-    /// The API server as nodes reach it (`host:port`, e.g. `10.0.0.1:6443`), probed by a
-    /// NetworkTest target `apiServer: true`. Unset by default: such a test then fails with a
-    /// condition naming `spec.targets[i].apiServer`.
+    /// The API server as nodes reach it (`address:port`, e.g. `10.0.0.1:6443`), probed by a
+    /// NetworkTest target `apiServer: true`. Default: the address the controller itself uses
+    /// when it is an IP address (in a Pod, the `kubernetes` Service from
+    /// `KUBERNETES_SERVICE_HOST`/`_PORT`); without either such a test fails with a condition
+    /// naming `spec.targets[i].apiServer`.
     #[arg(long, env = "NODEKEEPER_API_SERVER_ADDRESS")]
     pub api_server_address: Option<SocketAddr>,
 

@@ -85,6 +85,27 @@ pub struct Environment {
     pub metadata_service: Option<IpAddr>,
 }
 
+/// The API server address the controller itself uses, when it is an IP address: in a Pod that
+/// is `https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT` (the `kubernetes` Service, which
+/// nodes reach too), outside a cluster the kubeconfig's server. A host name gives `None`: nodes
+/// may resolve it differently, so `--api-server-address` must say.
+pub fn api_server_from_url(url: &str) -> Option<SocketAddr> {
+    let (scheme, rest) = url.split_once("://")?;
+    let authority = rest.split('/').next()?;
+    let default_port = match scheme {
+        "https" => 443,
+        "http" => 80,
+        _ => return None,
+    };
+    if let Ok(sa) = authority.parse::<SocketAddr>() {
+        return Some(sa);
+    }
+    let host = authority.trim_start_matches('[').trim_end_matches(']');
+    host.parse::<IpAddr>()
+        .ok()
+        .map(|ip| SocketAddr::new(ip, default_port))
+}
+
 /// A node that may run the test.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SourceNode {
@@ -333,7 +354,7 @@ pub fn plan(
                 let api = env.api_server.ok_or_else(|| {
                     bad(
                         field("apiServer"),
-                        "the controller has no API server address configured",
+                        "the controller knows no API server address (its own API server URL is a host name); set --api-server-address (NODEKEEPER_API_SERVER_ADDRESS) on the controller",
                     )
                 })?;
                 common.push(match kind {
@@ -800,6 +821,27 @@ mod tests {
         let e = plan(&s, &nodes(1), &Environment::default(), &no_dns(), "u").unwrap_err();
         assert_eq!(e.field, "spec.targets");
         assert!(e.reason.contains("listed twice"), "{e}");
+    }
+
+    #[test]
+    fn the_api_server_address_comes_from_the_controllers_own_url() {
+        let got = |u| api_server_from_url(u).map(|a| a.to_string());
+        assert_eq!(
+            got("https://10.96.0.1:443").as_deref(),
+            Some("10.96.0.1:443")
+        );
+        assert_eq!(got("https://10.96.0.1").as_deref(), Some("10.96.0.1:443"));
+        assert_eq!(
+            got("https://127.0.0.1:36443/").as_deref(),
+            Some("127.0.0.1:36443")
+        );
+        assert_eq!(
+            got("https://[fd00::1]:6443").as_deref(),
+            Some("[fd00::1]:6443")
+        );
+        assert_eq!(got("https://[fd00::1]").as_deref(), Some("[fd00::1]:443"));
+        assert_eq!(got("https://api.example.com:6443"), None);
+        assert_eq!(got("not a url"), None);
     }
 
     #[test]
