@@ -202,7 +202,8 @@ async fn stub_dns(addr: std::net::Ipv4Addr) -> anyhow::Result<tokio::task::JoinH
 ///
 /// Two changes keep the traffic on 127.0.0.0/8: each test's `nodeSelector` picks this test's
 /// nodes only (the shared control plane holds other tests' nodes), and the dns example's
-/// `resolver` is a stub DNS server on a loopback address.
+/// `resolver` is a stub DNS server on a loopback address, inside the controller's Service range
+/// (`NODEKEEPER_SERVICE_CIDRS`, which the Deployment sets too).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_example_does_what_its_comment_says() -> anyhow::Result<()> {
     use controller_common::*;
@@ -236,8 +237,16 @@ async fn every_example_does_what_its_comment_says() -> anyhow::Result<()> {
         .create(&PostParams::default(), &serde_json::from_value(tuning)?)
         .await?;
 
-    // The Deployment sets no API server address; neither does this.
-    let controller = ControllerProcess::start(&ns, "examples", &selector, port, &[])?;
+    // The Deployment sets no API server address; neither does this. Its Service range is
+    // where the stub DNS server stands in for kube-dns.
+    let service_range = format!("{}/32", ips[3]);
+    let controller = ControllerProcess::start(
+        &ns,
+        "examples",
+        &selector,
+        port,
+        &[("NODEKEEPER_SERVICE_CIDRS", service_range.as_str())],
+    )?;
     let tls = agent_tls(&client, &ns).await?;
     let mut agents = Vec::new();
     for (node, ip) in nodes.iter().zip(&ips) {
