@@ -409,7 +409,7 @@ async fn netns_nodes_report_the_failed_pair_the_loss_and_the_mtu() -> anyhow::Re
         &ns,
         netns_agents(topo.by_address.clone()),
         Environment {
-            allowed: nodekeeper_model::address_policy::parse_list("10.88.0.0/16")?,
+            allowed: vec!["10.88.0.0/16".parse().map_err(anyhow::Error::msg)?],
             ..Environment::default()
         },
     );
