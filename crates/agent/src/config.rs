@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
 
-use crate::Error;
+use crate::error::Error;
 
 /// Log line format.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -101,6 +101,12 @@ pub struct Config {
     #[arg(long, env = "NODEKEEPER_REPORT_MAX_AGE", default_value = "1s", value_parser = parse_duration)]
     pub report_max_age: Duration,
 
+    /// How often the host network state last applied with `ApplyNetwork` is planned again: a
+    /// non-empty plan is drift (something outside nodekeeper changed what it owns), reported and
+    /// repaired.
+    #[arg(long, env = "NODEKEEPER_DRIFT_INTERVAL", default_value = "60s", value_parser = parse_duration)]
+    pub drift_interval: Duration,
+
     /// Largest gRPC message accepted or sent, in bytes; larger requests are refused.
     #[arg(long, env = "NODEKEEPER_MAX_MESSAGE_BYTES", default_value_t = 1024 * 1024)]
     pub max_message_bytes: usize,
@@ -145,6 +151,16 @@ impl Config {
             return Err(Error::InvalidConfig {
                 flag: "--node-name",
                 reason: "must not be empty; set it from the pod's spec.nodeName".into(),
+            });
+        }
+        if self.drift_interval < Duration::from_millis(100) {
+            return Err(Error::InvalidConfig {
+                flag: "--drift-interval",
+                reason: format!(
+                    "{:?} is too short; use at least 100ms (each check dumps the host's links, \
+                     addresses, routes and rules)",
+                    self.drift_interval
+                ),
             });
         }
         if self.max_message_bytes < 4096 {
