@@ -1,7 +1,7 @@
 //! A `NetworkTest` through the real `nodekeeper-controller` process: the controller's reconciler
 //! calls real agents over mutual TLS (RunProbes), the agents ping each other on 127.x.y.z, the
 //! status reaches `Succeeded`, and the controller's HTTP API serves the full per-pair results.
-//! A target the controller was not configured for (`apiServer` with no `--api-server-address`)
+//! A target outside the address policy (the metadata service by address)
 //! fails with a condition naming the field.
 //!
 //! Run (as root: the agents' ICMP uses a raw socket where a ping socket is not allowed):
@@ -174,16 +174,23 @@ async fn controller_runs_an_icmp_mesh_and_serves_the_full_results() -> anyhow::R
     let answered = ["method=\"RunProbes\"", "outcome=\"Answered\""];
     assert!(metric(http, "nodekeeper_agents_calls_total", &answered).await? >= 3.0);
 
-    // Without --api-server-address an apiServer target fails naming the field.
-    let apiserver = unique_name("apiserver");
-    apply_test(
-        &api,
-        &apiserver,
-        json!({"kind": "tcp", "nodeSelector": node_selector, "count": 1,
-            "targets": [{"apiServer": true}], "ttlSecondsAfterFinished": 600}),
+    // The metadata service aimed at by address (the address policy's first rule): refused
+    // with a condition naming the target and the fix, and not a single probe sent.
+    let probes_before = metric(
+        http,
+        "nodekeeper_agents_calls_total",
+        &["method=\"RunProbes\""],
     )
     .await?;
-    let s = finished(&api, &apiserver).await?.status.context("status")?;
+    let metadata = unique_name("metadata");
+    apply_test(
+        &api,
+        &metadata,
+        json!({"kind": "icmp", "nodeSelector": node_selector, "count": 1,
+            "targets": [{"address": "169.254.169.254"}], "ttlSecondsAfterFinished": 600}),
+    )
+    .await?;
+    let s = finished(&api, &metadata).await?.status.context("status")?;
     assert_eq!(s.phase, Some(Phase::Failed), "{s:?}");
     let valid = s
         .conditions
@@ -192,9 +199,22 @@ async fn controller_runs_an_icmp_mesh_and_serves_the_full_results() -> anyhow::R
         .context("SpecValid condition")?;
     assert_eq!(valid.reason, "InvalidSpec", "{valid:?}");
     assert!(
-        valid.message.starts_with("spec.targets[0].apiServer"),
+        valid.message.starts_with("spec.targets[0].address")
+            && valid.message.contains("link-local")
+            && valid.message.contains("metadataService: true"),
         "{}",
         valid.message
+    );
+    assert_eq!((s.sources, s.pairs, s.sent), (0, 0, 0), "{s:?}");
+    assert_eq!(
+        metric(
+            http,
+            "nodekeeper_agents_calls_total",
+            &["method=\"RunProbes\""]
+        )
+        .await?,
+        probes_before,
+        "no agent was asked to probe"
     );
 
     drop((agents, controller));

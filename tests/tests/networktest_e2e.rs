@@ -187,6 +187,7 @@ fn start_reconciler(
         agent_concurrency: 8,
         test_concurrency: 4,
         namespace: Some(namespace.to_owned()),
+        policy: Default::default(),
     });
     tokio::spawn(controllers::start(ctx, Default::default(), cancel.clone()));
     (store, cancel)
@@ -353,11 +354,15 @@ async fn netns_nodes_report_the_failed_pair_the_loss_and_the_mtu() -> anyhow::Re
     let pool = unique_name("pool");
     let labels = BTreeMap::from([("nodekeeper.dev/pool".to_owned(), pool.clone())]);
     let nodes = create_simulated_nodes(&client, "ntn", 3, &labels, &[N0, N1, N2]).await?;
+    // The address policy allows the topology's own range (the blackholed address included).
     let (store, cancel) = start_reconciler(
         client.clone(),
         &ns,
         netns_agents(topo.by_address.clone()),
-        Environment::default(),
+        Environment {
+            allowed: vec!["10.88.0.0/16".parse().map_err(anyhow::Error::msg)?],
+            ..Environment::default()
+        },
     );
     let selector = json!({"matchLabels": {"nodekeeper.dev/pool": pool}});
 

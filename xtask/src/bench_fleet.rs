@@ -60,6 +60,27 @@ pub fn run(args: FleetArgs) -> anyhow::Result<()> {
     runtime.block_on(bench(args, root, programs))
 }
 
+/// Nodes of the rig whose nodekeeper conditions say what the bench expects of a healthy fleet.
+async fn nodes_as_expected(client: &kube::Client) -> anyhow::Result<usize> {
+    use k8s_openapi::api::core::v1::Node;
+    let api: kube::Api<Node> = kube::Api::all(client.clone());
+    let lp = kube::api::ListParams::default()
+        .labels(&format!("{}=fleet", crate::fleet_rig::GROUP_LABEL));
+    let has = |node: &Node, type_: &str| {
+        node.status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .is_some_and(|c| c.iter().any(|c| c.type_ == type_ && c.status == "True"))
+    };
+    Ok(api
+        .list(&lp)
+        .await?
+        .items
+        .iter()
+        .filter(|node| has(node, "NodekeeperReachable") && has(node, "TunablesInBounds"))
+        .count())
+}
+
 async fn bench(args: FleetArgs, root: PathBuf, programs: Programs) -> anyhow::Result<()> {
     let n = args.nodes;
     let say = |text: String| eprintln!("[bench fleet] {text}");
@@ -75,16 +96,28 @@ async fn bench(args: FleetArgs, root: PathBuf, programs: Programs) -> anyhow::Re
     say("waiting for the first sweep of a fresh fleet (it writes every node's conditions)".into());
     let fresh_secs = rig.first_sweep(Duration::from_secs(900)).await?;
     let http = rig.http;
-    // Every node gets its conditions once; wait for the writes to land.
-    let fresh_patches = wait_for(
-        "every node's first condition patch",
+    // Wait for what a user sees: every Node carrying the expected conditions. Counting exactly
+    // N successful patches never ends when a write timed out (504) but landed, and a failed
+    // write is retried within seconds, so the conditions are the truth to wait on.
+    let client = rig.client.clone();
+    wait_for(
+        "every node's conditions (NodekeeperReachable=True, TunablesInBounds=True)",
         Duration::from_secs(600),
-        || async move {
-            let p = metric(http, "nodekeeper_conditions_patches_total", &[]).await?;
-            Ok((p >= n as f64).then_some(p))
+        || {
+            let client = client.clone();
+            async move { Ok((nodes_as_expected(&client).await? >= n).then_some(())) }
         },
     )
     .await?;
+    let fresh_patches =
+        metric(http, "nodekeeper_conditions_patches_total", &["result=\"Ok\""]).await?;
+    let failed_patches =
+        metric(http, "nodekeeper_conditions_patches_total", &[]).await? - fresh_patches;
+    if failed_patches > 0.0 {
+        say(format!(
+            "{failed_patches:.0} condition patches failed and were retried"
+        ));
+    }
     say(format!(
         "fresh fleet: every node read in {fresh_secs:.1} s, {fresh_patches:.0} condition patches"
     ));
@@ -117,7 +150,8 @@ async fn bench(args: FleetArgs, root: PathBuf, programs: Programs) -> anyhow::Re
         )
         .map(|((after, before), name)| (name, after - before))
         .collect();
-    let restart_patches = metric(http, "nodekeeper_conditions_patches_total", &[]).await?;
+    let restart_patches =
+        metric(http, "nodekeeper_conditions_patches_total", &["result=\"Ok\""]).await?;
     say(format!(
         "full sweep after a restart: {sweep_secs:.1} s, {restart_patches:.0} condition patches"
     ));

@@ -115,6 +115,7 @@ async fn run_probes_over_mutual_tls() {
         count: 2,
         interval_ms: 10,
         timeout_ms: 1_000,
+        allowed_cidrs: vec!["127.0.0.0/8".into()],
         ..pb::RunProbesRequest::default()
     };
     let resp = client.run_probes(req.clone()).await.unwrap().into_inner();

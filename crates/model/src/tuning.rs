@@ -15,6 +15,7 @@
 //! | `features.network` | bool | `true` | own the `NodeNetworkReady` condition (set only on nodes with nodekeeper-managed networking) |
 //! | `features.repair` | bool | `false` | global repair permission: when `false`, no rule may repair, whatever it says |
 //! | `rules.yaml` | YAML | empty | the tunable rules and indicator thresholds, see [`RuleSet`] |
+//! | `probeAllowedCidrs` | list of ranges (`10.0.0.0/16, fd00::/8`) | empty | ranges NetworkTest probes may reach besides the nodes', pods' and services' (see [`crate::address_policy`]); never opens link-local addresses |
 //!
 //! Any other key is refused, so a typo (`sweepinterval`) is reported instead of silently ignored.
 //!
@@ -74,6 +75,7 @@ const KNOWN_KEYS: &[&str] = &[
     "features.network",
     "features.repair",
     "rules.yaml",
+    "probeAllowedCidrs",
 ];
 
 /// The parsed, validated tuning configuration.
@@ -89,6 +91,8 @@ pub struct TuningConfig {
     pub call_timeout: Duration,
     pub features: Features,
     pub rules: RuleSet,
+    /// `probeAllowedCidrs`: ranges added to the NetworkTest address policy.
+    pub probe_allowed_cidrs: Vec<crate::address_policy::Cidr>,
 }
 
 impl Default for TuningConfig {
@@ -100,6 +104,7 @@ impl Default for TuningConfig {
             call_timeout: Duration::from_secs(10),
             features: Features::default(),
             rules: RuleSet::default(),
+            probe_allowed_cidrs: Vec::new(),
         }
     }
 }
@@ -320,6 +325,16 @@ pub fn parse(data: &BTreeMap<String, String>) -> Result<TuningConfig, TuningErro
                 format_duration(config.sweep_interval)
             ),
         });
+    }
+
+    if let Some(raw) = data.get("probeAllowedCidrs") {
+        match crate::address_policy::parse_list(raw) {
+            Ok(cidrs) => config.probe_allowed_cidrs = cidrs,
+            Err(problem) => errors.push(KeyError {
+                key: "probeAllowedCidrs".into(),
+                problem,
+            }),
+        }
     }
 
     if let Some(raw) = data.get("rules.yaml") {
@@ -731,6 +746,22 @@ mod tests {
     }
 
     #[test]
+    fn probe_allowed_cidrs_are_parsed_and_a_bad_one_is_named() {
+        let config = parse(&data(&[("probeAllowedCidrs", "10.0.0.0/16, fd00::/8")])).unwrap();
+        let listed: Vec<String> = config
+            .probe_allowed_cidrs
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        assert_eq!(listed, ["10.0.0.0/16", "fd00::/8"]);
+        let err = parse(&data(&[("probeAllowedCidrs", "10.0.0.1/8")])).unwrap_err();
+        assert!(
+            err.to_string().contains("probeAllowedCidrs") && err.to_string().contains("host bits"),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn empty_configmap_gives_defaults() {
         assert_eq!(parse(&BTreeMap::new()).unwrap(), TuningConfig::default());
     }
@@ -950,10 +981,9 @@ mod tests {
         let data: BTreeMap<String, String> = serde_yaml::from_value(cm["data"].clone()).unwrap();
         let config = parse(&data).unwrap();
         assert_eq!(config.rules.tunables.len(), 3);
-        assert!(
-            config.rules.tunables[0].repair,
-            "the example turns repair on for somaxconn"
-        );
+        // The default DaemonSet mounts /proc/sys read-only, so the example keeps repair off:
+        // the somaxconn rule asks for repair and is only checked.
+        assert!(!config.features.repair && !config.rules.tunables[0].repair);
         assert_eq!(config.sweep_interval, Duration::from_secs(300));
     }
 

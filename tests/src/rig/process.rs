@@ -148,6 +148,11 @@ impl Process {
         self.wait_or_kill(Instant::now() + grace);
     }
 
+    /// Waits for the process to exit by itself and returns how it exited.
+    pub fn wait(&mut self) -> std::io::Result<std::process::ExitStatus> {
+        self.child.wait()
+    }
+
     /// SIGKILL: no clean shutdown (no Lease release).
     pub fn kill(&mut self) {
         if let Ok(None) = self.child.try_wait() {

@@ -99,6 +99,9 @@ pub(super) async fn steps(args: &DemoArgs, bins: &Binaries, running: &mut Runnin
     let mut tuning = read_example("tuning-configmap.yaml")?;
     tuning["metadata"]["namespace"] = NAMESPACE.into();
     tuning["data"]["sweepInterval"] = DEMO_SWEEP_INTERVAL.into();
+    // The demo's agents repair a sysctl tree of their own, so repair is safe to turn on here;
+    // the example leaves it off for the read-only /proc/sys of the default DaemonSet.
+    tuning["data"]["features.repair"] = "true".into();
     let tuning_name = tuning["metadata"]["name"]
         .as_str()
         .context("deploy/examples/tuning-configmap.yaml has no metadata.name")?
@@ -110,7 +113,7 @@ pub(super) async fn steps(args: &DemoArgs, bins: &Binaries, running: &mut Runnin
     )
     .await?;
     println!(
-        "    namespace {NAMESPACE}; ConfigMap {NAMESPACE}/{tuning_name} from deploy/examples/tuning-configmap.yaml (sweepInterval {DEMO_SWEEP_INTERVAL} instead of 5m, so the demo need not wait)"
+        "    namespace {NAMESPACE}; ConfigMap {NAMESPACE}/{tuning_name} from deploy/examples/tuning-configmap.yaml (sweepInterval {DEMO_SWEEP_INTERVAL} instead of 5m, so the demo need not wait; features.repair on, as the agents' sysctls are their own files)"
     );
 
     // 3. The controller.

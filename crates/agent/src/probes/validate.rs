@@ -6,6 +6,7 @@
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
+use nodekeeper_model::address_policy::{Cidr, agent_permits};
 use nodekeeper_model::probe::{
     DEFAULT_CONCURRENCY, DEFAULT_INTERVAL_MS, DEFAULT_MAX_MTU, MAX_CONCURRENCY, MAX_COUNT,
     MAX_INTERVAL_MS, MAX_MTU, MAX_TARGETS, MAX_TIMEOUT_MS, MIN_MTU_V4, MIN_MTU_V6, check_hostname,
@@ -164,6 +165,32 @@ pub fn plan(req: &RunProbesRequest) -> Result<Plan, ProbeError> {
         }
     }
 
+    // The address policy, checked again here so that nothing outside it is probed whatever
+    // the caller planned (see nodekeeper_model::address_policy).
+    let mut allowed = Vec::with_capacity(req.allowed_cidrs.len());
+    for (i, c) in req.allowed_cidrs.iter().enumerate() {
+        allowed.push(
+            c.parse::<Cidr>()
+                .map_err(|r| ProbeError::invalid(format!("allowed_cidrs[{i}]"), r))?,
+        );
+    }
+    if allowed.is_empty() {
+        return Err(ProbeError::invalid(
+            "allowed_cidrs",
+            "is empty, so every target is outside the address policy; the controller sends the ranges probes may reach",
+        ));
+    }
+    let permit = |ip: IpAddr, field: String| {
+        if agent_permits(&allowed, ip) {
+            Ok(())
+        } else {
+            Err(ProbeError::invalid(
+                field,
+                format!("{ip} is outside the address policy sent in allowed_cidrs; not probed"),
+            ))
+        }
+    };
+
     let mut targets = Vec::with_capacity(req.targets.len());
     for (i, t) in req.targets.iter().enumerate() {
         let field = |name: &str| format!("targets[{i}].{name}");
@@ -230,6 +257,24 @@ pub fn plan(req: &RunProbesRequest) -> Result<Plan, ProbeError> {
                 url: parse_url(&t.url).map_err(|r| ProbeError::invalid(field("url"), r))?,
             },
         };
+        match &target {
+            Target::Icmp { addr, .. } | Target::PathMtu { addr, .. } => {
+                permit(*addr, field("address"))?
+            }
+            Target::Tcp { addr, .. } => permit(addr.ip(), field("address"))?,
+            Target::Dns {
+                resolver: Some(r), ..
+            } => permit(r.ip(), field("address"))?,
+            // The node's own resolver is its configuration, not the caller's choice.
+            Target::Dns { resolver: None, .. } => {}
+            Target::Http { url, .. } => {
+                let host = url.host().unwrap_or_default();
+                let host = host.trim_start_matches('[').trim_end_matches(']');
+                if let Ok(ip) = host.parse::<IpAddr>() {
+                    permit(ip, field("url"))?;
+                }
+            }
+        }
         targets.push(target);
     }
 
@@ -319,6 +364,7 @@ mod tests {
             targets,
             count: 3,
             timeout_ms: 500,
+            allowed_cidrs: vec!["0.0.0.0/0".into(), "::/0".into()],
             ..RunProbesRequest::default()
         }
     }
@@ -530,6 +576,59 @@ mod tests {
         let mut r = req(ProbeKind::Http, vec![url("http://127.0.0.1/")]);
         r.expected_status = vec![200, 600];
         assert_eq!(err_field(plan(&r)), "expected_status[1]");
+    }
+
+    #[test]
+    fn targets_outside_the_address_policy_are_refused_before_any_probe() {
+        let policy = |cidrs: &[&str], kind, targets| {
+            let mut r = req(kind, targets);
+            r.allowed_cidrs = cidrs.iter().map(|c| (*c).to_owned()).collect();
+            plan(&r)
+        };
+        let nodes = ["10.0.0.0/24"];
+        assert!(policy(&nodes, ProbeKind::Icmp, vec![addr("10.0.0.7")]).is_ok());
+        // The metadata service by address, in any spelling, and outside addresses.
+        for a in ["169.254.169.254", "::ffff:169.254.169.254", "192.168.1.1"] {
+            let e = policy(&nodes, ProbeKind::Icmp, vec![addr("10.0.0.7"), addr(a)])
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("targets[1].address") && e.contains("outside the address policy"),
+                "{a}: {e}"
+            );
+        }
+        // A wide range never opens link-local; the one-address entry the controller sends for
+        // metadataService does.
+        let wide = ["0.0.0.0/0", "169.254.0.0/16"];
+        assert!(policy(&wide, ProbeKind::Icmp, vec![addr("169.254.169.254")]).is_err());
+        let md = ["10.0.0.0/24", "169.254.169.254"];
+        assert!(policy(&md, ProbeKind::Icmp, vec![addr("169.254.169.254")]).is_ok());
+        // URL hosts given as addresses and DNS resolvers are checked too.
+        let url = ProbeTarget {
+            url: "http://169.254.169.254/latest".into(),
+            ..ProbeTarget::default()
+        };
+        let e = policy(&nodes, ProbeKind::Http, vec![url]);
+        assert_eq!(err_field(e), "targets[0].url");
+        let mut dns = addr("192.168.0.53");
+        dns.hostname = "example.com".into();
+        assert_eq!(
+            err_field(policy(&nodes, ProbeKind::Dns, vec![dns])),
+            "targets[0].address"
+        );
+        // No policy sent: nothing passes, and the field is named.
+        assert_eq!(
+            err_field(policy(&[], ProbeKind::Icmp, vec![addr("10.0.0.7")])),
+            "allowed_cidrs"
+        );
+        assert_eq!(
+            err_field(policy(
+                &["10.0.0.1/8"],
+                ProbeKind::Icmp,
+                vec![addr("10.0.0.7")]
+            )),
+            "allowed_cidrs[0]"
+        );
     }
 
     #[test]

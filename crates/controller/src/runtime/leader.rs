@@ -91,10 +91,36 @@ fn is_conflict(error: &kube::Error) -> bool {
     matches!(error, kube::Error::Api(status) if status.code == 409)
 }
 
-/// Blocks until this replica holds the Lease (true) or `cancel` fires (false).
-pub async fn acquire(api: &Api<Lease>, config: &LeaderConfig, cancel: &CancellationToken) -> bool {
+/// What this replica learnt about the Lease as it took it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Acquired {
+    /// The last holder this replica saw (a released Lease has none, so the holder seen before
+    /// the release counts); `None` when it never saw one.
+    pub previous: Option<String>,
+    /// When the previous holder last renewed, on this replica's clock: the Lease's renew time
+    /// carried over by its age on the wall clock (a skewed clock moves it by the skew, which
+    /// only shifts when nodes turn stale). `None` for a Lease this replica created.
+    pub previous_renewed: Option<Instant>,
+}
+
+/// `renew_time`'s age by the wall clock, as an `Instant` on the local clock (never later than
+/// `now`).
+fn renewed_at(lease: &Lease, now: Instant) -> Option<Instant> {
+    let renewed = lease.spec.as_ref()?.renew_time.as_ref()?.0;
+    let age = k8s_openapi::jiff::Timestamp::now().duration_since(renewed);
+    let age = Duration::try_from(age).unwrap_or(Duration::ZERO);
+    Some(now.checked_sub(age).unwrap_or(now))
+}
+
+/// Blocks until this replica holds the Lease (Some) or `cancel` fires (None).
+pub async fn acquire(
+    api: &Api<Lease>,
+    config: &LeaderConfig,
+    cancel: &CancellationToken,
+) -> Option<Acquired> {
     let mut observed: Option<(Record, Instant)> = None;
     let mut announced_standby = false;
+    let mut last_holder: Option<String> = None;
     loop {
         match api.get_opt(&config.name).await {
             Ok(None) => {
@@ -106,7 +132,12 @@ pub async fn acquire(api: &Api<Lease>, config: &LeaderConfig, cancel: &Cancellat
                     spec: Some(spec(config, 0, None)),
                 };
                 match api.create(&PostParams::default(), &lease).await {
-                    Ok(_) => return true,
+                    Ok(_) => {
+                        return Some(Acquired {
+                            previous: last_holder,
+                            previous_renewed: None,
+                        });
+                    }
                     Err(e) if is_conflict(&e) => {}
                     Err(error) => warn!(%error, lease = %config.name, "creating the lease failed"),
                 }
@@ -114,6 +145,10 @@ pub async fn acquire(api: &Api<Lease>, config: &LeaderConfig, cancel: &Cancellat
             Ok(Some(mut lease)) => {
                 let record = Record::of(&lease);
                 let now = Instant::now();
+                if !record.holder.is_empty() {
+                    last_holder = Some(record.holder.clone());
+                }
+                let previous_renewed = renewed_at(&lease, now);
                 let changed_at = match &observed {
                     Some((seen, at)) if *seen == record => *at,
                     _ => now,
@@ -139,10 +174,23 @@ pub async fn acquire(api: &Api<Lease>, config: &LeaderConfig, cancel: &Cancellat
                         .await
                     {
                         Ok(_) => {
-                            if !ours {
-                                info!(previous = %record.holder, lease = %config.name, "took over the lease");
-                            }
-                            return true;
+                            let how = if record.holder.is_empty() {
+                                "released"
+                            } else if ours {
+                                "held by this identity before a restart"
+                            } else {
+                                "expired"
+                            };
+                            info!(
+                                previous = last_holder.as_deref().unwrap_or("none seen"),
+                                how,
+                                lease = %config.name,
+                                "took over the lease"
+                            );
+                            return Some(Acquired {
+                                previous: last_holder,
+                                previous_renewed,
+                            });
                         }
                         Err(e) if is_conflict(&e) => {}
                         Err(error) => {
@@ -157,14 +205,15 @@ pub async fn acquire(api: &Api<Lease>, config: &LeaderConfig, cancel: &Cancellat
             Err(error) => warn!(%error, lease = %config.name, "reading the lease failed"),
         }
         tokio::select! {
-            () = cancel.cancelled() => return false,
+            () = cancel.cancelled() => return None,
             () = tokio::time::sleep(config.retry_period) => {}
         }
     }
 }
 
-/// Renews the Lease every retry period until it is lost (Err) or `cancel` fires (Ok, after
-/// releasing it so the standby need not wait for expiry).
+/// Renews the Lease every retry period until it is lost (Err) or `cancel` fires (Ok). The
+/// caller then takes the leader label off its Pod and [`release`]s the Lease, in that order,
+/// so the Service never routes to a replica that no longer leads.
 pub async fn hold(
     api: &Api<Lease>,
     config: &LeaderConfig,
@@ -177,10 +226,7 @@ pub async fn hold(
     };
     loop {
         tokio::select! {
-            () = cancel.cancelled() => {
-                release(api, config).await;
-                return Ok(());
-            }
+            () = cancel.cancelled() => return Ok(()),
             () = tokio::time::sleep(config.retry_period) => {}
         }
         let attempt = async {
@@ -213,7 +259,7 @@ pub async fn hold(
 }
 
 /// Gives the Lease up (best effort) so the standby takes over at once.
-async fn release(api: &Api<Lease>, config: &LeaderConfig) {
+pub async fn release(api: &Api<Lease>, config: &LeaderConfig) {
     let Ok(mut lease) = api.get(&config.name).await else {
         return;
     };

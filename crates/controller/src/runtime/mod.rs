@@ -63,9 +63,27 @@ pub async fn run(cli: Cli) -> Result<(), Error> {
     logging::init(&cli);
     cli.check().map_err(Error::InvalidFlags)?;
     let identity = cli.identity();
-    let client = kube::Client::try_default()
+    let kube_config = kube::Config::infer()
         .await
-        .map_err(Error::ConnectKube)?;
+        .map_err(|e| Error::ConnectKube(kube::Error::InferConfig(e)))?;
+    let cluster_url = kube_config.cluster_url.to_string();
+    let client = kube::Client::try_from(kube_config).map_err(Error::ConnectKube)?;
+    // NetworkTests' `apiServer` target: the flag, else the address this process reaches the
+    // API server at (in a Pod, the `kubernetes` Service), so the shipped example works on the
+    // shipped Deployment.
+    let mut controllers_config = cli.controllers.clone();
+    let api_server = &mut controllers_config.networktest.api_server_address;
+    if api_server.is_none() {
+        *api_server = crate::controllers::networktest::plan::api_server_from_url(&cluster_url);
+    }
+    match api_server {
+        Some(addr) => {
+            info!(%addr, from = if cli.controllers.networktest.api_server_address.is_some() { "flag" } else { "client" }, "API server address for NetworkTests")
+        }
+        None => {
+            warn!(url = %cluster_url, "no API server address for NetworkTests: the API server URL is not an IP address; set --api-server-address")
+        }
+    }
 
     let shutdown = CancellationToken::new();
     let tracker = TaskTracker::new();
@@ -133,12 +151,15 @@ pub async fn run(cli: Cli) -> Result<(), Error> {
         renew_deadline: cli.renew_deadline,
         retry_period: cli.retry_period,
     };
-    if !leader::acquire(&leases, &lease_config, &shutdown).await {
+    let Some(acquired) = leader::acquire(&leases, &lease_config, &shutdown).await else {
         tracker.close();
         tracker.wait().await;
         return Ok(());
+    };
+    info!(identity = %identity, lease = %cli.lease_name, previous = acquired.previous.as_deref().unwrap_or("none seen"), "leading");
+    if let Some(at) = acquired.previous_renewed {
+        fleet.set_previous_leader_renewed(at);
     }
-    info!(identity = %identity, lease = %cli.lease_name, "leading");
     is_leader.store(true, Ordering::Relaxed);
     metrics.runtime.is_leader.set(1);
     leader::label_pod(&client, &cli.namespace, pod, true).await;
@@ -179,7 +200,7 @@ pub async fn run(cli: Cli) -> Result<(), Error> {
             )
             .instrument(info_span!("certificate_renewal")),
         );
-        controllers.start(&shared, &cli.controllers, &tracker, &shutdown);
+        controllers.start(&shared, &controllers_config, &tracker, &shutdown);
 
         leader::hold(&leases, &lease_config, &shutdown)
             .await
@@ -188,6 +209,14 @@ pub async fn run(cli: Cli) -> Result<(), Error> {
     let result = leading.await;
     if let Err(error) = &result {
         error!(%error, "stopping: this replica no longer leads");
+    }
+    // Off the Service first, then the Lease: the label never outlives the leadership, and the
+    // standby (which labels itself once it holds the Lease) never shares it with this Pod.
+    is_leader.store(false, Ordering::Relaxed);
+    metrics.runtime.is_leader.set(0);
+    leader::label_pod(&client, &cli.namespace, pod, false).await;
+    if result.is_ok() {
+        leader::release(&leases, &lease_config).await;
     }
     shutdown.cancel();
     tracker.close();

@@ -107,6 +107,9 @@ pub struct Job {
 pub struct Fleet {
     nodes: Mutex<HashMap<String, NodeEntry>>,
     synced: AtomicBool,
+    /// The previous leader's last Lease renewal (local clock), set once at takeover before the
+    /// Node watch starts: see [`NodeSchedule::inherited_since`].
+    previous_leader_renewed: Mutex<Option<Instant>>,
 }
 
 impl Fleet {
@@ -117,6 +120,35 @@ impl Fleet {
     /// True once the initial Node list has been read.
     pub fn synced(&self) -> bool {
         self.synced.load(Ordering::Relaxed)
+    }
+
+    /// Records when the previous leader last renewed the Lease; call before the Node watch.
+    pub fn set_previous_leader_renewed(&self, at: Instant) {
+        *self
+            .previous_leader_renewed
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(at);
+    }
+
+    /// A new entry's schedule, carrying over what a previous leader left on the Node: a
+    /// `NodekeeperReachable` it wrote means it was reading the node until it last renewed the
+    /// Lease (True) or had found it stale (False).
+    fn schedule_for(&self, written: &[Written], now: Instant) -> NodeSchedule {
+        let mut schedule = NodeSchedule::new(now);
+        let reachable = written
+            .iter()
+            .find(|w| w.condition.type_ == crate::conditions::REACHABLE);
+        match reachable.map(|w| w.condition.status) {
+            Some(Status::True) => {
+                schedule.inherited_since = *self
+                    .previous_leader_renewed
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner);
+            }
+            Some(Status::False) => schedule.inherited_stale = true,
+            _ => {}
+        }
+        schedule
     }
 
     /// Records a Node as seen by the watch. Returns false when it has no usable InternalIP.
@@ -133,13 +165,14 @@ impl Fleet {
                 }
             }
             None => {
+                let schedule = self.schedule_for(&facts.written, now);
                 nodes.insert(
                     facts.name,
                     NodeEntry {
                         address: facts.address,
                         resource_version: facts.resource_version,
                         written: facts.written,
-                        schedule: NodeSchedule::new(now),
+                        schedule,
                         report: None,
                         last_failure: None,
                         rules_refused: 0,
@@ -201,7 +234,7 @@ impl Fleet {
             nodes: nodes.len(),
             ..FleetSummary::default()
         };
-        for entry in nodes.values() {
+        for (name, entry) in nodes.iter() {
             if entry.address.is_none() {
                 s.without_internal_ip += 1;
             }
@@ -210,6 +243,10 @@ impl Fleet {
             }
             if entry.stale {
                 s.stale += 1;
+            }
+            if entry.last_failure.is_some() {
+                s.unreachable += 1;
+                s.unreachable_nodes.push(name.clone());
             }
             for w in &entry.written {
                 let key = format!("{}={}", w.condition.type_, w.condition.status.as_str());
@@ -226,9 +263,14 @@ impl Fleet {
                 }
             }
         }
+        s.unreachable_nodes.sort_unstable();
+        s.unreachable_nodes.truncate(MAX_LISTED);
         s
     }
 }
+
+/// The most node names a summary lists; the counts cover the rest.
+pub const MAX_LISTED: usize = 50;
 
 /// Fleet-wide counts served by `/api/v1/summary`.
 #[derive(Clone, Debug, Default, Serialize)]
@@ -237,6 +279,12 @@ pub struct FleetSummary {
     pub nodes: usize,
     pub read: usize,
     pub stale: usize,
+    /// Nodes whose agent's latest call failed, counted at once (before `staleAfter` turns
+    /// their condition False).
+    pub unreachable: usize,
+    /// Up to [`MAX_LISTED`] of them by name, sorted (a map's first few would change from call
+    /// to call).
+    pub unreachable_nodes: Vec<String>,
     pub without_internal_ip: usize,
     /// `Type=Status` → nodes, for nodekeeper's conditions as found on the Nodes.
     pub conditions: std::collections::BTreeMap<String, usize>,
@@ -387,6 +435,56 @@ mod tests {
         names.sort();
         assert_eq!(names, ["n0", "n1", "n2", "n3", "n4"]);
         assert_eq!(fleet.take_due(now, 100, 9443).len(), 45);
+    }
+
+    #[test]
+    fn an_unreachable_agent_shows_in_the_summary_at_once() {
+        let fleet = Fleet::default();
+        let now = Instant::now();
+        for name in ["n2", "n1", "n3"] {
+            let mut facts = node_facts(&node("1", Some("127.1.0.4"), json!([])));
+            facts.name = name.into();
+            fleet.observe(facts, now);
+        }
+        let s = fleet.summary();
+        assert_eq!((s.unreachable, s.stale), (0, 0));
+        // One failed call, long before staleAfter: counted and named, not stale.
+        for name in ["n3", "n1"] {
+            fleet.lock().get_mut(name).unwrap().last_failure =
+                Some((CallOutcome::Connect, "connect: refused".into()));
+        }
+        let s = fleet.summary();
+        assert_eq!((s.unreachable, s.stale), (2, 0));
+        assert_eq!(s.unreachable_nodes, ["n1", "n3"]);
+    }
+
+    #[test]
+    fn a_new_leader_inherits_the_previous_leaders_staleness_clock() {
+        let fleet = Fleet::default();
+        let renewed = Instant::now();
+        let now = renewed + std::time::Duration::from_secs(60);
+        fleet.set_previous_leader_renewed(renewed);
+        let with = |name: &str, status: &str| {
+            let mut facts = node_facts(&node(
+                "1",
+                Some("127.1.0.4"),
+                json!([{"type": "NodekeeperReachable", "status": status, "reason": "r", "message": "m"}]),
+            ));
+            facts.name = name.into();
+            facts
+        };
+        fleet.observe(with("was-read", "True"), now);
+        fleet.observe(with("was-stale", "False"), now);
+        let mut never = node_facts(&node("1", Some("127.1.0.4"), json!([])));
+        never.name = "never-read".into();
+        fleet.observe(never, now);
+        let nodes = fleet.lock();
+        assert_eq!(nodes["was-read"].schedule.inherited_since, Some(renewed));
+        assert!(!nodes["was-read"].schedule.inherited_stale);
+        assert!(nodes["was-stale"].schedule.inherited_stale);
+        // A node no leader ever read starts its clock at this replica's first attempt.
+        assert_eq!(nodes["never-read"].schedule.inherited_since, None);
+        assert!(!nodes["never-read"].schedule.inherited_stale);
     }
 
     #[test]

@@ -28,6 +28,52 @@ pub struct ResultLabels {
     pub result: WriteResult,
 }
 
+/// How a write to the Kubernetes API ended: `Ok`, or the class of its failure. Bounded: the
+/// status code's class, never the message.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
+pub enum PatchResult {
+    Ok,
+    /// No answer in time: the client's timeout, or the apiserver's 504/408 (the write may
+    /// have landed anyway).
+    Timeout,
+    /// Another 5xx (the apiserver or etcd overloaded or failing).
+    ServerError,
+    /// 409: a conflicting write.
+    Conflict,
+    /// Another 4xx: the request was refused (RBAC, validation, the object is gone).
+    ClientError,
+    /// No HTTP answer at all (connection refused or reset, TLS).
+    Transport,
+}
+
+impl PatchResult {
+    /// The class of a failed write.
+    pub fn of(error: &kube::Error) -> Self {
+        match error {
+            kube::Error::Api(status) => match status.code {
+                408 | 504 => Self::Timeout,
+                409 => Self::Conflict,
+                500..=599 => Self::ServerError,
+                _ => Self::ClientError,
+            },
+            other => {
+                // kube wraps the client's timeout in a transport error; only its text says so.
+                let text = other.to_string().to_ascii_lowercase();
+                if text.contains("timed out") || text.contains("timeout") {
+                    Self::Timeout
+                } else {
+                    Self::Transport
+                }
+            }
+        }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PatchLabels {
+    pub result: PatchResult,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabels {
     pub reason: SkipReason,
@@ -81,6 +127,7 @@ pub struct SweepMetrics {
     pub set_rules_calls: Family<ResultLabels, Counter>,
     pub nodes_known: Gauge,
     pub nodes_stale: Gauge,
+    pub nodes_unreachable: Gauge,
     pub nodes_skipped: Family<ReasonLabels, Counter>,
     pub nodes_read_once: Gauge,
     pub initial_sweep_seconds: Gauge<f64, std::sync::atomic::AtomicU64>,
@@ -95,6 +142,7 @@ impl SweepMetrics {
             set_rules_calls: Family::default(),
             nodes_known: Gauge::default(),
             nodes_stale: Gauge::default(),
+            nodes_unreachable: Gauge::default(),
             nodes_skipped: Family::default(),
             nodes_read_once: Gauge::default(),
             initial_sweep_seconds: Gauge::default(),
@@ -126,6 +174,11 @@ impl SweepMetrics {
             m.nodes_stale.clone(),
         );
         sweep.register(
+            "nodes_unreachable",
+            "Nodes whose agent's latest call failed (set at once; stale only after staleAfter)",
+            m.nodes_unreachable.clone(),
+        );
+        sweep.register(
             "nodes_skipped",
             "Node observations skipped, by reason",
             m.nodes_skipped.clone(),
@@ -152,7 +205,7 @@ impl SweepMetrics {
 /// Node condition writes and the per-condition gauges.
 #[derive(Clone)]
 pub struct ConditionMetrics {
-    pub patches: Family<ResultLabels, Counter>,
+    pub patches: Family<PatchLabels, Counter>,
     pub nodes: Family<ConditionLabels, Gauge>,
 }
 
@@ -164,7 +217,7 @@ impl ConditionMetrics {
         };
         conditions.register(
             "patches",
-            "Node condition patches (server-side apply) by result",
+            "Node condition patches (server-side apply) by result: Ok, or the failure's class (Timeout, ServerError, Conflict, ClientError, Transport)",
             m.patches.clone(),
         );
         conditions.register(
@@ -345,5 +398,59 @@ impl ReconcileMetrics {
             self.failures.get_or_create(&labels).inc();
         }
         self.seconds.get_or_create(&labels).observe(seconds);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn api_error(code: u16) -> kube::Error {
+        kube::Error::Api(
+            kube::core::Status::failure("m", "r")
+                .with_code(code)
+                .boxed(),
+        )
+    }
+
+    #[test]
+    fn failed_writes_are_classed_by_status_code() {
+        let classes: Vec<PatchResult> = [504, 408, 500, 503, 409, 404, 403, 422]
+            .into_iter()
+            .map(|c| PatchResult::of(&api_error(c)))
+            .collect();
+        assert_eq!(
+            classes,
+            [
+                PatchResult::Timeout,
+                PatchResult::Timeout,
+                PatchResult::ServerError,
+                PatchResult::ServerError,
+                PatchResult::Conflict,
+                PatchResult::ClientError,
+                PatchResult::ClientError,
+                PatchResult::ClientError,
+            ]
+        );
+    }
+
+    #[test]
+    fn every_failure_class_is_its_own_series() {
+        let mut registry = Registry::default();
+        let metrics = Metrics::new(&mut registry);
+        for result in [PatchResult::Ok, PatchResult::Timeout, PatchResult::Timeout] {
+            metrics
+                .conditions
+                .patches
+                .get_or_create(&PatchLabels { result })
+                .inc();
+        }
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        assert!(
+            text.contains("nodekeeper_conditions_patches_total{result=\"Timeout\"} 2"),
+            "{text}"
+        );
+        assert!(text.contains("nodekeeper_conditions_patches_total{result=\"Ok\"} 1"));
     }
 }

@@ -400,6 +400,12 @@ pub struct RunProbesRequest {
     /// For PATH_MTU: the largest packet size tried; 0 means 9000.
     #[prost(uint32, tag = "9")]
     pub max_mtu: u32,
+    /// The address policy (nodekeeper_model::address_policy): ranges, `address/prefix` or a bare
+    /// address, that every target address (and DNS resolver, and HTTP URL host given as an address)
+    /// must lie in. A link-local address passes only as a one-address entry, which the controller
+    /// sends for the metadataService target alone. Required: with none, every target is refused.
+    #[prost(string, repeated, tag = "10")]
+    pub allowed_cidrs: ::prost::alloc::vec::Vec<::prost::alloc::string::String>,
 }
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct ProbeTarget {

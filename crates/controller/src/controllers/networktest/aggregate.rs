@@ -274,6 +274,7 @@ mod tests {
 
     fn plan_of(sources: &[(&str, &[&str])]) -> TestPlan {
         TestPlan {
+            ranges: Vec::new(),
             params: ProbeParams {
                 kind: ProbeKind::Icmp,
                 count: 4,

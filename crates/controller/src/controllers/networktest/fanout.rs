@@ -191,6 +191,7 @@ mod tests {
 
     fn plan(sources: usize) -> TestPlan {
         TestPlan {
+            ranges: Vec::new(),
             params: ProbeParams {
                 timeout_ms: 1,
                 interval_ms: 1,

@@ -21,6 +21,8 @@ use std::sync::Arc;
 use kube::Api;
 use kube::runtime::controller::Action;
 use nodekeeper_api::crd::NetworkTest;
+use nodekeeper_model::address_policy::{self, Cidr};
+use tokio::sync::watch;
 
 pub use aggregate::{PairResult, Summary, aggregate};
 pub use plan::{Environment, SourceNode, SpecError, TargetSpec, TestPlan, TestSpec, plan};
@@ -29,15 +31,17 @@ pub use status::{Event, Phase, TestStatus, transition};
 pub use store::ResultsStore;
 
 use super::Reconciler;
-use crate::shared::{Agents, Shared};
+use crate::shared::{Agents, Fleet, Shared, TuningState};
 
 /// The NetworkTest controller's flags.
 #[derive(Clone, Debug, clap::Args)]
 #[group(id = "networktest")]
 pub struct Config {
-    /// The API server as nodes reach it (`host:port`, e.g. `10.0.0.1:6443`), probed by a
-    /// NetworkTest target `apiServer: true`. Unset by default: such a test then fails with a
-    /// condition naming `spec.targets[i].apiServer`.
+    /// The API server as nodes reach it (`address:port`, e.g. `10.0.0.1:6443`), probed by a
+    /// NetworkTest target `apiServer: true`. Default: the address the controller itself uses
+    /// when it is an IP address (in a Pod, the `kubernetes` Service from
+    /// `KUBERNETES_SERVICE_HOST`/`_PORT`); without either such a test fails with a condition
+    /// naming `spec.targets[i].apiServer`.
     #[arg(long, env = "NODEKEEPER_API_SERVER_ADDRESS")]
     pub api_server_address: Option<SocketAddr>,
 
@@ -46,6 +50,18 @@ pub struct Config {
     /// condition naming `spec.targets[i].metadataService`.
     #[arg(long, env = "NODEKEEPER_METADATA_SERVICE_ADDRESS")]
     pub metadata_service_address: Option<IpAddr>,
+
+    /// The cluster's pod ranges (comma-separated CIDRs), which NetworkTest probes may reach.
+    /// Default: each selected node's `spec.podCIDRs`.
+    #[arg(long, env = "NODEKEEPER_POD_CIDRS", value_parser = cidr_list)]
+    pub pod_cidrs: Option<CidrList>,
+
+    /// The cluster's service ranges (comma-separated CIDRs, e.g. `10.96.0.0/16`), which
+    /// NetworkTest probes may reach (the dns example's resolver is a Service address). Not
+    /// discoverable from the API: unset, Service addresses are refused unless the tuning
+    /// ConfigMap's `probeAllowedCidrs` lists them.
+    #[arg(long, env = "NODEKEEPER_SERVICE_CIDRS", value_parser = cidr_list)]
+    pub service_cidrs: Option<CidrList>,
 
     /// NetworkTests run at once.
     #[arg(long, env = "NODEKEEPER_NETWORKTEST_CONCURRENCY", default_value_t = 4)]
@@ -59,6 +75,26 @@ pub struct Config {
         default_value_t = 256
     )]
     pub networktest_agent_concurrency: usize,
+}
+
+/// A list of address ranges given as one flag value.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CidrList(pub Vec<Cidr>);
+
+fn cidr_list(s: &str) -> Result<CidrList, String> {
+    address_policy::parse_list(s).map(CidrList)
+}
+
+/// Where the address policy's changing parts come from (see
+/// [`nodekeeper_model::address_policy`]); the default knows none of them.
+#[derive(Clone, Default)]
+pub struct PolicySources {
+    /// No `--pod-cidrs`: take each selected node's `spec.podCIDRs`.
+    pub pod_cidrs_from_nodes: bool,
+    /// Every managed node's InternalIP.
+    pub fleet: Option<Arc<Fleet>>,
+    /// `probeAllowedCidrs` of the tuning in force.
+    pub tuning: Option<watch::Receiver<Arc<TuningState>>>,
 }
 
 /// What the reconciler needs.
@@ -77,6 +113,29 @@ pub struct Context {
     pub test_concurrency: u16,
     /// Watch only this namespace's tests; `None` watches all.
     pub namespace: Option<String>,
+    /// The address policy's sources besides `env`.
+    pub policy: PolicySources,
+}
+
+impl Context {
+    /// The ranges of the address policy that change while the controller runs: every managed
+    /// node's InternalIP and the tuning ConfigMap's `probeAllowedCidrs`.
+    pub fn allowed_ranges(&self) -> Vec<Cidr> {
+        let mut out = Vec::new();
+        if let Some(fleet) = &self.policy.fleet {
+            out.extend(
+                fleet
+                    .lock()
+                    .values()
+                    .filter_map(|e| e.address)
+                    .map(Cidr::host),
+            );
+        }
+        if let Some(tuning) = &self.policy.tuning {
+            out.extend(tuning.borrow().config.probe_allowed_cidrs.iter().copied());
+        }
+        out
+    }
 }
 
 impl Context {
@@ -90,11 +149,21 @@ impl Context {
             env: Environment {
                 api_server: config.api_server_address,
                 metadata_service: config.metadata_service_address,
+                allowed: [&config.pod_cidrs, &config.service_cidrs]
+                    .into_iter()
+                    .flatten()
+                    .flat_map(|l| l.0.iter().copied())
+                    .collect(),
             },
             store: store.clone(),
             agent_concurrency: config.networktest_agent_concurrency,
             test_concurrency: config.networktest_concurrency,
             namespace: None,
+            policy: PolicySources {
+                pod_cidrs_from_nodes: config.pod_cidrs.is_none(),
+                fleet: Some(Arc::clone(&shared.fleet)),
+                tuning: Some(shared.tuning.clone()),
+            },
         }
     }
 }

@@ -5,6 +5,7 @@
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
 
+use nodekeeper_model::address_policy::{AddressPolicy, Cidr, is_link_local};
 use nodekeeper_model::probe::{
     MAX_COUNT, MAX_INTERVAL_MS, MAX_MTU, MAX_PEERS_PER_NODE, MAX_SOURCE_NODES, MAX_TARGETS,
     MAX_TIMEOUT_MS, MIN_MTU_V4, check_hostname, check_url,
@@ -83,6 +84,31 @@ pub struct Environment {
     pub api_server: Option<SocketAddr>,
     /// The metadata service's address, from configuration only.
     pub metadata_service: Option<IpAddr>,
+    /// Where ordinary targets may be, besides the selected nodes' own addresses (which [`plan`]
+    /// adds): the pod and service ranges, the other nodes' InternalIPs and `probeAllowedCidrs`
+    /// (see [`nodekeeper_model::address_policy`]). Empty: only the selected nodes.
+    pub allowed: Vec<Cidr>,
+}
+
+/// The API server address the controller itself uses, when it is an IP address: in a Pod that
+/// is `https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT` (the `kubernetes` Service, which
+/// nodes reach too), outside a cluster the kubeconfig's server. A host name gives `None`: nodes
+/// may resolve it differently, so `--api-server-address` must say.
+pub fn api_server_from_url(url: &str) -> Option<SocketAddr> {
+    let (scheme, rest) = url.split_once("://")?;
+    let authority = rest.split('/').next()?;
+    let default_port = match scheme {
+        "https" => 443,
+        "http" => 80,
+        _ => return None,
+    };
+    if let Ok(sa) = authority.parse::<SocketAddr>() {
+        return Some(sa);
+    }
+    let host = authority.trim_start_matches('[').trim_end_matches(']');
+    host.parse::<IpAddr>()
+        .ok()
+        .map(|ip| SocketAddr::new(ip, default_port))
 }
 
 /// A node that may run the test.
@@ -135,12 +161,52 @@ pub struct ProbeParams {
 pub struct TestPlan {
     pub params: ProbeParams,
     pub sources: BTreeMap<String, Vec<PlannedTarget>>,
+    /// The ranges of the address policy (one-address entries left out: [`Self::allowed_for`]
+    /// sends those a source needs, so a 10,000-node policy does not travel in every request).
+    pub ranges: Vec<Cidr>,
 }
 
 impl TestPlan {
     pub fn pair_count(&self) -> usize {
         self.sources.values().map(Vec::len).sum()
     }
+
+    /// The address policy sent to the agent with `targets` (`allowed_cidrs`): the ranges, plus
+    /// a one-address entry for each target address outside them. Every target passed the
+    /// policy in [`plan`]; the agent checks them again against this.
+    pub fn allowed_for(&self, targets: &[PlannedTarget]) -> Vec<String> {
+        let mut sent: std::collections::BTreeSet<Cidr> = self.ranges.iter().copied().collect();
+        for t in targets {
+            let ip = t
+                .address
+                .parse::<IpAddr>()
+                .ok()
+                .or_else(|| url_host_ip(&t.url));
+            if let Some(ip) = ip
+                && (is_link_local(ip) || !self.ranges.iter().any(|c| c.contains(ip)))
+            {
+                sent.insert(Cidr::host(ip));
+            }
+        }
+        sent.iter().map(Cidr::to_string).collect()
+    }
+}
+
+/// The host of an `http(s)://` URL when it is an IP address.
+fn url_host_ip(url: &str) -> Option<IpAddr> {
+    url_host(url)?.parse().ok()
+}
+
+/// The host of an `http(s)://` URL (brackets of an IPv6 address removed).
+pub fn url_host(url: &str) -> Option<&str> {
+    let (_, rest) = url.split_once("://")?;
+    let authority = rest.split(['/', '?', '#']).next()?;
+    let authority = authority.rsplit_once('@').map_or(authority, |(_, a)| a);
+    if let Some(v6) = authority.strip_prefix('[') {
+        return v6.split_once(']').map(|(h, _)| h);
+    }
+    let host = authority.split(':').next()?;
+    (!host.is_empty()).then_some(host)
 }
 
 /// Checks the parameters of `spec` (everything but the targets' resolution).
@@ -219,6 +285,14 @@ pub fn hostnames_to_resolve(spec: &TestSpec) -> Vec<(String, String)> {
                     out.push((format!("spec.targets[{i}].hostPort"), host.to_owned()));
                 }
             }
+            // Resolved only to check the address policy: the agent connects by name.
+            TargetSpec::Url(u) => {
+                if let Some(host) = url_host(u)
+                    && host.parse::<IpAddr>().is_err()
+                {
+                    out.push((format!("spec.targets[{i}].url"), host.to_owned()));
+                }
+            }
             _ => {}
         }
     }
@@ -255,8 +329,18 @@ pub fn plan(
         Some(p) => return Err(bad("spec.port", format!("{p} is not a port (1–65535)"))),
     };
 
+    // The address policy: the selected nodes' own addresses and the configured ranges.
+    let mut allowed = env.allowed.clone();
+    allowed.extend(nodes.iter().map(|n| Cidr::host(n.address)));
+    let policy = AddressPolicy::new(allowed, env.metadata_service);
+    let permit = |ip: IpAddr, field: String| {
+        policy
+            .check(ip)
+            .map_err(|refusal| bad(field, refusal.to_string()))
+    };
     if let Some(r) = &spec.resolver {
-        parse_ip(r).map_err(|reason| bad("spec.resolver", reason))?;
+        let ip = parse_ip(r).map_err(|reason| bad("spec.resolver", reason))?;
+        permit(ip, "spec.resolver".into())?;
     }
     // Targets that are the same for every source, in spec order; `peers` is expanded per node.
     let mut common: Vec<PlannedTarget> = Vec::new();
@@ -267,6 +351,7 @@ pub fn plan(
         match t {
             TargetSpec::Address(a) => {
                 let ip = parse_ip(a).map_err(|r| bad(field("address"), r))?;
+                permit(ip, field("address"))?;
                 common.push(addressed(kind, a.clone(), ip, port, &field("address"))?);
             }
             TargetSpec::HostPort(hp) => {
@@ -288,6 +373,7 @@ pub fn plan(
                         bad(field("hostPort"), format!("{host:?} does not resolve"))
                     })?,
                 };
+                permit(ip, field("hostPort"))?;
                 common.push(PlannedTarget {
                     id: hp.clone(),
                     address: ip.to_string(),
@@ -312,6 +398,7 @@ pub fn plan(
                 } else {
                     let ip = first_resolved(resolved, h)
                         .ok_or_else(|| bad(field("hostname"), format!("{h:?} does not resolve")))?;
+                    permit(ip, field("hostname"))?;
                     common.push(addressed(kind, h.clone(), ip, port, &field("hostname"))?);
                 }
             }
@@ -323,6 +410,23 @@ pub fn plan(
                     ));
                 }
                 check_url(u).map_err(|r| bad(field("url"), r))?;
+                let host = url_host(u).unwrap_or_default();
+                let addresses = match host.parse::<IpAddr>() {
+                    Ok(ip) => vec![ip],
+                    Err(_) => resolved.get(host).cloned().unwrap_or_default(),
+                };
+                if addresses.is_empty() {
+                    return Err(bad(
+                        field("url"),
+                        format!(
+                            "{host:?} does not resolve, so it cannot be checked against the address policy; use a name the controller resolves, or the address"
+                        ),
+                    ));
+                }
+                // Every address the name has: a node may resolve it to any of them.
+                for ip in addresses {
+                    permit(ip, field("url"))?;
+                }
                 common.push(PlannedTarget {
                     id: u.clone(),
                     url: u.clone(),
@@ -333,7 +437,7 @@ pub fn plan(
                 let api = env.api_server.ok_or_else(|| {
                     bad(
                         field("apiServer"),
-                        "the controller has no API server address configured",
+                        "the controller knows no API server address (its own API server URL is a host name); set --api-server-address (NODEKEEPER_API_SERVER_ADDRESS) on the controller",
                     )
                 })?;
                 common.push(match kind {
@@ -414,6 +518,19 @@ pub fn plan(
                 if peers_per_node.is_some() {
                     return Err(bad(field("peers"), "peers may be given once"));
                 }
+                // With one source there is no peer: the agent would be sent an empty target
+                // list and refuse it, which would read as an unreachable agent.
+                if nodes.len() < 2 {
+                    return Err(bad(
+                        field("peers"),
+                        format!(
+                            "a peers test needs at least two selected nodes, and {} selected; \
+                             widen spec.nodeSelector (or raise spec.maxNodes), or name the \
+                             targets with address",
+                            nodes.len()
+                        ),
+                    ));
+                }
                 peers_per_node = Some(*per_node as u32);
             }
         }
@@ -460,7 +577,17 @@ pub fn plan(
         }
         sources.insert(node.name.clone(), targets);
     }
-    Ok(TestPlan { params, sources })
+    let ranges = policy
+        .allowed()
+        .iter()
+        .filter(|c| !c.is_host())
+        .copied()
+        .collect();
+    Ok(TestPlan {
+        params,
+        sources,
+        ranges,
+    })
 }
 
 /// A target at an IP address for kinds that take one (`icmp`, `pathMtu`, `tcp` with a port).
@@ -561,6 +688,14 @@ mod tests {
         r.expect_err("expected a spec error").field
     }
 
+    /// The ranges the tests' targets lie in.
+    fn env() -> Environment {
+        Environment {
+            allowed: nodekeeper_model::address_policy::parse_list("10.0.0.0/8 fd00::/8").unwrap(),
+            ..Environment::default()
+        }
+    }
+
     fn no_dns() -> BTreeMap<String, Vec<IpAddr>> {
         BTreeMap::new()
     }
@@ -568,7 +703,7 @@ mod tests {
     #[test]
     fn bad_parameters_name_the_field() {
         let t = vec![TargetSpec::Address("10.0.0.9".into())];
-        let env = Environment::default();
+        let env = env();
         let mut s = spec("ping", t.clone());
         assert_eq!(
             field_of(plan(&s, &nodes(1), &env, &no_dns(), "u")),
@@ -598,14 +733,7 @@ mod tests {
         let many = (0..10_000)
             .map(|i| TargetSpec::Address(format!("10.1.{}.{}", i / 200, i % 200 + 1)))
             .collect();
-        let e = plan(
-            &spec("icmp", many),
-            &nodes(1),
-            &Environment::default(),
-            &no_dns(),
-            "u",
-        )
-        .unwrap_err();
+        let e = plan(&spec("icmp", many), &nodes(1), &env(), &no_dns(), "u").unwrap_err();
         assert_eq!(e.field, "spec.targets");
         assert!(e.reason.contains("10000 entries, at most 1000"), "{e}");
     }
@@ -614,14 +742,14 @@ mod tests {
     fn no_matching_nodes_fails_on_the_selector() {
         let s = spec("icmp", vec![TargetSpec::Address("10.0.0.9".into())]);
         assert_eq!(
-            field_of(plan(&s, &[], &Environment::default(), &no_dns(), "u")),
+            field_of(plan(&s, &[], &env(), &no_dns(), "u")),
             "spec.nodeSelector"
         );
     }
 
     #[test]
     fn unresolvable_hostname_and_bad_url() {
-        let env = Environment::default();
+        let env = env();
         let s = spec("icmp", vec![TargetSpec::Hostname("nope.invalid".into())]);
         let e = plan(&s, &nodes(1), &env, &no_dns(), "u").unwrap_err();
         assert_eq!(
@@ -647,6 +775,7 @@ mod tests {
         let env = Environment {
             api_server: Some("10.96.0.1:443".parse().unwrap()),
             metadata_service: Some("127.0.0.53".parse().unwrap()),
+            allowed: env().allowed,
         };
         let s = spec("icmp", vec![TargetSpec::Address("10.0.0.9".into())]);
         let p = plan(&s, &nodes(2), &env, &no_dns(), "u").unwrap();
@@ -684,7 +813,7 @@ mod tests {
             ],
         );
         s.max_nodes = Some(4);
-        let p = plan(&s, &nodes(6), &Environment::default(), &no_dns(), "uid-7").unwrap();
+        let p = plan(&s, &nodes(6), &env(), &no_dns(), "uid-7").unwrap();
         assert_eq!(p.sources.len(), 4);
         // Sorted by name, the first four are w0..w3; peers are among those four only.
         for (name, targets) in &p.sources {
@@ -700,15 +829,12 @@ mod tests {
             }
         }
         assert_eq!(p.pair_count(), 12);
-        assert_eq!(
-            p,
-            plan(&s, &nodes(6), &Environment::default(), &no_dns(), "uid-7").unwrap()
-        );
+        assert_eq!(p, plan(&s, &nodes(6), &env(), &no_dns(), "uid-7").unwrap());
     }
 
     #[test]
     fn kind_and_target_must_fit() {
-        let env = Environment::default();
+        let env = env();
         let s = spec("tcp", vec![TargetSpec::Address("10.0.0.9".into())]);
         assert!(
             plan(&s, &nodes(1), &env, &no_dns(), "u")
@@ -750,6 +876,32 @@ mod tests {
     }
 
     #[test]
+    fn peers_on_a_single_selected_node_names_the_field_and_the_fix() {
+        let s = spec("icmp", vec![TargetSpec::Peers { per_node: 1 }]);
+        let e = plan(&s, &nodes(1), &env(), &no_dns(), "u").unwrap_err();
+        assert_eq!(e.field, "spec.targets[0].peers");
+        assert!(
+            e.reason.contains("at least two selected nodes") && e.reason.contains("1 selected"),
+            "{e}"
+        );
+        // maxNodes 1 over many matching nodes is the same single source.
+        let mut s = spec("icmp", vec![TargetSpec::Peers { per_node: 1 }]);
+        s.max_nodes = Some(1);
+        let e = plan(&s, &nodes(5), &env(), &no_dns(), "u").unwrap_err();
+        assert_eq!(e.field, "spec.targets[0].peers");
+        assert!(
+            plan(
+                &spec("icmp", vec![TargetSpec::Peers { per_node: 1 }]),
+                &nodes(2),
+                &env(),
+                &no_dns(),
+                "u"
+            )
+            .is_ok()
+        );
+    }
+
+    #[test]
     fn duplicate_targets_are_refused() {
         let s = spec(
             "icmp",
@@ -758,9 +910,131 @@ mod tests {
                 TargetSpec::Address("10.0.0.9".into()),
             ],
         );
-        let e = plan(&s, &nodes(1), &Environment::default(), &no_dns(), "u").unwrap_err();
+        let e = plan(&s, &nodes(1), &env(), &no_dns(), "u").unwrap_err();
         assert_eq!(e.field, "spec.targets");
         assert!(e.reason.contains("listed twice"), "{e}");
+    }
+
+    #[test]
+    fn the_api_server_address_comes_from_the_controllers_own_url() {
+        let got = |u| api_server_from_url(u).map(|a| a.to_string());
+        assert_eq!(
+            got("https://10.96.0.1:443").as_deref(),
+            Some("10.96.0.1:443")
+        );
+        assert_eq!(got("https://10.96.0.1").as_deref(), Some("10.96.0.1:443"));
+        assert_eq!(
+            got("https://127.0.0.1:36443/").as_deref(),
+            Some("127.0.0.1:36443")
+        );
+        assert_eq!(
+            got("https://[fd00::1]:6443").as_deref(),
+            Some("[fd00::1]:6443")
+        );
+        assert_eq!(got("https://[fd00::1]").as_deref(), Some("[fd00::1]:443"));
+        assert_eq!(got("https://api.example.com:6443"), None);
+        assert_eq!(got("not a url"), None);
+    }
+
+    #[test]
+    fn the_metadata_service_by_address_is_refused_naming_the_target_and_the_fix() {
+        let env = Environment {
+            metadata_service: Some("169.254.169.254".parse().unwrap()),
+            ..env()
+        };
+        for a in ["169.254.169.254", "::ffff:169.254.169.254"] {
+            let s = spec(
+                "icmp",
+                vec![
+                    TargetSpec::Address("10.0.0.9".into()),
+                    TargetSpec::Address(a.into()),
+                ],
+            );
+            let e = plan(&s, &nodes(1), &env, &no_dns(), "u").unwrap_err();
+            assert_eq!(e.field, "spec.targets[1].address", "{a}");
+            assert!(e.reason.contains("metadataService: true"), "{e}");
+        }
+        let s = spec("icmp", vec![TargetSpec::Address("169.254.10.1".into())]);
+        let e = plan(&s, &nodes(1), &env, &no_dns(), "u").unwrap_err();
+        assert!(e.reason.contains("link-local"), "{e}");
+        // A URL, a host:port and a name that resolves there are refused the same way.
+        let s = spec(
+            "http",
+            vec![TargetSpec::Url("http://169.254.169.254/latest/".into())],
+        );
+        assert_eq!(
+            field_of(plan(&s, &nodes(1), &env, &no_dns(), "u")),
+            "spec.targets[0].url"
+        );
+        let s = spec(
+            "tcp",
+            vec![TargetSpec::HostPort("169.254.169.254:80".into())],
+        );
+        assert_eq!(
+            field_of(plan(&s, &nodes(1), &env, &no_dns(), "u")),
+            "spec.targets[0].hostPort"
+        );
+        let mut resolved = BTreeMap::new();
+        resolved.insert(
+            "metadata.example".to_owned(),
+            vec!["169.254.169.254".parse().unwrap()],
+        );
+        let s = spec(
+            "http",
+            vec![TargetSpec::Url("http://metadata.example/".into())],
+        );
+        assert_eq!(hostnames_to_resolve(&s).len(), 1);
+        assert_eq!(
+            field_of(plan(&s, &nodes(1), &env, &resolved, "u")),
+            "spec.targets[0].url"
+        );
+        // Only through the explicit target, which is sent to the agent as one address.
+        let s = spec("icmp", vec![TargetSpec::MetadataService]);
+        let p = plan(&s, &nodes(1), &env, &no_dns(), "u").unwrap();
+        let sent = p.allowed_for(&p.sources["w0"]);
+        assert!(sent.contains(&"169.254.169.254/32".to_owned()), "{sent:?}");
+    }
+
+    #[test]
+    fn addresses_outside_the_allowed_ranges_are_refused() {
+        let s = spec("icmp", vec![TargetSpec::Address("192.168.7.7".into())]);
+        let e = plan(&s, &nodes(2), &env(), &no_dns(), "u").unwrap_err();
+        assert_eq!(e.field, "spec.targets[0].address");
+        assert!(
+            e.reason.contains("outside") && e.reason.contains("probeAllowedCidrs"),
+            "{e}"
+        );
+        let mut s = spec("dns", vec![TargetSpec::Hostname("a.example".into())]);
+        s.resolver = Some("192.168.0.53".into());
+        assert_eq!(
+            field_of(plan(&s, &nodes(1), &env(), &no_dns(), "u")),
+            "spec.resolver"
+        );
+        // The selected nodes are always allowed: peers and node addresses need no range.
+        let bare = Environment::default();
+        let s = spec(
+            "icmp",
+            vec![
+                TargetSpec::Address("10.0.0.2".into()),
+                TargetSpec::Peers { per_node: 1 },
+            ],
+        );
+        let p = plan(&s, &nodes(2), &bare, &no_dns(), "u").unwrap();
+        // The agent is sent the ranges and the one addresses its targets need, nothing else.
+        assert_eq!(p.allowed_for(&p.sources["w0"]), ["10.0.0.2/32".to_owned()]);
+        let p = plan(&s, &nodes(2), &env(), &no_dns(), "u").unwrap();
+        assert_eq!(
+            p.allowed_for(&p.sources["w0"]),
+            ["10.0.0.0/8".to_owned(), "fd00::/8".to_owned()]
+        );
+    }
+
+    #[test]
+    fn url_hosts() {
+        assert_eq!(url_host("http://10.0.0.1:8080/x"), Some("10.0.0.1"));
+        assert_eq!(url_host("https://[fd00::1]:443/"), Some("fd00::1"));
+        assert_eq!(url_host("http://u@a.example?q"), Some("a.example"));
+        assert_eq!(url_host("nonsense"), None);
     }
 
     #[test]

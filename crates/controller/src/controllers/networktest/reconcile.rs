@@ -14,6 +14,7 @@ use kube::runtime::controller::Action;
 use kube::{Resource as _, ResourceExt as _};
 use nodekeeper_api::crd::NetworkTest;
 use nodekeeper_api::names::{API_VERSION, MANAGER_NETWORK_TEST};
+use nodekeeper_model::address_policy::Cidr;
 use tracing::{info, warn};
 
 use super::aggregate::aggregate;
@@ -129,7 +130,20 @@ pub async fn reconcile(nt: Arc<NetworkTest>, ctx: Arc<Context>) -> Result<Action
         source,
     })?;
     let mut sources = Vec::with_capacity(list.items.len());
+    let mut env = ctx.env.clone();
+    env.allowed.extend(ctx.allowed_ranges());
     for node in &list.items {
+        // Without --pod-cidrs, the pod ranges are the selected nodes' own.
+        if ctx.policy.pod_cidrs_from_nodes {
+            env.allowed.extend(
+                node.spec
+                    .as_ref()
+                    .and_then(|s| s.pod_cidrs.as_ref())
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|c| c.parse::<Cidr>().ok()),
+            );
+        }
         let facts = crate::shared::fleet::node_facts(node);
         match facts.address {
             Some(address) => sources.push(SourceNode {
@@ -149,7 +163,7 @@ pub async fn reconcile(nt: Arc<NetworkTest>, ctx: Arc<Context>) -> Result<Action
     names.sort();
     names.dedup();
     let resolved = fanout::resolve(&names, Duration::from_secs(5)).await;
-    let test_plan = match plan::plan(&spec, &sources, &ctx.env, &resolved, &uid) {
+    let test_plan = match plan::plan(&spec, &sources, &env, &resolved, &uid) {
         Ok(p) => p,
         Err(e) => return reject(e).await,
     };
@@ -181,7 +195,8 @@ pub async fn reconcile(nt: Arc<NetworkTest>, ctx: Arc<Context>) -> Result<Action
                 endpoint: SocketAddr::new(addresses[&source], port),
                 name: source.clone(),
             };
-            let request = wire::request(&run_id, &test_plan.params, &targets);
+            let allowed = test_plan.allowed_for(&targets);
+            let request = wire::request(&run_id, &test_plan.params, &targets, allowed);
             let agents = Arc::clone(&ctx.agents);
             async move {
                 let response = agents

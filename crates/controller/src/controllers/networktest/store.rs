@@ -148,6 +148,7 @@ mod tests {
 
     fn results(uid: &str, finished: i64, pairs: usize) -> StoredResults {
         let plan = TestPlan {
+            ranges: Vec::new(),
             params: ProbeParams {
                 kind: ProbeKind::Icmp,
                 count: 1,

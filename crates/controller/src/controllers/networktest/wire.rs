@@ -11,6 +11,7 @@ pub fn request(
     run_id: &str,
     params: &ProbeParams,
     targets: &[PlannedTarget],
+    allowed_cidrs: Vec<String>,
 ) -> pb::RunProbesRequest {
     let kind = match params.kind {
         ProbeKind::Icmp => pb::ProbeKind::Icmp,
@@ -38,6 +39,7 @@ pub fn request(
         concurrency: AGENT_CONCURRENCY,
         expected_status: params.expected_status.clone(),
         max_mtu: params.max_mtu,
+        allowed_cidrs,
     }
 }
 
@@ -85,13 +87,14 @@ mod tests {
             address: "10.0.0.2".into(),
             ..Default::default()
         }];
-        let req = request("ns/t/uid", &params, &targets);
+        let req = request("ns/t/uid", &params, &targets, vec!["10.0.0.2/32".into()]);
         assert_eq!(req.kind, pb::ProbeKind::PathMtu as i32);
         assert_eq!(
             (req.count, req.timeout_ms, req.max_mtu, req.concurrency),
             (2, 700, 1500, AGENT_CONCURRENCY)
         );
         assert_eq!(req.targets[0].address, "10.0.0.2");
+        assert_eq!(req.allowed_cidrs, ["10.0.0.2/32"]);
         let resp = pb::RunProbesResponse {
             run_id: req.run_id,
             results: vec![

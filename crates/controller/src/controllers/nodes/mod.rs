@@ -57,6 +57,11 @@ pub async fn condition_gauges(ctx: Arc<Context>, shutdown: CancellationToken) {
         ctx.metrics
             .nodes_stale
             .set(i64::try_from(summary.stale).unwrap_or(i64::MAX));
+        // The sweep moves this gauge at once on every change; this recount also corrects it
+        // for nodes deleted while unreachable.
+        ctx.metrics
+            .nodes_unreachable
+            .set(i64::try_from(summary.unreachable).unwrap_or(i64::MAX));
         ctx.conditions.nodes.clear();
         for (key, count) in summary.conditions {
             let (condition, status) = key.split_once('=').unwrap_or((key.as_str(), ""));

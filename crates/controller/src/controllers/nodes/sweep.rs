@@ -22,7 +22,7 @@ use crate::conditions::{self, Observation, Written};
 use crate::shared::agent_client::{CallError, CallOutcome};
 use crate::shared::agents::{AgentNode, ReportRequest, RulesOutcome, RulesPush};
 use crate::shared::fleet::Job;
-use crate::shared::metrics::{OutcomeLabels, ResultLabels, WriteResult};
+use crate::shared::metrics::{OutcomeLabels, PatchLabels, PatchResult, ResultLabels, WriteResult};
 use crate::view::NodeView;
 
 /// How often the sweep looks for due nodes. Due times are spread over the interval, so a tick
@@ -128,7 +128,8 @@ async fn poll(ctx: &Context, job: Job) {
                 if let Some(revision) = rules_refused {
                     entry.rules_refused = revision;
                 }
-                if entry.stale {
+                if entry.last_failure.is_some() {
+                    ctx.metrics.nodes_unreachable.dec();
                     info!(node = %job.name, "agent answers again");
                 }
                 entry.stale = false;
@@ -150,6 +151,13 @@ async fn poll(ctx: &Context, job: Job) {
                 }
                 entry.stale = stale;
                 let class = error.class();
+                if entry.last_failure.is_none() {
+                    // Visible at once in the summary, the gauge and the log; the Node condition
+                    // waits for staleAfter so that one missed call does not flip it (README,
+                    // "Dead agents").
+                    ctx.metrics.nodes_unreachable.inc();
+                    warn!(node = %job.name, %error, stale_after = %tuning::format_duration(tuning.config.stale_after), "agent unreachable; the node's condition turns False if it stays so for staleAfter");
+                }
                 entry.last_failure = Some((error.outcome, error.to_string()));
                 if stale {
                     // A stale node's last report no longer describes it.
@@ -171,7 +179,7 @@ async fn poll(ctx: &Context, job: Job) {
             .map(|desired| (desired, entry.written.clone()))
     };
     if let Some((desired, current)) = write {
-        patch_conditions(ctx, &job.name, &current, &desired).await;
+        patch_conditions(ctx, &job.name, &current, &desired, interval).await;
     }
 }
 
@@ -233,6 +241,7 @@ async fn patch_conditions(
     name: &str,
     current: &[Written],
     desired: &[conditions::Condition],
+    interval: Duration,
 ) {
     let now = k8s_openapi::jiff::Timestamp::now().to_string();
     let body = conditions::apply_body(name, current, desired, &now);
@@ -242,23 +251,32 @@ async fn patch_conditions(
         Ok(node) => {
             ctx.conditions
                 .patches
-                .get_or_create(&ResultLabels {
-                    result: WriteResult::Ok,
+                .get_or_create(&PatchLabels {
+                    result: PatchResult::Ok,
                 })
                 .inc();
+            if let Some(entry) = ctx.fleet.lock().get_mut(name) {
+                entry.schedule.write_succeeded();
+            }
             let facts = crate::shared::fleet::node_facts(&node);
             info!(node = %name, conditions = ?desired.iter().map(|c| format!("{}={}/{}", c.type_, c.status.as_str(), c.reason)).collect::<Vec<_>>(), "conditions changed");
             ctx.fleet.observe(facts, Instant::now());
         }
         Err(error) => {
+            let result = PatchResult::of(&error);
             ctx.conditions
                 .patches
-                .get_or_create(&ResultLabels {
-                    result: WriteResult::Error,
-                })
+                .get_or_create(&PatchLabels { result })
                 .inc();
-            // Nothing recorded: the difference remains and the next read retries the write.
-            warn!(node = %name, %error, "patching node conditions failed");
+            // Nothing recorded: the difference remains, and the node is read again within
+            // seconds (with backoff), which writes it again. A write that timed out but landed
+            // shows up through the Node watch first and is not repeated.
+            let retry = ctx
+                .fleet
+                .lock()
+                .get_mut(name)
+                .map(|entry| entry.schedule.write_failed(Instant::now(), interval));
+            warn!(node = %name, %error, class = ?result, retry_in = ?retry, "patching node conditions failed; retrying");
         }
     }
 }
