@@ -7,6 +7,7 @@
 pub mod admission;
 pub mod eviction;
 pub mod plan;
+pub mod reconcile;
 pub mod record;
 pub mod stage;
 pub mod status;

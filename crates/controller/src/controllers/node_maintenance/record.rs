@@ -43,6 +43,9 @@ pub struct Hold {
     /// For `Drained` by `onTimeout: Proceed` and for `Failed`: what was left.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub note: String,
+    /// The maintenance's `spec.reason`, shown in the node conditions' message.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub reason: String,
 }
 
 /// The annotation's content.
@@ -135,8 +138,8 @@ pub struct NodeCondition {
 }
 
 /// The maintenance conditions a node should carry for `record` (empty when nothing holds it:
-/// they are removed). `reason_text` is the holders' `spec.reason`, joined.
-pub fn node_conditions(record: Option<&NodeRecord>, reason_text: &str) -> Vec<NodeCondition> {
+/// they are removed). Computed from the record alone, so that every holder writes the same.
+pub fn node_conditions(record: Option<&NodeRecord>) -> Vec<NodeCondition> {
     use nodekeeper_api::names::{
         NODE_CONDITION_DRAIN_IN_PROGRESS, NODE_CONDITION_DRAINED,
         NODE_CONDITION_MAINTENANCE_IN_PROGRESS, NODE_CONDITION_MAINTENANCE_PLANNED,
@@ -150,17 +153,18 @@ pub fn node_conditions(record: Option<&NodeRecord>, reason_text: &str) -> Vec<No
     let planned = has(HoldPhase::Waiting) && !in_progress;
     let draining = has(HoldPhase::Draining);
     let drained = !draining && has(HoldPhase::Drained);
-    let holders = record
+    let message = record
         .holders
-        .keys()
-        .cloned()
+        .iter()
+        .map(|(name, h)| {
+            if h.reason.is_empty() {
+                format!("NodeMaintenance {name}")
+            } else {
+                format!("NodeMaintenance {name} ({})", h.reason)
+            }
+        })
         .collect::<Vec<_>>()
         .join(", ");
-    let message = if reason_text.is_empty() {
-        format!("NodeMaintenance {holders}")
-    } else {
-        format!("NodeMaintenance {holders}: {reason_text}")
-    };
     let cond = |type_, status, reason| NodeCondition {
         type_,
         status,
@@ -214,6 +218,7 @@ mod tests {
             phase,
             drain_start: None,
             note: String::new(),
+            reason: "kernel".into(),
         }
     }
 
@@ -282,7 +287,7 @@ mod tests {
     #[test]
     fn node_conditions_follow_the_holds() {
         let status = |r: &NodeRecord| {
-            node_conditions(Some(r), "kernel")
+            node_conditions(Some(r))
                 .iter()
                 .map(|c| (c.type_, c.status))
                 .collect::<Vec<_>>()
@@ -316,16 +321,12 @@ mod tests {
             [("DrainInProgress", true), ("Drained", false)]
         );
         let failed = set_hold(None, false, "a", hold(HoldPhase::Failed));
+        assert_eq!(node_conditions(Some(&failed))[2].reason, "DrainTimedOut");
         assert_eq!(
-            node_conditions(Some(&failed), "")[2].reason,
-            "DrainTimedOut"
-        );
-        assert!(
-            node_conditions(Some(&failed), "")[0]
-                .message
-                .contains("NodeMaintenance a")
+            node_conditions(Some(&failed))[0].message,
+            "NodeMaintenance a (kernel)"
         );
         // Released: the conditions go.
-        assert!(node_conditions(None, "").is_empty());
+        assert!(node_conditions(None).is_empty());
     }
 }
