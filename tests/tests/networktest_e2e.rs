@@ -23,14 +23,17 @@ use std::time::Duration;
 
 use anyhow::{Context as _, bail};
 use futures::StreamExt as _;
+use futures::future::BoxFuture;
 use kube::Api;
 use kube::api::{DeleteParams, WatchEvent, WatchParams};
 use nix::sched::{CloneFlags, setns};
 use nodekeeper_api::crd::NetworkTest;
 use nodekeeper_api::crd::network_test::Phase;
-use nodekeeper_controller::networktest::plan::Environment;
-use nodekeeper_controller::networktest::reconcile::{self, AgentCall};
-use nodekeeper_controller::networktest::store::ResultsStore;
+use nodekeeper_controller::agent_client::{CallError, CallOutcome};
+use nodekeeper_controller::controllers::networktest::plan::Environment;
+use nodekeeper_controller::controllers::networktest::store::ResultsStore;
+use nodekeeper_controller::controllers::{self, networktest};
+use nodekeeper_controller::shared::agents::{AgentNode, Agents, Report};
 use nodekeeper_e2e::{
     ControlPlane, create_simulated_nodes, install_crds, test_namespace, unique_name, wait_for,
 };
@@ -134,62 +137,98 @@ impl Drop for Topology {
     }
 }
 
-/// The reconciler's agent call: the probe request runs inside the namespace of the node whose
+/// The reconciler's agents: the probe request runs inside the namespace of the node whose
 /// address the endpoint names, on a thread of its own with a current-thread runtime.
-fn netns_agents(by_address: BTreeMap<IpAddr, String>) -> AgentCall {
-    let by_address = Arc::new(by_address);
-    Arc::new(
-        move |endpoint: SocketAddr, req: pb::RunProbesRequest, budget: Duration| {
-            let by_address = Arc::clone(&by_address);
-            Box::pin(async move {
-                let ns = by_address
-                    .get(&endpoint.ip())
-                    .cloned()
-                    .ok_or_else(|| format!("no agent at {endpoint}"))?;
-                let (tx, rx) = tokio::sync::oneshot::channel();
-                std::thread::spawn(move || {
-                    let result = (|| {
-                        let f =
-                            File::open(format!("/run/netns/{ns}")).map_err(|e| e.to_string())?;
-                        setns(&f, CloneFlags::CLONE_NEWNET).map_err(|e| e.to_string())?;
-                        let rt = tokio::runtime::Builder::new_current_thread()
-                            .enable_all()
-                            .build()
-                            .map_err(|e| e.to_string())?;
-                        rt.block_on(nodekeeper_agent::probes::run(req))
-                            .map_err(|e| e.to_string())
-                    })();
-                    let _ = tx.send(result);
-                });
-                match tokio::time::timeout(budget, rx).await {
-                    Ok(Ok(r)) => r,
-                    Ok(Err(_)) => Err("agent thread died".into()),
-                    Err(_) => Err(format!("no answer within {budget:?}")),
-                }
-            })
-        },
-    )
+struct NetnsAgents {
+    by_address: BTreeMap<IpAddr, String>,
+}
+
+fn call_error(endpoint: SocketAddr, detail: String) -> CallError {
+    CallError {
+        outcome: CallOutcome::Connect,
+        endpoint,
+        detail,
+    }
+}
+
+impl Agents for NetnsAgents {
+    fn run_probes<'a>(
+        &'a self,
+        node: &'a AgentNode,
+        req: pb::RunProbesRequest,
+        budget: Duration,
+    ) -> BoxFuture<'a, Result<pb::RunProbesResponse, CallError>> {
+        let endpoint = node.endpoint;
+        Box::pin(async move {
+            let ns = self
+                .by_address
+                .get(&endpoint.ip())
+                .cloned()
+                .ok_or_else(|| call_error(endpoint, "no agent here".into()))?;
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            std::thread::spawn(move || {
+                let result = (|| {
+                    let f = File::open(format!("/run/netns/{ns}")).map_err(|e| e.to_string())?;
+                    setns(&f, CloneFlags::CLONE_NEWNET).map_err(|e| e.to_string())?;
+                    let rt = tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                        .map_err(|e| e.to_string())?;
+                    rt.block_on(nodekeeper_agent::probes::run(req))
+                        .map_err(|e| e.to_string())
+                })();
+                let _ = tx.send(result);
+            });
+            match tokio::time::timeout(budget, rx).await {
+                Ok(Ok(r)) => r.map_err(|e| call_error(endpoint, e)),
+                Ok(Err(_)) => Err(call_error(endpoint, "agent thread died".into())),
+                Err(_) => Err(call_error(endpoint, format!("no answer within {budget:?}"))),
+            }
+        })
+    }
+
+    fn report<'a>(
+        &'a self,
+        _: &'a AgentNode,
+        _: nodekeeper_controller::shared::agents::ReportRequest<'a>,
+        _: Duration,
+    ) -> BoxFuture<'a, Report> {
+        unimplemented!("the NetworkTest reconciler reads no reports")
+    }
+
+    fn apply_network<'a>(
+        &'a self,
+        _: &'a AgentNode,
+        _: pb::ApplyNetworkRequest,
+        _: Duration,
+    ) -> BoxFuture<'a, Result<pb::ApplyNetworkResponse, CallError>> {
+        unimplemented!("the NetworkTest reconciler applies no network state")
+    }
+}
+
+fn netns_agents(by_address: BTreeMap<IpAddr, String>) -> Arc<dyn Agents> {
+    Arc::new(NetnsAgents { by_address })
 }
 
 fn start_reconciler(
     client: kube::Client,
     namespace: &str,
-    call: AgentCall,
+    agents: Arc<dyn Agents>,
     env: Environment,
 ) -> (ResultsStore, CancellationToken) {
     let store = ResultsStore::default();
     let cancel = CancellationToken::new();
-    let ctx = Arc::new(reconcile::Context {
+    let ctx = Arc::new(networktest::Context {
         client,
         agent_port: 9443,
-        call,
+        agents,
         env,
         store: store.clone(),
         agent_concurrency: 8,
         test_concurrency: 4,
         namespace: Some(namespace.to_owned()),
     });
-    tokio::spawn(reconcile::run(ctx, cancel.clone()));
+    tokio::spawn(controllers::start(ctx, Default::default(), cancel.clone()));
     (store, cancel)
 }
 

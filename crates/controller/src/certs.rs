@@ -7,7 +7,7 @@
 //!   from a concurrent creator means "someone else won" and that Secret is read back and used.
 //!   Two replicas starting together therefore end with one CA, and both leaves chain to it.
 //! * **One agent certificate for the fleet.** It carries the DNS name
-//!   [`AGENT_SERVER_NAME`](crate::agent_client::AGENT_SERVER_NAME), which the controller uses
+//!   [`AGENT_SERVER_NAME`], which the controller uses
 //!   as the TLS server name whatever the node's address, so the certificate needs no node IPs
 //!   and survives nodes coming and going. The agent accepts only client certificates that chain
 //!   to the CA; the controller's carries the name `controller.nodekeeper.internal`.
@@ -38,7 +38,10 @@ use rcgen::{
 };
 use tracing::info;
 
-use crate::agent_client::AGENT_SERVER_NAME;
+/// The DNS name every agent certificate carries and the controller verifies, whatever the
+/// node's address: one certificate serves the whole DaemonSet, and node IPs need not be known
+/// when it is issued.
+pub const AGENT_SERVER_NAME: &str = "agent.nodekeeper.internal";
 
 pub const CA_SECRET: &str = "nodekeeper-ca";
 pub const AGENT_SECRET: &str = "nodekeeper-agent-tls";

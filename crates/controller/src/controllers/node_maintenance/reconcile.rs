@@ -11,9 +11,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use futures::StreamExt as _;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, DeleteParams, EvictParams, ListParams, Patch, PatchParams, Preconditions};
-use kube::runtime::controller::{Action, Config as ControllerConfig, Controller};
-use kube::runtime::events::{Event, EventType, Recorder};
-use kube::runtime::watcher;
+use kube::runtime::controller::Action;
+use kube::runtime::events::{Event, EventType};
 use kube::{Resource as _, ResourceExt as _};
 use nodekeeper_api::crd::NodeMaintenance;
 use nodekeeper_api::crd::common::format_field_errors;
@@ -23,9 +22,9 @@ use nodekeeper_api::crd::node_maintenance::{
 use nodekeeper_api::names::{
     ANNOTATION_MAINTENANCE, API_VERSION, LABEL_MAINTAINED, MANAGER_NODE_MAINTENANCE,
 };
-use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use super::Context;
 use super::admission::{self, CONTROL_PLANE_LABEL, Selection};
 use super::eviction::{EvictionAnswer, classify};
 use super::plan::{self, DeadlineStep, Owner, PodFacts, Rules};
@@ -35,29 +34,6 @@ use super::status::{self, NodeView, Outcome};
 
 /// Finalizer: the nodes are restored before the object goes.
 pub const FINALIZER: &str = "nodekeeper.dev/node-maintenance";
-
-/// The cluster-wide limits from the tuning ConfigMap, read at each reconcile.
-pub type LimitsSource = Arc<dyn Fn() -> TuningLimits + Send + Sync>;
-
-/// `maintenance.maxConcurrentNodes` and `maintenance.maxSelectedNodes`.
-#[derive(Clone, Copy, Debug)]
-pub struct TuningLimits {
-    pub max_concurrent_nodes: u32,
-    pub max_selected_nodes: u32,
-}
-
-/// What the reconciler needs.
-pub struct Context {
-    /// A client with kube's retry layer off: a 429 from a PodDisruptionBudget must come back
-    /// at once as "wait", not be retried inside the client with backoff for minutes.
-    pub client: kube::Client,
-    pub recorder: Recorder,
-    pub limits: LimitsSource,
-    /// How long one reconcile may spend evicting before it requeues.
-    pub eviction_budget: Duration,
-    /// How often a node with a drain in progress is looked at again.
-    pub drain_recheck: Duration,
-}
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -75,27 +51,6 @@ pub enum Error {
     WriteStatus { name: String, source: kube::Error },
     #[error("update finalizer of nodemaintenance {name}: {source}")]
     WriteFinalizer { name: String, source: kube::Error },
-}
-
-/// A client for this controller: the same configuration as the process's, with kube's default
-/// retry of 429/503/504 turned off (see [`Context::client`]).
-pub async fn client_without_retry() -> Result<kube::Client, kube::Error> {
-    let mut config = kube::Config::infer()
-        .await
-        .map_err(|e| kube::Error::InferConfig(e))?;
-    config.default_retry = false;
-    kube::Client::try_from(config)
-}
-
-/// Runs the controller until `cancel`.
-pub async fn run(ctx: Arc<Context>, cancel: CancellationToken) {
-    let api: Api<NodeMaintenance> = Api::all(ctx.client.clone());
-    Controller::new(api, watcher::Config::default())
-        .with_config(ControllerConfig::default().concurrency(4))
-        .graceful_shutdown_on(async move { cancel.cancelled().await })
-        .run(reconcile, error_policy, ctx)
-        .for_each(|_| futures::future::ready(()))
-        .await;
 }
 
 pub fn error_policy(nm: Arc<NodeMaintenance>, error: &Error, _ctx: Arc<Context>) -> Action {
@@ -157,8 +112,9 @@ async fn publish(
 
 pub async fn reconcile(nm: Arc<NodeMaintenance>, ctx: Arc<Context>) -> Result<Action, Error> {
     let name = nm.name_any();
-    let api: Api<NodeMaintenance> = Api::all(ctx.client.clone());
-    let nodes_api: Api<Node> = Api::all(ctx.client.clone());
+    let client = ctx.kube().await;
+    let api: Api<NodeMaintenance> = Api::all(client.clone());
+    let nodes_api: Api<Node> = Api::all(client.clone());
 
     // Deleted: let go of every node this maintenance holds, then of the object.
     if nm.meta().deletion_timestamp.is_some() {
@@ -266,7 +222,7 @@ pub async fn reconcile(nm: Arc<NodeMaintenance>, ctx: Arc<Context>) -> Result<Ac
         .any(|s| s.record.as_ref().is_some_and(|r| r.hold(&name).is_some()));
 
     // Admission safety: checked before the first node is touched.
-    let limits = (ctx.limits)();
+    let limits = ctx.limits();
     if matches!(stage, Stage::Cordon | Stage::Drain) && !holding && matched > 0 {
         let selection = selection(&nodes_api, &seen, matched)
             .await
@@ -685,7 +641,8 @@ async fn drain_node(
         .await;
     }
 
-    let pods_api: Api<Pod> = Api::all(ctx.client.clone());
+    let client = ctx.kube().await;
+    let pods_api: Api<Pod> = Api::all(client.clone());
     let pods = pods_api
         .list(&ListParams::default().fields(&format!("spec.nodeName={node}")))
         .await
@@ -932,8 +889,9 @@ async fn evict(
     pods: &[Pod],
     which: &[usize],
 ) -> Vec<(usize, EvictionAnswer)> {
+    let client = ctx.kube().await;
     let attempts = futures::stream::iter(which.iter().copied().map(|i| {
-        let api: Api<Pod> = Api::namespaced(ctx.client.clone(), &facts[i].namespace);
+        let api: Api<Pod> = Api::namespaced(client.clone(), &facts[i].namespace);
         let params = EvictParams {
             delete_options: Some(DeleteParams {
                 preconditions: Some(Preconditions {
@@ -982,9 +940,10 @@ async fn evict(
 
 /// Deletes the given pods with their own grace period (never 0), past their budgets.
 async fn force_delete(ctx: &Context, facts: &[PodFacts], pods: &[Pod], which: &[usize]) -> usize {
+    let client = ctx.kube().await;
     let mut deleted = 0;
     for &i in which {
-        let api: Api<Pod> = Api::namespaced(ctx.client.clone(), &facts[i].namespace);
+        let api: Api<Pod> = Api::namespaced(client.clone(), &facts[i].namespace);
         let grace = u32::try_from(plan::force_grace(&facts[i])).unwrap_or(u32::MAX);
         let params = DeleteParams {
             grace_period_seconds: Some(grace),

@@ -1,4 +1,4 @@
-//! The tuning ConfigMap controller: watches `nodekeeper-tuning` in the controller's namespace,
+//! The tuning ConfigMap watch (shared state, not a reconciler): watches `nodekeeper-tuning` in the controller's namespace,
 //! parses it with [`nodekeeper_model::tuning::parse`], and publishes the result to the rest of the
 //! controller through a `watch` channel, so changes take effect without a restart. An invalid
 //! ConfigMap is refused with a Warning Event on it naming every bad key and the problem, and the
@@ -18,7 +18,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::metrics::{Metrics, ResultLabels, WriteResult};
+use super::metrics::{ResultLabels, TuningMetrics, WriteResult};
 
 /// Event reason for a refused ConfigMap.
 pub const REASON_INVALID: &str = "InvalidTuning";
@@ -80,7 +80,7 @@ pub async fn watch_tuning(
     name: String,
     recorder: Recorder,
     sender: watch::Sender<Arc<TuningState>>,
-    metrics: Arc<Metrics>,
+    metrics: TuningMetrics,
     cancel: CancellationToken,
 ) {
     let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
@@ -116,7 +116,7 @@ pub async fn watch_tuning(
         match next_state(&current, &data, source) {
             Ok(state) => {
                 metrics
-                    .tuning_reloads
+                    .reloads
                     .get_or_create(&ResultLabels {
                         result: WriteResult::Ok,
                     })
@@ -126,7 +126,7 @@ pub async fn watch_tuning(
             }
             Err(kept) => {
                 metrics
-                    .tuning_reloads
+                    .reloads
                     .get_or_create(&ResultLabels {
                         result: WriteResult::Error,
                     })
@@ -135,7 +135,7 @@ pub async fn watch_tuning(
                     .err()
                     .map(|e| e.problems().to_vec())
                     .unwrap_or_default();
-                metrics.tuning_invalid_keys.inc_by(problems.len() as u64);
+                metrics.invalid_keys.inc_by(problems.len() as u64);
                 for p in &problems {
                     warn!(configmap = %name, key = %p.key, problem = %p.problem, "tuning ConfigMap refused; the last good configuration stays in force");
                 }

@@ -1,32 +1,53 @@
 //! The controller's HTTP API, served from memory (never from etcd): `/api/v1/summary`,
-//! `/api/v1/nodes/{name}`, `/api/networktests/{namespace}/{name}` (full NetworkTest results), `/metrics` (Prometheus text), `/healthz`, `/readyz`. Reachable in a
+//! `/api/v1/nodes/{name}`, `/metrics` (Prometheus text), `/healthz`, `/readyz`, and the routes
+//! the controllers add (`/api/networktests/{namespace}/{name}`, full NetworkTest results, see
+//! [`crate::controllers::Controllers::router`]). Served on the standby too. Reachable in a
 //! cluster through the API server's service proxy, e.g.
 //! `kubectl get --raw /api/v1/namespaces/nodekeeper/services/nodekeeper-controller:http/proxy/api/v1/summary`.
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use axum::Router;
 use axum::extract::{Path, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
+use prometheus_client::registry::Registry;
 use serde_json::json;
+use tokio::sync::watch;
 
-use crate::Context;
 use crate::conditions::Written;
+use crate::shared::metrics::SweepMetrics;
+use crate::shared::{Fleet, TuningState};
 
-pub fn router(ctx: Arc<Context>) -> Router {
+/// What the HTTP API reads.
+pub struct Context {
+    pub identity: String,
+    /// Set by the runtime while this replica holds the Lease.
+    pub is_leader: Arc<AtomicBool>,
+    pub fleet: Arc<Fleet>,
+    pub tuning: watch::Receiver<Arc<TuningState>>,
+    pub registry: Registry,
+    pub sweep: SweepMetrics,
+}
+
+impl Context {
+    fn tuning(&self) -> Arc<TuningState> {
+        Arc::clone(&self.tuning.borrow())
+    }
+}
+
+/// The API's routes, plus `extra` (the routes controllers serve).
+pub fn router(ctx: Arc<Context>, extra: Router) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .route("/api/v1/summary", get(summary))
         .route("/api/v1/nodes/{name}", get(node))
-        .with_state(Arc::clone(&ctx))
-        .merge(crate::networktest::store::router(
-            ctx.networktest_results.clone(),
-        ))
+        .with_state(ctx)
+        .merge(extra)
 }
 
 /// Ready when this replica leads and has read the Node list, or when it is a healthy standby:
@@ -85,7 +106,7 @@ async fn summary(State(ctx): State<Arc<Context>>) -> Response {
         "identity": ctx.identity,
         "leader": true,
         "nodesSynced": ctx.fleet.synced(),
-        "initialSweepSeconds": ctx.metrics.initial_sweep_seconds.get(),
+        "initialSweepSeconds": ctx.sweep.initial_sweep_seconds.get(),
         "fleet": fleet,
         "tuning": &*tuning,
     }))

@@ -10,13 +10,10 @@ use nodekeeper_proto::agent::v1 as pb;
 use pb::node_agent_client::NodeAgentClient;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 
-use crate::conditions::FailureClass;
-use crate::metrics::CallOutcome;
+use prometheus_client::encoding::EncodeLabelValue;
 
-/// The DNS name every agent certificate carries and the controller verifies, whatever the
-/// node's address: one certificate serves the whole DaemonSet, and node IPs need not be known
-/// when it is issued.
-pub const AGENT_SERVER_NAME: &str = "agent.nodekeeper.internal";
+pub use crate::certs::AGENT_SERVER_NAME;
+use crate::conditions::FailureClass;
 
 /// The controller's client identity and the CA it trusts agents with.
 #[derive(Clone)]
@@ -32,6 +29,40 @@ impl AgentTls {
             .domain_name(AGENT_SERVER_NAME)
             .assume_http2(true);
         Self { config }
+    }
+}
+
+/// How one agent call ended. A closed set, so the label stays bounded.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
+pub enum CallOutcome {
+    /// A full report arrived.
+    Report,
+    /// The agent said our copy is current.
+    Unchanged,
+    /// No TCP connection (refused, unreachable).
+    Connect,
+    /// The call did not finish within the per-call timeout.
+    Timeout,
+    /// The TLS handshake failed: wrong or untrusted certificate on either side.
+    Tls,
+    /// The reply was not a valid report (garbage, not gRPC, wrong node, missing fields).
+    InvalidReply,
+    /// The reply exceeded the size limit.
+    TooLarge,
+    /// The agent answered with a gRPC error status.
+    Status,
+    /// A call other than `GetReport` was answered.
+    Answered,
+    /// The node is not one this controller manages: not contacted.
+    NotManaged,
+}
+
+impl CallOutcome {
+    pub fn is_success(self) -> bool {
+        matches!(
+            self,
+            CallOutcome::Report | CallOutcome::Unchanged | CallOutcome::Answered
+        )
     }
 }
 
@@ -140,6 +171,15 @@ impl AgentConnection {
     ) -> Result<pb::RunProbesResponse, CallError> {
         let (endpoint, timeout) = (self.endpoint, self.limits.timeout);
         finish(endpoint, timeout, self.client.run_probes(request)).await
+    }
+
+    /// Asks the agent to plan and (unless a dry run) apply host network state.
+    pub async fn apply_network(
+        &mut self,
+        request: pb::ApplyNetworkRequest,
+    ) -> Result<pb::ApplyNetworkResponse, CallError> {
+        let (endpoint, timeout) = (self.endpoint, self.limits.timeout);
+        finish(endpoint, timeout, self.client.apply_network(request)).await
     }
 }
 

@@ -12,15 +12,16 @@ use k8s_openapi::api::core::v1::Node;
 use kube::Api;
 use kube::api::{Patch, PatchParams};
 use nodekeeper_model::tuning::{self, RuleSet};
-use nodekeeper_proto::agent::v1 as pb;
 use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use crate::Context;
-use crate::agent_client::{self, CallError, CallLimits};
+use super::Context;
 use crate::conditions::{self, Observation, Written};
-use crate::fleet::Job;
-use crate::metrics::{CallOutcome, OutcomeLabels, ResultLabels, WriteResult};
+use crate::shared::agent_client::{CallError, CallOutcome};
+use crate::shared::agents::{AgentNode, ReportRequest, RulesOutcome, RulesPush};
+use crate::shared::fleet::Job;
+use crate::shared::metrics::{OutcomeLabels, ResultLabels, WriteResult};
 use crate::view::NodeView;
 
 /// How often the sweep looks for due nodes. Due times are spread over the interval, so a tick
@@ -28,7 +29,7 @@ use crate::view::NodeView;
 const TICK: Duration = Duration::from_millis(500);
 
 /// Runs the sweep until cancelled.
-pub async fn run(ctx: Arc<Context>) {
+pub async fn run(ctx: Arc<Context>, shutdown: CancellationToken) {
     let mut tasks: JoinSet<()> = JoinSet::new();
     let mut ticker = tokio::time::interval(TICK);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -37,7 +38,7 @@ pub async fn run(ctx: Arc<Context>) {
     let mut last_interval = ctx.tuning().config.sweep_interval;
     loop {
         let ticked = tokio::select! {
-            () = ctx.cancel.cancelled() => break,
+            () = shutdown.cancelled() => break,
             _ = ticker.tick() => true,
             Some(_) = tasks.join_next(), if !tasks.is_empty() => false,
         };
@@ -57,7 +58,7 @@ pub async fn run(ctx: Arc<Context>) {
         if !ticked && room < (config.concurrency / 16).max(1) {
             continue;
         }
-        for job in ctx.fleet.take_due(now, room, ctx.settings.agent_port) {
+        for job in ctx.fleet.take_due(now, room, ctx.agent_port) {
             let ctx = Arc::clone(&ctx);
             tasks.spawn(async move { poll(&ctx, job).await });
         }
@@ -86,14 +87,10 @@ pub async fn run(ctx: Arc<Context>) {
 async fn poll(ctx: &Context, job: Job) {
     let started = Instant::now();
     let tuning = ctx.tuning();
-    let limits = CallLimits {
-        timeout: tuning.config.call_timeout,
-        max_reply_bytes: ctx.settings.max_reply_bytes,
-    };
     let result = call_agent(
         ctx,
         &job,
-        limits,
+        tuning.config.call_timeout,
         &tuning.config.rules,
         tuning.config.features.tunables,
     )
@@ -177,109 +174,56 @@ async fn poll(ctx: &Context, job: Job) {
     }
 }
 
-/// Connects, reads the report, and pushes the rules when the agent holds another revision.
-/// Returns the new view (None when unchanged) and the rules revision the agent refused, if any.
+/// Reads the report through the agents service, pushing the rules when the agent holds another
+/// revision. Returns the new view (None when unchanged) and the rules revision the agent refused,
+/// if any.
 async fn call_agent(
     ctx: &Context,
     job: &Job,
-    limits: CallLimits,
+    timeout: Duration,
     rules: &RuleSet,
     push_rules: bool,
 ) -> Result<(Option<NodeView>, Option<u64>), CallError> {
-    let tls = ctx.agent_tls();
-    let mut conn = agent_client::connect(&tls, job.endpoint, limits).await?;
-    let invalid = |e: crate::view::InvalidReport| CallError {
-        outcome: CallOutcome::InvalidReply,
+    let node = AgentNode {
+        name: job.name.clone(),
         endpoint: job.endpoint,
-        detail: e.to_string(),
     };
-    let reply = conn.get_report(job.cached_revision.unwrap_or(0)).await?;
-    let mut view = NodeView::from_reply(&job.name, reply, job.cached_revision).map_err(invalid)?;
-    let agent_rules = view
-        .as_ref()
-        .map(|v| v.rules_revision)
-        .or(job.agent_rules_revision)
-        .unwrap_or(0);
-    let wanted = rules.revision();
+    let request = ReportRequest {
+        cached_revision: job.cached_revision,
+        rules: push_rules.then_some(RulesPush {
+            rules,
+            known_agent_revision: job.agent_rules_revision,
+            refused_revision: job.rules_refused,
+        }),
+    };
+    let report = ctx.agents.report(&node, request, timeout).await;
     let mut refused = None;
-    // An agent that already holds the revision is not called; nor is one that refused it.
-    if push_rules && agent_rules != wanted && job.rules_refused != wanted {
-        match conn.set_rules(set_rules_request(rules, wanted)).await {
-            Ok(_) => {
-                ctx.metrics
-                    .set_rules_calls
-                    .get_or_create(&ResultLabels {
-                        result: WriteResult::Ok,
-                    })
-                    .inc();
-                // The agent's report changes with its rules: fetch it now rather than a sweep later.
-                let since = view
-                    .as_ref()
-                    .map(|v| v.revision)
-                    .or(job.cached_revision)
-                    .unwrap_or(0);
-                let reply = conn.get_report(since).await?;
-                if let Some(fresh) =
-                    NodeView::from_reply(&job.name, reply, Some(since)).map_err(invalid)?
-                {
-                    view = Some(fresh);
-                }
-            }
-            Err(error) => {
-                ctx.metrics
-                    .set_rules_calls
-                    .get_or_create(&ResultLabels {
-                        result: WriteResult::Error,
-                    })
-                    .inc();
-                warn!(node = %job.name, %error, revision = wanted, "agent refused or failed SetRules");
-                if error.outcome == CallOutcome::Status {
-                    // Refused on its merits (INVALID_ARGUMENT): pushing the same set again would
-                    // be refused again.
-                    refused = Some(wanted);
-                }
+    match report.rules {
+        RulesOutcome::NotPushed => {}
+        RulesOutcome::Applied(_) => {
+            ctx.metrics
+                .set_rules_calls
+                .get_or_create(&ResultLabels {
+                    result: WriteResult::Ok,
+                })
+                .inc();
+        }
+        RulesOutcome::Failed(revision, error) => {
+            ctx.metrics
+                .set_rules_calls
+                .get_or_create(&ResultLabels {
+                    result: WriteResult::Error,
+                })
+                .inc();
+            warn!(node = %job.name, %error, revision, "agent refused or failed SetRules");
+            if error.outcome == CallOutcome::Status {
+                // Refused on its merits (INVALID_ARGUMENT): pushing the same set again would
+                // be refused again.
+                refused = Some(revision);
             }
         }
     }
-    Ok((view, refused))
-}
-
-/// The `SetRules` request for a rule set.
-pub fn set_rules_request(rules: &RuleSet, revision: u64) -> pb::SetRulesRequest {
-    use nodekeeper_model::tuning::{Comparison, Severity};
-    pb::SetRulesRequest {
-        revision,
-        rules: rules
-            .tunables
-            .iter()
-            .map(|r| pb::TunableRule {
-                name: r.name.clone(),
-                key: r.key.clone(),
-                comparison: match r.comparison {
-                    Comparison::Equal => pb::Comparison::Equal,
-                    Comparison::AtLeast => pb::Comparison::AtLeast,
-                    Comparison::AtMost => pb::Comparison::AtMost,
-                    Comparison::OneOf => pb::Comparison::OneOf,
-                } as i32,
-                values: r.values.clone(),
-                repair: r.repair,
-                repair_max_per_hour: r.repair_max_per_hour,
-                severity: match r.severity {
-                    Severity::Warning => pb::Verdict::Warning,
-                    Severity::Critical => pb::Verdict::Critical,
-                } as i32,
-            })
-            .collect(),
-        thresholds: rules
-            .thresholds
-            .iter()
-            .map(|t| pb::IndicatorThreshold {
-                indicator: t.indicator.clone(),
-                warning: t.warning,
-                critical: t.critical,
-            })
-            .collect(),
-    }
+    Ok((report.view?, refused))
 }
 
 /// Writes a node's nodekeeper conditions with server-side apply and records what was written.
@@ -295,19 +239,19 @@ async fn patch_conditions(
     let params = PatchParams::apply(conditions::FIELD_MANAGER).force();
     match api.patch_status(name, &params, &Patch::Apply(&body)).await {
         Ok(node) => {
-            ctx.metrics
-                .condition_patches
+            ctx.conditions
+                .patches
                 .get_or_create(&ResultLabels {
                     result: WriteResult::Ok,
                 })
                 .inc();
-            let facts = crate::fleet::node_facts(&node);
+            let facts = crate::shared::fleet::node_facts(&node);
             info!(node = %name, conditions = ?desired.iter().map(|c| format!("{}={}/{}", c.type_, c.status.as_str(), c.reason)).collect::<Vec<_>>(), "conditions changed");
             ctx.fleet.observe(facts, Instant::now());
         }
         Err(error) => {
-            ctx.metrics
-                .condition_patches
+            ctx.conditions
+                .patches
                 .get_or_create(&ResultLabels {
                     result: WriteResult::Error,
                 })
@@ -315,30 +259,5 @@ async fn patch_conditions(
             // Nothing recorded: the difference remains and the next read retries the write.
             warn!(node = %name, %error, "patching node conditions failed");
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use std::collections::BTreeMap;
-
-    #[test]
-    fn rules_request_carries_every_field() {
-        let data: BTreeMap<String, String> = [(
-            "rules.yaml".to_string(),
-            "tunables:\n  - {name: a, key: net.core.somaxconn, atLeast: 4096, severity: critical, repairMaxPerHour: 3}\nthresholds:\n  - {indicator: 'disk.*', warning: 70, critical: 80}\n".to_string(),
-        )]
-        .into();
-        let config = tuning::parse(&data).unwrap();
-        let revision = config.rules.revision();
-        let req = set_rules_request(&config.rules, revision);
-        assert_eq!(req.revision, revision);
-        assert_eq!(req.rules[0].comparison, pb::Comparison::AtLeast as i32);
-        assert_eq!(req.rules[0].values, vec!["4096".to_string()]);
-        assert_eq!(req.rules[0].severity, pb::Verdict::Critical as i32);
-        assert_eq!(req.rules[0].repair_max_per_hour, 3);
-        assert!(!req.rules[0].repair);
-        assert_eq!(req.thresholds[0].indicator, "disk.*");
     }
 }

@@ -4,59 +4,24 @@
 //! two writes per test, three at most). Deletes the test when its TTL after finishing has passed.
 
 use std::collections::BTreeMap;
-use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
-use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use futures::StreamExt as _;
 use k8s_openapi::api::core::v1::Node;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, Preconditions};
-use kube::runtime::controller::{Action, Config as ControllerConfig, Controller};
-use kube::runtime::watcher;
+use kube::runtime::controller::Action;
 use kube::{Resource as _, ResourceExt as _};
 use nodekeeper_api::crd::NetworkTest;
 use nodekeeper_api::names::{API_VERSION, MANAGER_NETWORK_TEST};
-use nodekeeper_proto::agent::v1 as pb;
-use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use super::aggregate::aggregate;
-use super::plan::{self, Environment, SourceNode, SpecError};
+use super::plan::{self, SourceNode, SpecError};
 use super::status::{Event, Expiry, TestStatus, expiry, transition};
-use super::store::{ResultsStore, StoredResults};
-use super::{crd, fanout, wire};
-
-/// How the reconciler asks one agent to run probes: the agent's endpoint, the request, and the
-/// time the call may take. The controller supplies it (mutual TLS, reply limits); keeping it a
-/// function keeps this module free of transport details.
-pub type AgentCall = Arc<
-    dyn Fn(
-            SocketAddr,
-            pb::RunProbesRequest,
-            Duration,
-        ) -> Pin<Box<dyn Future<Output = Result<pb::RunProbesResponse, String>> + Send>>
-        + Send
-        + Sync,
->;
-
-/// What the reconciler needs.
-pub struct Context {
-    pub client: kube::Client,
-    /// The agents' gRPC port on each node's InternalIP.
-    pub agent_port: u16,
-    pub call: AgentCall,
-    /// The API server and metadata service addresses, from the controller's configuration.
-    pub env: Environment,
-    pub store: ResultsStore,
-    /// Agents asked at once, per test.
-    pub agent_concurrency: usize,
-    /// Tests run at once.
-    pub test_concurrency: u16,
-    /// Watch only this namespace's tests; `None` watches all.
-    pub namespace: Option<String>,
-}
+use super::store::StoredResults;
+use super::{Context, crd, fanout, wire};
+use crate::shared::AgentNode;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -68,22 +33,8 @@ pub enum Error {
     DeleteExpired { test: String, source: kube::Error },
 }
 
-/// Runs the controller until `cancel`.
-pub async fn run(ctx: Arc<Context>, cancel: CancellationToken) {
-    let api: Api<NetworkTest> = match &ctx.namespace {
-        Some(ns) => Api::namespaced(ctx.client.clone(), ns),
-        None => Api::all(ctx.client.clone()),
-    };
-    let config = ControllerConfig::default().concurrency(ctx.test_concurrency.max(1));
-    Controller::new(api, watcher::Config::default())
-        .with_config(config)
-        .graceful_shutdown_on(async move { cancel.cancelled().await })
-        .run(reconcile, error_policy, ctx)
-        .for_each(|_| futures::future::ready(()))
-        .await;
-}
-
-fn error_policy(nt: Arc<NetworkTest>, error: &Error, _ctx: Arc<Context>) -> Action {
+/// Logs the failure and retries in 30 s.
+pub fn error_policy(nt: Arc<NetworkTest>, error: &Error, _ctx: Arc<Context>) -> Action {
     warn!(%error, test = %nt.name_any(), "networktest reconcile failed; retrying in 30s");
     Action::requeue(Duration::from_secs(30))
 }
@@ -179,7 +130,7 @@ pub async fn reconcile(nt: Arc<NetworkTest>, ctx: Arc<Context>) -> Result<Action
     })?;
     let mut sources = Vec::with_capacity(list.items.len());
     for node in &list.items {
-        let facts = crate::fleet::node_facts(node);
+        let facts = crate::shared::fleet::node_facts(node);
         match facts.address {
             Some(address) => sources.push(SourceNode {
                 name: facts.name,
@@ -226,11 +177,17 @@ pub async fn reconcile(nt: Arc<NetworkTest>, ctx: Arc<Context>) -> Result<Action
         &test_plan,
         ctx.agent_concurrency,
         |source, targets, budget| {
-            let endpoint = SocketAddr::new(addresses[&source], port);
+            let node = AgentNode {
+                endpoint: SocketAddr::new(addresses[&source], port),
+                name: source.clone(),
+            };
             let request = wire::request(&run_id, &test_plan.params, &targets);
-            let call = Arc::clone(&ctx.call);
+            let agents = Arc::clone(&ctx.agents);
             async move {
-                let response = call(endpoint, request, budget).await?;
+                let response = agents
+                    .run_probes(&node, request, budget)
+                    .await
+                    .map_err(|e| e.to_string())?;
                 Ok(wire::pairs(&source, &targets, response))
             }
         },

@@ -9,13 +9,17 @@
 //! skew between replicas does not matter. After the leader dies without releasing, the other
 //! replica therefore takes over within lease duration + two retry periods; a leader that shuts
 //! down cleanly releases the Lease and the other takes over within one retry period.
+//!
+//! The leader also labels its own Pod `nodekeeper.dev/leader=true` ([`label_pod`]) so that the
+//! Service routes the HTTP API to it.
 
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use kube::Api;
-use kube::api::PostParams;
+use kube::api::{Patch, PatchParams, PostParams};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -226,6 +230,19 @@ async fn release(api: &Api<Lease>, config: &LeaderConfig) {
     {
         Ok(_) => info!(lease = %config.name, "released the lease"),
         Err(error) => warn!(%error, lease = %config.name, "releasing the lease failed"),
+    }
+}
+
+/// Labels this replica's Pod as leader or not (best effort; only with `--pod-name`).
+pub async fn label_pod(client: &kube::Client, namespace: &str, pod: Option<&str>, leader: bool) {
+    let Some(pod) = pod else { return };
+    let api: Api<Pod> = Api::namespaced(client.clone(), namespace);
+    let body = serde_json::json!({ "metadata": { "labels": { "nodekeeper.dev/leader": leader.to_string() } } });
+    if let Err(error) = api
+        .patch(pod, &PatchParams::default(), &Patch::Merge(&body))
+        .await
+    {
+        warn!(%error, pod, "labelling the Pod failed; the Service may route the HTTP API to a standby");
     }
 }
 

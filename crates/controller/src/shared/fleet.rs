@@ -22,8 +22,9 @@ use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use super::agent_client::CallOutcome;
+use super::metrics::{ReasonLabels, SkipReason, SweepMetrics};
 use crate::conditions::{Condition, OWNED_TYPES, Status, Written};
-use crate::metrics::{CallOutcome, Metrics, ReasonLabels, SkipReason};
 use crate::schedule::NodeSchedule;
 use crate::view::NodeView;
 
@@ -248,7 +249,7 @@ pub async fn watch_nodes(
     api: Api<Node>,
     selector: Option<String>,
     fleet: Arc<Fleet>,
-    metrics: Arc<Metrics>,
+    metrics: SweepMetrics,
     cancel: CancellationToken,
 ) {
     let mut config = watcher::Config::default();

@@ -1,0 +1,182 @@
+//! The controllers, one folder each, and the one way they are started.
+//!
+//! A watch-reconcile controller is a folder `controllers/<name>/` whose `Context` (what its
+//! reconcile needs: client, agents, configuration, …) implements [`Reconciler`]: the watched
+//! kind, a fixed `NAME`, `reconcile(obj: Arc<K>, ctx: Arc<Context>) -> Result<Action, Error>` and
+//! `error_policy`. [`start`] runs it with kube's `Controller`, and gives every controller the
+//! same span per reconcile (`controller`, `object`, `namespace` as fields), the same reconcile
+//! metrics (`nodekeeper_reconcile_{runs,failures}_total` and `nodekeeper_reconcile_seconds`,
+//! labelled by controller name only) and graceful shutdown on the token.
+//!
+//! # Adding a controller
+//!
+//! 1. Create `controllers/<name>/mod.rs` with its `Context`, `reconcile`, `error_policy` and
+//!    `impl Reconciler for Context`; business logic goes in plain functions beside it. If it has
+//!    flags, give it a `#[derive(clap::Args)] #[group(id = "<name>")] Config` (a unique group
+//!    id: clap refuses two groups of the same name) and add it as a field of [`Config`] here
+//!    (flags `--<name>-…`, env `NODEKEEPER_<NAME>_…`).
+//! 2. Add `pub mod <name>;` below and ONE registration line in [`Controllers::start`]:
+//!    `r.add(<name>::Context::new(shared, &config.<name>));`
+//!
+//! Nothing outside `controllers/` changes: the runtime calls [`Controllers::start`] once this
+//! replica leads, and stops everything through the token when it no longer does.
+//!
+//! # The one exception: the node sweep
+//!
+//! [`nodes`] is not a watch-reconcile controller: it is a scheduler over the agents (every node's
+//! agent read on a jittered interval, conditions written on change), fed by the fleet's Node
+//! watch in [`crate::shared::fleet`]. It is started from the same place, as its own task.
+
+pub mod networktest;
+pub mod node_maintenance;
+pub mod nodes;
+
+use std::fmt::Debug;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Instant;
+
+use futures::StreamExt as _;
+use kube::runtime::controller::{Action, Config as ControllerConfig, Controller};
+use kube::runtime::watcher;
+use kube::{Api, Resource, ResourceExt as _};
+use serde::de::DeserializeOwned;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{Instrument as _, info};
+
+use crate::shared::Shared;
+use crate::shared::metrics::ReconcileMetrics;
+
+/// Every controller's flags, flattened into the command line.
+#[derive(Clone, Debug, clap::Args)]
+#[group(id = "controllers")]
+pub struct Config {
+    #[command(flatten)]
+    pub networktest: networktest::Config,
+}
+
+/// A watch-reconcile controller, implemented by its `Context`.
+pub trait Reconciler: Send + Sync + Sized + 'static {
+    /// The watched kind.
+    type Object: Resource<DynamicType = ()>
+        + Clone
+        + DeserializeOwned
+        + Debug
+        + Send
+        + Sync
+        + 'static;
+    type Error: std::error::Error + Send + Sync + 'static;
+    /// Fixed name: the `controller` label of the reconcile metrics and field of the span.
+    const NAME: &'static str;
+
+    /// Where the watched objects are (all namespaces or one).
+    fn api(&self) -> Api<Self::Object>;
+    /// Which objects are watched.
+    fn watcher_config(&self) -> watcher::Config {
+        watcher::Config::default()
+    }
+    /// Objects reconciled at once.
+    fn concurrency(&self) -> u16;
+    fn reconcile(
+        obj: Arc<Self::Object>,
+        ctx: Arc<Self>,
+    ) -> impl Future<Output = Result<Action, Self::Error>> + Send + 'static;
+    fn error_policy(obj: Arc<Self::Object>, error: &Self::Error, ctx: Arc<Self>) -> Action;
+}
+
+/// Runs controller `C` until `shutdown`: each reconcile in a span naming the object, counted and
+/// timed in `metrics` under `C::NAME`; in-flight reconciles finish before it returns.
+pub async fn start<C: Reconciler>(
+    ctx: Arc<C>,
+    metrics: ReconcileMetrics,
+    shutdown: CancellationToken,
+) {
+    let config = ControllerConfig::default().concurrency(ctx.concurrency().max(1));
+    let reconcile = move |obj: Arc<C::Object>, ctx: Arc<C>| {
+        let span = tracing::info_span!(
+            "reconcile",
+            controller = C::NAME,
+            object = %obj.name_any(),
+            namespace = obj.namespace().unwrap_or_default(),
+        );
+        let metrics = metrics.clone();
+        async move {
+            let started = Instant::now();
+            let result = C::reconcile(obj, ctx).await;
+            metrics.record(C::NAME, result.is_ok(), started.elapsed().as_secs_f64());
+            result
+        }
+        .instrument(span)
+    };
+    info!(controller = C::NAME, "controller starting");
+    Controller::new(ctx.api(), ctx.watcher_config())
+        .with_config(config)
+        .graceful_shutdown_on(async move { shutdown.cancelled().await })
+        .run(reconcile, C::error_policy, ctx)
+        .for_each(|_| futures::future::ready(()))
+        .await;
+    info!(controller = C::NAME, "controller stopped");
+}
+
+/// State of the controllers that outlives leadership (served by the HTTP API on a standby too),
+/// and the registration of every controller.
+#[derive(Default)]
+pub struct Controllers {
+    networktest_results: networktest::ResultsStore,
+}
+
+impl Controllers {
+    /// The routes controllers add to the HTTP API.
+    pub fn router(&self) -> axum::Router {
+        networktest::store::router(self.networktest_results.clone())
+    }
+
+    /// Starts every controller under `tracker`; each stops when `shutdown` fires. Called once
+    /// this replica leads and the agent certificates are loaded.
+    pub fn start(
+        &self,
+        shared: &Shared,
+        config: &Config,
+        tracker: &TaskTracker,
+        shutdown: &CancellationToken,
+    ) {
+        // The one exception (see the module doc): the sweep schedules agent reads itself.
+        let sweep = Arc::new(nodes::Context::new(shared));
+        tracker.spawn(nodes::sweep::run(
+            Arc::clone(&sweep),
+            shutdown.child_token(),
+        ));
+        tracker.spawn(nodes::condition_gauges(sweep, shutdown.child_token()));
+
+        // Watch-reconcile controllers: one registration line each.
+        let r = Registrar {
+            shared,
+            tracker,
+            shutdown,
+        };
+        r.add(networktest::Context::new(
+            shared,
+            &config.networktest,
+            &self.networktest_results,
+        ));
+        r.add(node_maintenance::Context::new(shared));
+    }
+}
+
+/// Starts watch-reconcile controllers with [`start`] under the runtime's tracker and token.
+struct Registrar<'a> {
+    shared: &'a Shared,
+    tracker: &'a TaskTracker,
+    shutdown: &'a CancellationToken,
+}
+
+impl Registrar<'_> {
+    fn add<C: Reconciler>(&self, ctx: C) {
+        self.tracker.spawn(start(
+            Arc::new(ctx),
+            self.shared.metrics.reconcile.clone(),
+            self.shutdown.child_token(),
+        ));
+    }
+}

@@ -1,0 +1,128 @@
+//! The `NetworkTest` controller: spec checking and target expansion (`plan`, `crd`),
+//! deterministic peer selection (`peers`), fan-out to agents (`fanout`, `wire`), result
+//! aggregation (`aggregate`), the phase machine with the status it produces (`status`), the
+//! in-memory store of full results behind the HTTP API (`store`), and the reconciler
+//! (`reconcile`) that drives them from the API server. Everything but `reconcile` is plain
+//! functions over plain data. This file holds the [`Context`] and the [`Config`] (flags).
+
+pub mod aggregate;
+pub mod crd;
+pub mod fanout;
+pub mod peers;
+pub mod plan;
+pub mod reconcile;
+pub mod status;
+pub mod store;
+pub mod wire;
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+
+use kube::Api;
+use kube::runtime::controller::Action;
+use nodekeeper_api::crd::NetworkTest;
+
+pub use aggregate::{PairResult, Summary, aggregate};
+pub use plan::{Environment, SourceNode, SpecError, TargetSpec, TestPlan, TestSpec, plan};
+pub use reconcile::{Error, error_policy, reconcile};
+pub use status::{Event, Phase, TestStatus, transition};
+pub use store::ResultsStore;
+
+use super::Reconciler;
+use crate::shared::{Agents, Shared};
+
+/// The NetworkTest controller's flags.
+#[derive(Clone, Debug, clap::Args)]
+#[group(id = "networktest")]
+pub struct Config {
+    /// The API server as nodes reach it (`host:port`, e.g. `10.0.0.1:6443`), probed by a
+    /// NetworkTest target `apiServer: true`. Unset by default: such a test then fails with a
+    /// condition naming `spec.targets[i].apiServer`.
+    #[arg(long, env = "NODEKEEPER_API_SERVER_ADDRESS")]
+    pub api_server_address: Option<SocketAddr>,
+
+    /// The cloud metadata service's IP address, probed by a NetworkTest target
+    /// `metadataService: true`. Unset by default and never assumed: such a test then fails with a
+    /// condition naming `spec.targets[i].metadataService`.
+    #[arg(long, env = "NODEKEEPER_METADATA_SERVICE_ADDRESS")]
+    pub metadata_service_address: Option<IpAddr>,
+
+    /// NetworkTests run at once.
+    #[arg(long, env = "NODEKEEPER_NETWORKTEST_CONCURRENCY", default_value_t = 4)]
+    pub networktest_concurrency: u16,
+
+    /// Agents asked at once by one NetworkTest. Probe calls mostly wait (count × interval), so
+    /// the default of 256 in flight finishes a 1,000-node mesh in four rounds.
+    #[arg(
+        long,
+        env = "NODEKEEPER_NETWORKTEST_AGENT_CONCURRENCY",
+        default_value_t = 256
+    )]
+    pub networktest_agent_concurrency: usize,
+}
+
+/// What the reconciler needs.
+pub struct Context {
+    pub client: kube::Client,
+    /// The agents' gRPC port on each node's InternalIP.
+    pub agent_port: u16,
+    /// How the probes are run on the source nodes.
+    pub agents: Arc<dyn Agents>,
+    /// The API server and metadata service addresses, from the controller's configuration.
+    pub env: Environment,
+    pub store: ResultsStore,
+    /// Agents asked at once, per test.
+    pub agent_concurrency: usize,
+    /// Tests run at once.
+    pub test_concurrency: u16,
+    /// Watch only this namespace's tests; `None` watches all.
+    pub namespace: Option<String>,
+}
+
+impl Context {
+    /// The controller's context in the running controller-manager: every namespace, the shared
+    /// agents service, results kept in `store`.
+    pub fn new(shared: &Shared, config: &Config, store: &ResultsStore) -> Self {
+        Self {
+            client: shared.client.clone(),
+            agent_port: shared.agent_port,
+            agents: shared.agents(),
+            env: Environment {
+                api_server: config.api_server_address,
+                metadata_service: config.metadata_service_address,
+            },
+            store: store.clone(),
+            agent_concurrency: config.networktest_agent_concurrency,
+            test_concurrency: config.networktest_concurrency,
+            namespace: None,
+        }
+    }
+}
+
+impl Reconciler for Context {
+    type Object = NetworkTest;
+    type Error = Error;
+    const NAME: &'static str = "networktest";
+
+    fn api(&self) -> Api<NetworkTest> {
+        match &self.namespace {
+            Some(ns) => Api::namespaced(self.client.clone(), ns),
+            None => Api::all(self.client.clone()),
+        }
+    }
+
+    fn concurrency(&self) -> u16 {
+        self.test_concurrency
+    }
+
+    fn reconcile(
+        obj: Arc<NetworkTest>,
+        ctx: Arc<Self>,
+    ) -> impl Future<Output = Result<Action, Error>> + Send + 'static {
+        reconcile(obj, ctx)
+    }
+
+    fn error_policy(obj: Arc<NetworkTest>, error: &Error, ctx: Arc<Self>) -> Action {
+        error_policy(obj, error, ctx)
+    }
+}

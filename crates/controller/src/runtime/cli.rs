@@ -1,0 +1,154 @@
+//! The controller-manager's command line: every flag, each also settable through a
+//! `NODEKEEPER_…` environment variable. The controllers' own flags are flattened in from
+//! [`crate::controllers::Config`].
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use clap::{Parser, ValueEnum};
+
+use crate::controllers;
+
+/// Log line format.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    /// One JSON object per line, with the current span and the list of enclosing spans.
+    Json,
+    /// Human-readable lines; coloured only when stderr is a terminal.
+    Plain,
+}
+
+/// The nodekeeper controller-manager. Run two replicas: one holds the Lease and works, the other
+/// waits to take over.
+#[derive(Clone, Debug, Parser)]
+#[command(name = "nodekeeper-controller", version, about, long_about = None)]
+pub struct Cli {
+    /// Namespace of the Lease, the certificate Secrets and the tuning ConfigMap.
+    #[arg(long, env = "NODEKEEPER_NAMESPACE", default_value = "nodekeeper")]
+    pub namespace: String,
+
+    /// This replica's identity in the Lease (the Pod name in a cluster). Default: host name and PID.
+    #[arg(long, env = "NODEKEEPER_IDENTITY")]
+    pub identity: Option<String>,
+
+    /// This replica's Pod name; when set, the leader labels its Pod `nodekeeper.dev/leader=true`
+    /// so that the Service routes the HTTP API to it.
+    #[arg(long, env = "NODEKEEPER_POD_NAME")]
+    pub pod_name: Option<String>,
+
+    /// Address of the HTTP API and metrics.
+    #[arg(long, env = "NODEKEEPER_HTTP_LISTEN", default_value = "0.0.0.0:8080")]
+    pub http_listen: SocketAddr,
+
+    /// Port of the agents' gRPC servers on each node's InternalIP.
+    #[arg(long, env = "NODEKEEPER_AGENT_PORT", default_value_t = 9443)]
+    pub agent_port: u16,
+
+    /// Only Nodes matching this label selector are managed (default: all).
+    #[arg(long, env = "NODEKEEPER_NODE_SELECTOR")]
+    pub node_selector: Option<String>,
+
+    /// Name of the Lease.
+    #[arg(
+        long,
+        env = "NODEKEEPER_LEASE_NAME",
+        default_value = "nodekeeper-controller"
+    )]
+    pub lease_name: String,
+
+    /// How long a Lease holder that stopped renewing keeps it.
+    #[arg(long, env = "NODEKEEPER_LEASE_DURATION", default_value = "15s", value_parser = duration)]
+    pub lease_duration: Duration,
+
+    /// The leader gives up if it could not renew for this long.
+    #[arg(long, env = "NODEKEEPER_RENEW_DEADLINE", default_value = "10s", value_parser = duration)]
+    pub renew_deadline: Duration,
+
+    /// Interval of Lease renewals and acquisition attempts. Each renewal is an API write, so
+    /// this sets the controller's steady-state write rate: 5s is 0.2 writes/s (client-go's 2s
+    /// would be 0.5/s, measured in BENCHMARKS.md).
+    #[arg(long, env = "NODEKEEPER_RETRY_PERIOD", default_value = "5s", value_parser = duration)]
+    pub retry_period: Duration,
+
+    /// Name of the tuning ConfigMap in `--namespace`.
+    #[arg(long, env = "NODEKEEPER_TUNING_CONFIGMAP", default_value = nodekeeper_model::tuning::CONFIGMAP_NAME)]
+    pub tuning_configmap: String,
+
+    /// Largest agent reply accepted, in bytes; a larger one counts as an invalid reply.
+    #[arg(long, env = "NODEKEEPER_MAX_REPLY_BYTES", default_value_t = 4 * 1024 * 1024)]
+    pub max_reply_bytes: usize,
+
+    /// Log line format.
+    #[arg(
+        long,
+        env = "NODEKEEPER_LOG_FORMAT",
+        value_enum,
+        default_value = "json"
+    )]
+    pub log_format: LogFormat,
+
+    /// Log filter in `tracing` env-filter syntax.
+    #[arg(long, env = "NODEKEEPER_LOG", default_value = "info")]
+    pub log: String,
+
+    /// The controllers' own flags.
+    #[command(flatten)]
+    pub controllers: controllers::Config,
+}
+
+impl Cli {
+    /// This replica's identity: `--identity`, else the host name and PID.
+    pub fn identity(&self) -> String {
+        self.identity.clone().unwrap_or_else(|| {
+            let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+            format!("{}-{}", host.trim(), std::process::id())
+        })
+    }
+
+    /// Checks the leadership timings: retry period < renew deadline < lease duration.
+    pub fn check(&self) -> Result<(), String> {
+        if self.renew_deadline >= self.lease_duration || self.retry_period >= self.renew_deadline {
+            return Err(format!(
+                "need --retry-period ({:?}) < --renew-deadline ({:?}) < --lease-duration ({:?})",
+                self.retry_period, self.renew_deadline, self.lease_duration
+            ));
+        }
+        Ok(())
+    }
+}
+
+fn duration(s: &str) -> Result<Duration, String> {
+    nodekeeper_model::tuning::parse_duration(s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_flag_has_an_env_var_and_help() {
+        use clap::CommandFactory;
+        for arg in Cli::command().get_arguments() {
+            let id = arg.get_id().as_str();
+            if id == "help" || id == "version" {
+                continue;
+            }
+            let env = arg.get_env().map(|e| e.to_string_lossy().into_owned());
+            assert!(
+                env.as_deref().is_some_and(|e| e.starts_with("NODEKEEPER_")),
+                "flag {id} has no NODEKEEPER_ env var"
+            );
+            assert!(arg.get_help().is_some(), "flag {id} has no help");
+        }
+    }
+
+    #[test]
+    fn networktest_concurrency_defaults() {
+        let cli = Cli::parse_from(["nodekeeper-controller"]);
+        assert_eq!(cli.controllers.networktest.networktest_concurrency, 4);
+        assert_eq!(
+            cli.controllers.networktest.networktest_agent_concurrency,
+            256
+        );
+    }
+}

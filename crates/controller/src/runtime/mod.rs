@@ -1,0 +1,192 @@
+//! The process around the controllers: [`run`] goes command line → tracing → Kubernetes client →
+//! shutdown tree → HTTP API → Lease → (once leading) certificates, the shared watches and every
+//! controller. Losing the Lease ends the process (an error from [`run`]), so the Pod restarts as
+//! a standby; SIGTERM/SIGINT end it cleanly after releasing the Lease.
+//!
+//! The shutdown tree is one root [`CancellationToken`] (cancelled by a signal, by losing the
+//! Lease, or by a fatal error) whose child tokens stop each task, and one [`TaskTracker`] that
+//! `run` waits on (10 s at most) before returning.
+//!
+//! Files: [`cli`] (flags), [`logging`] (`--log-format`), [`signals`], [`leader`] (Lease and Pod
+//! label), [`pki`] (certificate renewal), [`http`] (the HTTP API and metrics).
+
+pub mod cli;
+pub mod http;
+pub mod leader;
+pub mod logging;
+pub mod pki;
+pub mod signals;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{ConfigMap, Node, Secret};
+use kube::Api;
+use prometheus_client::registry::Registry;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{error, info, warn};
+
+pub use cli::{Cli, LogFormat};
+
+use crate::certs;
+use crate::controllers::Controllers;
+use crate::shared::{Fleet, Metrics, MtlsAgents, Shared, TuningState, fleet, tuning};
+
+/// Errors that end the process.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("connect to the Kubernetes API: {0}")]
+    ConnectKube(#[source] kube::Error),
+    #[error("bind the HTTP API on {addr}: {source}")]
+    BindHttp {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("invalid flags: {0}")]
+    InvalidFlags(String),
+    #[error(transparent)]
+    Certificates(#[from] certs::CertError),
+    #[error(transparent)]
+    Leadership(#[from] leader::LeaderError),
+}
+
+/// How long `run` waits for its tasks to stop.
+const STOP_GRACE: Duration = Duration::from_secs(10);
+
+/// Runs the controller until SIGTERM/SIGINT (Ok) or loss of the Lease (Err).
+pub async fn run(cli: Cli) -> Result<(), Error> {
+    logging::init(&cli);
+    cli.check().map_err(Error::InvalidFlags)?;
+    let identity = cli.identity();
+    let client = kube::Client::try_default()
+        .await
+        .map_err(Error::ConnectKube)?;
+
+    let shutdown = CancellationToken::new();
+    let tracker = TaskTracker::new();
+    tracker.spawn(signals::cancel_on_signal(shutdown.clone()));
+
+    let mut registry = Registry::default();
+    let metrics = Arc::new(Metrics::new(&mut registry));
+    let (tuning_tx, tuning_rx) = watch::channel(Arc::new(TuningState::defaults()));
+    let fleet = Arc::new(Fleet::default());
+    let agents = Arc::new(MtlsAgents::new(
+        Arc::clone(&fleet),
+        cli.max_reply_bytes,
+        metrics.agents.clone(),
+    ));
+    let shared = Shared {
+        client: client.clone(),
+        namespace: cli.namespace.clone(),
+        identity: identity.clone(),
+        agent_port: cli.agent_port,
+        metrics: Arc::clone(&metrics),
+        fleet: Arc::clone(&fleet),
+        tuning: tuning_rx.clone(),
+        agents: Arc::clone(&agents),
+    };
+    let controllers = Controllers::default();
+    let is_leader = Arc::new(AtomicBool::new(false));
+
+    let listener = tokio::net::TcpListener::bind(cli.http_listen)
+        .await
+        .map_err(|source| Error::BindHttp {
+            addr: cli.http_listen,
+            source,
+        })?;
+    info!(addr = %cli.http_listen, identity = %identity, "HTTP API listening");
+    {
+        let router = http::router(
+            Arc::new(http::Context {
+                identity: identity.clone(),
+                is_leader: Arc::clone(&is_leader),
+                fleet: Arc::clone(&fleet),
+                tuning: tuning_rx,
+                registry,
+                sweep: metrics.sweep.clone(),
+            }),
+            controllers.router(),
+        );
+        let stop = shutdown.child_token();
+        tracker.spawn(async move {
+            if let Err(error) = axum::serve(listener, router)
+                .with_graceful_shutdown(async move { stop.cancelled().await })
+                .await
+            {
+                error!(%error, "HTTP API failed");
+            }
+        });
+    }
+
+    let pod = cli.pod_name.as_deref();
+    leader::label_pod(&client, &cli.namespace, pod, false).await;
+    let leases: Api<Lease> = Api::namespaced(client.clone(), &cli.namespace);
+    let lease_config = leader::LeaderConfig {
+        name: cli.lease_name.clone(),
+        identity: identity.clone(),
+        lease_duration: cli.lease_duration,
+        renew_deadline: cli.renew_deadline,
+        retry_period: cli.retry_period,
+    };
+    if !leader::acquire(&leases, &lease_config, &shutdown).await {
+        tracker.close();
+        tracker.wait().await;
+        return Ok(());
+    }
+    info!(identity = %identity, lease = %cli.lease_name, "leading");
+    is_leader.store(true, Ordering::Relaxed);
+    metrics.runtime.is_leader.set(1);
+    leader::label_pod(&client, &cli.namespace, pod, true).await;
+
+    // From here on this replica writes; everything below runs only while it leads.
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), &cli.namespace);
+    let leading = async {
+        let (pem, _) = certs::ensure(&secrets).await?;
+        agents.set_tls(&pem);
+
+        tracker.spawn(fleet::watch_nodes(
+            Api::<Node>::all(client.clone()),
+            cli.node_selector.clone(),
+            Arc::clone(&fleet),
+            metrics.sweep.clone(),
+            shutdown.child_token(),
+        ));
+        tracker.spawn(tuning::watch_tuning(
+            Api::<ConfigMap>::namespaced(client.clone(), &cli.namespace),
+            cli.tuning_configmap.clone(),
+            shared.recorder(),
+            tuning_tx,
+            metrics.tuning.clone(),
+            shutdown.child_token(),
+        ));
+        tracker.spawn(pki::renew_certificates(
+            secrets.clone(),
+            Arc::clone(&agents),
+            metrics.runtime.clone(),
+            shutdown.child_token(),
+        ));
+        controllers.start(&shared, &cli.controllers, &tracker, &shutdown);
+
+        leader::hold(&leases, &lease_config, &shutdown)
+            .await
+            .map_err(Error::from)
+    };
+    let result = leading.await;
+    if let Err(error) = &result {
+        error!(%error, "stopping: this replica no longer leads");
+    }
+    shutdown.cancel();
+    tracker.close();
+    if tokio::time::timeout(STOP_GRACE, tracker.wait())
+        .await
+        .is_err()
+    {
+        warn!("tasks did not stop within 10s");
+    }
+    result
+}

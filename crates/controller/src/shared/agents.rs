@@ -1,0 +1,366 @@
+//! The agents service: every call the controller makes to a node agent goes through [`Agents`]
+//! (`report`, `run_probes`, `apply_network`; diagnostics will join them), so that each call gets
+//! the same treatment whichever controller makes it: only agents of Nodes this controller manages
+//! (its `--node-selector`) are contacted, over mutual TLS with the current certificates, within a
+//! whole-call timeout and the reply size limit, inside a tracing span naming the node, and
+//! counted in `nodekeeper_agents_*` by method and outcome.
+//!
+//! [`Agents`] is a trait so that a test can run the agent's real code in-process (e.g. probes
+//! inside a network namespace) behind the same interface; [`MtlsAgents`] is the one used in
+//! production, built on the transport in [`super::agent_client`].
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use futures::future::BoxFuture;
+use nodekeeper_model::tuning::RuleSet;
+use nodekeeper_proto::agent::v1 as pb;
+use tracing::Instrument as _;
+
+use super::agent_client::{self, AgentConnection, AgentTls, CallError, CallLimits, CallOutcome};
+use super::fleet::Fleet;
+use super::metrics::{AgentMethod, AgentMetrics};
+use crate::certs::Pem;
+use crate::view::{InvalidReport, NodeView};
+
+/// The agent to call: the Node's name and its agent's gRPC endpoint (InternalIP and port).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AgentNode {
+    pub name: String,
+    pub endpoint: SocketAddr,
+}
+
+/// What a report call asks.
+#[derive(Clone, Copy, Debug)]
+pub struct ReportRequest<'a> {
+    /// The report revision the caller holds; the agent answers "unchanged" when it still has it.
+    pub cached_revision: Option<u64>,
+    /// Rules to push on the same connection when the agent holds another revision.
+    pub rules: Option<RulesPush<'a>>,
+}
+
+/// Rules to push during a report call.
+#[derive(Clone, Copy, Debug)]
+pub struct RulesPush<'a> {
+    pub rules: &'a RuleSet,
+    /// The revision the agent last reported, used when its answer is "unchanged".
+    pub known_agent_revision: Option<u64>,
+    /// A revision the agent refused on its merits: not pushed again.
+    pub refused_revision: u64,
+}
+
+/// What happened to a [`RulesPush`].
+#[derive(Debug)]
+pub enum RulesOutcome {
+    /// Not asked for, or the agent already holds (or refused) the revision.
+    NotPushed,
+    /// The agent took the rules (revision given).
+    Applied(u64),
+    /// The agent refused or the call failed (revision given).
+    Failed(u64, CallError),
+}
+
+/// The answer of a report call: the report (None when unchanged) and, whatever became of the
+/// report, what became of the rules push.
+#[derive(Debug)]
+pub struct Report {
+    pub view: Result<Option<NodeView>, CallError>,
+    pub rules: RulesOutcome,
+}
+
+/// Calls to node agents. Every method contacts only managed nodes and returns an error naming
+/// the endpoint otherwise.
+pub trait Agents: Send + Sync {
+    /// Reads the node's report (and pushes rules, see [`ReportRequest`]).
+    fn report<'a>(
+        &'a self,
+        node: &'a AgentNode,
+        request: ReportRequest<'a>,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Report>;
+
+    /// Asks the agent to run a `NetworkTest`'s probes.
+    fn run_probes<'a>(
+        &'a self,
+        node: &'a AgentNode,
+        request: pb::RunProbesRequest,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<pb::RunProbesResponse, CallError>>;
+
+    /// Asks the agent to plan and (unless a dry run) apply host network state.
+    fn apply_network<'a>(
+        &'a self,
+        node: &'a AgentNode,
+        request: pb::ApplyNetworkRequest,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<pb::ApplyNetworkResponse, CallError>>;
+}
+
+/// The production [`Agents`]: mutual TLS to the agents of the Nodes in [`Fleet`].
+pub struct MtlsAgents {
+    fleet: Arc<Fleet>,
+    tls: RwLock<Option<AgentTls>>,
+    max_reply_bytes: usize,
+    metrics: AgentMetrics,
+}
+
+impl MtlsAgents {
+    pub fn new(fleet: Arc<Fleet>, max_reply_bytes: usize, metrics: AgentMetrics) -> Self {
+        Self {
+            fleet,
+            tls: RwLock::new(None),
+            max_reply_bytes,
+            metrics,
+        }
+    }
+
+    /// Installs the client certificate and CA (at start, and after every renewal).
+    pub fn set_tls(&self, pem: &Pem) {
+        *self
+            .tls
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) =
+            Some(AgentTls::new(&pem.ca, &pem.cert, &pem.key));
+    }
+
+    /// Checks the node is managed, then connects with the current certificates.
+    async fn connect(
+        &self,
+        node: &AgentNode,
+        timeout: Duration,
+    ) -> Result<AgentConnection, CallError> {
+        let managed = self
+            .fleet
+            .lock()
+            .get(&node.name)
+            .is_some_and(|entry| entry.address == Some(node.endpoint.ip()));
+        if !managed {
+            return Err(CallError {
+                outcome: CallOutcome::NotManaged,
+                endpoint: node.endpoint,
+                detail: format!(
+                    "no node {} with this InternalIP is managed by this controller (check --node-selector); not contacted",
+                    node.name
+                ),
+            });
+        }
+        let tls = self
+            .tls
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        let Some(tls) = tls else {
+            return Err(CallError {
+                outcome: CallOutcome::Tls,
+                endpoint: node.endpoint,
+                detail: "the controller's certificates are not loaded yet".into(),
+            });
+        };
+        let limits = CallLimits {
+            timeout,
+            max_reply_bytes: self.max_reply_bytes,
+        };
+        agent_client::connect(&tls, node.endpoint, limits).await
+    }
+
+    /// Runs `call` in a span naming the node and counts it by method and outcome.
+    fn measured<'a, T: Send + 'a>(
+        &'a self,
+        method: AgentMethod,
+        node: &AgentNode,
+        call: impl Future<Output = (CallOutcome, T)> + Send + 'a,
+    ) -> BoxFuture<'a, T> {
+        let span = tracing::info_span!("agent_call", method = ?method, node = %node.name, endpoint = %node.endpoint);
+        Box::pin(
+            async move {
+                let started = Instant::now();
+                let (outcome, result) = call.await;
+                self.metrics
+                    .record(method, outcome, started.elapsed().as_secs_f64());
+                result
+            }
+            .instrument(span),
+        )
+    }
+
+    async fn report_inner(
+        &self,
+        node: &AgentNode,
+        request: ReportRequest<'_>,
+        timeout: Duration,
+    ) -> Report {
+        let mut rules = RulesOutcome::NotPushed;
+        let view = async {
+            let mut conn = self.connect(node, timeout).await?;
+            let invalid = |e: InvalidReport| CallError {
+                outcome: CallOutcome::InvalidReply,
+                endpoint: node.endpoint,
+                detail: e.to_string(),
+            };
+            let reply = conn
+                .get_report(request.cached_revision.unwrap_or(0))
+                .await?;
+            let mut view = NodeView::from_reply(&node.name, reply, request.cached_revision)
+                .map_err(invalid)?;
+            let Some(push) = request.rules else {
+                return Ok(view);
+            };
+            let agent_rules = view
+                .as_ref()
+                .map(|v| v.rules_revision)
+                .or(push.known_agent_revision)
+                .unwrap_or(0);
+            let wanted = push.rules.revision();
+            // An agent that already holds the revision is not called; nor is one that refused it.
+            if agent_rules == wanted || push.refused_revision == wanted {
+                return Ok(view);
+            }
+            match conn.set_rules(set_rules_request(push.rules, wanted)).await {
+                Ok(_) => {
+                    rules = RulesOutcome::Applied(wanted);
+                    // The agent's report changes with its rules: fetch it now rather than a
+                    // sweep later.
+                    let since = view
+                        .as_ref()
+                        .map(|v| v.revision)
+                        .or(request.cached_revision)
+                        .unwrap_or(0);
+                    let reply = conn.get_report(since).await?;
+                    if let Some(fresh) =
+                        NodeView::from_reply(&node.name, reply, Some(since)).map_err(invalid)?
+                    {
+                        view = Some(fresh);
+                    }
+                }
+                Err(error) => rules = RulesOutcome::Failed(wanted, error),
+            }
+            Ok(view)
+        }
+        .await;
+        Report { view, rules }
+    }
+}
+
+fn outcome_of<T>(result: &Result<T, CallError>) -> CallOutcome {
+    match result {
+        Ok(_) => CallOutcome::Answered,
+        Err(e) => e.outcome,
+    }
+}
+
+impl Agents for MtlsAgents {
+    fn report<'a>(
+        &'a self,
+        node: &'a AgentNode,
+        request: ReportRequest<'a>,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Report> {
+        self.measured(AgentMethod::Report, node, async move {
+            let report = self.report_inner(node, request, timeout).await;
+            let outcome = match &report.view {
+                Ok(None) => CallOutcome::Unchanged,
+                Ok(Some(_)) => CallOutcome::Report,
+                Err(e) => e.outcome,
+            };
+            (outcome, report)
+        })
+    }
+
+    fn run_probes<'a>(
+        &'a self,
+        node: &'a AgentNode,
+        request: pb::RunProbesRequest,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<pb::RunProbesResponse, CallError>> {
+        self.measured(AgentMethod::RunProbes, node, async move {
+            let result = async {
+                let mut conn = self.connect(node, timeout).await?;
+                conn.run_probes(request).await
+            }
+            .await;
+            (outcome_of(&result), result)
+        })
+    }
+
+    fn apply_network<'a>(
+        &'a self,
+        node: &'a AgentNode,
+        request: pb::ApplyNetworkRequest,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<pb::ApplyNetworkResponse, CallError>> {
+        self.measured(AgentMethod::ApplyNetwork, node, async move {
+            let result = async {
+                let mut conn = self.connect(node, timeout).await?;
+                conn.apply_network(request).await
+            }
+            .await;
+            (outcome_of(&result), result)
+        })
+    }
+}
+
+/// The `SetRules` request for a rule set.
+pub fn set_rules_request(rules: &RuleSet, revision: u64) -> pb::SetRulesRequest {
+    use nodekeeper_model::tuning::{Comparison, Severity};
+    pb::SetRulesRequest {
+        revision,
+        rules: rules
+            .tunables
+            .iter()
+            .map(|r| pb::TunableRule {
+                name: r.name.clone(),
+                key: r.key.clone(),
+                comparison: match r.comparison {
+                    Comparison::Equal => pb::Comparison::Equal,
+                    Comparison::AtLeast => pb::Comparison::AtLeast,
+                    Comparison::AtMost => pb::Comparison::AtMost,
+                    Comparison::OneOf => pb::Comparison::OneOf,
+                } as i32,
+                values: r.values.clone(),
+                repair: r.repair,
+                repair_max_per_hour: r.repair_max_per_hour,
+                severity: match r.severity {
+                    Severity::Warning => pb::Verdict::Warning,
+                    Severity::Critical => pb::Verdict::Critical,
+                } as i32,
+            })
+            .collect(),
+        thresholds: rules
+            .thresholds
+            .iter()
+            .map(|t| pb::IndicatorThreshold {
+                indicator: t.indicator.clone(),
+                warning: t.warning,
+                critical: t.critical,
+            })
+            .collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nodekeeper_model::tuning;
+    use std::collections::BTreeMap;
+
+    #[test]
+    fn rules_request_carries_every_field() {
+        let data: BTreeMap<String, String> = [(
+            "rules.yaml".to_string(),
+            "tunables:\n  - {name: a, key: net.core.somaxconn, atLeast: 4096, severity: critical, repairMaxPerHour: 3}\nthresholds:\n  - {indicator: 'disk.*', warning: 70, critical: 80}\n".to_string(),
+        )]
+        .into();
+        let config = tuning::parse(&data).unwrap();
+        let revision = config.rules.revision();
+        let req = set_rules_request(&config.rules, revision);
+        assert_eq!(req.revision, revision);
+        assert_eq!(req.rules[0].comparison, pb::Comparison::AtLeast as i32);
+        assert_eq!(req.rules[0].values, vec!["4096".to_string()]);
+        assert_eq!(req.rules[0].severity, pb::Verdict::Critical as i32);
+        assert_eq!(req.rules[0].repair_max_per_hour, 3);
+        assert!(!req.rules[0].repair);
+        assert_eq!(req.thresholds[0].indicator, "disk.*");
+    }
+}

@@ -1,0 +1,349 @@
+//! The controller's Prometheus metrics: one struct and one sub-registry per subsystem (`sweep`,
+//! `conditions`, `tuning`, `controller`, `agents`, `reconcile`), and only bounded label values
+//! (outcome classes, method and controller names, condition types and statuses — never node
+//! names, object names or error strings).
+
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+pub use super::agent_client::CallOutcome;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabels {
+    pub outcome: CallOutcome,
+}
+
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
+pub enum WriteResult {
+    Ok,
+    Error,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabels {
+    pub result: WriteResult,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabels {
+    pub reason: SkipReason,
+}
+
+/// Why a node was not read.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
+pub enum SkipReason {
+    /// The Node has no InternalIP address.
+    NoInternalIp,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ConditionLabels {
+    /// One of the few condition types nodekeeper owns.
+    pub condition: String,
+    /// `True`, `False` or `Unknown`.
+    pub status: String,
+}
+
+/// Every metric the controller exports, by subsystem.
+pub struct Metrics {
+    pub sweep: SweepMetrics,
+    pub conditions: ConditionMetrics,
+    pub tuning: TuningMetrics,
+    pub runtime: RuntimeMetrics,
+    pub agents: AgentMetrics,
+    pub reconcile: ReconcileMetrics,
+}
+
+impl Metrics {
+    /// Creates the metrics and registers each subsystem under `nodekeeper_<subsystem>_…`.
+    pub fn new(registry: &mut Registry) -> Self {
+        let root = registry.sub_registry_with_prefix("nodekeeper");
+        Self {
+            sweep: SweepMetrics::register(root.sub_registry_with_prefix("sweep")),
+            conditions: ConditionMetrics::register(root.sub_registry_with_prefix("conditions")),
+            tuning: TuningMetrics::register(root.sub_registry_with_prefix("tuning")),
+            runtime: RuntimeMetrics::register(root.sub_registry_with_prefix("controller")),
+            agents: AgentMetrics::register(root.sub_registry_with_prefix("agents")),
+            reconcile: ReconcileMetrics::register(root.sub_registry_with_prefix("reconcile")),
+        }
+    }
+}
+
+/// The fleet sweep and the Node watch that feeds it.
+#[derive(Clone)]
+pub struct SweepMetrics {
+    pub agent_calls: Family<OutcomeLabels, Counter>,
+    pub agent_call_seconds: Histogram,
+    pub set_rules_calls: Family<ResultLabels, Counter>,
+    pub nodes_known: Gauge,
+    pub nodes_stale: Gauge,
+    pub nodes_skipped: Family<ReasonLabels, Counter>,
+    pub nodes_read_once: Gauge,
+    pub initial_sweep_seconds: Gauge<f64, std::sync::atomic::AtomicU64>,
+    pub calls_in_flight: Gauge,
+}
+
+impl SweepMetrics {
+    fn register(sweep: &mut Registry) -> Self {
+        let m = Self {
+            agent_calls: Family::default(),
+            agent_call_seconds: Histogram::new(exponential_buckets(0.001, 2.0, 16)),
+            set_rules_calls: Family::default(),
+            nodes_known: Gauge::default(),
+            nodes_stale: Gauge::default(),
+            nodes_skipped: Family::default(),
+            nodes_read_once: Gauge::default(),
+            initial_sweep_seconds: Gauge::default(),
+            calls_in_flight: Gauge::default(),
+        };
+        sweep.register(
+            "agent_calls",
+            "Agent GetReport calls by outcome",
+            m.agent_calls.clone(),
+        );
+        sweep.register(
+            "agent_call_seconds",
+            "Duration of one agent call, connect included",
+            m.agent_call_seconds.clone(),
+        );
+        sweep.register(
+            "set_rules_calls",
+            "SetRules calls by result",
+            m.set_rules_calls.clone(),
+        );
+        sweep.register(
+            "nodes_known",
+            "Nodes the controller watches",
+            m.nodes_known.clone(),
+        );
+        sweep.register(
+            "nodes_stale",
+            "Nodes whose agent has not answered within staleAfter",
+            m.nodes_stale.clone(),
+        );
+        sweep.register(
+            "nodes_skipped",
+            "Node observations skipped, by reason",
+            m.nodes_skipped.clone(),
+        );
+        sweep.register(
+            "nodes_read",
+            "Nodes whose agent answered at least once since this process became leader",
+            m.nodes_read_once.clone(),
+        );
+        sweep.register(
+            "initial_sweep_seconds",
+            "Seconds from becoming leader until every known node was read once (0 until then)",
+            m.initial_sweep_seconds.clone(),
+        );
+        sweep.register(
+            "calls_in_flight",
+            "Agent calls in flight",
+            m.calls_in_flight.clone(),
+        );
+        m
+    }
+}
+
+/// Node condition writes and the per-condition gauges.
+#[derive(Clone)]
+pub struct ConditionMetrics {
+    pub patches: Family<ResultLabels, Counter>,
+    pub nodes: Family<ConditionLabels, Gauge>,
+}
+
+impl ConditionMetrics {
+    fn register(conditions: &mut Registry) -> Self {
+        let m = Self {
+            patches: Family::default(),
+            nodes: Family::default(),
+        };
+        conditions.register(
+            "patches",
+            "Node condition patches (server-side apply) by result",
+            m.patches.clone(),
+        );
+        conditions.register(
+            "nodes",
+            "Nodes by nodekeeper condition type and status",
+            m.nodes.clone(),
+        );
+        m
+    }
+}
+
+/// The tuning ConfigMap.
+#[derive(Clone)]
+pub struct TuningMetrics {
+    pub reloads: Family<ResultLabels, Counter>,
+    pub invalid_keys: Counter,
+}
+
+impl TuningMetrics {
+    fn register(tuning: &mut Registry) -> Self {
+        let m = Self {
+            reloads: Family::default(),
+            invalid_keys: Counter::default(),
+        };
+        tuning.register(
+            "reloads",
+            "Tuning ConfigMap versions read, by result",
+            m.reloads.clone(),
+        );
+        tuning.register(
+            "invalid_keys",
+            "Invalid keys found in tuning ConfigMaps",
+            m.invalid_keys.clone(),
+        );
+        m
+    }
+}
+
+/// Leadership and the PKI.
+#[derive(Clone)]
+pub struct RuntimeMetrics {
+    pub is_leader: Gauge,
+    pub certificate_renewals: Counter,
+}
+
+impl RuntimeMetrics {
+    fn register(runtime: &mut Registry) -> Self {
+        let m = Self {
+            is_leader: Gauge::default(),
+            certificate_renewals: Counter::default(),
+        };
+        runtime.register(
+            "is_leader",
+            "1 while this replica holds the Lease",
+            m.is_leader.clone(),
+        );
+        runtime.register(
+            "certificate_renewals",
+            "Certificates reissued before expiry",
+            m.certificate_renewals.clone(),
+        );
+        m
+    }
+}
+
+/// Which [`super::agents::Agents`] method a call was.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
+pub enum AgentMethod {
+    Report,
+    RunProbes,
+    ApplyNetwork,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct AgentCallLabels {
+    pub method: AgentMethod,
+    pub outcome: CallOutcome,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct MethodLabels {
+    pub method: AgentMethod,
+}
+
+/// Every call through the agents service, whichever part of the controller made it.
+#[derive(Clone)]
+pub struct AgentMetrics {
+    pub calls: Family<AgentCallLabels, Counter>,
+    pub call_seconds: Family<MethodLabels, Histogram>,
+}
+
+impl Default for AgentMetrics {
+    fn default() -> Self {
+        Self {
+            calls: Family::default(),
+            call_seconds: Family::new_with_constructor(|| {
+                Histogram::new(exponential_buckets(0.001, 2.0, 20))
+            }),
+        }
+    }
+}
+
+impl AgentMetrics {
+    fn register(agents: &mut Registry) -> Self {
+        let m = Self::default();
+        agents.register(
+            "calls",
+            "Agent calls by method and outcome",
+            m.calls.clone(),
+        );
+        agents.register(
+            "call_seconds",
+            "Duration of one agent call by method, connect included",
+            m.call_seconds.clone(),
+        );
+        m
+    }
+
+    /// Counts one finished call.
+    pub fn record(&self, method: AgentMethod, outcome: CallOutcome, seconds: f64) {
+        self.calls
+            .get_or_create(&AgentCallLabels { method, outcome })
+            .inc();
+        self.call_seconds
+            .get_or_create(&MethodLabels { method })
+            .observe(seconds);
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ControllerLabels {
+    /// The controller's fixed name (`networktest`, …): one value per controller.
+    pub controller: &'static str,
+}
+
+/// Reconciles of every watch-reconcile controller, labelled by controller name only.
+#[derive(Clone)]
+pub struct ReconcileMetrics {
+    pub runs: Family<ControllerLabels, Counter>,
+    pub failures: Family<ControllerLabels, Counter>,
+    pub seconds: Family<ControllerLabels, Histogram>,
+}
+
+impl Default for ReconcileMetrics {
+    fn default() -> Self {
+        Self {
+            runs: Family::default(),
+            failures: Family::default(),
+            seconds: Family::new_with_constructor(|| {
+                Histogram::new(exponential_buckets(0.005, 2.0, 18))
+            }),
+        }
+    }
+}
+
+impl ReconcileMetrics {
+    fn register(reconcile: &mut Registry) -> Self {
+        let m = Self::default();
+        reconcile.register("runs", "Reconciles started, by controller", m.runs.clone());
+        reconcile.register(
+            "failures",
+            "Reconciles that returned an error, by controller",
+            m.failures.clone(),
+        );
+        reconcile.register(
+            "seconds",
+            "Duration of one reconcile, by controller",
+            m.seconds.clone(),
+        );
+        m
+    }
+
+    /// Counts one finished reconcile of `controller`.
+    pub fn record(&self, controller: &'static str, ok: bool, seconds: f64) {
+        let labels = ControllerLabels { controller };
+        self.runs.get_or_create(&labels).inc();
+        if !ok {
+            self.failures.get_or_create(&labels).inc();
+        }
+        self.seconds.get_or_create(&labels).observe(seconds);
+    }
+}
