@@ -120,20 +120,23 @@ pub async fn reconcile(nm: Arc<NodeMaintenance>, ctx: Arc<Context>) -> Result<Ac
     if nm.meta().deletion_timestamp.is_some() {
         if nm.finalizers().iter().any(|f| f == FINALIZER) {
             let held = held_nodes(&nodes_api, &name).await?;
-            let mut restored = 0;
+            let count = held.len();
+            let mut uncordoned = 0;
             for mut seen in held {
                 if write_node(&nodes_api, &name, &mut seen, Target::Release, None).await? {
-                    restored += 1;
+                    uncordoned += 1;
                 }
             }
-            publish(
-                &ctx,
-                &nm,
-                EventType::Normal,
-                "NodesRestored",
-                format!("deleted while holding {restored} nodes; they are restored (uncordoned where nodekeeper had cordoned them and no other maintenance holds them)"),
-            )
-            .await;
+            if count > 0 {
+                publish(
+                    &ctx,
+                    &nm,
+                    EventType::Normal,
+                    "NodesRestored",
+                    format!("deleted while holding {count} nodes; released them, {uncordoned} uncordoned (a node cordoned before, or still held by another maintenance, stays cordoned)"),
+                )
+                .await;
+            }
             set_finalizer(&api, &name, false).await?;
         }
         return Ok(Action::await_change());
@@ -450,7 +453,12 @@ async fn write_node(
         // Fields this manager stops applying are removed by server-side apply when it alone
         // owned them: the annotation, the label, and `spec.unschedulable` when nodekeeper's
         // cordon was the only one. A cordon someone else set stays.
-        let mut metadata = serde_json::json!({ "name": node_name });
+        // The resourceVersion read makes the apply conditional: two maintenances writing one
+        // node's record at once cannot lose each other's hold (the loser retries).
+        let mut metadata = serde_json::json!({
+            "name": node_name,
+            "resourceVersion": seen.node.resource_version(),
+        });
         if let Some(r) = &record {
             metadata["annotations"] =
                 serde_json::json!({ ANNOTATION_MAINTENANCE: r.to_annotation() });
