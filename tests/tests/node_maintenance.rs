@@ -309,6 +309,8 @@ async fn wait_running(
 #[derive(Default)]
 struct Deletions {
     seen: Mutex<BTreeMap<String, (Instant, Option<i64>, String)>>,
+    /// When a pod of an app was first seen Running on a node: (app, node) → time.
+    running: Mutex<BTreeMap<(String, String), Instant>>,
 }
 
 fn watch_deletions(client: &kube::Client, ns: &str) -> Arc<Deletions> {
@@ -320,6 +322,20 @@ fn watch_deletions(client: &kube::Client, ns: &str) -> Arc<Deletions> {
             .touched_objects()
             .boxed();
         while let Ok(Some(pod)) = stream.try_next().await {
+            let app = pod.labels().get("app").cloned().unwrap_or_default();
+            let node = pod
+                .spec
+                .as_ref()
+                .and_then(|s| s.node_name.clone())
+                .unwrap_or_default();
+            let running = pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running");
+            if running && pod.metadata.deletion_timestamp.is_none() {
+                sink.running
+                    .lock()
+                    .unwrap()
+                    .entry((app, node))
+                    .or_insert_with(Instant::now);
+            }
             if pod.metadata.deletion_timestamp.is_some() {
                 let mut seen = sink.seen.lock().unwrap();
                 let key = format!("{}@{}", pod.name_any(), pod.uid().unwrap_or_default());
@@ -891,5 +907,185 @@ async fn broad_selections_are_refused_before_any_node_is_touched() -> anyhow::Re
         Ok((!unschedulable(&node(&client, &nodes[0]).await?)).then_some(()))
     })
     .await?;
+    Ok(())
+}
+
+/// Moving the stage back from Drain to Cordon stops evicting at once; Idle lets the node go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stage_back_stops_evicting_and_idle_releases() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    let Setup {
+        client,
+        ns,
+        _controller,
+    } = setup("nk-maint-back", &[]).await?;
+    let group = unique_name("back");
+    let pool = unique_name("pool");
+    let nodes = create_simulated_nodes(
+        &client,
+        "nk-back",
+        1,
+        &labels(&[(GROUP, &group), (POOL, &pool)]),
+        &[],
+    )
+    .await?;
+    create(&client, &ns, deployment("held", 1, &pool, json!({}))).await?;
+    create(
+        &client,
+        &ns,
+        pdb("held-pdb", "held", json!({ "minAvailable": "100%" })),
+    )
+    .await?;
+    wait_running(&client, &ns, 1).await?;
+    let deletions = watch_deletions(&client, &ns);
+    let name = unique_name("back");
+    apply_nm(
+        &client,
+        &name,
+        json!({ "nodeSelector": { "matchLabels": { GROUP: group } }, "stage": "Drain" }),
+    )
+    .await?;
+    wait_nm(&client, &name, "blocked by the PDB", |nm| {
+        nm.status.as_ref().is_some_and(|s| s.blocked == 1)
+    })
+    .await?;
+    set_stage(&client, &name, "Cordon").await?;
+    wait_nm(&client, &name, "cordoned, not draining", |nm| {
+        node_phase(nm, &nodes[0]) == Some(NodePhase::Cordoned)
+    })
+    .await?;
+    // The budget goes away: a controller still draining would evict the pod now.
+    Api::<k8s_openapi::api::policy::v1::PodDisruptionBudget>::namespaced(client.clone(), &ns)
+        .delete("held-pdb", &DeleteParams::default())
+        .await?;
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    ensure!(
+        deletions.seen.lock().unwrap().is_empty(),
+        "no eviction after moving back to Cordon"
+    );
+    let n = node(&client, &nodes[0]).await?;
+    ensure!(unschedulable(&n));
+    ensure!(
+        condition_of(&n, "DrainInProgress").is_some_and(|c| c.0 == "False"),
+        "{:?}",
+        condition_of(&n, "DrainInProgress")
+    );
+    set_stage(&client, &name, "Idle").await?;
+    wait_for("node released by Idle", TIMEOUT, || async {
+        let n = node(&client, &nodes[0]).await?;
+        Ok(
+            (!unschedulable(&n) && condition_of(&n, "MaintenanceInProgress").is_none())
+                .then_some(()),
+        )
+    })
+    .await?;
+    ensure!(
+        deletions.seen.lock().unwrap().is_empty(),
+        "Idle evicts nothing"
+    );
+    Ok(())
+}
+
+/// The leader is killed in the middle of a drain: the next one continues from what is recorded
+/// on the node (same drain start, so the timeout is not reset) and finishes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leader_handover_mid_drain_continues_the_same_drain() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    let client = ControlPlane::shared().client().await?;
+    install_crds(&client).await?;
+    let ns = test_namespace(&client, "nk-maint-leader").await?;
+    put_tuning(&client, &ns, &BTreeMap::new()).await?;
+    let timing = [
+        ("NODEKEEPER_LEASE_DURATION", "6s"),
+        ("NODEKEEPER_RENEW_DEADLINE", "4s"),
+        ("NODEKEEPER_RETRY_PERIOD", "1s"),
+    ];
+    let mut first = ControllerProcess::start(
+        &ns,
+        "leader-a",
+        "nodekeeper.dev/no-such-label=none",
+        free_port(),
+        &timing,
+    )?;
+    let group = unique_name("handover");
+    let pool = unique_name("pool");
+    let nodes = create_simulated_nodes(
+        &client,
+        "nk-handover",
+        1,
+        &labels(&[(GROUP, &group), (POOL, &pool)]),
+        &[],
+    )
+    .await?;
+    create(&client, &ns, deployment("slow", 2, &pool, json!({}))).await?;
+    create(
+        &client,
+        &ns,
+        pdb("slow-pdb", "slow", json!({ "minAvailable": "100%" })),
+    )
+    .await?;
+    wait_running(&client, &ns, 2).await?;
+    let deletions = watch_deletions(&client, &ns);
+    let name = unique_name("handover");
+    apply_nm(
+        &client,
+        &name,
+        json!({ "nodeSelector": { "matchLabels": { GROUP: group } }, "stage": "Drain" }),
+    )
+    .await?;
+    wait_nm(&client, &name, "draining, blocked", |nm| {
+        nm.status.as_ref().is_some_and(|s| s.blocked == 1)
+    })
+    .await?;
+    let record = |n: &Node| {
+        n.annotations()
+            .get("nodekeeper.dev/maintenance")
+            .cloned()
+            .unwrap_or_default()
+    };
+    let before = record(&node(&client, &nodes[0]).await?);
+    ensure!(before.contains("drainStart"), "{before}");
+
+    first.kill();
+    let _second = ControllerProcess::start(
+        &ns,
+        "leader-b",
+        "nodekeeper.dev/no-such-label=none",
+        free_port(),
+        &timing,
+    )?;
+    // The budget is relaxed only now: the new leader must pick the drain up and finish it.
+    Api::<k8s_openapi::api::policy::v1::PodDisruptionBudget>::namespaced(client.clone(), &ns)
+        .patch(
+            "slow-pdb",
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "spec": { "minAvailable": null, "maxUnavailable": 1 } })),
+        )
+        .await?;
+    // Replacements need somewhere to go.
+    create_simulated_nodes(
+        &client,
+        "nk-handover-spare",
+        1,
+        &labels(&[(POOL, &pool)]),
+        &[],
+    )
+    .await?;
+    wait_nm(&client, &name, "drained after the handover", |nm| {
+        node_phase(nm, &nodes[0]) == Some(NodePhase::Drained)
+    })
+    .await?;
+    let after: serde_json::Value = serde_json::from_str(&record(&node(&client, &nodes[0]).await?))?;
+    let before: serde_json::Value = serde_json::from_str(&before)?;
+    ensure!(
+        after["holders"][&name]["drainStart"] == before["holders"][&name]["drainStart"],
+        "the drain start survived the handover: {before} → {after}"
+    );
+    let seen = deletions.seen.lock().unwrap();
+    ensure!(
+        seen.values().filter(|(_, _, a)| a == "slow").count() == 2,
+        "both original pods evicted once each: {:?}",
+        seen.keys()
+    );
     Ok(())
 }
