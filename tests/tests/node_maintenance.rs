@@ -306,9 +306,12 @@ async fn wait_running(
 
 /// Records, per pod (namespace/name → uid), the moment its deletion was first seen and the grace
 /// period the deletion carried, from a watch.
+/// When a deletion was first seen, the grace period it carried, and the pod's `app` label.
+type Deletion = (Instant, Option<i64>, String);
+
 #[derive(Default)]
 struct Deletions {
-    seen: Mutex<BTreeMap<String, (Instant, Option<i64>, String)>>,
+    seen: Mutex<BTreeMap<String, Deletion>>,
     /// When a pod of an app was first seen Running on a node: (app, node) → time.
     running: Mutex<BTreeMap<(String, String), Instant>>,
 }
