@@ -1092,3 +1092,130 @@ async fn leader_handover_mid_drain_continues_the_same_drain() -> anyhow::Result<
     );
     Ok(())
 }
+
+/// `maxConcurrentNodes` bounds one maintenance; the tuning ConfigMap's
+/// `maintenance.maxConcurrentNodes` bounds all of them together.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrency_per_maintenance_and_cluster_wide() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    let Setup {
+        client,
+        ns,
+        _controller,
+    } = setup("nk-maint-conc", &[("maintenance.maxConcurrentNodes", "2")]).await?;
+    let (ga, gb) = (unique_name("conc-a"), unique_name("conc-b"));
+    let pool = unique_name("pool");
+    let a = create_simulated_nodes(
+        &client,
+        "nk-conc-a",
+        3,
+        &labels(&[(GROUP, &ga), (POOL, &pool)]),
+        &[],
+    )
+    .await?;
+    let b = create_simulated_nodes(
+        &client,
+        "nk-conc-b",
+        2,
+        &labels(&[(GROUP, &gb), (POOL, &pool)]),
+        &[],
+    )
+    .await?;
+    // One pod per node that a budget never lets go: every drain stays in progress.
+    let mut d = deployment("stuck", 5, &pool, json!({}));
+    d["spec"]["template"]["spec"]["topologySpreadConstraints"] = json!([{
+        "maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "DoNotSchedule",
+        "labelSelector": { "matchLabels": { "app": "stuck" } },
+    }]);
+    create(&client, &ns, d).await?;
+    create(
+        &client,
+        &ns,
+        pdb("stuck-pdb", "stuck", json!({ "minAvailable": "100%" })),
+    )
+    .await?;
+    let placed = wait_running(&client, &ns, 5).await?;
+    ensure!(
+        placed.values().collect::<BTreeSet<_>>().len() == 5,
+        "one pod per node: {placed:?}"
+    );
+
+    let (na, nb) = (unique_name("conc-a"), unique_name("conc-b"));
+    apply_nm(&client, &na, json!({ "nodeSelector": { "matchLabels": { GROUP: ga } }, "stage": "Drain", "maxConcurrentNodes": 1 })).await?;
+    let nm = wait_nm(&client, &na, "one node draining, two waiting", |nm| {
+        nm.status.as_ref().is_some_and(|s| {
+            s.nodes
+                .iter()
+                .filter(|n| n.phase == NodePhase::Draining)
+                .count()
+                == 1
+                && s.nodes
+                    .iter()
+                    .filter(|n| n.phase == NodePhase::Waiting)
+                    .count()
+                    == 2
+        })
+    })
+    .await?;
+    // A waiting node is not cordoned and says it is planned.
+    let waiting = nm
+        .status
+        .as_ref()
+        .unwrap()
+        .nodes
+        .iter()
+        .find(|n| n.phase == NodePhase::Waiting)
+        .unwrap()
+        .node
+        .clone();
+    let w = node(&client, &waiting).await?;
+    ensure!(
+        !unschedulable(&w),
+        "a node waiting its turn stays schedulable"
+    );
+    ensure!(condition_of(&w, "MaintenancePlanned").is_some_and(|c| c.0 == "True"));
+
+    // B may use only the one slot left of the cluster's two.
+    apply_nm(&client, &nb, json!({ "nodeSelector": { "matchLabels": { GROUP: gb } }, "stage": "Drain", "maxConcurrentNodes": 2 })).await?;
+    wait_nm(
+        &client,
+        &nb,
+        "one of two draining under the cluster ceiling",
+        |nm| {
+            nm.status.as_ref().is_some_and(|s| {
+                s.nodes
+                    .iter()
+                    .filter(|n| n.phase == NodePhase::Draining)
+                    .count()
+                    == 1
+                    && s.nodes
+                        .iter()
+                        .filter(|n| n.phase == NodePhase::Waiting)
+                        .count()
+                        == 1
+            })
+        },
+    )
+    .await?;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let draining: usize = {
+        let all = Api::<Node>::all(client.clone())
+            .list(&ListParams::default().labels("nodekeeper.dev/maintained=true"))
+            .await?;
+        all.items
+            .iter()
+            .filter(|n| a.contains(&n.name_any()) || b.contains(&n.name_any()))
+            .filter(|n| unschedulable(n))
+            .count()
+    };
+    ensure!(
+        draining == 2,
+        "two nodes cordoned-and-draining across both maintenances, got {draining}"
+    );
+    for name in [&na, &nb] {
+        Api::<NodeMaintenance>::all(client.clone())
+            .delete(name, &DeleteParams::default())
+            .await?;
+    }
+    Ok(())
+}
