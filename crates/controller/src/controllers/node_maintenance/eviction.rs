@@ -3,6 +3,56 @@
 //! for a pod covered by more than one budget (it cannot decide; a person must). The budget's name
 //! is taken from the answer's causes, where the API server puts it.
 
+use std::collections::BTreeMap;
+
+use nodekeeper_api::crd::LabelSelector;
+
+/// A PodDisruptionBudget as read at the start of a reconcile.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Budget {
+    pub namespace: String,
+    pub name: String,
+    /// `None`: the budget selects no pod (a nil selector in policy/v1).
+    pub selector: Option<LabelSelector>,
+    /// `status.disruptionsAllowed`, decremented here as evictions are sent.
+    pub allowed: i32,
+}
+
+/// Whether to send an eviction now.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Admit {
+    /// Send it (no budget covers the pod, or its one budget allows a disruption now; that
+    /// allowance is taken). With two or more budgets the API server decides (and refuses).
+    Send,
+    /// The pod's budget allows no disruption now: sending would only earn a 429.
+    Wait { pdb: String, message: String },
+}
+
+/// Decides for one pod, against the budgets of its namespace. Saves the 429s that evicting every
+/// pod of a budget at once would earn: one request per pod that can actually go.
+pub fn admit(budgets: &mut [Budget], namespace: &str, labels: &BTreeMap<String, String>) -> Admit {
+    let mut matching: Vec<&mut Budget> = budgets
+        .iter_mut()
+        .filter(|b| {
+            b.namespace == namespace && b.selector.as_ref().is_some_and(|s| s.matches(labels))
+        })
+        .collect();
+    match matching.as_mut_slice() {
+        [one] if one.allowed <= 0 => Admit::Wait {
+            pdb: one.name.clone(),
+            message: format!(
+                "PodDisruptionBudget {} allows no disruption now; waiting for its pods to be healthy elsewhere",
+                one.name
+            ),
+        },
+        [one] => {
+            one.allowed -= 1;
+            Admit::Send
+        }
+        _ => Admit::Send,
+    }
+}
+
 /// How one eviction attempt ended.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum EvictionAnswer {
@@ -59,6 +109,44 @@ fn budget_name(cause: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn budgets_are_spent_locally_so_no_eviction_is_sent_to_be_refused() {
+        let sel = |app: &str| {
+            Some(LabelSelector {
+                match_labels: [("app".to_string(), app.to_string())].into(),
+                match_expressions: vec![],
+            })
+        };
+        let mut budgets = vec![
+            Budget {
+                namespace: "a".into(),
+                name: "web".into(),
+                selector: sel("web"),
+                allowed: 1,
+            },
+            Budget {
+                namespace: "a".into(),
+                name: "none".into(),
+                selector: None,
+                allowed: 0,
+            },
+        ];
+        let web: BTreeMap<String, String> = [("app".to_string(), "web".to_string())].into();
+        assert_eq!(admit(&mut budgets, "a", &web), Admit::Send);
+        assert!(matches!(admit(&mut budgets, "a", &web), Admit::Wait { pdb, .. } if pdb == "web"));
+        // Another namespace's budget does not apply; a nil selector selects nothing.
+        assert_eq!(admit(&mut budgets, "b", &web), Admit::Send);
+        assert_eq!(admit(&mut budgets, "a", &BTreeMap::new()), Admit::Send);
+        // Two budgets: the API server decides.
+        budgets.push(Budget {
+            namespace: "a".into(),
+            name: "web2".into(),
+            selector: sel("web"),
+            allowed: 0,
+        });
+        assert_eq!(admit(&mut budgets, "a", &web), Admit::Send);
+    }
 
     #[test]
     fn answers() {

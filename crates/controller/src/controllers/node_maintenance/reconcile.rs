@@ -26,7 +26,7 @@ use tracing::{info, warn};
 
 use super::Context;
 use super::admission::{self, CONTROL_PLANE_LABEL, Selection};
-use super::eviction::{EvictionAnswer, classify};
+use super::eviction::{Admit, Budget, EvictionAnswer, admit, classify};
 use super::plan::{self, DeadlineStep, Owner, PodFacts, Rules};
 use super::record::{self, Hold, HoldPhase, NodeRecord};
 use super::stage::{self, Limits, NodeHold, Target};
@@ -329,9 +329,15 @@ pub async fn reconcile(nm: Arc<NodeMaintenance>, ctx: Arc<Context>) -> Result<Ac
         .iter()
         .filter_map(|node| seen.remove(node))
         .collect();
+    let budgets = if jobs.is_empty() {
+        Vec::new()
+    } else {
+        read_budgets(&client).await
+    };
+    let budgets = std::sync::Mutex::new(budgets);
     let results: Vec<Result<(NodeView, Option<Duration>), Error>> = futures::stream::iter(
         jobs.into_iter()
-            .map(|s| drain_node(&ctx, &nodes_api, &nm, s, &rules, now)),
+            .map(|s| drain_node(&ctx, &nodes_api, &nm, s, &rules, &budgets, now)),
     )
     .buffer_unordered(16)
     .collect()
@@ -612,6 +618,7 @@ async fn drain_node(
     nm: &NodeMaintenance,
     mut seen: Seen,
     rules: &Rules,
+    budgets: &std::sync::Mutex<Vec<Budget>>,
     now: i64,
 ) -> Result<(NodeView, Option<Duration>), Error> {
     let name = nm.name_any();
@@ -763,7 +770,28 @@ async fn drain_node(
                 view.blocking = blocking_without_eviction(&node_plan, &facts, &pods, now);
             }
             DeadlineStep::Continue { recheck_in, .. } => {
-                let answers = evict(ctx, &facts, &pods, &node_plan.evict).await;
+                // Spend the budgets here first: a pod whose budget allows nothing now is not
+                // sent (it would only earn a 429), and is reported as waiting on that budget.
+                let mut send = Vec::new();
+                let mut answers = Vec::new();
+                {
+                    let mut budgets = budgets
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner);
+                    for &i in &node_plan.evict {
+                        match admit(&mut budgets, &facts[i].namespace, &facts[i].labels) {
+                            Admit::Send => send.push(i),
+                            Admit::Wait { pdb, message } => answers.push((
+                                i,
+                                EvictionAnswer::Blocked {
+                                    pdb: Some(pdb),
+                                    message,
+                                },
+                            )),
+                        }
+                    }
+                }
+                answers.extend(evict(ctx, &facts, &pods, &send).await);
                 let mut blocking = blocking_without_eviction(&node_plan, &facts, &pods, now);
                 let mut evicted_local = Vec::new();
                 for (i, answer) in answers {
@@ -819,6 +847,40 @@ async fn drain_node(
     )
     .await?;
     Ok((view, recheck))
+}
+
+/// Every PodDisruptionBudget with its allowance now. A failed read gives none: the evictions
+/// are then sent and the API server enforces the budgets itself (429s).
+async fn read_budgets(client: &kube::Client) -> Vec<Budget> {
+    use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+    use nodekeeper_api::crd::LabelSelector;
+    let api: Api<PodDisruptionBudget> = Api::all(client.clone());
+    let list = match api.list(&ListParams::default()).await {
+        Ok(list) => list,
+        Err(error) => {
+            warn!(%error, "listing PodDisruptionBudgets failed; evictions go to the API server unfiltered");
+            return Vec::new();
+        }
+    };
+    list.items
+        .iter()
+        .filter_map(|pdb| {
+            let selector = match pdb.spec.as_ref()?.selector.as_ref() {
+                None => None,
+                // Through JSON: the same shape, and an expression this controller cannot read
+                // drops the budget from the local check (the API server still enforces it).
+                Some(s) => Some(
+                    serde_json::from_value::<LabelSelector>(serde_json::to_value(s).ok()?).ok()?,
+                ),
+            };
+            Some(Budget {
+                namespace: pdb.namespace().unwrap_or_default(),
+                name: pdb.name_any(),
+                selector,
+                allowed: pdb.status.as_ref().and_then(|s| s.disruptions_allowed).unwrap_or(0),
+            })
+        })
+        .collect()
 }
 
 fn truncate(s: &str, max: usize) -> String {
