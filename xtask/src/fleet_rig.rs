@@ -233,15 +233,15 @@ impl Rig {
 }
 
 /// How the controller is started.
-struct Launch {
-    binary: PathBuf,
-    kubeconfig: PathBuf,
-    http: SocketAddr,
-    port: u16,
+pub struct Launch {
+    pub binary: PathBuf,
+    pub kubeconfig: PathBuf,
+    pub http: SocketAddr,
+    pub port: u16,
 }
 
 impl Launch {
-    fn start(&self) -> anyhow::Result<ControllerChild> {
+    pub fn start(&self) -> anyhow::Result<ControllerChild> {
         Ok(ControllerChild(
             Command::new(&self.binary)
                 .env("KUBECONFIG", &self.kubeconfig)
@@ -456,7 +456,7 @@ pub fn audit_counts(
 
 /// Applies the controller's RBAC from deploy/controller and returns a kubeconfig for its
 /// ServiceAccount, so its requests are counted apart from kwok's and the bench's.
-async fn controller_kubeconfig(
+pub async fn controller_kubeconfig(
     client: &kube::Client,
     root: &Path,
     admin: &Path,

@@ -61,7 +61,7 @@ impl Context {
             recorder: shared.recorder(),
             tuning: shared.tuning.clone(),
             eviction_budget: Duration::from_secs(5),
-            drain_recheck: Duration::from_secs(2),
+            drain_recheck: Duration::from_secs(1),
         }
     }
 

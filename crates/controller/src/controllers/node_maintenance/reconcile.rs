@@ -877,7 +877,11 @@ async fn read_budgets(client: &kube::Client) -> Vec<Budget> {
                 namespace: pdb.namespace().unwrap_or_default(),
                 name: pdb.name_any(),
                 selector,
-                allowed: pdb.status.as_ref().and_then(|s| s.disruptions_allowed).unwrap_or(0),
+                allowed: pdb
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.disruptions_allowed)
+                    .unwrap_or(0),
             })
         })
         .collect()
