@@ -109,8 +109,12 @@ async fn bench(args: FleetArgs, root: PathBuf, programs: Programs) -> anyhow::Re
         },
     )
     .await?;
-    let fresh_patches =
-        metric(http, "nodekeeper_conditions_patches_total", &["result=\"Ok\""]).await?;
+    let fresh_patches = metric(
+        http,
+        "nodekeeper_conditions_patches_total",
+        &["result=\"Ok\""],
+    )
+    .await?;
     let failed_patches =
         metric(http, "nodekeeper_conditions_patches_total", &[]).await? - fresh_patches;
     if failed_patches > 0.0 {
@@ -150,8 +154,12 @@ async fn bench(args: FleetArgs, root: PathBuf, programs: Programs) -> anyhow::Re
         )
         .map(|((after, before), name)| (name, after - before))
         .collect();
-    let restart_patches =
-        metric(http, "nodekeeper_conditions_patches_total", &["result=\"Ok\""]).await?;
+    let restart_patches = metric(
+        http,
+        "nodekeeper_conditions_patches_total",
+        &["result=\"Ok\""],
+    )
+    .await?;
     say(format!(
         "full sweep after a restart: {sweep_secs:.1} s, {restart_patches:.0} condition patches"
     ));

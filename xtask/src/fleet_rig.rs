@@ -354,7 +354,7 @@ pub fn audit_counts(
 
 /// Applies the controller's RBAC from deploy/controller and returns a kubeconfig for its
 /// ServiceAccount, so its requests are counted apart from kwok's and the bench's.
-async fn controller_kubeconfig(
+pub async fn controller_kubeconfig(
     client: &kube::Client,
     root: &Path,
     admin: &Path,

@@ -2,6 +2,7 @@
 //! the VM used for VLAN tests, benchmarks and the demo.
 
 mod bench_agent;
+mod bench_drain;
 mod bench_fleet;
 mod bench_netconf;
 mod bench_networktest;
@@ -54,6 +55,8 @@ enum Bench {
     Networktest(bench_networktest::NetworkTestArgs),
     /// Host network configuration: apply, no-op re-apply and rollback of N VNICs vs nmstatectl.
     Netconf(bench_netconf::NetconfArgs),
+    /// A NodeMaintenance draining N kwok nodes behind PDBs: time vs the PDB bound, requests per pod.
+    Drain(bench_drain::DrainArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -68,5 +71,6 @@ fn main() -> anyhow::Result<()> {
         Command::Bench(Bench::Fleet(args)) => bench_fleet::run(args),
         Command::Bench(Bench::Networktest(args)) => bench_networktest::run(args),
         Command::Bench(Bench::Netconf(args)) => bench_netconf::run_bench(args),
+        Command::Bench(Bench::Drain(args)) => bench_drain::run(args),
     }
 }

@@ -30,6 +30,13 @@ pub const LABEL_NODE_CLASS: &str = "nodekeeper.dev/nodeclass";
 /// Annotation on a Node cordoned by a NodeMaintenance: that NodeMaintenance's name, so only it
 /// uncordons the node (a node someone else cordoned stays cordoned).
 pub const ANNOTATION_CORDONED_BY: &str = "nodekeeper.dev/cordoned-by";
+/// Annotation on a Node held by one or more NodeMaintenances: JSON with the node's
+/// `spec.unschedulable` from before the first of them touched it and each holder's phase, so
+/// that any controller replica can continue or restore it.
+pub const ANNOTATION_MAINTENANCE: &str = "nodekeeper.dev/maintenance";
+/// Label on a Node held by a NodeMaintenance (value `true`), so the held nodes are one
+/// label-selected list away, whatever their other labels do meanwhile.
+pub const LABEL_MAINTAINED: &str = "nodekeeper.dev/maintained";
 
 // Condition types on Nodes (patched only when status or reason changes).
 
@@ -41,6 +48,8 @@ pub const NODE_CONDITION_NETWORK_READY: &str = "NodeNetworkReady";
 pub const NODE_CONDITION_TUNABLES_IN_BOUNDS: &str = "TunablesInBounds";
 /// GPUs report no critical problem.
 pub const NODE_CONDITION_GPU_HEALTHY: &str = "GpuHealthy";
+/// A NodeMaintenance will cordon and drain this node when its turn comes (KEP-5683).
+pub const NODE_CONDITION_MAINTENANCE_PLANNED: &str = "MaintenancePlanned";
 /// A NodeMaintenance covers this node.
 pub const NODE_CONDITION_MAINTENANCE_IN_PROGRESS: &str = "MaintenanceInProgress";
 /// The node is being drained.
@@ -62,6 +71,8 @@ pub const CONDITION_COMPLETE: &str = "Complete";
 pub const CONDITION_CORDONED: &str = "Cordoned";
 /// NodeMaintenance: every selected node is drained.
 pub const CONDITION_DRAINED: &str = "Drained";
+/// NodeMaintenance: at least one node's drain is held up or failed.
+pub const CONDITION_BLOCKED: &str = "Blocked";
 
 // Condition reasons and event reasons (PascalCase).
 

@@ -200,7 +200,7 @@ fn defaults_and_bounds_are_in_the_schema() {
     let nm = crd("nodemaintenances");
     let spec = &schema(&nm)["properties"]["spec"]["properties"];
     assert_eq!(spec["stage"]["default"], "Idle");
-    assert_eq!(spec["onTimeout"]["default"], "KeepWaiting");
+    assert_eq!(spec["onTimeout"]["default"], "Fail");
     assert_eq!(spec["drainTimeout"]["default"], "1h");
     assert!(spec["drainTimeout"]["pattern"].is_string());
 

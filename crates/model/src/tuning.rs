@@ -14,6 +14,8 @@
 //! | `features.gpu` | bool | `true` | own the `GpuHealthy` condition (set only on nodes that report GPUs) |
 //! | `features.network` | bool | `true` | own the `NodeNetworkReady` condition (set only on nodes with nodekeeper-managed networking) |
 //! | `features.repair` | bool | `false` | global repair permission: when `false`, no rule may repair, whatever it says |
+//! | `maintenance.maxConcurrentNodes` | integer | `20` | nodes draining at once across every NodeMaintenance (1–10000) |
+//! | `maintenance.maxSelectedNodes` | integer | `500` | a NodeMaintenance selecting more nodes is refused unless it sets `allowBroadSelection` (1–100000) |
 //! | `rules.yaml` | YAML | empty | the tunable rules and indicator thresholds, see [`RuleSet`] |
 //! | `probeAllowedCidrs` | list of ranges (`10.0.0.0/16, fd00::/8`) | empty | ranges NetworkTest probes may reach besides the nodes', pods' and services' (see [`crate::address_policy`]); never opens link-local addresses |
 //!
@@ -74,6 +76,8 @@ const KNOWN_KEYS: &[&str] = &[
     "features.gpu",
     "features.network",
     "features.repair",
+    "maintenance.maxConcurrentNodes",
+    "maintenance.maxSelectedNodes",
     "rules.yaml",
     "probeAllowedCidrs",
 ];
@@ -93,6 +97,10 @@ pub struct TuningConfig {
     pub rules: RuleSet,
     /// `probeAllowedCidrs`: ranges added to the NetworkTest address policy.
     pub probe_allowed_cidrs: Vec<crate::address_policy::Cidr>,
+    /// Nodes draining at once across every NodeMaintenance.
+    pub maintenance_max_concurrent_nodes: u32,
+    /// The most nodes one NodeMaintenance may select without `allowBroadSelection`.
+    pub maintenance_max_selected_nodes: u32,
 }
 
 impl Default for TuningConfig {
@@ -105,6 +113,8 @@ impl Default for TuningConfig {
             features: Features::default(),
             rules: RuleSet::default(),
             probe_allowed_cidrs: Vec::new(),
+            maintenance_max_concurrent_nodes: 20,
+            maintenance_max_selected_nodes: 500,
         }
     }
 }
@@ -290,6 +300,29 @@ pub fn parse(data: &BTreeMap<String, String>) -> Result<TuningConfig, TuningErro
                 key: "concurrency".into(),
                 problem: format!("{raw:?} is not an integer; use an integer from 1 to 4096"),
             }),
+        }
+    }
+
+    for (key, max, slot) in [
+        (
+            "maintenance.maxConcurrentNodes",
+            10_000,
+            &mut config.maintenance_max_concurrent_nodes,
+        ),
+        (
+            "maintenance.maxSelectedNodes",
+            100_000,
+            &mut config.maintenance_max_selected_nodes,
+        ),
+    ] {
+        if let Some(raw) = data.get(key) {
+            match raw.trim().parse::<u32>() {
+                Ok(value) if (1..=max).contains(&value) => *slot = value,
+                _ => errors.push(KeyError {
+                    key: key.into(),
+                    problem: format!("{raw:?} is not an integer from 1 to {max}"),
+                }),
+            }
         }
     }
 
@@ -857,6 +890,34 @@ mod tests {
         assert!(
             message.contains("key `concurrency`: \"lots\" is not an integer"),
             "{message}"
+        );
+    }
+
+    #[test]
+    fn maintenance_limits_parse_and_are_bounded() {
+        let config = parse(&data(&[
+            ("maintenance.maxConcurrentNodes", "5"),
+            ("maintenance.maxSelectedNodes", "40"),
+        ]))
+        .unwrap();
+        assert_eq!(config.maintenance_max_concurrent_nodes, 5);
+        assert_eq!(config.maintenance_max_selected_nodes, 40);
+        let errors = problems(&[
+            ("maintenance.maxConcurrentNodes", "0"),
+            ("maintenance.maxSelectedNodes", "many"),
+        ]);
+        let keys: Vec<_> = errors.iter().map(|e| e.key.as_str()).collect();
+        assert_eq!(
+            keys,
+            [
+                "maintenance.maxConcurrentNodes",
+                "maintenance.maxSelectedNodes"
+            ]
+        );
+        assert!(
+            errors[0].problem.contains("from 1 to 10000"),
+            "{}",
+            errors[0]
         );
     }
 

@@ -84,24 +84,43 @@ pub struct NodeMaintenanceSpec {
     /// own (e.g. batch jobs), up to `drainTimeout`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub wait_for_pods: Option<LabelSelector>,
-    /// How long one node's drain may take, e.g. `30m` or `1h30m` (units ms, s, m, h).
+    /// Pods without a controlling owner (bare pods) are evicted only when this is `true`:
+    /// nothing recreates them. When `false` they hold the drain up and are listed as blocking.
+    #[serde(default)]
+    pub allow_standalone_pods: bool,
+    /// How long one node's drain may take, e.g. `30m` or `1h30m` (units ms, s, m, h; at most
+    /// 168h).
     #[serde(default = "default_drain_timeout")]
     #[schemars(length(max = 32), regex(pattern = DURATION_PATTERN))]
     pub drain_timeout: String,
-    /// What happens when a node's drain times out: `KeepWaiting` (report it and go on trying),
-    /// `DeletePods` (delete the remaining pods, bypassing PodDisruptionBudgets), or `Uncordon`
-    /// (give the node up: uncordon it and mark it failed).
+    /// What happens when a node's drain times out: `Fail` (stop evicting there, keep it cordoned,
+    /// report it), `Proceed` (count it drained and report the pods left), or `ForceDelete`
+    /// (delete the remaining pods, bypassing PodDisruptionBudgets, each early enough to get its
+    /// own `terminationGracePeriodSeconds` before the deadline).
     #[serde(default)]
     pub on_timeout: OnTimeout,
-    /// The most nodes cordoned-and-draining at once; the others wait their turn.
+    /// The most nodes draining at once; the others wait their turn (in `Drain`, a node is cordoned
+    /// when its turn comes). The tuning ConfigMap's `maintenance.maxConcurrentNodes` bounds all
+    /// maintenances together.
     #[serde(default = "default_max_concurrent_nodes")]
     #[schemars(range(min = 1, max = 1000))]
     pub max_concurrent_nodes: u32,
+    /// The controller refuses, before touching any node, a selection that picks every node, every
+    /// control-plane node, or more nodes than the tuning ConfigMap's
+    /// `maintenance.maxSelectedNodes`. Set this to `true` to say that such a selection is meant.
+    #[serde(default)]
+    pub allow_broad_selection: bool,
     /// Why the nodes are maintained; copied to the node condition's message.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     #[schemars(length(max = 256))]
     pub reason: String,
 }
+
+/// The longest `drainTimeout` accepted.
+pub const MAX_DRAIN_TIMEOUT: Duration = Duration::from_secs(168 * 3600);
+
+/// At most this many pods are listed per node in each of `blockingPods` and `skippedPods`.
+pub const MAX_PODS_LISTED: usize = 10;
 
 fn default_drain_timeout() -> String {
     "1h".to_string()
@@ -127,13 +146,17 @@ pub enum Stage {
 /// What to do when a node's drain times out.
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
 pub enum OnTimeout {
-    /// Keep trying; report the node as timed out. The safe default.
+    /// Stop evicting on that node, keep it cordoned and report it failed; it keeps its
+    /// `maxConcurrentNodes` slot, so the maintenance goes no further until someone acts. The
+    /// safe default: it never bypasses a PodDisruptionBudget.
     #[default]
-    KeepWaiting,
-    /// Delete the pods still there, bypassing PodDisruptionBudgets.
-    DeletePods,
-    /// Give the node up: uncordon it and report it failed.
-    Uncordon,
+    Fail,
+    /// Count the node drained and report the pods left on it.
+    Proceed,
+    /// Delete the remaining pods, bypassing PodDisruptionBudgets; each pod is deleted early
+    /// enough to get its own `terminationGracePeriodSeconds` before the deadline (never 0).
+    /// Pods without a controller are deleted only with `allowStandalonePods`.
+    ForceDelete,
 }
 
 /// One step of the drain plan: the pods it matches (every given criterion must hold).
@@ -202,6 +225,10 @@ impl NodeMaintenanceSpec {
                 "spec.drainTimeout",
                 "must be longer than zero, e.g. \"30m\"",
             )),
+            Ok(d) if d > MAX_DRAIN_TIMEOUT => errors.push(FieldError::new(
+                "spec.drainTimeout",
+                "must be at most 168h (a week); a longer drain is better split into maintenances",
+            )),
             Ok(_) => {}
             Err(e) => errors.push(e),
         }
@@ -222,18 +249,18 @@ pub enum NodePhase {
     Cordoned,
     /// Pods are being evicted.
     Draining,
-    /// No pods left that must go.
+    /// No pods left that must go (or `onTimeout: Proceed` counted it so; see `message`).
     Drained,
-    /// The drain took longer than `drainTimeout`.
-    TimedOut,
-    /// Given up (`onTimeout: Uncordon`) or failed; see `message`.
+    /// The drain took longer than `drainTimeout` with `onTimeout: Fail`; see `message`.
     Failed,
     /// Uncordoned after `Complete`.
     Released,
 }
 
 /// Why a pod holds a drain up.
-#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+#[derive(
+    Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, JsonSchema,
+)]
 pub enum BlockReason {
     /// Eviction refused because of a PodDisruptionBudget (named in `pdb`).
     PodDisruptionBudget,
@@ -243,6 +270,35 @@ pub enum BlockReason {
     Terminating,
     /// Eviction failed for another reason (see `message`).
     EvictionFailed,
+    /// The pod has no controller and `allowStandalonePods` is `false`.
+    StandalonePod,
+}
+
+/// Why a pod is left on a node that is drained.
+#[derive(
+    Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, JsonSchema,
+)]
+pub enum SkipReason {
+    /// A mirror (static) pod: the kubelet runs it from a file; the API cannot evict it.
+    MirrorPod,
+    /// Owned by a DaemonSet, which would recreate it (evicted only when a `drainPlan` entry
+    /// with `podType: DaemonSet` names it).
+    DaemonSet,
+    /// Matches `skipPods`.
+    SkipPods,
+}
+
+/// A pod left on a drained node, and why.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SkippedPod {
+    /// The pod's namespace.
+    #[schemars(length(max = 63))]
+    pub namespace: String,
+    /// The pod's name.
+    #[schemars(length(max = 253))]
+    pub name: String,
+    pub reason: SkipReason,
 }
 
 /// A pod that holds one node's drain up.
@@ -289,6 +345,18 @@ pub struct NodeProgress {
     /// Blocking pods not listed.
     #[serde(default)]
     pub omitted_blocking_pods: u32,
+    /// Pods left running on purpose (DaemonSet, mirror, `skipPods`), at most 10.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 10))]
+    pub skipped_pods: Vec<SkippedPod>,
+    /// Skipped pods not listed.
+    #[serde(default)]
+    pub omitted_skipped_pods: u32,
+    /// Pods still to be evicted that keep data in an `emptyDir` volume, which eviction
+    /// discards (`namespace/name`, at most 10).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 10), inner(length(max = 320)))]
+    pub local_storage_pods: Vec<String>,
     /// Details for a human.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     #[schemars(length(max = 1024))]
@@ -308,7 +376,7 @@ pub struct NodeMaintenanceStatus {
     /// Nodes drained.
     #[serde(default)]
     pub drained: u32,
-    /// Nodes whose drain is held up by at least one pod.
+    /// Nodes whose drain is held up by at least one pod, or failed.
     #[serde(default)]
     pub blocked: u32,
     /// Nodes timed out or failed.
@@ -322,7 +390,9 @@ pub struct NodeMaintenanceStatus {
     /// Nodes not listed in `nodes`.
     #[serde(default)]
     pub omitted_nodes: u32,
-    /// `Cordoned`, `Drained` and `Complete`.
+    /// `Ready` (every node is where the stage wants it; `False` with reason `Refused` when the
+    /// controller refused the selection or the spec), `Progressing` (nodes are being cordoned,
+    /// drained or released) and `Blocked` (at least one node's drain is held up or failed).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(schema_with = "conditions_schema")]
     pub conditions: Vec<Condition>,
@@ -347,7 +417,9 @@ mod tests {
     fn defaults_are_the_safe_ones() {
         let s = spec(serde_json::json!({}));
         assert_eq!(s.stage, Stage::Idle);
-        assert_eq!(s.on_timeout, OnTimeout::KeepWaiting);
+        assert_eq!(s.on_timeout, OnTimeout::Fail);
+        assert!(!s.allow_standalone_pods);
+        assert!(!s.allow_broad_selection);
         assert_eq!(s.max_concurrent_nodes, 1);
         assert_eq!(s.drain_timeout().unwrap(), Duration::from_secs(3600));
         assert!(s.validate().is_ok());
@@ -362,7 +434,7 @@ mod tests {
                 {"priorityThreshold": 1000, "podSelector": {"matchLabels": {"tier": "batch"}}},
                 {"podType": "DaemonSet"}
             ],
-            "onTimeout": "DeletePods",
+            "onTimeout": "ForceDelete",
             "drainTimeout": "45m"
         }));
         assert_eq!(s.drain_plan.len(), 3);
@@ -383,5 +455,14 @@ mod tests {
 
         let s = spec(serde_json::json!({"drainTimeout": "forever"}));
         assert_eq!(s.validate().unwrap_err()[0].field, "spec.drainTimeout");
+
+        let s = spec(serde_json::json!({"drainTimeout": "169h"}));
+        let errors = s.validate().unwrap_err();
+        assert_eq!(errors[0].field, "spec.drainTimeout");
+        assert!(
+            errors[0].message.contains("at most 168h"),
+            "{}",
+            errors[0].message
+        );
     }
 }

@@ -114,8 +114,8 @@ pub struct ScaleDown {
     #[serde(default = "default_drain_timeout")]
     #[schemars(length(max = 32), regex(pattern = DURATION_PATTERN))]
     pub drain_timeout: String,
-    /// What happens when the drain times out, as `NodeMaintenance.spec.onTimeout`. `Uncordon`
-    /// here means the node is kept and the scale-down stops until someone intervenes.
+    /// What happens when the drain times out, as `NodeMaintenance.spec.onTimeout`. `Fail` here
+    /// means the node is kept and the scale-down stops until someone intervenes.
     #[serde(default)]
     pub on_timeout: OnTimeout,
 }

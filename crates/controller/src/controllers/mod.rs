@@ -29,6 +29,7 @@
 //! watch in [`crate::shared::fleet`]. It is started from the same place, as its own task.
 
 pub mod networktest;
+pub mod node_maintenance;
 pub mod nodes;
 
 use std::fmt::Debug;
@@ -159,6 +160,7 @@ impl Controllers {
             &config.networktest,
             &self.networktest_results,
         ));
+        r.add(node_maintenance::Context::new(shared));
     }
 }
 

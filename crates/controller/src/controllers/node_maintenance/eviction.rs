@@ -1,0 +1,189 @@
+//! What an answer of the `policy/v1` Eviction subresource means for a drain. A 429 is a
+//! PodDisruptionBudget saying "not now": a wait, not an error; so is the 500 the API server gives
+//! for a pod covered by more than one budget (it cannot decide; a person must). The budget's name
+//! is taken from the answer's causes, where the API server puts it.
+
+use std::collections::BTreeMap;
+
+use nodekeeper_api::crd::LabelSelector;
+
+/// A PodDisruptionBudget as read at the start of a reconcile.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Budget {
+    pub namespace: String,
+    pub name: String,
+    /// `None`: the budget selects no pod (a nil selector in policy/v1).
+    pub selector: Option<LabelSelector>,
+    /// `status.disruptionsAllowed`, decremented here as evictions are sent.
+    pub allowed: i32,
+}
+
+/// Whether to send an eviction now.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Admit {
+    /// Send it (no budget covers the pod, or its one budget allows a disruption now; that
+    /// allowance is taken). With two or more budgets the API server decides (and refuses).
+    Send,
+    /// The pod's budget allows no disruption now: sending would only earn a 429.
+    Wait { pdb: String, message: String },
+}
+
+/// Decides for one pod, against the budgets of its namespace. Saves the 429s that evicting every
+/// pod of a budget at once would earn: one request per pod that can actually go.
+pub fn admit(budgets: &mut [Budget], namespace: &str, labels: &BTreeMap<String, String>) -> Admit {
+    let mut matching: Vec<&mut Budget> = budgets
+        .iter_mut()
+        .filter(|b| {
+            b.namespace == namespace && b.selector.as_ref().is_some_and(|s| s.matches(labels))
+        })
+        .collect();
+    match matching.as_mut_slice() {
+        [one] if one.allowed <= 0 => Admit::Wait {
+            pdb: one.name.clone(),
+            message: format!(
+                "PodDisruptionBudget {} allows no disruption now; waiting for its pods to be healthy elsewhere",
+                one.name
+            ),
+        },
+        [one] => {
+            one.allowed -= 1;
+            Admit::Send
+        }
+        _ => Admit::Send,
+    }
+}
+
+/// How one eviction attempt ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum EvictionAnswer {
+    /// Accepted: the pod is terminating.
+    Evicted,
+    /// The pod is already gone.
+    Gone,
+    /// A PodDisruptionBudget refused it for now; try again later.
+    Blocked {
+        pdb: Option<String>,
+        message: String,
+    },
+    /// Refused for another reason; reported, tried again later.
+    Failed { message: String },
+}
+
+/// Classifies an answer: HTTP `code`, the Status `message`, and its `details.causes[].message`.
+pub fn classify(code: u16, message: &str, causes: &[String]) -> EvictionAnswer {
+    match code {
+        200 | 201 => EvictionAnswer::Evicted,
+        404 => EvictionAnswer::Gone,
+        429 => {
+            let pdb = causes.iter().find_map(|c| budget_name(c));
+            let detail = causes
+                .iter()
+                .find(|c| budget_name(c).is_some())
+                .cloned()
+                .unwrap_or_else(|| message.to_owned());
+            EvictionAnswer::Blocked {
+                pdb,
+                message: detail,
+            }
+        }
+        500 if message.contains("more than one PodDisruptionBudget") => EvictionAnswer::Blocked {
+            pdb: None,
+            message: format!(
+                "{message} (the API server cannot evict a pod two budgets cover; merge or delete one)"
+            ),
+        },
+        _ => EvictionAnswer::Failed {
+            message: format!("eviction answered {code}: {message}"),
+        },
+    }
+}
+
+/// The budget's name in a cause such as "The disruption budget web needs 2 healthy pods and has
+/// 2 currently".
+fn budget_name(cause: &str) -> Option<String> {
+    let rest = cause.strip_prefix("The disruption budget ")?;
+    let name = rest.split_whitespace().next()?;
+    Some(name.to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn budgets_are_spent_locally_so_no_eviction_is_sent_to_be_refused() {
+        let sel = |app: &str| {
+            Some(LabelSelector {
+                match_labels: [("app".to_string(), app.to_string())].into(),
+                match_expressions: vec![],
+            })
+        };
+        let mut budgets = vec![
+            Budget {
+                namespace: "a".into(),
+                name: "web".into(),
+                selector: sel("web"),
+                allowed: 1,
+            },
+            Budget {
+                namespace: "a".into(),
+                name: "none".into(),
+                selector: None,
+                allowed: 0,
+            },
+        ];
+        let web: BTreeMap<String, String> = [("app".to_string(), "web".to_string())].into();
+        assert_eq!(admit(&mut budgets, "a", &web), Admit::Send);
+        assert!(matches!(admit(&mut budgets, "a", &web), Admit::Wait { pdb, .. } if pdb == "web"));
+        // Another namespace's budget does not apply; a nil selector selects nothing.
+        assert_eq!(admit(&mut budgets, "b", &web), Admit::Send);
+        assert_eq!(admit(&mut budgets, "a", &BTreeMap::new()), Admit::Send);
+        // Two budgets: the API server decides.
+        budgets.push(Budget {
+            namespace: "a".into(),
+            name: "web2".into(),
+            selector: sel("web"),
+            allowed: 0,
+        });
+        assert_eq!(admit(&mut budgets, "a", &web), Admit::Send);
+    }
+
+    #[test]
+    fn answers() {
+        assert_eq!(classify(201, "", &[]), EvictionAnswer::Evicted);
+        assert_eq!(classify(404, "not found", &[]), EvictionAnswer::Gone);
+        assert_eq!(
+            classify(
+                429,
+                "Cannot evict pod as it would violate the pod's disruption budget.",
+                &["The disruption budget web-pdb needs 2 healthy pods and has 2 currently".into()]
+            ),
+            EvictionAnswer::Blocked {
+                pdb: Some("web-pdb".into()),
+                message: "The disruption budget web-pdb needs 2 healthy pods and has 2 currently"
+                    .into()
+            }
+        );
+        // A 429 from the API server's own rate limits names no budget: still a wait.
+        assert!(matches!(
+            classify(429, "too many requests", &[]),
+            EvictionAnswer::Blocked { pdb: None, .. }
+        ));
+        assert!(matches!(
+            classify(
+                500,
+                "This pod has more than one PodDisruptionBudget, which the eviction subresource does not support.",
+                &[]
+            ),
+            EvictionAnswer::Blocked { pdb: None, .. }
+        ));
+        assert!(matches!(
+            classify(500, "etcd timeout", &[]),
+            EvictionAnswer::Failed { .. }
+        ));
+        assert!(matches!(
+            classify(403, "forbidden", &[]),
+            EvictionAnswer::Failed { .. }
+        ));
+    }
+}

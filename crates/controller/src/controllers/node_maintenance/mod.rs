@@ -1,0 +1,126 @@
+//! The `NodeMaintenance` controller: declarative cordon and drain. The domain logic is plain
+//! functions over plain data — drain plan and timeouts (`plan`), stage to per-node holds
+//! (`stage`), what is recorded on each node and how it is restored (`record`), eviction answers
+//! (`eviction`), admission safety (`admission`) and the status (`status`) — driven by the
+//! reconciler (`reconcile`). This file holds the [`Context`].
+
+pub mod admission;
+pub mod eviction;
+pub mod plan;
+pub mod reconcile;
+pub mod record;
+pub mod stage;
+pub mod status;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kube::Api;
+use kube::runtime::controller::Action;
+use kube::runtime::events::Recorder;
+use nodekeeper_api::crd::NodeMaintenance;
+use tokio::sync::{OnceCell, watch};
+use tracing::warn;
+
+pub use reconcile::{Error, error_policy, reconcile};
+
+use super::Reconciler;
+use crate::shared::{Shared, TuningState};
+
+/// The cluster-wide limits from the tuning ConfigMap, read at each reconcile.
+#[derive(Clone, Copy, Debug)]
+pub struct TuningLimits {
+    /// `maintenance.maxConcurrentNodes`: nodes draining at once across every maintenance.
+    pub max_concurrent_nodes: u32,
+    /// `maintenance.maxSelectedNodes`: the admission cap.
+    pub max_selected_nodes: u32,
+}
+
+/// What the reconciler needs.
+pub struct Context {
+    /// The process's client, used until [`Context::kube`] has built its own.
+    base_client: kube::Client,
+    /// A client with kube's default retry layer off: a 429 from a PodDisruptionBudget must come
+    /// back at once as "wait", not be retried with backoff inside the client for minutes while
+    /// the reconcile (and every other node's drain) waits on it.
+    client: OnceCell<kube::Client>,
+    pub recorder: Recorder,
+    pub tuning: watch::Receiver<Arc<TuningState>>,
+    /// How long one reconcile may spend evicting before it requeues.
+    pub eviction_budget: Duration,
+    /// How often a node with a drain in progress is looked at again.
+    pub drain_recheck: Duration,
+}
+
+impl Context {
+    /// The controller's context in the running controller-manager.
+    pub fn new(shared: &Shared) -> Self {
+        Self {
+            base_client: shared.client.clone(),
+            client: OnceCell::new(),
+            recorder: shared.recorder(),
+            tuning: shared.tuning.clone(),
+            eviction_budget: Duration::from_secs(5),
+            drain_recheck: Duration::from_secs(1),
+        }
+    }
+
+    /// The no-retry client, built on first use from the same configuration the process
+    /// inferred (kubeconfig or in-cluster).
+    pub async fn kube(&self) -> kube::Client {
+        self.client
+            .get_or_init(|| async {
+                let config = kube::Config::infer().await.map(|mut c| {
+                    c.default_retry = false;
+                    c
+                });
+                match config.map(kube::Client::try_from) {
+                    Ok(Ok(client)) => client,
+                    Ok(Err(error)) => {
+                        warn!(%error, "building the no-retry client failed; using the default client");
+                        self.base_client.clone()
+                    }
+                    Err(error) => {
+                        warn!(%error, "building the no-retry client failed; using the default client");
+                        self.base_client.clone()
+                    }
+                }
+            })
+            .await
+            .clone()
+    }
+
+    /// The limits in force.
+    pub fn limits(&self) -> TuningLimits {
+        let state = Arc::clone(&self.tuning.borrow());
+        TuningLimits {
+            max_concurrent_nodes: state.config.maintenance_max_concurrent_nodes,
+            max_selected_nodes: state.config.maintenance_max_selected_nodes,
+        }
+    }
+}
+
+impl Reconciler for Context {
+    type Object = NodeMaintenance;
+    type Error = Error;
+    const NAME: &'static str = "nodemaintenance";
+
+    fn api(&self) -> Api<NodeMaintenance> {
+        Api::all(self.base_client.clone())
+    }
+
+    fn concurrency(&self) -> u16 {
+        4
+    }
+
+    fn reconcile(
+        obj: Arc<NodeMaintenance>,
+        ctx: Arc<Self>,
+    ) -> impl Future<Output = Result<Action, Error>> + Send + 'static {
+        reconcile(obj, ctx)
+    }
+
+    fn error_policy(obj: Arc<NodeMaintenance>, error: &Error, ctx: Arc<Self>) -> Action {
+        error_policy(obj, error, ctx)
+    }
+}

@@ -1,0 +1,1221 @@
+//! `NodeMaintenance` end to end, through the real `nodekeeper-controller` process against the real
+//! API server, with kwok nodes and pods, real Deployments, a StatefulSet, a DaemonSet and
+//! PodDisruptionBudgets: stages, restore of the prior cordon, ordered drain groups behind PDBs,
+//! skip rules, bare pods, timeouts, overlapping maintenances, deletion, and the admission
+//! refusals. Each test runs alone (one controller acts on every NodeMaintenance in the cluster).
+//!
+//! Run: `cargo xtask test -- -p nodekeeper-e2e --test node_maintenance`.
+
+mod controller_common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail, ensure};
+use controller_common::*;
+use futures::{StreamExt as _, TryStreamExt as _};
+use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::events::v1::Event as KubeEvent;
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::runtime::{WatchStreamExt as _, watcher};
+use kube::{Api, ResourceExt as _};
+use nodekeeper_api::crd::NodeMaintenance;
+use nodekeeper_api::crd::node_maintenance::{BlockReason, NodePhase, SkipReason};
+use nodekeeper_e2e::{
+    ControlPlane, create_simulated_nodes, install_crds, test_namespace, unique_name, wait_for,
+};
+use serde_json::json;
+
+const TIMEOUT: Duration = Duration::from_secs(120);
+const GROUP: &str = "nodekeeper.dev/e2e-group";
+const POOL: &str = "nodekeeper.dev/e2e-pool";
+
+#[test]
+#[ignore = "helper: re-executed by the tests in this file as a controller process; not a test by itself"]
+fn run_as_controller() {
+    run_as_controller_if_asked();
+}
+
+/// One test at a time: every controller process acts on every NodeMaintenance.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+struct Setup {
+    client: kube::Client,
+    ns: String,
+    _controller: ControllerProcess,
+}
+
+async fn setup(prefix: &str, tuning: &[(&str, &str)]) -> anyhow::Result<Setup> {
+    let client = ControlPlane::shared().client().await?;
+    install_crds(&client).await?;
+    let ns = test_namespace(&client, prefix).await?;
+    put_tuning(&client, &ns, &tuning.iter().copied().collect()).await?;
+    // The node sweep is pointed at no node: these tests have no agents.
+    let controller = ControllerProcess::start(
+        &ns,
+        &unique_name("nm"),
+        "nodekeeper.dev/no-such-label=none",
+        free_port(),
+        &[],
+    )?;
+    // The controller has read the tuning ConfigMap before any maintenance is created.
+    let addr = controller.http;
+    wait_for(
+        "the controller to load the tuning ConfigMap",
+        TIMEOUT,
+        || async move {
+            let (status, body) = http_get(addr, "/api/v1/summary").await?;
+            Ok((status == 200 && body.contains("resourceVersion")).then_some(()))
+        },
+    )
+    .await?;
+    Ok(Setup {
+        client,
+        ns,
+        _controller: controller,
+    })
+}
+
+fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+    pairs
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect()
+}
+
+async fn apply_nm(
+    client: &kube::Client,
+    name: &str,
+    spec: serde_json::Value,
+) -> anyhow::Result<()> {
+    let api: Api<NodeMaintenance> = Api::all(client.clone());
+    let body = json!({
+        "apiVersion": "nodekeeper.dev/v1alpha1",
+        "kind": "NodeMaintenance",
+        "metadata": { "name": name },
+        "spec": spec,
+    });
+    api.patch(
+        name,
+        &PatchParams::apply("nodekeeper-e2e").force(),
+        &Patch::Apply(&body),
+    )
+    .await
+    .with_context(|| format!("apply nodemaintenance {name}"))?;
+    Ok(())
+}
+
+async fn set_stage(client: &kube::Client, name: &str, stage: &str) -> anyhow::Result<()> {
+    let api: Api<NodeMaintenance> = Api::all(client.clone());
+    api.patch(
+        name,
+        &PatchParams::default(),
+        &Patch::Merge(json!({ "spec": { "stage": stage } })),
+    )
+    .await?;
+    Ok(())
+}
+
+/// Waits until `check` holds for the maintenance; returns it.
+async fn wait_nm(
+    client: &kube::Client,
+    name: &str,
+    what: &str,
+    check: impl Fn(&NodeMaintenance) -> bool,
+) -> anyhow::Result<NodeMaintenance> {
+    let api: Api<NodeMaintenance> = Api::all(client.clone());
+    let check = &check;
+    wait_for(&format!("nodemaintenance {name}: {what}"), TIMEOUT, || {
+        let api = api.clone();
+        async move {
+            let nm = api.get(name).await?;
+            Ok(check(&nm).then_some(nm))
+        }
+    })
+    .await
+}
+
+fn condition(nm: &NodeMaintenance, type_: &str) -> Option<(String, String, String)> {
+    nm.status
+        .as_ref()?
+        .conditions
+        .iter()
+        .find(|c| c.type_ == type_)
+        .map(|c| {
+            (
+                format!("{:?}", c.status),
+                c.reason.clone(),
+                c.message.clone(),
+            )
+        })
+}
+
+fn node_phase(nm: &NodeMaintenance, node: &str) -> Option<NodePhase> {
+    nm.status
+        .as_ref()?
+        .nodes
+        .iter()
+        .find(|n| n.node == node)
+        .map(|n| n.phase)
+}
+
+fn unschedulable(node: &Node) -> bool {
+    node.spec
+        .as_ref()
+        .and_then(|s| s.unschedulable)
+        .unwrap_or(false)
+}
+
+async fn node(client: &kube::Client, name: &str) -> anyhow::Result<Node> {
+    Ok(Api::<Node>::all(client.clone()).get(name).await?)
+}
+
+async fn cordon_by_hand(client: &kube::Client, name: &str) -> anyhow::Result<()> {
+    // As `kubectl cordon` does: a patch by another field manager.
+    Api::<Node>::all(client.clone())
+        .patch(
+            name,
+            &PatchParams {
+                field_manager: Some("kubectl-cordon".into()),
+                ..PatchParams::default()
+            },
+            &Patch::Merge(json!({ "spec": { "unschedulable": true } })),
+        )
+        .await?;
+    Ok(())
+}
+
+async fn create(client: &kube::Client, ns: &str, value: serde_json::Value) -> anyhow::Result<()> {
+    let kind = value["kind"].as_str().unwrap_or_default().to_owned();
+    let name = value["metadata"]["name"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    let pp = PostParams::default();
+    match kind.as_str() {
+        "Pod" => {
+            Api::<Pod>::namespaced(client.clone(), ns)
+                .create(&pp, &serde_json::from_value(value)?)
+                .await?;
+        }
+        "Deployment" => {
+            Api::<k8s_openapi::api::apps::v1::Deployment>::namespaced(client.clone(), ns)
+                .create(&pp, &serde_json::from_value(value)?)
+                .await?;
+        }
+        "StatefulSet" => {
+            Api::<k8s_openapi::api::apps::v1::StatefulSet>::namespaced(client.clone(), ns)
+                .create(&pp, &serde_json::from_value(value)?)
+                .await?;
+        }
+        "DaemonSet" => {
+            Api::<k8s_openapi::api::apps::v1::DaemonSet>::namespaced(client.clone(), ns)
+                .create(&pp, &serde_json::from_value(value)?)
+                .await?;
+        }
+        "PodDisruptionBudget" => {
+            Api::<k8s_openapi::api::policy::v1::PodDisruptionBudget>::namespaced(
+                client.clone(),
+                ns,
+            )
+            .create(&pp, &serde_json::from_value(value)?)
+            .await?;
+        }
+        other => bail!("create: unsupported kind {other}"),
+    }
+    let _ = name;
+    Ok(())
+}
+
+/// A pod template that lands only on nodes of `pool`.
+fn template(
+    app: &str,
+    pool: &str,
+    extra_labels: serde_json::Value,
+    grace: i64,
+) -> serde_json::Value {
+    let mut labels = json!({ "app": app });
+    if let Some(extra) = extra_labels.as_object() {
+        labels.as_object_mut().unwrap().extend(extra.clone());
+    }
+    json!({
+        "metadata": { "labels": labels },
+        "spec": {
+            "nodeSelector": { POOL: pool },
+            "terminationGracePeriodSeconds": grace,
+            "containers": [{ "name": "c", "image": "registry.invalid/nothing:1" }],
+        },
+    })
+}
+
+fn deployment(
+    name: &str,
+    replicas: i32,
+    pool: &str,
+    extra: serde_json::Value,
+) -> serde_json::Value {
+    json!({
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": { "name": name },
+        "spec": {
+            "replicas": replicas,
+            "selector": { "matchLabels": { "app": name } },
+            "template": template(name, pool, extra, 5),
+        },
+    })
+}
+
+fn pdb(name: &str, app: &str, rule: serde_json::Value) -> serde_json::Value {
+    let mut spec = json!({ "selector": { "matchLabels": { "app": app } } });
+    spec.as_object_mut()
+        .unwrap()
+        .extend(rule.as_object().unwrap().clone());
+    json!({
+        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+        "metadata": { "name": name },
+        "spec": spec,
+    })
+}
+
+/// Pods of the namespace that are Running, by name → node.
+async fn running_pods(client: &kube::Client, ns: &str) -> anyhow::Result<BTreeMap<String, String>> {
+    let pods = Api::<Pod>::namespaced(client.clone(), ns)
+        .list(&ListParams::default())
+        .await?;
+    Ok(pods
+        .items
+        .iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_none())
+        .filter(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running"))
+        .filter_map(|p| Some((p.name_any(), p.spec.as_ref()?.node_name.clone()?)))
+        .collect())
+}
+
+async fn wait_running(
+    client: &kube::Client,
+    ns: &str,
+    n: usize,
+) -> anyhow::Result<BTreeMap<String, String>> {
+    wait_for(&format!("{n} running pods in {ns}"), TIMEOUT, || async {
+        let pods = running_pods(client, ns).await?;
+        Ok((pods.len() >= n).then_some(pods))
+    })
+    .await
+}
+
+/// Records, per pod (namespace/name → uid), the moment its deletion was first seen and the grace
+/// period the deletion carried, from a watch.
+/// When a deletion was first seen, the grace period it carried, and the pod's `app` label.
+type Deletion = (Instant, Option<i64>, String);
+
+#[derive(Default)]
+struct Deletions {
+    seen: Mutex<BTreeMap<String, Deletion>>,
+    /// When a pod of an app was first seen Running on a node: (app, node) → time.
+    running: Mutex<BTreeMap<(String, String), Instant>>,
+}
+
+fn watch_deletions(client: &kube::Client, ns: &str) -> Arc<Deletions> {
+    let out = Arc::new(Deletions::default());
+    let api: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let sink = Arc::clone(&out);
+    tokio::spawn(async move {
+        let mut stream = watcher(api, watcher::Config::default())
+            .touched_objects()
+            .boxed();
+        while let Ok(Some(pod)) = stream.try_next().await {
+            let app = pod.labels().get("app").cloned().unwrap_or_default();
+            let node = pod
+                .spec
+                .as_ref()
+                .and_then(|s| s.node_name.clone())
+                .unwrap_or_default();
+            let running = pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running");
+            if running && pod.metadata.deletion_timestamp.is_none() {
+                sink.running
+                    .lock()
+                    .unwrap()
+                    .entry((app, node))
+                    .or_insert_with(Instant::now);
+            }
+            if pod.metadata.deletion_timestamp.is_some() {
+                let mut seen = sink.seen.lock().unwrap();
+                let key = format!("{}@{}", pod.name_any(), pod.uid().unwrap_or_default());
+                seen.entry(key).or_insert((
+                    Instant::now(),
+                    pod.metadata.deletion_grace_period_seconds,
+                    pod.labels().get("app").cloned().unwrap_or_default(),
+                ));
+            }
+        }
+    });
+    out
+}
+
+async fn events_for(client: &kube::Client, nm: &str) -> anyhow::Result<Vec<(String, String)>> {
+    // Events about a cluster-scoped object are written to `default`.
+    let events: Api<KubeEvent> = Api::namespaced(client.clone(), "default");
+    let list = events.list(&ListParams::default()).await?;
+    Ok(list
+        .items
+        .into_iter()
+        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(nm))
+        .map(|e| (e.reason.unwrap_or_default(), e.note.unwrap_or_default()))
+        .collect())
+}
+
+/// Stages, restore, ordered groups behind a PDB, DaemonSet and mirror pods skipped, a bare pod
+/// held until allowed, local storage reported, a StatefulSet moved, KEP-5683 node conditions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_in_order_behind_pdbs_and_restore_on_complete() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    let Setup {
+        client,
+        ns,
+        _controller,
+    } = setup("nk-maint", &[]).await?;
+    let group = unique_name("drain");
+    let pool = unique_name("pool");
+    let nodes = create_simulated_nodes(
+        &client,
+        "nk-maint",
+        2,
+        &labels(&[(GROUP, &group), (POOL, &pool)]),
+        &[],
+    )
+    .await?;
+    // Node 1 was cordoned by someone before the maintenance: it must stay cordoned after.
+    cordon_by_hand(&client, &nodes[1]).await?;
+
+    // Workloads on node 0 (the only schedulable one of the pool yet).
+    create(
+        &client,
+        &ns,
+        deployment("front", 2, &pool, json!({ "tier": "front" })),
+    )
+    .await?;
+    create(
+        &client,
+        &ns,
+        pdb("front-pdb", "front", json!({ "maxUnavailable": 1 })),
+    )
+    .await?;
+    let mut back = deployment("back", 2, &pool, json!({}));
+    back["spec"]["template"]["spec"]["volumes"] = json!([{ "name": "scratch", "emptyDir": {} }]);
+    create(&client, &ns, back).await?;
+    create(
+        &client,
+        &ns,
+        json!({
+            "apiVersion": "apps/v1", "kind": "StatefulSet",
+            "metadata": { "name": "db" },
+            "spec": {
+                "replicas": 1, "serviceName": "db",
+                "selector": { "matchLabels": { "app": "db" } },
+                "template": template("db", &pool, json!({}), 5),
+            },
+        }),
+    )
+    .await?;
+    create(
+        &client,
+        &ns,
+        json!({
+            "apiVersion": "apps/v1", "kind": "DaemonSet",
+            "metadata": { "name": "agent" },
+            "spec": {
+                "selector": { "matchLabels": { "app": "agent" } },
+                "template": template("agent", &pool, json!({}), 5),
+            },
+        }),
+    )
+    .await?;
+    // A static pod's mirror, and a bare pod, both bound to node 0.
+    create(&client, &ns, json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": { "name": "static-etcd", "annotations": { "kubernetes.io/config.mirror": "hash" } },
+        "spec": { "nodeName": nodes[0], "containers": [{ "name": "c", "image": "registry.invalid/x:1" }] },
+    })).await?;
+    create(&client, &ns, json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": { "name": "bare", "labels": { "app": "bare" } },
+        "spec": { "nodeName": nodes[0], "containers": [{ "name": "c", "image": "registry.invalid/x:1" }] },
+    })).await?;
+    // 2 front + 2 back + 1 db + 2 agent (one per node) + static + bare.
+    let placed = wait_running(&client, &ns, 9).await?;
+    ensure!(
+        placed
+            .iter()
+            .filter(|(p, _)| p.starts_with("front") || p.starts_with("back") || *p == "db-0")
+            .all(|(_, n)| n == &nodes[0]),
+        "workloads must start on node 0: {placed:?}"
+    );
+    // Room for the replacements, created only now.
+    let spare =
+        create_simulated_nodes(&client, "nk-spare", 1, &labels(&[(POOL, &pool)]), &[]).await?;
+    let deletions = watch_deletions(&client, &ns);
+
+    let name = unique_name("drain");
+    apply_nm(
+        &client,
+        &name,
+        json!({
+            "nodeSelector": { "matchLabels": { GROUP: group } },
+            "stage": "Cordon",
+            "reason": "kernel upgrade",
+            "drainPlan": [ { "podSelector": { "matchLabels": { "tier": "front" } } } ],
+            "maxConcurrentNodes": 2,
+        }),
+    )
+    .await?;
+    wait_nm(&client, &name, "Ready after Cordon", |nm| {
+        condition(nm, "Ready").is_some_and(|c| c.0 == "True")
+    })
+    .await?;
+    for n in &nodes {
+        ensure!(unschedulable(&node(&client, n).await?), "{n} cordoned");
+    }
+    ensure!(
+        deletions.seen.lock().unwrap().is_empty(),
+        "Cordon evicts nothing"
+    );
+
+    set_stage(&client, &name, "Drain").await?;
+    // The bare pod holds node 0 up, named, with the fix.
+    let nm = wait_nm(&client, &name, "bare pod blocking node 0", |nm| {
+        nm.status.as_ref().is_some_and(|s| {
+            s.nodes.iter().any(|n| {
+                n.node == nodes[0]
+                    && n.blocking_pods
+                        .iter()
+                        .any(|b| b.name == "bare" && b.reason == BlockReason::StandalonePod)
+            })
+        }) && node_phase(nm, &nodes[1]) == Some(NodePhase::Drained)
+    })
+    .await?;
+    let n0 = nm
+        .status
+        .as_ref()
+        .unwrap()
+        .nodes
+        .iter()
+        .find(|n| n.node == nodes[0])
+        .unwrap()
+        .clone();
+    let skipped: BTreeSet<(String, SkipReason)> = n0
+        .skipped_pods
+        .iter()
+        .map(|s| (s.name.clone(), s.reason))
+        .collect();
+    ensure!(
+        skipped.contains(&("static-etcd".to_string(), SkipReason::MirrorPod)),
+        "{skipped:?}"
+    );
+    ensure!(
+        skipped
+            .iter()
+            .any(|(n, r)| n.starts_with("agent-") && *r == SkipReason::DaemonSet),
+        "{skipped:?}"
+    );
+    ensure!(
+        condition(&nm, "Blocked").is_some_and(|c| c.0 == "True" && c.1 == "PodsBlocking"),
+        "{:?}",
+        condition(&nm, "Blocked")
+    );
+    // Node conditions on a drained node and on the draining one.
+    let (s, _, m) =
+        condition_of(&node(&client, &nodes[1]).await?, "Drained").context("Drained on node 1")?;
+    ensure!(s == "True" && m.contains("kernel upgrade"), "{m}");
+    let (s, _, _) = condition_of(&node(&client, &nodes[0]).await?, "DrainInProgress")
+        .context("DrainInProgress")?;
+    ensure!(s == "True");
+
+    // Everything that may leave has left node 0, in plan order, and the replacements run.
+    let pods_now = wait_for("node 0 emptied of evictable pods", TIMEOUT, || async {
+        let pods = running_pods(&client, &ns).await?;
+        let left: Vec<_> = pods
+            .iter()
+            .filter(|(_, n)| *n == &nodes[0])
+            .map(|(p, _)| p.clone())
+            .collect();
+        Ok(left
+            .iter()
+            .all(|p| p == "bare" || p == "static-etcd" || p.starts_with("agent-"))
+            .then_some(pods))
+    })
+    .await?;
+    ensure!(
+        pods_now.get("db-0") == Some(&spare[0]),
+        "the StatefulSet pod moved to the spare node: {pods_now:?}"
+    );
+    {
+        let seen = deletions.seen.lock().unwrap();
+        let when = |app: &str| {
+            seen.values()
+                .filter(|(_, _, a)| a == app)
+                .map(|(t, _, _)| *t)
+                .collect::<Vec<_>>()
+        };
+        let (front, back, db) = (when("front"), when("back"), when("db"));
+        ensure!(
+            front.len() == 2 && back.len() == 2 && db.len() == 1,
+            "evictions: {:?}",
+            seen.values().map(|v| &v.2).collect::<Vec<_>>()
+        );
+        let last_front = front.iter().max().unwrap();
+        ensure!(
+            back.iter().chain(&db).all(|t| t > last_front),
+            "group 1 waited for group 0 to be gone"
+        );
+        ensure!(
+            !seen.values().any(|(_, _, a)| a == "agent" || a == "bare"),
+            "DaemonSet and bare pods were not evicted"
+        );
+    }
+    // The PDB allowed one front pod at a time: the second waited for a replacement Ready elsewhere.
+    let events = events_for(&client, &name).await?;
+    ensure!(
+        events
+            .iter()
+            .any(|(r, n)| r == "EvictedWithLocalStorage" && n.contains("back-")),
+        "{events:?}"
+    );
+
+    // Allowing bare pods lets node 0 finish.
+    Api::<NodeMaintenance>::all(client.clone())
+        .patch(
+            &name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "spec": { "allowStandalonePods": true } })),
+        )
+        .await?;
+    wait_nm(&client, &name, "both nodes drained", |nm| {
+        nm.status.as_ref().is_some_and(|s| s.drained == 2)
+            && condition(nm, "Ready").is_some_and(|c| c.0 == "True")
+    })
+    .await?;
+
+    // Complete: node 0 uncordoned (nodekeeper cordoned it), node 1 stays cordoned (someone else
+    // had), the conditions, label and annotation go.
+    set_stage(&client, &name, "Complete").await?;
+    wait_nm(&client, &name, "Ready after Complete", |nm| {
+        condition(nm, "Ready").is_some_and(|c| c.0 == "True" && c.2.contains("released"))
+    })
+    .await?;
+    let n0 = node(&client, &nodes[0]).await?;
+    let n1 = node(&client, &nodes[1]).await?;
+    ensure!(!unschedulable(&n0), "node 0 uncordoned");
+    ensure!(
+        unschedulable(&n1),
+        "node 1 was cordoned before and stays so"
+    );
+    for n in [&n0, &n1] {
+        ensure!(
+            condition_of(n, "Drained").is_none()
+                && condition_of(n, "MaintenanceInProgress").is_none(),
+            "conditions removed from {}",
+            n.name_any()
+        );
+        ensure!(
+            !n.annotations().contains_key("nodekeeper.dev/maintenance"),
+            "annotation removed"
+        );
+        ensure!(
+            !n.labels().contains_key("nodekeeper.dev/maintained"),
+            "label removed"
+        );
+    }
+    Ok(())
+}
+
+fn condition_of(node: &Node, type_: &str) -> Option<(String, String, String)> {
+    controller_common::condition(node, type_)
+}
+
+/// `drainTimeout` with each `onTimeout`: a PDB that never allows an eviction holds each node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn timeouts_fail_proceed_and_force_delete_with_the_pods_grace() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    let Setup {
+        client,
+        ns,
+        _controller,
+    } = setup("nk-maint-timeout", &[]).await?;
+    let mut names = Vec::new();
+    let mut nodes = Vec::new();
+    for action in ["Fail", "Proceed", "ForceDelete"] {
+        let group = unique_name(action);
+        let pool = unique_name("pool");
+        let n = create_simulated_nodes(
+            &client,
+            "nk-timeout",
+            1,
+            &labels(&[(GROUP, &group), (POOL, &pool)]),
+            &[],
+        )
+        .await?;
+        let app = format!("app-{}", action.to_lowercase());
+        let mut d = deployment(&app, 1, &pool, json!({}));
+        d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = json!(6);
+        create(&client, &ns, d).await?;
+        create(
+            &client,
+            &ns,
+            pdb(
+                &format!("{app}-pdb"),
+                &app,
+                json!({ "minAvailable": "100%" }),
+            ),
+        )
+        .await?;
+        names.push((action, unique_name("timeout"), group));
+        nodes.push(n[0].clone());
+    }
+    wait_running(&client, &ns, 3).await?;
+    let deletions = watch_deletions(&client, &ns);
+    let started = Instant::now();
+    for (action, name, group) in &names {
+        apply_nm(
+            &client,
+            name,
+            json!({
+                "nodeSelector": { "matchLabels": { GROUP: group } },
+                "stage": "Drain", "drainTimeout": "15s", "onTimeout": action,
+            }),
+        )
+        .await?;
+    }
+    // While waiting, the PDB is named as the blocker.
+    let nm = wait_nm(&client, &names[0].1, "PDB named as blocker", |nm| {
+        nm.status.as_ref().is_some_and(|s| {
+            s.nodes.iter().any(|n| {
+                n.blocking_pods.iter().any(|b| {
+                    b.reason == BlockReason::PodDisruptionBudget
+                        && b.pdb.as_deref() == Some("app-fail-pdb")
+                })
+            })
+        })
+    })
+    .await?;
+    ensure!(condition(&nm, "Blocked").is_some_and(|c| c.0 == "True"));
+
+    let failed = wait_nm(&client, &names[0].1, "Fail", |nm| {
+        node_phase(nm, &nodes[0]) == Some(NodePhase::Failed)
+    })
+    .await?;
+    ensure!(
+        started.elapsed() >= Duration::from_secs(14),
+        "not before the timeout"
+    );
+    ensure!(condition(&failed, "Blocked").is_some_and(|c| c.1 == "DrainFailed"));
+    ensure!(
+        unschedulable(&node(&client, &nodes[0]).await?),
+        "a failed node stays cordoned"
+    );
+    let proceed = wait_nm(&client, &names[1].1, "Proceed", |nm| {
+        node_phase(nm, &nodes[1]) == Some(NodePhase::Drained)
+    })
+    .await?;
+    let msg = &proceed.status.as_ref().unwrap().nodes[0].message;
+    ensure!(
+        msg.contains("pods left") && msg.contains("app-proceed"),
+        "{msg}"
+    );
+    wait_nm(&client, &names[2].1, "ForceDelete drained", |nm| {
+        node_phase(nm, &nodes[2]) == Some(NodePhase::Drained)
+    })
+    .await?;
+    {
+        let seen = deletions.seen.lock().unwrap();
+        let forced: Vec<_> = seen
+            .values()
+            .filter(|(_, _, a)| a == "app-forcedelete")
+            .collect();
+        ensure!(!forced.is_empty(), "the ForceDelete pod was deleted");
+        let (at, grace, _) = forced[0];
+        ensure!(
+            *grace == Some(6),
+            "deleted with its own grace period, not 0: {grace:?}"
+        );
+        let deadline = started + Duration::from_secs(16);
+        ensure!(
+            *at + Duration::from_secs(5) <= deadline,
+            "deleted early enough to use its grace before the deadline"
+        );
+        ensure!(
+            !seen
+                .values()
+                .any(|(_, _, a)| a == "app-fail" || a == "app-proceed"),
+            "Fail and Proceed delete nothing"
+        );
+    }
+    for (_, name, _) in &names {
+        Api::<NodeMaintenance>::all(client.clone())
+            .delete(name, &DeleteParams::default())
+            .await?;
+    }
+    Ok(())
+}
+
+/// Two maintenances on one node: the first to finish leaves it cordoned; deleting the last
+/// restores it (finalizer) and says so in an Event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overlapping_maintenances_and_delete_restore() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    let Setup {
+        client,
+        _controller,
+        ..
+    } = setup("nk-maint-overlap", &[]).await?;
+    let group = unique_name("overlap");
+    let nodes =
+        create_simulated_nodes(&client, "nk-overlap", 1, &labels(&[(GROUP, &group)]), &[]).await?;
+    let (a, b) = (unique_name("a"), unique_name("b"));
+    for name in [&a, &b] {
+        apply_nm(
+            &client,
+            name,
+            json!({ "nodeSelector": { "matchLabels": { GROUP: group } }, "stage": "Cordon" }),
+        )
+        .await?;
+        wait_nm(&client, name, "cordoned", |nm| {
+            condition(nm, "Ready").is_some_and(|c| c.0 == "True")
+        })
+        .await?;
+    }
+    set_stage(&client, &a, "Complete").await?;
+    wait_nm(&client, &a, "complete", |nm| {
+        condition(nm, "Ready").is_some_and(|c| c.0 == "True" && c.2.contains("released"))
+    })
+    .await?;
+    let n = node(&client, &nodes[0]).await?;
+    ensure!(unschedulable(&n), "b still holds the node");
+    ensure!(n.annotations()["nodekeeper.dev/maintenance"].contains(&b));
+
+    let api: Api<NodeMaintenance> = Api::all(client.clone());
+    api.delete(&b, &DeleteParams::default()).await?;
+    wait_for("b gone", TIMEOUT, || async {
+        Ok(api.get_opt(&b).await?.is_none().then_some(()))
+    })
+    .await?;
+    let n = node(&client, &nodes[0]).await?;
+    ensure!(
+        !unschedulable(&n),
+        "the last holder's deletion restored the node"
+    );
+    ensure!(condition_of(&n, "MaintenanceInProgress").is_none());
+    let events = events_for(&client, &b).await?;
+    ensure!(
+        events.iter().any(|(r, _)| r == "NodesRestored"),
+        "{events:?}"
+    );
+    Ok(())
+}
+
+/// Selections refused before any node is touched, and the explicit override.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broad_selections_are_refused_before_any_node_is_touched() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    let Setup {
+        client,
+        _controller,
+        ..
+    } = setup("nk-maint-admit", &[("maintenance.maxSelectedNodes", "2")]).await?;
+    let group = unique_name("admit");
+    let nodes =
+        create_simulated_nodes(&client, "nk-admit", 3, &labels(&[(GROUP, &group)]), &[]).await?;
+    let cp = create_simulated_nodes(
+        &client,
+        "nk-cp",
+        1,
+        &labels(&[("node-role.kubernetes.io/control-plane", "")]),
+        &[],
+    )
+    .await?;
+
+    let cases = [
+        (
+            json!({ "matchLabels": { "kubernetes.io/os": "linux" } }),
+            "every node in the cluster",
+        ),
+        (
+            json!({ "matchExpressions": [{ "key": "node-role.kubernetes.io/control-plane", "operator": "Exists" }] }),
+            "every control-plane node",
+        ),
+        (
+            json!({ "matchLabels": { GROUP: group } }),
+            "maintenance.maxSelectedNodes",
+        ),
+    ];
+    let mut names = Vec::new();
+    for (selector, expect) in &cases {
+        let name = unique_name("refused");
+        apply_nm(
+            &client,
+            &name,
+            json!({ "nodeSelector": selector, "stage": "Drain" }),
+        )
+        .await?;
+        let nm = wait_nm(&client, &name, "refused", |nm| {
+            condition(nm, "Ready").is_some_and(|c| c.1 == "Refused")
+        })
+        .await?;
+        let (_, _, message) = condition(&nm, "Ready").unwrap();
+        ensure!(
+            message.contains(expect) && message.contains("spec.allowBroadSelection"),
+            "{message}"
+        );
+        names.push(name);
+    }
+    for n in nodes.iter().chain(&cp) {
+        let n = node(&client, n).await?;
+        ensure!(
+            !unschedulable(&n) && !n.annotations().contains_key("nodekeeper.dev/maintenance"),
+            "{} untouched",
+            n.name_any()
+        );
+    }
+    // Nothing selected: said so, nothing done.
+    let none = unique_name("none");
+    apply_nm(
+        &client,
+        &none,
+        json!({ "nodeSelector": { "matchLabels": { GROUP: "no-such-group" } }, "stage": "Cordon" }),
+    )
+    .await?;
+    wait_nm(&client, &none, "no matching nodes", |nm| {
+        condition(nm, "Ready").is_some_and(|c| c.1 == "NoMatchingNodes")
+    })
+    .await?;
+    // The override proceeds.
+    Api::<NodeMaintenance>::all(client.clone())
+        .patch(
+            &names[2],
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "spec": { "allowBroadSelection": true, "stage": "Cordon" } })),
+        )
+        .await?;
+    wait_nm(&client, &names[2], "cordoned with the override", |nm| {
+        condition(nm, "Ready").is_some_and(|c| c.0 == "True")
+    })
+    .await?;
+    ensure!(unschedulable(&node(&client, &nodes[0]).await?));
+    for name in names.iter().chain([&none]) {
+        Api::<NodeMaintenance>::all(client.clone())
+            .delete(name, &DeleteParams::default())
+            .await?;
+    }
+    wait_for("override's nodes restored", TIMEOUT, || async {
+        Ok((!unschedulable(&node(&client, &nodes[0]).await?)).then_some(()))
+    })
+    .await?;
+    Ok(())
+}
+
+/// Moving the stage back from Drain to Cordon stops evicting at once; Idle lets the node go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stage_back_stops_evicting_and_idle_releases() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    let Setup {
+        client,
+        ns,
+        _controller,
+    } = setup("nk-maint-back", &[]).await?;
+    let group = unique_name("back");
+    let pool = unique_name("pool");
+    let nodes = create_simulated_nodes(
+        &client,
+        "nk-back",
+        1,
+        &labels(&[(GROUP, &group), (POOL, &pool)]),
+        &[],
+    )
+    .await?;
+    create(&client, &ns, deployment("held", 1, &pool, json!({}))).await?;
+    create(
+        &client,
+        &ns,
+        pdb("held-pdb", "held", json!({ "minAvailable": "100%" })),
+    )
+    .await?;
+    wait_running(&client, &ns, 1).await?;
+    let deletions = watch_deletions(&client, &ns);
+    let name = unique_name("back");
+    apply_nm(
+        &client,
+        &name,
+        json!({ "nodeSelector": { "matchLabels": { GROUP: group } }, "stage": "Drain" }),
+    )
+    .await?;
+    wait_nm(&client, &name, "blocked by the PDB", |nm| {
+        nm.status.as_ref().is_some_and(|s| s.blocked == 1)
+    })
+    .await?;
+    set_stage(&client, &name, "Cordon").await?;
+    wait_nm(&client, &name, "cordoned, not draining", |nm| {
+        node_phase(nm, &nodes[0]) == Some(NodePhase::Cordoned)
+    })
+    .await?;
+    // The budget goes away: a controller still draining would evict the pod now.
+    Api::<k8s_openapi::api::policy::v1::PodDisruptionBudget>::namespaced(client.clone(), &ns)
+        .delete("held-pdb", &DeleteParams::default())
+        .await?;
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    ensure!(
+        deletions.seen.lock().unwrap().is_empty(),
+        "no eviction after moving back to Cordon"
+    );
+    let n = node(&client, &nodes[0]).await?;
+    ensure!(unschedulable(&n));
+    ensure!(
+        condition_of(&n, "DrainInProgress").is_some_and(|c| c.0 == "False"),
+        "{:?}",
+        condition_of(&n, "DrainInProgress")
+    );
+    set_stage(&client, &name, "Idle").await?;
+    wait_for("node released by Idle", TIMEOUT, || async {
+        let n = node(&client, &nodes[0]).await?;
+        Ok(
+            (!unschedulable(&n) && condition_of(&n, "MaintenanceInProgress").is_none())
+                .then_some(()),
+        )
+    })
+    .await?;
+    ensure!(
+        deletions.seen.lock().unwrap().is_empty(),
+        "Idle evicts nothing"
+    );
+    Ok(())
+}
+
+/// The leader is killed in the middle of a drain: the next one continues from what is recorded
+/// on the node (same drain start, so the timeout is not reset) and finishes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leader_handover_mid_drain_continues_the_same_drain() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    let client = ControlPlane::shared().client().await?;
+    install_crds(&client).await?;
+    let ns = test_namespace(&client, "nk-maint-leader").await?;
+    put_tuning(&client, &ns, &BTreeMap::new()).await?;
+    let timing = [
+        ("NODEKEEPER_LEASE_DURATION", "6s"),
+        ("NODEKEEPER_RENEW_DEADLINE", "4s"),
+        ("NODEKEEPER_RETRY_PERIOD", "1s"),
+    ];
+    let mut first = ControllerProcess::start(
+        &ns,
+        "leader-a",
+        "nodekeeper.dev/no-such-label=none",
+        free_port(),
+        &timing,
+    )?;
+    let group = unique_name("handover");
+    let pool = unique_name("pool");
+    let nodes = create_simulated_nodes(
+        &client,
+        "nk-handover",
+        1,
+        &labels(&[(GROUP, &group), (POOL, &pool)]),
+        &[],
+    )
+    .await?;
+    create(&client, &ns, deployment("slow", 2, &pool, json!({}))).await?;
+    create(
+        &client,
+        &ns,
+        pdb("slow-pdb", "slow", json!({ "minAvailable": "100%" })),
+    )
+    .await?;
+    wait_running(&client, &ns, 2).await?;
+    let deletions = watch_deletions(&client, &ns);
+    let name = unique_name("handover");
+    apply_nm(
+        &client,
+        &name,
+        json!({ "nodeSelector": { "matchLabels": { GROUP: group } }, "stage": "Drain" }),
+    )
+    .await?;
+    wait_nm(&client, &name, "draining, blocked", |nm| {
+        nm.status.as_ref().is_some_and(|s| s.blocked == 1)
+    })
+    .await?;
+    let record = |n: &Node| {
+        n.annotations()
+            .get("nodekeeper.dev/maintenance")
+            .cloned()
+            .unwrap_or_default()
+    };
+    let before = record(&node(&client, &nodes[0]).await?);
+    ensure!(before.contains("drainStart"), "{before}");
+
+    first.kill();
+    let _second = ControllerProcess::start(
+        &ns,
+        "leader-b",
+        "nodekeeper.dev/no-such-label=none",
+        free_port(),
+        &timing,
+    )?;
+    // The budget is relaxed only now: the new leader must pick the drain up and finish it.
+    Api::<k8s_openapi::api::policy::v1::PodDisruptionBudget>::namespaced(client.clone(), &ns)
+        .patch(
+            "slow-pdb",
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "spec": { "minAvailable": null, "maxUnavailable": 1 } })),
+        )
+        .await?;
+    // Replacements need somewhere to go.
+    create_simulated_nodes(
+        &client,
+        "nk-handover-spare",
+        1,
+        &labels(&[(POOL, &pool)]),
+        &[],
+    )
+    .await?;
+    wait_nm(&client, &name, "drained after the handover", |nm| {
+        node_phase(nm, &nodes[0]) == Some(NodePhase::Drained)
+    })
+    .await?;
+    let after: serde_json::Value = serde_json::from_str(&record(&node(&client, &nodes[0]).await?))?;
+    let before: serde_json::Value = serde_json::from_str(&before)?;
+    ensure!(
+        after["holders"][&name]["drainStart"] == before["holders"][&name]["drainStart"],
+        "the drain start survived the handover: {before} → {after}"
+    );
+    let seen = deletions.seen.lock().unwrap();
+    ensure!(
+        seen.values().filter(|(_, _, a)| a == "slow").count() == 2,
+        "both original pods evicted once each: {:?}",
+        seen.keys()
+    );
+    Ok(())
+}
+
+/// `maxConcurrentNodes` bounds one maintenance; the tuning ConfigMap's
+/// `maintenance.maxConcurrentNodes` bounds all of them together.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrency_per_maintenance_and_cluster_wide() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    let Setup {
+        client,
+        ns,
+        _controller,
+    } = setup("nk-maint-conc", &[("maintenance.maxConcurrentNodes", "2")]).await?;
+    let (ga, gb) = (unique_name("conc-a"), unique_name("conc-b"));
+    let pool = unique_name("pool");
+    let a = create_simulated_nodes(
+        &client,
+        "nk-conc-a",
+        3,
+        &labels(&[(GROUP, &ga), (POOL, &pool)]),
+        &[],
+    )
+    .await?;
+    let b = create_simulated_nodes(
+        &client,
+        "nk-conc-b",
+        2,
+        &labels(&[(GROUP, &gb), (POOL, &pool)]),
+        &[],
+    )
+    .await?;
+    // One pod per node that a budget never lets go: every drain stays in progress.
+    let mut d = deployment("stuck", 5, &pool, json!({}));
+    d["spec"]["template"]["spec"]["topologySpreadConstraints"] = json!([{
+        "maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "DoNotSchedule",
+        "labelSelector": { "matchLabels": { "app": "stuck" } },
+    }]);
+    create(&client, &ns, d).await?;
+    create(
+        &client,
+        &ns,
+        pdb("stuck-pdb", "stuck", json!({ "minAvailable": "100%" })),
+    )
+    .await?;
+    let placed = wait_running(&client, &ns, 5).await?;
+    ensure!(
+        placed.values().collect::<BTreeSet<_>>().len() == 5,
+        "one pod per node: {placed:?}"
+    );
+
+    let (na, nb) = (unique_name("conc-a"), unique_name("conc-b"));
+    apply_nm(&client, &na, json!({ "nodeSelector": { "matchLabels": { GROUP: ga } }, "stage": "Drain", "maxConcurrentNodes": 1 })).await?;
+    let nm = wait_nm(&client, &na, "one node draining, two waiting", |nm| {
+        nm.status.as_ref().is_some_and(|s| {
+            s.nodes
+                .iter()
+                .filter(|n| n.phase == NodePhase::Draining)
+                .count()
+                == 1
+                && s.nodes
+                    .iter()
+                    .filter(|n| n.phase == NodePhase::Waiting)
+                    .count()
+                    == 2
+        })
+    })
+    .await?;
+    // A waiting node is not cordoned and says it is planned.
+    let waiting = nm
+        .status
+        .as_ref()
+        .unwrap()
+        .nodes
+        .iter()
+        .find(|n| n.phase == NodePhase::Waiting)
+        .unwrap()
+        .node
+        .clone();
+    let w = node(&client, &waiting).await?;
+    ensure!(
+        !unschedulable(&w),
+        "a node waiting its turn stays schedulable"
+    );
+    ensure!(condition_of(&w, "MaintenancePlanned").is_some_and(|c| c.0 == "True"));
+
+    // B may use only the one slot left of the cluster's two.
+    apply_nm(&client, &nb, json!({ "nodeSelector": { "matchLabels": { GROUP: gb } }, "stage": "Drain", "maxConcurrentNodes": 2 })).await?;
+    wait_nm(
+        &client,
+        &nb,
+        "one of two draining under the cluster ceiling",
+        |nm| {
+            nm.status.as_ref().is_some_and(|s| {
+                s.nodes
+                    .iter()
+                    .filter(|n| n.phase == NodePhase::Draining)
+                    .count()
+                    == 1
+                    && s.nodes
+                        .iter()
+                        .filter(|n| n.phase == NodePhase::Waiting)
+                        .count()
+                        == 1
+            })
+        },
+    )
+    .await?;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let draining: usize = {
+        let all = Api::<Node>::all(client.clone())
+            .list(&ListParams::default().labels("nodekeeper.dev/maintained=true"))
+            .await?;
+        all.items
+            .iter()
+            .filter(|n| a.contains(&n.name_any()) || b.contains(&n.name_any()))
+            .filter(|n| unschedulable(n))
+            .count()
+    };
+    ensure!(
+        draining == 2,
+        "two nodes cordoned-and-draining across both maintenances, got {draining}"
+    );
+    for name in [&na, &nb] {
+        Api::<NodeMaintenance>::all(client.clone())
+            .delete(name, &DeleteParams::default())
+            .await?;
+    }
+    Ok(())
+}

@@ -1,0 +1,409 @@
+//! `cargo xtask bench drain`: a `NodeMaintenance` draining N kwok nodes of P pods each, owned by
+//! Deployments whose PodDisruptionBudgets allow one pod down at a time, `maxConcurrentNodes` M,
+//! through the release controller under its own ServiceAccount on a private control plane with
+//! audit logging. Reports the time to every node Drained against the lower bound the budgets
+//! allow (replacement time × the serial steps they force), the controller's API requests per
+//! evicted pod (audit log), and its status writes per node. Writes its section (`## drain`) in
+//! BENCHMARKS.md.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Pod, ServiceAccount};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::{Api, ResourceExt as _};
+use nodekeeper_api::crd::NodeMaintenance;
+use nodekeeper_e2e::controlplane::{Lifetime, Options, nodes};
+use nodekeeper_e2e::{ControlPlane, wait_for};
+use serde_json::json;
+
+use crate::fleet_rig::{CONTROLLER_USER, NAMESPACE, audit_counts, controller_kubeconfig};
+use nodekeeper_e2e::rig::{ControllerConfig, ControllerProcess, Output, Program};
+
+/// `cargo xtask bench drain` arguments.
+#[derive(clap::Args, Debug, Clone)]
+pub struct DrainArgs {
+    /// Nodes maintained.
+    #[arg(long, default_value_t = 100)]
+    pub nodes: usize,
+    /// Pods per node: one Deployment per pod slot, `nodes` replicas each.
+    #[arg(long, default_value_t = 30)]
+    pub pods_per_node: usize,
+    /// `spec.maxConcurrentNodes`.
+    #[arg(long, default_value_t = 10)]
+    pub max_concurrent: u32,
+    /// Do not write BENCHMARKS.md.
+    #[arg(long)]
+    pub no_write: bool,
+}
+
+const TARGET_RATIO: f64 = 1.5;
+const TARGET_REQUESTS_PER_POD: f64 = 3.0;
+const TARGET_STATUS_WRITES_PER_NODE: f64 = 6.0;
+const WORK_NS: &str = "drain-bench";
+const TARGET_LABEL: &str = "nodekeeper.dev/bench-drain";
+const POOL_LABEL: &str = "nodekeeper.dev/bench-pool";
+
+pub fn run(args: DrainArgs) -> anyhow::Result<()> {
+    let root = crate::codegen::repo_root();
+    let [controller] = crate::cargo::build_executables(
+        &root,
+        &[
+            "build",
+            "--release",
+            "-p",
+            "nodekeeper-controller",
+            "--bin",
+            "nodekeeper-controller",
+        ],
+        ["nodekeeper-controller"],
+    )?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(bench(args, root, controller))
+}
+
+struct Figures {
+    seconds: f64,
+    replace_seconds: f64,
+    steps: usize,
+    evicted: usize,
+    requests: u64,
+    by_kind: BTreeMap<String, u64>,
+    status_writes: u64,
+}
+
+async fn bench(args: DrainArgs, root: PathBuf, controller: PathBuf) -> anyhow::Result<()> {
+    let say = |text: String| eprintln!("[bench drain] {text}");
+    let mut options = Options::new(
+        format!("bench-drain-{}", std::process::id()),
+        Lifetime::WithThisProcess,
+    );
+    options.audit = true;
+    options.max_requests_inflight = Some(2000);
+    options.max_mutating_requests_inflight = Some(1000);
+    say("starting a private control plane (audit on)".into());
+    let cp = ControlPlane::start(options)?;
+    let client = cp.client().await?;
+    let audit = cp.audit_log().context("audit log")?;
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    for ns in [NAMESPACE, WORK_NS] {
+        namespaces
+            .create(
+                &PostParams::default(),
+                &serde_json::from_value(json!({"metadata": {"name": ns}}))?,
+            )
+            .await?;
+        wait_for("default ServiceAccount", Duration::from_secs(60), || {
+            let sas: Api<ServiceAccount> = Api::namespaced(client.clone(), ns);
+            async move { Ok(sas.get_opt("default").await?.map(|_| ())) }
+        })
+        .await?;
+    }
+    nodekeeper_e2e::install_crds(&client).await?;
+    let kubeconfig = cp.kubeconfig().with_file_name("controller-kubeconfig.yaml");
+    controller_kubeconfig(&client, &root, cp.kubeconfig(), &kubeconfig).await?;
+    Api::<ConfigMap>::namespaced(client.clone(), NAMESPACE)
+        .patch(
+            "nodekeeper-tuning",
+            &PatchParams::apply("nodekeeper-bench").force(),
+            &Patch::Apply(json!({"apiVersion": "v1", "kind": "ConfigMap",
+                "metadata": {"name": "nodekeeper-tuning"},
+                "data": {"maintenance.maxConcurrentNodes": args.max_concurrent.to_string(),
+                         "maintenance.maxSelectedNodes": args.nodes.to_string()}})),
+        )
+        .await?;
+
+    // The maintained nodes first; the workloads land there; the spare nodes come after.
+    let n = args.nodes;
+    let targets: Vec<String> = (0..n).map(|i| format!("drain-{i:04}")).collect();
+    let pool = BTreeMap::from([(POOL_LABEL.to_owned(), "bench".to_owned())]);
+    let mut target_labels = pool.clone();
+    target_labels.insert(TARGET_LABEL.to_owned(), "target".to_owned());
+    let ips: Vec<_> = (0..n).map(|i| nodes_ip(i)).collect();
+    nodes::create(&client, &targets, &ips, &target_labels).await?;
+    nodes::wait_ready(&client, &targets, Duration::from_secs(300)).await?;
+
+    let deployments = args.pods_per_node;
+    let total = n * deployments;
+    say(format!(
+        "{deployments} Deployments × {n} replicas, PDB maxUnavailable 1 each"
+    ));
+    let deploy_api: Api<Deployment> = Api::namespaced(client.clone(), WORK_NS);
+    let pdb_api: Api<PodDisruptionBudget> = Api::namespaced(client.clone(), WORK_NS);
+    for d in 0..deployments {
+        let name = format!("app-{d:02}");
+        deploy_api
+            .create(
+                &PostParams::default(),
+                &serde_json::from_value(json!({
+                    "metadata": {"name": name},
+                    "spec": {
+                        "replicas": n,
+                        "selector": {"matchLabels": {"app": name}},
+                        "template": {
+                            "metadata": {"labels": {"app": name}},
+                            "spec": {
+                                "nodeSelector": {POOL_LABEL: "bench"},
+                                "terminationGracePeriodSeconds": 1,
+                                // Spread one per node where possible.
+                                "topologySpreadConstraints": [{
+                                    "maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
+                                    "whenUnsatisfiable": "ScheduleAnyway",
+                                    "labelSelector": {"matchLabels": {"app": name}},
+                                }],
+                                "containers": [{"name": "c", "image": "registry.invalid/app:1",
+                                    "resources": {"requests": {"cpu": "10m"}}}],
+                            },
+                        },
+                    },
+                }))?,
+            )
+            .await?;
+        pdb_api
+            .create(
+                &PostParams::default(),
+                &serde_json::from_value(json!({
+                    "metadata": {"name": format!("{name}-pdb")},
+                    "spec": {"maxUnavailable": 1, "selector": {"matchLabels": {"app": name}}},
+                }))?,
+            )
+            .await?;
+    }
+    let pods: Api<Pod> = Api::namespaced(client.clone(), WORK_NS);
+    let placed = Instant::now();
+    wait_for(
+        &format!("{total} pods Running"),
+        Duration::from_secs(1200),
+        || {
+            let pods = pods.clone();
+            async move {
+                let running = running(&pods).await?;
+                Ok((running >= total).then_some(()))
+            }
+        },
+    )
+    .await?;
+    say(format!("{total} pods Running in {:.0?}", placed.elapsed()));
+    let spares_needed = total.div_ceil(100) + 1;
+    let spares: Vec<String> = (0..spares_needed)
+        .map(|i| format!("spare-{i:04}"))
+        .collect();
+    let spare_ips: Vec<_> = (0..spares_needed).map(|i| nodes_ip(n + i)).collect();
+    nodes::create(&client, &spares, &spare_ips, &pool).await?;
+    nodes::wait_ready(&client, &spares, Duration::from_secs(300)).await?;
+    wait_all_budgets(&pdb_api, deployments).await?;
+
+    // The replacement time a budget waits for: a pod of one Deployment deleted, until the
+    // budget allows a disruption again (replacement scheduled, Running, Ready, budget updated).
+    let mut samples = Vec::new();
+    for d in 0..3 {
+        let app = format!("app-{d:02}");
+        let victim = pods
+            .list(&ListParams::default().labels(&format!("app={app}")))
+            .await?
+            .items
+            .into_iter()
+            .next()
+            .context("a pod to replace")?;
+        let started = Instant::now();
+        pods.delete(&victim.name_any(), &DeleteParams::default())
+            .await?;
+        wait_for("the budget to allow again", Duration::from_secs(60), || {
+            let pdb_api = pdb_api.clone();
+            let app = app.clone();
+            let victim = victim.name_any();
+            let pods = pods.clone();
+            async move {
+                let gone = pods.get_opt(&victim).await?.is_none();
+                let allowed = pdb_api
+                    .get(&format!("{app}-pdb"))
+                    .await?
+                    .status
+                    .and_then(|s| s.disruptions_allowed)
+                    .unwrap_or(0);
+                Ok((gone && allowed >= 1).then_some(()))
+            }
+        })
+        .await?;
+        samples.push(started.elapsed().as_secs_f64());
+    }
+    samples.sort_by(f64::total_cmp);
+    let replace_seconds = samples[1];
+    say(format!(
+        "replacement time (median of 3): {replace_seconds:.2} s"
+    ));
+
+    // Pods on the maintained nodes now, and the serial steps the budgets force: every pod of
+    // one Deployment on a maintained node goes one at a time.
+    let on_targets: Vec<Pod> = pods
+        .list(&ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .filter(|p| {
+            p.spec
+                .as_ref()
+                .and_then(|s| s.node_name.as_deref())
+                .is_some_and(|n| n.starts_with("drain-"))
+        })
+        .collect();
+    let mut per_app: BTreeMap<String, usize> = BTreeMap::new();
+    for p in &on_targets {
+        *per_app
+            .entry(p.labels().get("app").cloned().unwrap_or_default())
+            .or_default() += 1;
+    }
+    let steps = per_app.values().copied().max().unwrap_or(0);
+
+    let _controller = ControllerProcess::spawn(
+        &Program::Binary(controller),
+        &ControllerConfig {
+            kubeconfig,
+            namespace: NAMESPACE.into(),
+            identity: "bench-controller".into(),
+            http: "127.0.0.1:18081".parse()?,
+            agent_port: 9443,
+            node_selector: format!("{}=fleet", crate::fleet_rig::GROUP_LABEL),
+            log: Some("warn".into()),
+            env: Vec::new(),
+            output: Output::Stderr,
+        },
+    )?;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let (_, audit_from, _) = audit_counts(&audit, 0)?;
+    let nms: Api<NodeMaintenance> = Api::all(client.clone());
+    let started = Instant::now();
+    nms.create(
+        &PostParams::default(),
+        &serde_json::from_value(json!({
+            "apiVersion": "nodekeeper.dev/v1alpha1", "kind": "NodeMaintenance",
+            "metadata": {"name": "bench"},
+            "spec": {
+                "nodeSelector": {"matchLabels": {TARGET_LABEL: "target"}},
+                "stage": "Drain",
+                "maxConcurrentNodes": args.max_concurrent,
+                "drainTimeout": "1h",
+            },
+        }))?,
+    )
+    .await?;
+    let mut last_report = Instant::now();
+    loop {
+        let nm = nms.get("bench").await?;
+        let drained = nm.status.as_ref().map_or(0, |s| s.drained) as usize;
+        if drained == n {
+            break;
+        }
+        if last_report.elapsed() > Duration::from_secs(30) {
+            say(format!(
+                "{drained}/{n} nodes drained after {:.0?}",
+                started.elapsed()
+            ));
+            last_report = Instant::now();
+        }
+        if started.elapsed() > Duration::from_secs(3600) {
+            bail!("not every node drained within an hour ({drained}/{n})");
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let (counts, _, _) = audit_counts(&audit, audit_from)?;
+    let mut by_kind: BTreeMap<String, u64> = BTreeMap::new();
+    for ((user, verb, resource), c) in &counts {
+        if user == CONTROLLER_USER {
+            *by_kind.entry(format!("{verb} {resource}")).or_default() += c;
+        }
+    }
+    let requests = by_kind.values().sum();
+    let status_writes = by_kind
+        .get("patch nodemaintenances/status")
+        .copied()
+        .unwrap_or(0);
+    let figures = Figures {
+        seconds,
+        replace_seconds,
+        steps,
+        evicted: on_targets.len(),
+        requests,
+        by_kind,
+        status_writes,
+    };
+    drop(cp);
+
+    let report = render(&args, &figures);
+    println!("{report}");
+    if !args.no_write {
+        crate::benchmarks::write_section(&root, "drain", &report)?;
+    }
+    Ok(())
+}
+
+fn nodes_ip(i: usize) -> std::net::Ipv4Addr {
+    crate::fleet_rig::node_ip(i)
+}
+
+async fn running(pods: &Api<Pod>) -> anyhow::Result<usize> {
+    Ok(pods
+        .list(&ListParams::default())
+        .await?
+        .items
+        .iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_none())
+        .filter(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running"))
+        .count())
+}
+
+async fn wait_all_budgets(api: &Api<PodDisruptionBudget>, n: usize) -> anyhow::Result<()> {
+    wait_for(
+        "every budget to allow one disruption",
+        Duration::from_secs(300),
+        || async {
+            let ok = api
+                .list(&ListParams::default())
+                .await?
+                .items
+                .iter()
+                .filter(|p| p.status.as_ref().and_then(|s| s.disruptions_allowed) == Some(1))
+                .count();
+            Ok((ok >= n).then_some(()))
+        },
+    )
+    .await
+}
+
+fn render(args: &DrainArgs, f: &Figures) -> String {
+    let bound = f.replace_seconds * f.steps as f64;
+    let ratio = if bound > 0.0 { f.seconds / bound } else { 0.0 };
+    let per_pod = f.requests as f64 / f.evicted.max(1) as f64;
+    let per_node = f.status_writes as f64 / args.nodes.max(1) as f64;
+    let host_cpus = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(0);
+    let mut out = String::from("## drain\n\n");
+    out.push_str(&format!(
+        "A `NodeMaintenance` (stage `Drain`, `maxConcurrentNodes` {}) over {} kwok nodes with {} pods each ({} Deployments of {} replicas, each with a PodDisruptionBudget `maxUnavailable: 1`), spare nodes for the replacements, the release controller under its own ServiceAccount, a private control plane with audit logging. The lower bound is what the budgets allow: one pod of a Deployment at a time, so the most pods one Deployment has on the maintained nodes ({} serial steps) times the replacement time (a pod deleted until its budget allows a disruption again, median of 3: {:.2} s). Requests are every API request of the controller in the audit log from the create to the last node drained, divided by the pods evicted. Targets: ≤ {TARGET_RATIO}× the bound, ≤ {TARGET_REQUESTS_PER_POD} requests per evicted pod, ≤ {TARGET_STATUS_WRITES_PER_NODE} status writes per node.\n\n",
+        args.max_concurrent, args.nodes, args.pods_per_node, args.pods_per_node, args.nodes, f.steps, f.replace_seconds
+    ));
+    out.push_str(&format!(
+        "Command: `cargo xtask bench drain --nodes {} --pods-per-node {} --max-concurrent {}`; machine: {host_cpus} cores shared with etcd, the apiserver, kube-controller-manager, the scheduler and kwok.\n\n",
+        args.nodes, args.pods_per_node, args.max_concurrent
+    ));
+    out.push_str("| figure | value | target |\n|---|---|---|\n");
+    out.push_str(&format!(
+        "| create → every node Drained | {:.1} s | |\n| lower bound (steps × replacement) | {:.1} s | |\n| ratio | {:.2}× | ≤ {TARGET_RATIO}× |\n| pods evicted | {} | |\n| controller requests | {} | |\n| requests per evicted pod | {:.2} | ≤ {TARGET_REQUESTS_PER_POD} |\n| status writes | {} ({:.2} per node) | ≤ {TARGET_STATUS_WRITES_PER_NODE} per node |\n\n",
+        f.seconds, bound, ratio, f.evicted, f.requests, per_pod, f.status_writes, per_node
+    ));
+    out.push_str("Controller requests by verb and resource:\n\n| request | count |\n|---|---|\n");
+    for (k, v) in &f.by_kind {
+        out.push_str(&format!("| {k} | {v} |\n"));
+    }
+    out.push('\n');
+    out
+}
