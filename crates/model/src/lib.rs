@@ -8,6 +8,7 @@
 
 pub mod indicators;
 pub mod network;
+pub mod oci_ids;
 pub mod probe;
 pub mod text;
 pub mod tuning;
