@@ -165,7 +165,7 @@ async fn node_network_config_valid_accepted_invalid_rejected_with_message() -> a
     let created = accepts(
         &api,
         "NodeNetworkConfig",
-        json!({ "nodeSelector": { "matchLabels": { "pool": "gpu" } }, "ociVnics": {}, "maxUnavailable": "25%" }),
+        json!({ "nodeSelector": { "matchLabels": { "pool": "gpu" } }, "ociVnics": {}, "rollout": { "maxUnavailable": "25%" } }),
     )
     .await?;
     assert_eq!(
@@ -189,7 +189,7 @@ async fn node_network_config_valid_accepted_invalid_rejected_with_message() -> a
     rejects(
         &api,
         "NodeNetworkConfig",
-        json!({ "nodeSelector": { "matchLabels": { "pool": "gpu" } }, "ociVnics": {}, "maxUnavailable": "150%" }),
+        json!({ "nodeSelector": { "matchLabels": { "pool": "gpu" } }, "ociVnics": {}, "rollout": { "maxUnavailable": "150%" } }),
         "must be a non-negative whole number or a percentage from 0% to 100%",
     )
     .await?;
