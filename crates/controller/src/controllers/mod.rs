@@ -29,6 +29,7 @@
 //! watch in [`crate::shared::fleet`]. It is started from the same place, as its own task.
 
 pub mod networktest;
+pub mod node_network_config;
 pub mod nodes;
 
 use std::fmt::Debug;
