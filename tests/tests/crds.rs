@@ -196,6 +196,25 @@ async fn node_network_config_valid_accepted_invalid_rejected_with_message() -> a
     rejects(
         &api,
         "NodeNetworkConfig",
+        json!({ "nodeSelector": {}, "ociVnics": { "attach": [
+            { "displayName": "a", "subnetId": "ocid1.vcn.oc1.phx.aaaa" }
+        ] } }),
+        "spec.ociVnics.attach[0].subnetId: Invalid value: \"ocid1.vcn.oc1.phx.aaaa\": subnetId must be a subnet OCID",
+    )
+    .await?;
+    rejects(
+        &api,
+        "NodeNetworkConfig",
+        json!({ "nodeSelector": {}, "ociVnics": { "attach": [
+            { "displayName": "a", "subnetId": "ocid1.subnet.oc1.phx.aaaa", "nsgIds": ["sg-1"] },
+            { "displayName": "a", "subnetId": "ocid1.subnet.oc1..bbbb" }
+        ] } }),
+        "Duplicate value",
+    )
+    .await?;
+    rejects(
+        &api,
+        "NodeNetworkConfig",
         json!({ "nodeSelector": {}, "ociVnics": { "mtu": 100 } }),
         "should be greater than or equal to 576",
     )
