@@ -165,7 +165,7 @@ async fn node_network_config_valid_accepted_invalid_rejected_with_message() -> a
     let created = accepts(
         &api,
         "NodeNetworkConfig",
-        json!({ "nodeSelector": { "matchLabels": { "pool": "gpu" } }, "ociVnics": {}, "maxUnavailable": "25%" }),
+        json!({ "nodeSelector": { "matchLabels": { "pool": "gpu" } }, "ociVnics": {}, "rollout": { "maxUnavailable": "25%" } }),
     )
     .await?;
     assert_eq!(
@@ -189,8 +189,27 @@ async fn node_network_config_valid_accepted_invalid_rejected_with_message() -> a
     rejects(
         &api,
         "NodeNetworkConfig",
-        json!({ "nodeSelector": { "matchLabels": { "pool": "gpu" } }, "ociVnics": {}, "maxUnavailable": "150%" }),
+        json!({ "nodeSelector": { "matchLabels": { "pool": "gpu" } }, "ociVnics": {}, "rollout": { "maxUnavailable": "150%" } }),
         "must be a non-negative whole number or a percentage from 0% to 100%",
+    )
+    .await?;
+    rejects(
+        &api,
+        "NodeNetworkConfig",
+        json!({ "nodeSelector": {}, "ociVnics": { "attach": [
+            { "displayName": "a", "subnetId": "ocid1.vcn.oc1.phx.aaaa" }
+        ] } }),
+        "spec.ociVnics.attach[0].subnetId: Invalid value: \"ocid1.vcn.oc1.phx.aaaa\": subnetId must be a subnet OCID",
+    )
+    .await?;
+    rejects(
+        &api,
+        "NodeNetworkConfig",
+        json!({ "nodeSelector": {}, "ociVnics": { "attach": [
+            { "displayName": "a", "subnetId": "ocid1.subnet.oc1.phx.aaaa", "nsgIds": ["sg-1"] },
+            { "displayName": "a", "subnetId": "ocid1.subnet.oc1..bbbb" }
+        ] } }),
+        "Duplicate value",
     )
     .await?;
     rejects(

@@ -9,6 +9,7 @@
 pub mod address_policy;
 pub mod indicators;
 pub mod network;
+pub mod oci_ids;
 pub mod probe;
 pub mod text;
 pub mod tuning;

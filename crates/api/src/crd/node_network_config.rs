@@ -11,11 +11,28 @@ use serde::{Deserialize, Serialize};
 
 use super::common::{Condition, FieldError, IntOrPercent, LabelSelector, conditions_schema};
 use nodekeeper_model::network::{NetworkState, RULE_PRIORITY_MAX, RULE_PRIORITY_MIN};
+use nodekeeper_model::oci_ids::{
+    MAX_OCID_LEN, NSG_OCID_PATTERN, OcidKind, SUBNET_OCID_PATTERN, check_ocid,
+};
 
-/// Host network configuration for the nodes `nodeSelector` picks: the OCI secondary-VNIC layout
-/// derived from each node's instance metadata (`ociVnics`), and/or an explicit `state` of links,
-/// addresses, routes and rules. Applied by each node's agent, at most `maxUnavailable` nodes at a
-/// time; a node whose post-apply check fails is rolled back and listed in status.
+/// Most VNICs one object may ask for per node (the largest shapes allow a few dozen in all; the
+/// controller checks each node's own shape limit).
+pub const MAX_ATTACH: usize = 32;
+/// Most network security groups per VNIC (OCI's limit).
+pub const MAX_NSGS_PER_VNIC: usize = 5;
+/// Most secondary private IPv4 addresses per VNIC (`shared/oci/README.md`: up to 31 besides the
+/// primary address).
+pub const MAX_SECONDARY_PRIVATE_IPS: u32 = 31;
+/// The freeform tag key put on every VNIC this object attaches, valued with the object's name;
+/// only VNICs carrying it with this object's name are ever detached.
+pub const OWNER_TAG: &str = "nodekeeper.dev/nnc";
+
+/// Network configuration for the nodes `nodeSelector` picks. Cloud side: the OCI secondary VNICs
+/// each node must have attached (`ociVnics.attach`). Host side: the layout of every secondary VNIC
+/// the node's instance metadata lists (`ociVnics`), and/or an explicit `state` of links,
+/// addresses, routes and rules. Rolled out at most `rollout.maxUnavailable` nodes at a time; a
+/// node whose post-apply check fails is rolled back and listed in status, and the rollout pauses
+/// once `rollout.failureThreshold` nodes fail.
 #[derive(CustomResource, Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
 #[kube(
     group = "nodekeeper.dev",
@@ -29,6 +46,7 @@ use nodekeeper_model::network::{NetworkState, RULE_PRIORITY_MAX, RULE_PRIORITY_M
     derive = "PartialEq",
     doc = "Desired host networking (OCI secondary VNICs, links, addresses, routes, rules) for selected nodes.",
     printcolumn(name = "Matched", type_ = "integer", json_path = ".status.matched"),
+    printcolumn(name = "Attached", type_ = "integer", json_path = ".status.attached"),
     printcolumn(name = "Applied", type_ = "integer", json_path = ".status.applied"),
     printcolumn(name = "Failing", type_ = "integer", json_path = ".status.failing"),
     printcolumn(
@@ -56,10 +74,9 @@ pub struct NodeNetworkConfigSpec {
     /// `ociVnics`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub state: Option<NetworkState>,
-    /// The most selected nodes that may be applying (or failing) at once: a count or a percentage
-    /// of the selected nodes (rounded down, at least 1).
-    #[serde(default = "default_max_unavailable")]
-    pub max_unavailable: IntOrPercent,
+    /// How fast the configuration reaches the selected nodes, and when it stops.
+    #[serde(default)]
+    pub rollout: Rollout,
     /// After applying, each of these `address` or `address:port` targets must answer (ICMP, or TCP
     /// connect when a port is given) from the node, or the change is rolled back. Empty: no check.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -77,17 +94,67 @@ pub struct NodeNetworkConfigSpec {
     pub check_timeout_ms: u32,
 }
 
+/// Pace and brakes of a rollout.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Rollout {
+    /// The most selected nodes that may be changing (or failing) at once: a count or a percentage
+    /// of the selected nodes (rounded down, at least 1).
+    #[serde(default = "default_max_unavailable")]
+    pub max_unavailable: IntOrPercent,
+    /// The rollout pauses (no further node is started) once this many selected nodes are failing:
+    /// a count (0 counts as 1) or a percentage of the selected nodes (rounded up, at least 1). The
+    /// `Progressing` condition then names the failing nodes; fix them or the spec to resume.
+    #[serde(default = "default_failure_threshold")]
+    pub failure_threshold: IntOrPercent,
+}
+
+impl Default for Rollout {
+    fn default() -> Self {
+        Self {
+            max_unavailable: default_max_unavailable(),
+            failure_threshold: default_failure_threshold(),
+        }
+    }
+}
+
+impl Rollout {
+    /// Nodes that may be changing at once among `matched` (at least 1).
+    pub fn max_unavailable_of(&self, matched: u32) -> u32 {
+        self.max_unavailable.resolve(matched, false).max(1)
+    }
+
+    /// Failing nodes at which the rollout pauses among `matched` (at least 1).
+    pub fn failure_threshold_of(&self, matched: u32) -> u32 {
+        self.failure_threshold.resolve(matched, true).max(1)
+    }
+}
+
 fn default_max_unavailable() -> IntOrPercent {
+    IntOrPercent::Int(1)
+}
+fn default_failure_threshold() -> IntOrPercent {
     IntOrPercent::Int(1)
 }
 fn default_check_timeout_ms() -> u32 {
     5000
 }
 
-/// Layout knobs of the OCI secondary VNICs.
+/// OCI secondary VNICs: the ones to attach to every selected node (cloud side), and how every
+/// secondary VNIC of the node is laid out on the host.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct OciVnics {
+    /// VNICs every selected node must have attached, each identified by its `displayName`.
+    /// Missing ones are attached, ones this object attached earlier and no longer lists are
+    /// detached (after their host side is removed); VNICs attached by anyone else are never
+    /// touched. Empty: attach nothing, only lay out the VNICs the node already has.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(
+        length(max = MAX_ATTACH),
+        extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["displayName"])
+    )]
+    pub attach: Vec<OciVnic>,
     /// MTU of the VNIC interfaces (OCI's is 9000).
     #[serde(default = "default_mtu")]
     #[schemars(range(min = 576, max = 9000))]
@@ -106,11 +173,59 @@ pub struct OciVnics {
 impl Default for OciVnics {
     fn default() -> Self {
         Self {
+            attach: Vec::new(),
             mtu: default_mtu(),
             table_base: default_table_base(),
             rule_priority_base: default_rule_priority_base(),
         }
     }
+}
+
+/// One secondary VNIC to attach to every selected node (OCI `AttachVnic`).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct OciVnic {
+    /// Display name of the VNIC and its attachment in OCI; unique within this object. An existing
+    /// attachment with this name on the node is reused, never doubled, so a retried or restarted
+    /// rollout is safe. Renaming a VNIC here attaches a new one and detaches the old one.
+    #[schemars(
+        length(min = 1, max = 64),
+        regex(pattern = r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+    )]
+    pub display_name: String,
+    /// OCID of the subnet the VNIC is created in, e.g. `ocid1.subnet.oc1.phx.aaaa…`; it must be in
+    /// the node's availability domain (or be regional).
+    #[schemars(length(max = MAX_OCID_LEN), extend("x-kubernetes-validations" = [{
+        "rule": format!("self.matches('{SUBNET_OCID_PATTERN}')"),
+        "message": "subnetId must be a subnet OCID such as ocid1.subnet.oc1.phx.aaaa…; copy it from the subnet's page in the console or `oci network subnet list`"
+    }]))]
+    pub subnet_id: String,
+    /// OCIDs of the network security groups the VNIC joins (at most 5). Empty: none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(
+        length(max = MAX_NSGS_PER_VNIC),
+        inner(length(max = MAX_OCID_LEN)),
+        extend("x-kubernetes-validations" = [{
+            "rule": format!("self.all(n, n.matches('{NSG_OCID_PATTERN}'))"),
+            "message": "nsgIds entries must be network security group OCIDs such as ocid1.networksecuritygroup.oc1.phx.aaaa…; copy them from `oci network nsg list`"
+        }])
+    )]
+    pub nsg_ids: Vec<String>,
+    /// Turn off OCI's source/destination check on this VNIC, for nodes that route or NAT traffic
+    /// for addresses not their own (pod networking, gateways).
+    #[serde(default)]
+    pub skip_source_dest_check: bool,
+    /// Bare-metal shapes only: the physical NIC (0 or 1) the VNIC attaches to. Leave it unset on
+    /// VM shapes; the controller refuses it there with a per-node error, because the shape is
+    /// known per node only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 1))]
+    pub nic_index: Option<u32>,
+    /// Secondary private IPv4 addresses OCI assigns on this VNIC besides its primary address
+    /// (0–31); each gets its own source rule on the host.
+    #[serde(default)]
+    #[schemars(range(min = 0, max = MAX_SECONDARY_PRIVATE_IPS))]
+    pub secondary_private_ip_count: u32,
 }
 
 fn default_mtu() -> u32 {
@@ -137,6 +252,7 @@ impl NodeNetworkConfigSpec {
             ));
         }
         if let Some(v) = &self.oci_vnics {
+            validate_attach(&v.attach, &mut errors);
             // VNIC rules take rulePriorityBase + index; leave room for 100 VNICs inside the reserved range.
             if v.rule_priority_base < RULE_PRIORITY_MIN
                 || v.rule_priority_base > RULE_PRIORITY_MAX - 99
@@ -176,6 +292,67 @@ impl NodeNetworkConfigSpec {
     }
 }
 
+/// The cloud-side checks the schema also makes (kept here so that the controller refuses the
+/// same objects with the same fields named when the CRD is older than the controller).
+fn validate_attach(attach: &[OciVnic], errors: &mut Vec<FieldError>) {
+    if attach.len() > MAX_ATTACH {
+        errors.push(FieldError::new(
+            "spec.ociVnics.attach",
+            format!("{} VNICs; at most {MAX_ATTACH} per object", attach.len()),
+        ));
+    }
+    for (i, vnic) in attach.iter().enumerate() {
+        let at = |f: &str| format!("spec.ociVnics.attach[{i}].{f}");
+        if attach[..i]
+            .iter()
+            .any(|other| other.display_name == vnic.display_name)
+        {
+            errors.push(FieldError::new(
+                at("displayName"),
+                format!(
+                    "{:?} is used by an earlier VNIC; give each VNIC its own display name",
+                    vnic.display_name
+                ),
+            ));
+        }
+        if vnic.display_name.is_empty() {
+            errors.push(FieldError::new(at("displayName"), "must be set"));
+        }
+        if let Err(message) = check_ocid(OcidKind::Subnet, &vnic.subnet_id) {
+            errors.push(FieldError::new(at("subnetId"), message));
+        }
+        if vnic.nsg_ids.len() > MAX_NSGS_PER_VNIC {
+            errors.push(FieldError::new(
+                at("nsgIds"),
+                format!(
+                    "{} NSGs; OCI allows at most {MAX_NSGS_PER_VNIC} per VNIC",
+                    vnic.nsg_ids.len()
+                ),
+            ));
+        }
+        for (j, nsg) in vnic.nsg_ids.iter().enumerate() {
+            if let Err(message) = check_ocid(OcidKind::NetworkSecurityGroup, nsg) {
+                errors.push(FieldError::new(at(&format!("nsgIds[{j}]")), message));
+            }
+        }
+        if vnic.nic_index.is_some_and(|n| n > 1) {
+            errors.push(FieldError::new(
+                at("nicIndex"),
+                "must be 0 or 1 (the physical NIC of a two-NIC bare-metal shape)",
+            ));
+        }
+        if vnic.secondary_private_ip_count > MAX_SECONDARY_PRIVATE_IPS {
+            errors.push(FieldError::new(
+                at("secondaryPrivateIpCount"),
+                format!(
+                    "{} addresses; a VNIC has at most {MAX_SECONDARY_PRIVATE_IPS} secondary private IPv4 addresses",
+                    vnic.secondary_private_ip_count
+                ),
+            ));
+        }
+    }
+}
+
 /// Parses a check target (`10.0.0.1`, `10.0.0.1:443`, `fd00::1`, `[fd00::1]:443`).
 pub fn parse_check_target(s: &str) -> Option<(std::net::IpAddr, Option<u16>)> {
     if let Ok(ip) = s.parse() {
@@ -207,6 +384,10 @@ pub struct NodeNetworkConfigStatus {
     /// Nodes the selector picks.
     #[serde(default)]
     pub matched: u32,
+    /// Nodes that have every VNIC of `ociVnics.attach` attached (all matched nodes when nothing
+    /// is to be attached).
+    #[serde(default)]
+    pub attached: u32,
     /// Nodes where this generation is applied and the check passed.
     #[serde(default)]
     pub applied: u32,
@@ -241,12 +422,89 @@ mod tests {
             "checkTargets": ["10.0.0.1", "[fd00::1]:443", "10.0.0.2:0", "nope"],
         }))
         .unwrap();
-        assert_eq!(spec.max_unavailable, IntOrPercent::Int(1));
+        assert_eq!(spec.rollout, Rollout::default());
+        assert_eq!(spec.rollout.max_unavailable, IntOrPercent::Int(1));
         assert_eq!(spec.oci_vnics, Some(OciVnics::default()));
         assert_eq!(spec.check_timeout_ms, 5000);
         let errors = spec.validate().unwrap_err();
         let fields: Vec<_> = errors.iter().map(|e| e.field.as_str()).collect();
         assert_eq!(fields, ["spec.checkTargets[2]", "spec.checkTargets[3]"]);
+    }
+
+    fn vnic(name: &str) -> serde_json::Value {
+        serde_json::json!({
+            "displayName": name,
+            "subnetId": "ocid1.subnet.oc1.phx.aaaa",
+        })
+    }
+
+    #[test]
+    fn attach_defaults_and_a_valid_list() {
+        let spec: NodeNetworkConfigSpec = serde_json::from_value(serde_json::json!({
+            "nodeSelector": {},
+            "ociVnics": {"attach": [vnic("a"), {
+                "displayName": "b",
+                "subnetId": "ocid1.subnet.oc1..bbbb",
+                "nsgIds": ["ocid1.networksecuritygroup.oc1.phx.cccc"],
+                "skipSourceDestCheck": true,
+                "nicIndex": 1,
+                "secondaryPrivateIpCount": 31,
+            }]},
+        }))
+        .unwrap();
+        spec.validate().unwrap();
+        let attach = &spec.oci_vnics.as_ref().unwrap().attach;
+        assert_eq!(attach[0].nic_index, None);
+        assert!(!attach[0].skip_source_dest_check);
+        assert_eq!(attach[0].secondary_private_ip_count, 0);
+        assert_eq!(attach[1].nic_index, Some(1));
+    }
+
+    #[test]
+    fn bad_attach_entries_name_their_field() {
+        let mut bad = vnic("a");
+        bad["subnetId"] = "ocid1.vcn.oc1.phx.aaaa".into();
+        bad["nsgIds"] = serde_json::json!(["sg-1"]);
+        bad["nicIndex"] = 2.into();
+        bad["secondaryPrivateIpCount"] = 32.into();
+        let spec: NodeNetworkConfigSpec = serde_json::from_value(serde_json::json!({
+            "nodeSelector": {},
+            "ociVnics": {"attach": [bad, vnic("b"), vnic("b")]},
+        }))
+        .unwrap();
+        let errors = spec.validate().unwrap_err();
+        let fields: Vec<_> = errors.iter().map(|e| e.field.as_str()).collect();
+        assert_eq!(
+            fields,
+            [
+                "spec.ociVnics.attach[0].subnetId",
+                "spec.ociVnics.attach[0].nsgIds[0]",
+                "spec.ociVnics.attach[0].nicIndex",
+                "spec.ociVnics.attach[0].secondaryPrivateIpCount",
+                "spec.ociVnics.attach[2].displayName",
+            ]
+        );
+        assert!(
+            errors[0].message.contains("oci network subnet list"),
+            "{errors:?}"
+        );
+        assert!(errors[4].message.contains("own display name"), "{errors:?}");
+    }
+
+    #[test]
+    fn rollout_bounds_resolve_to_at_least_one() {
+        let r: Rollout = serde_json::from_value(serde_json::json!({
+            "maxUnavailable": "10%", "failureThreshold": "5%"
+        }))
+        .unwrap();
+        assert_eq!(r.max_unavailable_of(1000), 100);
+        assert_eq!(r.max_unavailable_of(5), 1);
+        assert_eq!(r.failure_threshold_of(1000), 50);
+        assert_eq!(r.failure_threshold_of(3), 1);
+        let zero: Rollout =
+            serde_json::from_value(serde_json::json!({"failureThreshold": 0})).unwrap();
+        assert_eq!(zero.failure_threshold_of(10), 1);
+        assert_eq!(zero.max_unavailable, IntOrPercent::Int(1));
     }
 
     #[test]

@@ -30,6 +30,7 @@
 
 pub mod networktest;
 pub mod node_maintenance;
+pub mod node_network_config;
 pub mod nodes;
 
 use std::fmt::Debug;

@@ -1,0 +1,217 @@
+//! Which nodes a rollout starts next: at most `rollout.maxUnavailable` nodes changing or failing
+//! at once, and none once `rollout.failureThreshold` nodes are failing (the rollout pauses and
+//! names them).
+
+use nodekeeper_api::crd::node_network_config::Rollout;
+
+/// Failing nodes named in a pause message; the rest are counted.
+pub const MAX_NAMED_IN_PAUSE: usize = 10;
+
+/// Where one selected node stands with the object's current generation.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum NodePhase {
+    /// Not started on this generation.
+    Pending,
+    /// Attaching, waiting for ATTACHED, or applying on the host.
+    InProgress,
+    /// Attached, applied and checked.
+    Applied,
+    /// Failed with this error; `rolled_back` says whether the host was restored.
+    Failed { error: String, rolled_back: bool },
+}
+
+/// One selected node and its phase.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodeState {
+    pub name: String,
+    pub phase: NodePhase,
+}
+
+/// Why the rollout stopped starting nodes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Paused {
+    pub failing: usize,
+    pub threshold: u32,
+    /// The failing nodes, sorted, at most [`MAX_NAMED_IN_PAUSE`].
+    pub named: Vec<String>,
+}
+
+impl Paused {
+    /// The `Progressing` condition's message.
+    pub fn message(&self) -> String {
+        let more = self.failing - self.named.len();
+        let tail = if more > 0 {
+            format!(" and {more} more")
+        } else {
+            String::new()
+        };
+        format!(
+            "paused: {} nodes failing (threshold {}): {}{tail}; fix them or the spec \
+             (status.failingNodes has the errors) to resume",
+            self.failing,
+            self.threshold,
+            self.named.join(", ")
+        )
+    }
+}
+
+/// The next step of the rollout.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Decision {
+    /// Nodes to start now, in name order.
+    pub start: Vec<String>,
+    pub paused: Option<Paused>,
+}
+
+/// Decides the next batch. Failing nodes count as unavailable, so a failing batch never lets the
+/// rollout run wider; nodes start in name order, so a restarted controller picks the same ones.
+pub fn next_batch(nodes: &[NodeState], rollout: &Rollout) -> Decision {
+    let matched = u32::try_from(nodes.len()).unwrap_or(u32::MAX);
+    let mut failing: Vec<&str> = nodes
+        .iter()
+        .filter(|n| matches!(n.phase, NodePhase::Failed { .. }))
+        .map(|n| n.name.as_str())
+        .collect();
+    failing.sort_unstable();
+    let threshold = rollout.failure_threshold_of(matched);
+    if failing.len() >= threshold as usize {
+        return Decision {
+            start: Vec::new(),
+            paused: Some(Paused {
+                failing: failing.len(),
+                threshold,
+                named: failing
+                    .iter()
+                    .take(MAX_NAMED_IN_PAUSE)
+                    .map(|s| s.to_string())
+                    .collect(),
+            }),
+        };
+    }
+    let in_progress = nodes
+        .iter()
+        .filter(|n| n.phase == NodePhase::InProgress)
+        .count();
+    let budget =
+        (rollout.max_unavailable_of(matched) as usize).saturating_sub(in_progress + failing.len());
+    let mut pending: Vec<&str> = nodes
+        .iter()
+        .filter(|n| n.phase == NodePhase::Pending)
+        .map(|n| n.name.as_str())
+        .collect();
+    pending.sort_unstable();
+    Decision {
+        start: pending
+            .into_iter()
+            .take(budget)
+            .map(str::to_string)
+            .collect(),
+        paused: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nodekeeper_api::crd::IntOrPercent;
+
+    fn rollout(max_unavailable: IntOrPercent, failure_threshold: IntOrPercent) -> Rollout {
+        Rollout {
+            max_unavailable,
+            failure_threshold,
+        }
+    }
+
+    fn nodes(n: usize, phase: impl Fn(usize) -> NodePhase) -> Vec<NodeState> {
+        (0..n)
+            .map(|i| NodeState {
+                name: format!("node-{i:04}"),
+                phase: phase(i),
+            })
+            .collect()
+    }
+
+    fn failed() -> NodePhase {
+        NodePhase::Failed {
+            error: "check failed".into(),
+            rolled_back: true,
+        }
+    }
+
+    #[test]
+    fn batches_are_bounded_by_max_unavailable() {
+        let r = rollout(IntOrPercent::Percent(10), IntOrPercent::Int(5));
+        let all = nodes(1000, |_| NodePhase::Pending);
+        let d = next_batch(&all, &r);
+        assert_eq!(d.start.len(), 100);
+        assert_eq!(d.start[0], "node-0000");
+        assert!(d.paused.is_none());
+        // 60 in progress: 40 more may start.
+        let busy = nodes(1000, |i| {
+            if i < 60 {
+                NodePhase::InProgress
+            } else {
+                NodePhase::Pending
+            }
+        });
+        assert_eq!(next_batch(&busy, &r).start.len(), 40);
+        assert_eq!(next_batch(&busy, &r).start[0], "node-0060");
+        // Rounded down, at least one.
+        let few = nodes(5, |_| NodePhase::Pending);
+        assert_eq!(next_batch(&few, &r).start, ["node-0000"]);
+    }
+
+    #[test]
+    fn failing_nodes_count_against_the_budget() {
+        let r = rollout(IntOrPercent::Int(3), IntOrPercent::Int(10));
+        let all = nodes(10, |i| match i {
+            0 => failed(),
+            1 => NodePhase::InProgress,
+            2 => NodePhase::Applied,
+            _ => NodePhase::Pending,
+        });
+        assert_eq!(next_batch(&all, &r).start, ["node-0003"]);
+    }
+
+    #[test]
+    fn the_failure_threshold_pauses_and_names_the_nodes() {
+        let r = rollout(IntOrPercent::Int(50), IntOrPercent::Percent(1));
+        let all = nodes(1200, |i| {
+            if i % 100 == 7 {
+                failed()
+            } else {
+                NodePhase::Pending
+            }
+        });
+        let d = next_batch(&all, &r);
+        assert!(d.start.is_empty());
+        let p = d.paused.unwrap();
+        assert_eq!((p.failing, p.threshold), (12, 12));
+        assert_eq!(p.named.len(), MAX_NAMED_IN_PAUSE);
+        assert_eq!(p.named[0], "node-0007");
+        let m = p.message();
+        assert!(
+            m.contains("node-0007, node-0107") && m.contains("and 2 more"),
+            "{m}"
+        );
+        // One below the threshold: the rollout goes on.
+        let fewer = nodes(1200, |i| {
+            if i % 100 == 7 && i < 1100 {
+                failed()
+            } else {
+                NodePhase::Pending
+            }
+        });
+        assert!(next_batch(&fewer, &r).paused.is_none());
+    }
+
+    #[test]
+    fn nothing_to_do_when_every_node_is_applied() {
+        let r = Rollout::default();
+        assert_eq!(
+            next_batch(&nodes(3, |_| NodePhase::Applied), &r),
+            Decision::default()
+        );
+        assert_eq!(next_batch(&[], &r), Decision::default());
+    }
+}
