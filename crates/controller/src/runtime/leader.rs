@@ -1,6 +1,9 @@
 //! Leadership: one `coordination.k8s.io/v1` Lease in the controller's namespace. Only the holder
-//! sweeps and writes. Acquire and renew use optimistic concurrency (every update carries the
-//! resourceVersion read just before), so two replicas can never both believe they won. A holder
+//! sweeps and writes. Acquire and renew use optimistic concurrency (every update carries a
+//! resourceVersion), so two replicas can never both believe they won. A renewal is one request:
+//! a PUT built from the object this replica last wrote (its resourceVersion is the Lease's
+//! current one unless someone else wrote in between); only a 409 Conflict costs a GET, after
+//! which the holder is checked again before a second PUT. A holder
 //! that cannot renew within the renew deadline gives up, and the process exits so the Pod
 //! restarts as a standby.
 //!
@@ -91,8 +94,13 @@ fn is_conflict(error: &kube::Error) -> bool {
     matches!(error, kube::Error::Api(status) if status.code == 409)
 }
 
-/// Blocks until this replica holds the Lease (true) or `cancel` fires (false).
-pub async fn acquire(api: &Api<Lease>, config: &LeaderConfig, cancel: &CancellationToken) -> bool {
+/// Blocks until this replica holds the Lease (the object as written, to renew from) or `cancel`
+/// fires (None).
+pub async fn acquire(
+    api: &Api<Lease>,
+    config: &LeaderConfig,
+    cancel: &CancellationToken,
+) -> Option<Lease> {
     let mut observed: Option<(Record, Instant)> = None;
     let mut announced_standby = false;
     loop {
@@ -106,7 +114,7 @@ pub async fn acquire(api: &Api<Lease>, config: &LeaderConfig, cancel: &Cancellat
                     spec: Some(spec(config, 0, None)),
                 };
                 match api.create(&PostParams::default(), &lease).await {
-                    Ok(_) => return true,
+                    Ok(written) => return Some(written),
                     Err(e) if is_conflict(&e) => {}
                     Err(error) => warn!(%error, lease = %config.name, "creating the lease failed"),
                 }
@@ -138,11 +146,11 @@ pub async fn acquire(api: &Api<Lease>, config: &LeaderConfig, cancel: &Cancellat
                         .replace(&config.name, &PostParams::default(), &lease)
                         .await
                     {
-                        Ok(_) => {
+                        Ok(written) => {
                             if !ours {
                                 info!(previous = %record.holder, lease = %config.name, "took over the lease");
                             }
-                            return true;
+                            return Some(written);
                         }
                         Err(e) if is_conflict(&e) => {}
                         Err(error) => {
@@ -157,17 +165,19 @@ pub async fn acquire(api: &Api<Lease>, config: &LeaderConfig, cancel: &Cancellat
             Err(error) => warn!(%error, lease = %config.name, "reading the lease failed"),
         }
         tokio::select! {
-            () = cancel.cancelled() => return false,
+            () = cancel.cancelled() => return None,
             () = tokio::time::sleep(config.retry_period) => {}
         }
     }
 }
 
 /// Renews the Lease every retry period until it is lost (Err) or `cancel` fires (Ok, after
-/// releasing it so the standby need not wait for expiry).
+/// releasing it so the standby need not wait for expiry). `written` is the Lease as this replica
+/// last wrote it (what [`acquire`] returned).
 pub async fn hold(
     api: &Api<Lease>,
     config: &LeaderConfig,
+    mut written: Lease,
     cancel: &CancellationToken,
 ) -> Result<(), LeaderError> {
     let mut last_renew = Instant::now();
@@ -178,26 +188,17 @@ pub async fn hold(
     loop {
         tokio::select! {
             () = cancel.cancelled() => {
-                release(api, config).await;
+                release(api, config, written).await;
                 return Ok(());
             }
             () = tokio::time::sleep(config.retry_period) => {}
         }
-        let attempt = async {
-            let mut lease = api.get(&config.name).await?;
-            let record = Record::of(&lease);
-            if record.holder != config.identity {
-                return Ok(Some(record.holder));
+        match put_ours(api, config, &written, Renewal::Renew).await {
+            Ok(Held::Ours(lease)) => {
+                written = lease;
+                last_renew = Instant::now();
             }
-            let acquire_time = lease.spec.as_ref().and_then(|s| s.acquire_time.clone());
-            lease.spec = Some(spec(config, record.transitions, acquire_time));
-            api.replace(&config.name, &PostParams::default(), &lease)
-                .await?;
-            Ok::<_, kube::Error>(None)
-        };
-        match attempt.await {
-            Ok(None) => last_renew = Instant::now(),
-            Ok(Some(holder)) => return Err(lost(format!("now held by {holder:?}"))),
+            Ok(Held::By(holder)) => return Err(lost(format!("now held by {holder:?}"))),
             Err(error) => {
                 warn!(%error, lease = %config.name, "renewing the lease failed");
                 if last_renew.elapsed() > config.renew_deadline {
@@ -212,23 +213,69 @@ pub async fn hold(
     }
 }
 
-/// Gives the Lease up (best effort) so the standby takes over at once.
-async fn release(api: &Api<Lease>, config: &LeaderConfig) {
-    let Ok(mut lease) = api.get(&config.name).await else {
-        return;
+/// What a renewal or release found.
+enum Held {
+    /// We still hold it (renewed: the object as written now) or just gave it up (released).
+    Ours(Lease),
+    /// Someone else holds it now.
+    By(String),
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Renewal {
+    Renew,
+    Release,
+}
+
+/// One PUT from `last` (our own last write); on 409 one GET, and if the Lease is still ours one
+/// more PUT from what the GET returned. Steady state is therefore one request per renewal.
+async fn put_ours(
+    api: &Api<Lease>,
+    config: &LeaderConfig,
+    last: &Lease,
+    what: Renewal,
+) -> Result<Held, kube::Error> {
+    let update = |mut lease: Lease| {
+        let record = Record::of(&lease);
+        match what {
+            Renewal::Renew => {
+                let acquire_time = lease.spec.as_ref().and_then(|s| s.acquire_time.clone());
+                lease.spec = Some(spec(config, record.transitions, acquire_time));
+            }
+            Renewal::Release => {
+                if let Some(spec) = lease.spec.as_mut() {
+                    spec.holder_identity = None;
+                    spec.lease_duration_seconds = Some(1);
+                }
+            }
+        }
+        lease
     };
-    if Record::of(&lease).holder != config.identity {
-        return;
-    }
-    if let Some(spec) = lease.spec.as_mut() {
-        spec.holder_identity = None;
-        spec.lease_duration_seconds = Some(1);
-    }
     match api
-        .replace(&config.name, &PostParams::default(), &lease)
+        .replace(&config.name, &PostParams::default(), &update(last.clone()))
         .await
     {
-        Ok(_) => info!(lease = %config.name, "released the lease"),
+        Ok(lease) => return Ok(Held::Ours(lease)),
+        Err(e) if is_conflict(&e) => {}
+        Err(e) => return Err(e),
+    }
+    // Someone else wrote since our last write: look before writing again.
+    let current = api.get(&config.name).await?;
+    let record = Record::of(&current);
+    if record.holder != config.identity {
+        return Ok(Held::By(record.holder));
+    }
+    let lease = api
+        .replace(&config.name, &PostParams::default(), &update(current))
+        .await?;
+    Ok(Held::Ours(lease))
+}
+
+/// Gives the Lease up (best effort) so the standby takes over at once.
+async fn release(api: &Api<Lease>, config: &LeaderConfig, written: Lease) {
+    match put_ours(api, config, &written, Renewal::Release).await {
+        Ok(Held::Ours(_)) => info!(lease = %config.name, "released the lease"),
+        Ok(Held::By(_)) => {}
         Err(error) => warn!(%error, lease = %config.name, "releasing the lease failed"),
     }
 }

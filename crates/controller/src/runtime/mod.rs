@@ -133,11 +133,11 @@ pub async fn run(cli: Cli) -> Result<(), Error> {
         renew_deadline: cli.renew_deadline,
         retry_period: cli.retry_period,
     };
-    if !leader::acquire(&leases, &lease_config, &shutdown).await {
+    let Some(lease) = leader::acquire(&leases, &lease_config, &shutdown).await else {
         tracker.close();
         tracker.wait().await;
         return Ok(());
-    }
+    };
     info!(identity = %identity, lease = %cli.lease_name, "leading");
     is_leader.store(true, Ordering::Relaxed);
     metrics.runtime.is_leader.set(1);
@@ -181,7 +181,7 @@ pub async fn run(cli: Cli) -> Result<(), Error> {
         );
         controllers.start(&shared, &cli.controllers, &tracker, &shutdown);
 
-        leader::hold(&leases, &lease_config, &shutdown)
+        leader::hold(&leases, &lease_config, lease, &shutdown)
             .await
             .map_err(Error::from)
     };
