@@ -33,11 +33,18 @@
 //!   `system:kube-controller-manager` / their service accounts, the scheduler as
 //!   `system:kube-scheduler`.
 //!
+//! [`rig`] starts a `nodekeeper-controller` and agents against a control plane, the one way the
+//! controller e2e tests, `cargo xtask bench fleet|networktest` and `cargo xtask demo` do it. The
+//! kube-free test helpers (network namespaces, the skip-unless-root check, free ports, loopback
+//! addresses) are in `nodekeeper-testkit`.
+//!
 //! The first use builds the binaries into `${XDG_CACHE_HOME:-$HOME/.cache}/nodekeeper/controlplane/`
 //! (needs Go; about 20 minutes on 2 cores); later uses start in seconds.
 
 pub mod controlplane;
 mod harness;
+pub mod oci_endpoint;
+pub mod rig;
 
 pub use controlplane::{Lifetime, Options};
 pub use harness::{

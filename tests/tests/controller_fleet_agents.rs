@@ -3,17 +3,18 @@
 //! node address, one gRPC server with one TLS configuration (the fleet's certificate) behind all
 //! of them, each call dispatched to the agent whose address it arrived on.
 //!
-//! Not a test by itself: `fleet_agents_host` is ignored and runs only when the bench starts this
-//! binary with `NODEKEEPER_E2E_ROLE=fleet-agents` and `NODEKEEPER_FLEET_SPEC=<spec.json>`.
+//! Not a test by itself: `fleet_agents_host` is ignored and runs only when the rig
+//! (`nodekeeper_e2e::rig::AgentsHost`) starts this binary with `NODEKEEPER_E2E_ROLE=fleet-agents`
+//! and `NODEKEEPER_FLEET_SPEC=<spec.json>`.
 //! The dispatch itself is tested below with a handful of agents.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::Context as _;
 use nodekeeper_agent::service::AgentService;
+use nodekeeper_e2e::rig::{FLEET_ROLE, FleetNode, FleetSpec, ROLE_ENV, sysctl_path};
 use nodekeeper_proto::agent::v1 as pb;
 use tonic::{Request, Response, Status};
 
@@ -67,47 +68,20 @@ impl pb::node_agent_server::NodeAgent for Fleet {
     }
 }
 
-#[derive(serde::Deserialize)]
-struct Spec {
-    port: u16,
-    /// Holds tls.crt, tls.key, ca.crt; node i's files go under `n<i>/`.
-    dir: PathBuf,
-    nodes: Vec<SpecNode>,
-}
-
-#[derive(serde::Deserialize)]
-struct SpecNode {
-    name: String,
-    ip: std::net::Ipv4Addr,
-}
-
 /// Starts the agents of `spec`; returns when every listener is bound.
-async fn host(spec: &Spec, stop: tokio_util::sync::CancellationToken) -> anyhow::Result<()> {
+async fn host(spec: &FleetSpec, stop: tokio_util::sync::CancellationToken) -> anyhow::Result<()> {
     use clap::Parser;
-    let p = |name: &str| spec.dir.join(name).display().to_string();
     let mut agents = HashMap::new();
     let mut listeners = Vec::new();
     let mut tls = None;
-    for (i, node) in spec.nodes.iter().enumerate() {
-        let dir = spec.dir.join(format!("n{i}"));
-        std::fs::create_dir_all(dir.join("sysctl/net/core"))?;
-        std::fs::create_dir_all(dir.join("state"))?;
-        let sysctl = dir.join("sysctl/net/core/somaxconn");
-        if !sysctl.exists() {
-            std::fs::write(&sysctl, "8192\n")?;
+    for i in 0..spec.nodes.len() {
+        let setup = spec.agent(i);
+        setup.create_dirs()?;
+        if !sysctl_path(&setup.sysctl_root, "net.core.somaxconn").exists() {
+            setup.write_sysctl("net.core.somaxconn", "8192")?;
         }
-        let addr = SocketAddr::new(node.ip.into(), spec.port);
-        let config = nodekeeper_agent::Config::try_parse_from([
-            "nodekeeper-agent".to_string(),
-            format!("--listen={addr}"),
-            format!("--node-name={}", node.name),
-            format!("--tls-cert={}", p("tls.crt")),
-            format!("--tls-key={}", p("tls.key")),
-            format!("--client-ca={}", p("ca.crt")),
-            format!("--state-dir={}", dir.join("state").display()),
-            format!("--sysctl-root={}", dir.join("sysctl").display()),
-            "--nvidia-smi=/nonexistent/nvidia-smi".to_string(),
-        ])?;
+        let addr = setup.listen;
+        let config = nodekeeper_agent::Config::try_parse_from(setup.args())?;
         if tls.is_none() {
             tls = Some(nodekeeper_agent::tls::server_config(&config)?);
         }
@@ -139,22 +113,15 @@ async fn host(spec: &Spec, stop: tokio_util::sync::CancellationToken) -> anyhow:
 #[test]
 #[ignore = "helper: the agents host of `cargo xtask bench fleet`, which starts it; not a test by itself"]
 fn fleet_agents_host() {
-    if std::env::var("NODEKEEPER_E2E_ROLE").as_deref() != Ok("fleet-agents") {
+    if std::env::var(ROLE_ENV).as_deref() != Ok(FLEET_ROLE) {
         return;
     }
-    let path = std::env::var("NODEKEEPER_FLEET_SPEC").expect("NODEKEEPER_FLEET_SPEC");
-    let spec: Spec = serde_json::from_slice(&std::fs::read(Path::new(&path)).expect("read spec"))
-        .expect("parse spec");
+    let spec = FleetSpec::from_env().expect("read the fleet spec");
     let runtime = tokio::runtime::Runtime::new().expect("runtime");
     runtime.block_on(async {
         let stop = tokio_util::sync::CancellationToken::new();
         host(&spec, stop.clone()).await.expect("start agents");
-        // The bench polls for this file (a pipe to libtest's stdout is not a reliable signal).
-        std::fs::write(
-            spec.dir.join("ready"),
-            format!("{} agents\n", spec.nodes.len()),
-        )
-        .expect("write ready file");
+        spec.write_ready().expect("write ready file");
         // Runs until the bench kills it.
         std::future::pending::<()>().await;
     });
@@ -163,7 +130,7 @@ fn fleet_agents_host() {
 /// Three agents in one process answer for their own nodes, over mTLS, by address.
 #[tokio::test]
 async fn calls_reach_the_agent_of_the_address_called() -> anyhow::Result<()> {
-    use nodekeeper_controller::agent_client::{AgentTls, CallLimits, connect};
+    use nodekeeper_controller::agent_client::AgentTls;
     use nodekeeper_controller::certs::{Leaf, generate_ca, issue};
     let (ca_cert, ca_key) = generate_ca()?;
     let agent = issue(Leaf::Agent, &ca_cert, &ca_key)?;
@@ -172,17 +139,15 @@ async fn calls_reach_the_agent_of_the_address_called() -> anyhow::Result<()> {
     std::fs::write(dir.path().join("tls.crt"), &agent.cert)?;
     std::fs::write(dir.path().join("tls.key"), &agent.key)?;
     std::fs::write(dir.path().join("ca.crt"), &agent.ca)?;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port();
+    let port = nodekeeper_testkit::free_port();
     let b = 1 + rand::random::<u8>() % 250;
-    let nodes: Vec<SpecNode> = (1..=3)
-        .map(|i| SpecNode {
+    let nodes: Vec<FleetNode> = (1..=3)
+        .map(|i| FleetNode {
             name: format!("host-node-{i}"),
             ip: std::net::Ipv4Addr::new(127, 44, b, i),
         })
         .collect();
-    let spec = Spec {
+    let spec = FleetSpec {
         port,
         dir: dir.path().to_path_buf(),
         nodes,
@@ -190,19 +155,9 @@ async fn calls_reach_the_agent_of_the_address_called() -> anyhow::Result<()> {
     let stop = tokio_util::sync::CancellationToken::new();
     host(&spec, stop.clone()).await?;
     let tls = AgentTls::new(&controller.ca, &controller.cert, &controller.key);
-    let limits = CallLimits {
-        timeout: std::time::Duration::from_secs(10),
-        max_reply_bytes: 4 << 20,
-    };
     for node in &spec.nodes {
-        let mut conn = connect(&tls, SocketAddr::new(node.ip.into(), port), limits).await?;
-        let reply = conn.get_report(0).await?;
-        match reply.result {
-            Some(pb::get_report_response::Result::Report(report)) => {
-                assert_eq!(report.node_name, node.name)
-            }
-            other => anyhow::bail!("expected a report from {}, got {other:?}", node.name),
-        }
+        let addr = SocketAddr::new(node.ip.into(), port);
+        assert_eq!(reported_node(&tls, addr).await?, node.name);
     }
     assert_eq!(
         tls.handshakes(),
@@ -221,4 +176,67 @@ async fn calls_reach_the_agent_of_the_address_called() -> anyhow::Result<()> {
     );
     stop.cancel();
     Ok(())
+}
+
+/// The rig's agents host, as the fleet bench starts it: this binary re-executed as
+/// `fleet_agents_host`, ready once every agent listens, each answering for its own node, and
+/// its fake sysctl files where the rig says they are.
+#[tokio::test]
+async fn the_rig_starts_the_agents_host_and_each_agent_answers_for_its_node() -> anyhow::Result<()>
+{
+    use nodekeeper_controller::agent_client::AgentTls;
+    use nodekeeper_controller::certs::{Leaf, generate_ca, issue};
+    use nodekeeper_e2e::rig::{self, AgentsHost};
+    let (ca_cert, ca_key) = generate_ca()?;
+    let agent = issue(Leaf::Agent, &ca_cert, &ca_key)?;
+    let controller = issue(Leaf::Controller, &ca_cert, &ca_key)?;
+    let ips = nodekeeper_testkit::net::random_loopback_block(3);
+    let port = nodekeeper_testkit::net::port_free_on_all(&ips, nodekeeper_testkit::free_port())
+        .context("a port free on every node address")?;
+    let nodes: Vec<FleetNode> = ips
+        .iter()
+        .enumerate()
+        .map(|(i, ip)| FleetNode {
+            name: format!("rig-node-{i}"),
+            ip: *ip,
+        })
+        .collect();
+    let tls = rig::AgentTls {
+        cert: agent.cert.clone(),
+        key: agent.key.clone(),
+        ca: agent.ca.clone(),
+    };
+    let exe = std::env::current_exe()?;
+    let host = AgentsHost::start(
+        &exe,
+        nodes.clone(),
+        port,
+        &tls,
+        std::time::Duration::from_secs(60),
+    )?;
+    let client_tls = AgentTls::new(&controller.ca, &controller.cert, &controller.key);
+    for (i, node) in nodes.iter().enumerate() {
+        let addr = SocketAddr::new(node.ip.into(), port);
+        assert_eq!(reported_node(&client_tls, addr).await?, node.name);
+        let somaxconn = sysctl_path(&host.spec.agent(i).sysctl_root, "net.core.somaxconn");
+        assert_eq!(std::fs::read_to_string(somaxconn)?, "8192\n");
+    }
+    Ok(())
+}
+
+/// The node name in the report of the agent at `addr`, over mTLS as the controller calls it.
+async fn reported_node(
+    tls: &nodekeeper_controller::agent_client::AgentTls,
+    addr: SocketAddr,
+) -> anyhow::Result<String> {
+    use nodekeeper_controller::agent_client::{CallLimits, connect};
+    let limits = CallLimits {
+        timeout: std::time::Duration::from_secs(10),
+        max_reply_bytes: 4 << 20,
+    };
+    let mut conn = connect(tls, addr, limits).await?;
+    match conn.get_report(0).await?.result {
+        Some(pb::get_report_response::Result::Report(report)) => Ok(report.node_name),
+        other => anyhow::bail!("expected a report from {addr}, got {other:?}"),
+    }
 }

@@ -7,8 +7,8 @@
 //! Run (as root: the agents' ICMP uses a raw socket where a ping socket is not allowed):
 //! `cargo test -p nodekeeper-e2e --test controller_networktest`.
 
-// A skipped test prints `SKIPPED: <reason>`: that line is the contract with CI.
-#![allow(clippy::print_stdout)]
+// A skipped test prints `SKIPPED: <test>: <reason>` (`nodekeeper_testkit::skip!`): that line is
+// the contract with CI.
 
 mod controller_common;
 
@@ -74,10 +74,7 @@ async fn finished(api: &Api<NetworkTest>, name: &str) -> anyhow::Result<NetworkT
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn controller_runs_an_icmp_mesh_and_serves_the_full_results() -> anyhow::Result<()> {
-    if !nix::unistd::geteuid().is_root() {
-        println!("SKIPPED: needs root for the agents' ICMP sockets");
-        return Ok(());
-    }
+    nodekeeper_testkit::skip_unless_root!("needs root for the agents' ICMP sockets");
     let client = ControlPlane::shared().client().await?;
     install_crds(&client).await?;
     let ns = test_namespace(&client, "nk-nettest").await?;

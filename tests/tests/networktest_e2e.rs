@@ -11,13 +11,11 @@
 //! ```
 //! n1 also blackholes n2's address in its own table: the one failing node pair.
 
-// A skipped test prints `SKIPPED: <reason>`: that line is the contract with CI.
-#![allow(clippy::print_stdout)]
+// A skipped test prints `SKIPPED: <test>: <reason>` (`nodekeeper_testkit::skip!`): that line is
+// the contract with CI.
 
 use std::collections::BTreeMap;
-use std::fs::File;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -26,7 +24,6 @@ use futures::StreamExt as _;
 use futures::future::BoxFuture;
 use kube::Api;
 use kube::api::{DeleteParams, WatchEvent, WatchParams};
-use nix::sched::{CloneFlags, setns};
 use nodekeeper_api::crd::NetworkTest;
 use nodekeeper_api::crd::network_test::Phase;
 use nodekeeper_controller::agent_client::{CallError, CallOutcome};
@@ -38,32 +35,17 @@ use nodekeeper_e2e::{
     ControlPlane, create_simulated_nodes, install_crds, test_namespace, unique_name, wait_for,
 };
 use nodekeeper_proto::agent::v1 as pb;
+use nodekeeper_testkit::{Netns, NetnsEntry, skip_unless_root};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
 const TIMEOUT: Duration = Duration::from_secs(90);
 
-fn ip(args: &[&str]) -> anyhow::Result<()> {
-    let out = Command::new("ip").args(args).output().context("run ip")?;
-    if !out.status.success() {
-        bail!(
-            "ip {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
-    Ok(())
-}
-
-fn sysctl(ns: &str, kv: &str) -> anyhow::Result<()> {
-    ip(&["netns", "exec", ns, "sysctl", "-qw", kv])
-}
-
 /// The namespaces of the picture above; deleted on drop.
 struct Topology {
-    namespaces: Vec<String>,
-    /// Node address → its namespace.
-    by_address: BTreeMap<IpAddr, String>,
+    _namespaces: Vec<Netns>,
+    /// Node address → a way into its namespace.
+    by_address: BTreeMap<IpAddr, NetnsEntry>,
 }
 
 const N0: Ipv4Addr = Ipv4Addr::new(10, 88, 0, 10);
@@ -74,73 +56,51 @@ const HOLE: &str = "10.88.9.9";
 
 impl Topology {
     fn create() -> anyhow::Result<Self> {
-        let tag = format!("nknt{}", std::process::id());
-        let name = |s: &str| format!("{tag}-{s}");
-        let (sw, r, n0, n1, n2) = (name("sw"), name("r"), name("n0"), name("n1"), name("n2"));
-        let mut t = Self {
-            namespaces: Vec::new(),
-            by_address: BTreeMap::new(),
+        let new = |s: &str| -> anyhow::Result<Netns> {
+            let ns = Netns::new(&format!("nknt-{s}"))?;
+            ns.ip(&["link", "set", "lo", "up"])?;
+            Ok(ns)
         };
-        for ns in [&sw, &r, &n0, &n1, &n2] {
-            ip(&["netns", "add", ns])?;
-            t.namespaces.push(ns.clone());
-            ip(&["-n", ns, "link", "set", "lo", "up"])?;
-        }
-        ip(&["-n", &sw, "link", "add", "br0", "type", "bridge"])?;
-        ip(&["-n", &sw, "link", "set", "br0", "up"])?;
+        let (sw, r, n0, n1, n2) = (new("sw")?, new("r")?, new("n0")?, new("n1")?, new("n2")?);
+        sw.ip(&["link", "add", "br0", "type", "bridge"])?;
+        sw.ip(&["link", "set", "br0", "up"])?;
         for (ns, port, addr) in [
             (&n0, "p0", "10.88.0.10/24"),
             (&n1, "p1", "10.88.0.11/24"),
             (&r, "pr", "10.88.0.1/24"),
         ] {
-            ip(&[
-                "-n", ns, "link", "add", "eth0", "type", "veth", "peer", "name", port, "netns", &sw,
-            ])?;
-            ip(&["-n", &sw, "link", "set", port, "master", "br0", "up"])?;
-            ip(&["-n", ns, "addr", "add", addr, "dev", "eth0"])?;
-            ip(&["-n", ns, "link", "set", "eth0", "up"])?;
+            ns.add_veth("eth0", &[], port, Some(&sw))?;
+            sw.ip(&["link", "set", port, "master", "br0", "up"])?;
+            ns.address_up("eth0", addr)?;
         }
-        ip(&[
-            "-n", &r, "link", "add", "eth1", "mtu", "1400", "type", "veth", "peer", "name", "eth0",
-            "netns", &n2,
-        ])?;
-        ip(&["-n", &n2, "link", "set", "eth0", "mtu", "1400"])?;
-        ip(&["-n", &r, "addr", "add", "10.88.1.1/24", "dev", "eth1"])?;
-        ip(&["-n", &r, "link", "set", "eth1", "up"])?;
-        ip(&["-n", &n2, "addr", "add", "10.88.1.2/24", "dev", "eth0"])?;
-        ip(&["-n", &n2, "link", "set", "eth0", "up"])?;
-        sysctl(&r, "net.ipv4.ip_forward=1")?;
-        ip(&["-n", &r, "route", "add", "blackhole", "10.88.9.0/24"])?;
+        r.add_veth("eth1", &["mtu", "1400"], "eth0", Some(&n2))?;
+        n2.ip(&["link", "set", "eth0", "mtu", "1400"])?;
+        r.address_up("eth1", "10.88.1.1/24")?;
+        n2.address_up("eth0", "10.88.1.2/24")?;
+        r.set_sysctl("net.ipv4.ip_forward", "1")?;
+        r.ip(&["route", "add", "blackhole", "10.88.9.0/24"])?;
         for ns in [&n0, &n1] {
-            ip(&["-n", ns, "route", "add", "10.88.0.0/16", "via", R])?;
+            ns.ip(&["route", "add", "10.88.0.0/16", "via", R])?;
         }
-        ip(&[
-            "-n",
-            &n2,
-            "route",
-            "add",
-            "10.88.0.0/16",
-            "via",
-            "10.88.1.1",
-        ])?;
-        ip(&["-n", &n1, "route", "add", "blackhole", &format!("{N2}/32")])?;
-        t.by_address = BTreeMap::from([(N0.into(), n0), (N1.into(), n1), (N2.into(), n2)]);
-        Ok(t)
-    }
-}
-
-impl Drop for Topology {
-    fn drop(&mut self) {
-        for ns in &self.namespaces {
-            let _ = ip(&["netns", "del", ns]);
-        }
+        n2.ip(&["route", "add", "10.88.0.0/16", "via", "10.88.1.1"])?;
+        n1.ip(&["route", "add", "blackhole", &format!("{N2}/32")])?;
+        let by_address = BTreeMap::from([
+            (N0.into(), n0.entry()),
+            (N1.into(), n1.entry()),
+            (N2.into(), n2.entry()),
+        ]);
+        Ok(Self {
+            _namespaces: vec![sw, r, n0, n1, n2],
+            by_address,
+        })
     }
 }
 
 /// The reconciler's agents: the probe request runs inside the namespace of the node whose
 /// address the endpoint names, on a thread of its own with a current-thread runtime.
 struct NetnsAgents {
-    by_address: BTreeMap<IpAddr, String>,
+    /// Node address → a way into its namespace.
+    by_address: BTreeMap<IpAddr, NetnsEntry>,
 }
 
 fn call_error(endpoint: SocketAddr, detail: String) -> CallError {
@@ -166,17 +126,11 @@ impl Agents for NetnsAgents {
                 .cloned()
                 .ok_or_else(|| call_error(endpoint, "no agent here".into()))?;
             let (tx, rx) = tokio::sync::oneshot::channel();
-            std::thread::spawn(move || {
-                let result = (|| {
-                    let f = File::open(format!("/run/netns/{ns}")).map_err(|e| e.to_string())?;
-                    setns(&f, CloneFlags::CLONE_NEWNET).map_err(|e| e.to_string())?;
-                    let rt = tokio::runtime::Builder::new_current_thread()
-                        .enable_all()
-                        .build()
-                        .map_err(|e| e.to_string())?;
-                    rt.block_on(nodekeeper_agent::probes::run(req))
-                        .map_err(|e| e.to_string())
-                })();
+            // A thread that cannot enter the namespace panics and drops `tx`.
+            ns.spawn(move || async move {
+                let result = nodekeeper_agent::probes::run(req)
+                    .await
+                    .map_err(|e| e.to_string());
                 let _ = tx.send(result);
             });
             match tokio::time::timeout(budget, rx).await {
@@ -212,7 +166,7 @@ impl Agents for NetnsAgents {
     }
 }
 
-fn netns_agents(by_address: BTreeMap<IpAddr, String>) -> Arc<dyn Agents> {
+fn netns_agents(by_address: BTreeMap<IpAddr, NetnsEntry>) -> Arc<dyn Agents> {
     Arc::new(NetnsAgents { by_address })
 }
 
@@ -390,10 +344,7 @@ async fn raw_create(
 
 #[tokio::test]
 async fn netns_nodes_report_the_failed_pair_the_loss_and_the_mtu() -> anyhow::Result<()> {
-    if !nix::unistd::geteuid().is_root() {
-        println!("SKIPPED: needs root to create network namespaces");
-        return Ok(());
-    }
+    skip_unless_root!("needs root to create network namespaces");
     let topo = Topology::create()?;
     let client = ControlPlane::shared().client().await?;
     install_crds(&client).await?;

@@ -74,12 +74,6 @@ fn cpu_ticks(pid: u32) -> anyhow::Result<u64> {
     Ok(f[11].parse::<u64>()? + f[12].parse::<u64>()?)
 }
 
-fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
-}
-
 fn wait_for_port(port: u16, child: &mut Child) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(20);
     while Instant::now() < deadline {
@@ -119,7 +113,7 @@ struct Agent {
 }
 
 fn start_agent(bin: &Path, work: &Path, certs: &Path, extra: &[&str]) -> anyhow::Result<Agent> {
-    let port = free_port()?;
+    let port = nodekeeper_testkit::free_port();
     let state = work.join(format!("state-{port}"));
     let log = std::fs::File::create(work.join(format!("agent-{port}.log")))?;
     let mut child = Command::new(bin)
@@ -283,7 +277,10 @@ fn measure_npd(version: &str, work: &Path, seconds: u32) -> anyhow::Result<Npd> 
                 .to_string(),
         );
     }
-    let (port, prom) = (free_port()?, free_port()?);
+    let (port, prom) = (
+        nodekeeper_testkit::free_port(),
+        nodekeeper_testkit::free_port(),
+    );
     let log = std::fs::File::create(work.join("npd.log"))?;
     let mut child = Command::new(&bin)
         .arg("--enable-k8s-exporter=false")

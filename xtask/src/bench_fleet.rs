@@ -14,10 +14,11 @@ use std::time::{Duration, Instant};
 use anyhow::bail;
 use serde_json::json;
 
+use nodekeeper_e2e::rig::metric;
 use nodekeeper_e2e::wait_for;
 
 use crate::fleet_rig::{
-    CONTROLLER_USER, Programs, Rig, RigConfig, audit_counts, metric, proc_usage, request_totals,
+    CONTROLLER_USER, Programs, Rig, RigConfig, audit_counts, proc_usage, request_totals,
 };
 
 /// `cargo xtask bench fleet` arguments.
@@ -80,7 +81,7 @@ async fn bench(args: FleetArgs, root: PathBuf, programs: Programs) -> anyhow::Re
         "every node's first condition patch",
         Duration::from_secs(600),
         || async move {
-            let p = metric(http, "nodekeeper_conditions_patches_total", "").await?;
+            let p = metric(http, "nodekeeper_conditions_patches_total", &[]).await?;
             Ok((p >= n as f64).then_some(p))
         },
     )
@@ -119,7 +120,7 @@ async fn bench(args: FleetArgs, root: PathBuf, programs: Programs) -> anyhow::Re
         )
         .map(|((after, before), name)| (name, after - before))
         .collect();
-    let restart_patches = metric(http, "nodekeeper_conditions_patches_total", "").await?;
+    let restart_patches = metric(http, "nodekeeper_conditions_patches_total", &[]).await?;
     say(format!(
         "full sweep after a restart: {sweep_secs:.1} s, {restart_patches:.0} condition patches"
     ));
@@ -131,8 +132,8 @@ async fn bench(args: FleetArgs, root: PathBuf, programs: Programs) -> anyhow::Re
     let (_, _, cpu0) = proc_usage(pid)?;
     let totals0 = request_totals(client).await?;
     let (_, audit_from, _) = audit_counts(audit, 0)?;
-    let patches0 = metric(http, "nodekeeper_conditions_patches_total", "").await?;
-    let calls0 = metric(http, "nodekeeper_sweep_agent_calls_total", "").await?;
+    let patches0 = metric(http, "nodekeeper_conditions_patches_total", &[]).await?;
+    let calls0 = metric(http, "nodekeeper_sweep_agent_calls_total", &[]).await?;
     say(format!("steady window of {:?}", args.window));
     let window_start = Instant::now();
     let mut rss_max = 0;
@@ -144,8 +145,8 @@ async fn bench(args: FleetArgs, root: PathBuf, programs: Programs) -> anyhow::Re
     let (rss, hwm, cpu1) = proc_usage(pid)?;
     let totals1 = request_totals(client).await?;
     let (audit_window, audit_to, _) = audit_counts(audit, audit_from)?;
-    let patches1 = metric(http, "nodekeeper_conditions_patches_total", "").await?;
-    let calls1 = metric(http, "nodekeeper_sweep_agent_calls_total", "").await?;
+    let patches1 = metric(http, "nodekeeper_conditions_patches_total", &[]).await?;
+    let calls1 = metric(http, "nodekeeper_sweep_agent_calls_total", &[]).await?;
     let cpu_share = (cpu1 - cpu0) / window;
 
     // Flip 1 % unhealthy and wait for exactly those patches.
@@ -155,7 +156,10 @@ async fn bench(args: FleetArgs, root: PathBuf, programs: Programs) -> anyhow::Re
     let step = n / k;
     let flipped: Vec<usize> = (0..k).map(|j| j * step).collect();
     for &i in &flipped {
-        std::fs::write(agents.sysctl(i), "128\n")?;
+        agents
+            .spec
+            .agent(i)
+            .write_sysctl("net.core.somaxconn", "128")?;
     }
     let flip_start = Instant::now();
     let expected: std::collections::BTreeSet<String> =

@@ -12,9 +12,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context as _, bail, ensure};
+use anyhow::{Context as _, ensure};
 use nodekeeper_model::network::NetworkState;
 use nodekeeper_netconf::{ApplyOptions, Netconf, Outcome};
+use nodekeeper_testkit::Netns;
+use nodekeeper_testkit::netns::run;
 
 /// `cargo xtask bench netconf` arguments.
 #[derive(clap::Args, Debug, Clone)]
@@ -42,22 +44,6 @@ pub struct NetconfArgs {
 
 const NMSTATE_VERSION: &str = "2.2.62";
 
-struct Ns(String);
-
-impl Ns {
-    fn ip(&self, args: &[&str]) -> anyhow::Result<String> {
-        let mut a = vec!["-n", self.0.as_str()];
-        a.extend_from_slice(args);
-        run("ip", &a)
-    }
-}
-
-impl Drop for Ns {
-    fn drop(&mut self) {
-        let _ = run("ip", &["netns", "del", &self.0]);
-    }
-}
-
 /// Runs an `ip -batch` script in namespace `ns`, ignoring individual failures (`-force`).
 fn batch(ns: &str, script: &str) -> anyhow::Result<()> {
     let mut child = Command::new("ip")
@@ -73,21 +59,6 @@ fn batch(ns: &str, script: &str) -> anyhow::Result<()> {
         .write_all(script.as_bytes())?;
     child.wait()?;
     Ok(())
-}
-
-fn run(cmd: &str, args: &[&str]) -> anyhow::Result<String> {
-    let out = Command::new(cmd)
-        .args(args)
-        .output()
-        .with_context(|| format!("run {cmd}"))?;
-    if !out.status.success() {
-        bail!(
-            "{cmd} {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 /// The bench state. `full`: the whole VM layout; otherwise the subset `nmstatectl apply --kernel`
@@ -218,83 +189,82 @@ struct NkFigures {
 }
 
 /// Runs nodekeeper's measurements on a thread inside the namespace.
-fn bench_nodekeeper(ns: &Ns, n: u32, iterations: u32, full: bool) -> anyhow::Result<NkFigures> {
-    let path = format!("/run/netns/{}", ns.0);
-    let ns_name = ns.0.clone();
-    let thread = std::thread::spawn(move || -> anyhow::Result<NkFigures> {
-        let file = std::fs::File::open(&path)?;
-        nix::sched::setns(file, nix::sched::CloneFlags::CLONE_NEWNET)?;
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()?;
-        rt.block_on(async move {
-            let nc = Netconf::connect()?;
-            let d = desired(n, full);
-            let (mut apply, mut reapply, mut rollback, mut remove) =
-                (vec![], vec![], vec![], vec![]);
-            let mut f = NkFigures {
-                apply: Duration::ZERO,
-                reapply: Duration::ZERO,
-                rollback: Duration::ZERO,
-                remove: Duration::ZERO,
-                apply_writes: 0,
-                reapply_writes: 0,
-                rollback_writes: 0,
-                steps: 0,
-            };
-            for _ in 0..iterations {
-                reset(&ns_name, n)?;
-                let t = Instant::now();
-                let r = nc.apply(&d, &ApplyOptions::default()).await?;
-                apply.push(t.elapsed());
-                ensure!(r.outcome == Outcome::Applied, "apply failed: {:?}", r.error);
-                f.apply_writes = r.writes;
-                f.steps = r.plan.steps.len();
-                let before = nc.writes();
-                let t = Instant::now();
-                let r = nc.apply(&d, &ApplyOptions::default()).await?;
-                reapply.push(t.elapsed());
-                ensure!(
-                    r.plan.is_empty(),
-                    "re-apply planned {} steps",
-                    r.plan.steps.len()
-                );
-                f.reapply_writes = f.reapply_writes.max(nc.writes() - before);
-                let t = Instant::now();
+fn bench_nodekeeper(ns: &Netns, n: u32, iterations: u32, full: bool) -> anyhow::Result<NkFigures> {
+    let ns_name = ns.name().to_owned();
+    let thread = ns
+        .entry()
+        .spawn_blocking(move || -> anyhow::Result<NkFigures> {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            rt.block_on(async move {
+                let nc = Netconf::connect()?;
+                let d = desired(n, full);
+                let (mut apply, mut reapply, mut rollback, mut remove) =
+                    (vec![], vec![], vec![], vec![]);
+                let mut f = NkFigures {
+                    apply: Duration::ZERO,
+                    reapply: Duration::ZERO,
+                    rollback: Duration::ZERO,
+                    remove: Duration::ZERO,
+                    apply_writes: 0,
+                    reapply_writes: 0,
+                    rollback_writes: 0,
+                    steps: 0,
+                };
+                for _ in 0..iterations {
+                    reset(&ns_name, n)?;
+                    let t = Instant::now();
+                    let r = nc.apply(&d, &ApplyOptions::default()).await?;
+                    apply.push(t.elapsed());
+                    ensure!(r.outcome == Outcome::Applied, "apply failed: {:?}", r.error);
+                    f.apply_writes = r.writes;
+                    f.steps = r.plan.steps.len();
+                    let before = nc.writes();
+                    let t = Instant::now();
+                    let r = nc.apply(&d, &ApplyOptions::default()).await?;
+                    reapply.push(t.elapsed());
+                    ensure!(
+                        r.plan.is_empty(),
+                        "re-apply planned {} steps",
+                        r.plan.steps.len()
+                    );
+                    f.reapply_writes = f.reapply_writes.max(nc.writes() - before);
+                    let t = Instant::now();
+                    nc.apply(&NetworkState::default(), &ApplyOptions::default())
+                        .await?;
+                    remove.push(t.elapsed());
+                    reset(&ns_name, n)?;
+                    let last = f.steps - 1;
+                    let t = Instant::now();
+                    let r = nc
+                        .apply(
+                            &d,
+                            &ApplyOptions {
+                                fail_at_step: Some(last),
+                                ..Default::default()
+                            },
+                        )
+                        .await?;
+                    rollback.push(t.elapsed());
+                    ensure!(
+                        r.outcome == Outcome::RolledBack,
+                        "rollback: {:?} {:?}",
+                        r.outcome,
+                        r.error
+                    );
+                    f.rollback_writes = r.writes;
+                }
+                // Leave the namespace unconfigured for the next tool.
                 nc.apply(&NetworkState::default(), &ApplyOptions::default())
                     .await?;
-                remove.push(t.elapsed());
-                reset(&ns_name, n)?;
-                let last = f.steps - 1;
-                let t = Instant::now();
-                let r = nc
-                    .apply(
-                        &d,
-                        &ApplyOptions {
-                            fail_at_step: Some(last),
-                            ..Default::default()
-                        },
-                    )
-                    .await?;
-                rollback.push(t.elapsed());
-                ensure!(
-                    r.outcome == Outcome::RolledBack,
-                    "rollback: {:?} {:?}",
-                    r.outcome,
-                    r.error
-                );
-                f.rollback_writes = r.writes;
-            }
-            // Leave the namespace unconfigured for the next tool.
-            nc.apply(&NetworkState::default(), &ApplyOptions::default())
-                .await?;
-            f.apply = median(&mut apply);
-            f.reapply = median(&mut reapply);
-            f.rollback = median(&mut rollback);
-            f.remove = median(&mut remove);
-            Ok(f)
-        })
-    });
+                f.apply = median(&mut apply);
+                f.reapply = median(&mut reapply);
+                f.rollback = median(&mut rollback);
+                f.remove = median(&mut remove);
+                Ok(f)
+            })
+        });
     thread
         .join()
         .map_err(|_| anyhow::anyhow!("bench thread panicked"))?
@@ -302,7 +272,7 @@ fn bench_nodekeeper(ns: &Ns, n: u32, iterations: u32, full: bool) -> anyhow::Res
 
 /// nmstatectl on the subset it supports: medians of apply and no-op re-apply.
 fn bench_nmstate(
-    ns: &Ns,
+    ns: &Netns,
     bin: &str,
     n: u32,
     iterations: u32,
@@ -310,14 +280,11 @@ fn bench_nmstate(
 ) -> anyhow::Result<(Duration, Duration)> {
     let (mut apply, mut reapply) = (vec![], vec![]);
     for _ in 0..iterations {
-        reset(&ns.0, n)?;
+        reset(ns.name(), n)?;
         for times in [&mut apply, &mut reapply] {
             let t = Instant::now();
-            run(
-                "ip",
-                &["netns", "exec", &ns.0, bin, "apply", "--kernel", file],
-            )
-            .context("nmstatectl apply --kernel")?;
+            ns.exec(&[bin, "apply", "--kernel", file])
+                .context("nmstatectl apply --kernel")?;
             times.push(t.elapsed());
         }
         // nmstate really did it: the last VNIC's table is there.
@@ -328,21 +295,21 @@ fn bench_nmstate(
             100 + n
         );
     }
-    reset(&ns.0, n)?;
+    reset(ns.name(), n)?;
     Ok((median(&mut apply), median(&mut reapply)))
 }
 
 /// One attempt of nmstatectl on the full state: how long until it gave up, and its last line.
 fn nmstate_full_attempt(
-    ns: &Ns,
+    ns: &Netns,
     bin: &str,
     n: u32,
     file: &str,
 ) -> anyhow::Result<(Duration, bool, String)> {
-    reset(&ns.0, n)?;
+    reset(ns.name(), n)?;
     let t = Instant::now();
     let out = Command::new("ip")
-        .args(["netns", "exec", &ns.0, bin, "apply", "--kernel", file])
+        .args(["netns", "exec", ns.name(), bin, "apply", "--kernel", file])
         .output()?;
     let took = t.elapsed();
     let text = String::from_utf8_lossy(&out.stderr);
@@ -352,13 +319,13 @@ fn nmstate_full_attempt(
         .find(|l| !l.trim().is_empty() && !l.starts_with(' '))
         .unwrap_or("")
         .to_string();
-    reset(&ns.0, n)?;
+    reset(ns.name(), n)?;
     Ok((took, out.status.success(), last))
 }
 
 pub fn run_bench(args: NetconfArgs) -> anyhow::Result<()> {
     ensure!(
-        nix::unistd::geteuid().is_root(),
+        nodekeeper_testkit::is_root(),
         "bench netconf needs root (it creates a network namespace)"
     );
     ensure!((1..=200).contains(&args.vnics), "--vnics must be 1–200");
@@ -378,8 +345,7 @@ pub fn run_bench(args: NetconfArgs) -> anyhow::Result<()> {
     };
     let n = args.vnics;
 
-    let ns = Ns(format!("nk-bench-{}", std::process::id()));
-    run("ip", &["netns", "add", &ns.0])?;
+    let ns = Netns::new("nk-bench")?;
     ns.ip(&["link", "set", "lo", "up"])?;
     for i in 1..=n {
         let nic = format!("nic{i}");

@@ -1,24 +1,27 @@
 //! The simulated fleet the controller benchmarks run on (`cargo xtask bench fleet` and
-//! `cargo xtask bench networktest`): a private local control plane (audit log on) with N kwok
-//! nodes, each with a distinct 127.x.y.z InternalIP and a real agent (the agent crate's service
-//! and mTLS) listening on it — all N agents in one process
-//! (`tests/tests/controller_fleet_agents.rs`, built in release) behind one gRPC server with N
-//! listeners, dispatched by local address — and the release controller under its own
-//! ServiceAccount token, so the audit log tells its requests from kwok's and the bench's.
+//! `cargo xtask bench networktest`), built from the rig of `nodekeeper_e2e::rig`: a private local
+//! control plane (audit log on) with N kwok nodes, each with a distinct 127.x.y.z InternalIP and
+//! a real agent (the agent crate's service and mTLS) listening on it — all N agents in one
+//! process (the rig's `AgentsHost`: `tests/tests/controller_fleet_agents.rs`, built in release)
+//! behind one gRPC server with N listeners, dispatched by local address — and the release
+//! controller under its own ServiceAccount token, so the audit log tells its requests from
+//! kwok's and the bench's.
 //!
 //! Every address is on 127.0.0.0/8; every process is started here and stopped by PID.
 
 use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
-use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Secret, ServiceAccount};
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace, ServiceAccount};
 use kube::Api;
 use kube::api::{Patch, PatchParams, PostParams};
 use nodekeeper_e2e::controlplane::{Lifetime, Options, nodes};
+use nodekeeper_e2e::rig::{
+    AgentTls, AgentsHost, ControllerConfig, ControllerProcess, FleetNode, Output, Program, metric,
+};
 use nodekeeper_e2e::{ControlPlane, wait_for};
 use serde_json::json;
 
@@ -93,9 +96,9 @@ pub struct Rig {
     pub client: kube::Client,
     pub audit: PathBuf,
     pub names: Vec<String>,
-    pub agents: Agents,
-    pub controller: ControllerChild,
-    launch: Launch,
+    pub agents: AgentsHost,
+    pub controller: ControllerProcess,
+    launch: (Program, ControllerConfig),
     /// The controller's HTTP API and metrics.
     pub http: SocketAddr,
     pub node_lease_seconds: u32,
@@ -170,35 +173,42 @@ impl Rig {
         ));
 
         let http: SocketAddr = "127.0.0.1:18080".parse()?;
-        let launch = Launch {
-            binary: programs.controller.clone(),
-            kubeconfig,
-            http,
-            port: config.port,
-        };
+        let launch = (
+            Program::Binary(programs.controller.clone()),
+            ControllerConfig {
+                kubeconfig,
+                namespace: NAMESPACE.into(),
+                identity: "bench-controller".into(),
+                http,
+                agent_port: config.port,
+                node_selector: format!("{GROUP_LABEL}=fleet"),
+                log: Some("warn".into()),
+                env: Vec::new(),
+                output: Output::Stderr,
+            },
+        );
         // A first controller creates the PKI the agents need; it is stopped once it has, so
         // that the measured controller starts with every agent listening.
-        let mut pki_maker = launch.start()?;
-        let secrets: Api<Secret> = Api::namespaced(client.clone(), NAMESPACE);
-        let secret = wait_for(
-            "Secret nodekeeper-agent-tls",
-            Duration::from_secs(60),
-            || {
-                let secrets = secrets.clone();
-                async move { Ok(secrets.get_opt("nodekeeper-agent-tls").await?) }
-            },
-        )
-        .await?;
-        let tls: BTreeMap<String, String> = secret
-            .data
-            .unwrap_or_default()
-            .into_iter()
-            .map(|(k, v)| (k, String::from_utf8_lossy(&v.0).into_owned()))
-            .collect();
+        let mut pki_maker = ControllerProcess::spawn(&launch.0, &launch.1)?;
+        let tls = AgentTls::wait(&client, NAMESPACE, Duration::from_secs(60)).await?;
         say(format!("starting {n} agents"));
-        let agents = start_agents(&programs.agents_host, &names, config.port, &tls)?;
+        let fleet: Vec<FleetNode> = names
+            .iter()
+            .zip(&ips)
+            .map(|(name, ip)| FleetNode {
+                name: name.clone(),
+                ip: *ip,
+            })
+            .collect();
+        let agents = AgentsHost::start(
+            &programs.agents_host,
+            fleet,
+            config.port,
+            &tls,
+            Duration::from_secs(600),
+        )?;
         pki_maker.stop();
-        let controller = launch.start()?;
+        let controller = ControllerProcess::spawn(&launch.0, &launch.1)?;
         say(format!("{n} agents listening; controller started"));
         Ok(Rig {
             client,
@@ -217,7 +227,7 @@ impl Rig {
     /// leads at once: a controller restart in a running cluster.
     pub fn restart_controller(&mut self) -> anyhow::Result<()> {
         self.controller.stop();
-        self.controller = self.launch.start()?;
+        self.controller = ControllerProcess::spawn(&self.launch.0, &self.launch.1)?;
         Ok(())
     }
 
@@ -225,128 +235,16 @@ impl Rig {
     pub async fn first_sweep(&self, within: Duration) -> anyhow::Result<f64> {
         let http = self.http;
         wait_for("the first full sweep", within, || async move {
-            let s = metric(http, "nodekeeper_sweep_initial_sweep_seconds", "").await?;
+            let s = metric(http, "nodekeeper_sweep_initial_sweep_seconds", &[]).await?;
             Ok((s > 0.0).then_some(s))
         })
         .await
     }
 }
 
-/// How the controller is started.
-struct Launch {
-    binary: PathBuf,
-    kubeconfig: PathBuf,
-    http: SocketAddr,
-    port: u16,
-}
-
-impl Launch {
-    fn start(&self) -> anyhow::Result<ControllerChild> {
-        Ok(ControllerChild(
-            Command::new(&self.binary)
-                .env("KUBECONFIG", &self.kubeconfig)
-                .env("NODEKEEPER_NAMESPACE", NAMESPACE)
-                .env("NODEKEEPER_IDENTITY", "bench-controller")
-                .env("NODEKEEPER_HTTP_LISTEN", self.http.to_string())
-                .env("NODEKEEPER_AGENT_PORT", self.port.to_string())
-                .env("NODEKEEPER_NODE_SELECTOR", format!("{GROUP_LABEL}=fleet"))
-                .env("NODEKEEPER_LOG_FORMAT", "plain")
-                .env("NODEKEEPER_LOG", "warn")
-                .stdout(Stdio::null())
-                .spawn()
-                .with_context(|| format!("start {}", self.binary.display()))?,
-        ))
-    }
-}
-
 /// The i-th node address: 127.100.0.1, 127.100.0.2, … (host part 1–254, never .0 or .255).
 pub fn node_ip(i: usize) -> Ipv4Addr {
-    let per_b = 254;
-    let per_a = per_b * 256;
-    let a = 100 + i / per_a;
-    let b = (i / per_b) % 256;
-    let c = i % per_b + 1;
-    Ipv4Addr::new(
-        127,
-        u8::try_from(a).unwrap_or(255),
-        u8::try_from(b).unwrap_or(0),
-        u8::try_from(c).unwrap_or(1),
-    )
-}
-
-/// The agents host: `tests/tests/controller_fleet_agents.rs` built in release, serving every
-/// node's agent from one process (see that file). Its work directory holds each node's fake
-/// sysctl tree, which the bench edits to make a node unhealthy.
-pub struct Agents {
-    child: Child,
-    work: tempfile::TempDir,
-}
-
-impl Agents {
-    pub fn pid(&self) -> u32 {
-        self.child.id()
-    }
-
-    pub fn sysctl(&self, i: usize) -> PathBuf {
-        self.work
-            .path()
-            .join(format!("n{i}"))
-            .join("sysctl")
-            .join("net/core/somaxconn")
-    }
-}
-
-impl Drop for Agents {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn start_agents(
-    host: &Path,
-    names: &[String],
-    port: u16,
-    tls: &BTreeMap<String, String>,
-) -> anyhow::Result<Agents> {
-    let work = tempfile::tempdir()?;
-    for (k, v) in tls {
-        std::fs::write(work.path().join(k), v)?;
-    }
-    let nodes: Vec<serde_json::Value> = names
-        .iter()
-        .enumerate()
-        .map(|(i, name)| json!({"name": name, "ip": node_ip(i).to_string()}))
-        .collect();
-    let spec = work.path().join("spec.json");
-    std::fs::write(
-        &spec,
-        serde_json::to_vec(&json!({"port": port, "dir": work.path(), "nodes": nodes}))?,
-    )?;
-    let mut child = Command::new(host)
-        .args([
-            "--ignored",
-            "--exact",
-            "fleet_agents_host",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env("NODEKEEPER_E2E_ROLE", "fleet-agents")
-        .env("NODEKEEPER_FLEET_SPEC", &spec)
-        .stdout(Stdio::null())
-        .spawn()?;
-    let deadline = Instant::now() + Duration::from_secs(600);
-    while Instant::now() < deadline {
-        if work.path().join("ready").exists() {
-            return Ok(Agents { child, work });
-        }
-        if let Some(status) = child.try_wait()? {
-            bail!("the agents host exited before it was ready ({status})");
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    let _ = child.kill();
-    bail!("the agents host was not ready within 10 minutes")
+    nodekeeper_testkit::net::indexed_loopback(100, i)
 }
 
 /// RSS (KiB), peak RSS (KiB) and CPU seconds (user + system) of a process.
@@ -525,66 +423,4 @@ async fn controller_kubeconfig(
     });
     std::fs::write(out, serde_yaml::to_string(&config)?)?;
     Ok(())
-}
-
-pub async fn metric(addr: SocketAddr, name: &str, matcher: &str) -> anyhow::Result<f64> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut stream = tokio::net::TcpStream::connect(addr).await?;
-    stream.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").await?;
-    let mut body = String::new();
-    stream.read_to_string(&mut body).await?;
-    Ok(body
-        .lines()
-        .filter(|l| l.split(['{', ' ']).next() == Some(name) && l.contains(matcher))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        // An empty float sum is -0.0, which would print as "-0".
-        .fold(0.0, |a, b| a + b))
-}
-
-pub struct ControllerChild(Child);
-
-impl ControllerChild {
-    pub fn pid(&self) -> u32 {
-        self.0.id()
-    }
-
-    pub fn stop(&mut self) {
-        let _ = Command::new("kill")
-            .arg("-TERM")
-            .arg(self.0.id().to_string())
-            .status();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.0.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-impl Drop for ControllerChild {
-    fn drop(&mut self) {
-        if let Ok(None) = self.0.try_wait() {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn node_ips_are_distinct_loopback_host_addresses() {
-        let ips: std::collections::HashSet<Ipv4Addr> = (0..70_000).map(node_ip).collect();
-        assert_eq!(ips.len(), 70_000);
-        assert!(
-            ips.iter()
-                .all(|ip| ip.octets()[0] == 127 && ip.octets()[3] != 0 && ip.octets()[3] != 255)
-        );
-    }
 }

@@ -24,7 +24,8 @@ pub struct TestArgs {
 pub fn run(args: TestArgs) -> Result<()> {
     let started = Instant::now();
     deps::ensure(deps::TEST)?;
-    if !deps::is_root() {
+    deps::ensure_python_oci()?;
+    if !nodekeeper_testkit::is_root() {
         eprintln!(
             "xtask: not running as root: network-namespace and VM tests will report SKIPPED (CI runs them as root)"
         );

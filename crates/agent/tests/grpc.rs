@@ -417,6 +417,7 @@ fn help_explains_every_flag() {
         "--log-format",
         "--imds-endpoint",
         "--max-message-bytes",
+        "--drift-interval",
         "NODEKEEPER_LISTEN",
     ] {
         assert!(help.contains(flag), "--help does not mention {flag}");
@@ -434,11 +435,7 @@ async fn reloads_reissued_certificates() {
         write(dir.path(), "ca.crt", &ca.pem);
     };
     install(&old);
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = nodekeeper_testkit::free_port();
     let config = Config::try_parse_from([
         "nodekeeper-agent".to_string(),
         "--node-name=worker-1".into(),

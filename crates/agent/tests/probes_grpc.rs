@@ -101,12 +101,7 @@ async fn run_probes_over_mutual_tls() {
             let _ = open.accept().await;
         }
     });
-    let closed_port = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let closed_port = nodekeeper_testkit::free_port();
     let target = |id: &str, port: u16| pb::ProbeTarget {
         id: id.into(),
         address: "127.0.0.1".into(),

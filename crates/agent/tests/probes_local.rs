@@ -2,8 +2,8 @@
 //! ICMP needs a ping socket or CAP_NET_RAW): TCP, DNS, HTTP and HTTPS, ICMP, request validation.
 //! All traffic stays on 127.0.0.0/8.
 
-// A skipped test prints `SKIPPED: <reason>`: that line is the contract with CI.
-#![allow(clippy::print_stdout)]
+// A skipped test prints `SKIPPED: <test>: <reason>` (`nodekeeper_testkit::skip!`): that line is
+// the contract with CI.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -35,8 +35,7 @@ fn target(id: &str) -> ProbeTarget {
 
 /// A port on 127.0.0.1 that nothing listens on (bound, then closed).
 async fn closed_port() -> u16 {
-    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    l.local_addr().unwrap().port()
+    nodekeeper_testkit::free_port()
 }
 
 #[tokio::test]
@@ -361,11 +360,10 @@ async fn icmp_echo_to_loopback() {
     let resp = probes::run(req).await.unwrap();
     let r = &resp.results[0];
     if r.error.contains("refused") && r.sent == 0 {
-        println!(
-            "SKIPPED: ICMP needs a ping socket (net.ipv4.ping_group_range) or CAP_NET_RAW: {}",
+        nodekeeper_testkit::skip!(format!(
+            "ICMP needs a ping socket (net.ipv4.ping_group_range) or CAP_NET_RAW: {}",
             r.error
-        );
-        return;
+        ));
     }
     assert_eq!((r.sent, r.received, r.rtt_us.len()), (3, 3, 3), "{r:?}");
 }

@@ -7,20 +7,16 @@
 //!  A 10.77.1.2 ── veth mtu 1500 ── 10.77.1.1 R 10.77.2.1 ── veth mtu 1400 ── 10.77.2.2 B
 //! ```
 
-// A skipped test prints `SKIPPED: <reason>`: that line is the contract with CI.
-#![allow(clippy::print_stdout)]
+// A skipped test prints `SKIPPED: <test>: <reason>` (`nodekeeper_testkit::skip!`): that line is
+// the contract with CI.
 
-use std::fs::File;
-use std::future::Future;
-use std::process::Command;
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use anyhow::{Context as _, bail};
-use nix::sched::{CloneFlags, setns};
+use anyhow::Context as _;
 use nodekeeper_agent::probes::{self, IcmpSocketPolicy, ProbeOptions};
 use nodekeeper_proto::agent::v1::{ProbeKind, ProbeTarget, RunProbesRequest, RunProbesResponse};
+use nodekeeper_testkit::{Netns, skip_unless_root};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, UdpSocket};
 
@@ -31,86 +27,44 @@ const LOCAL_BLACKHOLE: &str = "10.77.9.9";
 /// Routed by A to R, which drops it without a word.
 const REMOTE_BLACKHOLE: &str = "10.77.3.3";
 
-fn is_root() -> bool {
-    nix::unistd::geteuid().is_root()
-}
-
-fn ip(args: &[&str]) -> anyhow::Result<()> {
-    let out = Command::new("ip").args(args).output().context("run ip")?;
-    if !out.status.success() {
-        bail!(
-            "ip {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
-    Ok(())
-}
-
-fn sysctl(ns: &str, kv: &str) -> anyhow::Result<()> {
-    ip(&["netns", "exec", ns, "sysctl", "-qw", kv])
+/// `key=value` inside `ns`.
+fn sysctl(ns: &Netns, kv: &str) -> anyhow::Result<()> {
+    let (key, value) = kv.split_once('=').context("key=value")?;
+    Ok(ns.set_sysctl(key, value)?)
 }
 
 /// The three namespaces; deleted on drop (which also deletes their veths).
 struct Topology {
-    a: String,
-    r: String,
-    b: String,
+    a: Netns,
+    r: Netns,
+    b: Netns,
 }
 
 impl Topology {
     fn create() -> anyhow::Result<Self> {
-        static SEQ: AtomicU32 = AtomicU32::new(0);
-        let tag = format!(
-            "nkpr{}-{}",
-            std::process::id(),
-            SEQ.fetch_add(1, Ordering::Relaxed)
-        );
         let t = Self {
-            a: format!("{tag}-a"),
-            r: format!("{tag}-r"),
-            b: format!("{tag}-b"),
+            a: Netns::with_loopback("nkpr-a")?,
+            r: Netns::with_loopback("nkpr-r")?,
+            b: Netns::with_loopback("nkpr-b")?,
         };
-        for ns in [&t.a, &t.r, &t.b] {
-            ip(&["netns", "add", ns])?;
-            ip(&["-n", ns, "link", "set", "lo", "up"])?;
-            // No duplicate address detection: while a link-local address is tentative the
-            // first packet routed through R is lost, which would be the setup's fault, not
-            // the probe's. The addresses here are ours alone.
-            sysctl(ns, "net.ipv6.conf.default.accept_dad=0")?;
-            sysctl(ns, "net.ipv6.conf.all.accept_dad=0")?;
-        }
-        let (a, r, b) = (t.a.as_str(), t.r.as_str(), t.b.as_str());
-        ip(&[
-            "-n", a, "link", "add", "va", "type", "veth", "peer", "name", "ra", "netns", r,
-        ])?;
-        ip(&[
-            "-n", r, "link", "add", "rb", "mtu", "1400", "type", "veth", "peer", "name", "vb",
-            "netns", b,
-        ])?;
-        ip(&["-n", b, "link", "set", "vb", "mtu", "1400"])?;
+        let (a, r, b) = (&t.a, &t.r, &t.b);
+        a.add_veth("va", &[], "ra", Some(r))?;
+        r.add_veth("rb", &["mtu", "1400"], "vb", Some(b))?;
+        b.ip(&["link", "set", "vb", "mtu", "1400"])?;
         for (ns, dev, addr) in [
             (a, "va", "10.77.1.2/24"),
             (r, "ra", "10.77.1.1/24"),
             (r, "rb", "10.77.2.1/24"),
             (b, "vb", "10.77.2.2/24"),
         ] {
-            ip(&["-n", ns, "addr", "add", addr, "dev", dev])?;
-            ip(&["-n", ns, "link", "set", dev, "up"])?;
+            ns.address_up(dev, addr)?;
         }
         sysctl(r, "net.ipv4.ip_forward=1")?;
-        ip(&["-n", a, "route", "add", "10.77.2.0/24", "via", R_NEAR])?;
-        ip(&["-n", a, "route", "add", "10.77.3.0/24", "via", R_NEAR])?;
-        ip(&[
-            "-n",
-            a,
-            "route",
-            "add",
-            "blackhole",
-            &format!("{LOCAL_BLACKHOLE}/32"),
-        ])?;
-        ip(&["-n", r, "route", "add", "blackhole", "10.77.3.0/24"])?;
-        ip(&["-n", b, "route", "add", "10.77.1.0/24", "via", "10.77.2.1"])?;
+        a.ip(&["route", "add", "10.77.2.0/24", "via", R_NEAR])?;
+        a.ip(&["route", "add", "10.77.3.0/24", "via", R_NEAR])?;
+        a.ip(&["route", "add", "blackhole", &format!("{LOCAL_BLACKHOLE}/32")])?;
+        r.ip(&["route", "add", "blackhole", "10.77.3.0/24"])?;
+        b.ip(&["route", "add", "10.77.1.0/24", "via", "10.77.2.1"])?;
         // The same over IPv6.
         for (ns, dev, addr) in [
             (a, "va", "fd77:1::2/64"),
@@ -118,59 +72,22 @@ impl Topology {
             (r, "rb", "fd77:2::1/64"),
             (b, "vb", "fd77:2::2/64"),
         ] {
-            ip(&["-n", ns, "addr", "add", addr, "dev", dev, "nodad"])?;
+            ns.ip(&["addr", "add", addr, "dev", dev, "nodad"])?;
         }
         sysctl(r, "net.ipv6.conf.all.forwarding=1")?;
-        ip(&["-n", a, "route", "add", "fd77:2::/64", "via", "fd77:1::1"])?;
-        ip(&["-n", b, "route", "add", "fd77:1::/64", "via", "fd77:2::1"])?;
+        a.ip(&["route", "add", "fd77:2::/64", "via", "fd77:1::1"])?;
+        b.ip(&["route", "add", "fd77:1::/64", "via", "fd77:2::1"])?;
         Ok(t)
     }
 }
 
-impl Drop for Topology {
-    fn drop(&mut self) {
-        for ns in [&self.a, &self.r, &self.b] {
-            let _ = ip(&["netns", "del", ns]);
-        }
-    }
-}
-
-/// Runs `make()`'s future on a new thread that has entered network namespace `ns`, on a
-/// current-thread runtime (so every socket it opens is in that namespace).
-fn run_in<T, F, Fut>(ns: &str, make: F) -> T
-where
-    T: Send + 'static,
-    F: FnOnce() -> Fut + Send + 'static,
-    Fut: Future<Output = T>,
-{
-    let path = format!("/run/netns/{ns}");
-    std::thread::spawn(move || {
-        let f = File::open(&path).expect("open netns");
-        setns(&f, CloneFlags::CLONE_NEWNET).expect("setns");
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("runtime");
-        rt.block_on(make())
-    })
-    .join()
-    .expect("namespace thread panicked")
-}
-
 /// B's servers: TCP on :7000, HTTP on :8080 (`/ok` 200, else 404), DNS on :53 (`web.test` A
 /// 10.77.2.2, other names NXDOMAIN). They run until the returned sender is dropped.
-fn start_servers(ns: &str) -> tokio::sync::oneshot::Sender<()> {
+fn start_servers(ns: &Netns) -> tokio::sync::oneshot::Sender<()> {
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let (ready_tx, ready_rx) = mpsc::channel();
-    let path = format!("/run/netns/{ns}");
-    std::thread::spawn(move || {
-        let f = File::open(&path).expect("open netns");
-        setns(&f, CloneFlags::CLONE_NEWNET).expect("setns");
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("runtime");
-        rt.block_on(async move {
+    ns.entry().spawn(move || {
+        async move {
             let tcp = TcpListener::bind((B, 7000)).await.expect("bind tcp");
             let http = TcpListener::bind((B, 8080)).await.expect("bind http");
             let dns = UdpSocket::bind((B, 53)).await.expect("bind dns");
@@ -194,7 +111,7 @@ fn start_servers(ns: &str) -> tokio::sync::oneshot::Sender<()> {
                 _ = stop_rx => {}
                 () = serve => {}
             }
-        });
+        }
     });
     ready_rx
         .recv_timeout(Duration::from_secs(10))
@@ -277,26 +194,17 @@ fn addr(id: &str, address: &str) -> ProbeTarget {
     }
 }
 
-fn run_from(ns: &str, req: RunProbesRequest, opts: ProbeOptions) -> RunProbesResponse {
-    run_in(ns, move || async move {
+fn run_from(ns: &Netns, req: RunProbesRequest, opts: ProbeOptions) -> RunProbesResponse {
+    ns.run(move || async move {
         probes::run_with(req, &opts)
             .await
             .expect("request accepted")
     })
 }
 
-macro_rules! require_root {
-    () => {
-        if !is_root() {
-            println!("SKIPPED: needs root to create network namespaces");
-            return;
-        }
-    };
-}
-
 #[test]
 fn icmp_reaches_b_and_loses_everything_to_blackholes() {
-    require_root!();
+    skip_unless_root!("needs root to create network namespaces");
     let t = Topology::create().unwrap();
     // Raw sockets (root, default ping_group_range), then ping sockets once A's range admits root.
     for policy in [IcmpSocketPolicy::RawOnly, IcmpSocketPolicy::PingOnly] {
@@ -342,7 +250,7 @@ fn icmp_reaches_b_and_loses_everything_to_blackholes() {
 
 #[test]
 fn icmp_ping_socket_refused_by_group_range_is_reported() {
-    require_root!();
+    skip_unless_root!("needs root to create network namespaces");
     let t = Topology::create().unwrap();
     // A fresh namespace's ping_group_range is "1 0": no group may open ping sockets.
     let req = request(ProbeKind::Icmp, vec![addr("b", B)]);
@@ -360,7 +268,7 @@ fn icmp_ping_socket_refused_by_group_range_is_reported() {
 
 #[test]
 fn path_mtu_finds_the_narrow_link() {
-    require_root!();
+    skip_unless_root!("needs root to create network namespaces");
     let t = Topology::create().unwrap();
     sysctl(&t.a, "net.ipv4.ping_group_range=0 2147483647").unwrap();
     for policy in [IcmpSocketPolicy::RawOnly, IcmpSocketPolicy::PingOnly] {
@@ -392,14 +300,14 @@ fn path_mtu_finds_the_narrow_link() {
 
 #[test]
 fn path_mtu_finds_a_silent_l2_mismatch_by_bisection() {
-    require_root!();
+    skip_unless_root!("needs root to create network namespaces");
     let t = Topology::create().unwrap();
     // B's side of the link is set to 1400 but R's side sends up to 1500: larger frames are
     // dropped at B without any ICMP, so only bisection with timeouts can find the limit. The
     // limit is 1404, not 1400: a veth accepts frames up to MTU + 4 bytes of VLAN header room
     // (`is_skb_forwardable` in the kernel's net/core/dev.c), and the probe reports what really
     // gets through.
-    ip(&["-n", &t.r, "link", "set", "rb", "mtu", "1500"]).unwrap();
+    t.r.ip(&["link", "set", "rb", "mtu", "1500"]).unwrap();
     let mut req = request(ProbeKind::PathMtu, vec![addr("b", B)]);
     req.count = 1;
     req.timeout_ms = 200;
@@ -411,7 +319,7 @@ fn path_mtu_finds_a_silent_l2_mismatch_by_bisection() {
 
 #[test]
 fn tcp_dns_and_http_against_real_servers_in_b() {
-    require_root!();
+    skip_unless_root!("needs root to create network namespaces");
     let t = Topology::create().unwrap();
     let stop = start_servers(&t.b);
 
@@ -508,7 +416,7 @@ fn tcp_dns_and_http_against_real_servers_in_b() {
 
 #[test]
 fn ipv6_echo_and_path_mtu() {
-    require_root!();
+    skip_unless_root!("needs root to create network namespaces");
     let t = Topology::create().unwrap();
     let req = request(ProbeKind::Icmp, vec![addr("b6", "fd77:2::2")]);
     let r = &run_from(&t.a, req, ProbeOptions::default()).results[0];

@@ -1,70 +1,31 @@
 //! Repair and conflict detection against the real kernel, inside a network namespace this test
 //! creates: `net.*` sysctls are per namespace, so the host's values are never written.
 
-use std::process::Command;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use nix::sched::{CloneFlags, setns};
-use nodekeeper_agent::report::Verdict;
 use nodekeeper_agent::tunables::{RawRule, RawRuleSet, TunableStatus, Tunables};
+use nodekeeper_model::indicators::Verdict;
 
-struct Netns(String);
+/// The testkit's namespace, with the panicking reads and writes this test's assertions use.
+struct Netns(nodekeeper_testkit::Netns);
 
 impl Netns {
-    fn create(name: &str) -> Self {
-        let _ = Command::new("ip")
-            .args(["netns", "del", name])
-            .stderr(std::process::Stdio::null())
-            .status();
-        let ok = Command::new("ip")
-            .args(["netns", "add", name])
-            .status()
-            .unwrap();
-        assert!(ok.success(), "ip netns add {name}");
-        Netns(name.to_string())
+    fn create(prefix: &str) -> Self {
+        Netns(nodekeeper_testkit::Netns::new(prefix).expect("create a network namespace"))
     }
 
     fn sysctl(&self, key: &str) -> String {
-        let out = Command::new("ip")
-            .args(["netns", "exec", &self.0, "sysctl", "-n", key])
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "{out:?}");
-        String::from_utf8(out.stdout).unwrap().trim().to_string()
+        self.0.sysctl(key).unwrap()
     }
 
     fn set(&self, key: &str, value: &str) {
-        let ok = Command::new("ip")
-            .args([
-                "netns",
-                "exec",
-                &self.0,
-                "sysctl",
-                "-qw",
-                &format!("{key}={value}"),
-            ])
-            .status()
-            .unwrap();
-        assert!(ok.success());
+        self.0.set_sysctl(key, value).unwrap();
     }
 
     /// Runs `f` on a thread that has joined this namespace (setns affects only that thread,
     /// and /proc/sys/net shows the namespace of the reading thread).
     fn run<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> T {
-        let path = format!("/run/netns/{}", self.0);
-        std::thread::spawn(move || {
-            let fd = std::fs::File::open(&path).unwrap();
-            setns(&fd, CloneFlags::CLONE_NEWNET).unwrap();
-            f()
-        })
-        .join()
-        .unwrap()
-    }
-}
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
+        self.0.run_blocking(f)
     }
 }
 
@@ -120,13 +81,9 @@ fn evaluate_in(ns: &Netns, state: std::path::PathBuf, install: bool) -> Vec<Tuna
 }
 
 #[test]
-#[allow(clippy::print_stdout)] // the SKIPPED line is for the person reading the test output
 fn repairs_in_a_namespace_and_backs_off_on_conflict() {
-    if !nix::unistd::Uid::effective().is_root() {
-        println!("SKIPPED: needs root to create a network namespace (ip netns add)");
-        return;
-    }
-    let ns = Netns::create(&format!("nk-agent-tun-{}", std::process::id()));
+    nodekeeper_testkit::skip_unless_root!("needs root to create a network namespace (ip netns add)");
+    let ns = Netns::create("nk-agent-tun");
     let host_before = (host("net.ipv4.ip_forward"), host("net.core.somaxconn"));
     assert_eq!(
         ns.sysctl("net.ipv4.ip_forward"),

@@ -2,108 +2,46 @@
 //! namespace with veth pairs and macvlans. Root only; VLAN creation is exercised too and is
 //! expected to fail cleanly (and roll back) on kernels without 8021q.
 
-use std::future::Future;
-use std::process::Command;
 use std::time::Duration;
 
-use anyhow::{Context, Result, bail};
 use nodekeeper_model::network::NetworkState;
 use nodekeeper_netconf::{ApplyOptions, Netconf, Outcome, Target};
+use nodekeeper_testkit::{Netns, skip_unless_root};
 use pretty_assertions::assert_eq;
 
-/// A network namespace that is deleted when dropped.
-struct Ns {
-    name: String,
+/// A fresh namespace with loopback up and IPv6 DAD off (DAD would flip address flags between
+/// two dumps; nothing here needs it).
+fn test_ns() -> Netns {
+    Netns::with_loopback("nk-test").expect("create a network namespace")
 }
 
-impl Ns {
-    /// `None` (after printing SKIPPED) when not root.
-    // The SKIPPED line is the contract with CI (TESTING.md), so it goes to stdout.
-    #[allow(clippy::print_stdout)]
-    fn new() -> Option<Ns> {
-        if !nix::unistd::geteuid().is_root() {
-            println!("SKIPPED: needs root to create network namespaces");
-            return None;
-        }
-        let name = format!("nk-test-{:08x}", rand_u32());
-        run("ip", &["netns", "add", &name]).expect("ip netns add");
-        let ns = Ns { name };
-        // IPv6 DAD would flip address flags between two dumps; nothing here needs it.
-        ns.exec(&["sysctl", "-qw", "net.ipv6.conf.all.accept_dad=0"])
-            .unwrap();
-        ns.exec(&["sysctl", "-qw", "net.ipv6.conf.default.accept_dad=0"])
-            .unwrap();
-        ns.ip(&["link", "set", "lo", "up"]).unwrap();
-        Some(ns)
+/// Everything `ip` can show about links, addresses, routes and rules, as JSON text.
+fn dump(ns: &Netns) -> String {
+    let mut out = String::new();
+    for args in [
+        &["-j", "-d", "link", "show"][..],
+        &["-j", "addr", "show"],
+        &["-j", "-4", "route", "show", "table", "all"],
+        &["-j", "-6", "route", "show", "table", "all"],
+        &["-j", "-4", "rule", "show"],
+        &["-j", "-6", "rule", "show"],
+    ] {
+        out.push_str(&ns.ip(args).unwrap());
+        out.push('\n');
     }
-
-    fn ip(&self, args: &[&str]) -> Result<String> {
-        let mut a = vec!["-n", self.name.as_str()];
-        a.extend_from_slice(args);
-        run("ip", &a)
-    }
-
-    fn exec(&self, args: &[&str]) -> Result<String> {
-        let mut a = vec!["netns", "exec", self.name.as_str()];
-        a.extend_from_slice(args);
-        run("ip", &a)
-    }
-
-    /// Everything `ip` can show about links, addresses, routes and rules, as JSON text.
-    fn dump(&self) -> String {
-        let mut out = String::new();
-        for args in [
-            &["-j", "-d", "link", "show"][..],
-            &["-j", "addr", "show"],
-            &["-j", "-4", "route", "show", "table", "all"],
-            &["-j", "-6", "route", "show", "table", "all"],
-            &["-j", "-4", "rule", "show"],
-            &["-j", "-6", "rule", "show"],
-        ] {
-            out.push_str(&self.ip(args).unwrap());
-            out.push('\n');
-        }
-        out
-    }
-
-    /// The dump without interface indexes (a re-created link gets a new one).
-    fn dump_without_indexes(&self) -> String {
-        let mut out = String::new();
-        for line in self.dump().lines().filter(|l| !l.trim().is_empty()) {
-            let mut v: serde_json::Value = serde_json::from_str(line).unwrap();
-            strip(&mut v);
-            out.push_str(&v.to_string());
-            out.push('\n');
-        }
-        out
-    }
-
-    /// Runs `f` on a thread inside the namespace with its own current-thread runtime.
-    fn run<T, F, Fut>(&self, f: F) -> T
-    where
-        T: Send + 'static,
-        F: FnOnce() -> Fut + Send + 'static,
-        Fut: Future<Output = T>,
-    {
-        let path = format!("/run/netns/{}", self.name);
-        std::thread::spawn(move || {
-            let file = std::fs::File::open(&path).expect("open netns");
-            nix::sched::setns(file, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            rt.block_on(f())
-        })
-        .join()
-        .expect("netns thread panicked")
-    }
+    out
 }
 
-impl Drop for Ns {
-    fn drop(&mut self) {
-        let _ = run("ip", &["netns", "del", &self.name]);
+/// The dump without interface indexes (a re-created link gets a new one).
+fn dump_without_indexes(ns: &Netns) -> String {
+    let mut out = String::new();
+    for line in dump(ns).lines().filter(|l| !l.trim().is_empty()) {
+        let mut v: serde_json::Value = serde_json::from_str(line).unwrap();
+        strip(&mut v);
+        out.push_str(&v.to_string());
+        out.push('\n');
     }
+    out
 }
 
 fn strip(v: &mut serde_json::Value) {
@@ -118,31 +56,9 @@ fn strip(v: &mut serde_json::Value) {
     }
 }
 
-fn rand_u32() -> u32 {
-    let t = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap();
-    t.subsec_nanos() ^ std::process::id().rotate_left(16) ^ (t.as_secs() as u32)
-}
-
-fn run(cmd: &str, args: &[&str]) -> Result<String> {
-    let out = Command::new(cmd)
-        .args(args)
-        .output()
-        .with_context(|| format!("run {cmd}"))?;
-    if !out.status.success() {
-        bail!(
-            "{cmd} {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    Ok(String::from_utf8(out.stdout)?)
-}
-
 /// Two veth pairs standing in for NICs: `nic0` (MAC 02:00:17:0a:22:02, the "VM secondary VNIC")
 /// with peer `nic0p` playing the virtual router 10.0.20.1, and `nic1` as a bare-metal parent.
-fn setup_nics(ns: &Ns) {
+fn setup_nics(ns: &Netns) {
     ns.ip(&[
         "link",
         "add",
@@ -211,7 +127,8 @@ fn desired() -> NetworkState {
 
 #[test]
 fn apply_then_reapply_makes_no_writes_then_removal_cleans_up() {
-    let Some(ns) = Ns::new() else { return };
+    skip_unless_root!("needs root to create network namespaces");
+    let ns = test_ns();
     setup_nics(&ns);
     let (first, second, writes_between) = ns.run(|| async {
         let nc = Netconf::connect().unwrap();
@@ -284,7 +201,8 @@ fn apply_then_reapply_makes_no_writes_then_removal_cleans_up() {
 
 #[test]
 fn foreign_routes_rules_links_and_addresses_are_untouched() {
-    let Some(ns) = Ns::new() else { return };
+    skip_unless_root!("needs root to create network namespaces");
+    let ns = test_ns();
     setup_nics(&ns);
     // Foreign objects: in nodekeeper's tables, in its rule priority range, on its NICs.
     ns.ip(&[
@@ -345,7 +263,7 @@ fn foreign_routes_rules_links_and_addresses_are_untouched() {
     d.links[0].mtu = None;
     d.links[0].up = None;
     ns.ip(&["link", "set", "nic0", "up"]).unwrap();
-    let before = ns.dump();
+    let before = dump(&ns);
     let (a, b) = ns.run(move || async move {
         let nc = Netconf::connect().unwrap();
         let a = nc.apply(&d, &ApplyOptions::default()).await.unwrap();
@@ -363,14 +281,15 @@ fn foreign_routes_rules_links_and_addresses_are_untouched() {
             .iter()
             .all(|s| !s.to_string().contains("foreign") && !s.to_string().contains("192.168.7"))
     );
-    assert_eq!(ns.dump(), before);
+    assert_eq!(dump(&ns), before);
 }
 
 #[test]
 fn injected_failure_at_every_step_restores_the_exact_previous_state() {
-    let Some(ns) = Ns::new() else { return };
+    skip_unless_root!("needs root to create network namespaces");
+    let ns = test_ns();
     setup_nics(&ns);
-    let before = ns.dump();
+    let before = dump(&ns);
     let steps = ns.run(|| async {
         Netconf::connect()
             .unwrap()
@@ -395,13 +314,14 @@ fn injected_failure_at_every_step_restores_the_exact_previous_state() {
         });
         assert_eq!(r.outcome, Outcome::RolledBack, "step {k}: {:?}", r.error);
         assert!(r.error.as_deref().unwrap().contains("injected failure"));
-        assert_eq!(ns.dump(), before, "after failing step {k}");
+        assert_eq!(dump(&ns), before, "after failing step {k}");
     }
 }
 
 #[test]
 fn failure_while_changing_an_applied_state_restores_it() {
-    let Some(ns) = Ns::new() else { return };
+    skip_unless_root!("needs root to create network namespaces");
+    let ns = test_ns();
     setup_nics(&ns);
     let applied = ns.run(|| async {
         Netconf::connect()
@@ -411,7 +331,7 @@ fn failure_while_changing_an_applied_state_restores_it() {
             .unwrap()
     });
     assert_eq!(applied.outcome, Outcome::Applied);
-    let before = ns.dump_without_indexes();
+    let before = dump_without_indexes(&ns);
     // A changed state that deletes (and re-creates) links, addresses, routes and rules; the last
     // step is made to fail.
     let mut changed = desired();
@@ -444,18 +364,19 @@ fn failure_while_changing_an_applied_state_restores_it() {
     ] {
         assert!(ops.contains(&op), "{ops:?} lacks {op}");
     }
-    assert_eq!(ns.dump_without_indexes(), before);
+    assert_eq!(dump_without_indexes(&ns), before);
 }
 
 #[test]
 fn kernel_refusal_mid_plan_rolls_back() {
-    let Some(ns) = Ns::new() else { return };
+    skip_unless_root!("needs root to create network namespaces");
+    let ns = test_ns();
     setup_nics(&ns);
     // A foreign route holds table 102's default slot (same metric): the kernel refuses nodekeeper's
     // default route there with EEXIST, after links, settings and addresses were already changed.
     ns.ip(&["route", "add", "unreachable", "default", "table", "102"])
         .unwrap();
-    let before = ns.dump();
+    let before = dump(&ns);
     let r = ns.run(|| async {
         Netconf::connect()
             .unwrap()
@@ -482,14 +403,15 @@ fn kernel_refusal_mid_plan_rolls_back() {
         failed_at > 5,
         "the refusal should come mid-plan, came at step {failed_at}"
     );
-    assert_eq!(ns.dump(), before);
+    assert_eq!(dump(&ns), before);
 }
 
 #[test]
 fn failed_reachability_check_rolls_back_and_passing_check_keeps() {
-    let Some(ns) = Ns::new() else { return };
+    skip_unless_root!("needs root to create network namespaces");
+    let ns = test_ns();
     setup_nics(&ns);
-    let before = ns.dump();
+    let before = dump(&ns);
     let r = ns.run(|| async {
         let opts = ApplyOptions {
             check_targets: vec!["10.0.30.1".parse::<Target>().unwrap()],
@@ -511,7 +433,7 @@ fn failed_reachability_check_rolls_back_and_passing_check_keeps() {
         "{:?}",
         r.error
     );
-    assert_eq!(ns.dump(), before);
+    assert_eq!(dump(&ns), before);
 
     // The "virtual router" on nic0p answers pings from the VNIC.
     let r = ns.run(|| async {
@@ -531,7 +453,8 @@ fn failed_reachability_check_rolls_back_and_passing_check_keeps() {
 
 #[test]
 fn drift_is_detected_and_reconverged() {
-    let Some(ns) = Ns::new() else { return };
+    skip_unless_root!("needs root to create network namespaces");
+    let ns = test_ns();
     setup_nics(&ns);
     let r = ns.run(|| async {
         Netconf::connect()
@@ -566,9 +489,10 @@ fn drift_is_detected_and_reconverged() {
 #[test]
 #[allow(clippy::print_stdout)]
 fn vlan_goes_through_the_same_path_and_fails_cleanly_without_8021q() {
-    let Some(ns) = Ns::new() else { return };
+    skip_unless_root!("needs root to create network namespaces");
+    let ns = test_ns();
     setup_nics(&ns);
-    let before = ns.dump();
+    let before = dump(&ns);
     let d: NetworkState = serde_json::from_str(
         r#"{
           "links": [
@@ -602,6 +526,6 @@ fn vlan_goes_through_the_same_path_and_fails_cleanly_without_8021q() {
             e.contains("step 2 (create-link vlan 21 on nkm21 (nkv21)"),
             "{e}"
         );
-        assert_eq!(ns.dump(), before);
+        assert_eq!(dump(&ns), before);
     }
 }

@@ -26,13 +26,9 @@ fn bare_metal_vnic_layout_on_a_real_8021q_kernel() -> Result<()> {
     if std::env::var_os(vm::GUEST_ENV).is_some() {
         return guest::run();
     }
-    if !nix::unistd::Uid::effective().is_root() {
-        eprintln!("SKIPPED: {TEST_NAME} needs root (qemu, apt-get download of the kernel)");
-        return Ok(());
-    }
+    nodekeeper_testkit::skip_unless_root!("needs root (qemu, apt-get download of the kernel)");
     if let Some(reason) = vm::missing_host_tool() {
-        eprintln!("SKIPPED: {TEST_NAME}: {reason}");
-        return Ok(());
+        nodekeeper_testkit::skip!(reason);
     }
     let program = vm::GuestProgram {
         binary: std::env::current_exe().context("locate this test binary")?,
@@ -79,7 +75,6 @@ fn bare_metal_vnic_layout_on_a_real_8021q_kernel() -> Result<()> {
 mod guest {
     use super::*;
 
-    use std::fs::File;
     use std::net::{IpAddr, Ipv4Addr};
     use std::os::fd::AsRawFd;
 
@@ -87,9 +82,9 @@ mod guest {
     use netlink_packet_route::link::{
         InfoData, InfoKind, InfoVlan, LinkAttribute, LinkInfo, LinkMessage, VlanProtocol,
     };
-    use nix::sched::CloneFlags;
     use nodekeeper_model::network::NetworkState;
     use nodekeeper_netconf::{ApplyOptions, Netconf, Observed, Outcome, Target};
+    use nodekeeper_testkit::Netns;
     use pretty_assertions::assert_eq;
     use rtnetlink::{LinkDummy, LinkUnspec, LinkVeth, LinkVlan};
 
@@ -136,9 +131,10 @@ mod guest {
         for knob in ["all", "default"] {
             std::fs::write(format!("/proc/sys/net/ipv6/conf/{knob}/accept_dad"), "0")?;
         }
-        let router = new_netns()?;
+        // OCI's virtual router; anonymous, since the guest has no iproute2.
+        let router = Netns::anonymous()?;
         block_on(setup_nics(&router))?;
-        in_netns(&router, setup_router)?;
+        router.run(setup_router)?;
         block_on(exercise())?;
         // Printed only when every check above passed.
         eprintln!("{GUEST_OK}");
@@ -153,33 +149,6 @@ mod guest {
             .block_on(f)
     }
 
-    /// A fresh network namespace, kept alive by the returned handle.
-    fn new_netns() -> Result<File> {
-        std::thread::spawn(|| -> Result<File> {
-            nix::sched::unshare(CloneFlags::CLONE_NEWNET)
-                .context("unshare the network namespace")?;
-            Ok(File::open("/proc/thread-self/ns/net")?)
-        })
-        .join()
-        .map_err(|_| anyhow::anyhow!("netns thread panicked"))?
-    }
-
-    /// Runs `f` on a thread that has entered `ns`, with its own runtime.
-    fn in_netns<F, Fut>(ns: &File, f: F) -> Result<()>
-    where
-        F: FnOnce() -> Fut + Send + 'static,
-        Fut: std::future::Future<Output = Result<()>>,
-    {
-        let ns = ns.try_clone()?;
-        std::thread::spawn(move || -> Result<()> {
-            nix::sched::setns(&ns, CloneFlags::CLONE_NEWNET)
-                .context("enter the network namespace")?;
-            block_on(f())
-        })
-        .join()
-        .map_err(|_| anyhow::anyhow!("netns thread panicked"))?
-    }
-
     async fn rtnl() -> Result<rtnetlink::Handle> {
         let (connection, handle, _) = rtnetlink::new_connection()?;
         tokio::spawn(connection);
@@ -187,7 +156,7 @@ mod guest {
     }
 
     /// NIC 0: veth `nic0` with its peer moved into the router namespace; NIC 1: dummy `nic1`.
-    async fn setup_nics(router: &File) -> Result<()> {
+    async fn setup_nics(router: &Netns) -> Result<()> {
         let handle = rtnl().await?;
         handle
             .link()
@@ -205,7 +174,7 @@ mod guest {
             .link()
             .set(
                 LinkUnspec::new_with_index(peer)
-                    .setns_by_fd(router.as_raw_fd())
+                    .setns_by_fd(router.file().as_raw_fd())
                     .build(),
             )
             .execute()

@@ -230,9 +230,7 @@ async fn garbage_and_null_fields_name_the_endpoint_and_field() {
 #[tokio::test]
 async fn connection_refused_is_retried_then_reported() {
     // A port that was just free on 127.0.0.1.
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = l.local_addr().unwrap();
-    drop(l);
+    let addr = format!("127.0.0.1:{}", nodekeeper_testkit::free_port());
     let e = client(&format!("http://{addr}"), "vm")
         .vnics()
         .await

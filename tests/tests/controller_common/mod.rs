@@ -1,31 +1,34 @@
-//! Shared pieces of the controller end-to-end tests: controller processes (this test binary
-//! re-executed as `nodekeeper-controller`), real in-process agent servers on 127.x.y.z with the
-//! certificates the controller created, and readers for the controller's HTTP API and metrics.
-#![allow(dead_code)]
+//! Shared pieces of the controller end-to-end tests, on the rig of `nodekeeper_e2e::rig`:
+//! controller processes (this test binary re-executed as `nodekeeper-controller`) and real
+//! in-process agent servers on 127.x.y.z with the certificates the controller created — the two
+//! parts that link the controller and agent crates, which the rig's library must not.
+// Each test binary uses a different part of this module.
+#![allow(dead_code, unused_imports)]
 
 use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{Context as _, bail};
-use k8s_openapi::api::core::v1::{Node, Secret};
+use anyhow::Context as _;
+use k8s_openapi::api::core::v1::Node;
 use kube::Api;
+use nodekeeper_e2e::rig::{AgentSetup, AgentTls, ControllerConfig, Output, Program};
+pub use nodekeeper_e2e::rig::{ControllerProcess, ROLE_ENV, http_get, metric, sum_metric};
 use nodekeeper_e2e::{ControlPlane, wait_for};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+pub use nodekeeper_testkit::free_port;
 use tokio_util::sync::CancellationToken;
 
 /// Name of the ignored helper test that turns this binary into a controller.
 pub const HELPER: &str = "run_as_controller";
-/// Set in the environment of a re-executed controller process.
-pub const ROLE_ENV: &str = "NODEKEEPER_E2E_ROLE";
+/// The role of a re-executed controller process.
+const ROLE: &str = "controller";
 
 /// The helper's body: runs the controller with its flags taken from `NODEKEEPER_…` variables.
 /// Call it from an `#[ignore]`d test named [`HELPER`].
 pub fn run_as_controller_if_asked() {
-    if std::env::var(ROLE_ENV).as_deref() != Ok("controller") {
+    if std::env::var(ROLE_ENV).as_deref() != Ok(ROLE) {
         return;
     }
     use clap::Parser;
@@ -41,116 +44,43 @@ pub fn run_as_controller_if_asked() {
     }
 }
 
-/// A free TCP port on 127.0.0.1.
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+/// Starting the rig's controller the way these tests do.
+pub trait StartController: Sized {
+    /// Starts this test binary as a controller against the shared control plane, with `env`
+    /// added to its environment.
+    fn start(
+        namespace: &str,
+        identity: &str,
+        selector: &str,
+        agent_port: u16,
+        env: &[(&str, &str)],
+    ) -> anyhow::Result<Self>;
 }
 
-/// A controller process.
-pub struct ControllerProcess {
-    pub child: Child,
-    pub identity: String,
-    pub http: SocketAddr,
-}
-
-impl ControllerProcess {
-    /// Starts this test binary as a controller with `env` added to its environment.
-    pub fn start(
+impl StartController for ControllerProcess {
+    fn start(
         namespace: &str,
         identity: &str,
         selector: &str,
         agent_port: u16,
         env: &[(&str, &str)],
     ) -> anyhow::Result<Self> {
-        let http: SocketAddr = format!("127.0.0.1:{}", free_port()).parse()?;
-        let exe = std::env::current_exe()?;
-        let mut cmd = Command::new(exe);
-        cmd.args([
-            "--ignored",
-            "--exact",
-            HELPER,
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(ROLE_ENV, "controller")
-        .env("KUBECONFIG", ControlPlane::shared().kubeconfig())
-        .env("NODEKEEPER_NAMESPACE", namespace)
-        .env("NODEKEEPER_IDENTITY", identity)
-        .env("NODEKEEPER_HTTP_LISTEN", http.to_string())
-        .env("NODEKEEPER_AGENT_PORT", agent_port.to_string())
-        .env("NODEKEEPER_NODE_SELECTOR", selector)
-        .env("NODEKEEPER_LOG_FORMAT", "plain")
-        .env("NODEKEEPER_LOG", "info,kube=warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit());
-        for (k, v) in env {
-            cmd.env(k, v);
-        }
-        let child = cmd.spawn().context("start controller process")?;
-        Ok(Self {
-            child,
+        let config = ControllerConfig {
+            kubeconfig: ControlPlane::shared().kubeconfig().to_owned(),
+            namespace: namespace.to_owned(),
             identity: identity.to_owned(),
-            http,
-        })
+            http: SocketAddr::from((Ipv4Addr::LOCALHOST, free_port())),
+            agent_port,
+            node_selector: selector.to_owned(),
+            log: Some("info,kube=warn".into()),
+            env: env
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect(),
+            output: Output::Stderr,
+        };
+        ControllerProcess::spawn(&Program::this_test_binary(HELPER, ROLE)?, &config)
     }
-
-    pub fn pid(&self) -> u32 {
-        self.child.id()
-    }
-
-    /// SIGKILL: no clean shutdown, no Lease release.
-    pub fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for ControllerProcess {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
-
-/// A plain HTTP/1.0 GET against the controller; returns (status, body).
-pub async fn http_get(addr: SocketAddr, path: &str) -> anyhow::Result<(u16, String)> {
-    let mut stream =
-        tokio::time::timeout(Duration::from_secs(5), tokio::net::TcpStream::connect(addr))
-            .await??;
-    stream
-        .write_all(format!("GET {path} HTTP/1.0\r\nHost: controller\r\n\r\n").as_bytes())
-        .await?;
-    let mut buf = Vec::new();
-    tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut buf)).await??;
-    let text = String::from_utf8_lossy(&buf).into_owned();
-    let (head, body) = text.split_once("\r\n\r\n").context("no HTTP header end")?;
-    let status: u16 = head
-        .split_whitespace()
-        .nth(1)
-        .context("no status")?
-        .parse()?;
-    Ok((status, body.to_owned()))
-}
-
-/// Sum of a metric's samples whose line contains every one of `matchers` (e.g. `result="ok"`).
-pub async fn metric(addr: SocketAddr, name: &str, matchers: &[&str]) -> anyhow::Result<f64> {
-    let (status, body) = http_get(addr, "/metrics").await?;
-    if status != 200 {
-        bail!("/metrics answered {status}");
-    }
-    Ok(sum_metric(&body, name, matchers))
-}
-
-pub fn sum_metric(text: &str, name: &str, matchers: &[&str]) -> f64 {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter(|l| l.split(['{', ' ']).next() == Some(name))
-        .filter(|l| matchers.iter().all(|m| l.contains(m)))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
 }
 
 /// Waits for the controller's Secrets and returns the agent's (cert, key, ca) PEM.
@@ -158,26 +88,8 @@ pub async fn agent_tls(
     client: &kube::Client,
     namespace: &str,
 ) -> anyhow::Result<(String, String, String)> {
-    let secrets: Api<Secret> = Api::namespaced(client.clone(), namespace);
-    let secret = wait_for(
-        "Secret nodekeeper-agent-tls",
-        Duration::from_secs(60),
-        || {
-            let secrets = secrets.clone();
-            async move { Ok(secrets.get_opt("nodekeeper-agent-tls").await?) }
-        },
-    )
-    .await?;
-    let data = secret.data.unwrap_or_default();
-    let get = |k: &str| -> anyhow::Result<String> {
-        Ok(String::from_utf8(
-            data.get(k)
-                .with_context(|| format!("agent Secret has no {k}"))?
-                .0
-                .clone(),
-        )?)
-    };
-    Ok((get("tls.crt")?, get("tls.key")?, get("ca.crt")?))
+    let tls = AgentTls::wait(client, namespace, Duration::from_secs(60)).await?;
+    Ok((tls.cert, tls.key, tls.ca))
 }
 
 /// A real agent (the agent crate's gRPC service) serving one simulated node.
@@ -185,6 +97,7 @@ pub struct AgentHandle {
     pub node: String,
     pub addr: SocketAddr,
     pub sysctl_root: PathBuf,
+    setup: AgentSetup,
     stop: CancellationToken,
     _dir: tempfile::TempDir,
 }
@@ -192,10 +105,7 @@ pub struct AgentHandle {
 impl AgentHandle {
     /// Writes a fake sysctl value this agent reads (e.g. `net.core.somaxconn`).
     pub fn set_sysctl(&self, key: &str, value: &str) -> anyhow::Result<()> {
-        let path = self.sysctl_root.join(key.replace('.', "/"));
-        std::fs::create_dir_all(path.parent().unwrap())?;
-        std::fs::write(&path, format!("{value}\n"))?;
-        Ok(())
+        self.setup.write_sysctl(key, value)
     }
 
     pub fn stop(&self) {
@@ -216,33 +126,17 @@ pub async fn start_agent(
     tls: &(String, String, String),
 ) -> anyhow::Result<AgentHandle> {
     let dir = tempfile::tempdir()?;
-    let write = |name: &str, text: &str| -> anyhow::Result<PathBuf> {
-        let p = dir.path().join(name);
-        std::fs::write(&p, text)?;
-        Ok(p)
+    let tls = AgentTls {
+        cert: tls.0.clone(),
+        key: tls.1.clone(),
+        ca: tls.2.clone(),
     };
-    let cert = write("tls.crt", &tls.0)?;
-    let key = write("tls.key", &tls.1)?;
-    let ca = write("ca.crt", &tls.2)?;
-    let sysctl_root = dir.path().join("sysctl");
-    let state_dir = dir.path().join("state");
-    let proc_root = frozen_proc(dir.path())?;
-    std::fs::create_dir_all(&sysctl_root)?;
-    std::fs::create_dir_all(&state_dir)?;
-    let s = |p: &Path| p.display().to_string();
+    tls.write_to(dir.path())?;
+    let mut setup = AgentSetup::new(node, addr, dir.path(), dir.path());
+    setup.proc_root = Some(frozen_proc(dir.path())?);
+    setup.create_dirs()?;
     use clap::Parser;
-    let config = nodekeeper_agent::Config::try_parse_from([
-        "nodekeeper-agent".into(),
-        format!("--listen={addr}"),
-        format!("--node-name={node}"),
-        format!("--tls-cert={}", s(&cert)),
-        format!("--tls-key={}", s(&key)),
-        format!("--client-ca={}", s(&ca)),
-        format!("--state-dir={}", s(&state_dir)),
-        format!("--sysctl-root={}", s(&sysctl_root)),
-        format!("--proc-root={}", s(&proc_root)),
-        "--nvidia-smi=/nonexistent/nvidia-smi".into(),
-    ])?;
+    let config = nodekeeper_agent::Config::try_parse_from(setup.args())?;
     let stop = CancellationToken::new();
     // The agent crate's own server, on a listener bound to this node's address.
     let listener = tokio::net::TcpListener::bind(addr)
@@ -258,7 +152,8 @@ pub async fn start_agent(
     Ok(AgentHandle {
         node: node.to_owned(),
         addr,
-        sysctl_root,
+        sysctl_root: setup.sysctl_root.clone(),
+        setup,
         stop,
         _dir: dir,
     })
@@ -266,13 +161,7 @@ pub async fn start_agent(
 
 /// Distinct loopback addresses for one test: 127.<a>.<b>.<1..=n>, random a/b so concurrent
 /// runs do not collide.
-pub fn loopback_ips(n: usize) -> Vec<Ipv4Addr> {
-    let a = 50 + (rand::random::<u8>() % 100);
-    let b = rand::random::<u8>();
-    (0..n)
-        .map(|i| Ipv4Addr::new(127, a, b, u8::try_from(i + 1).unwrap()))
-        .collect()
-}
+pub use nodekeeper_testkit::net::random_loopback_block as loopback_ips;
 
 /// The nodekeeper condition `type_` on a Node: (status, reason).
 pub fn condition(node: &Node, type_: &str) -> Option<(String, String, String)> {

@@ -1,0 +1,551 @@
+//! The demo's six steps: a fresh control plane with the demo's namespace and tuning, the
+//! controller, one agent process per simulated node and their Nodes, the controller's view of
+//! them, and a NetworkTest across them — each started through the rig of `nodekeeper_e2e::rig`
+//! and awaited with a deadline that also fails when a child exits.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, Result, bail};
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Node};
+use kube::Api;
+use kube::api::{ListParams, Patch, PatchParams};
+use nodekeeper_api::crd::NetworkTest;
+use nodekeeper_api::crd::network_test::Phase;
+use nodekeeper_e2e::controlplane::{self, Lifetime, Options, nodes};
+use nodekeeper_e2e::rig::{
+    AGENT_SECRET, AgentSetup, AgentTls, ControllerConfig, ControllerProcess, Output, Program,
+    http_get,
+};
+use nodekeeper_testkit::net::{free_port_on, port_free_on_all};
+use serde::Deserialize as _;
+use serde_json::{Value, json};
+
+use super::print::{print_conditions, print_network_test, print_nodes, print_pairs, print_summary};
+use super::{
+    Binaries, CLUSTER, DEMO_SWEEP_INTERVAL, DemoArgs, FIELD_MANAGER, NAMESPACE,
+    NETWORK_TEST_EXAMPLE, Running, step,
+};
+
+/// One simulated node: its name, address, and the agent's files.
+struct SimNode {
+    name: String,
+    ip: Ipv4Addr,
+    dir: PathBuf,
+}
+
+pub(super) async fn steps(args: &DemoArgs, bins: &Binaries, running: &mut Running) -> Result<()> {
+    let timeout = Duration::from_secs(args.timeout);
+
+    // 2. The control plane.
+    step(
+        2,
+        &format!(
+            "Starting the local control plane `{CLUSTER}` (etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kwok)"
+        ),
+    );
+    let state = controlplane::read_state(CLUSTER).ok();
+    if let Some(api) = state
+        .iter()
+        .flat_map(|s| &s.components)
+        .find(|c| c.name == "kube-apiserver" && c.is_running())
+    {
+        bail!(
+            "the `{CLUSTER}` control plane is still running (kube-apiserver pid {}, left by `cargo xtask demo --keep`?): stop it with `cargo xtask cluster down --name {CLUSTER}` and retry",
+            api.pid
+        );
+    }
+    // A fresh cluster every time: no Nodes, Secrets or NetworkTests left from an earlier run.
+    controlplane::down(CLUSTER, true).context("remove the previous demo cluster's state")?;
+    let lifetime = if args.keep {
+        Lifetime::Detached
+    } else {
+        Lifetime::WithThisProcess
+    };
+    let t = Instant::now();
+    let cluster = controlplane::up(&Options::new(CLUSTER, lifetime), &mut |line| {
+        println!("    {line}")
+    })
+    .await
+    .context("start the local control plane")?;
+    let kubeconfig = cluster.kubeconfig.clone();
+    let apiserver = cluster.apiserver_url();
+    let apiserver_port = cluster.state.ports.apiserver;
+    let state_dir = cluster.state_dir.clone();
+    running.cluster = Some(cluster);
+    println!(
+        "    control plane ready at {apiserver} in {:.1}s (logs in {})",
+        t.elapsed().as_secs_f64(),
+        state_dir.join("logs").display()
+    );
+    if args.keep {
+        println!(
+            "    --keep: it stays up after the demo; use it with `export KUBECONFIG={}`, stop it with `cargo xtask cluster down --name {CLUSTER}`",
+            kubeconfig.display()
+        );
+    }
+    let client = controlplane::client_from_kubeconfig(&kubeconfig).await?;
+    let crds = nodekeeper_e2e::install_crds(&client).await?;
+    println!("    CRDs installed from deploy/crds/: {}", crds.join(", "));
+    apply(
+        &Api::<Namespace>::all(client.clone()),
+        NAMESPACE,
+        &json!({ "apiVersion": "v1", "kind": "Namespace", "metadata": { "name": NAMESPACE } }),
+    )
+    .await?;
+    let mut tuning = read_example("tuning-configmap.yaml")?;
+    tuning["metadata"]["namespace"] = NAMESPACE.into();
+    tuning["data"]["sweepInterval"] = DEMO_SWEEP_INTERVAL.into();
+    let tuning_name = tuning["metadata"]["name"]
+        .as_str()
+        .context("deploy/examples/tuning-configmap.yaml has no metadata.name")?
+        .to_owned();
+    apply(
+        &Api::<ConfigMap>::namespaced(client.clone(), NAMESPACE),
+        &tuning_name,
+        &tuning,
+    )
+    .await?;
+    println!(
+        "    namespace {NAMESPACE}; ConfigMap {NAMESPACE}/{tuning_name} from deploy/examples/tuning-configmap.yaml (sweepInterval {DEMO_SWEEP_INTERVAL} instead of 5m, so the demo need not wait)"
+    );
+
+    // 3. The controller.
+    let demo_dir = state_dir.join("nodekeeper");
+    std::fs::create_dir_all(&demo_dir).with_context(|| format!("create {}", demo_dir.display()))?;
+    let http = SocketAddr::from((
+        Ipv4Addr::LOCALHOST,
+        free_port_on(Ipv4Addr::LOCALHOST).context("find a free port on 127.0.0.1")?,
+    ));
+    let sim: Vec<SimNode> = (0..args.nodes)
+        .map(|i| SimNode {
+            name: format!("sim-{i}"),
+            ip: controlplane::simulated_node_ip(i),
+            dir: demo_dir.join("agents").join(format!("sim-{i}")),
+        })
+        .collect();
+    // The agents' port: 9443 (the default) when it is free on every node address.
+    let ips: Vec<Ipv4Addr> = sim.iter().map(|n| n.ip).collect();
+    let agent_port = port_free_on_all(&ips, 9443)
+        .context("found no port free on every simulated node address (127.1.x.y)")?;
+    let controller_log = demo_dir.join("controller.log");
+    step(3, "Starting nodekeeper-controller");
+    let t = Instant::now();
+    let config = ControllerConfig {
+        kubeconfig: kubeconfig.clone(),
+        namespace: NAMESPACE.into(),
+        identity: "demo-controller".into(),
+        http,
+        agent_port,
+        node_selector: format!("{}=true", nodes::SIMULATED_LABEL),
+        log: None,
+        // For `apiServer: true` targets (deploy/examples/networktest-apiserver.yaml).
+        env: vec![(
+            "NODEKEEPER_API_SERVER_ADDRESS".into(),
+            format!("127.0.0.1:{apiserver_port}"),
+        )],
+        output: Output::Log(controller_log.clone()),
+    };
+    let controller = ControllerProcess::spawn(&Program::Binary(bins.controller.clone()), &config)?;
+    println!(
+        "    pid {}  HTTP API http://{http}  agents on port {agent_port}  log {}",
+        controller.pid(),
+        controller_log.display()
+    );
+    running.children.push(controller.process);
+    wait_until(
+        running,
+        "the controller to lead (/readyz)",
+        timeout,
+        &controller_log,
+        move || async move {
+            Ok(matches!(http_get(http, "/readyz").await, Ok((200, body)) if body.contains("leader")))
+        },
+    )
+    .await?;
+    let client_ref = &client;
+    let tls = wait_until_some(
+        running,
+        &format!("the controller to create Secret {NAMESPACE}/{AGENT_SECRET}"),
+        timeout,
+        &controller_log,
+        move || AgentTls::get(client_ref, NAMESPACE),
+    )
+    .await?;
+    let tls_dir = demo_dir.join("tls");
+    tls.write_to(&tls_dir)?;
+    println!(
+        "    leading after {:.1}s; it created its CA and the agents' certificate (Secret {NAMESPACE}/{AGENT_SECRET}, copied to {})",
+        t.elapsed().as_secs_f64(),
+        tls_dir.display()
+    );
+
+    // 4. The agents, then the Nodes they stand for: the controller finds every agent already
+    // listening when it first sees the Node.
+    step(
+        4,
+        &format!(
+            "Starting {} nodekeeper-agent(s) and their simulated Nodes",
+            sim.len()
+        ),
+    );
+    println!(
+        "    Each agent reads this machine's /proc; its sysctls are a small file tree of its own (so repairs touch no real setting), seeded to give the tuning rules something to find:"
+    );
+    for (i, node) in sim.iter().enumerate() {
+        let (sysctls, note) = seed_sysctls(i);
+        let listen = SocketAddr::from((node.ip, agent_port));
+        let mut agent = AgentSetup::new(&node.name, listen, &tls_dir, &node.dir);
+        // The agent finds no nvidia-smi on this machine by itself.
+        agent.no_gpu = false;
+        agent.create_dirs()?;
+        for (key, value) in &sysctls {
+            agent.write_sysctl(key, value)?;
+        }
+        let child = agent.spawn(&bins.agent, &node.dir.join("agent.log"))?;
+        println!(
+            "    {:<8} {listen:<18} pid {:<8} {note}",
+            node.name,
+            child.pid()
+        );
+        running.children.push(child);
+    }
+    for node in &sim {
+        let addr = SocketAddr::from((node.ip, agent_port));
+        let log = node.dir.join("agent.log");
+        wait_until(
+            running,
+            &format!("the agent of {} to listen on {addr}", node.name),
+            timeout,
+            &log,
+            move || async move { Ok(tokio::net::TcpStream::connect(addr).await.is_ok()) },
+        )
+        .await?;
+    }
+    println!(
+        "    agents listening (mutual TLS; logs in {}/<node>/agent.log)",
+        demo_dir.join("agents").display()
+    );
+    let names: Vec<String> = sim.iter().map(|n| n.name.clone()).collect();
+    let ips: Vec<Ipv4Addr> = sim.iter().map(|n| n.ip).collect();
+    let created = Instant::now();
+    nodes::create(&client, &names, &ips, &BTreeMap::new()).await?;
+    nodes::wait_ready(&client, &names, timeout).await?;
+    println!(
+        "    Nodes {} created (label {}=true) and Ready (kwok)",
+        names.join(", "),
+        nodes::SIMULATED_LABEL
+    );
+
+    // 5. The controller reads every agent and writes conditions.
+    step(5, "Waiting for the controller to read every agent");
+    let n = sim.len() as u64;
+    let summary = wait_until_some(
+        running,
+        &format!("the controller to report all {n} nodes NodekeeperReachable=True with TunablesInBounds evaluated (/api/v1/summary)"),
+        timeout,
+        &controller_log,
+        move || async move {
+            let Ok((200, body)) = http_get(http, "/api/v1/summary").await else {
+                return Ok(None);
+            };
+            let summary: Value = serde_json::from_str(&body)?;
+            let count = |key: &str| summary["fleet"]["conditions"][key].as_u64().unwrap_or(0);
+            let reachable = count("NodekeeperReachable=True");
+            let tunables = count("TunablesInBounds=True") + count("TunablesInBounds=False");
+            Ok((reachable == n && tunables == n).then_some(summary))
+        },
+    )
+    .await?;
+    println!(
+        "    all {n} agents read, and their conditions written, within {:.1}s of their Nodes' creation",
+        created.elapsed().as_secs_f64()
+    );
+    print_summary(&summary, http);
+    let mut details = Vec::new();
+    for node in &sim {
+        let (status, body) = http_get(http, &format!("/api/v1/nodes/{}", node.name)).await?;
+        if status != 200 {
+            bail!(
+                "GET http://{http}/api/v1/nodes/{} answered {status}: {}",
+                node.name,
+                body.trim()
+            );
+        }
+        details.push(serde_json::from_str::<Value>(&body)?);
+    }
+    print_nodes(&details, http);
+    let simulated = Api::<Node>::all(client.clone())
+        .list(&ListParams::default().labels(&format!("{}=true", nodes::SIMULATED_LABEL)))
+        .await
+        .context("list the simulated Nodes")?;
+    print_conditions(&simulated.items);
+
+    // 6. A NetworkTest across the fleet.
+    step(
+        6,
+        &format!(
+            "Running NetworkTest {NAMESPACE}/mesh (deploy/examples/{NETWORK_TEST_EXAMPLE}) across the simulated fleet"
+        ),
+    );
+    let mut test = read_example(NETWORK_TEST_EXAMPLE)?;
+    test["metadata"]["namespace"] = NAMESPACE.into();
+    let test_name = test["metadata"]["name"]
+        .as_str()
+        .with_context(|| format!("deploy/examples/{NETWORK_TEST_EXAMPLE} has no metadata.name"))?
+        .to_owned();
+    let tests: Api<NetworkTest> = Api::namespaced(client.clone(), NAMESPACE);
+    apply(&tests, &test_name, &test).await?;
+    let (tests, test_name) = (&tests, test_name.as_str());
+    println!(
+        "    applied: kind {}, targets {}",
+        test["spec"]["kind"].as_str().unwrap_or("?"),
+        test["spec"]["targets"]
+    );
+    let t = Instant::now();
+    // A controller running the NetworkTest reconciler writes `Running` within seconds; without
+    // one the test would wait out the whole timeout for nothing.
+    wait_until(
+        running,
+        &format!("the controller to pick up NetworkTest {NAMESPACE}/{test_name} (any status.phase)"),
+        timeout.min(Duration::from_secs(20)),
+        &controller_log,
+        move || async move {
+            let test = tests.get(test_name).await?;
+            Ok(test.status.as_ref().and_then(|s| s.phase).is_some())
+        },
+    )
+    .await
+    .context(
+        "the controller did not pick up the NetworkTest (does this build of nodekeeper-controller run the NetworkTest reconciler? `grep -n networktest crates/controller/src/controllers/mod.rs`)",
+    )?;
+    let done = wait_until_some(
+        running,
+        &format!(
+            "NetworkTest {NAMESPACE}/{test_name} to finish (status.phase Succeeded or Failed)"
+        ),
+        timeout,
+        &controller_log,
+        move || async move {
+            let test = tests.get(test_name).await?;
+            let finished = test
+                .status
+                .as_ref()
+                .and_then(|s| s.phase)
+                .is_some_and(|p| matches!(p, Phase::Succeeded | Phase::Failed));
+            Ok(finished.then_some(test))
+        },
+    )
+    .await?;
+    println!("    finished in {:.1}s", t.elapsed().as_secs_f64());
+    print_network_test(&done);
+    let path = format!("/api/networktests/{NAMESPACE}/{test_name}");
+    match http_get(http, &path).await {
+        Ok((200, body)) => print_pairs(&serde_json::from_str(&body)?),
+        Ok((status, body)) => println!("    GET {path}: {status} {}", body.trim()),
+        Err(error) => println!("    GET {path}: {error:#}"),
+    }
+    println!(
+        "    Status is what etcd holds (bounded); every pair's result is served by the controller:"
+    );
+    println!("      curl http://{http}{path}");
+    println!(
+        "    (in a cluster: kubectl get --raw /api/v1/namespaces/nodekeeper/services/nodekeeper-controller:http/proxy{path})"
+    );
+
+    if args.keep || args.wait {
+        let kubectl = controlplane::binaries::ensure(&mut |_| {})
+            .map(|b| b.path("kubectl"))
+            .unwrap_or_else(|_| PathBuf::from("kubectl"));
+        println!();
+        println!("==> Explore");
+        println!("    export KUBECONFIG={}", kubeconfig.display());
+        println!(
+            "    {} get nodes -o wide; {} get networktests -n {NAMESPACE}",
+            kubectl.display(),
+            kubectl.display()
+        );
+        if args.keep {
+            println!("    stop the control plane: cargo xtask cluster down --name {CLUSTER}");
+        }
+    }
+    if args.wait {
+        println!(
+            "    controller: curl http://{http}/api/v1/summary  (/api/v1/nodes/<name>, /metrics)"
+        );
+        println!("    press Ctrl-C to stop the agents and the controller");
+        // Ctrl-C is how this mode ends, so it is a success here.
+        let mut interrupted = std::pin::pin!(tokio::signal::ctrl_c());
+        loop {
+            tokio::select! {
+                _ = &mut interrupted => break,
+                () = tokio::time::sleep(Duration::from_secs(1)) => running.check_alive()?,
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The sysctls of simulated node `i` and what is notable about them: node 0's
+/// `net.core.somaxconn` is below the example's rule (which allows repair), node 1's
+/// `net.ipv4.ip_forward` is off (a critical rule, no repair), node 2's `vm.swappiness` is above
+/// its bound (a warning); every other value is within the example's rules.
+fn seed_sysctls(i: usize) -> (Vec<(&'static str, &'static str)>, &'static str) {
+    let mut sysctls = vec![
+        ("net.core.somaxconn", "4096"),
+        ("net.ipv4.ip_forward", "1"),
+        ("vm.swappiness", "10"),
+    ];
+    let note = match i {
+        0 => {
+            sysctls[0].1 = "128";
+            "net.core.somaxconn=128 (rule: >= 4096, repair allowed)"
+        }
+        1 => {
+            sysctls[1].1 = "0";
+            "net.ipv4.ip_forward=0 (rule: = 1, critical, no repair)"
+        }
+        2 => {
+            sysctls[2].1 = "60";
+            "vm.swappiness=60 (rule: <= 10, warning)"
+        }
+        _ => "all within the rules",
+    };
+    (sysctls, note)
+}
+
+/// Polls `check` every 250 ms until it says true, failing after `timeout` or when a child
+/// exits; the error names what was awaited and the log to read.
+async fn wait_until<F, Fut>(
+    running: &mut Running,
+    what: &str,
+    timeout: Duration,
+    log: &Path,
+    mut check: F,
+) -> Result<()>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<bool>>,
+{
+    wait_until_some(running, what, timeout, log, || {
+        let fut = check();
+        async move { Ok(fut.await?.then_some(())) }
+    })
+    .await
+}
+
+async fn wait_until_some<T, F, Fut>(
+    running: &mut Running,
+    what: &str,
+    timeout: Duration,
+    log: &Path,
+    mut check: F,
+) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<Option<T>>>,
+{
+    let deadline = Instant::now() + timeout;
+    let mut last_error = None;
+    loop {
+        running.check_alive()?;
+        match check().await {
+            Ok(Some(value)) => return Ok(value),
+            Ok(None) => {}
+            Err(error) => last_error = Some(format!("{error:#}")),
+        }
+        if Instant::now() > deadline {
+            let last = last_error
+                .map(|e| format!(" (last error: {e})"))
+                .unwrap_or_default();
+            bail!(
+                "timed out after {}s waiting for {what}{last}; see {}",
+                timeout.as_secs(),
+                log.display()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+/// Server-side applies `object` as the demo's field manager.
+async fn apply<K>(api: &Api<K>, name: &str, object: &Value) -> Result<K>
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    api.patch(
+        name,
+        &PatchParams::apply(FIELD_MANAGER).force(),
+        &Patch::Apply(object),
+    )
+    .await
+    .with_context(|| {
+        format!(
+            "apply {} {name}",
+            object["kind"].as_str().unwrap_or("object")
+        )
+    })
+}
+
+/// The single document of `deploy/examples/<file>`.
+fn read_example(file: &str) -> Result<Value> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join("deploy")
+        .join("examples")
+        .join(file);
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("read {}", path.display()))?;
+    let mut documents = serde_yaml::Deserializer::from_str(&text)
+        .map(Value::deserialize)
+        .filter(|d| !matches!(d, Ok(Value::Null)));
+    let first = documents
+        .next()
+        .with_context(|| format!("{} holds no object", path.display()))?
+        .with_context(|| format!("parse {}", path.display()))?;
+    if documents.next().is_some() {
+        bail!(
+            "{} holds more than one object; the demo expects one",
+            path.display()
+        );
+    }
+    Ok(first)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_examples_the_demo_edits_have_the_fields_it_sets() {
+        let tuning = read_example("tuning-configmap.yaml").unwrap();
+        assert_eq!(tuning["kind"], "ConfigMap");
+        assert!(
+            tuning["data"]["sweepInterval"].is_string(),
+            "the demo shortens data.sweepInterval; the example must name it"
+        );
+        assert!(tuning["metadata"]["name"].is_string());
+        let mesh = read_example(NETWORK_TEST_EXAMPLE).unwrap();
+        assert_eq!(mesh["kind"], "NetworkTest");
+        assert!(mesh["metadata"]["name"].is_string());
+    }
+
+    #[test]
+    fn only_the_first_three_nodes_are_seeded_out_of_bounds() {
+        let values = |i| seed_sysctls(i).0;
+        assert_eq!(values(0)[0], ("net.core.somaxconn", "128"));
+        assert_eq!(values(1)[1], ("net.ipv4.ip_forward", "0"));
+        assert_eq!(values(2)[2], ("vm.swappiness", "60"));
+        assert_eq!(
+            values(3),
+            vec![
+                ("net.core.somaxconn", "4096"),
+                ("net.ipv4.ip_forward", "1"),
+                ("vm.swappiness", "10")
+            ]
+        );
+    }
+}
