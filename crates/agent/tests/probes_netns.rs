@@ -62,7 +62,12 @@ impl Topology {
         sysctl(r, "net.ipv4.ip_forward=1")?;
         a.ip(&["route", "add", "10.77.2.0/24", "via", R_NEAR])?;
         a.ip(&["route", "add", "10.77.3.0/24", "via", R_NEAR])?;
-        a.ip(&["route", "add", "blackhole", &format!("{LOCAL_BLACKHOLE}/32")])?;
+        a.ip(&[
+            "route",
+            "add",
+            "blackhole",
+            &format!("{LOCAL_BLACKHOLE}/32"),
+        ])?;
         r.ip(&["route", "add", "blackhole", "10.77.3.0/24"])?;
         b.ip(&["route", "add", "10.77.1.0/24", "via", "10.77.2.1"])?;
         // The same over IPv6.
@@ -86,31 +91,29 @@ impl Topology {
 fn start_servers(ns: &Netns) -> tokio::sync::oneshot::Sender<()> {
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let (ready_tx, ready_rx) = mpsc::channel();
-    ns.entry().spawn(move || {
-        async move {
-            let tcp = TcpListener::bind((B, 7000)).await.expect("bind tcp");
-            let http = TcpListener::bind((B, 8080)).await.expect("bind http");
-            let dns = UdpSocket::bind((B, 53)).await.expect("bind dns");
-            ready_tx.send(()).unwrap();
-            let serve = async {
-                let mut buf = [0u8; 512];
-                loop {
-                    tokio::select! {
-                        Ok((c, _)) = tcp.accept() => drop(c),
-                        Ok((mut c, _)) = http.accept() => { let _ = http_respond(&mut c).await; }
-                        Ok((n, peer)) = dns.recv_from(&mut buf) => {
-                            if let Some(r) = dns_answer(&buf[..n]) {
-                                let _ = dns.send_to(&r, peer).await;
-                            }
+    ns.entry().spawn(move || async move {
+        let tcp = TcpListener::bind((B, 7000)).await.expect("bind tcp");
+        let http = TcpListener::bind((B, 8080)).await.expect("bind http");
+        let dns = UdpSocket::bind((B, 53)).await.expect("bind dns");
+        ready_tx.send(()).unwrap();
+        let serve = async {
+            let mut buf = [0u8; 512];
+            loop {
+                tokio::select! {
+                    Ok((c, _)) = tcp.accept() => drop(c),
+                    Ok((mut c, _)) = http.accept() => { let _ = http_respond(&mut c).await; }
+                    Ok((n, peer)) = dns.recv_from(&mut buf) => {
+                        if let Some(r) = dns_answer(&buf[..n]) {
+                            let _ = dns.send_to(&r, peer).await;
                         }
-                        else => break,
                     }
+                    else => break,
                 }
-            };
-            tokio::select! {
-                _ = stop_rx => {}
-                () = serve => {}
             }
+        };
+        tokio::select! {
+            _ = stop_rx => {}
+            () = serve => {}
         }
     });
     ready_rx

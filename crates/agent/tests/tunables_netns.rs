@@ -82,7 +82,9 @@ fn evaluate_in(ns: &Netns, state: std::path::PathBuf, install: bool) -> Vec<Tuna
 
 #[test]
 fn repairs_in_a_namespace_and_backs_off_on_conflict() {
-    nodekeeper_testkit::skip_unless_root!("needs root to create a network namespace (ip netns add)");
+    nodekeeper_testkit::skip_unless_root!(
+        "needs root to create a network namespace (ip netns add)"
+    );
     let ns = Netns::create("nk-agent-tun");
     let host_before = (host("net.ipv4.ip_forward"), host("net.core.somaxconn"));
     assert_eq!(

@@ -195,7 +195,7 @@ pub async fn hold(
         }
         match put_ours(api, config, &written, Renewal::Renew).await {
             Ok(Held::Ours(lease)) => {
-                written = lease;
+                written = *lease;
                 last_renew = Instant::now();
             }
             Ok(Held::By(holder)) => return Err(lost(format!("now held by {holder:?}"))),
@@ -216,7 +216,7 @@ pub async fn hold(
 /// What a renewal or release found.
 enum Held {
     /// We still hold it (renewed: the object as written now) or just gave it up (released).
-    Ours(Lease),
+    Ours(Box<Lease>),
     /// Someone else holds it now.
     By(String),
 }
@@ -255,7 +255,7 @@ async fn put_ours(
         .replace(&config.name, &PostParams::default(), &update(last.clone()))
         .await
     {
-        Ok(lease) => return Ok(Held::Ours(lease)),
+        Ok(lease) => return Ok(Held::Ours(Box::new(lease))),
         Err(e) if is_conflict(&e) => {}
         Err(e) => return Err(e),
     }
@@ -268,7 +268,7 @@ async fn put_ours(
     let lease = api
         .replace(&config.name, &PostParams::default(), &update(current))
         .await?;
-    Ok(Held::Ours(lease))
+    Ok(Held::Ours(Box::new(lease)))
 }
 
 /// Gives the Lease up (best effort) so the standby takes over at once.
