@@ -92,7 +92,7 @@ fn is_conflict(error: &kube::Error) -> bool {
 }
 
 /// What this replica learnt about the Lease as it took it.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Acquired {
     /// The last holder this replica saw (a released Lease has none, so the holder seen before
     /// the release counts); `None` when it never saw one.
@@ -101,6 +101,8 @@ pub struct Acquired {
     /// carried over by its age on the wall clock (a skewed clock moves it by the skew, which
     /// only shifts when nodes turn stale). `None` for a Lease this replica created.
     pub previous_renewed: Option<Instant>,
+    /// The Lease as this replica wrote it, to renew from without reading it first.
+    pub lease: Lease,
 }
 
 /// `renew_time`'s age by the wall clock, as an `Instant` on the local clock (never later than
@@ -112,7 +114,8 @@ fn renewed_at(lease: &Lease, now: Instant) -> Option<Instant> {
     Some(now.checked_sub(age).unwrap_or(now))
 }
 
-/// Blocks until this replica holds the Lease (Some) or `cancel` fires (None).
+/// Blocks until this replica holds the Lease (Some, with the object as written, to renew from)
+/// or `cancel` fires (None).
 pub async fn acquire(
     api: &Api<Lease>,
     config: &LeaderConfig,
@@ -132,10 +135,11 @@ pub async fn acquire(
                     spec: Some(spec(config, 0, None)),
                 };
                 match api.create(&PostParams::default(), &lease).await {
-                    Ok(_) => {
+                    Ok(written) => {
                         return Some(Acquired {
                             previous: last_holder,
                             previous_renewed: None,
+                            lease: written,
                         });
                     }
                     Err(e) if is_conflict(&e) => {}
@@ -173,7 +177,7 @@ pub async fn acquire(
                         .replace(&config.name, &PostParams::default(), &lease)
                         .await
                     {
-                        Ok(_) => {
+                        Ok(written) => {
                             let how = if record.holder.is_empty() {
                                 "released"
                             } else if ours {
@@ -190,6 +194,7 @@ pub async fn acquire(
                             return Some(Acquired {
                                 previous: last_holder,
                                 previous_renewed,
+                                lease: written,
                             });
                         }
                         Err(e) if is_conflict(&e) => {}
@@ -211,14 +216,16 @@ pub async fn acquire(
     }
 }
 
-/// Renews the Lease every retry period until it is lost (Err) or `cancel` fires (Ok). The
-/// caller then takes the leader label off its Pod and [`release`]s the Lease, in that order,
-/// so the Service never routes to a replica that no longer leads.
+/// Renews the Lease every retry period until it is lost (Err) or `cancel` fires (Ok, with the
+/// Lease as last written). The caller then takes the leader label off its Pod and [`release`]s
+/// the Lease from that object, in that order, so the Service never routes to a replica that no
+/// longer leads. `written` is the Lease as this replica last wrote it ([`Acquired::lease`]).
 pub async fn hold(
     api: &Api<Lease>,
     config: &LeaderConfig,
+    mut written: Lease,
     cancel: &CancellationToken,
-) -> Result<(), LeaderError> {
+) -> Result<Lease, LeaderError> {
     let mut last_renew = Instant::now();
     let lost = |why: String| LeaderError::LoseLease {
         name: config.name.clone(),
@@ -226,24 +233,15 @@ pub async fn hold(
     };
     loop {
         tokio::select! {
-            () = cancel.cancelled() => return Ok(()),
+            () = cancel.cancelled() => return Ok(written),
             () = tokio::time::sleep(config.retry_period) => {}
         }
-        let attempt = async {
-            let mut lease = api.get(&config.name).await?;
-            let record = Record::of(&lease);
-            if record.holder != config.identity {
-                return Ok(Some(record.holder));
+        match put_ours(api, config, &written, Renewal::Renew).await {
+            Ok(Held::Ours(lease)) => {
+                written = *lease;
+                last_renew = Instant::now();
             }
-            let acquire_time = lease.spec.as_ref().and_then(|s| s.acquire_time.clone());
-            lease.spec = Some(spec(config, record.transitions, acquire_time));
-            api.replace(&config.name, &PostParams::default(), &lease)
-                .await?;
-            Ok::<_, kube::Error>(None)
-        };
-        match attempt.await {
-            Ok(None) => last_renew = Instant::now(),
-            Ok(Some(holder)) => return Err(lost(format!("now held by {holder:?}"))),
+            Ok(Held::By(holder)) => return Err(lost(format!("now held by {holder:?}"))),
             Err(error) => {
                 warn!(%error, lease = %config.name, "renewing the lease failed");
                 if last_renew.elapsed() > config.renew_deadline {
@@ -258,23 +256,70 @@ pub async fn hold(
     }
 }
 
-/// Gives the Lease up (best effort) so the standby takes over at once.
-pub async fn release(api: &Api<Lease>, config: &LeaderConfig) {
-    let Ok(mut lease) = api.get(&config.name).await else {
-        return;
+/// What a renewal or release found.
+enum Held {
+    /// We still hold it (renewed: the object as written now) or just gave it up (released).
+    Ours(Box<Lease>),
+    /// Someone else holds it now.
+    By(String),
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Renewal {
+    Renew,
+    Release,
+}
+
+/// One PUT from `last` (our own last write); on 409 one GET, and if the Lease is still ours one
+/// more PUT from what the GET returned. Steady state is therefore one request per renewal.
+async fn put_ours(
+    api: &Api<Lease>,
+    config: &LeaderConfig,
+    last: &Lease,
+    what: Renewal,
+) -> Result<Held, kube::Error> {
+    let update = |mut lease: Lease| {
+        let record = Record::of(&lease);
+        match what {
+            Renewal::Renew => {
+                let acquire_time = lease.spec.as_ref().and_then(|s| s.acquire_time.clone());
+                lease.spec = Some(spec(config, record.transitions, acquire_time));
+            }
+            Renewal::Release => {
+                if let Some(spec) = lease.spec.as_mut() {
+                    spec.holder_identity = None;
+                    spec.lease_duration_seconds = Some(1);
+                }
+            }
+        }
+        lease
     };
-    if Record::of(&lease).holder != config.identity {
-        return;
-    }
-    if let Some(spec) = lease.spec.as_mut() {
-        spec.holder_identity = None;
-        spec.lease_duration_seconds = Some(1);
-    }
     match api
-        .replace(&config.name, &PostParams::default(), &lease)
+        .replace(&config.name, &PostParams::default(), &update(last.clone()))
         .await
     {
-        Ok(_) => info!(lease = %config.name, "released the lease"),
+        Ok(lease) => return Ok(Held::Ours(Box::new(lease))),
+        Err(e) if is_conflict(&e) => {}
+        Err(e) => return Err(e),
+    }
+    // Someone else wrote since our last write: look before writing again.
+    let current = api.get(&config.name).await?;
+    let record = Record::of(&current);
+    if record.holder != config.identity {
+        return Ok(Held::By(record.holder));
+    }
+    let lease = api
+        .replace(&config.name, &PostParams::default(), &update(current))
+        .await?;
+    Ok(Held::Ours(Box::new(lease)))
+}
+
+/// Gives the Lease up (best effort) so the standby takes over at once: one PUT from the Lease as
+/// last written, a GET only on conflict.
+pub async fn release(api: &Api<Lease>, config: &LeaderConfig, written: Lease) {
+    match put_ours(api, config, &written, Renewal::Release).await {
+        Ok(Held::Ours(_)) => info!(lease = %config.name, "released the lease"),
+        Ok(Held::By(_)) => {}
         Err(error) => warn!(%error, lease = %config.name, "releasing the lease failed"),
     }
 }

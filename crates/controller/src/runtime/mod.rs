@@ -202,7 +202,7 @@ pub async fn run(cli: Cli) -> Result<(), Error> {
         );
         controllers.start(&shared, &controllers_config, &tracker, &shutdown);
 
-        leader::hold(&leases, &lease_config, &shutdown)
+        leader::hold(&leases, &lease_config, acquired.lease, &shutdown)
             .await
             .map_err(Error::from)
     };
@@ -215,8 +215,8 @@ pub async fn run(cli: Cli) -> Result<(), Error> {
     is_leader.store(false, Ordering::Relaxed);
     metrics.runtime.is_leader.set(0);
     leader::label_pod(&client, &cli.namespace, pod, false).await;
-    if result.is_ok() {
-        leader::release(&leases, &lease_config).await;
+    if let Ok(written) = &result {
+        leader::release(&leases, &lease_config, written.clone()).await;
     }
     shutdown.cancel();
     tracker.close();
@@ -226,5 +226,5 @@ pub async fn run(cli: Cli) -> Result<(), Error> {
     {
         warn!("tasks did not stop within 10s");
     }
-    result
+    result.map(|_| ())
 }

@@ -12,6 +12,7 @@ pub mod agents;
 pub mod fleet;
 pub mod metrics;
 pub mod tuning;
+pub mod writers;
 
 use std::sync::Arc;
 

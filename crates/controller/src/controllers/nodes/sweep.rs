@@ -23,11 +23,16 @@ use crate::shared::agent_client::{CallError, CallOutcome};
 use crate::shared::agents::{AgentNode, ReportRequest, RulesOutcome, RulesPush};
 use crate::shared::fleet::Job;
 use crate::shared::metrics::{OutcomeLabels, PatchLabels, PatchResult, ResultLabels, WriteResult};
+use crate::shared::writers::Writers;
 use crate::view::NodeView;
 
 /// How often the sweep looks for due nodes. Due times are spread over the interval, so a tick
 /// of one second only bounds how late a read may start.
 const TICK: Duration = Duration::from_millis(500);
+
+/// Condition writes running at once, apart from the reads' `concurrency`: well under
+/// kube-apiserver's default 200 mutating requests in flight, so other writers keep room.
+const WRITE_CONCURRENCY: usize = 64;
 
 /// Runs the sweep until cancelled.
 pub async fn run(ctx: Arc<Context>, shutdown: CancellationToken) {
@@ -37,6 +42,7 @@ pub async fn run(ctx: Arc<Context>, shutdown: CancellationToken) {
     let started = Instant::now();
     let mut initial_done = false;
     let mut last_interval = ctx.tuning().config.sweep_interval;
+    let writers = Writers::new(WRITE_CONCURRENCY, shutdown.child_token());
     loop {
         let ticked = tokio::select! {
             () = shutdown.cancelled() => break,
@@ -60,8 +66,8 @@ pub async fn run(ctx: Arc<Context>, shutdown: CancellationToken) {
             continue;
         }
         for job in ctx.fleet.take_due(now, room, ctx.agent_port) {
-            let ctx = Arc::clone(&ctx);
-            tasks.spawn(async move { poll(&ctx, job).await });
+            let (ctx, writers) = (Arc::clone(&ctx), writers.clone());
+            tasks.spawn(async move { poll(&ctx, &writers, job).await });
         }
         ctx.metrics
             .calls_in_flight
@@ -82,10 +88,11 @@ pub async fn run(ctx: Arc<Context>, shutdown: CancellationToken) {
         }
     }
     tasks.shutdown().await;
+    writers.drain().await;
 }
 
 /// Reads one node's agent and acts on the answer.
-async fn poll(ctx: &Context, job: Job) {
+async fn poll(ctx: &Arc<Context>, writers: &Writers, job: Job) {
     let started = Instant::now();
     let tuning = ctx.tuning();
     let result = call_agent(
@@ -179,7 +186,11 @@ async fn poll(ctx: &Context, job: Job) {
             .map(|desired| (desired, entry.written.clone()))
     };
     if let Some((desired, current)) = write {
-        patch_conditions(ctx, &job.name, &current, &desired, interval).await;
+        // Handed to the writer pool: this read's slot is free for the next read now.
+        let ctx = Arc::clone(ctx);
+        writers.submit(&job.name.clone(), async move {
+            patch_conditions(&ctx, &job.name, &current, &desired, interval).await;
+        });
     }
 }
 
