@@ -183,6 +183,7 @@ pub fn validate(raw: &RawRuleSet, sysctl_root: &Path) -> Result<RuleSet, Error> 
     }
     let mut names = HashSet::new();
     let mut rules = Vec::with_capacity(raw.rules.len());
+    let mut models = Vec::with_capacity(raw.rules.len());
     for (i, r) in raw.rules.iter().enumerate() {
         let name = r.name.trim();
         check_rule_name(name).map_err(|e| refuse(i, name, "name", e))?;
@@ -219,6 +220,7 @@ pub fn validate(raw: &RawRuleSet, sysctl_root: &Path) -> Result<RuleSet, Error> 
         };
         let values: Vec<String> = r.values.iter().map(|v| normalize_value(v)).collect();
         check_values(model, &values).map_err(|e| refuse(i, name, "values", e))?;
+        models.push(model);
         let severity = match r.severity {
             0 | 2 => Verdict::Warning,
             3 => Verdict::Critical,
@@ -253,6 +255,15 @@ pub fn validate(raw: &RawRuleSet, sysctl_root: &Path) -> Result<RuleSet, Error> 
             severity,
         });
     }
+    // The controller refuses contradictory rules with the same shared check; an agent asked
+    // directly refuses them too rather than fighting itself over a sysctl.
+    let view: Vec<(&str, &str, tuning::Comparison, &[String])> = rules
+        .iter()
+        .zip(&models)
+        .map(|(r, m)| (r.name.as_str(), r.key.as_str(), *m, r.values.as_slice()))
+        .collect();
+    tuning::check_compatible(&view)
+        .map_err(|e| Error::InvalidRules(format!("field `rules`: {e}")))?;
     for (i, t) in raw.thresholds.iter().enumerate() {
         check_threshold(t).map_err(|(field, reason)| {
             Error::InvalidRules(format!(
@@ -633,6 +644,13 @@ mod tests {
             (
                 set(vec![rule("", "net.core.somaxconn", 1, &["1"], false)]),
                 "rule #1: field `name`: is empty",
+            ),
+            (
+                set(vec![
+                    rule("big", "net.core.somaxconn", 2, &["4096"], true),
+                    rule("small", "net.core.somaxconn", 3, &["1024"], true),
+                ]),
+                "field `rules`: rules \"big\" and \"small\" both bound net.core.somaxconn",
             ),
             (
                 set(vec![
