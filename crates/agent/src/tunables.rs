@@ -393,8 +393,24 @@ impl Tunables {
         let mut changed = false;
         let mut out = Vec::with_capacity(set.rules.len());
         for rule in &set.rules {
+            // The agent's own last write to this key, by any rule: a value equal to it is not
+            // "someone else" changing the key.
+            let own_last = set
+                .rules
+                .iter()
+                .filter(|r| r.key == rule.key)
+                .filter_map(|r| self.runtime.get(&r.name))
+                .filter_map(|rt| rt.written.clone().map(|w| (rt.repaired_at_unix_ms, w)))
+                .max()
+                .map(|(_, w)| w);
             let rt = self.runtime.entry(rule.name.clone()).or_default();
-            let (status, rt_changed) = evaluate_rule(&self.sysctl_root, rule, rt, now_unix_ms);
+            let (status, rt_changed) = evaluate_rule(
+                &self.sysctl_root,
+                rule,
+                rt,
+                own_last.as_deref(),
+                now_unix_ms,
+            );
             changed |= rt_changed;
             out.push(status);
         }
@@ -409,6 +425,7 @@ fn evaluate_rule(
     root: &Path,
     rule: &Rule,
     rt: &mut RuleRuntime,
+    own_last: Option<&str>,
     now: i64,
 ) -> (TunableStatus, bool) {
     let mut status = TunableStatus {
@@ -452,6 +469,7 @@ fn evaluate_rule(
     // Out of bounds after the agent wrote an in-bounds value: someone set it back.
     if let Some(written) = &rt.written
         && *written != current
+        && own_last != Some(current.as_str())
         && !rt.conflict
     {
         warn!(rule = %rule.name, key = %rule.key, %current, %written, "value changed back by someone else; backing off");
@@ -796,6 +814,32 @@ mod tests {
         );
         assert!(in_bounds(&r(Comparison::OneOf, &["1", "2"]), "2").unwrap());
         assert!(in_bounds(&r(Comparison::AtLeast, &["1"]), "1 2").is_err());
+    }
+
+    /// Regression (issue 20, defect 2): a value the agent itself wrote (for another rule on the
+    /// same key) is not "changed back by someone else".
+    #[test]
+    fn the_agents_own_write_is_not_a_conflict() {
+        let root = fake_root();
+        let state = tempfile::tempdir().unwrap();
+        let key = root.path().join("net/core/somaxconn");
+        let mut t = Tunables::load(root.path().to_path_buf(), state.path());
+        // Compatible bounds (200 satisfies both); from 128 "low" writes 100, then "pick" 50.
+        t.set_rules(&set(vec![
+            rule("low", "net.core.somaxconn", 2, &["100"], true),
+            rule("pick", "net.core.somaxconn", 4, &["50", "200"], true),
+        ]))
+        .unwrap();
+        std::fs::write(&key, "10\n").unwrap();
+        let s = t.evaluate(1_000);
+        assert_eq!(std::fs::read_to_string(&key).unwrap(), "50\n", "{s:?}");
+        let s = t.evaluate(2_000);
+        assert!(!s[0].conflict, "{s:?}");
+        assert!(!s[0].error.contains("someone else"), "{s:?}");
+        // Someone else's value still is a conflict.
+        std::fs::write(&key, "7\n").unwrap();
+        let s = t.evaluate(3_000);
+        assert!(s.iter().any(|x| x.conflict), "{s:?}");
     }
 
     #[test]
