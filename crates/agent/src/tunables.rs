@@ -183,6 +183,7 @@ pub fn validate(raw: &RawRuleSet, sysctl_root: &Path) -> Result<RuleSet, Error> 
     }
     let mut names = HashSet::new();
     let mut rules = Vec::with_capacity(raw.rules.len());
+    let mut models = Vec::with_capacity(raw.rules.len());
     for (i, r) in raw.rules.iter().enumerate() {
         let name = r.name.trim();
         check_rule_name(name).map_err(|e| refuse(i, name, "name", e))?;
@@ -219,6 +220,7 @@ pub fn validate(raw: &RawRuleSet, sysctl_root: &Path) -> Result<RuleSet, Error> 
         };
         let values: Vec<String> = r.values.iter().map(|v| normalize_value(v)).collect();
         check_values(model, &values).map_err(|e| refuse(i, name, "values", e))?;
+        models.push(model);
         let severity = match r.severity {
             0 | 2 => Verdict::Warning,
             3 => Verdict::Critical,
@@ -253,6 +255,15 @@ pub fn validate(raw: &RawRuleSet, sysctl_root: &Path) -> Result<RuleSet, Error> 
             severity,
         });
     }
+    // The controller refuses contradictory rules with the same shared check; an agent asked
+    // directly refuses them too rather than fighting itself over a sysctl.
+    let view: Vec<(&str, &str, tuning::Comparison, &[String])> = rules
+        .iter()
+        .zip(&models)
+        .map(|(r, m)| (r.name.as_str(), r.key.as_str(), *m, r.values.as_slice()))
+        .collect();
+    tuning::check_compatible(&view)
+        .map_err(|e| Error::InvalidRules(format!("field `rules`: {e}")))?;
     for (i, t) in raw.thresholds.iter().enumerate() {
         check_threshold(t).map_err(|(field, reason)| {
             Error::InvalidRules(format!(
@@ -382,8 +393,24 @@ impl Tunables {
         let mut changed = false;
         let mut out = Vec::with_capacity(set.rules.len());
         for rule in &set.rules {
+            // The agent's own last write to this key, by any rule: a value equal to it is not
+            // "someone else" changing the key.
+            let own_last = set
+                .rules
+                .iter()
+                .filter(|r| r.key == rule.key)
+                .filter_map(|r| self.runtime.get(&r.name))
+                .filter_map(|rt| rt.written.clone().map(|w| (rt.repaired_at_unix_ms, w)))
+                .max()
+                .map(|(_, w)| w);
             let rt = self.runtime.entry(rule.name.clone()).or_default();
-            let (status, rt_changed) = evaluate_rule(&self.sysctl_root, rule, rt, now_unix_ms);
+            let (status, rt_changed) = evaluate_rule(
+                &self.sysctl_root,
+                rule,
+                rt,
+                own_last.as_deref(),
+                now_unix_ms,
+            );
             changed |= rt_changed;
             out.push(status);
         }
@@ -398,6 +425,7 @@ fn evaluate_rule(
     root: &Path,
     rule: &Rule,
     rt: &mut RuleRuntime,
+    own_last: Option<&str>,
     now: i64,
 ) -> (TunableStatus, bool) {
     let mut status = TunableStatus {
@@ -441,6 +469,7 @@ fn evaluate_rule(
     // Out of bounds after the agent wrote an in-bounds value: someone set it back.
     if let Some(written) = &rt.written
         && *written != current
+        && own_last != Some(current.as_str())
         && !rt.conflict
     {
         warn!(rule = %rule.name, key = %rule.key, %current, %written, "value changed back by someone else; backing off");
@@ -636,6 +665,13 @@ mod tests {
             ),
             (
                 set(vec![
+                    rule("big", "net.core.somaxconn", 2, &["4096"], true),
+                    rule("small", "net.core.somaxconn", 3, &["1024"], true),
+                ]),
+                "field `rules`: rules \"big\" and \"small\" both bound net.core.somaxconn",
+            ),
+            (
+                set(vec![
                     rule("a", "net.core.somaxconn", 1, &["1"], false),
                     rule("a", "net.ipv4.ip_forward", 1, &["1"], false),
                 ]),
@@ -778,6 +814,32 @@ mod tests {
         );
         assert!(in_bounds(&r(Comparison::OneOf, &["1", "2"]), "2").unwrap());
         assert!(in_bounds(&r(Comparison::AtLeast, &["1"]), "1 2").is_err());
+    }
+
+    /// Regression (issue 20, defect 2): a value the agent itself wrote (for another rule on the
+    /// same key) is not "changed back by someone else".
+    #[test]
+    fn the_agents_own_write_is_not_a_conflict() {
+        let root = fake_root();
+        let state = tempfile::tempdir().unwrap();
+        let key = root.path().join("net/core/somaxconn");
+        let mut t = Tunables::load(root.path().to_path_buf(), state.path());
+        // Compatible bounds (200 satisfies both); from 128 "low" writes 100, then "pick" 50.
+        t.set_rules(&set(vec![
+            rule("low", "net.core.somaxconn", 2, &["100"], true),
+            rule("pick", "net.core.somaxconn", 4, &["50", "200"], true),
+        ]))
+        .unwrap();
+        std::fs::write(&key, "10\n").unwrap();
+        let s = t.evaluate(1_000);
+        assert_eq!(std::fs::read_to_string(&key).unwrap(), "50\n", "{s:?}");
+        let s = t.evaluate(2_000);
+        assert!(!s[0].conflict, "{s:?}");
+        assert!(!s[0].error.contains("someone else"), "{s:?}");
+        // Someone else's value still is a conflict.
+        std::fs::write(&key, "7\n").unwrap();
+        let s = t.evaluate(3_000);
+        assert!(s.iter().any(|x| x.conflict), "{s:?}");
     }
 
     #[test]

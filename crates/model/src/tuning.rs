@@ -619,6 +619,22 @@ fn parse_rules(raw: &str, repair_allowed: bool) -> Result<RuleSet, Vec<KeyError>
         }
     }
 
+    let view: Vec<(&str, &str, Comparison, &[String])> = set
+        .tunables
+        .iter()
+        .map(|r| {
+            (
+                r.name.as_str(),
+                r.key.as_str(),
+                r.comparison,
+                r.values.as_slice(),
+            )
+        })
+        .collect();
+    if let Err(problem) = check_compatible(&view) {
+        errors.push(err("tunables".into(), problem));
+    }
+
     for (i, value) in doc.thresholds.into_iter().enumerate() {
         let path = format!("thresholds[{i}]");
         let t: RawThreshold = match serde_yaml::from_value(value) {
@@ -652,6 +668,55 @@ fn scalar(value: &serde_yaml::Value) -> Option<String> {
         serde_yaml::Value::Number(n) => Some(n.to_string()),
         serde_yaml::Value::Bool(b) => Some(if *b { "1".into() } else { "0".into() }),
         _ => None,
+    }
+}
+
+/// Refuses two rules on one sysctl key whose bounds cannot both hold (`atLeast 4096` and
+/// `atMost 1024`, `equal 1` and `equal 0`): with repair on, every agent would flip the value back
+/// and forth. Each rule is `(name, key, comparison, values)`; the error names both rules and the
+/// key. Shared by the controller's ConfigMap parse and the agent's `SetRules`.
+pub fn check_compatible(rules: &[(&str, &str, Comparison, &[String])]) -> Result<(), String> {
+    for (i, a) in rules.iter().enumerate() {
+        for b in &rules[i + 1..] {
+            if a.1 == b.1 && !compatible((a.2, a.3), (b.2, b.3)) {
+                return Err(format!(
+                    "rules {:?} and {:?} both bound {} and no value satisfies both; \
+                     remove one or make their bounds overlap",
+                    a.0, b.0, a.1
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// True when some value satisfies both bounds (values that are not integers are compared as
+/// text by equal/oneOf and assumed to overlap otherwise).
+fn compatible(a: (Comparison, &[String]), b: (Comparison, &[String])) -> bool {
+    let int = |v: &str| v.trim().parse::<i128>().ok();
+    let admits = |(c, values): (Comparison, &[String]), v: &str| match c {
+        Comparison::Equal | Comparison::OneOf => values.iter().any(|x| x == v),
+        Comparison::AtLeast => match (int(v), values.first().and_then(|x| int(x))) {
+            (Some(v), Some(min)) => v >= min,
+            _ => true,
+        },
+        Comparison::AtMost => match (int(v), values.first().and_then(|x| int(x))) {
+            (Some(v), Some(max)) => v <= max,
+            _ => true,
+        },
+    };
+    let listed = |c: Comparison| matches!(c, Comparison::Equal | Comparison::OneOf);
+    if listed(a.0) {
+        return a.1.iter().any(|v| admits(b, v));
+    }
+    if listed(b.0) {
+        return b.1.iter().any(|v| admits(a, v));
+    }
+    let bound = |r: (Comparison, &[String])| r.1.first().and_then(|x| int(x));
+    match (a.0, b.0, bound(a), bound(b)) {
+        (Comparison::AtLeast, Comparison::AtMost, Some(min), Some(max))
+        | (Comparison::AtMost, Comparison::AtLeast, Some(max), Some(min)) => min <= max,
+        _ => true,
     }
 }
 
@@ -768,6 +833,77 @@ mod duration_secs {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn contradictory_rules_on_one_key_are_refused_naming_both() {
+        let v = |x: &[&str]| x.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let (lo, hi, one, zero, ok) = (
+            v(&["4096"]),
+            v(&["1024"]),
+            v(&["1"]),
+            v(&["0"]),
+            v(&["0", "1"]),
+        );
+        let k = "net.core.somaxconn";
+        let e = check_compatible(&[
+            ("big", k, Comparison::AtLeast, &lo),
+            ("small", k, Comparison::AtMost, &hi),
+        ])
+        .unwrap_err();
+        assert_eq!(
+            e,
+            "rules \"big\" and \"small\" both bound net.core.somaxconn and no value satisfies both; \
+             remove one or make their bounds overlap"
+        );
+        let f = "net.ipv4.ip_forward";
+        assert!(
+            check_compatible(&[
+                ("on", f, Comparison::Equal, &one),
+                ("off", f, Comparison::Equal, &zero)
+            ])
+            .is_err()
+        );
+        assert!(
+            check_compatible(&[
+                ("on", f, Comparison::Equal, &one),
+                ("max", f, Comparison::AtMost, &zero)
+            ])
+            .is_err()
+        );
+        // Overlapping bounds, or other keys, are fine.
+        assert!(
+            check_compatible(&[
+                ("on", f, Comparison::Equal, &one),
+                ("any", f, Comparison::OneOf, &ok)
+            ])
+            .is_ok()
+        );
+        assert!(
+            check_compatible(&[
+                ("a", k, Comparison::AtLeast, &hi),
+                ("b", k, Comparison::AtMost, &lo)
+            ])
+            .is_ok()
+        );
+        assert!(
+            check_compatible(&[
+                ("a", k, Comparison::AtLeast, &lo),
+                ("b", f, Comparison::AtMost, &hi)
+            ])
+            .is_ok()
+        );
+
+        // Through the ConfigMap parse.
+        let data = BTreeMap::from([(
+            "rules.yaml".to_string(),
+            "tunables:\n- {name: big, key: net.core.somaxconn, atLeast: 4096}\n- {name: small, key: net.core.somaxconn, atMost: 1024}\n".to_string(),
+        )]);
+        let e = parse(&data).unwrap_err().to_string();
+        assert!(
+            e.contains("rules \"big\" and \"small\" both bound net.core.somaxconn"),
+            "{e}"
+        );
+    }
     use super::*;
     use pretty_assertions::assert_eq;
 

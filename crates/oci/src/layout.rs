@@ -66,7 +66,7 @@ pub enum LayoutError {
     #[error("vnics[{index}].{field}: {message}")]
     BadVnic {
         index: usize,
-        field: &'static str,
+        field: String,
         message: String,
     },
     #[error("layout options: {0}")]
@@ -110,12 +110,51 @@ pub fn secondary_vnics(
         if let Some(j) = macs.insert(v.mac_addr.as_str(), i) {
             return Err(LayoutError::BadVnic {
                 index: i,
-                field: "macAddr",
+                field: "macAddr".into(),
                 message: format!(
                     "{} is also the MAC of vnics[{j}]; two VNICs cannot share a MAC",
                     v.mac_addr
                 ),
             });
+        }
+    }
+    // No VNIC may carry an address another one has: above all the primary's, which is never
+    // touched (laying it out on a secondary would steal the node's own address).
+    let mut ips: BTreeMap<std::net::IpAddr, usize> = BTreeMap::new();
+    for (i, v) in vnics.iter().enumerate() {
+        let v4 = v
+            .ipv4
+            .iter()
+            .map(|x| ("privateIp".to_string(), x.private_ip.into()));
+        let v6 = v.ipv6.iter().flat_map(|x| {
+            x.addresses
+                .iter()
+                .enumerate()
+                .map(|(k, a)| (format!("ipv6Addresses[{k}]"), (*a).into()))
+        });
+        for (field, ip) in v4.chain(v6).collect::<Vec<(String, std::net::IpAddr)>>() {
+            match ips.insert(ip, i) {
+                Some(0) if i > 0 => {
+                    return Err(LayoutError::BadVnic {
+                        index: i,
+                        field: field.clone(),
+                        message: format!(
+                            "{ip} is also an address of vnics[0]; the primary VNIC is never \
+                             touched, so no secondary may reuse its address"
+                        ),
+                    });
+                }
+                Some(j) if j != i => {
+                    return Err(LayoutError::BadVnic {
+                        index: i,
+                        field: field.clone(),
+                        message: format!(
+                            "{ip} is also an address of vnics[{j}]; two VNICs cannot share an address"
+                        ),
+                    });
+                }
+                _ => {}
+            }
         }
     }
 
@@ -135,9 +174,9 @@ pub fn secondary_vnics(
     for (i, v) in vnics.iter().enumerate().skip(1) {
         let table = opts.table_base + i as u32;
         let priority = opts.rule_priority_base + i as u32;
-        let bad = |field, message: String| LayoutError::BadVnic {
+        let bad = |field: &str, message: String| LayoutError::BadVnic {
             index: i,
-            field,
+            field: field.into(),
             message,
         };
         let carrier = if bare_metal {
@@ -468,6 +507,81 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("links[0].mtu: 60 is outside 68–65535"), "{e}");
+    }
+
+    #[test]
+    fn dual_stack_and_multi_ipv6_vnics_get_one_rule_per_address_in_one_table() {
+        let vnics = parse_vnics(&fixture("vnics-vm-dual-stack.json")).unwrap();
+        let l = secondary_vnics(&vm(), &vnics, &vm_host(), &LayoutOptions::default()).unwrap();
+        let rules: Vec<(Option<String>, u32, u32)> = l
+            .desired
+            .rules
+            .iter()
+            .map(|r| (r.from.clone(), r.table, r.priority))
+            .collect();
+        assert_eq!(
+            rules,
+            vec![
+                (None, 254, 20100),
+                (Some("10.0.20.33/32".into()), 101, 20101),
+                (Some("fd00:10:20::33/128".into()), 101, 20101),
+            ]
+        );
+        // The primary's addresses (v4 and v6) are nowhere in the layout.
+        assert!(
+            l.desired
+                .addresses
+                .iter()
+                .all(|a| !a.cidr.starts_with("10.0.10.17/")
+                    && !a.cidr.starts_with("fd00:10:10::17/")),
+            "{:?}",
+            l.desired.addresses
+        );
+
+        let vnics = parse_vnics(&fixture("vnics-vm-multi-ipv6.json")).unwrap();
+        let l = secondary_vnics(&vm(), &vnics, &vm_host(), &LayoutOptions::default()).unwrap();
+        let cidrs: Vec<&str> = l
+            .desired
+            .addresses
+            .iter()
+            .map(|a| a.cidr.as_str())
+            .collect();
+        assert_eq!(
+            cidrs,
+            vec![
+                "10.0.20.33/24",
+                "fd00:10:20::33/64",
+                "fd00:10:20::34/64",
+                "fd00:10:20::35/64"
+            ]
+        );
+        assert_eq!(l.desired.rules.len(), 5);
+        assert_eq!(l.desired.routes.len(), 2);
+    }
+
+    #[test]
+    fn a_vnic_that_reuses_the_primary_address_is_refused() {
+        for (file, field, ip) in [
+            ("vnics-vm-reuses-primary-ip.json", "privateIp", "10.0.10.17"),
+            (
+                "vnics-vm-reuses-primary-ipv6.json",
+                "ipv6Addresses[0]",
+                "fd00:10:10::17",
+            ),
+        ] {
+            let vnics = parse_vnics(&fixture(file)).unwrap();
+            let e = secondary_vnics(&vm(), &vnics, &vm_host(), &LayoutOptions::default())
+                .unwrap_err()
+                .to_string();
+            assert_eq!(
+                e,
+                format!(
+                    "vnics[1].{field}: {ip} is also an address of vnics[0]; the primary VNIC is \
+                     never touched, so no secondary may reuse its address"
+                ),
+                "{file}"
+            );
+        }
     }
 
     #[test]
