@@ -5,6 +5,7 @@
 pub mod agent;
 pub mod collect;
 pub mod config;
+pub mod diag;
 pub mod network;
 pub mod probes;
 pub mod report;
@@ -87,7 +88,8 @@ pub async fn serve(
     let addr = listener.local_addr().ok();
     let agent = Arc::new(agent::Agent::new(&config));
     let max = config.max_message_bytes;
-    let svc = NodeAgentServer::new(service::AgentService::new(agent))
+    let diagnostics = Arc::new(diag::Diagnostics::new(Arc::clone(&agent), &config));
+    let svc = NodeAgentServer::new(service::AgentService::new(agent).with_diagnostics(diagnostics))
         .max_decoding_message_size(max)
         .max_encoding_message_size(max);
 

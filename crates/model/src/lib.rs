@@ -6,6 +6,7 @@
 //! No kube, no tonic, no netlink: the node side (agent, netconf, oci) builds on this crate without
 //! pulling in a Kubernetes client.
 
+pub mod diagnostics;
 pub mod network;
 pub mod probe;
 pub mod text;

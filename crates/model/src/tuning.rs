@@ -15,6 +15,8 @@
 //! | `features.network` | bool | `true` | own the `NodeNetworkReady` condition (set only on nodes with nodekeeper-managed networking) |
 //! | `features.repair` | bool | `false` | global repair permission: when `false`, no rule may repair, whatever it says |
 //! | `rules.yaml` | YAML | empty | the tunable rules and indicator thresholds, see [`RuleSet`] |
+//! | `diagnostics.maxBundleBytes` | integer | `33554432` (32 MiB) | cap on one node's diagnostics bundle (uncompressed content), see [`crate::diagnostics`] |
+//! | `diagnostics.parts` | comma-separated names | all | the parts a `NodeDiagnostic` gathers when its spec names none |
 //!
 //! Any other key is refused, so a typo (`sweepinterval`) is reported instead of silently ignored.
 //!
@@ -57,6 +59,8 @@ const KNOWN_KEYS: &[&str] = &[
     "features.network",
     "features.repair",
     "rules.yaml",
+    "diagnostics.maxBundleBytes",
+    "diagnostics.parts",
 ];
 
 /// The parsed, validated tuning configuration.
@@ -72,6 +76,25 @@ pub struct TuningConfig {
     pub call_timeout: Duration,
     pub features: Features,
     pub rules: RuleSet,
+    pub diagnostics: DiagnosticsTuning,
+}
+
+/// Diagnostics bundle settings (`diagnostics.*` keys).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DiagnosticsTuning {
+    pub max_bundle_bytes: u64,
+    /// Empty: every part.
+    pub parts: Vec<String>,
+}
+
+impl Default for DiagnosticsTuning {
+    fn default() -> Self {
+        Self {
+            max_bundle_bytes: crate::diagnostics::DEFAULT_MAX_BUNDLE_BYTES,
+            parts: Vec::new(),
+        }
+    }
 }
 
 impl Default for TuningConfig {
@@ -83,6 +106,7 @@ impl Default for TuningConfig {
             call_timeout: Duration::from_secs(10),
             features: Features::default(),
             rules: RuleSet::default(),
+            diagnostics: DiagnosticsTuning::default(),
         }
     }
 }
@@ -311,6 +335,36 @@ pub fn parse(data: &BTreeMap<String, String>) -> Result<TuningConfig, TuningErro
                     format_duration(config.sweep_interval)
                 ),
             });
+        }
+    }
+
+    if let Some(raw) = data.get("diagnostics.maxBundleBytes") {
+        let checked = raw
+            .trim()
+            .parse::<u64>()
+            .map_err(|_| format!("{raw:?} is not an integer byte count"))
+            .and_then(|v| crate::diagnostics::check_bundle_bytes(v).map(|()| v));
+        match checked {
+            Ok(v) => config.diagnostics.max_bundle_bytes = v,
+            Err(problem) => errors.push(KeyError {
+                key: "diagnostics.maxBundleBytes".into(),
+                problem,
+            }),
+        }
+    }
+    if let Some(raw) = data.get("diagnostics.parts") {
+        let parts: Vec<String> = raw
+            .split(',')
+            .map(str::trim)
+            .filter(|p| !p.is_empty())
+            .map(str::to_owned)
+            .collect();
+        match crate::diagnostics::check_parts(&parts) {
+            Ok(()) => config.diagnostics.parts = parts,
+            Err(e) => errors.push(KeyError {
+                key: "diagnostics.parts".into(),
+                problem: e.to_string(),
+            }),
         }
     }
 
@@ -678,6 +732,27 @@ mod tests {
             .iter()
             .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
             .collect()
+    }
+
+    #[test]
+    fn diagnostics_keys_parse_and_name_the_bad_one() {
+        let config = parse(&data(&[
+            ("diagnostics.maxBundleBytes", "1048576"),
+            ("diagnostics.parts", "report, sysctl"),
+        ]))
+        .unwrap();
+        assert_eq!(config.diagnostics.max_bundle_bytes, 1_048_576);
+        assert_eq!(config.diagnostics.parts, vec!["report", "sysctl"]);
+        let errors = parse(&data(&[
+            ("diagnostics.maxBundleBytes", "12"),
+            ("diagnostics.parts", "report,dmesg"),
+        ]))
+        .unwrap_err();
+        let problems = errors.problems();
+        assert_eq!(problems[0].key, "diagnostics.maxBundleBytes");
+        assert!(problems[0].problem.contains("out of range"), "{errors}");
+        assert_eq!(problems[1].key, "diagnostics.parts");
+        assert!(problems[1].problem.contains("\"dmesg\""), "{errors}");
     }
 
     #[test]
