@@ -80,8 +80,7 @@ impl pb::node_agent_server::NodeAgent for Misbehaviour {
         Err(Status::unimplemented("fake"))
     }
 
-    type CollectDiagnosticsStream =
-        tokio_stream::Empty<Result<pb::DiagnosticsChunk, Status>>;
+    type CollectDiagnosticsStream = tokio_stream::Empty<Result<pb::DiagnosticsChunk, Status>>;
 
     async fn collect_diagnostics(
         &self,

@@ -66,7 +66,8 @@ impl pb::node_agent_server::NodeAgent for Fleet {
         pb::node_agent_server::NodeAgent::apply_network(&agent, request).await
     }
 
-    type CollectDiagnosticsStream = <AgentService as pb::node_agent_server::NodeAgent>::CollectDiagnosticsStream;
+    type CollectDiagnosticsStream =
+        <AgentService as pb::node_agent_server::NodeAgent>::CollectDiagnosticsStream;
 
     async fn collect_diagnostics(
         &self,

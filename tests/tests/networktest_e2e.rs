@@ -204,6 +204,16 @@ impl Agents for NetnsAgents {
     ) -> BoxFuture<'a, Result<pb::ApplyNetworkResponse, CallError>> {
         unimplemented!("the NetworkTest reconciler applies no network state")
     }
+
+    fn collect_diagnostics<'a>(
+        &'a self,
+        _: &'a AgentNode,
+        _: pb::DiagnosticsRequest,
+        _: Duration,
+    ) -> BoxFuture<'a, Result<nodekeeper_controller::shared::agents::DiagnosticsStream, CallError>>
+    {
+        unimplemented!("the NetworkTest reconciler collects no diagnostics")
+    }
 }
 
 fn netns_agents(by_address: BTreeMap<IpAddr, String>) -> Arc<dyn Agents> {

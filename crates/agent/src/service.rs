@@ -97,9 +97,8 @@ impl NodeAgent for AgentService {
         Ok(Response::new(manager.apply(request.into_inner()).await?))
     }
 
-    type CollectDiagnosticsStream = tokio_stream::wrappers::ReceiverStream<
-        Result<pb::DiagnosticsChunk, Status>,
-    >;
+    type CollectDiagnosticsStream =
+        tokio_stream::wrappers::ReceiverStream<Result<pb::DiagnosticsChunk, Status>>;
 
     async fn collect_diagnostics(
         &self,

@@ -133,7 +133,10 @@ impl Budget {
 
 /// What the gathering task hands to the writer thread.
 pub enum Member {
-    File { name: String, data: Vec<u8> },
+    File {
+        name: String,
+        data: Vec<u8>,
+    },
     /// The manifest (written last), then the final chunk carrying the summary.
     Finish(Box<Manifest>),
 }

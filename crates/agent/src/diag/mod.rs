@@ -197,7 +197,10 @@ impl Diagnostics {
                 Err(_) => PartEntry::new(
                     part,
                     PartStatus::Failed,
-                    &format!("timed out after {:?} (the part's time cap)", limits.part_timeout),
+                    &format!(
+                        "timed out after {:?} (the part's time cap)",
+                        limits.part_timeout
+                    ),
                     took,
                 ),
                 Ok(Err(reason)) => PartEntry::new(part, PartStatus::Failed, &reason, took),

@@ -314,10 +314,7 @@ impl Diagnostics {
         for path in wanted {
             let full = under_root(&self.config.host_root, path);
             match read_head(&full, per) {
-                Ok(data) => files.push((
-                    format!("files{}", path.display()),
-                    data,
-                )),
+                Ok(data) => files.push((format!("files{}", path.display()), data)),
                 Err(e) => notes.push(format!("{}: {e}", path.display())),
             }
         }
@@ -473,7 +470,9 @@ async fn kernel_log(path: PathBuf, cap: usize) -> Result<Gathered, Failure> {
         }
         let mut notes = Vec::new();
         if truncated {
-            notes.push(format!("older messages dropped to keep the last {cap} bytes"));
+            notes.push(format!(
+                "older messages dropped to keep the last {cap} bytes"
+            ));
         }
         let text: String = tail.into_iter().collect();
         Ok(Gathered::Files(
@@ -554,7 +553,9 @@ fn sysctl_dump(root: &Path, rule_keys: &[String], cap: usize) -> Result<Gathered
         return Err(format!("no sysctl readable under {}", root.display()));
     }
     if unreadable > 0 {
-        notes.push(format!("{unreadable} keys not readable (write-only or refused)"));
+        notes.push(format!(
+            "{unreadable} keys not readable (write-only or refused)"
+        ));
     }
     Ok(Gathered::Files(
         vec![("sysctl.txt".into(), lines.concat().into_bytes())],
@@ -575,7 +576,10 @@ fn sockets(proc_root: &Path, cap: usize) -> Result<Gathered, Failure> {
     ] {
         match read_head(&proc_root.join(file), cap / 5) {
             Ok(v) => {
-                text.push_str(&format!("== {file} ==\n{}\n", String::from_utf8_lossy(&v).trim_end()));
+                text.push_str(&format!(
+                    "== {file} ==\n{}\n",
+                    String::from_utf8_lossy(&v).trim_end()
+                ));
             }
             Err(e) => missing.push(format!("{file}: {e}")),
         }
@@ -610,7 +614,9 @@ mod tests {
     async fn kernel_log_keeps_the_tail() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("kmsg");
-        let text: String = (0..100).map(|i| format!("6,{i},{i}000,-;line {i}\n")).collect();
+        let text: String = (0..100)
+            .map(|i| format!("6,{i},{i}000,-;line {i}\n"))
+            .collect();
         std::fs::write(&path, text).unwrap();
         let Gathered::Files(files, notes) = kernel_log(path, 200).await.unwrap() else {
             panic!("files expected")
@@ -625,7 +631,11 @@ mod tests {
     fn sysctl_dump_reads_net_and_rule_keys() {
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path();
-        for (key, value) in [("net/core/somaxconn", "4096"), ("vm/swappiness", "10"), ("kernel/other", "1")] {
+        for (key, value) in [
+            ("net/core/somaxconn", "4096"),
+            ("vm/swappiness", "10"),
+            ("kernel/other", "1"),
+        ] {
             std::fs::create_dir_all(root.join(key).parent().unwrap()).unwrap();
             std::fs::write(root.join(key), format!("{value}\n")).unwrap();
         }

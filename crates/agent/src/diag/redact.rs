@@ -26,7 +26,12 @@ static RULES: LazyLock<Vec<Rule>> = LazyLock::new(|| {
         // A PEM private key block, including one cut off by a size cap (no END line).
         rule(
             r"-----BEGIN ([A-Z0-9 ]*)PRIVATE KEY-----(?s:.*?)(-----END [A-Z0-9 ]*PRIVATE KEY-----|\z)",
-            |c| format!("-----BEGIN {}PRIVATE KEY----- {MARK} -----END {}PRIVATE KEY-----", &c[1], &c[1]),
+            |c| {
+                format!(
+                    "-----BEGIN {}PRIVATE KEY----- {MARK} -----END {}PRIVATE KEY-----",
+                    &c[1], &c[1]
+                )
+            },
         ),
         // HTTP authorization headers, whatever the scheme (Basic, Bearer, OCI's Signature).
         rule(r"(?i)\b((?:proxy-)?authorization\s*:\s*)[^\r\n]*", |c| {
@@ -101,7 +106,10 @@ mod tests {
     fn removes_authorization_headers_and_bearer_tokens() {
         let out = clean("GET / HTTP/1.1\nAuthorization: Basic dXNlcjpwYXNz\nHost: x\n");
         assert!(!out.contains("dXNlcjpwYXNz"), "{out}");
-        assert!(out.contains("Authorization: [REDACTED]") && out.contains("Host: x"), "{out}");
+        assert!(
+            out.contains("Authorization: [REDACTED]") && out.contains("Host: x"),
+            "{out}"
+        );
         let out = clean("kubelet[12]: curl -H 'authorization: Signature keyId=\"k\"' https://h");
         assert!(!out.contains("keyId"), "{out}");
         let out = clean(r#"{"header": "Bearer eyJhbGciOi.J9eyJzdWIi.abc-_"}"#);
@@ -131,7 +139,10 @@ mod tests {
     #[test]
     fn removes_cloud_key_ids() {
         let out = clean("aws AKIAIOSFODNN7EXAMPLE and ASIAABCDEFGHIJKLMNOP");
-        assert!(!out.contains("AKIAIOSFODNN7EXAMPLE") && !out.contains("ASIAABCD"), "{out}");
+        assert!(
+            !out.contains("AKIAIOSFODNN7EXAMPLE") && !out.contains("ASIAABCD"),
+            "{out}"
+        );
         let oci = "keyId=ocid1.tenancy.oc1..aaaa/ocid1.user.oc1..bbbb/20:3b:97:13:55:1c:5b:0d:d3:37:d8:50:4e:c5:3a:34";
         let out = clean(&format!("signing with {}", &oci[6..]));
         assert!(!out.contains("ocid1.user"), "{out}");

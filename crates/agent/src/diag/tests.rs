@@ -67,7 +67,10 @@ async fn fetch(rig: &Rig, req: pb::DiagnosticsRequest) -> (Vec<u8>, pb::Diagnost
     while let Some(chunk) = stream.next().await {
         let chunk = chunk.unwrap();
         assert!(chunk.data.len() <= bundle::CHUNK_BYTES);
-        assert!(summary.is_none(), "the summary comes with the last chunk only");
+        assert!(
+            summary.is_none(),
+            "the summary comes with the last chunk only"
+        );
         bytes.extend_from_slice(&chunk.data);
         summary = chunk.summary;
     }
@@ -125,29 +128,53 @@ async fn failing_parts_are_in_the_manifest_and_the_rest_arrive() {
     let network = part(&m, "network");
     assert_eq!(network["status"], "failed", "{network}");
     assert!(
-        network["reason"].as_str().unwrap().contains("/nonexistent/ip"),
+        network["reason"]
+            .as_str()
+            .unwrap()
+            .contains("/nonexistent/ip"),
         "{network}"
     );
     let journal = part(&m, "journal");
     assert_eq!(journal["status"], "skipped");
-    assert!(journal["reason"].as_str().unwrap().contains("journald is not reachable"));
+    assert!(
+        journal["reason"]
+            .as_str()
+            .unwrap()
+            .contains("journald is not reachable")
+    );
     assert_eq!(part(&m, "gpu")["status"], "skipped");
     assert_eq!(part(&m, "oca")["status"], "skipped");
 
     // The parts that worked are there, and every file the manifest lists is a member.
-    for name in ["report", "kernel-log", "sysctl", "sockets", "disk", "node-files"] {
+    for name in [
+        "report",
+        "kernel-log",
+        "sysctl",
+        "sockets",
+        "disk",
+        "node-files",
+    ] {
         let p = part(&m, name);
         assert_eq!(p["status"], "ok", "{p}");
         for f in p["files"].as_array().unwrap() {
             let file = f["name"].as_str().unwrap();
-            assert_eq!(members[file].len() as u64, f["bytes"].as_u64().unwrap(), "{file}");
+            assert_eq!(
+                members[file].len() as u64,
+                f["bytes"].as_u64().unwrap(),
+                "{file}"
+            );
         }
     }
     assert!(String::from_utf8_lossy(&members["sysctl.txt"]).contains("net.core.somaxconn = 4096"));
     let report: serde_json::Value = serde_json::from_slice(&members["report.json"]).unwrap();
     assert_eq!(report["nodeName"], "n1");
     // A configured file that is missing is noted, not fatal.
-    assert!(part(&m, "node-files")["reason"].as_str().unwrap().contains("/etc/missing.env"));
+    assert!(
+        part(&m, "node-files")["reason"]
+            .as_str()
+            .unwrap()
+            .contains("/etc/missing.env")
+    );
     assert_eq!(
         summary.parts_ok + summary.parts_failed + summary.parts_skipped,
         names.len() as u32
@@ -170,7 +197,10 @@ async fn planted_secrets_are_redacted_from_every_member() {
         assert!(!text.contains("env-secret-2"), "{name}: {text}");
     }
     let env = String::from_utf8_lossy(&members["files/etc/default/kubelet"]).into_owned();
-    assert!(env.contains("KUBELET_EXTRA_ARGS=--v=2") && env.contains("BOOTSTRAP_TOKEN=[REDACTED]"), "{env}");
+    assert!(
+        env.contains("KUBELET_EXTRA_ARGS=--v=2") && env.contains("BOOTSTRAP_TOKEN=[REDACTED]"),
+        "{env}"
+    );
     let m = manifest(&members);
     assert_eq!(part(&m, "kernel-log")["redactions"], 1);
     assert_eq!(part(&m, "node-files")["redactions"], 1);
@@ -213,7 +243,10 @@ async fn the_bundle_cap_holds_and_the_manifest_says_what_was_cut() {
     assert_eq!(part(&m, "report")["status"], "ok");
     let sysctl = part(&m, "sysctl");
     assert_eq!(sysctl["status"], "skipped", "{sysctl}");
-    assert!(sysctl["reason"].as_str().unwrap().contains("size cap"), "{sysctl}");
+    assert!(
+        sysctl["reason"].as_str().unwrap().contains("size cap"),
+        "{sysctl}"
+    );
     assert!(summary.parts_truncated >= 1);
 }
 
@@ -236,7 +269,11 @@ async fn unknown_parts_and_bad_caps_are_refused_before_gathering() {
             ..Default::default()
         })
         .unwrap_err();
-    assert!(err.message().starts_with("max_bundle_bytes"), "{}", err.message());
+    assert!(
+        err.message().starts_with("max_bundle_bytes"),
+        "{}",
+        err.message()
+    );
 }
 
 #[tokio::test]
@@ -252,7 +289,10 @@ async fn a_part_past_its_time_cap_fails_and_the_bundle_goes_on() {
         diagnostics: {
             let mut config = rig.diagnostics.config.clone();
             config.diagnostics.diagnostics_journalctl = script;
-            Arc::new(Diagnostics::new(Arc::clone(&rig.diagnostics.agent), &config))
+            Arc::new(Diagnostics::new(
+                Arc::clone(&rig.diagnostics.agent),
+                &config,
+            ))
         },
         dir: rig.dir,
     };
@@ -266,10 +306,17 @@ async fn a_part_past_its_time_cap_fails_and_the_bundle_goes_on() {
         },
     )
     .await;
-    assert!(started.elapsed() < Duration::from_secs(4), "{:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_secs(4),
+        "{:?}",
+        started.elapsed()
+    );
     let m = manifest(&untar(&bytes));
     let journal = part(&m, "journal");
     assert_eq!(journal["status"], "failed");
-    assert!(journal["reason"].as_str().unwrap().contains("timed out"), "{journal}");
+    assert!(
+        journal["reason"].as_str().unwrap().contains("timed out"),
+        "{journal}"
+    );
     assert_eq!(part(&m, "sysctl")["status"], "ok");
 }

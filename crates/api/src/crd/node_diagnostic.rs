@@ -195,7 +195,10 @@ mod tests {
             ..Default::default()
         });
         let json = serde_json::to_value(&d).unwrap();
-        assert_eq!(json["status"]["nodes"][0]["downloadPath"], "/api/diagnostics/ns/d/n1");
+        assert_eq!(
+            json["status"]["nodes"][0]["downloadPath"],
+            "/api/diagnostics/ns/d/n1"
+        );
         assert_eq!(serde_json::from_value::<NodeDiagnostic>(json).unwrap(), d);
     }
 

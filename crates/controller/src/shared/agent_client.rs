@@ -183,6 +183,29 @@ impl AgentConnection {
     }
 }
 
+impl AgentConnection {
+    /// Opens a diagnostics bundle stream. Opening is bounded by the call timeout; the chunks are
+    /// read by the caller under a deadline of its own (a bundle takes longer than a report).
+    pub async fn collect_diagnostics(
+        &mut self,
+        request: pb::DiagnosticsRequest,
+    ) -> Result<
+        impl futures::Stream<Item = Result<pb::DiagnosticsChunk, CallError>> + Send + 'static,
+        CallError,
+    > {
+        use futures::StreamExt as _;
+        let (endpoint, timeout) = (self.endpoint, self.limits.timeout);
+        let stream = finish(endpoint, timeout, self.client.collect_diagnostics(request)).await?;
+        Ok(stream.map(move |item| {
+            item.map_err(|status| CallError {
+                outcome: classify_status(&status),
+                endpoint,
+                detail: format!("{:?}: {}", status.code(), status.message()),
+            })
+        }))
+    }
+}
+
 async fn finish<T>(
     endpoint: SocketAddr,
     timeout: Duration,

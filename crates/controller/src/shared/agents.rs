@@ -1,5 +1,5 @@
 //! The agents service: every call the controller makes to a node agent goes through [`Agents`]
-//! (`report`, `run_probes`, `apply_network`; diagnostics will join them), so that each call gets
+//! (`report`, `run_probes`, `apply_network`, `collect_diagnostics`), so that each call gets
 //! the same treatment whichever controller makes it: only agents of Nodes this controller manages
 //! (its `--node-selector`) are contacted, over mutual TLS with the current certificates, within a
 //! whole-call timeout and the reply size limit, inside a tracing span naming the node, and
@@ -15,6 +15,7 @@ use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
+use futures::stream::BoxStream;
 use nodekeeper_model::tuning::RuleSet;
 use nodekeeper_proto::agent::v1 as pb;
 use tracing::Instrument as _;
@@ -70,6 +71,9 @@ pub struct Report {
     pub rules: RulesOutcome,
 }
 
+/// A diagnostics bundle as the agent streams it (`.tar.gz` chunks; the last carries the summary).
+pub type DiagnosticsStream = BoxStream<'static, Result<pb::DiagnosticsChunk, CallError>>;
+
 /// Calls to node agents. Every method contacts only managed nodes and returns an error naming
 /// the endpoint otherwise.
 pub trait Agents: Send + Sync {
@@ -96,6 +100,15 @@ pub trait Agents: Send + Sync {
         request: pb::ApplyNetworkRequest,
         timeout: Duration,
     ) -> BoxFuture<'a, Result<pb::ApplyNetworkResponse, CallError>>;
+
+    /// Opens the agent's diagnostics bundle stream; `timeout` bounds connecting and opening, the
+    /// caller bounds the reading.
+    fn collect_diagnostics<'a>(
+        &'a self,
+        node: &'a AgentNode,
+        request: pb::DiagnosticsRequest,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<DiagnosticsStream, CallError>>;
 }
 
 /// The production [`Agents`]: mutual TLS to the agents of the Nodes in [`Fleet`].
@@ -294,6 +307,23 @@ impl Agents for MtlsAgents {
             let result = async {
                 let mut conn = self.connect(node, timeout).await?;
                 conn.apply_network(request).await
+            }
+            .await;
+            (outcome_of(&result), result)
+        })
+    }
+
+    fn collect_diagnostics<'a>(
+        &'a self,
+        node: &'a AgentNode,
+        request: pb::DiagnosticsRequest,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<DiagnosticsStream, CallError>> {
+        use futures::StreamExt as _;
+        self.measured(AgentMethod::CollectDiagnostics, node, async move {
+            let result = async {
+                let mut conn = self.connect(node, timeout).await?;
+                Ok(conn.collect_diagnostics(request).await?.boxed())
             }
             .await;
             (outcome_of(&result), result)

@@ -236,6 +236,7 @@ pub enum AgentMethod {
     Report,
     RunProbes,
     ApplyNetwork,
+    CollectDiagnostics,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
