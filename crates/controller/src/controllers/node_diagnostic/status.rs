@@ -96,12 +96,22 @@ pub fn without_bundle(node: &str, phase: Phase, reason: String) -> NodeBundle {
     }
 }
 
-fn base(prev: Option<&NodeDiagnosticStatus>, generation: Option<i64>) -> NodeDiagnosticStatus {
-    NodeDiagnosticStatus {
+/// A fresh status keeping `prev`'s conditions, and the stamp for the conditions set now.
+fn base(
+    prev: Option<&NodeDiagnosticStatus>,
+    generation: Option<i64>,
+    now: u64,
+) -> (NodeDiagnosticStatus, Stamp) {
+    let status = NodeDiagnosticStatus {
         conditions: prev.map(|p| p.conditions.clone()).unwrap_or_default(),
         observed_generation: generation,
         ..NodeDiagnosticStatus::default()
-    }
+    };
+    let stamp = Stamp {
+        generation,
+        now: rfc3339(now),
+    };
+    (status, stamp)
 }
 
 /// The spec was refused: Failed, `SpecValid=False` naming the field.
@@ -111,16 +121,11 @@ pub fn refused(
     generation: Option<i64>,
     now: u64,
 ) -> NodeDiagnosticStatus {
-    let mut s = base(prev, generation);
-    let now_s = rfc3339(now);
-    let stamp = Stamp {
-        generation,
-        now: now_s.clone(),
-    };
+    let (mut s, stamp) = base(prev, generation, now);
     s.phase = Some(Phase::Failed);
     s.completion_time = Some(
         prev.and_then(|p| p.completion_time.clone())
-            .unwrap_or(now_s.clone()),
+            .unwrap_or(stamp.now.clone()),
     );
     let message = error.to_string();
     stamp.set(
@@ -147,12 +152,7 @@ pub fn running(
     generation: Option<i64>,
     now: u64,
 ) -> NodeDiagnosticStatus {
-    let mut s = base(prev, generation);
-    let now_s = rfc3339(now);
-    let stamp = Stamp {
-        generation,
-        now: now_s.clone(),
-    };
+    let (mut s, stamp) = base(prev, generation, now);
     s.phase = Some(Phase::Running);
     s.node_count = u32::try_from(nodes.len()).unwrap_or(u32::MAX);
     s.nodes = nodes
@@ -194,12 +194,7 @@ pub fn finished(
     generation: Option<i64>,
     now: u64,
 ) -> NodeDiagnosticStatus {
-    let mut s = base(prev, generation);
-    let now_s = rfc3339(now);
-    let stamp = Stamp {
-        generation,
-        now: now_s.clone(),
-    };
+    let (mut s, stamp) = base(prev, generation, now);
     nodes.sort_by(|a, b| a.node.cmp(&b.node));
     for n in &mut nodes {
         n.reason = nodekeeper_model::text::truncate(&n.reason, MAX_REASON).into_owned();
@@ -231,7 +226,7 @@ pub fn finished(
     };
     s.phase = Some(phase);
     s.nodes = nodes.into_iter().take(MAX_NODES).collect();
-    s.completion_time = Some(now_s.clone());
+    s.completion_time = Some(stamp.now.clone());
     stamp.set(
         &mut s,
         CONDITION_SPEC_VALID,
