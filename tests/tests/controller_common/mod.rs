@@ -215,6 +215,16 @@ pub async fn start_agent(
     addr: SocketAddr,
     tls: &(String, String, String),
 ) -> anyhow::Result<AgentHandle> {
+    start_agent_with(node, addr, tls, &[]).await
+}
+
+/// [`start_agent`] with more agent flags (`--flag=value`), given after the defaults.
+pub async fn start_agent_with(
+    node: &str,
+    addr: SocketAddr,
+    tls: &(String, String, String),
+    extra: &[String],
+) -> anyhow::Result<AgentHandle> {
     let dir = tempfile::tempdir()?;
     let write = |name: &str, text: &str| -> anyhow::Result<PathBuf> {
         let p = dir.path().join(name);
@@ -231,7 +241,7 @@ pub async fn start_agent(
     std::fs::create_dir_all(&state_dir)?;
     let s = |p: &Path| p.display().to_string();
     use clap::Parser;
-    let config = nodekeeper_agent::Config::try_parse_from([
+    let defaults = [
         "nodekeeper-agent".into(),
         format!("--listen={addr}"),
         format!("--node-name={node}"),
@@ -242,7 +252,8 @@ pub async fn start_agent(
         format!("--sysctl-root={}", s(&sysctl_root)),
         format!("--proc-root={}", s(&proc_root)),
         "--nvidia-smi=/nonexistent/nvidia-smi".into(),
-    ])?;
+    ];
+    let config = nodekeeper_agent::Config::try_parse_from(defaults.iter().chain(extra))?;
     let stop = CancellationToken::new();
     // The agent crate's own server, on a listener bound to this node's address.
     let listener = tokio::net::TcpListener::bind(addr)

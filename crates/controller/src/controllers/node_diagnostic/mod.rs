@@ -12,8 +12,9 @@ pub mod reconcile;
 pub mod status;
 pub mod store;
 
+use std::collections::HashSet;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kube::Api;
@@ -86,6 +87,9 @@ pub struct Context {
     pub timeout: Duration,
     /// Watch only this namespace; `None` watches all.
     pub namespace: Option<String>,
+    /// UIDs of the NodeDiagnostics this process finished: the watch may still show the Running
+    /// status (written before the final one) and they must not be collected again.
+    pub finished: Mutex<HashSet<String>>,
 }
 
 impl Context {
@@ -105,6 +109,7 @@ impl Context {
             object_concurrency: config.nodediagnostic_concurrency,
             timeout: config.diagnostics_timeout,
             namespace: None,
+            finished: Mutex::default(),
         }
     }
 }

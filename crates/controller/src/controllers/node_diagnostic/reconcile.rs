@@ -5,7 +5,7 @@
 //! finalizer then deletes its bundles.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
 use futures::StreamExt as _;
@@ -24,6 +24,9 @@ use tracing::{info, warn};
 use super::status::{self, Expiry, Storage};
 use super::{Context, collect};
 use crate::shared::AgentNode;
+
+/// UIDs remembered as finished by this process (see `Context::finished`).
+const MAX_REMEMBERED: usize = 4096;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -70,6 +73,12 @@ fn cleanup(obj: &NodeDiagnostic, ctx: &Context) -> Result<Action, Error> {
             object: format!("{ns}/{name}"),
             source,
         })?;
+    if let Some(uid) = obj.uid() {
+        ctx.finished
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&uid);
+    }
     info!(object = %format!("{ns}/{name}"), "nodediagnostic bundles deleted");
     Ok(Action::await_change())
 }
@@ -134,6 +143,17 @@ async fn apply(obj: Arc<NodeDiagnostic>, ctx: &Context) -> Result<Action, Error>
                 Ok(Action::await_change())
             }
         };
+    }
+
+    let uid = obj.uid().unwrap_or_default();
+    if ctx
+        .finished
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .contains(&uid)
+    {
+        // Finished here; the watch has not shown the final status yet.
+        return Ok(Action::requeue(Duration::from_secs(2)));
     }
 
     let refuse = |e: FieldError| {
@@ -244,6 +264,15 @@ async fn apply(obj: Arc<NodeDiagnostic>, ctx: &Context) -> Result<Action, Error>
     );
     info!(%object, phase = ?done.phase, failed = done.failed_count, "nodediagnostic finished");
     write_status(&api, &name, &object, Some(&running), &done).await?;
+    {
+        let mut finished = ctx.finished.lock().unwrap_or_else(PoisonError::into_inner);
+        // Bounded: an entry only matters until the watch shows the final status (seconds); a
+        // full set is cleared rather than grown.
+        if finished.len() >= MAX_REMEMBERED {
+            finished.clear();
+        }
+        finished.insert(uid);
+    }
     Ok(requeue_after_ttl(ttl))
 }
 
