@@ -465,3 +465,135 @@ async fn bundles_are_collected_stored_downloaded_and_deleted() -> anyhow::Result
     drop((agents, controller));
     Ok(())
 }
+
+/// Pseudo-random lowercase text (compresses to about 60 %, like busy logs), as kmsg records.
+fn noisy_kmsg(bytes: usize) -> String {
+    let mut seed = 0x2545_f491_u32;
+    let mut out = String::with_capacity(bytes + 100);
+    let mut i = 0u64;
+    while out.len() < bytes {
+        let mut line = String::with_capacity(100);
+        for _ in 0..80 {
+            seed ^= seed << 13;
+            seed ^= seed >> 17;
+            seed ^= seed << 5;
+            line.push(char::from(b'a' + (seed % 26) as u8));
+        }
+        out.push_str(&format!("6,{i},{i}000,-;{line}\n"));
+        i += 1;
+    }
+    out
+}
+
+/// `VmRSS` or `VmHWM` (peak) of a process, in KiB.
+fn memory_kib(pid: u32, field: &str) -> anyhow::Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    status
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix(field)?
+                .trim_start_matches(':')
+                .split_whitespace()
+                .next()?
+                .parse()
+                .ok()
+        })
+        .with_context(|| format!("no {field} in /proc/{pid}/status"))
+}
+
+/// Benchmark (not a timed test): one node's bundle time and size, then the controller's RSS while
+/// 50 bundles of about 2 MB stream at once. Prints the figures for BENCHMARKS.md.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "benchmark: cargo xtask test -- -p nodekeeper-e2e --test node_diagnostic -- --ignored --exact bench_bundles --nocapture"]
+async fn bench_bundles() -> anyhow::Result<()> {
+    const NODES: usize = 50;
+    const KMSG_BYTES: usize = 3 << 20;
+    let client = ControlPlane::shared().client().await?;
+    install_crds(&client).await?;
+    let ns = test_namespace(&client, "nk-diag-bench").await?;
+    let group = unique_name("diagbench");
+    let labels: BTreeMap<String, String> =
+        [("nodekeeper.dev/e2e-group".to_string(), group.clone())].into();
+    let ips = loopback_ips(NODES);
+    let nodes = create_simulated_nodes(&client, "nk-dbench", NODES, &labels, &ips).await?;
+    let port = free_port();
+    put_tuning(
+        &client,
+        &ns,
+        &BTreeMap::from([("sweepInterval", "5m"), ("callTimeout", "5s")]),
+    )
+    .await?;
+    let store = tempfile::tempdir()?;
+    let store_dir = store.path().display().to_string();
+    let controller = ControllerProcess::start(
+        &ns,
+        "diag-bench",
+        &format!("nodekeeper.dev/e2e-group={group}"),
+        port,
+        &[
+            ("NODEKEEPER_DIAGNOSTICS_DIR", &store_dir),
+            ("NODEKEEPER_DIAGNOSTICS_CONCURRENCY", "50"),
+            ("NODEKEEPER_LOG", "warn"),
+        ],
+    )?;
+    let tls = agent_tls(&client, &ns).await?;
+    let files = tempfile::tempdir()?;
+    std::fs::write(files.path().join("kmsg"), noisy_kmsg(KMSG_BYTES))?;
+    let extra = vec![
+        format!("--diagnostics-kmsg={}", files.path().join("kmsg").display()),
+        "--diagnostics-journalctl=/nonexistent/journalctl".into(),
+    ];
+    let mut agents = Vec::new();
+    for (node, ip) in nodes.iter().zip(&ips) {
+        agents
+            .push(start_agent_with(node, SocketAddr::new((*ip).into(), port), &tls, &extra).await?);
+    }
+    for node in &nodes {
+        wait_condition(&client, node, "NodekeeperReachable", "True", None, TIMEOUT).await?;
+    }
+    let api: Api<NodeDiagnostic> = Api::namespaced(client.clone(), &ns);
+
+    let one = unique_name("one");
+    let started = std::time::Instant::now();
+    apply(
+        &api,
+        &one,
+        json!({"nodeName": nodes[0], "ttlSecondsAfterFinished": 600}),
+    )
+    .await?;
+    let s = finished(&api, &one).await?.status.context("status")?;
+    let one_took = started.elapsed();
+    assert_eq!(s.phase, Some(Phase::Succeeded), "{s:?}");
+    let one_size = s.nodes[0].size_bytes;
+
+    let rss_before = memory_kib(controller.pid(), "VmRSS")?;
+    let all = unique_name("all");
+    let started = std::time::Instant::now();
+    apply(
+        &api,
+        &all,
+        json!({"nodeSelector": {"matchLabels": {"nodekeeper.dev/e2e-group": group}}, "ttlSecondsAfterFinished": 600}),
+    )
+    .await?;
+    let s = finished(&api, &all).await?.status.context("status")?;
+    let all_took = started.elapsed();
+    assert_eq!(s.phase, Some(Phase::Succeeded), "{s:?}");
+    let total: u64 = s.nodes.iter().map(|n| n.size_bytes).sum();
+    let peak = memory_kib(controller.pid(), "VmHWM")?;
+    println!(
+        "BENCH node_diagnostic: one node (all parts, {} MiB kernel log): {:.2} s, bundle {} bytes",
+        KMSG_BYTES >> 20,
+        one_took.as_secs_f64(),
+        one_size
+    );
+    println!(
+        "BENCH node_diagnostic: {NODES} nodes at once: {:.2} s, {} bytes streamed in all; controller RSS before {} KiB, peak (VmHWM) {} KiB, growth {} KiB",
+        all_took.as_secs_f64(),
+        total,
+        rss_before,
+        peak,
+        peak.saturating_sub(rss_before)
+    );
+    drop((agents, controller));
+    Ok(())
+}
