@@ -565,6 +565,26 @@ async fn bench_bundles() -> anyhow::Result<()> {
     let one_took = started.elapsed();
     assert_eq!(s.phase, Some(Phase::Succeeded), "{s:?}");
     let one_size = s.nodes[0].size_bytes;
+    let (code, _, body) = get_bytes(controller.http, &s.nodes[0].download_path).await?;
+    assert_eq!(code, 200);
+    let listing = std::process::Command::new("sh")
+        .arg("-c")
+        .arg("tar -xzOf - --wildcards '*/manifest.json'")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .and_then(|mut c| {
+            use std::io::Write as _;
+            c.stdin.take().expect("piped").write_all(&body)?;
+            c.wait_with_output()
+        })?;
+    let manifest: serde_json::Value = serde_json::from_slice(&listing.stdout)?;
+    for p in manifest["parts"].as_array().context("parts")? {
+        println!(
+            "BENCH part {}: {} {} bytes {} ms {}",
+            p["name"], p["status"], p["bytes"], p["durationMs"], p["reason"]
+        );
+    }
 
     let rss_before = memory_kib(controller.pid(), "VmRSS")?;
     let all = unique_name("all");
@@ -579,6 +599,10 @@ async fn bench_bundles() -> anyhow::Result<()> {
     let all_took = started.elapsed();
     assert_eq!(s.phase, Some(Phase::Succeeded), "{s:?}");
     let total: u64 = s.nodes.iter().map(|n| n.size_bytes).sum();
+    // Which parts the overloaded agents could not finish (all 50 share this machine's cores).
+    for n in s.nodes.iter().filter(|n| !n.reason.is_empty()).take(3) {
+        println!("BENCH note: {}: {}", n.node, n.reason);
+    }
     let peak = memory_kib(controller.pid(), "VmHWM")?;
     println!(
         "BENCH node_diagnostic: one node (all parts, {} MiB kernel log): {:.2} s, bundle {} bytes",

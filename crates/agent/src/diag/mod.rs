@@ -209,8 +209,25 @@ impl Diagnostics {
                 }
                 Ok(Ok(Gathered::Files(files, notes))) => {
                     let mut entry = PartEntry::new(part, PartStatus::Ok, &notes.join("; "), took);
-                    for (name, data) in files {
-                        let (mut data, redactions) = redact::redact_bytes(&data);
+                    // Redaction is CPU work over up to a part's cap: off the async thread, so
+                    // the agent's other calls (one runtime thread) are not held up by it.
+                    let Ok(redacted) = tokio::task::spawn_blocking(move || {
+                        files
+                            .into_iter()
+                            .map(|(name, data)| {
+                                let (data, n) = redact::redact_bytes(&data);
+                                (name, data, n)
+                            })
+                            .collect::<Vec<_>>()
+                    })
+                    .await
+                    else {
+                        // Nothing unredacted may be written: the part is dropped whole.
+                        let why = "the redaction filter stopped; the part is left out";
+                        entries.push(PartEntry::new(part, PartStatus::Failed, why, took));
+                        continue;
+                    };
+                    for (name, mut data, redactions) in redacted {
                         entry.redactions += redactions;
                         let mut truncated = data.len() >= cap;
                         let fit = budget.take(data.len() as u64);
