@@ -106,6 +106,19 @@ pub async fn connect(
     endpoint: SocketAddr,
     limits: CallLimits,
 ) -> Result<AgentConnection, CallError> {
+    connect_windowed(tls, endpoint, limits, None).await
+}
+
+/// [`connect`] with HTTP/2 flow-control windows of `window` bytes (stream and connection). A
+/// stream the controller writes to disk as it reads (a diagnostics bundle) needs a small window:
+/// with hyper's default of 2 MiB per stream, a fast agent could park most of a bundle in the
+/// controller's memory while the disk catches up.
+pub async fn connect_windowed(
+    tls: &AgentTls,
+    endpoint: SocketAddr,
+    limits: CallLimits,
+    window: Option<u32>,
+) -> Result<AgentConnection, CallError> {
     let fail = |outcome, detail: String| CallError {
         outcome,
         endpoint,
@@ -116,7 +129,9 @@ pub async fn connect(
         .map_err(|e| fail(CallOutcome::Connect, chain(&e)))?
         .connect_timeout(limits.timeout)
         .timeout(limits.timeout)
-        .tcp_nodelay(true);
+        .tcp_nodelay(true)
+        .initial_stream_window_size(window)
+        .initial_connection_window_size(window);
     let channel = match tokio::time::timeout(limits.timeout, ep.connect()).await {
         Err(_) => {
             return Err(fail(

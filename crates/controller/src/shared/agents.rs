@@ -71,6 +71,10 @@ pub struct Report {
     pub rules: RulesOutcome,
 }
 
+/// HTTP/2 window of a diagnostics stream: four of the agent's 64 KiB chunks in flight, so the
+/// controller holds at most this much of a bundle in memory however fast the agent sends.
+pub const DIAGNOSTICS_WINDOW_BYTES: u32 = 256 * 1024;
+
 /// A diagnostics bundle as the agent streams it (`.tar.gz` chunks; the last carries the summary).
 pub type DiagnosticsStream = BoxStream<'static, Result<pb::DiagnosticsChunk, CallError>>;
 
@@ -144,6 +148,17 @@ impl MtlsAgents {
         node: &AgentNode,
         timeout: Duration,
     ) -> Result<AgentConnection, CallError> {
+        self.connect_windowed(node, timeout, None).await
+    }
+
+    /// [`Self::connect`] with HTTP/2 windows of `window` bytes (see
+    /// [`agent_client::connect_windowed`]).
+    async fn connect_windowed(
+        &self,
+        node: &AgentNode,
+        timeout: Duration,
+        window: Option<u32>,
+    ) -> Result<AgentConnection, CallError> {
         let managed = self
             .fleet
             .lock()
@@ -175,7 +190,7 @@ impl MtlsAgents {
             timeout,
             max_reply_bytes: self.max_reply_bytes,
         };
-        agent_client::connect(&tls, node.endpoint, limits).await
+        agent_client::connect_windowed(&tls, node.endpoint, limits, window).await
     }
 
     /// Runs `call` in a span naming the node and counts it by method and outcome.
@@ -322,7 +337,9 @@ impl Agents for MtlsAgents {
         use futures::StreamExt as _;
         self.measured(AgentMethod::CollectDiagnostics, node, async move {
             let result = async {
-                let mut conn = self.connect(node, timeout).await?;
+                let mut conn = self
+                    .connect_windowed(node, timeout, Some(DIAGNOSTICS_WINDOW_BYTES))
+                    .await?;
                 Ok(conn.collect_diagnostics(request).await?.boxed())
             }
             .await;
