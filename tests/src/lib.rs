@@ -38,6 +38,7 @@
 
 pub mod controlplane;
 mod harness;
+pub mod oci_endpoint;
 
 pub use controlplane::{Lifetime, Options};
 pub use harness::{

@@ -164,6 +164,19 @@ async fn controller_runs_an_icmp_mesh_and_serves_the_full_results() -> anyhow::R
     .await?;
     assert_eq!(code, 404, "{body}");
 
+    // The controller scaffold counted the reconciles (by controller name only) and every probe
+    // call through the agents service (by method and outcome).
+    let http = controller.http;
+    let nt = ["controller=\"networktest\""];
+    assert!(metric(http, "nodekeeper_reconcile_runs_total", &nt).await? >= 1.0);
+    assert!(metric(http, "nodekeeper_reconcile_seconds_count", &nt).await? >= 1.0);
+    assert_eq!(
+        metric(http, "nodekeeper_reconcile_failures_total", &nt).await?,
+        0.0
+    );
+    let answered = ["method=\"RunProbes\"", "outcome=\"Answered\""];
+    assert!(metric(http, "nodekeeper_agents_calls_total", &answered).await? >= 3.0);
+
     // Without --api-server-address an apiServer target fails naming the field.
     let apiserver = unique_name("apiserver");
     apply_test(

@@ -33,7 +33,7 @@ use nodekeeper_controller::agent_client::{CallError, CallOutcome};
 use nodekeeper_controller::controllers::networktest::plan::Environment;
 use nodekeeper_controller::controllers::networktest::store::ResultsStore;
 use nodekeeper_controller::controllers::{self, networktest};
-use nodekeeper_controller::shared::agents::{AgentNode, Agents, Report};
+use nodekeeper_controller::shared::agents::{AgentNode, Agents, Report, RulesOutcome};
 use nodekeeper_e2e::{
     ControlPlane, create_simulated_nodes, install_crds, test_namespace, unique_name, wait_for,
 };
@@ -187,22 +187,28 @@ impl Agents for NetnsAgents {
         })
     }
 
+    // The NetworkTest reconciler reads no reports and applies no network state.
     fn report<'a>(
         &'a self,
-        _: &'a AgentNode,
+        node: &'a AgentNode,
         _: nodekeeper_controller::shared::agents::ReportRequest<'a>,
         _: Duration,
     ) -> BoxFuture<'a, Report> {
-        unimplemented!("the NetworkTest reconciler reads no reports")
+        let view = Err(call_error(node.endpoint, "no reports in this test".into()));
+        Box::pin(std::future::ready(Report {
+            view,
+            rules: RulesOutcome::NotPushed,
+        }))
     }
 
     fn apply_network<'a>(
         &'a self,
-        _: &'a AgentNode,
+        node: &'a AgentNode,
         _: pb::ApplyNetworkRequest,
         _: Duration,
     ) -> BoxFuture<'a, Result<pb::ApplyNetworkResponse, CallError>> {
-        unimplemented!("the NetworkTest reconciler applies no network state")
+        let error = call_error(node.endpoint, "no network state in this test".into());
+        Box::pin(std::future::ready(Err(error)))
     }
 
     fn collect_diagnostics<'a>(

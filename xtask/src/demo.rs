@@ -552,7 +552,7 @@ async fn steps(args: &DemoArgs, bins: &Binaries, running: &mut Running) -> Resul
     )
     .await
     .context(
-        "the controller did not pick up the NetworkTest (does this build of nodekeeper-controller run the NetworkTest reconciler? `grep -n networktest crates/controller/src/lib.rs`)",
+        "the controller did not pick up the NetworkTest (does this build of nodekeeper-controller run the NetworkTest reconciler? `grep -n networktest crates/controller/src/controllers/mod.rs`)",
     )?;
     let done = wait_until_some(
         running,

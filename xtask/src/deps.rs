@@ -111,6 +111,70 @@ pub fn ensure(requirements: &[Requirement]) -> Result<()> {
     Ok(())
 }
 
+/// Oracle's Python SDK, the reference that `crates/oci/tests/signer_python.rs` compares our request
+/// signatures with, pinned to the version the signing facts were checked against
+/// (`shared/oci/compute-api.md` §6).
+pub const PYTHON_OCI: &str = "oci==2.189.0";
+
+/// Python with `venv`, for the virtual environment that holds [`PYTHON_OCI`].
+const PYTHON3_VENV: Requirement = Requirement {
+    command: "python3",
+    package: Some("python3-venv"),
+    why: "runs Oracle's Python SDK, the reference for OCI request signatures",
+};
+
+/// `${XDG_CACHE_HOME:-$HOME/.cache}/nodekeeper/python-oci`: the virtual environment the signer
+/// test looks for (it finds it by the same rule).
+pub fn python_oci_venv() -> PathBuf {
+    nodekeeper_e2e::controlplane::binaries::cache_root().join("python-oci")
+}
+
+/// Makes sure [`python_oci_venv`] exists and imports `oci`, creating it and installing
+/// [`PYTHON_OCI`] from PyPI when not. Part of what `cargo xtask test` installs.
+pub fn ensure_python_oci() -> Result<()> {
+    let venv = python_oci_venv();
+    let python = venv.join("bin").join("python3");
+    let imports = |python: &std::path::Path| {
+        Command::new(python)
+            .args(["-c", "import oci"])
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if imports(&python) {
+        return Ok(());
+    }
+    ensure(&[PYTHON3_VENV])?;
+    eprintln!("xtask: installing {PYTHON_OCI} into {}", venv.display());
+    let status = Command::new("python3")
+        .args(["-m", "venv", "--clear"])
+        .arg(&venv)
+        .status()
+        .context("run python3 -m venv")?;
+    if !status.success() {
+        bail!(
+            "`python3 -m venv {}` failed ({status}): install python3-venv (`apt-get install python3-venv`) and retry",
+            venv.display()
+        );
+    }
+    let status = Command::new(venv.join("bin").join("pip"))
+        .args([
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            PYTHON_OCI,
+        ])
+        .status()
+        .context("run pip install")?;
+    if !status.success() || !imports(&python) {
+        bail!(
+            "`pip install {PYTHON_OCI}` into {} failed ({status}): check that PyPI is reachable and retry",
+            venv.display()
+        );
+    }
+    Ok(())
+}
+
 fn run_apt(args: &[&str]) -> Result<()> {
     let status = Command::new("apt-get")
         .args(args)

@@ -46,6 +46,16 @@ mod tests {
             "nodekeeper-proto",
             &["kube", "kube-client", "kube-core", "k8s-openapi"],
         ),
+        // The kubectl plugin talks only to the API server, never to an agent.
+        (
+            "kubectl-nodekeeper",
+            &[
+                "nodekeeper-agent",
+                "nodekeeper-controller",
+                "nodekeeper-proto",
+                "tonic",
+            ],
+        ),
     ];
 
     /// Package name → the names of its normal dependencies, for the whole resolved graph.

@@ -24,6 +24,7 @@ pub struct TestArgs {
 pub fn run(args: TestArgs) -> Result<()> {
     let started = Instant::now();
     deps::ensure(deps::TEST)?;
+    deps::ensure_python_oci()?;
     if !deps::is_root() {
         eprintln!(
             "xtask: not running as root: network-namespace and VM tests will report SKIPPED (CI runs them as root)"

@@ -1,4 +1,5 @@
-//! The agent's state between calls: the rules in force, the last collection (reused for
+//! The agent's state between calls, built once per process: the rules in force, the host
+//! network manager (with the applied state and its status), the last collection (reused for
 //! `--report-max-age`), the CPU sample for busy time, and the GPU reading (reused for
 //! `--gpu-interval`). Runs the collectors and turns their output into a [`Report`].
 
@@ -8,12 +9,14 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tracing::debug;
 
-use crate::Error;
 use crate::collect::gpu::GpuReading;
 use crate::collect::load::CpuTimes;
 use crate::collect::{self, CollectError, Measurement, Unit};
 use crate::config::{Config, under_root};
-use crate::report::{self, Inputs, NetworkStatus, Report, SystemInfo};
+use crate::error::Error;
+use crate::monitor::state::{self as monitor_state, ProblemState, SharedState};
+use crate::network::NetworkManager;
+use crate::report::{self, Inputs, Report, SystemInfo};
 use crate::tunables::{RawRuleSet, Tunables};
 
 /// What the collectors read, taken from the configuration.
@@ -33,6 +36,10 @@ pub struct Sources {
 struct Cache {
     /// The last report, its revision and when it was collected.
     last: Option<(Instant, Arc<Report>, u64)>,
+    /// The network manager's `status_changes()` that the last report shows.
+    network_changes: u64,
+    /// The problem monitors' state revision that the last report shows.
+    problems_revision: u64,
     cpu: Option<CpuTimes>,
     gpu: Option<(Instant, GpuReading)>,
 }
@@ -42,9 +49,9 @@ pub struct Agent {
     sources: Sources,
     tunables: Mutex<Tunables>,
     cache: tokio::sync::Mutex<Cache>,
-    network: Mutex<NetworkStatus>,
-    /// `--imds-endpoint`: the only metadata service the agent may ask; `None` means never.
-    imds_endpoint: Option<String>,
+    network: NetworkManager,
+    /// Filled by the node problem monitors (started by [`crate::run`]).
+    problems: SharedState,
 }
 
 fn now_unix_ms() -> i64 {
@@ -54,7 +61,8 @@ fn now_unix_ms() -> i64 {
 }
 
 impl Agent {
-    /// Builds the agent, restoring the rules kept in `--state-dir`.
+    /// Builds the agent, restoring the rules kept in `--state-dir`. Nothing is opened yet: the
+    /// network manager connects to netlink on its first use.
     pub fn new(config: &Config) -> Self {
         Self {
             sources: Sources {
@@ -69,24 +77,36 @@ impl Agent {
             },
             tunables: Mutex::new(Tunables::load(config.sysctl_root(), &config.state_dir)),
             cache: tokio::sync::Mutex::new(Cache::default()),
-            network: Mutex::new(NetworkStatus::default()),
-            imds_endpoint: config.imds_endpoint.clone(),
+            network: NetworkManager::new(config.imds_endpoint.clone()),
+            problems: ProblemState::new_shared(),
         }
     }
 
-    /// The configured instance metadata service base URL, if any.
-    pub fn imds_endpoint(&self) -> Option<&str> {
-        self.imds_endpoint.as_deref()
+    /// The host network manager (`ApplyNetwork` and the drift loop).
+    pub fn network(&self) -> &NetworkManager {
+        &self.network
+    }
+
+    /// What the node problem monitors write into.
+    pub fn problems(&self) -> &SharedState {
+        &self.problems
     }
 
     /// The current revision and, unless the caller already holds it, the report.
     pub async fn report(&self, since_revision: u64) -> (u64, Option<Arc<Report>>) {
         let mut cache = self.cache.lock().await;
+        // Read before collecting: a change published meanwhile makes the next call collect again.
+        let network_changes = self.network.status_changes();
+        let problems_revision = monitor_state::lock(&self.problems).revision();
         let fresh = cache
             .last
             .as_ref()
-            .is_some_and(|(at, _, _)| at.elapsed() < self.sources.report_max_age);
+            .is_some_and(|(at, _, _)| at.elapsed() < self.sources.report_max_age)
+            && cache.network_changes == network_changes
+            && cache.problems_revision == problems_revision;
         if !fresh {
+            cache.network_changes = network_changes;
+            cache.problems_revision = problems_revision;
             let report = Arc::new(self.collect(&mut cache).await);
             let revision = report::revision(&report);
             debug!(revision, "collected report");
@@ -109,12 +129,6 @@ impl Agent {
             .set_rules(raw)?;
         self.cache.lock().await.last = None;
         Ok(revision)
-    }
-
-    /// Replaces the network status reported (for the host network manager, issue 4).
-    pub async fn set_network_status(&self, status: NetworkStatus) {
-        *self.network.lock().unwrap_or_else(PoisonError::into_inner) = status;
-        self.cache.lock().await.last = None;
     }
 
     async fn collect(&self, cache: &mut Cache) -> Report {
@@ -200,7 +214,12 @@ impl Agent {
         inputs.measurements = measurements;
 
         match collect::interfaces::collect().await {
-            Ok(interfaces) => inputs.interfaces = interfaces,
+            Ok(mut interfaces) => {
+                for iface in &mut interfaces {
+                    iface.managed = iface.managed || self.network.configures(iface);
+                }
+                inputs.interfaces = interfaces;
+            }
             Err(e) => errors.push(("interfaces".into(), e.to_string())),
         }
 
@@ -244,11 +263,8 @@ impl Agent {
         report.tunables = tunables.evaluate(report.collected_at_unix_ms);
         report.rules_revision = tunables.revision();
         drop(tunables);
-        report.network = self
-            .network
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone();
+        report.network = self.network.status();
+        report.problems = monitor_state::lock(&self.problems).clone();
         report
     }
 }

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
 
-use crate::Error;
+use crate::error::Error;
 
 /// Log line format.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -101,6 +101,57 @@ pub struct Config {
     #[arg(long, env = "NODEKEEPER_REPORT_MAX_AGE", default_value = "1s", value_parser = parse_duration)]
     pub report_max_age: Duration,
 
+    /// How often the host network state last applied with `ApplyNetwork` is planned again: a
+    /// non-empty plan is drift (something outside nodekeeper changed what it owns), reported and
+    /// repaired.
+    #[arg(long, env = "NODEKEEPER_DRIFT_INTERVAL", default_value = "60s", value_parser = parse_duration)]
+    pub drift_interval: Duration,
+
+    /// The kernel log the kernel-log monitor reads (NPD's kmsg monitor; records as in
+    /// `/dev/kmsg`). Its rules are NPD's kernel-monitor.json and readonly-monitor.json plus the
+    /// kmsg files in `--monitor-config-dir`.
+    #[arg(long, env = "NODEKEEPER_KMSG_PATH", default_value = "/dev/kmsg")]
+    pub kmsg_path: PathBuf,
+
+    /// Run the kernel-log monitor (`false` turns it off).
+    #[arg(long, env = "NODEKEEPER_KERNEL_MONITOR", default_value_t = true, action = clap::ArgAction::Set)]
+    pub kernel_monitor: bool,
+
+    /// Directory of node-problem-detector monitor files (`*.json`): kmsg rule files
+    /// (`"plugin": "kmsg"`; one with the `source` of a built-in file replaces it) and
+    /// custom-plugin files (`"plugin": "custom"`), read unchanged. Unset: built-in rules only.
+    #[arg(long, env = "NODEKEEPER_MONITOR_CONFIG_DIR")]
+    pub monitor_config_dir: Option<PathBuf>,
+
+    /// Run the built-in kubelet and container-runtime health checks (conditions
+    /// `KubeletUnhealthy` and `ContainerRuntimeUnhealthy`, as NPD's health checker).
+    #[arg(long, env = "NODEKEEPER_HEALTH_CHECKS", default_value_t = true, action = clap::ArgAction::Set)]
+    pub health_checks: bool,
+
+    /// The kubelet's healthz endpoint (plain HTTP; the kubelet's `--healthz-bind-address` and
+    /// `--healthz-port`).
+    #[arg(
+        long,
+        env = "NODEKEEPER_KUBELET_HEALTHZ_URL",
+        default_value = "http://127.0.0.1:10248/healthz"
+    )]
+    pub kubelet_healthz_url: String,
+
+    /// The container runtime's CRI socket. Unset: the first of containerd's and CRI-O's usual
+    /// sockets that exists under `--host-root`; none: the runtime check is off.
+    #[arg(long, env = "NODEKEEPER_CRI_SOCKET")]
+    pub cri_socket: Option<PathBuf>,
+
+    /// The `crictl` program (a bare name is looked up on PATH). When it is not found the runtime
+    /// check only connects to the CRI socket.
+    #[arg(long, env = "NODEKEEPER_CRICTL", default_value = "crictl")]
+    pub crictl: PathBuf,
+
+    /// Address for `/metrics` (plain HTTP) with node-problem-detector's `problem_counter` and
+    /// `problem_gauge` (NPD serves them on 127.0.0.1:20257). Unset: not served.
+    #[arg(long, env = "NODEKEEPER_METRICS_LISTEN")]
+    pub metrics_listen: Option<SocketAddr>,
+
     /// Largest gRPC message accepted or sent, in bytes; larger requests are refused.
     #[arg(long, env = "NODEKEEPER_MAX_MESSAGE_BYTES", default_value_t = 1024 * 1024)]
     pub max_message_bytes: usize,
@@ -130,6 +181,36 @@ pub struct Config {
 }
 
 impl Config {
+    /// Where the node problem monitors read from (the healthz URL checked by [`Self::validate`]).
+    pub fn monitors(&self) -> crate::monitor::MonitorConfig {
+        use crate::monitor::health;
+        let health = self.health_checks.then(|| {
+            let cri_socket = self.cri_socket.clone().or_else(|| {
+                [
+                    "/run/containerd/containerd.sock",
+                    "/run/crio/crio.sock",
+                    "/var/run/crio/crio.sock",
+                ]
+                .iter()
+                .map(|p| under_root(&self.host_root, Path::new(p)))
+                .find(|p| p.exists())
+            });
+            health::HealthConfig {
+                kubelet: health::parse_healthz_url(&self.kubelet_healthz_url).ok(),
+                cri_socket,
+                crictl: crate::collect::gpu::locate(&self.crictl),
+                interval: Duration::from_secs(10),
+                timeout: Duration::from_secs(10),
+            }
+        });
+        crate::monitor::MonitorConfig {
+            kmsg_path: self.kernel_monitor.then(|| self.kmsg_path.clone()),
+            config_dir: self.monitor_config_dir.clone(),
+            health,
+            metrics: self.metrics_listen,
+        }
+    }
+
     /// The sysctl tree in use.
     pub fn sysctl_root(&self) -> PathBuf {
         self.sysctl_root
@@ -148,10 +229,29 @@ impl Config {
         for file in &self.diagnostics.diagnostics_files {
             check_host_path("--diagnostics-files", file)?;
         }
+        if self.health_checks
+            && let Err(reason) =
+                crate::monitor::health::parse_healthz_url(&self.kubelet_healthz_url)
+        {
+            return Err(Error::InvalidConfig {
+                flag: "--kubelet-healthz-url",
+                reason,
+            });
+        }
         if self.node_name.trim().is_empty() {
             return Err(Error::InvalidConfig {
                 flag: "--node-name",
                 reason: "must not be empty; set it from the pod's spec.nodeName".into(),
+            });
+        }
+        if self.drift_interval < Duration::from_millis(100) {
+            return Err(Error::InvalidConfig {
+                flag: "--drift-interval",
+                reason: format!(
+                    "{:?} is too short; use at least 100ms (each check dumps the host's links, \
+                     addresses, routes and rules)",
+                    self.drift_interval
+                ),
             });
         }
         if self.max_message_bytes < 4096 {

@@ -1,11 +1,38 @@
 //! The nodekeeper node agent: a mutual-TLS gRPC server (`NodeAgent`) that reports node health,
-//! holds sysctl tunables in bounds, and (with issues 4 and 5) applies host networking and runs
-//! probes. It never calls the Kubernetes API.
+//! holds sysctl tunables in bounds, applies host networking (and keeps it applied) and runs
+//! network probes. It never calls the Kubernetes API.
+//!
+//! What lives where, from the bottom up (a module uses only those above it in this list; test
+//! modules may drive a module through the ones that use it):
+//! - `nodekeeper_model` (another crate): indicator families, levels and verdicts
+//!   (`indicators`), the tuning rules' checks and limits (`tuning`), probe limits (`probe`), the
+//!   host network model (`network`) — the rules the controller applies too;
+//! - [`collect`]: the collectors (procfs, statvfs, netlink, `nvidia-smi`, plugin files), plain
+//!   measurements with no verdicts;
+//! - [`probes`]: `RunProbes` — request validation and the ICMP, TCP, DNS, HTTP and path-MTU probes;
+//! - [`network`]: the host network manager — `ApplyNetwork`, the applied state, its status, which
+//!   links it manages, and the drift loop (through `nodekeeper_netconf`);
+//! - [`error`]: the agent's one error type;
+//! - [`tunables`]: `SetRules` validation, evaluation and repair of sysctls, the state file;
+//! - [`monitor`]: node problems in node-problem-detector's terms — the kernel-log monitor and
+//!   custom plugins (NPD's own rule files), kubelet and runtime health, NPD's problem metrics;
+//! - [`report`]: judging the measurements into a report, and its revision;
+//! - [`config`] (flags) and [`tls`] (mutual TLS, the file watch that triggers a reload);
+//! - [`agent`]: the state shared by every call, built once per process;
+//! - [`service`]: the gRPC service — proto conversions, and the one place errors become
+//!   `tonic::Status`;
+//! - this file: [`run`] and [`serve`] — the agent built once, its drift loop and problem
+//!   monitors under the shutdown token, and the server generations (one per set of TLS files).
+//!
+//! Tests that need root run in network namespaces they create and report `SKIPPED` otherwise
+//! (the README's "Try it"); the crate README lists the flags and the plugin file format.
 
 pub mod agent;
 pub mod collect;
 pub mod config;
 pub mod diag;
+pub mod error;
+pub mod monitor;
 pub mod network;
 pub mod probes;
 pub mod report;
@@ -13,50 +40,74 @@ pub mod service;
 pub mod tls;
 pub mod tunables;
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use nodekeeper_proto::agent::v1::node_agent_server::NodeAgentServer;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 use tonic::transport::Server;
 use tonic::transport::server::TcpIncoming;
 use tracing::info;
 
-pub use config::Config;
+use crate::agent::Agent;
 
-/// Everything that can go wrong in the agent outside a single collector.
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    #[error("invalid {flag}: {reason}")]
-    InvalidConfig { flag: &'static str, reason: String },
-    #[error("read {flag} {path}: {source}")]
-    ReadTls {
-        flag: &'static str,
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error("rules refused, previous rules stay in force: {0}")]
-    InvalidRules(String),
-    #[error("save state to {path}: {source}")]
-    SaveState {
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error("bind {addr}: {source}")]
-    Bind {
-        addr: std::net::SocketAddr,
-        source: std::io::Error,
-    },
-    #[error("run probes: {0}")]
-    RunProbes(#[from] probes::ProbeError),
-    #[error("serve gRPC: {0}")]
-    Serve(#[from] tonic::transport::Error),
+pub use config::Config;
+pub use error::Error;
+
+/// Runs the agent until `shutdown` is cancelled. The agent (its rules, applied network state and
+/// drift loop) is built once; when the TLS files change (a reissued certificate in the Secret
+/// volume) only the server stops gracefully and starts again with them.
+pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Error> {
+    with_agent(config, shutdown, None).await
 }
 
-/// Runs the agent until `shutdown` is cancelled. When the TLS files change (a reissued
-/// certificate in the Secret volume) the server stops gracefully and starts again with them.
-pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Error> {
+/// Serves on an already bound listener (tests bind port 0 and read the address back), with the
+/// agent and its drift loop as [`run`] has them. The TLS files are read once (no reload: [`run`]
+/// does that).
+pub async fn serve(
+    config: Config,
+    listener: TcpListener,
+    shutdown: CancellationToken,
+) -> Result<(), Error> {
+    with_agent(config, shutdown, Some(listener)).await
+}
+
+/// Builds the agent once, starts its drift loop under a child of `shutdown`, serves (on
+/// `listener`, or on `--listen` with TLS reloads), then stops the loop and waits for it.
+async fn with_agent(
+    config: Config,
+    shutdown: CancellationToken,
+    listener: Option<TcpListener>,
+) -> Result<(), Error> {
+    config.validate()?;
+    let agent = Arc::new(Agent::new(&config));
+    let tasks = TaskTracker::new();
+    // Cancelled when serving ends for any reason, not only on `shutdown`.
+    let background = shutdown.child_token();
+    let drift = Arc::clone(&agent);
+    let interval = config.drift_interval;
+    let stop = background.clone();
+    tasks.spawn(async move { drift.network().drift_loop(interval, stop).await });
+    monitor::start(&config.monitors(), agent.problems(), &background, &tasks).await;
+    let served = match listener {
+        Some(listener) => serve_once(&config, &agent, listener, shutdown).await,
+        None => serve_reloading(&config, &agent, &tasks, &shutdown).await,
+    };
+    background.cancel();
+    tasks.close();
+    tasks.wait().await;
+    served
+}
+
+/// Serves on `--listen` until `shutdown`, starting over with new certificates whenever the TLS
+/// files change.
+async fn serve_reloading(
+    config: &Config,
+    agent: &Arc<Agent>,
+    tasks: &TaskTracker,
+    shutdown: &CancellationToken,
+) -> Result<(), Error> {
     loop {
         let listener = TcpListener::bind(config.listen)
             .await
@@ -65,9 +116,10 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
                 source,
             })?;
         let generation = shutdown.child_token();
-        let watcher = tokio::spawn(tls::watch(config.clone(), generation.clone()));
-        let served = serve(config.clone(), listener, generation).await;
-        watcher.abort();
+        tasks.spawn(tls::watch(config.clone(), generation.clone()));
+        let served = serve_once(config, agent, listener, generation.clone()).await;
+        // Stops the watcher when serving ended on its own (an error).
+        generation.cancel();
         served?;
         if shutdown.is_cancelled() {
             return Ok(());
@@ -76,17 +128,17 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
     }
 }
 
-/// Serves on an already bound listener (tests bind port 0 and read the address back). On
-/// shutdown the health service reports NOT_SERVING first, then in-flight calls finish.
-pub async fn serve(
-    config: Config,
+/// One server generation: serves `agent` with the TLS files as they are now until `shutdown`.
+/// On shutdown the health service reports NOT_SERVING first, then in-flight calls finish.
+async fn serve_once(
+    config: &Config,
+    agent: &Arc<Agent>,
     listener: TcpListener,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
-    config.validate()?;
-    let tls = tls::server_config(&config)?;
+    let tls = tls::server_config(config)?;
     let addr = listener.local_addr().ok();
-    let agent = Arc::new(agent::Agent::new(&config));
+    let agent = Arc::clone(agent);
     let max = config.max_message_bytes;
     let diagnostics = Arc::new(diag::Diagnostics::new(Arc::clone(&agent), &config));
     let svc = NodeAgentServer::new(service::AgentService::new(agent).with_diagnostics(diagnostics))

@@ -1,31 +1,40 @@
 //! The agent's host-network manager: serves `ApplyNetwork` (parse, add the OCI secondary-VNIC
 //! layout from the configured metadata service when `oci_vnics` asks, validate, plan, dry-run or
 //! apply, check, roll back), remembers the last applied desired state, and runs the drift loop
-//! that re-converges what nodekeeper owns and reports drift in `NetworkStatus`.
+//! that re-converges what nodekeeper owns. It holds the one [`NetworkStatus`] the report shows,
+//! and says which interfaces nodekeeper manages. One manager per agent, built with it; the drift
+//! loop is a task under the agent's shutdown token.
 //!
-//! Drift is found by a periodic re-plan (every [`DRIFT_INTERVAL`]): a non-empty plan against the
+//! Drift is found by a periodic re-plan (every `--drift-interval`): a non-empty plan against the
 //! last applied state means something outside nodekeeper changed what it owns (or what it
 //! configured on a NIC). A periodic check is chosen over netlink multicast events because it is
 //! bounded in cost (one dump of each object type per interval) and cannot miss an event when the
 //! socket buffer overflows.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use nodekeeper_model::network::{NetworkState, format_errors};
+use nodekeeper_model::network::{LinkKind, NetworkState, format_errors, format_mac, parse_mac};
 use nodekeeper_netconf::{
     ApplyOptions, ApplyReport, Netconf, NetconfError, Outcome, PlanError, Target,
 };
 use nodekeeper_proto::agent::v1 as pb;
-use tonic::Status;
+use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::agent::Agent;
-use crate::report::NetworkStatus;
+use crate::collect::interfaces::Interface;
 
-/// How often the drift loop re-plans the last applied state.
-pub const DRIFT_INTERVAL: Duration = Duration::from_secs(60);
+/// The state of nodekeeper-managed host networking, as the report shows it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct NetworkStatus {
+    pub applied_generation: String,
+    pub drifted: bool,
+    pub drift: Vec<String>,
+    pub reconverged_at_unix_ms: i64,
+    pub last_error: String,
+}
+
 /// At most this many drift lines are reported.
 const MAX_DRIFT_LINES: usize = 20;
 
@@ -42,8 +51,12 @@ pub enum NetworkError {
     CheckTarget(String),
     #[error("host networking: {0}")]
     Netlink(String),
+    /// The metadata service could not be read (worth retrying).
     #[error("instance metadata: {0}")]
     Metadata(String),
+    /// The metadata service answered, but its VNICs cannot be laid out on this host.
+    #[error("instance metadata: {0}")]
+    Layout(String),
     #[error(
         "oci_vnics.enabled needs an instance metadata service, but this agent was started without \
          --imds-endpoint (NODEKEEPER_IMDS_ENDPOINT); start it with one or leave oci_vnics unset"
@@ -53,23 +66,6 @@ pub enum NetworkError {
     OciOptions(String),
     #[error("the OCI VNIC layout conflicts with desired_state_json: {0}")]
     LayoutConflict(String),
-}
-
-impl From<NetworkError> for Status {
-    fn from(e: NetworkError) -> Status {
-        match e {
-            NetworkError::ParseDesired(_)
-            | NetworkError::Invalid(_)
-            | NetworkError::CheckTarget(_)
-            | NetworkError::OciOptions(_)
-            | NetworkError::LayoutConflict(_) => Status::invalid_argument(e.to_string()),
-            NetworkError::Plan(_) | NetworkError::NoImdsEndpoint => {
-                Status::failed_precondition(e.to_string())
-            }
-            NetworkError::Netlink(_) => Status::internal(e.to_string()),
-            NetworkError::Metadata(_) => Status::unavailable(e.to_string()),
-        }
-    }
 }
 
 impl From<NetconfError> for NetworkError {
@@ -91,13 +87,26 @@ struct Applied {
     opts: ApplyOptions,
 }
 
+/// An `existing` link of the applied state: how nodekeeper finds the interface it configures.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Configured {
+    name: String,
+    /// Lower-case colon form.
+    mac: Option<String>,
+}
+
 /// One per agent; shared by the gRPC service and the drift loop.
 pub struct NetworkManager {
-    agent: Weak<Agent>,
-    netconf: Netconf,
+    /// Connected on first use, in the namespace of the thread that first applies: an agent that
+    /// never applies host networking (most of a simulated fleet) holds no netlink socket.
+    netconf: tokio::sync::OnceCell<Netconf>,
     /// Serialises applies and drift checks.
     lock: tokio::sync::Mutex<Option<Applied>>,
     status: Mutex<NetworkStatus>,
+    /// Counts changes of `status`, so that the agent knows when a cached report is out of date.
+    changes: AtomicU64,
+    /// The `existing` links of the applied state, for [`NetworkManager::configures`].
+    configured: Mutex<Vec<Configured>>,
     /// `--imds-endpoint`, for `oci_vnics`; `None`: the metadata service is never asked.
     imds_endpoint: Option<String>,
     /// Where physical NICs' PCI addresses are read (bare metal's `nicIndex` numbering).
@@ -110,33 +119,30 @@ fn now_ms() -> i64 {
         .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }
 
-/// The manager of `agent`, created on first use (with its drift loop) on the current runtime.
-pub fn manager_for(agent: &Arc<Agent>) -> Result<Arc<NetworkManager>, NetworkError> {
-    static MANAGERS: Mutex<Option<HashMap<usize, Arc<NetworkManager>>>> = Mutex::new(None);
-    let mut all = MANAGERS.lock().unwrap_or_else(PoisonError::into_inner);
-    let map = all.get_or_insert_with(HashMap::new);
-    map.retain(|_, m| m.agent.strong_count() > 0);
-    let key = Arc::as_ptr(agent) as usize;
-    if let Some(m) = map.get(&key) {
-        return Ok(m.clone());
-    }
-    let m = Arc::new(NetworkManager::new(agent)?);
-    m.spawn_drift_loop(DRIFT_INTERVAL);
-    map.insert(key, m.clone());
-    Ok(m)
+fn norm_mac(mac: &str) -> String {
+    parse_mac(mac).map_or_else(|| mac.to_lowercase(), |b| format_mac(&b))
 }
 
 impl NetworkManager {
-    /// Opens the netlink connection in the calling thread's network namespace.
-    pub fn new(agent: &Arc<Agent>) -> Result<Self, NetworkError> {
-        Ok(Self {
-            agent: Arc::downgrade(agent),
-            netconf: Netconf::connect()?,
+    /// A manager with nothing applied; `imds_endpoint` is `--imds-endpoint`.
+    pub fn new(imds_endpoint: Option<String>) -> Self {
+        Self {
+            netconf: tokio::sync::OnceCell::new(),
             lock: tokio::sync::Mutex::new(None),
             status: Mutex::new(NetworkStatus::default()),
-            imds_endpoint: agent.imds_endpoint().map(str::to_owned),
+            changes: AtomicU64::new(0),
+            configured: Mutex::new(Vec::new()),
+            imds_endpoint,
             sys_class_net: "/sys/class/net".into(),
-        })
+        }
+    }
+
+    /// The netlink connection, opened on first use in the calling thread's network namespace.
+    async fn netconf(&self) -> Result<&Netconf, NetworkError> {
+        Ok(self
+            .netconf
+            .get_or_try_init(|| async { Netconf::connect() })
+            .await?)
     }
 
     /// The status for the node report.
@@ -147,16 +153,31 @@ impl NetworkManager {
             .clone()
     }
 
-    async fn publish(&self, f: impl FnOnce(&mut NetworkStatus)) {
-        let status = {
-            let mut s = self.status.lock().unwrap_or_else(PoisonError::into_inner);
-            f(&mut s);
-            s.drift.truncate(MAX_DRIFT_LINES);
-            s.clone()
-        };
-        if let Some(agent) = self.agent.upgrade() {
-            agent.set_network_status(status).await;
-        }
+    /// A number that changes whenever [`NetworkManager::status`] does.
+    pub fn status_changes(&self) -> u64 {
+        self.changes.load(Ordering::Acquire)
+    }
+
+    /// True when the applied state configures `iface`: one of its `existing` links, found by
+    /// MAC or by name as netconf finds it. (Links nodekeeper created carry netconf's alias mark,
+    /// which the interface collector reads.)
+    pub fn configures(&self, iface: &Interface) -> bool {
+        let configured = self
+            .configured
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        configured.iter().any(|c| match &c.mac {
+            // A VLAN shares its parent's MAC; the MAC names the parent.
+            Some(mac) => iface.kind != "vlan" && norm_mac(&iface.mac) == *mac,
+            None => c.name == iface.name,
+        })
+    }
+
+    fn publish(&self, f: impl FnOnce(&mut NetworkStatus)) {
+        let mut s = self.status.lock().unwrap_or_else(PoisonError::into_inner);
+        f(&mut s);
+        s.drift.truncate(MAX_DRIFT_LINES);
+        self.changes.fetch_add(1, Ordering::AcqRel);
     }
 
     /// Serves `ApplyNetwork`.
@@ -200,13 +221,14 @@ impl NetworkManager {
             fail_at_step: None,
         };
         let mut applied = self.lock.lock().await;
-        let report = match self.netconf.apply(&desired, &opts).await {
+        let netconf = self.netconf().await?;
+        let report = match netconf.apply(&desired, &opts).await {
             Ok(r) => r,
             Err(e) => {
                 let e = NetworkError::from(e);
                 if !req.dry_run {
                     let msg = e.to_string();
-                    self.publish(|s| s.last_error = msg).await;
+                    self.publish(|s| s.last_error = msg);
                 }
                 return Err(e);
             }
@@ -214,6 +236,18 @@ impl NetworkManager {
         info!(generation = %req.generation, outcome = ?report.outcome, steps = report.plan.steps.len(), writes = report.writes, "apply network");
         if !req.dry_run {
             if report.outcome == Outcome::Applied {
+                *self
+                    .configured
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner) = desired
+                    .links
+                    .iter()
+                    .filter(|l| l.kind == LinkKind::Existing)
+                    .map(|l| Configured {
+                        name: l.name.clone(),
+                        mac: l.mac.as_deref().map(norm_mac),
+                    })
+                    .collect();
                 *applied = Some(Applied {
                     desired: desired.clone(),
                     generation: req.generation.clone(),
@@ -225,15 +259,13 @@ impl NetworkManager {
                         applied_generation: generation,
                         ..NetworkStatus::default()
                     };
-                })
-                .await;
+                });
             } else {
                 let msg = report.error.clone().unwrap_or_default();
-                self.publish(|s| s.last_error = msg).await;
+                self.publish(|s| s.last_error = msg);
             }
         }
-        let observed = self
-            .netconf
+        let observed = netconf
             .observed_state(&desired)
             .await
             .map_err(NetworkError::from)?;
@@ -246,7 +278,8 @@ impl NetworkManager {
         let Some(a) = applied.as_ref() else {
             return Ok(Vec::new());
         };
-        let drift = self.netconf.drift(&a.desired).await?;
+        let netconf = self.netconf().await?;
+        let drift = netconf.drift(&a.desired).await?;
         if drift.is_empty() {
             return Ok(drift);
         }
@@ -255,10 +288,9 @@ impl NetworkManager {
         self.publish(|s| {
             s.drifted = true;
             s.drift = lines;
-        })
-        .await;
+        });
         if reconverge {
-            let report = self.netconf.apply(&a.desired, &a.opts).await?;
+            let report = netconf.apply(&a.desired, &a.opts).await?;
             let ok = report.outcome == Outcome::Applied;
             let err = report.error.clone().unwrap_or_default();
             self.publish(|s| {
@@ -268,30 +300,26 @@ impl NetworkManager {
                 } else {
                     s.last_error = format!("re-converging drift failed: {err}");
                 }
-            })
-            .await;
+            });
         }
         Ok(drift)
     }
 
-    /// Checks for drift every `interval` while the agent lives.
-    pub fn spawn_drift_loop(self: &Arc<Self>, interval: Duration) {
-        let weak = Arc::downgrade(self);
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(interval);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            tick.tick().await;
-            loop {
-                tick.tick().await;
-                let Some(m) = weak.upgrade() else { return };
-                if m.agent.strong_count() == 0 {
-                    return;
-                }
-                if let Err(error) = m.check_drift(true).await {
-                    warn!(%error, "drift check failed");
-                }
+    /// Checks for drift every `interval` until `shutdown` is cancelled. A check in progress
+    /// finishes first, so the host is never left half re-converged.
+    pub async fn drift_loop(&self, interval: Duration, shutdown: CancellationToken) {
+        let mut tick = tokio::time::interval(interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tick.tick().await;
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                _ = tick.tick() => {}
             }
-        });
+            if let Err(error) = self.check_drift(true).await {
+                warn!(%error, "drift check failed");
+            }
+        }
     }
 }
 
@@ -315,7 +343,7 @@ impl NetworkManager {
             .map_err(|e| unavailable(&e))?;
         let instance = imds.instance().await.map_err(|e| unavailable(&e))?;
         let vnics = imds.vnics().await.map_err(|e| unavailable(&e))?;
-        let observed = self.netconf.observe().await?;
+        let observed = self.netconf().await?.observe().await?;
         let host: Vec<nodekeeper_oci::HostInterface> = observed
             .links
             .iter()
@@ -335,8 +363,9 @@ impl NetworkManager {
             .collect();
         nodekeeper_oci::secondary_vnics(&instance, &vnics, &host, opts).map_err(|e| match e {
             nodekeeper_oci::LayoutError::BadOptions(m) => NetworkError::OciOptions(m),
-            // Anything else is about what the metadata service answered.
-            other => unavailable(&other),
+            // Anything else is about what the metadata service answered: asking again gives
+            // the same answer, so this is not UNAVAILABLE.
+            other => NetworkError::Layout(format!("--imds-endpoint {endpoint}: {other}")),
         })
     }
 }
@@ -371,13 +400,7 @@ fn layout_options(oci: &pb::OciVnics) -> Result<nodekeeper_oci::LayoutOptions, N
 /// priority differently is refused, naming both, rather than letting either silently win.
 fn merge_layout(desired: &mut NetworkState, layout: NetworkState) -> Result<(), NetworkError> {
     let conflict = |what: String| Err(NetworkError::LayoutConflict(what));
-    let norm_mac = |m: &Option<String>| {
-        m.as_deref().map(|m| {
-            nodekeeper_model::network::parse_mac(m).map_or(m.to_lowercase(), |b| {
-                nodekeeper_model::network::format_mac(&b)
-            })
-        })
-    };
+    let norm_mac = |m: &Option<String>| m.as_deref().map(norm_mac);
     let ip_of = |cidr: &str| cidr.split('/').next().unwrap_or(cidr).to_owned();
     for l in layout.links {
         if desired.links.contains(&l) {
@@ -480,12 +503,19 @@ mod tests {
     //! The manager in a fresh network namespace (root only), driven with the gRPC messages.
 
     use std::process::Command;
+    use std::sync::Arc;
 
     use clap::Parser;
-    use tonic::Code;
+    use tonic::{Code, Status};
 
     use super::*;
+    use crate::agent::Agent;
     use crate::config::Config;
+
+    /// What the gRPC caller sees for `e` (through the service's one mapping).
+    fn status_of(e: NetworkError) -> Status {
+        crate::service::status(e.into())
+    }
 
     fn ip(ns: &str, args: &[&str]) -> String {
         let out = Command::new("ip")
@@ -544,7 +574,7 @@ mod tests {
     }
 
     #[test]
-    #[allow(clippy::print_stdout)] // SKIPPED goes to stdout (TESTING.md)
+    #[allow(clippy::print_stdout)] // SKIPPED goes to stdout (README, "Try it": root-only tests report it)
     fn apply_network_dry_run_apply_reapply_errors_and_drift() {
         if !nix::unistd::geteuid().is_root() {
             println!("SKIPPED: needs root to create network namespaces");
@@ -589,8 +619,7 @@ mod tests {
                     &format!("--state-dir={state_dir}"),
                 ]);
                 let agent = Arc::new(Agent::new(&config));
-                let m = manager_for(&agent).unwrap();
-                assert!(Arc::ptr_eq(&m, &manager_for(&agent).unwrap()));
+                let m = agent.network();
 
                 let r = m.apply(request(DESIRED, true)).await.unwrap();
                 assert_eq!(r.outcome, pb::ApplyOutcome::Planned as i32);
@@ -619,10 +648,10 @@ mod tests {
                 );
 
                 // Bad input: refused before any change, naming the field.
-                let e = Status::from(m.apply(request("{not json", false)).await.unwrap_err());
+                let e = status_of(m.apply(request("{not json", false)).await.unwrap_err());
                 assert_eq!(e.code(), Code::InvalidArgument);
                 let bad = DESIRED.replace("\"mtu\": 9000", "\"mtu\": 60");
-                let e = Status::from(m.apply(request(&bad, false)).await.unwrap_err());
+                let e = status_of(m.apply(request(&bad, false)).await.unwrap_err());
                 assert_eq!(e.code(), Code::InvalidArgument);
                 assert!(
                     e.message().contains("links[0].mtu: 60 is outside 68–65535"),
@@ -631,7 +660,7 @@ mod tests {
                 );
                 let orphan =
                     r#"{"links": [{"name": "nkm9", "kind": "macvlan", "parent": "ens9"}]}"#;
-                let e = Status::from(m.apply(request(orphan, false)).await.unwrap_err());
+                let e = status_of(m.apply(request(orphan, false)).await.unwrap_err());
                 assert_eq!(e.code(), Code::FailedPrecondition);
                 assert!(
                     e.message().contains("parent ens9 does not exist"),
@@ -640,7 +669,7 @@ mod tests {
                 );
                 let mut req = request(DESIRED, false);
                 req.check_targets = vec!["example.com".into()];
-                let e = Status::from(m.apply(req).await.unwrap_err());
+                let e = status_of(m.apply(req).await.unwrap_err());
                 assert_eq!(e.code(), Code::InvalidArgument);
 
                 // Drift: someone removes the VNIC's default route; the manager sees it, reports
@@ -700,7 +729,7 @@ mod tests {
         ];
         for (given, named) in cases {
             let mut d: NetworkState = serde_json::from_str(given).unwrap();
-            let e = Status::from(merge_layout(&mut d, layout.clone()).unwrap_err());
+            let e = status_of(merge_layout(&mut d, layout.clone()).unwrap_err());
             assert_eq!(e.code(), Code::InvalidArgument);
             assert!(e.message().contains(named), "{given}: {}", e.message());
         }
@@ -725,7 +754,7 @@ mod tests {
             (o.mtu, o.table_base, o.rule_priority_base),
             (1500, 200, 21000)
         );
-        let e = Status::from(
+        let e = status_of(
             layout_options(&pb::OciVnics {
                 enabled: true,
                 mtu: 70000,
@@ -785,7 +814,7 @@ mod tests {
     }
 
     #[test]
-    #[allow(clippy::print_stdout)] // SKIPPED goes to stdout (TESTING.md)
+    #[allow(clippy::print_stdout)] // SKIPPED goes to stdout (README, "Try it": root-only tests report it)
     fn oci_layout_from_metadata_applies_and_reports_what_waits() {
         if !nix::unistd::geteuid().is_root() {
             println!("SKIPPED: needs root to create network namespaces");
@@ -846,7 +875,7 @@ mod tests {
                         format!("--state-dir={state_dir}"),
                     ];
                     args.extend(imds.map(|e| format!("--imds-endpoint={e}")));
-                    Arc::new(Agent::new(&Config::parse_from(args)))
+                    Agent::new(&Config::parse_from(args))
                 };
                 let oci_request = |json: &str, dry_run: bool| pb::ApplyNetworkRequest {
                     oci_vnics: Some(pb::OciVnics {
@@ -859,8 +888,8 @@ mod tests {
 
                 // Without --imds-endpoint: refused, naming the flag, nothing changed.
                 let bare = agent_with(None);
-                let m0 = NetworkManager::new(&bare).unwrap();
-                let e = Status::from(m0.apply(oci_request("{}", false)).await.unwrap_err());
+                let m0 = bare.network();
+                let e = status_of(m0.apply(oci_request("{}", false)).await.unwrap_err());
                 assert_eq!(e.code(), Code::FailedPrecondition, "{}", e.message());
                 assert!(e.message().contains("--imds-endpoint"), "{}", e.message());
                 // oci_vnics present but not enabled: the metadata service is not needed.
@@ -873,14 +902,14 @@ mod tests {
                 // A metadata service that does not answer: UNAVAILABLE naming the endpoint.
                 // (Port 1 on this namespace's loopback: connection refused, bounded retries.)
                 let dead = agent_with(Some("http://127.0.0.1:1"));
-                let md = NetworkManager::new(&dead).unwrap();
-                let e = Status::from(md.apply(oci_request("{}", false)).await.unwrap_err());
+                let md = dead.network();
+                let e = status_of(md.apply(oci_request("{}", false)).await.unwrap_err());
                 assert_eq!(e.code(), Code::Unavailable, "{}", e.message());
                 assert!(e.message().contains("http://127.0.0.1:1"), "{}", e.message());
 
                 let endpoint = imds_server().await;
                 let agent = agent_with(Some(&endpoint));
-                let m = NetworkManager::new(&agent).unwrap();
+                let m = agent.network();
 
                 // What the layout leaves out (the third VNIC has no interface yet).
                 let no_sysfs = tempfile::tempdir().unwrap();
@@ -900,7 +929,7 @@ mod tests {
 
                 // A given object that claims the VNIC's interface differently: refused, naming it.
                 let clash = r#"{"links": [{"name": "mine", "kind": "existing", "mac": "02:00:17:0a:22:02", "mtu": 1500}]}"#;
-                let e = Status::from(m.apply(oci_request(clash, false)).await.unwrap_err());
+                let e = status_of(m.apply(oci_request(clash, false)).await.unwrap_err());
                 assert_eq!(e.code(), Code::InvalidArgument, "{}", e.message());
                 assert!(e.message().contains("links[0] (mine)"), "{}", e.message());
                 // Bad layout knobs are the caller's.
@@ -910,7 +939,7 @@ mod tests {
                     table_base: 253,
                     ..Default::default()
                 });
-                let e = Status::from(m.apply(bad).await.unwrap_err());
+                let e = status_of(m.apply(bad).await.unwrap_err());
                 assert_eq!(e.code(), Code::InvalidArgument, "{}", e.message());
                 assert!(e.message().starts_with("oci_vnics: "), "{}", e.message());
 

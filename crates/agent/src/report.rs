@@ -1,172 +1,20 @@
 //! The node report: indicator verdicts against thresholds (defaults and the controller's
-//! overrides), GPU verdicts, and the report revision — a hash of the content that matters
-//! (verdicts, messages, discrete state, values quantized to each indicator's significance step),
-//! never of timestamps.
+//! overrides, judged with `nodekeeper_model::indicators`), GPU verdicts, and the report revision —
+//! a hash of the content that matters (verdicts, messages, discrete state, values quantized to
+//! each indicator's significance step), never of timestamps.
 
 use std::fmt::Write as _;
 
-use serde::{Deserialize, Serialize};
+use nodekeeper_model::indicators::{Threshold, Verdict, judge, levels, lower_is_worse, quantize};
 use sha2::{Digest, Sha256};
 
 use crate::collect::gpu::{Gpu, GpuReading};
 use crate::collect::interfaces::Interface;
 use crate::collect::oca::Plugin;
 use crate::collect::{Measurement, Unit};
+use crate::monitor::state::ProblemState;
+use crate::network::NetworkStatus;
 use crate::tunables::TunableStatus;
-
-/// How a figure compares with the rules in force.
-#[derive(
-    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
-)]
-pub enum Verdict {
-    /// Not evaluated; never treated as healthy.
-    #[default]
-    Unspecified,
-    Ok,
-    Warning,
-    Critical,
-}
-
-/// An override of an indicator's warning and critical levels (from `SetRules`).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Threshold {
-    /// An indicator name, or a prefix ending in `*`.
-    pub indicator: String,
-    pub warning: f64,
-    pub critical: f64,
-}
-
-/// The built-in view of one family of indicators.
-#[derive(Clone, Copy, Debug)]
-struct Family {
-    /// Exact name, or `prefix*` / `*suffix` / `prefix*suffix`.
-    pattern: &'static str,
-    lower_is_worse: bool,
-    warning: f64,
-    critical: f64,
-    /// Changes smaller than this are noise: values are rounded to it for the revision.
-    step: f64,
-}
-
-const fn fam(
-    pattern: &'static str,
-    lower_is_worse: bool,
-    warning: f64,
-    critical: f64,
-    step: f64,
-) -> Family {
-    Family {
-        pattern,
-        lower_is_worse,
-        warning,
-        critical,
-        step,
-    }
-}
-
-/// Default levels. Load is per CPU; PSI levels follow the kernel's guidance that sustained
-/// `some` stalls in the tens of percent mean the workload is visibly slowed.
-const FAMILIES: &[Family] = &[
-    fam("load.*_per_cpu", false, 2.0, 4.0, 0.25),
-    fam("cpu.busy_percent", false, 90.0, 98.0, 10.0),
-    fam("memory.available_percent", true, 10.0, 5.0, 1.0),
-    fam("psi.cpu.some_avg60", false, 40.0, 80.0, 5.0),
-    fam("psi.memory.some_avg60", false, 10.0, 30.0, 2.0),
-    fam("psi.memory.full_avg60", false, 5.0, 15.0, 2.0),
-    fam("psi.io.some_avg60", false, 30.0, 60.0, 5.0),
-    fam("psi.io.full_avg60", false, 10.0, 30.0, 2.0),
-    fam("disk.*.inodes_used_percent", false, 80.0, 90.0, 1.0),
-    fam("disk.*.used_percent", false, 80.0, 90.0, 1.0),
-    fam("conntrack.used_percent", false, 75.0, 90.0, 1.0),
-    fam("files.used_percent", false, 70.0, 90.0, 1.0),
-    // A bool: 0 (not synchronised) is at or below the warning level; nothing reaches -1.
-    fam("time.synchronized", true, 0.0, -1.0, 1.0),
-    fam("time.max_error_seconds", false, 1.0, 5.0, 0.25),
-    // Used for each GPU's verdict rather than as indicators of their own.
-    fam("gpu.temperature_c", false, 85.0, 95.0, 5.0),
-    fam("gpu.ecc_uncorrected", false, 1.0, 1.0, 1.0),
-];
-
-fn matches(pattern: &str, name: &str) -> bool {
-    match pattern.split_once('*') {
-        None => pattern == name,
-        Some((prefix, suffix)) => {
-            name.len() >= prefix.len() + suffix.len()
-                && name.starts_with(prefix)
-                && name.ends_with(suffix)
-        }
-    }
-}
-
-fn family(name: &str) -> Option<&'static Family> {
-    FAMILIES.iter().find(|f| matches(f.pattern, name))
-}
-
-/// Whether a threshold's `indicator` names something the agent measures (or may measure: disk
-/// names depend on the configured mounts). Used by rule validation.
-pub fn known_indicator(pattern: &str) -> bool {
-    if let Some(prefix) = pattern.strip_suffix('*') {
-        return !prefix.contains('*');
-    }
-    !pattern.contains('*') && family(pattern).is_some()
-}
-
-/// Whether lower values of this indicator are worse.
-pub fn lower_is_worse(name: &str) -> bool {
-    family(name).is_some_and(|f| f.lower_is_worse)
-}
-
-/// The levels in force for one indicator: an exact override, else the longest matching prefix
-/// override, else the default. `None` for an indicator with no levels (reported, not judged).
-pub fn levels(name: &str, overrides: &[Threshold]) -> Option<(f64, f64)> {
-    if let Some(t) = overrides.iter().rev().find(|t| t.indicator == name) {
-        return Some((t.warning, t.critical));
-    }
-    let prefixed = overrides
-        .iter()
-        .rev()
-        .filter_map(|t| t.indicator.strip_suffix('*').map(|p| (p, t)))
-        .filter(|(p, _)| name.starts_with(p))
-        .max_by_key(|(p, _)| p.len());
-    if let Some((_, t)) = prefixed {
-        return Some((t.warning, t.critical));
-    }
-    family(name).map(|f| (f.warning, f.critical))
-}
-
-fn step(name: &str) -> f64 {
-    family(name).map_or(1.0, |f| f.step)
-}
-
-/// Rounds to the indicator's significance step.
-pub fn quantize(name: &str, value: f64) -> f64 {
-    let s = step(name);
-    let q = (value / s).round() * s;
-    // Avoid "-0" and float dust in messages and hashes.
-    if q == 0.0 {
-        0.0
-    } else {
-        (q * 1e6).round() / 1e6
-    }
-}
-
-/// Judges `value` against (warning, critical) levels.
-pub fn judge(value: f64, lower_is_worse: bool, (warning, critical): (f64, f64)) -> Verdict {
-    let beyond = |level: f64| {
-        if lower_is_worse {
-            value <= level
-        } else {
-            value >= level
-        }
-    };
-    if beyond(critical) {
-        Verdict::Critical
-    } else if beyond(warning) {
-        Verdict::Warning
-    } else {
-        Verdict::Ok
-    }
-}
 
 /// One judged indicator.
 #[derive(Clone, Debug, PartialEq)]
@@ -257,16 +105,6 @@ pub struct SystemInfo {
     pub memory_total_bytes: u64,
 }
 
-/// The state of nodekeeper-managed host networking (filled by the network manager, issue 4).
-#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
-pub struct NetworkStatus {
-    pub applied_generation: String,
-    pub drifted: bool,
-    pub drift: Vec<String>,
-    pub reconverged_at_unix_ms: i64,
-    pub last_error: String,
-}
-
 /// A judged GPU.
 #[derive(Clone, Debug, PartialEq)]
 pub struct JudgedGpu {
@@ -294,6 +132,8 @@ pub struct Report {
     pub collector_errors: Vec<(String, String)>,
     pub system: SystemInfo,
     pub network: NetworkStatus,
+    /// What the node problem monitors found (kernel log, custom plugins).
+    pub problems: ProblemState,
 }
 
 /// What the collectors produced, before judging.
@@ -411,6 +251,7 @@ pub fn revision(r: &Report) -> u64 {
     }
     let _ = writeln!(s, "s {:?}", r.system);
     let _ = writeln!(s, "w {:?}", r.network);
+    r.problems.fingerprint(&mut s);
     let digest = Sha256::digest(s.as_bytes());
     let mut first = [0u8; 8];
     first.copy_from_slice(&digest[..8]);
@@ -453,53 +294,6 @@ mod tests {
             evaluate(&m("load.avg5_per_cpu", 4.5, Unit::Ratio), &[]).verdict,
             Verdict::Critical
         );
-    }
-
-    #[test]
-    fn overrides_exact_beats_prefix_beats_default() {
-        let overrides = vec![
-            Threshold {
-                indicator: "disk.*".into(),
-                warning: 50.0,
-                critical: 60.0,
-            },
-            Threshold {
-                indicator: "disk./data.*".into(),
-                warning: 95.0,
-                critical: 99.0,
-            },
-            Threshold {
-                indicator: "disk./.used_percent".into(),
-                warning: 10.0,
-                critical: 20.0,
-            },
-        ];
-        assert_eq!(
-            levels("disk./var.used_percent", &overrides),
-            Some((50.0, 60.0))
-        );
-        assert_eq!(
-            levels("disk./data.used_percent", &overrides),
-            Some((95.0, 99.0))
-        );
-        assert_eq!(
-            levels("disk./.used_percent", &overrides),
-            Some((10.0, 20.0))
-        );
-        assert_eq!(
-            levels("conntrack.used_percent", &overrides),
-            Some((75.0, 90.0))
-        );
-        assert_eq!(levels("something.else", &overrides), None);
-    }
-
-    #[test]
-    fn known_indicators() {
-        assert!(known_indicator("disk./var/lib.used_percent"));
-        assert!(known_indicator("psi.*"));
-        assert!(known_indicator("memory.available_percent"));
-        assert!(!known_indicator("memory.avail"));
-        assert!(!known_indicator("a*b*"));
     }
 
     #[test]

@@ -7,9 +7,13 @@ use nodekeeper_proto::agent::v1 as pb;
 use pb::node_agent_server::NodeAgent;
 use tonic::{Request, Response, Status};
 
-use crate::Error;
+use nodekeeper_model::indicators::{Threshold, Verdict};
+
 use crate::agent::Agent;
-use crate::report::{Report, Threshold, Verdict};
+use crate::error::Error;
+use crate::network::NetworkError;
+use crate::probes::ProbeError;
+use crate::report::Report;
 use crate::tunables::{RawRule, RawRuleSet};
 
 /// The service handed to tonic.
@@ -39,16 +43,34 @@ impl AgentService {
     }
 }
 
-/// The one place where agent errors become gRPC statuses.
+/// The one place where agent errors become gRPC statuses. What the caller sent wrong is
+/// INVALID_ARGUMENT; what this host cannot do as asked (a parent link that is missing, no
+/// metadata service configured, a metadata answer that cannot be laid out) is
+/// FAILED_PRECONDITION; only a metadata service that could not be read is UNAVAILABLE (asking
+/// again may work); faults of the host itself are INTERNAL.
 pub fn status(error: Error) -> Status {
+    let message = error.to_string();
     match error {
-        Error::InvalidRules(_) | Error::InvalidConfig { .. } => {
-            Status::invalid_argument(error.to_string())
-        }
-        Error::RunProbes(crate::probes::ProbeError::InvalidRequest { .. }) => {
-            Status::invalid_argument(error.to_string())
-        }
-        _ => Status::internal(error.to_string()),
+        Error::InvalidRules(_)
+        | Error::InvalidConfig { .. }
+        | Error::RunProbes(ProbeError::InvalidRequest { .. }) => Status::invalid_argument(message),
+        Error::ApplyNetwork(e) => match e {
+            NetworkError::ParseDesired(_)
+            | NetworkError::Invalid(_)
+            | NetworkError::CheckTarget(_)
+            | NetworkError::OciOptions(_)
+            | NetworkError::LayoutConflict(_) => Status::invalid_argument(message),
+            NetworkError::Plan(_) | NetworkError::NoImdsEndpoint | NetworkError::Layout(_) => {
+                Status::failed_precondition(message)
+            }
+            NetworkError::Metadata(_) => Status::unavailable(message),
+            NetworkError::Netlink(_) => Status::internal(message),
+        },
+        Error::RunProbes(_)
+        | Error::ReadTls { .. }
+        | Error::SaveState { .. }
+        | Error::Bind { .. }
+        | Error::Serve(_) => Status::internal(message),
     }
 }
 
@@ -93,8 +115,13 @@ impl NodeAgent for AgentService {
         &self,
         request: Request<pb::ApplyNetworkRequest>,
     ) -> Result<Response<pb::ApplyNetworkResponse>, Status> {
-        let manager = crate::network::manager_for(&self.agent)?;
-        Ok(Response::new(manager.apply(request.into_inner()).await?))
+        let response = self
+            .agent
+            .network()
+            .apply(request.into_inner())
+            .await
+            .map_err(|e| status(e.into()))?;
+        Ok(Response::new(response))
     }
 
     type CollectDiagnosticsStream =
@@ -182,6 +209,7 @@ pub fn to_proto(r: &Report) -> pb::NodeReport {
                 error: t.error.clone(),
             })
             .collect(),
+        problems: Some(crate::monitor::to_proto(&r.problems)),
         rules_revision: r.rules_revision,
         interfaces: r
             .interfaces
@@ -195,9 +223,7 @@ pub fn to_proto(r: &Report) -> pb::NodeReport {
                 oper_state: i.oper_state.clone(),
                 kind: i.kind.clone(),
                 addresses: i.addresses.clone(),
-                // Ownership is the network manager's knowledge (issue 4); until it lands the
-                // agent owns no links.
-                managed: false,
+                managed: i.managed,
             })
             .collect(),
         gpu: Some(pb::GpuState {
@@ -255,5 +281,55 @@ pub fn to_proto(r: &Report) -> pb::NodeReport {
             reconverged_at_unix_ms: r.network.reconverged_at_unix_ms,
             last_error: r.network.last_error.clone(),
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tonic::Code;
+
+    use super::*;
+
+    #[test]
+    fn data_errors_are_not_retryable_and_host_faults_are_internal() {
+        let code = |e: Error| status(e).code();
+        let net = |e: NetworkError| code(Error::ApplyNetwork(e));
+        assert_eq!(code(Error::InvalidRules("x".into())), Code::InvalidArgument);
+        assert_eq!(
+            code(Error::RunProbes(ProbeError::InvalidRequest {
+                field: "count".into(),
+                reason: "0".into()
+            })),
+            Code::InvalidArgument
+        );
+        assert_eq!(
+            net(NetworkError::ParseDesired("x".into())),
+            Code::InvalidArgument
+        );
+        assert_eq!(
+            net(NetworkError::LayoutConflict("x".into())),
+            Code::InvalidArgument
+        );
+        assert_eq!(
+            net(NetworkError::Plan("x".into())),
+            Code::FailedPrecondition
+        );
+        assert_eq!(net(NetworkError::NoImdsEndpoint), Code::FailedPrecondition);
+        // The metadata service answered something that cannot be laid out: asking again gives
+        // the same answer, so not UNAVAILABLE.
+        assert_eq!(
+            net(NetworkError::Layout("vnics[1].vlanTag: missing".into())),
+            Code::FailedPrecondition
+        );
+        assert_eq!(
+            net(NetworkError::Metadata("connection refused".into())),
+            Code::Unavailable
+        );
+        assert_eq!(net(NetworkError::Netlink("EPERM".into())), Code::Internal);
+        // The message is the manager's own, unchanged by the mapping.
+        assert_eq!(
+            status(Error::ApplyNetwork(NetworkError::NoImdsEndpoint)).message(),
+            NetworkError::NoImdsEndpoint.to_string()
+        );
     }
 }

@@ -6,8 +6,8 @@ use std::path::Path;
 
 use tonic::transport::{Certificate, Identity, ServerTlsConfig};
 
-use crate::Error;
 use crate::config::Config;
+use crate::error::Error;
 
 fn read_pem(flag: &'static str, path: &Path) -> Result<Vec<u8>, Error> {
     let bytes = std::fs::read(path).map_err(|source| Error::ReadTls {

@@ -1,4 +1,6 @@
-//! Sysctl tunables: validation of the controller's rule set, evaluation against `/proc/sys`,
+//! Sysctl tunables: validation of the controller's rule set (with the tuning model's own checks
+//! and limits, `nodekeeper_model::tuning`, plus what only the node can tell: whether the key
+//! exists here), evaluation against `/proc/sys`,
 //! repair with a per-rule rate limit, conflict detection (someone else changed a repaired key
 //! back: the agent backs off), and persistence of the rules and repair history in a state file
 //! written atomically.
@@ -7,20 +9,16 @@ use std::collections::{BTreeMap, HashSet};
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 
+use nodekeeper_model::indicators::{Threshold, Verdict, check_threshold};
+use nodekeeper_model::tuning::{
+    self, MAX_RULES, MAX_THRESHOLDS, check_repair_max_per_hour, check_rule_name, check_sysctl_key,
+    check_values, normalize_value,
+};
 use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
 
-use crate::Error;
-use crate::report::{self, Threshold, Verdict};
+use crate::error::Error;
 
-/// Most rules in one set.
-pub const MAX_RULES: usize = 1000;
-/// Most threshold overrides in one set.
-pub const MAX_THRESHOLDS: usize = 256;
-/// Longest expected value.
-const MAX_VALUE_LEN: usize = 256;
-/// Longest rule name or key.
-const MAX_NAME_LEN: usize = 253;
 /// The window of the repair rate limit.
 const HOUR_MS: i64 = 3_600_000;
 /// Name of the state file inside `--state-dir`.
@@ -116,10 +114,6 @@ struct StateFile {
     runtime: BTreeMap<String, RuleRuntime>,
 }
 
-fn normalize(value: &str) -> String {
-    value.split_whitespace().collect::<Vec<_>>().join(" ")
-}
-
 fn refuse(index: usize, name: &str, field: &str, reason: impl std::fmt::Display) -> Error {
     let who = if name.is_empty() {
         format!("rule #{}", index + 1)
@@ -129,38 +123,12 @@ fn refuse(index: usize, name: &str, field: &str, reason: impl std::fmt::Display)
     Error::InvalidRules(format!("{who}: field `{field}`: {reason}"))
 }
 
-/// The file behind a dotted key, checked to be a sysctl under `root`.
+/// The file behind a dotted key, checked to be a sysctl under `root`: the model's shape check
+/// first, then that the key exists on this node and resolves inside `root`.
 pub fn sysctl_path(root: &Path, key: &str) -> Result<PathBuf, String> {
-    if key.is_empty() {
-        return Err("is empty; write a sysctl key such as net.core.somaxconn".into());
-    }
-    if key.len() > MAX_NAME_LEN {
-        return Err(format!(
-            "is {} characters long; at most {MAX_NAME_LEN}",
-            key.len()
-        ));
-    }
-    if key.contains('/') {
-        return Err(format!(
-            "{key:?} is a path; write the key in dotted form, e.g. net.core.somaxconn (keys name files under /proc/sys only)"
-        ));
-    }
-    let parts: Vec<&str> = key.split('.').collect();
-    if parts.iter().any(|p| p.is_empty()) {
-        return Err(format!(
-            "{key:?} has an empty component; write e.g. net.core.somaxconn"
-        ));
-    }
-    if let Some(bad) = key
-        .chars()
-        .find(|c| !(c.is_ascii_alphanumeric() || *c == '_' || *c == '-' || *c == '.'))
-    {
-        return Err(format!(
-            "{key:?} contains {bad:?}; keys use letters, digits, `_`, `-` and `.`"
-        ));
-    }
-    let path = parts
-        .iter()
+    check_sysctl_key(key)?;
+    let path = key
+        .split('.')
         .fold(root.to_path_buf(), |p, part| p.join(part));
     let meta = std::fs::metadata(&path).map_err(|_| {
         format!(
@@ -217,22 +185,7 @@ pub fn validate(raw: &RawRuleSet, sysctl_root: &Path) -> Result<RuleSet, Error> 
     let mut rules = Vec::with_capacity(raw.rules.len());
     for (i, r) in raw.rules.iter().enumerate() {
         let name = r.name.trim();
-        if name.is_empty() {
-            return Err(refuse(
-                i,
-                name,
-                "name",
-                "is empty; every rule needs a unique name",
-            ));
-        }
-        if name.len() > MAX_NAME_LEN || name.chars().any(char::is_control) {
-            return Err(refuse(
-                i,
-                name,
-                "name",
-                "must be at most 253 printable characters",
-            ));
-        }
+        check_rule_name(name).map_err(|e| refuse(i, name, "name", e))?;
         if !names.insert(name.to_string()) {
             return Err(refuse(
                 i,
@@ -242,11 +195,11 @@ pub fn validate(raw: &RawRuleSet, sysctl_root: &Path) -> Result<RuleSet, Error> 
             ));
         }
         sysctl_path(sysctl_root, r.key.trim()).map_err(|e| refuse(i, name, "key", e))?;
-        let comparison = match r.comparison {
-            1 => Comparison::Equal,
-            2 => Comparison::AtLeast,
-            3 => Comparison::AtMost,
-            4 => Comparison::OneOf,
+        let (comparison, model) = match r.comparison {
+            1 => (Comparison::Equal, tuning::Comparison::Equal),
+            2 => (Comparison::AtLeast, tuning::Comparison::AtLeast),
+            3 => (Comparison::AtMost, tuning::Comparison::AtMost),
+            4 => (Comparison::OneOf, tuning::Comparison::OneOf),
             0 => {
                 return Err(refuse(
                     i,
@@ -264,52 +217,8 @@ pub fn validate(raw: &RawRuleSet, sysctl_root: &Path) -> Result<RuleSet, Error> 
                 ));
             }
         };
-        let values: Vec<String> = r.values.iter().map(|v| normalize(v)).collect();
-        if values.is_empty() {
-            return Err(refuse(
-                i,
-                name,
-                "values",
-                "is empty; give the expected value",
-            ));
-        }
-        if comparison != Comparison::OneOf && values.len() != 1 {
-            return Err(refuse(
-                i,
-                name,
-                "values",
-                format!(
-                    "has {} values; this comparison takes exactly one (use ONE_OF for several)",
-                    values.len()
-                ),
-            ));
-        }
-        for v in &values {
-            if v.is_empty() {
-                return Err(refuse(i, name, "values", "contains an empty value"));
-            }
-            if v.len() > MAX_VALUE_LEN || v.chars().any(char::is_control) {
-                return Err(refuse(
-                    i,
-                    name,
-                    "values",
-                    "values are at most 256 printable characters",
-                ));
-            }
-        }
-        if matches!(comparison, Comparison::AtLeast | Comparison::AtMost)
-            && values[0].parse::<i64>().is_err()
-        {
-            return Err(refuse(
-                i,
-                name,
-                "values",
-                format!(
-                    "{:?} is not an integer, as this comparison needs",
-                    values[0]
-                ),
-            ));
-        }
+        let values: Vec<String> = r.values.iter().map(|v| normalize_value(v)).collect();
+        check_values(model, &values).map_err(|e| refuse(i, name, "values", e))?;
         let severity = match r.severity {
             0 | 2 => Verdict::Warning,
             3 => Verdict::Critical,
@@ -330,54 +239,28 @@ pub fn validate(raw: &RawRuleSet, sysctl_root: &Path) -> Result<RuleSet, Error> 
                 ));
             }
         };
-        if r.repair_max_per_hour > 60 {
-            return Err(refuse(
-                i,
-                name,
-                "repair_max_per_hour",
-                format!(
-                    "{} is more than once a minute; at most 60",
-                    r.repair_max_per_hour
-                ),
-            ));
-        }
+        // 0 is the proto's "unset", which means once an hour.
+        let repair_max_per_hour = r.repair_max_per_hour.max(1);
+        check_repair_max_per_hour(repair_max_per_hour)
+            .map_err(|e| refuse(i, name, "repair_max_per_hour", e))?;
         rules.push(Rule {
             name: name.to_string(),
             key: r.key.trim().to_string(),
             comparison,
             values,
             repair: r.repair,
-            repair_max_per_hour: r.repair_max_per_hour.max(1),
+            repair_max_per_hour,
             severity,
         });
     }
     for (i, t) in raw.thresholds.iter().enumerate() {
-        let at = |reason: String| {
+        check_threshold(t).map_err(|(field, reason)| {
             Error::InvalidRules(format!(
-                "threshold {:?} (#{}): {reason}",
+                "threshold {:?} (#{}): field `{field}`: {reason}",
                 t.indicator,
                 i + 1
             ))
-        };
-        if !report::known_indicator(&t.indicator) {
-            return Err(at(
-                "field `indicator`: not an indicator the agent reports; use a name such as memory.available_percent or a prefix such as disk.*".into(),
-            ));
-        }
-        if !t.warning.is_finite() || !t.critical.is_finite() {
-            return Err(at(
-                "fields `warning`/`critical`: must be finite numbers".into()
-            ));
-        }
-        if !t.indicator.ends_with('*') {
-            let lower = report::lower_is_worse(&t.indicator);
-            if (lower && t.critical > t.warning) || (!lower && t.critical < t.warning) {
-                let word = if lower { "at or below" } else { "at or above" };
-                return Err(at(format!(
-                    "field `critical`: must be {word} `warning` for this indicator"
-                )));
-            }
-        }
+        })?;
     }
     Ok(RuleSet {
         revision: raw.revision,
@@ -533,7 +416,7 @@ fn evaluate_rule(
             return (status, false);
         }
     };
-    let read = |p: &Path| std::fs::read_to_string(p).map(|v| normalize(&v));
+    let read = |p: &Path| std::fs::read_to_string(p).map(|v| normalize_value(&v));
     let current = match read(&path) {
         Ok(v) => v,
         Err(e) => {
@@ -833,6 +716,35 @@ mod tests {
             std::fs::read_to_string(root.path().join("net/core/somaxconn")).unwrap(),
             "128\n"
         );
+    }
+
+    #[test]
+    fn limits_and_names_are_the_tuning_models() {
+        let root = fake_root();
+        let many = set(vec![
+            rule("a", "net.core.somaxconn", 1, &["1"], false);
+            tuning::MAX_RULES + 1
+        ]);
+        let err = validate(&many, root.path()).unwrap_err().to_string();
+        assert!(
+            err.contains(&format!(
+                "field `rules`: {} rules; at most {}",
+                tuning::MAX_RULES + 1,
+                tuning::MAX_RULES
+            )),
+            "{err}"
+        );
+        // A name the ConfigMap parser refuses is refused here too, with the same reason.
+        let upper = set(vec![rule(
+            "Somaxconn",
+            "net.core.somaxconn",
+            1,
+            &["1"],
+            false,
+        )]);
+        let err = validate(&upper, root.path()).unwrap_err().to_string();
+        let model = check_rule_name("Somaxconn").unwrap_err();
+        assert!(err.contains(&model), "{err}");
     }
 
     #[test]

@@ -417,6 +417,7 @@ fn help_explains_every_flag() {
         "--log-format",
         "--imds-endpoint",
         "--max-message-bytes",
+        "--drift-interval",
         "NODEKEEPER_LISTEN",
     ] {
         assert!(help.contains(flag), "--help does not mention {flag}");

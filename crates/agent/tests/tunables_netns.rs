@@ -5,8 +5,8 @@ use std::process::Command;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use nix::sched::{CloneFlags, setns};
-use nodekeeper_agent::report::Verdict;
 use nodekeeper_agent::tunables::{RawRule, RawRuleSet, TunableStatus, Tunables};
+use nodekeeper_model::indicators::Verdict;
 
 struct Netns(String);
 

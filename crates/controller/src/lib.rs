@@ -26,7 +26,8 @@
 //! r.add(<name>::Context::new(shared, &config.<name>));
 //! ```
 //!
-//! Nothing outside `src/controllers/` changes.
+//! Nothing else in the crate changes; outside it, a new watched kind needs its RBAC rules in
+//! `deploy/controller/controller.yaml`.
 
 pub mod certs;
 pub mod conditions;
@@ -39,3 +40,71 @@ pub mod view;
 pub use runtime::{Cli, Error, LogFormat, run};
 /// Kept at the crate root for the tests that talk to agents directly.
 pub use shared::agent_client;
+
+#[cfg(test)]
+mod layering {
+    //! The layer rule of the crate doc, checked on the source text: a file may import (`crate::…`)
+    //! only from its own layer or the ones below it.
+
+    use std::path::{Path, PathBuf};
+
+    /// Layers from the bottom; a file's layer is its first path component under `src/`.
+    const LAYERS: &[&[&str]] = &[
+        &["certs.rs", "conditions.rs", "view.rs", "schedule.rs"],
+        &["shared"],
+        &["controllers"],
+        &["runtime"],
+    ];
+
+    fn layer_of(component: &str) -> Option<usize> {
+        LAYERS.iter().position(|l| l.contains(&component))
+    }
+
+    fn files(dir: &Path, out: &mut Vec<PathBuf>) {
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                files(&path, out);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                out.push(path);
+            }
+        }
+    }
+
+    #[test]
+    fn no_module_imports_from_a_layer_above_it_or_from_the_crate_root() {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let mut all = Vec::new();
+        files(&src, &mut all);
+        let mut wrong = Vec::new();
+        for path in all {
+            let relative = path.strip_prefix(&src).unwrap();
+            let first = relative.components().next().unwrap();
+            let first = first.as_os_str().to_str().unwrap();
+            let Some(own) = layer_of(first) else { continue };
+            let text = std::fs::read_to_string(&path).unwrap();
+            for (n, line) in text.lines().enumerate() {
+                for (i, _) in line.match_indices("crate::") {
+                    let rest = &line[i + "crate::".len()..];
+                    let target: String = rest
+                        .chars()
+                        .take_while(|c| c.is_alphanumeric() || *c == '_')
+                        .collect();
+                    let target_layer =
+                        layer_of(&target).or_else(|| layer_of(&format!("{target}.rs")));
+                    match target_layer {
+                        Some(t) if t <= own => {}
+                        _ => {
+                            wrong.push(format!("{}:{}: {}", relative.display(), n + 1, line.trim()))
+                        }
+                    }
+                }
+            }
+        }
+        assert!(
+            wrong.is_empty(),
+            "imports from a higher layer or the crate root:\n{}",
+            wrong.join("\n")
+        );
+    }
+}

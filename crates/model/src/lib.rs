@@ -7,6 +7,7 @@
 //! pulling in a Kubernetes client.
 
 pub mod diagnostics;
+pub mod indicators;
 pub mod network;
 pub mod probe;
 pub mod text;

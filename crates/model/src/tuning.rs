@@ -20,6 +20,11 @@
 //!
 //! Any other key is refused, so a typo (`sweepinterval`) is reported instead of silently ignored.
 //!
+//! The rule checks ([`check_rule_name`], [`check_sysctl_key`], [`check_values`],
+//! [`check_repair_max_per_hour`], [`crate::indicators::check_threshold`]) and limits are the
+//! agent's too: it validates `SetRules` with them (adding only what needs the node itself, such
+//! as whether the sysctl exists), so a ConfigMap this parser accepts is one every agent accepts.
+//!
 //! `rules.yaml` looks like this:
 //!
 //! ```yaml
@@ -45,9 +50,21 @@ use serde::{Deserialize, Serialize};
 /// The ConfigMap's conventional name, in the controller's namespace.
 pub const CONFIGMAP_NAME: &str = "nodekeeper-tuning";
 
-/// At most this many tunable rules (and separately thresholds) in one set: the set travels to
-/// every agent in one message.
+pub use crate::indicators::Threshold;
+use crate::indicators::check_threshold;
+
+/// At most this many tunable rules in one set: the set travels to every agent in one message.
 pub const MAX_RULES: usize = 256;
+/// At most this many threshold overrides in one set.
+pub const MAX_THRESHOLDS: usize = 256;
+/// Longest rule name.
+pub const MAX_RULE_NAME_LEN: usize = 63;
+/// Longest sysctl key, in dotted form.
+pub const MAX_KEY_LEN: usize = 253;
+/// Longest expected value.
+pub const MAX_VALUE_LEN: usize = 256;
+/// Most repairs of one rule within an hour.
+pub const MAX_REPAIRS_PER_HOUR: u32 = 60;
 
 const KNOWN_KEYS: &[&str] = &[
     "sweepInterval",
@@ -169,14 +186,6 @@ pub struct TunableRule {
     pub repair: bool,
     pub repair_max_per_hour: u32,
     pub severity: Severity,
-}
-
-/// One indicator threshold override.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct Threshold {
-    pub indicator: String,
-    pub warning: f64,
-    pub critical: f64,
 }
 
 impl RuleSet {
@@ -321,21 +330,20 @@ pub fn parse(data: &BTreeMap<String, String>) -> Result<TuningConfig, TuningErro
         }
     }
 
-    if data.contains_key("staleAfter") || data.contains_key("sweepInterval") {
-        if config.stale_after < config.sweep_interval
-            && !errors
-                .iter()
-                .any(|e| e.key == "staleAfter" || e.key == "sweepInterval")
-        {
-            errors.push(KeyError {
-                key: "staleAfter".into(),
-                problem: format!(
-                    "{} is shorter than sweepInterval ({}); every agent would turn stale between two reads",
-                    format_duration(config.stale_after),
-                    format_duration(config.sweep_interval)
-                ),
-            });
-        }
+    if (data.contains_key("staleAfter") || data.contains_key("sweepInterval"))
+        && config.stale_after < config.sweep_interval
+        && !errors
+            .iter()
+            .any(|e| e.key == "staleAfter" || e.key == "sweepInterval")
+    {
+        errors.push(KeyError {
+            key: "staleAfter".into(),
+            problem: format!(
+                "{} is shorter than sweepInterval ({}); every agent would turn stale between two reads",
+                format_duration(config.stale_after),
+                format_duration(config.sweep_interval)
+            ),
+        });
     }
 
     if let Some(raw) = data.get("diagnostics.maxBundleBytes") {
@@ -420,7 +428,7 @@ pub fn parse_duration(raw: &str) -> Result<Duration, String> {
 /// Formats a duration the way [`parse_duration`] reads it.
 pub fn format_duration(duration: Duration) -> String {
     let ms = duration.as_millis();
-    if ms % 1000 != 0 {
+    if !ms.is_multiple_of(1000) {
         return format!("{ms}ms");
     }
     let secs = duration.as_secs();
@@ -501,11 +509,11 @@ fn parse_rules(raw: &str, repair_allowed: bool) -> Result<RuleSet, Vec<KeyError>
             ),
         ));
     }
-    if doc.thresholds.len() > MAX_RULES {
+    if doc.thresholds.len() > MAX_THRESHOLDS {
         errors.push(err(
             "thresholds".into(),
             format!(
-                "{} thresholds; at most {MAX_RULES} are allowed",
+                "{} thresholds; at most {MAX_THRESHOLDS} are allowed",
                 doc.thresholds.len()
             ),
         ));
@@ -523,14 +531,8 @@ fn parse_rules(raw: &str, repair_allowed: bool) -> Result<RuleSet, Vec<KeyError>
             }
         };
         let before = errors.len();
-        if !valid_rule_name(&rule.name) {
-            errors.push(err(
-                format!("{path}.name"),
-                format!(
-                    "{:?} is not a valid name; use 1–63 characters of a-z, 0-9, '-', '_', '.'",
-                    rule.name
-                ),
-            ));
+        if let Err(problem) = check_rule_name(&rule.name) {
+            errors.push(err(format!("{path}.name"), problem));
         } else if !names.insert(rule.name.clone()) {
             errors.push(err(
                 format!("{path}.name"),
@@ -540,14 +542,8 @@ fn parse_rules(raw: &str, repair_allowed: bool) -> Result<RuleSet, Vec<KeyError>
                 ),
             ));
         }
-        if !valid_sysctl_key(&rule.key) {
-            errors.push(err(
-                format!("{path}.key"),
-                format!(
-                    "{:?} is not a sysctl key in dotted form (e.g. net.core.somaxconn)",
-                    rule.key
-                ),
-            ));
+        if let Err(problem) = check_sysctl_key(&rule.key) {
+            errors.push(err(format!("{path}.key"), problem));
         }
         let given: Vec<(&str, Comparison)> = [
             (rule.equal.is_some(), "equal", Comparison::Equal),
@@ -568,6 +564,7 @@ fn parse_rules(raw: &str, repair_allowed: bool) -> Result<RuleSet, Vec<KeyError>
                     Comparison::OneOf => rule.one_of.clone().unwrap_or_default(),
                 };
                 let mut values = Vec::new();
+                let scalars = errors.len();
                 for (j, v) in raw_values.iter().enumerate() {
                     match scalar(v) {
                         Some(s) => values.push(s),
@@ -582,21 +579,10 @@ fn parse_rules(raw: &str, repair_allowed: bool) -> Result<RuleSet, Vec<KeyError>
                         )),
                     }
                 }
-                if *cmp == Comparison::OneOf && raw_values.is_empty() {
-                    errors.push(err(
-                        format!("{path}.oneOf"),
-                        "is empty; list at least one value".into(),
-                    ));
-                }
-                if matches!(cmp, Comparison::AtLeast | Comparison::AtMost) {
-                    if let Some(v) = values.first() {
-                        if v.parse::<i64>().is_err() {
-                            errors.push(err(
-                                format!("{path}.{field}"),
-                                format!("{v:?} is not an integer"),
-                            ));
-                        }
-                    }
+                if errors.len() == scalars
+                    && let Err(problem) = check_values(*cmp, &values)
+                {
+                    errors.push(err(format!("{path}.{field}"), problem));
                 }
                 (*cmp, values)
             }
@@ -623,11 +609,8 @@ fn parse_rules(raw: &str, repair_allowed: bool) -> Result<RuleSet, Vec<KeyError>
             }
         };
         let repair_max_per_hour = rule.repair_max_per_hour.unwrap_or(1);
-        if !(1..=60).contains(&repair_max_per_hour) {
-            errors.push(err(
-                format!("{path}.repairMaxPerHour"),
-                format!("{repair_max_per_hour} is out of range; use 1 to 60"),
-            ));
+        if let Err(problem) = check_repair_max_per_hour(repair_max_per_hour) {
+            errors.push(err(format!("{path}.repairMaxPerHour"), problem));
         }
         if errors.len() == before {
             set.tunables.push(TunableRule {
@@ -651,29 +634,15 @@ fn parse_rules(raw: &str, repair_allowed: bool) -> Result<RuleSet, Vec<KeyError>
                 continue;
             }
         };
-        let star = t.indicator.find('*');
-        if t.indicator.is_empty() || star.is_some_and(|at| at != t.indicator.len() - 1) {
-            errors.push(err(
-                format!("{path}.indicator"),
-                format!(
-                    "{:?} is not an indicator name or a prefix ending in `*`",
-                    t.indicator
-                ),
-            ));
-            continue;
-        }
-        if !t.warning.is_finite() || !t.critical.is_finite() {
-            errors.push(err(
-                path,
-                "warning and critical must be finite numbers".into(),
-            ));
-            continue;
-        }
-        set.thresholds.push(Threshold {
+        let t = Threshold {
             indicator: t.indicator,
             warning: t.warning,
             critical: t.critical,
-        });
+        };
+        match check_threshold(&t) {
+            Ok(()) => set.thresholds.push(t),
+            Err((field, problem)) => errors.push(err(format!("{path}.{field}"), problem)),
+        }
     }
 
     if errors.is_empty() {
@@ -685,32 +654,113 @@ fn parse_rules(raw: &str, repair_allowed: bool) -> Result<RuleSet, Vec<KeyError>
 
 fn scalar(value: &serde_yaml::Value) -> Option<String> {
     match value {
-        serde_yaml::Value::String(s) => Some(s.split_whitespace().collect::<Vec<_>>().join(" ")),
+        serde_yaml::Value::String(s) => Some(normalize_value(s)),
         serde_yaml::Value::Number(n) => Some(n.to_string()),
         serde_yaml::Value::Bool(b) => Some(if *b { "1".into() } else { "0".into() }),
         _ => None,
     }
 }
 
-fn valid_rule_name(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= 63
-        && name
-            .chars()
-            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || matches!(c, '-' | '_' | '.'))
+/// A value with runs of whitespace collapsed to one space, as `/proc/sys` values are compared
+/// (`4096\t131072` and `4096 131072` are the same value).
+pub fn normalize_value(value: &str) -> String {
+    value.split_whitespace().collect::<Vec<_>>().join(" ")
 }
 
-fn valid_sysctl_key(key: &str) -> bool {
-    // Dotted form only: the agent maps dots to path separators under /proc/sys, so slashes and
-    // empty or `..`-like segments could escape it.
-    !key.is_empty()
-        && key.len() <= 253
-        && key.split('.').all(|segment| {
-            !segment.is_empty()
-                && segment
-                    .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-'))
-        })
+/// Checks a rule name: 1–63 characters of `a-z`, `0-9`, `-`, `_`, `.` (it appears in reports,
+/// Events and metrics as it is).
+pub fn check_rule_name(name: &str) -> Result<(), String> {
+    if name.is_empty() {
+        return Err("is empty; every rule needs a unique name".into());
+    }
+    let valid = name.len() <= MAX_RULE_NAME_LEN
+        && name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || matches!(c, '-' | '_' | '.'));
+    if !valid {
+        return Err(format!(
+            "{name:?} is not a valid name; use 1–{MAX_RULE_NAME_LEN} characters of a-z, 0-9, '-', '_', '.'"
+        ));
+    }
+    Ok(())
+}
+
+/// Checks the shape of a sysctl key. Dotted form only: the agent maps dots to path separators
+/// under `/proc/sys`, so slashes and empty or `..`-like components could escape it. Whether the
+/// key exists is for the agent to say (it depends on the node's kernel).
+pub fn check_sysctl_key(key: &str) -> Result<(), String> {
+    if key.is_empty() {
+        return Err("is empty; write a sysctl key such as net.core.somaxconn".into());
+    }
+    if key.len() > MAX_KEY_LEN {
+        return Err(format!(
+            "is {} characters long; at most {MAX_KEY_LEN}",
+            key.len()
+        ));
+    }
+    if key.contains('/') {
+        return Err(format!(
+            "{key:?} is a path; write the key in dotted form, e.g. net.core.somaxconn (keys name files under /proc/sys only)"
+        ));
+    }
+    if key.split('.').any(str::is_empty) {
+        return Err(format!(
+            "{key:?} has an empty component; write e.g. net.core.somaxconn"
+        ));
+    }
+    if let Some(bad) = key
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.')))
+    {
+        return Err(format!(
+            "{key:?} contains {bad:?}; keys use letters, digits, `_`, `-` and `.`"
+        ));
+    }
+    Ok(())
+}
+
+/// Checks a rule's expected values (already [normalised](normalize_value)) for its comparison:
+/// at least one, exactly one unless `oneOf`, each non-empty, printable and at most
+/// [`MAX_VALUE_LEN`] long, and an integer for `atLeast` and `atMost`.
+pub fn check_values(comparison: Comparison, values: &[String]) -> Result<(), String> {
+    let Some(first) = values.first() else {
+        return Err("is empty; give the expected value".into());
+    };
+    if comparison != Comparison::OneOf && values.len() != 1 {
+        return Err(format!(
+            "has {} values; this comparison takes exactly one (use oneOf for several)",
+            values.len()
+        ));
+    }
+    for v in values {
+        if v.is_empty() {
+            return Err("contains an empty value".into());
+        }
+        if v.len() > MAX_VALUE_LEN || v.chars().any(char::is_control) {
+            return Err(format!(
+                "values are at most {MAX_VALUE_LEN} printable characters"
+            ));
+        }
+    }
+    if matches!(comparison, Comparison::AtLeast | Comparison::AtMost)
+        && first.parse::<i64>().is_err()
+    {
+        return Err(format!(
+            "{first:?} is not an integer, as atLeast and atMost need"
+        ));
+    }
+    Ok(())
+}
+
+/// Checks a rule's repair rate limit: 1 to [`MAX_REPAIRS_PER_HOUR`].
+pub fn check_repair_max_per_hour(n: u32) -> Result<(), String> {
+    if (1..=MAX_REPAIRS_PER_HOUR).contains(&n) {
+        Ok(())
+    } else {
+        Err(format!(
+            "{n} is out of range; use 1 to {MAX_REPAIRS_PER_HOUR}"
+        ))
+    }
 }
 
 mod duration_secs {
@@ -885,6 +935,56 @@ mod tests {
             "{}",
             errors[4].problem
         );
+    }
+
+    #[test]
+    fn thresholds_the_agent_would_refuse_are_refused() {
+        let errors = problems(&[(
+            "rules.yaml",
+            "thresholds:\n  - {indicator: memory.avail, warning: 10, critical: 5}\n  - {indicator: 'bogus.*', warning: 1, critical: 2}\n  - {indicator: memory.available_percent, warning: 5, critical: 10}\n  - {indicator: disk.*, warning: 80, critical: 90}\n",
+        )]);
+        let keys: Vec<_> = errors.iter().map(|e| e.key.as_str()).collect();
+        assert_eq!(
+            keys,
+            vec![
+                "rules.yaml: thresholds[0].indicator",
+                "rules.yaml: thresholds[1].indicator",
+                "rules.yaml: thresholds[2].critical",
+            ]
+        );
+        assert!(
+            errors[0]
+                .problem
+                .contains("\"memory.avail\" is not an indicator the agent reports"),
+            "{}",
+            errors[0].problem
+        );
+    }
+
+    #[test]
+    fn rule_checks_are_the_shared_ones() {
+        assert!(
+            check_sysctl_key("net/core")
+                .unwrap_err()
+                .contains("is a path")
+        );
+        assert!(
+            check_sysctl_key("net..core")
+                .unwrap_err()
+                .contains("empty component")
+        );
+        assert!(check_sysctl_key(&"a".repeat(MAX_KEY_LEN + 1)).is_err());
+        assert!(check_rule_name("Upper").is_err());
+        assert!(check_rule_name(&"a".repeat(MAX_RULE_NAME_LEN + 1)).is_err());
+        assert_eq!(
+            check_values(Comparison::OneOf, &["1".into(), "2".into()]),
+            Ok(())
+        );
+        assert!(check_values(Comparison::Equal, &["1".into(), "2".into()]).is_err());
+        assert!(check_values(Comparison::Equal, &["x".repeat(MAX_VALUE_LEN + 1)]).is_err());
+        assert!(check_values(Comparison::AtMost, &[]).is_err());
+        assert!(check_repair_max_per_hour(0).is_err());
+        assert!(check_repair_max_per_hour(MAX_REPAIRS_PER_HOUR + 1).is_err());
     }
 
     #[test]

@@ -100,7 +100,7 @@ pub fn parse_csv(text: &str) -> Result<Vec<Gpu>, CollectError> {
 }
 
 /// Finds the program: a path is used as given, a bare name is looked up on PATH.
-fn locate(program: &Path) -> Option<PathBuf> {
+pub(crate) fn locate(program: &Path) -> Option<PathBuf> {
     if program.components().count() > 1 {
         return program.is_file().then(|| program.to_path_buf());
     }

@@ -22,6 +22,9 @@ pub struct Interface {
     pub kind: String,
     /// CIDR strings, sorted.
     pub addresses: Vec<String>,
+    /// True when nodekeeper created this link (its alias carries netconf's ownership mark) or
+    /// configures it (the agent adds what the network manager's applied state names).
+    pub managed: bool,
 }
 
 /// Formats a hardware address as lower-case colon-separated hex; all-zero (loopback) is "none".
@@ -49,6 +52,9 @@ pub fn from_link(msg: &LinkMessage) -> Option<Interface> {
             LinkAttribute::Address(mac) => iface.mac = format_mac(mac),
             LinkAttribute::Mtu(mtu) => iface.mtu = *mtu,
             LinkAttribute::OperState(state) => iface.oper_state = state.to_string().to_lowercase(),
+            LinkAttribute::IfAlias(alias) => {
+                iface.managed = alias.starts_with(nodekeeper_netconf::LINK_ALIAS_PREFIX);
+            }
             LinkAttribute::LinkInfo(infos) => {
                 for info in infos {
                     if let LinkInfo::Kind(kind) = info {
@@ -158,10 +164,22 @@ mod tests {
         let mut stray = AddressMessage::default();
         stray.header.index = 99;
         stray.attributes = vec![AddressAttribute::Address("10.9.9.9".parse().unwrap())];
-        let out = join(&[link], &[addr, stray]);
+        let mut created = LinkMessage::default();
+        created.header.index = 3;
+        created.attributes = vec![
+            LinkAttribute::IfName("nkm0".into()),
+            LinkAttribute::IfAlias("nodekeeper:nkm0".into()),
+        ];
+        let mut foreign = LinkMessage::default();
+        foreign.header.index = 4;
+        foreign.attributes = vec![
+            LinkAttribute::IfName("other".into()),
+            LinkAttribute::IfAlias("someone else's".into()),
+        ];
+        let out = join(&[link, created, foreign], &[addr, stray]);
         assert_eq!(
-            out,
-            vec![Interface {
+            out[0],
+            Interface {
                 name: "ens3".into(),
                 index: 2,
                 mac: "02:00:17:01:02:03".into(),
@@ -170,7 +188,13 @@ mod tests {
                 oper_state: "up".into(),
                 kind: String::new(),
                 addresses: vec!["10.0.0.5/24".into()],
-            }]
+                managed: false,
+            }
+        );
+        let managed: Vec<(&str, bool)> = out.iter().map(|i| (i.name.as_str(), i.managed)).collect();
+        assert_eq!(
+            managed,
+            vec![("ens3", false), ("nkm0", true), ("other", false)]
         );
     }
 

@@ -17,7 +17,7 @@ use std::path::Path;
 
 use serde::Deserialize;
 
-use crate::report::Verdict;
+use nodekeeper_model::indicators::Verdict;
 
 /// Largest plugin file read.
 pub const MAX_FILE_BYTES: u64 = 64 * 1024;

@@ -23,7 +23,6 @@ use tracing::{debug, info};
 
 pub use icmp::IcmpSocketPolicy;
 use validate::{Kind, Plan, Target};
-pub use validate::{MAX_CONCURRENCY, MAX_COUNT, MAX_TARGETS, MAX_TIMEOUT_MS};
 
 /// Why a `RunProbes` request was refused as a whole. Failures of single probes are not errors:
 /// they are reported in that target's result.

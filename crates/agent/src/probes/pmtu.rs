@@ -3,8 +3,10 @@
 
 use std::net::IpAddr;
 
+use nodekeeper_model::probe::{MIN_MTU_V4, MIN_MTU_V6};
+
 use super::icmp::{EchoError, EchoSocket, IcmpSocketPolicy};
-use super::validate::{MIN_MTU_V4, MIN_MTU_V6, Plan};
+use super::validate::Plan;
 use super::{Tally, micros};
 
 /// Echoes tried per size before the size counts as not getting through. More than a few only

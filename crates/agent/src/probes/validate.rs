@@ -1,30 +1,19 @@
 //! Turns a `RunProbesRequest` into a checked `Plan`, or an error naming the first bad field.
-//! Every limit of the proto contract is enforced here, before anything is sent.
+//! Every limit of the proto contract is enforced here, before anything is sent; the limits,
+//! defaults and name rules are `nodekeeper_model::probe`'s, the ones the controller and the
+//! `NetworkTest` schema use.
 
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
+use nodekeeper_model::probe::{
+    DEFAULT_CONCURRENCY, DEFAULT_INTERVAL_MS, DEFAULT_MAX_MTU, MAX_CONCURRENCY, MAX_COUNT,
+    MAX_INTERVAL_MS, MAX_MTU, MAX_TARGETS, MAX_TIMEOUT_MS, MIN_MTU_V4, MIN_MTU_V6, check_hostname,
+    check_url,
+};
 use nodekeeper_proto::agent::v1::{ProbeKind, RunProbesRequest};
 
 use super::ProbeError;
-
-/// At most this many targets per call (proto contract).
-pub const MAX_TARGETS: usize = 1_000;
-/// Probes per target, 1 to this (proto contract).
-pub const MAX_COUNT: u32 = 100;
-/// A single probe's timeout, 1 to this many milliseconds (proto contract).
-pub const MAX_TIMEOUT_MS: u32 = 30_000;
-/// Targets probed at once. More would only queue in the kernel and distort latency figures.
-pub const MAX_CONCURRENCY: u32 = 256;
-/// Longest pause between probes of one target; a longer one would outlive any caller's deadline.
-const MAX_INTERVAL_MS: u32 = 60_000;
-const DEFAULT_INTERVAL_MS: u32 = 200;
-const DEFAULT_CONCURRENCY: u32 = 16;
-const DEFAULT_MAX_MTU: u32 = 9_000;
-/// The smallest MTU IPv4 allows (RFC 791); IPv6 targets use 1280 (RFC 8200).
-pub const MIN_MTU_V4: u32 = 68;
-pub const MIN_MTU_V6: u32 = 1_280;
-const MAX_MTU: u32 = 65_535;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
@@ -293,45 +282,11 @@ fn parse_port(p: u32, field: &str) -> Result<u16, ProbeError> {
     u16::try_from(p).map_err(|_| ProbeError::invalid(field, format!("{p} is not a port (0–65535)")))
 }
 
-/// Checks a DNS name in presentation form: dot-separated labels of 1–63 letters, digits, hyphens
-/// or underscores, at most 253 characters, optionally ending in a dot.
-pub fn check_hostname(name: &str) -> Result<(), String> {
-    let trimmed = name.strip_suffix('.').unwrap_or(name);
-    if trimmed.is_empty() {
-        return Err("must be set to a DNS name".into());
-    }
-    if trimmed.len() > 253 {
-        return Err(format!(
-            "{} characters long; a DNS name has at most 253",
-            trimmed.len()
-        ));
-    }
-    for label in trimmed.split('.') {
-        if label.is_empty() || label.len() > 63 {
-            return Err(format!(
-                "{name:?} has an empty label or one longer than 63 characters"
-            ));
-        }
-        if let Some(c) = label
-            .chars()
-            .find(|c| !(c.is_ascii_alphanumeric() || *c == '-' || *c == '_'))
-        {
-            return Err(format!(
-                "{name:?} contains {c:?}; only letters, digits, '-' and '_' are allowed"
-            ));
-        }
-        if label.starts_with('-') || label.ends_with('-') {
-            return Err(format!("{name:?} has a label that starts or ends with '-'"));
-        }
-    }
-    Ok(())
-}
-
 /// Accepts `http://` and `https://` URLs with a host; the reason names what is wrong otherwise.
+/// The shape is checked by the model's [`check_url`] (the rule the controller applies too), then
+/// the URL is parsed fully.
 pub fn parse_url(s: &str) -> Result<http::Uri, String> {
-    if s.is_empty() {
-        return Err("must be set to an http:// or https:// URL".into());
-    }
+    check_url(s)?;
     let uri: http::Uri = s.parse().map_err(|e| format!("{s:?} is not a URL: {e}"))?;
     match uri.scheme_str() {
         Some("http" | "https") => {}

@@ -18,8 +18,9 @@
 //! 2. Add `pub mod <name>;` below and ONE registration line in [`Controllers::start`]:
 //!    `r.add(<name>::Context::new(shared, &config.<name>));`
 //!
-//! Nothing outside `controllers/` changes: the runtime calls [`Controllers::start`] once this
-//! replica leads, and stops everything through the token when it no longer does.
+//! Nothing else in the crate changes: the runtime calls [`Controllers::start`] once this replica
+//! leads, and stops everything through the token when it no longer does. (Outside the crate, a
+//! new watched kind needs its RBAC rules in `deploy/controller/controller.yaml`.)
 //!
 //! # The one exception: the node sweep
 //!
@@ -147,11 +148,10 @@ impl Controllers {
     ) {
         // The one exception (see the module doc): the sweep schedules agent reads itself.
         let sweep = Arc::new(nodes::Context::new(shared));
-        tracker.spawn(nodes::sweep::run(
-            Arc::clone(&sweep),
-            shutdown.child_token(),
-        ));
-        tracker.spawn(nodes::condition_gauges(sweep, shutdown.child_token()));
+        let run = nodes::sweep::run(Arc::clone(&sweep), shutdown.child_token());
+        tracker.spawn(run.instrument(tracing::info_span!("sweep")));
+        let gauges = nodes::condition_gauges(sweep, shutdown.child_token());
+        tracker.spawn(gauges.instrument(tracing::info_span!("condition_gauges")));
 
         // Watch-reconcile controllers: one registration line each.
         let r = Registrar {

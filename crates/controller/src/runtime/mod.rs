@@ -29,7 +29,7 @@ use prometheus_client::registry::Registry;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::{error, info, warn};
+use tracing::{Instrument as _, error, info, info_span, warn};
 
 pub use cli::{Cli, LogFormat};
 
@@ -149,27 +149,36 @@ pub async fn run(cli: Cli) -> Result<(), Error> {
         let (pem, _) = certs::ensure(&secrets).await?;
         agents.set_tls(&pem);
 
-        tracker.spawn(fleet::watch_nodes(
-            Api::<Node>::all(client.clone()),
-            cli.node_selector.clone(),
-            Arc::clone(&fleet),
-            metrics.sweep.clone(),
-            shutdown.child_token(),
-        ));
-        tracker.spawn(tuning::watch_tuning(
-            Api::<ConfigMap>::namespaced(client.clone(), &cli.namespace),
-            cli.tuning_configmap.clone(),
-            shared.recorder(),
-            tuning_tx,
-            metrics.tuning.clone(),
-            shutdown.child_token(),
-        ));
-        tracker.spawn(pki::renew_certificates(
-            secrets.clone(),
-            Arc::clone(&agents),
-            metrics.runtime.clone(),
-            shutdown.child_token(),
-        ));
+        tracker.spawn(
+            fleet::watch_nodes(
+                Api::<Node>::all(client.clone()),
+                cli.node_selector.clone(),
+                Arc::clone(&fleet),
+                metrics.sweep.clone(),
+                shutdown.child_token(),
+            )
+            .instrument(info_span!("node_watch")),
+        );
+        tracker.spawn(
+            tuning::watch_tuning(
+                Api::<ConfigMap>::namespaced(client.clone(), &cli.namespace),
+                cli.tuning_configmap.clone(),
+                shared.recorder(),
+                tuning_tx,
+                metrics.tuning.clone(),
+                shutdown.child_token(),
+            )
+            .instrument(info_span!("tuning_watch")),
+        );
+        tracker.spawn(
+            pki::renew_certificates(
+                secrets.clone(),
+                Arc::clone(&agents),
+                metrics.runtime.clone(),
+                shutdown.child_token(),
+            )
+            .instrument(info_span!("certificate_renewal")),
+        );
         controllers.start(&shared, &cli.controllers, &tracker, &shutdown);
 
         leader::hold(&leases, &lease_config, &shutdown)

@@ -1,7 +1,8 @@
 //! Calls to node agents over mutual TLS: one short-lived connection per read (at 10,000 nodes a
 //! pooled connection per agent would cost far more memory than a handshake every few minutes
 //! costs CPU), a whole-call timeout, a reply size limit, and the classification of every failure
-//! into a bounded [`CallOutcome`].
+//! into a bounded [`CallOutcome`]. This is the transport under [`super::agents`]; controllers
+//! call agents through that service, never through this module directly.
 
 use std::net::SocketAddr;
 use std::time::Duration;

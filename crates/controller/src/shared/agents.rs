@@ -213,6 +213,32 @@ impl MtlsAgents {
         )
     }
 
+    /// One request and its answer on a fresh connection, measured.
+    fn unary<'a, T, F, Fut>(
+        &'a self,
+        method: AgentMethod,
+        node: &'a AgentNode,
+        timeout: Duration,
+        call: F,
+    ) -> BoxFuture<'a, Result<T, CallError>>
+    where
+        T: Send + 'a,
+        F: FnOnce(AgentConnection) -> Fut + Send + 'a,
+        Fut: Future<Output = Result<T, CallError>> + Send + 'a,
+    {
+        self.measured(method, node, async move {
+            let result = match self.connect(node, timeout).await {
+                Ok(conn) => call(conn).await,
+                Err(error) => Err(error),
+            };
+            let outcome = match &result {
+                Ok(_) => CallOutcome::Answered,
+                Err(e) => e.outcome,
+            };
+            (outcome, result)
+        })
+    }
+
     async fn report_inner(
         &self,
         node: &AgentNode,
@@ -271,13 +297,6 @@ impl MtlsAgents {
     }
 }
 
-fn outcome_of<T>(result: &Result<T, CallError>) -> CallOutcome {
-    match result {
-        Ok(_) => CallOutcome::Answered,
-        Err(e) => e.outcome,
-    }
-}
-
 impl Agents for MtlsAgents {
     fn report<'a>(
         &'a self,
@@ -302,14 +321,12 @@ impl Agents for MtlsAgents {
         request: pb::RunProbesRequest,
         timeout: Duration,
     ) -> BoxFuture<'a, Result<pb::RunProbesResponse, CallError>> {
-        self.measured(AgentMethod::RunProbes, node, async move {
-            let result = async {
-                let mut conn = self.connect(node, timeout).await?;
-                conn.run_probes(request).await
-            }
-            .await;
-            (outcome_of(&result), result)
-        })
+        self.unary(
+            AgentMethod::RunProbes,
+            node,
+            timeout,
+            |mut conn| async move { conn.run_probes(request).await },
+        )
     }
 
     fn apply_network<'a>(
@@ -318,14 +335,12 @@ impl Agents for MtlsAgents {
         request: pb::ApplyNetworkRequest,
         timeout: Duration,
     ) -> BoxFuture<'a, Result<pb::ApplyNetworkResponse, CallError>> {
-        self.measured(AgentMethod::ApplyNetwork, node, async move {
-            let result = async {
-                let mut conn = self.connect(node, timeout).await?;
-                conn.apply_network(request).await
-            }
-            .await;
-            (outcome_of(&result), result)
-        })
+        self.unary(
+            AgentMethod::ApplyNetwork,
+            node,
+            timeout,
+            |mut conn| async move { conn.apply_network(request).await },
+        )
     }
 
     fn collect_diagnostics<'a>(
@@ -336,14 +351,18 @@ impl Agents for MtlsAgents {
     ) -> BoxFuture<'a, Result<DiagnosticsStream, CallError>> {
         use futures::StreamExt as _;
         self.measured(AgentMethod::CollectDiagnostics, node, async move {
-            let result = async {
+            let result: Result<DiagnosticsStream, CallError> = async {
                 let mut conn = self
                     .connect_windowed(node, timeout, Some(DIAGNOSTICS_WINDOW_BYTES))
                     .await?;
                 Ok(conn.collect_diagnostics(request).await?.boxed())
             }
             .await;
-            (outcome_of(&result), result)
+            let outcome = match &result {
+                Ok(_) => CallOutcome::Answered,
+                Err(e) => e.outcome,
+            };
+            (outcome, result)
         })
     }
 }
@@ -389,8 +408,125 @@ pub fn set_rules_request(rules: &RuleSet, revision: u64) -> pb::SetRulesRequest 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::shared::fleet::NodeFacts;
+    use crate::shared::metrics::AgentCallLabels;
     use nodekeeper_model::tuning;
     use std::collections::BTreeMap;
+
+    fn agents(fleet: &Arc<Fleet>) -> (MtlsAgents, AgentMetrics) {
+        let metrics = AgentMetrics::default();
+        (
+            MtlsAgents::new(Arc::clone(fleet), 1024, metrics.clone()),
+            metrics,
+        )
+    }
+
+    fn calls(metrics: &AgentMetrics, method: AgentMethod, outcome: CallOutcome) -> u64 {
+        metrics
+            .calls
+            .get_or_create(&AgentCallLabels { method, outcome })
+            .get()
+    }
+
+    #[tokio::test]
+    async fn nodes_outside_the_fleet_are_not_contacted() {
+        // A listener that would see any connection attempt.
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let fleet = Arc::new(Fleet::default());
+        let (agents, metrics) = agents(&fleet);
+        let node = AgentNode {
+            name: "w1".into(),
+            endpoint: listener.local_addr().unwrap(),
+        };
+        let err = agents
+            .run_probes(
+                &node,
+                pb::RunProbesRequest::default(),
+                Duration::from_secs(1),
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(err.outcome, CallOutcome::NotManaged);
+        assert!(err.to_string().contains("check --node-selector"), "{err}");
+        let err = agents
+            .apply_network(
+                &node,
+                pb::ApplyNetworkRequest::default(),
+                Duration::from_secs(1),
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(err.outcome, CallOutcome::NotManaged);
+        assert!(listener.accept().is_err(), "a connection was made");
+
+        // The same name at another address is not the managed node either.
+        fleet.observe(
+            NodeFacts {
+                name: "w1".into(),
+                address: Some("127.0.0.2".parse().unwrap()),
+                resource_version: 1,
+                written: vec![],
+            },
+            Instant::now(),
+        );
+        let report = agents
+            .report(
+                &node,
+                ReportRequest {
+                    cached_revision: None,
+                    rules: None,
+                },
+                Duration::from_secs(1),
+            )
+            .await;
+        assert_eq!(report.view.unwrap_err().outcome, CallOutcome::NotManaged);
+        assert!(matches!(report.rules, RulesOutcome::NotPushed));
+        assert!(listener.accept().is_err(), "a connection was made");
+
+        let counted = [
+            (AgentMethod::RunProbes, 1),
+            (AgentMethod::ApplyNetwork, 1),
+            (AgentMethod::Report, 1),
+        ];
+        for (method, n) in counted {
+            assert_eq!(
+                calls(&metrics, method, CallOutcome::NotManaged),
+                n,
+                "{method:?}"
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn managed_nodes_need_the_certificates_first() {
+        let fleet = Arc::new(Fleet::default());
+        fleet.observe(
+            NodeFacts {
+                name: "w1".into(),
+                address: Some("127.0.0.1".parse().unwrap()),
+                resource_version: 1,
+                written: vec![],
+            },
+            Instant::now(),
+        );
+        let (agents, metrics) = agents(&fleet);
+        let node = AgentNode {
+            name: "w1".into(),
+            endpoint: "127.0.0.1:1".parse().unwrap(),
+        };
+        let err = agents
+            .run_probes(
+                &node,
+                pb::RunProbesRequest::default(),
+                Duration::from_secs(1),
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(err.outcome, CallOutcome::Tls);
+        assert!(err.detail.contains("not loaded"), "{err}");
+        assert_eq!(calls(&metrics, AgentMethod::RunProbes, CallOutcome::Tls), 1);
+    }
 
     #[test]
     fn rules_request_carries_every_field() {

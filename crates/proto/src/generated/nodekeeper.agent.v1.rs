@@ -68,6 +68,82 @@ pub struct NodeReport {
     /// The state of nodekeeper-managed host networking.
     #[prost(message, optional, tag = "12")]
     pub network: ::core::option::Option<NetworkStatus>,
+    /// What the node-problem-detector-compatible monitors (kernel log, custom plugins) found.
+    #[prost(message, optional, tag = "13")]
+    pub problems: ::core::option::Option<NodeProblems>,
+}
+/// Node problems in node-problem-detector's terms: permanent problems are conditions (status
+/// "True" means the problem is present), temporary ones are counted by reason and the latest few
+/// listed (NPD sends these as Events). Every list is bounded by the agent.
+#[derive(Clone, PartialEq, ::prost::Message)]
+pub struct NodeProblems {
+    /// One per condition type declared by a loaded rule file, sorted by type.
+    #[prost(message, repeated, tag = "1")]
+    pub conditions: ::prost::alloc::vec::Vec<ProblemCondition>,
+    /// Problems since the agent started, by reason, sorted by reason: temporary problems and
+    /// conditions turning True (NPD's problem_counter); every rule's reason is listed from 0.
+    #[prost(message, repeated, tag = "2")]
+    pub counts: ::prost::alloc::vec::Vec<ProblemCount>,
+    /// The latest temporary problems, oldest first.
+    #[prost(message, repeated, tag = "3")]
+    pub recent: ::prost::alloc::vec::Vec<ProblemEvent>,
+    /// Rule files, rules and plugins that do not run, and why.
+    #[prost(message, repeated, tag = "4")]
+    pub refused: ::prost::alloc::vec::Vec<MonitorRefusal>,
+    /// Refusals beyond those listed.
+    #[prost(uint64, tag = "5")]
+    pub refused_dropped: u64,
+    /// Kernel-log records overwritten before the monitor read them.
+    #[prost(uint64, tag = "6")]
+    pub lost_records: u64,
+}
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct ProblemCondition {
+    /// The Node condition type, e.g. `KernelDeadlock`, `ReadonlyFilesystem`.
+    #[prost(string, tag = "1")]
+    pub r#type: ::prost::alloc::string::String,
+    /// `True` (problem present), `False` or `Unknown`, as a Node condition's status.
+    #[prost(string, tag = "2")]
+    pub status: ::prost::alloc::string::String,
+    #[prost(string, tag = "3")]
+    pub reason: ::prost::alloc::string::String,
+    /// Changes only when status or reason change, so it never carries a drifting value.
+    #[prost(string, tag = "4")]
+    pub message: ::prost::alloc::string::String,
+    /// The rule file's `source`, e.g. `kernel-monitor`.
+    #[prost(string, tag = "5")]
+    pub source: ::prost::alloc::string::String,
+    #[prost(int64, tag = "6")]
+    pub transition_unix_ms: i64,
+}
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct ProblemCount {
+    #[prost(string, tag = "1")]
+    pub reason: ::prost::alloc::string::String,
+    #[prost(uint64, tag = "2")]
+    pub count: u64,
+}
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct ProblemEvent {
+    #[prost(string, tag = "1")]
+    pub source: ::prost::alloc::string::String,
+    #[prost(string, tag = "2")]
+    pub reason: ::prost::alloc::string::String,
+    #[prost(string, tag = "3")]
+    pub message: ::prost::alloc::string::String,
+    #[prost(int64, tag = "4")]
+    pub timestamp_unix_ms: i64,
+}
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct MonitorRefusal {
+    /// The file (or `builtin:…`) it came from.
+    #[prost(string, tag = "1")]
+    pub origin: ::prost::alloc::string::String,
+    /// Which part, e.g. `rules\[3\] (OOMKilling)`; empty for the whole file.
+    #[prost(string, tag = "2")]
+    pub item: ::prost::alloc::string::String,
+    #[prost(string, tag = "3")]
+    pub reason: ::prost::alloc::string::String,
 }
 /// One measured figure with its verdict.
 #[derive(Clone, PartialEq, ::prost::Message)]

@@ -11,8 +11,8 @@ use futures::StreamExt as _;
 use super::aggregate::PairResult;
 use super::plan::{PlannedTarget, ProbeKind, ProbeParams, TestPlan};
 
-/// Targets an agent probes at once (the proto's default, which the controller sends explicitly).
-pub const AGENT_CONCURRENCY: u32 = 16;
+/// Targets an agent probes at once: the agent's default, which the controller sends explicitly.
+pub const AGENT_CONCURRENCY: u32 = nodekeeper_model::probe::DEFAULT_CONCURRENCY;
 /// Slack on top of the computed budget for connection set-up and scheduling.
 const SLACK: Duration = Duration::from_secs(5);
 /// No single call may take longer than this, whatever the parameters say.

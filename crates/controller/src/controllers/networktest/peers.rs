@@ -2,9 +2,10 @@
 //! ring of the selected nodes plus a few others drawn by a generator seeded from the test's uid, so
 //! a re-run of the same test (or a restarted controller) picks exactly the same pairs.
 
-/// The most peers one node probes. With 10,000 nodes, 16 peers each is 160,000 pairs per test,
-/// which the agents and the controller's in-memory results handle; more would not find more.
-pub const MAX_PEERS_PER_NODE: u32 = 16;
+// The most peers one node probes (`MAX_PEERS_PER_NODE`, 16, from the model): with 10,000 nodes
+// that is 160,000 pairs per test, which the agents and the controller's in-memory results
+// handle; more would not find more.
+use nodekeeper_model::probe::MAX_PEERS_PER_NODE;
 
 /// For each node (by index into `nodes`, which must be sorted and free of duplicates), the indices
 /// of its peers: the ring successor first, then up to `per_node - 1` distinct others in ascending

@@ -5,19 +5,12 @@
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
 
-use super::peers;
+use nodekeeper_model::probe::{
+    MAX_COUNT, MAX_INTERVAL_MS, MAX_MTU, MAX_PEERS_PER_NODE, MAX_SOURCE_NODES, MAX_TARGETS,
+    MAX_TIMEOUT_MS, MIN_MTU_V4, check_hostname, check_url,
+};
 
-/// At most this many entries in `spec.targets` (and at most this many targets per source node,
-/// the agent's limit per call).
-pub const MAX_TARGETS: usize = 1_000;
-/// Probes per target.
-pub const MAX_COUNT: i64 = 100;
-/// A single probe's timeout, in milliseconds.
-pub const MAX_TIMEOUT_MS: i64 = 30_000;
-/// Longest pause between probes of one target, in milliseconds.
-pub const MAX_INTERVAL_MS: i64 = 60_000;
-/// The most source nodes one test may use.
-pub const MAX_SOURCE_NODES: i64 = 10_000;
+use super::peers;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum ProbeKind {
@@ -168,11 +161,16 @@ pub fn check_params(spec: &TestSpec) -> Result<ProbeParams, SpecError> {
             Err(bad(field, format!("{v} is out of range; use {lo}–{hi}")))
         }
     };
-    let count = ranged("spec.count", spec.count, 1, MAX_COUNT)?;
-    let timeout_ms = ranged("spec.timeoutMs", spec.timeout_ms, 1, MAX_TIMEOUT_MS)?;
-    let interval_ms = ranged("spec.intervalMs", spec.interval_ms, 1, MAX_INTERVAL_MS)?;
+    let count = ranged("spec.count", spec.count, 1, MAX_COUNT.into())?;
+    let timeout_ms = ranged("spec.timeoutMs", spec.timeout_ms, 1, MAX_TIMEOUT_MS.into())?;
+    let interval_ms = ranged(
+        "spec.intervalMs",
+        spec.interval_ms,
+        1,
+        MAX_INTERVAL_MS.into(),
+    )?;
     if let Some(n) = spec.max_nodes {
-        ranged("spec.maxNodes", n, 1, MAX_SOURCE_NODES)?;
+        ranged("spec.maxNodes", n, 1, MAX_SOURCE_NODES.into())?;
     }
     let mut expected_status = Vec::new();
     for (i, s) in spec.expected_status.iter().enumerate() {
@@ -180,7 +178,7 @@ pub fn check_params(spec: &TestSpec) -> Result<ProbeParams, SpecError> {
     }
     let max_mtu = match spec.max_mtu {
         None => 0,
-        Some(m) => ranged("spec.maxMtu", m, 68, 65_535)?,
+        Some(m) => ranged("spec.maxMtu", m, MIN_MTU_V4.into(), MAX_MTU.into())?,
     };
     if spec.targets.is_empty() {
         return Err(bad("spec.targets", "must name at least one target"));
@@ -248,7 +246,7 @@ pub fn plan(
             "matches no nodes; check the labels or wait for the nodes to join",
         ));
     }
-    let cap = spec.max_nodes.unwrap_or(MAX_SOURCE_NODES) as usize;
+    let cap = spec.max_nodes.unwrap_or(MAX_SOURCE_NODES.into()) as usize;
     // The first `cap` by name: deterministic, so a re-reconcile picks the same sources.
     nodes.truncate(cap);
     let port = match spec.port {
@@ -392,12 +390,12 @@ pub fn plan(
                 });
             }
             TargetSpec::Peers { per_node } => {
-                if !(1..=i64::from(peers::MAX_PEERS_PER_NODE)).contains(per_node) {
+                if !(1..=i64::from(MAX_PEERS_PER_NODE)).contains(per_node) {
                     return Err(bad(
                         field("peers"),
                         format!(
                             "{per_node} peers per node is out of range; use 1–{}",
-                            peers::MAX_PEERS_PER_NODE
+                            MAX_PEERS_PER_NODE
                         ),
                     ));
                 }
@@ -529,48 +527,6 @@ pub fn split_host_port(s: &str) -> Option<(&str, u16)> {
     };
     let port: u16 = port.parse().ok().filter(|p| *p != 0)?;
     (!host.is_empty()).then_some((host, port))
-}
-
-/// The same rule the agent applies: labels of letters, digits, `-`, `_`; at most 253 characters.
-pub fn check_hostname(name: &str) -> Result<(), String> {
-    let trimmed = name.strip_suffix('.').unwrap_or(name);
-    if trimmed.is_empty() || trimmed.len() > 253 {
-        return Err(format!("{name:?} is not a DNS name (1–253 characters)"));
-    }
-    for label in trimmed.split('.') {
-        let ok_chars = label
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
-        if label.is_empty()
-            || label.len() > 63
-            || !ok_chars
-            || label.starts_with('-')
-            || label.ends_with('-')
-        {
-            return Err(format!("{name:?} is not a DNS name (bad label {label:?})"));
-        }
-    }
-    Ok(())
-}
-
-/// `http://` or `https://` with a host.
-pub fn check_url(u: &str) -> Result<(), String> {
-    let Some((scheme, rest)) = u.split_once("://") else {
-        return Err(format!("{u:?} has no scheme; use http:// or https://"));
-    };
-    if scheme != "http" && scheme != "https" {
-        return Err(format!(
-            "scheme {scheme:?} is not supported; use http or https"
-        ));
-    }
-    let authority = rest.split(['/', '?', '#']).next().unwrap_or_default();
-    if authority.is_empty() {
-        return Err(format!("{u:?} has no host"));
-    }
-    if authority.contains('@') {
-        return Err("user information in URLs is not supported".into());
-    }
-    Ok(())
 }
 
 #[cfg(test)]

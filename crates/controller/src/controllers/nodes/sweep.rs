@@ -3,7 +3,8 @@
 //! node's conditions are patched only when they change.
 //!
 //! Each call runs as its own task with its own timeout, so a slow or silent agent holds one
-//! concurrency slot for at most `callTimeout` and never delays any other node.
+//! concurrency slot for at most `callTimeout` and never delays any other node. The call itself
+//! (report, and the rules push on the same connection) goes through the agents service.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

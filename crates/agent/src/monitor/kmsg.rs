@@ -1,0 +1,364 @@
+//! The kernel log reader: `/dev/kmsg` records (`prio,seq,ts_usec,flags;message`, followed by
+//! dictionary lines that start with a space) read one by one on a thread of their own and fed
+//! to the kmsg rule files. Memory stays bounded when the log floods: records are matched as they
+//! are read (the kernel's ring buffer is the only queue), a line is cut at [`MAX_LINE_BYTES`],
+//! and records the kernel overwrote before they were read are counted from the sequence gaps.
+
+use std::fs::File;
+use std::io::{BufRead, BufReader, ErrorKind};
+use std::os::unix::fs::OpenOptionsExt as _;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, SystemTime};
+
+use super::rules::LogMonitor;
+use super::state::{SharedState, lock};
+
+/// Longest record line kept; the kernel's own limit is about 1 KiB, a file stand-in may hold more.
+pub const MAX_LINE_BYTES: usize = 8 * 1024;
+/// How long to wait at the end of a file (or a FIFO without a writer) before reading again.
+const IDLE_POLL: Duration = Duration::from_millis(100);
+/// How long to wait before reopening a log that cannot be opened.
+const REOPEN: Duration = Duration::from_secs(5);
+
+/// One parsed `/dev/kmsg` record.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Record {
+    /// Syslog priority and facility (`facility << 3 | level`).
+    pub priority: u32,
+    pub seq: u64,
+    /// Microseconds since boot.
+    pub ts_usec: u64,
+    /// The message, decoded lossily (invalid UTF-8 becomes U+FFFD) and trimmed, as NPD trims it.
+    pub message: String,
+}
+
+/// Parses one record line (without its dictionary lines). `None` when it is not a record.
+pub fn parse_record(line: &[u8]) -> Option<Record> {
+    let semi = line.iter().position(|&b| b == b';')?;
+    let header = std::str::from_utf8(&line[..semi]).ok()?;
+    let mut fields = header.split(',');
+    let priority = fields.next()?.parse().ok()?;
+    let seq = fields.next()?.parse().ok()?;
+    let ts_usec = fields.next()?.parse().ok()?;
+    let text = String::from_utf8_lossy(&line[semi + 1..]);
+    Some(Record {
+        priority,
+        seq,
+        ts_usec,
+        message: text.trim().to_owned(),
+    })
+}
+
+/// Boot time as NPD computes it: now minus `/proc/uptime`.
+pub fn boot_time() -> std::io::Result<SystemTime> {
+    let uptime = std::fs::read_to_string("/proc/uptime")?;
+    let secs: f64 = uptime
+        .split_whitespace()
+        .next()
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| std::io::Error::new(ErrorKind::InvalidData, "odd /proc/uptime"))?;
+    Ok(SystemTime::now() - Duration::from_secs_f64(secs))
+}
+
+/// Where to read and what to apply.
+pub struct KmsgReader {
+    pub path: PathBuf,
+    pub boot: SystemTime,
+    pub monitors: Vec<LogMonitor>,
+    pub state: SharedState,
+    /// Set to stop; checked after every record and while idle (the log is read non-blocking,
+    /// so the thread ends within 100 ms of the request).
+    pub stop: Arc<AtomicBool>,
+    /// Stop at the end of the input instead of waiting for more (tests and one-shot reads).
+    pub stop_at_end: bool,
+    /// Told once the backlog has been read (or the log cannot be opened), so that the first
+    /// report already holds what the backlog showed.
+    pub caught_up: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+/// What one read loop saw (for tests and logs).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReadStats {
+    pub records: u64,
+    pub skipped_before_start: u64,
+    pub malformed: u64,
+    pub truncated: u64,
+    pub lost: u64,
+    /// Records at or before the last sequence number read (seen again after a reopen).
+    pub already_read: u64,
+}
+
+impl KmsgReader {
+    /// Runs on the calling thread until stopped; reopens the log when it cannot be read.
+    pub fn run(mut self) -> ReadStats {
+        let mut stats = ReadStats::default();
+        let now = SystemTime::now();
+        {
+            let mut state = lock(&self.state);
+            for m in &self.monitors {
+                m.declare(&mut state, now);
+            }
+        }
+        let starts: Vec<SystemTime> = self
+            .monitors
+            .iter()
+            .map(|m| m.start_time(self.boot, now))
+            .collect();
+        let origin = self.path.display().to_string();
+        // Kept across reopens: a reopened /dev/kmsg starts again at its oldest record, and what
+        // was already read must not fire twice.
+        let mut last_seq: Option<u64> = None;
+        while !self.stop.load(Ordering::Relaxed) {
+            let opened = std::fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_NONBLOCK)
+                .open(&self.path);
+            let file = match opened {
+                Ok(f) => {
+                    lock(&self.state).clear_refusals(&origin);
+                    f
+                }
+                Err(e) => {
+                    self.signal_caught_up();
+                    let mut state = lock(&self.state);
+                    if !state.refusals().iter().any(|r| r.origin == origin) {
+                        state.refuse(&origin, "", &format!("open kernel log: {e}; retrying"));
+                    }
+                    drop(state);
+                    if self.stop_at_end {
+                        break;
+                    }
+                    self.sleep(REOPEN);
+                    continue;
+                }
+            };
+            self.read(file, &starts, &mut stats, &mut last_seq);
+            if self.stop_at_end {
+                break;
+            }
+            // A read error ended that pass; do not spin on a log that keeps failing.
+            self.sleep(REOPEN);
+        }
+        stats
+    }
+
+    fn signal_caught_up(&mut self) {
+        if let Some(tx) = self.caught_up.take() {
+            let _ = tx.send(());
+        }
+    }
+
+    fn sleep(&self, total: Duration) {
+        let step = IDLE_POLL.min(total);
+        let mut slept = Duration::ZERO;
+        while slept < total && !self.stop.load(Ordering::Relaxed) {
+            std::thread::sleep(step);
+            slept += step;
+        }
+    }
+
+    fn read(
+        &mut self,
+        file: File,
+        starts: &[SystemTime],
+        stats: &mut ReadStats,
+        last_seq: &mut Option<u64>,
+    ) {
+        let mut reader = BufReader::with_capacity(16 * 1024, file);
+        let mut pending = Line::default();
+        while !self.stop.load(Ordering::Relaxed) {
+            let complete = match read_line_bounded(&mut reader, &mut pending) {
+                Ok(complete) => complete,
+                // The log is opened non-blocking so that a stop request is seen while idle.
+                Err(e) if e.kind() == ErrorKind::WouldBlock => false,
+                // /dev/kmsg answers EPIPE when the record to read was overwritten; the next
+                // read continues at the oldest record still there, and the gap counts it.
+                Err(e) if e.kind() == ErrorKind::BrokenPipe => {
+                    pending.clear();
+                    continue;
+                }
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    tracing::warn!(error = %e, path = %self.path.display(), "read kernel log");
+                    return;
+                }
+            };
+            if !complete {
+                self.signal_caught_up();
+                // A line without its newline yet stays pending, unless the input has ended.
+                if !self.stop_at_end {
+                    std::thread::sleep(IDLE_POLL);
+                    continue;
+                }
+                if pending.bytes.is_empty() {
+                    return;
+                }
+            }
+            if pending.truncated {
+                stats.truncated += 1;
+            }
+            self.handle(&pending.bytes, starts, stats, last_seq);
+            pending.clear();
+        }
+    }
+
+    fn handle(
+        &mut self,
+        line: &[u8],
+        starts: &[SystemTime],
+        stats: &mut ReadStats,
+        last_seq: &mut Option<u64>,
+    ) {
+        // Dictionary lines (` SUBSYSTEM=…`) belong to the record before them.
+        if line.first() == Some(&b' ') || line.is_empty() {
+            return;
+        }
+        let Some(record) = parse_record(line) else {
+            stats.malformed += 1;
+            return;
+        };
+        if last_seq.is_some_and(|prev| record.seq <= prev) {
+            stats.already_read += 1;
+            return;
+        }
+        stats.records += 1;
+        if let Some(prev) = *last_seq
+            && record.seq > prev + 1
+        {
+            let gap = record.seq - prev - 1;
+            stats.lost += gap;
+            lock(&self.state).add_lost(gap);
+        }
+        *last_seq = Some(record.seq);
+        if record.message.is_empty() {
+            return;
+        }
+        let at = self.boot + Duration::from_micros(record.ts_usec);
+        let mut state = None;
+        for (monitor, start) in self.monitors.iter_mut().zip(starts) {
+            if at < *start {
+                stats.skipped_before_start += 1;
+                continue;
+            }
+            // Every monitor's buffer must see every line, so the lock is taken once per record.
+            let guard = state.get_or_insert_with(|| lock(&self.state));
+            monitor.process(&record.message, at, guard);
+        }
+    }
+}
+
+/// A line being read: at most [`MAX_LINE_BYTES`] kept, and whether more was dropped.
+#[derive(Default)]
+struct Line {
+    bytes: Vec<u8>,
+    truncated: bool,
+}
+
+impl Line {
+    fn clear(&mut self) {
+        self.bytes.clear();
+        self.truncated = false;
+    }
+}
+
+/// Reads into `line` up to the next newline; `Ok(false)` when the input has no more for now
+/// (the part read so far stays in `line`).
+fn read_line_bounded(reader: &mut impl BufRead, line: &mut Line) -> std::io::Result<bool> {
+    loop {
+        let buf = reader.fill_buf()?;
+        if buf.is_empty() {
+            return Ok(false);
+        }
+        let (chunk, done) = match buf.iter().position(|&b| b == b'\n') {
+            Some(i) => (&buf[..i], i + 1),
+            None => (buf, buf.len()),
+        };
+        let room = MAX_LINE_BYTES.saturating_sub(line.bytes.len());
+        if chunk.len() > room {
+            line.truncated = true;
+        }
+        line.bytes
+            .extend_from_slice(&chunk[..chunk.len().min(room)]);
+        let ended = done > chunk.len();
+        reader.consume(done);
+        if ended {
+            return Ok(true);
+        }
+    }
+}
+
+/// A started reader.
+pub struct Running {
+    pub stop: Arc<AtomicBool>,
+    pub thread: std::thread::JoinHandle<ReadStats>,
+    /// Resolves once the backlog has been read.
+    pub caught_up: tokio::sync::oneshot::Receiver<()>,
+}
+
+/// Starts the reader on its own thread (reading and matching must not hold a runtime worker).
+pub fn spawn(
+    path: &Path,
+    boot: SystemTime,
+    monitors: Vec<LogMonitor>,
+    state: SharedState,
+) -> Running {
+    let stop = Arc::new(AtomicBool::new(false));
+    let (tx, caught_up) = tokio::sync::oneshot::channel();
+    let reader = KmsgReader {
+        path: path.to_owned(),
+        boot,
+        monitors,
+        state,
+        stop: stop.clone(),
+        stop_at_end: false,
+        caught_up: Some(tx),
+    };
+    let thread = std::thread::Builder::new()
+        .name("kmsg".into())
+        .spawn(move || reader.run())
+        .expect("spawn the kernel log thread");
+    Running {
+        stop,
+        thread,
+        caught_up,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_records_lossily() {
+        let r = parse_record(b"6,339,5140900,-;NET: Registered protocol family 10").unwrap();
+        assert_eq!((r.priority, r.seq, r.ts_usec), (6, 339, 5_140_900));
+        assert_eq!(r.message, "NET: Registered protocol family 10");
+        let r = parse_record(b"3,1,2,c;bad \xff\xfe bytes  ").unwrap();
+        assert_eq!(r.message, "bad \u{fffd}\u{fffd} bytes");
+        assert!(parse_record(b" SUBSYSTEM=pci").is_none());
+        assert!(parse_record(b"x,1,2,-;msg").is_none());
+        assert!(parse_record(b"no header at all").is_none());
+    }
+
+    #[test]
+    fn long_lines_are_cut_and_partial_lines_wait() {
+        let mut input = vec![b'a'; MAX_LINE_BYTES * 3];
+        input.extend_from_slice(b"\nnext\npart");
+        let mut reader = BufReader::with_capacity(100, &input[..]);
+        let mut line = Line::default();
+        assert!(read_line_bounded(&mut reader, &mut line).unwrap());
+        assert!(line.truncated);
+        assert_eq!(line.bytes.len(), MAX_LINE_BYTES);
+        line.clear();
+        assert!(read_line_bounded(&mut reader, &mut line).unwrap());
+        assert_eq!(
+            (line.bytes.as_slice(), line.truncated),
+            (&b"next"[..], false)
+        );
+        line.clear();
+        assert!(!read_line_bounded(&mut reader, &mut line).unwrap());
+        assert_eq!(line.bytes, b"part");
+    }
+}

@@ -1,0 +1,286 @@
+//! A certificate rotation under a running agent keeps what the agent knows: the agent server runs
+//! inside a network namespace this test creates, applies a host network state over mutual-TLS
+//! gRPC, has its TLS files replaced (it reloads them), and must then still repair a route someone
+//! deleted and still report the applied state. Root only (network namespaces).
+
+use std::process::Command;
+use std::time::Duration;
+
+use clap::Parser as _;
+use nodekeeper_agent::Config;
+use nodekeeper_proto::agent::v1 as pb;
+use pb::get_report_response::Result as Answer;
+use pb::node_agent_client::NodeAgentClient;
+use rcgen::{
+    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+};
+use tokio_util::sync::CancellationToken;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
+
+const SERVER_NAME: &str = "agent.nodekeeper.internal";
+/// Inside the test's own namespace any port is free.
+const LISTEN: &str = "127.0.0.1:9443";
+
+/// A network namespace this test created; deleted when dropped.
+struct Netns(String);
+
+impl Netns {
+    fn create(prefix: &str) -> Netns {
+        let ns = Netns(format!("{prefix}-{}", std::process::id()));
+        let _ = Command::new("ip").args(["netns", "del", &ns.0]).status();
+        assert!(
+            Command::new("ip")
+                .args(["netns", "add", &ns.0])
+                .status()
+                .unwrap()
+                .success()
+        );
+        ns.ip(&["link", "set", "lo", "up"]);
+        ns
+    }
+
+    fn ip(&self, args: &[&str]) -> String {
+        ip(&self.0, args)
+    }
+}
+
+/// `ip -n <ns> ARGS`, asserting success; its standard output.
+fn ip(ns: &str, args: &[&str]) -> String {
+    let out = Command::new("ip")
+        .args(["-n", ns])
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "ip {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
+    }
+}
+
+/// A CA, and the agent's server pair and the controller's client pair it signs.
+struct Pki {
+    ca: String,
+    server: (String, String),
+    client: (String, String),
+}
+
+fn pki(name: &str) -> Pki {
+    let ca_key = KeyPair::generate().unwrap();
+    let mut params = CertificateParams::default();
+    params.distinguished_name.push(DnType::CommonName, name);
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca = params.self_signed(&ca_key).unwrap().pem();
+    let issuer = Issuer::new(params, ca_key);
+    let leaf = |cn: &str, usage| {
+        let key = KeyPair::generate().unwrap();
+        let mut params = CertificateParams::new(vec![cn.to_string()]).unwrap();
+        params.distinguished_name.push(DnType::CommonName, cn);
+        params.extended_key_usages = vec![usage];
+        let cert = params.signed_by(&key, &issuer).unwrap();
+        (cert.pem(), key.serialize_pem())
+    };
+    Pki {
+        server: leaf(SERVER_NAME, ExtendedKeyUsagePurpose::ServerAuth),
+        client: leaf(
+            "controller.nodekeeper.internal",
+            ExtendedKeyUsagePurpose::ClientAuth,
+        ),
+        ca,
+    }
+}
+
+/// Writes the agent's three TLS files, as a Secret volume update would.
+fn install(dir: &std::path::Path, p: &Pki) {
+    std::fs::write(dir.join("tls.crt"), &p.server.0).unwrap();
+    std::fs::write(dir.join("tls.key"), &p.server.1).unwrap();
+    std::fs::write(dir.join("ca.crt"), &p.ca).unwrap();
+}
+
+/// A client trusting `p`'s CA with its client pair; `Err` until the agent serves with `p`.
+async fn client(p: &Pki) -> Result<NodeAgentClient<Channel>, String> {
+    let tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(&p.ca))
+        .domain_name(SERVER_NAME)
+        .identity(Identity::from_pem(&p.client.0, &p.client.1));
+    let channel = Channel::from_shared(format!("https://{LISTEN}"))
+        .unwrap()
+        .tls_config(tls)
+        .map_err(|e| e.to_string())?
+        .connect_timeout(Duration::from_secs(2))
+        .timeout(Duration::from_secs(10))
+        .connect()
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut c = NodeAgentClient::new(channel);
+    // A handshake with the wrong CA fails on the first call, not on connect.
+    c.get_report(pb::GetReportRequest { since_revision: 0 })
+        .await
+        .map_err(|s| s.to_string())?;
+    Ok(c)
+}
+
+/// Calls `client(p)` every 100 ms for up to `secs` seconds.
+async fn wait_for_client(p: &Pki, secs: u64) -> NodeAgentClient<Channel> {
+    let mut last = String::new();
+    for _ in 0..secs * 10 {
+        match client(p).await {
+            Ok(c) => return c,
+            Err(e) => last = e,
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("the agent did not serve with the expected certificates: {last}");
+}
+
+async fn network_status(c: &mut NodeAgentClient<Channel>) -> (pb::NetworkStatus, pb::NodeReport) {
+    let answer = c
+        .get_report(pb::GetReportRequest { since_revision: 0 })
+        .await
+        .unwrap()
+        .into_inner()
+        .result;
+    let Some(Answer::Report(report)) = answer else {
+        panic!("expected a full report, got {answer:?}");
+    };
+    (report.network.clone().unwrap_or_default(), report)
+}
+
+const DESIRED: &str = r#"{
+  "links": [
+    {"name": "nic0", "kind": "existing", "up": true},
+    {"name": "nkm0", "kind": "macvlan", "parent": "nic0"}
+  ],
+  "addresses": [{"link": "nkm0", "cidr": "10.0.20.33/24"}],
+  "routes": [{"destination": "default", "gateway": "10.0.20.1", "link": "nkm0", "table": 101}],
+  "rules": [{"from": "10.0.20.33/32", "table": 101, "priority": 20101}]
+}"#;
+
+#[test]
+#[allow(clippy::print_stdout)] // SKIPPED goes to stdout (README, "Try it": root-only tests report it)
+fn certificate_rotation_keeps_the_applied_network_and_its_drift_repair() {
+    if !nix::unistd::geteuid().is_root() {
+        println!("SKIPPED: needs root to create network namespaces");
+        return;
+    }
+    let ns = Netns::create("nk-test-rotation");
+    ns.ip(&[
+        "link", "add", "nic0", "type", "veth", "peer", "name", "nic0p",
+    ]);
+    ns.ip(&["link", "set", "nic0p", "up"]);
+    ns.ip(&["addr", "add", "10.0.20.1/24", "dev", "nic0p"]);
+
+    let dir = tempfile::tempdir().unwrap();
+    let (first, second) = (pki("first CA"), pki("second CA"));
+    install(dir.path(), &first);
+    let config = Config::try_parse_from([
+        "nodekeeper-agent".to_string(),
+        "--node-name=worker-1".into(),
+        format!("--listen={LISTEN}"),
+        format!("--tls-cert={}", dir.path().join("tls.crt").display()),
+        format!("--tls-key={}", dir.path().join("tls.key").display()),
+        format!("--client-ca={}", dir.path().join("ca.crt").display()),
+        format!("--state-dir={}", dir.path().join("state").display()),
+        "--nvidia-smi=/nonexistent/nvidia-smi".into(),
+        "--tls-reload-interval=100ms".into(),
+        "--drift-interval=300ms".into(),
+        // Every GetReport below must see the latest network status.
+        "--report-max-age=0ms".into(),
+    ])
+    .unwrap();
+
+    let path = format!("/run/netns/{}", ns.0);
+    let ns_name = ns.0.clone();
+    let dir_path = dir.path().to_path_buf();
+    std::thread::spawn(move || {
+        // setns affects only this thread: the agent, its netlink sockets and the client all live
+        // in the test's namespace.
+        let f = std::fs::File::open(&path).unwrap();
+        nix::sched::setns(f, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let ip = |args: &[&str]| ip(&ns_name, args);
+            let shutdown = CancellationToken::new();
+            let agent = tokio::spawn(nodekeeper_agent::run(config, shutdown.clone()));
+
+            let mut c = wait_for_client(&first, 10).await;
+            let r = c
+                .apply_network(pb::ApplyNetworkRequest {
+                    desired_state_json: DESIRED.into(),
+                    generation: "uid-1/1".into(),
+                    ..Default::default()
+                })
+                .await
+                .unwrap()
+                .into_inner();
+            assert_eq!(r.outcome, pb::ApplyOutcome::Applied as i32, "{}", r.message);
+            let route = ip(&["route", "show", "table", "101"]);
+            assert_eq!(route.trim(), "default via 10.0.20.1 dev nkm0 proto 176");
+            let (status, _) = network_status(&mut c).await;
+            assert_eq!(status.applied_generation, "uid-1/1");
+
+            // Rotate: a new CA and new pairs, written under the running agent.
+            install(&dir_path, &second);
+            let mut c = wait_for_client(&second, 10).await;
+            assert!(
+                client(&first).await.is_err(),
+                "the old CA must no longer be trusted"
+            );
+
+            // Someone deletes the route; the drift loop must still run and put it back.
+            ip(&["route", "del", "default", "table", "101"]);
+            let mut repaired = false;
+            for _ in 0..100 {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                if ip(&["route", "show", "table", "101"]).trim()
+                    == "default via 10.0.20.1 dev nkm0 proto 176"
+                {
+                    repaired = true;
+                    break;
+                }
+            }
+            assert!(
+                repaired,
+                "the deleted route was not repaired within 10 s after the certificate rotation"
+            );
+            let (status, report) = network_status(&mut c).await;
+            assert_eq!(
+                status.applied_generation, "uid-1/1",
+                "the rotation forgot the applied state: {status:?}"
+            );
+            assert!(status.drifted, "{status:?}");
+            assert!(status.reconverged_at_unix_ms > 0, "{status:?}");
+            assert!(status.last_error.is_empty(), "{status:?}");
+            // The links nodekeeper created or configures are reported as managed, no others.
+            let managed: Vec<(&str, bool)> = report
+                .interfaces
+                .iter()
+                .map(|i| (i.name.as_str(), i.managed))
+                .collect();
+            assert!(managed.contains(&("nkm0", true)), "{managed:?}");
+            assert!(managed.contains(&("nic0", true)), "{managed:?}");
+            assert!(managed.contains(&("nic0p", false)), "{managed:?}");
+            assert!(managed.contains(&("lo", false)), "{managed:?}");
+
+            shutdown.cancel();
+            tokio::time::timeout(Duration::from_secs(30), agent)
+                .await
+                .expect("the agent stops on shutdown")
+                .unwrap()
+                .unwrap();
+        });
+    })
+    .join()
+    .unwrap();
+    drop(ns);
+}

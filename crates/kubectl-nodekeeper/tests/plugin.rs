@@ -1,0 +1,919 @@
+//! `kubectl nodekeeper` driven as a user drives it: the built binary, a separate process with a
+//! real kubeconfig, against the harness's real kube-apiserver; a real controller process (this
+//! test binary re-executed) with real agents on 127.x.y.z; and the API server's real service
+//! proxy in between.
+//!
+//! The service proxy only dials addresses that belong to a Pod and refuses loopback ones, so the
+//! controller is exposed the way a cluster does it, within the test's own network namespace: a
+//! veth pair puts 10.254.x.y (the "Pod IP") in a namespace this test creates, a listener bound
+//! there forwards to the controller's 127.0.0.1 port, a kwok node with that InternalIP holds a
+//! hostNetwork Pod (so kwok gives the Pod that IP), and a selector-less Service with hand-written
+//! Endpoints names the Pod. No traffic leaves 127.0.0.0/8 or that namespace.
+//!
+//! Run: `cargo xtask test -- -p kubectl-nodekeeper --test plugin` (as root: network namespaces
+//! and the agents' ICMP sockets; otherwise the controller tests print SKIPPED).
+
+// A skipped test prints `SKIPPED: <reason>`: that line is the contract with CI.
+#![allow(clippy::print_stdout)]
+
+// The controller/agent rig of the e2e tests, used as it is.
+#[path = "../../../tests/tests/controller_common/mod.rs"]
+mod controller_common;
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use anyhow::{Context as _, bail};
+use controller_common::*;
+use k8s_openapi::api::core::v1::{Endpoints, Pod, Service, ServiceAccount};
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
+use kube::Api;
+use kube::api::{DeleteParams, ListParams, PostParams};
+use nix::sched::{CloneFlags, setns};
+use nodekeeper_api::crd::NetworkTest;
+use nodekeeper_e2e::{
+    ControlPlane, create_simulated_nodes, install_crds, test_namespace, unique_name, wait_for,
+};
+use serde_json::json;
+
+const PLUGIN: &str = env!("CARGO_BIN_EXE_kubectl-nodekeeper");
+const TIMEOUT: Duration = Duration::from_secs(90);
+
+#[test]
+#[ignore = "helper: re-executed by the tests in this file as a controller process; not a test by itself"]
+fn run_as_controller() {
+    run_as_controller_if_asked();
+}
+
+/// One run of the plugin.
+#[derive(Debug)]
+struct Run {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+impl Run {
+    /// The one error line, checked to be exactly one line.
+    fn error_line(&self) -> &str {
+        let lines: Vec<&str> = self.stderr.lines().collect();
+        assert_eq!(lines.len(), 1, "one line on stderr: {self:?}");
+        assert!(lines[0].starts_with("error: "), "{self:?}");
+        lines[0]
+    }
+}
+
+/// Runs the plugin with `--kubeconfig kubeconfig -n namespace args…`, piped (not a terminal).
+async fn plugin(kubeconfig: &Path, namespace: &str, args: &[&str]) -> anyhow::Result<Run> {
+    let child = tokio::process::Command::new(PLUGIN)
+        .arg("--kubeconfig")
+        .arg(kubeconfig)
+        .args(["-n", namespace])
+        .args(args)
+        .env_remove("KUBECONFIG")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .context("start kubectl-nodekeeper")?;
+    let out = tokio::time::timeout(Duration::from_secs(180), child.wait_with_output())
+        .await
+        .context("kubectl-nodekeeper did not finish in 180s")??;
+    let run = Run {
+        code: out.status.code().unwrap_or(-1),
+        stdout: String::from_utf8(out.stdout)?,
+        stderr: String::from_utf8(out.stderr)?,
+    };
+    println!(
+        "$ kubectl nodekeeper {} -> {}\n{}{}",
+        args.join(" "),
+        run.code,
+        run.stdout,
+        run.stderr
+    );
+    Ok(run)
+}
+
+/// The value after `label:` in the plugin's key/value block.
+fn field<'a>(text: &'a str, label: &str) -> Option<&'a str> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(&format!("{label}:")))
+        .map(str::trim)
+}
+
+/// The labels of the key/value block (the lines before the first blank one) and the section
+/// titles (the lines after a blank one): what the golden files fix, whatever the values.
+fn skeleton(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut in_block = true;
+    let mut after_blank = false;
+    for line in text.lines() {
+        if line.is_empty() {
+            in_block = false;
+        } else if in_block {
+            out.push(
+                line.split_once(':')
+                    .map_or(line, |(label, _)| label)
+                    .to_owned(),
+            );
+        } else if after_blank {
+            out.push(line.to_owned());
+        }
+        after_blank = line.is_empty();
+    }
+    out
+}
+
+fn golden(name: &str) -> String {
+    std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/golden/{name}.txt")),
+    )
+    .expect("golden file")
+}
+
+/// What Ctrl-C sends: SIGINT to the plugin process this test started.
+fn ctrl_c(child: &std::process::Child) -> anyhow::Result<()> {
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(i32::try_from(child.id())?),
+        nix::sys::signal::Signal::SIGINT,
+    )?;
+    Ok(())
+}
+
+/// NetworkTests this plugin created in `namespace`.
+async fn created_tests(client: &kube::Client, namespace: &str) -> anyhow::Result<Vec<String>> {
+    let api: Api<NetworkTest> = Api::namespaced(client.clone(), namespace);
+    let list = api
+        .list(&ListParams::default().labels("app.kubernetes.io/managed-by=kubectl-nodekeeper"))
+        .await?;
+    Ok(list
+        .items
+        .into_iter()
+        .filter_map(|t| t.metadata.name)
+        .collect())
+}
+
+fn ip(args: &[&str]) -> anyhow::Result<()> {
+    let out = Command::new("ip").args(args).output().context("run ip")?;
+    if !out.status.success() {
+        bail!(
+            "ip {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(())
+}
+
+/// The controller's HTTP port made reachable through the API server's service proxy (see the
+/// file comment). Dropping it removes the network namespace and stops the forwarder.
+struct ExposedController {
+    netns: String,
+    forwarder: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for ExposedController {
+    fn drop(&mut self) {
+        self.forwarder.abort();
+        let _ = ip(&["netns", "del", &self.netns]);
+    }
+}
+
+async fn expose_controller(
+    client: &kube::Client,
+    namespace: &str,
+    controller: SocketAddr,
+) -> anyhow::Result<ExposedController> {
+    let (r1, r2) = (rand::random::<u8>(), rand::random::<u8>() & 0x3f);
+    let host_ip = Ipv4Addr::new(10, 254, r1, r2 * 4 + 1);
+    let pod_ip = Ipv4Addr::new(10, 254, r1, r2 * 4 + 2);
+    let netns = format!("nkplug-{}-{r1}-{r2}", std::process::id());
+    let veth = format!("nkp{r1:02x}{r2:02x}");
+    ip(&["netns", "add", &netns])?;
+    let exposed_ns = ExposedController {
+        netns: netns.clone(),
+        forwarder: tokio::spawn(async {}),
+    };
+    ip(&["-n", &netns, "link", "set", "lo", "up"])?;
+    ip(&[
+        "link", "add", &veth, "type", "veth", "peer", "name", "eth0", "netns", &netns,
+    ])?;
+    ip(&["addr", "add", &format!("{host_ip}/30"), "dev", &veth])?;
+    ip(&["link", "set", &veth, "up"])?;
+    ip(&[
+        "-n",
+        &netns,
+        "addr",
+        "add",
+        &format!("{pod_ip}/30"),
+        "dev",
+        "eth0",
+    ])?;
+    ip(&["-n", &netns, "link", "set", "eth0", "up"])?;
+
+    // A socket keeps the namespace it was created in: bind it from a thread that entered the
+    // namespace, then serve it from the host side.
+    let ns_path = format!("/run/netns/{netns}");
+    let listener = std::thread::spawn(move || -> anyhow::Result<std::net::TcpListener> {
+        let target = File::open(&ns_path)?;
+        setns(&target, CloneFlags::CLONE_NEWNET)?;
+        let listener = std::net::TcpListener::bind((pod_ip, 0))?;
+        listener.set_nonblocking(true)?;
+        Ok(listener)
+    })
+    .join()
+    .map_err(|_| anyhow::anyhow!("listener thread panicked"))??;
+    let port = listener.local_addr()?.port();
+    let listener = tokio::net::TcpListener::from_std(listener)?;
+    let forwarder = tokio::spawn(async move {
+        while let Ok((mut inbound, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                if let Ok(mut outbound) = tokio::net::TcpStream::connect(controller).await {
+                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                }
+            });
+        }
+    });
+    let mut exposed = exposed_ns;
+    exposed.forwarder = forwarder;
+
+    // The node and the hostNetwork Pod whose IP the Endpoints name.
+    let labels: BTreeMap<String, String> = [(
+        "nodekeeper.dev/e2e-role".to_owned(),
+        "service-host".to_owned(),
+    )]
+    .into();
+    let host = create_simulated_nodes(client, "nk-plugin-svc", 1, &labels, &[pod_ip]).await?;
+    let pod_name = "nodekeeper-controller-0";
+    let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
+    let pod: Pod = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": pod_name, "labels": {"app.kubernetes.io/name": "nodekeeper-controller"}},
+        "spec": {"nodeName": host[0], "hostNetwork": true,
+                 "containers": [{"name": "controller", "image": "nodekeeper-controller:test"}]},
+    }))?;
+    pods.create(&PostParams::default(), &pod).await?;
+    wait_for("the controller Pod's IP", TIMEOUT, || {
+        let pods = pods.clone();
+        async move {
+            let pod = pods.get(pod_name).await?;
+            let ips = pod.status.and_then(|s| s.pod_ips).unwrap_or_default();
+            Ok(ips.iter().any(|p| p.ip == pod_ip.to_string()).then_some(()))
+        }
+    })
+    .await?;
+    let services: Api<Service> = Api::namespaced(client.clone(), namespace);
+    services
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "apiVersion": "v1", "kind": "Service",
+                "metadata": {"name": "nodekeeper-controller"},
+                "spec": {"ports": [{"name": "http", "port": 8080, "targetPort": port}]},
+            }))?,
+        )
+        .await?;
+    let endpoints: Api<Endpoints> = Api::namespaced(client.clone(), namespace);
+    endpoints
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "apiVersion": "v1", "kind": "Endpoints",
+                "metadata": {"name": "nodekeeper-controller"},
+                "subsets": [{
+                    "addresses": [{"ip": pod_ip.to_string(),
+                                   "targetRef": {"kind": "Pod", "namespace": namespace, "name": pod_name}}],
+                    "ports": [{"name": "http", "port": port}],
+                }],
+            }))?,
+        )
+        .await?;
+    Ok(exposed)
+}
+
+/// A kubeconfig for the harness's cluster that authenticates with `token`.
+fn token_kubeconfig(dir: &Path, token: &str) -> anyhow::Result<PathBuf> {
+    let admin: serde_yaml::Value = serde_yaml::from_str(&std::fs::read_to_string(
+        ControlPlane::shared().kubeconfig(),
+    )?)?;
+    let cluster = admin["clusters"][0]["cluster"].clone();
+    let config = json!({
+        "apiVersion": "v1", "kind": "Config",
+        "clusters": [{"name": "c", "cluster": cluster}],
+        "users": [{"name": "u", "user": {"token": token}}],
+        "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
+        "current-context": "x",
+    });
+    let path = dir.join(format!("kubeconfig-{}", unique_name("sa")));
+    std::fs::write(&path, serde_yaml::to_string(&config)?)?;
+    Ok(path)
+}
+
+/// A ServiceAccount's token, as a kubeconfig.
+async fn service_account_kubeconfig(
+    client: &kube::Client,
+    namespace: &str,
+    name: &str,
+    dir: &Path,
+) -> anyhow::Result<PathBuf> {
+    let sas: Api<ServiceAccount> = Api::namespaced(client.clone(), namespace);
+    sas.create(
+        &PostParams::default(),
+        &serde_json::from_value(json!({"metadata": {"name": name}}))?,
+    )
+    .await?;
+    let request: k8s_openapi::api::authentication::v1::TokenRequest =
+        serde_json::from_value(json!({"spec": {"audiences": [], "expirationSeconds": 3600}}))?;
+    // A freshly started API server answers 429 "storage is (re)initializing" for a moment.
+    let token = wait_for(
+        &format!("a token for ServiceAccount {name}"),
+        TIMEOUT,
+        || {
+            let (sas, request) = (sas.clone(), request.clone());
+            async move {
+                let answer = sas
+                    .create_token_request(name, &PostParams::default(), &request)
+                    .await?;
+                Ok(answer.status.and_then(|s| s.token))
+            }
+        },
+    )
+    .await?;
+    token_kubeconfig(dir, &token)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_a_controller_each_verb_works_and_bad_input_gets_one_line() -> anyhow::Result<()> {
+    if !nix::unistd::geteuid().is_root() {
+        println!(
+            "SKIPPED: needs root for the network namespace behind the service proxy and the agents' ICMP"
+        );
+        return Ok(());
+    }
+    let cp = ControlPlane::shared();
+    let kubeconfig = cp.kubeconfig();
+    let client = cp.client().await?;
+    install_crds(&client).await?;
+    let ns = test_namespace(&client, "nk-plugin").await?;
+    let group = unique_name("plugin");
+    let labels: BTreeMap<String, String> =
+        [("nodekeeper.dev/e2e-group".to_string(), group.clone())].into();
+    let selector = format!("nodekeeper.dev/e2e-group={group}");
+    let ips = loopback_ips(3);
+    let nodes = create_simulated_nodes(&client, "nk-plugin", 3, &labels, &ips).await?;
+    let port = free_port();
+    put_tuning(
+        &client,
+        &ns,
+        &BTreeMap::from([("sweepInterval", "10s"), ("callTimeout", "2s")]),
+    )
+    .await?;
+    let controller = ControllerProcess::start(&ns, "plugin-controller", &selector, port, &[])?;
+    let tls = agent_tls(&client, &ns).await?;
+    let mut agents = Vec::new();
+    for (node, ip) in nodes.iter().zip(&ips) {
+        agents.push(start_agent(node, SocketAddr::new((*ip).into(), port), &tls).await?);
+    }
+    for node in &nodes {
+        wait_condition(&client, node, "NodekeeperReachable", "True", None, TIMEOUT).await?;
+    }
+    let _exposed = expose_controller(&client, &ns, controller.http).await?;
+
+    // status: the fleet through the service proxy, plain when piped, with the golden layout.
+    let run = wait_for("status to count 3 reachable nodes", TIMEOUT, || async {
+        let run = plugin(kubeconfig, &ns, &["status"]).await?;
+        Ok((run.code == 0 && field(&run.stdout, "Reports held") == Some("3")).then_some(run))
+    })
+    .await?;
+    assert_eq!(field(&run.stdout, "Nodes managed"), Some("3"), "{run:?}");
+    assert_eq!(
+        field(&run.stdout, "Unreachable agents"),
+        Some("0"),
+        "{run:?}"
+    );
+    assert!(
+        field(&run.stdout, "Controller")
+            .is_some_and(|c| c.starts_with("plugin-controller (leader")),
+        "{run:?}"
+    );
+    let reachable = run
+        .stdout
+        .lines()
+        .find(|l| l.starts_with("NodekeeperReachable "))
+        .context("NodekeeperReachable row")?;
+    assert_eq!(
+        reachable.split_whitespace().collect::<Vec<_>>(),
+        ["NodekeeperReachable", "3", "0", "0"]
+    );
+    assert!(
+        !run.stdout.contains('\x1b'),
+        "no colour when piped: {run:?}"
+    );
+    assert_eq!(
+        skeleton(&run.stdout),
+        skeleton(&golden("status")),
+        "{run:?}"
+    );
+    assert!(run.stderr.is_empty(), "{run:?}");
+
+    let run = plugin(kubeconfig, &ns, &["status", "-o", "json"]).await?;
+    assert_eq!(run.code, 0, "{run:?}");
+    let v: serde_json::Value = serde_json::from_str(&run.stdout)?;
+    assert_eq!(v["controller"]["fleet"]["nodes"], 3, "{v}");
+    assert_eq!(
+        v["controller"]["fleet"]["conditions"]["NodekeeperReachable=True"], 3,
+        "{v}"
+    );
+    let run = plugin(kubeconfig, &ns, &["status", "-o", "wide"]).await?;
+    assert_eq!(run.code, 0, "{run:?}");
+    assert!(
+        run.stdout.contains("NODES WITH A CONDITION NOT TRUE"),
+        "{run:?}"
+    );
+
+    // --watch refreshes until Ctrl-C, which exits 0; piped, each snapshot is headed by its time.
+    let child = Command::new(PLUGIN)
+        .arg("--kubeconfig")
+        .arg(kubeconfig)
+        .args(["-n", &ns, "status", "--watch", "--interval", "1s"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    // Long enough for at least two refreshes on a loaded machine.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    ctrl_c(&child)?;
+    let out = tokio::task::spawn_blocking(move || child.wait_with_output()).await??;
+    let stdout = String::from_utf8(out.stdout)?;
+    assert_eq!(out.status.code(), Some(0), "{stdout}");
+    let snapshots = stdout
+        .lines()
+        .filter(|l| l.starts_with("Controller:"))
+        .count();
+    let stamps = stdout.lines().filter(|l| l.starts_with("# 20")).count();
+    assert!(snapshots >= 2 && stamps == snapshots, "{stdout}");
+
+    // node: the full report, and the two ways a name can be wrong.
+    let run = plugin(kubeconfig, &ns, &["node", &nodes[0]]).await?;
+    assert_eq!(run.code, 0, "{run:?}");
+    assert_eq!(
+        field(&run.stdout, "Node"),
+        Some(nodes[0].as_str()),
+        "{run:?}"
+    );
+    assert_eq!(
+        field(&run.stdout, "Address"),
+        Some(ips[0].to_string().as_str()),
+        "{run:?}"
+    );
+    for section in [
+        "CONDITIONS",
+        "INDICATORS",
+        "TUNABLES",
+        "INTERFACES",
+        "GPUS",
+        "PLUGINS",
+    ] {
+        assert!(
+            run.stdout.lines().any(|l| l == section),
+            "{section}: {run:?}"
+        );
+    }
+    assert!(run.stdout.contains("NodekeeperReachable   True"), "{run:?}");
+    let run = plugin(kubeconfig, &ns, &["node", &nodes[0], "-o", "json"]).await?;
+    let v: serde_json::Value = serde_json::from_str(&run.stdout)?;
+    assert_eq!(v["report"]["nodeName"], nodes[0].as_str(), "{v}");
+    let run = plugin(kubeconfig, &ns, &["node", "no-such-node-here"]).await?;
+    assert_eq!(run.code, 2, "{run:?}");
+    assert!(
+        run.error_line()
+            .contains("node \"no-such-node-here\" not found"),
+        "{run:?}"
+    );
+    let unmanaged =
+        create_simulated_nodes(&client, "nk-plugin-other", 1, &BTreeMap::new(), &[]).await?;
+    let run = plugin(kubeconfig, &ns, &["node", &unmanaged[0]]).await?;
+    assert_eq!(run.code, 2, "{run:?}");
+    assert!(
+        run.error_line()
+            .contains("exists but the controller has no report"),
+        "{run:?}"
+    );
+
+    // netcheck: a mesh that succeeds, exit 0, and the test deleted afterwards.
+    let nc = ["netcheck", "-l", selector.as_str()];
+    let run = plugin(
+        kubeconfig,
+        &ns,
+        &[&nc[..], &["--count", "2", "peers:2"]].concat(),
+    )
+    .await?;
+    assert_eq!(run.code, 0, "{run:?}");
+    assert_eq!(field(&run.stdout, "Result"), Some("Succeeded"), "{run:?}");
+    assert_eq!(
+        field(&run.stdout, "Pairs"),
+        Some("6, 0 failed (100.0% succeeded)"),
+        "{run:?}"
+    );
+    assert_eq!(
+        skeleton(&run.stdout)[..5],
+        skeleton(&golden("netcheck"))[..5],
+        "{run:?}"
+    );
+    assert!(
+        created_tests(&client, &ns).await?.is_empty(),
+        "deleted without --keep"
+    );
+
+    // A test that does not finish within --wait: exit 1, said on stderr, and deleted.
+    let run = plugin(
+        kubeconfig,
+        &ns,
+        &[&nc[..], &["--count", "60", "--wait", "1s"]].concat(),
+    )
+    .await?;
+    assert_eq!(run.code, 1, "{run:?}");
+    assert!(run.stderr.contains("did not finish within 1s"), "{run:?}");
+    assert!(run.stderr.contains("; deleted networktest"), "{run:?}");
+    assert!(
+        created_tests(&client, &ns).await?.is_empty(),
+        "deleted after the wait"
+    );
+
+    // On a terminal (script(1) gives it a pty): the live progress line and colour.
+    let line = format!(
+        "{PLUGIN} --kubeconfig {} -n {ns} netcheck -l {selector} --count 8 peers:2",
+        kubeconfig.display()
+    );
+    let tty = tokio::process::Command::new("script")
+        .args(["-qefc", &line, "/dev/null"])
+        .stdin(Stdio::null())
+        .output()
+        .await
+        .context("run script(1)")?;
+    let transcript = String::from_utf8_lossy(&tty.stdout);
+    assert_eq!(tty.status.code(), Some(0), "{transcript:?}");
+    assert!(
+        transcript.contains("\r\x1b[2K"),
+        "progress line: {transcript:?}"
+    );
+    assert!(
+        transcript.contains(": Running"),
+        "progress line: {transcript:?}"
+    );
+    assert!(
+        transcript.contains("\x1b[32mSucceeded\x1b[0m"),
+        "colour: {transcript:?}"
+    );
+    assert!(
+        created_tests(&client, &ns).await?.is_empty(),
+        "deleted without --keep"
+    );
+
+    // Failing pairs: TCP to a closed port; exit 1, the pairs named.
+    let closed = free_port().to_string();
+    let run = plugin(
+        kubeconfig,
+        &ns,
+        &[
+            &nc[..],
+            &[
+                "--kind", "tcp", "--port", &closed, "--count", "1", "peers:1",
+            ],
+        ]
+        .concat(),
+    )
+    .await?;
+    assert_eq!(run.code, 1, "{run:?}");
+    assert_eq!(field(&run.stdout, "Result"), Some("Failed"), "{run:?}");
+    let failing = run
+        .stdout
+        .split("FAILING PAIRS\n")
+        .nth(1)
+        .context("failing pairs")?;
+    assert!(
+        nodes.iter().any(|n| failing.contains(n.as_str())),
+        "{run:?}"
+    );
+    assert!(failing.contains("100.0%"), "{run:?}");
+
+    // --keep and -o json: the object stays, and the JSON is that object.
+    let run = plugin(
+        kubeconfig,
+        &ns,
+        &[&nc[..], &["--count", "1", "--keep", "-o", "json"]].concat(),
+    )
+    .await?;
+    assert_eq!(run.code, 0, "{run:?}");
+    let v: serde_json::Value = serde_json::from_str(&run.stdout)?;
+    assert_eq!(
+        (v["kind"].as_str(), v["status"]["phase"].as_str()),
+        (Some("NetworkTest"), Some("Succeeded")),
+        "{v}"
+    );
+    let kept = created_tests(&client, &ns).await?;
+    assert_eq!(kept, [v["metadata"]["name"].as_str().unwrap_or_default()]);
+    Api::<NetworkTest>::namespaced(client.clone(), &ns)
+        .delete(&kept[0], &DeleteParams::default())
+        .await?;
+
+    // Refused by the API server (the CRD's rule: dns takes hostnames), a selector that matches
+    // nothing: one line, exit 2, nothing created.
+    let run = plugin(
+        kubeconfig,
+        &ns,
+        &[&nc[..], &["--kind", "dns", "10.0.0.1"]].concat(),
+    )
+    .await?;
+    assert_eq!(run.code, 2, "{run:?}");
+    let line = run.error_line();
+    assert!(
+        line.contains("refused the NetworkTest")
+            && line.contains("kind dns takes hostname targets"),
+        "{run:?}"
+    );
+    // Refused by the controller: an apiServer target when it was not given the address.
+    let run = plugin(
+        kubeconfig,
+        &ns,
+        &[&nc[..], &["--kind", "tcp", "apiserver"]].concat(),
+    )
+    .await?;
+    assert_eq!(run.code, 2, "{run:?}");
+    let line = run.error_line();
+    assert!(
+        line.contains("the controller refused networktest")
+            && line.contains("spec.targets[0].apiServer"),
+        "{run:?}"
+    );
+    assert!(
+        line.contains(&format!("; deleted networktest {ns}/")),
+        "{run:?}"
+    );
+    assert!(created_tests(&client, &ns).await?.is_empty(), "deleted");
+    let run = plugin(
+        kubeconfig,
+        &ns,
+        &["netcheck", "-l", "nodekeeper.dev/e2e-group=matches-nothing"],
+    )
+    .await?;
+    assert_eq!(run.code, 2, "{run:?}");
+    assert!(
+        run.error_line().contains("no node matches the selector"),
+        "{run:?}"
+    );
+    assert!(
+        created_tests(&client, &ns).await?.is_empty(),
+        "nothing created"
+    );
+
+    // RBAC: a user who may read through the proxy and list nodes but not create NetworkTests.
+    let dir = tempfile::tempdir()?;
+    let viewer_kubeconfig = service_account_kubeconfig(&client, &ns, "viewer", dir.path()).await?;
+    let role_name = unique_name("nk-plugin-viewer");
+    let roles: Api<Role> = Api::namespaced(client.clone(), &ns);
+    roles
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "metadata": {"name": "viewer"},
+                "rules": [{"apiGroups": [""], "resources": ["services/proxy"], "verbs": ["get"]}],
+            }))?,
+        )
+        .await?;
+    Api::<RoleBinding>::namespaced(client.clone(), &ns).create(&PostParams::default(), &serde_json::from_value(json!({
+        "metadata": {"name": "viewer"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "viewer"},
+        "subjects": [{"kind": "ServiceAccount", "name": "viewer", "namespace": ns}],
+    }))?).await?;
+    let cluster_roles: Api<ClusterRole> = Api::all(client.clone());
+    cluster_roles
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "metadata": {"name": role_name},
+                "rules": [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list"]}],
+            }))?,
+        )
+        .await?;
+    let bindings: Api<ClusterRoleBinding> = Api::all(client.clone());
+    bindings.create(&PostParams::default(), &serde_json::from_value(json!({
+        "metadata": {"name": role_name},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role_name},
+        "subjects": [{"kind": "ServiceAccount", "name": "viewer", "namespace": ns}],
+    }))?).await?;
+    let run = wait_for("RBAC to take effect", TIMEOUT, || async {
+        let run = plugin(&viewer_kubeconfig, &ns, &nc[..]).await?;
+        Ok(run
+            .stderr
+            .contains("cannot create resource \"networktests\"")
+            .then_some(run))
+    })
+    .await?;
+    assert_eq!(run.code, 2, "{run:?}");
+    assert!(
+        run.error_line().starts_with("error: permission denied: "),
+        "{run:?}"
+    );
+    assert!(
+        created_tests(&client, &ns).await?.is_empty(),
+        "nothing created"
+    );
+    let _ = bindings.delete(&role_name, &DeleteParams::default()).await;
+    let _ = cluster_roles
+        .delete(&role_name, &DeleteParams::default())
+        .await;
+
+    // Ctrl-C during a run: exit 130, and the test is deleted (kept with --keep).
+    for keep in [false, true] {
+        let mut cmd = Command::new(PLUGIN);
+        cmd.arg("--kubeconfig")
+            .arg(kubeconfig)
+            .args([
+                "-n", &ns, "netcheck", "-l", &selector, "--count", "60", "peers:2",
+            ])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        if keep {
+            cmd.arg("--keep");
+        }
+        let child = cmd.spawn()?;
+        let name = wait_for("the netcheck's NetworkTest", TIMEOUT, || async {
+            Ok(created_tests(&client, &ns).await?.into_iter().next())
+        })
+        .await?;
+        ctrl_c(&child)?;
+        let out = tokio::task::spawn_blocking(move || child.wait_with_output()).await??;
+        let stderr = String::from_utf8(out.stderr)?;
+        assert_eq!(out.status.code(), Some(130), "{stderr}");
+        let left = created_tests(&client, &ns).await?;
+        if keep {
+            assert!(
+                stderr.contains(&format!("interrupted; kept networktest {ns}/{name}")),
+                "{stderr}"
+            );
+            assert_eq!(left, std::slice::from_ref(&name));
+            Api::<NetworkTest>::namespaced(client.clone(), &ns)
+                .delete(&name, &DeleteParams::default())
+                .await?;
+        } else {
+            assert!(
+                stderr.contains(&format!("interrupted; deleted networktest {ns}/{name}")),
+                "{stderr}"
+            );
+            assert!(left.is_empty(), "{left:?}");
+        }
+    }
+
+    drop((agents, controller));
+    Ok(())
+}
+
+#[tokio::test]
+async fn without_a_running_controller_or_without_rights_each_verb_says_so() -> anyhow::Result<()> {
+    let cp = ControlPlane::shared();
+    let kubeconfig = cp.kubeconfig();
+    let client = cp.client().await?;
+    install_crds(&client).await?;
+    let ns = test_namespace(&client, "nk-plugin-down").await?;
+    let nodes = create_simulated_nodes(&client, "nk-plugin-down", 1, &BTreeMap::new(), &[]).await?;
+
+    // No Service at all (nothing installed in this namespace).
+    for args in [
+        vec!["status"],
+        vec!["node", nodes[0].as_str()],
+        vec!["netcheck"],
+    ] {
+        let run = plugin(kubeconfig, &ns, &args).await?;
+        assert_eq!(run.code, 2, "{run:?}");
+        let line = run.error_line();
+        assert!(
+            line.contains(&format!(
+                "not reachable through Service {ns}/nodekeeper-controller"
+            )) && line.contains("services \"nodekeeper-controller\" not found"),
+            "{run:?}"
+        );
+    }
+    // The Service, but no controller behind it: the proxy's 503.
+    Api::<Service>::namespaced(client.clone(), &ns)
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "metadata": {"name": "nodekeeper-controller"},
+                "spec": {"selector": {"app.kubernetes.io/name": "nodekeeper-controller"},
+                         "ports": [{"name": "http", "port": 8080}]},
+            }))?,
+        )
+        .await?;
+    // kube-controller-manager writes the (empty) Endpoints a moment after the Service; until
+    // then the proxy still answers "not found".
+    wait_for("the Service's empty Endpoints", TIMEOUT, || async {
+        let run = plugin(kubeconfig, &ns, &["status"]).await?;
+        Ok(run.stderr.contains("no endpoints available").then_some(()))
+    })
+    .await?;
+    for args in [vec!["status"], vec!["netcheck"]] {
+        let run = plugin(kubeconfig, &ns, &args).await?;
+        assert_eq!(run.code, 2, "{run:?}");
+        assert!(
+            run.error_line()
+                .contains("no endpoints available for service"),
+            "{run:?}"
+        );
+    }
+    assert!(
+        created_tests(&client, &ns).await?.is_empty(),
+        "nothing created"
+    );
+
+    // A user without any rights.
+    let dir = tempfile::tempdir()?;
+    let nobody = service_account_kubeconfig(&client, &ns, "nobody", dir.path()).await?;
+    for args in [vec!["status"], vec!["netcheck"]] {
+        let run = plugin(&nobody, &ns, &args).await?;
+        assert_eq!(run.code, 2, "{run:?}");
+        let line = run.error_line();
+        assert!(line.starts_with("error: permission denied: "), "{run:?}");
+        assert!(
+            line.contains("cannot get resource \"services/proxy\""),
+            "{run:?}"
+        );
+    }
+    // A token the API server does not accept.
+    let stranger = token_kubeconfig(dir.path(), "not-a-valid-token")?;
+    let run = plugin(&stranger, &ns, &["status"]).await?;
+    assert_eq!(run.code, 2, "{run:?}");
+    assert!(
+        run.error_line()
+            .contains("refused the credentials (401 Unauthorized)"),
+        "{run:?}"
+    );
+    assert!(
+        created_tests(&client, &ns).await?.is_empty(),
+        "nothing created"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_api_server_that_is_down_or_a_missing_kubeconfig_is_one_line_and_exit_2()
+-> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let port = free_port();
+    let config = json!({
+        "apiVersion": "v1", "kind": "Config",
+        "clusters": [{"name": "c", "cluster": {"server": format!("https://127.0.0.1:{port}"), "insecure-skip-tls-verify": true}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+        "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
+        "current-context": "x",
+    });
+    let path = dir.path().join("kubeconfig");
+    std::fs::write(&path, serde_yaml::to_string(&config)?)?;
+    for args in [vec!["status"], vec!["node", "n1"], vec!["netcheck"]] {
+        let run = plugin(&path, "nodekeeper", &args).await?;
+        assert_eq!(run.code, 2, "{run:?}");
+        let line = run.error_line();
+        assert!(
+            line.starts_with(&format!(
+                "error: reach the API server at https://127.0.0.1:{port}"
+            )),
+            "{run:?}"
+        );
+        assert!(line.to_lowercase().contains("refused"), "{run:?}");
+    }
+    let run = plugin(&dir.path().join("missing"), "nodekeeper", &["status"]).await?;
+    assert_eq!(run.code, 2, "{run:?}");
+    assert!(run.error_line().contains("load the kubeconfig"), "{run:?}");
+    let run = plugin(&path, "nodekeeper", &["--context", "nope", "status"]).await?;
+    assert_eq!(run.code, 2, "{run:?}");
+    assert!(run.error_line().contains("nope"), "{run:?}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn help_usage_errors_and_completion() -> anyhow::Result<()> {
+    let help = Command::new(PLUGIN).arg("--help").output()?;
+    assert_eq!(help.status.code(), Some(0));
+    let text = String::from_utf8(help.stdout)?;
+    assert!(
+        text.contains("Exit codes:") && text.contains("kubectl nodekeeper netcheck"),
+        "{text}"
+    );
+    let usage = Command::new(PLUGIN)
+        .args(["netcheck", "--kind", "udp"])
+        .output()?;
+    assert_eq!(usage.status.code(), Some(2));
+    assert!(String::from_utf8(usage.stderr)?.contains("invalid value 'udp'"));
+    let completion = Command::new(PLUGIN).args(["completion", "bash"]).output()?;
+    assert_eq!(completion.status.code(), Some(0));
+    let script = String::from_utf8(completion.stdout)?;
+    assert!(
+        script.contains("netcheck") && script.contains("complete"),
+        "{script}"
+    );
+    Ok(())
+}

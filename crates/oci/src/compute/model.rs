@@ -1,0 +1,320 @@
+//! The Compute API (20160918) documents nodekeeper reads and writes: VNIC attachments, VNICs and
+//! instances, in the JSON shape the service uses (camelCase). Fields nodekeeper does not use are
+//! left out; unknown fields and unknown enum values are tolerated so a service that adds one does
+//! not break the client. Facts: `shared/oci/compute-api.md` §3.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// `VnicAttachment.lifecycleState`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum VnicAttachmentState {
+    Attaching,
+    Attached,
+    Detaching,
+    Detached,
+    #[serde(other)]
+    Unknown,
+}
+
+impl VnicAttachmentState {
+    /// DETACHING or DETACHED: the attachment is gone or going (an attach that failed goes
+    /// ATTACHING → DETACHING).
+    pub fn is_gone(self) -> bool {
+        matches!(self, Self::Detaching | Self::Detached)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct VnicAttachment {
+    pub id: String,
+    pub instance_id: String,
+    pub lifecycle_state: VnicAttachmentState,
+    /// Present once the attach completes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vnic_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nic_index: Option<u32>,
+    /// Present once the attach completes; meaningful on bare metal only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vlan_tag: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub subnet_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub display_name: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub availability_domain: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compartment_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub time_created: Option<String>,
+}
+
+/// `CreateVnicDetails` (inside AttachVnic and LaunchInstance).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CreateVnicDetails {
+    pub subnet_id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub assign_public_ip: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub skip_source_dest_check: Option<bool>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub nsg_ids: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub display_name: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hostname_label: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub private_ip: Option<String>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub freeform_tags: BTreeMap<String, String>,
+}
+
+/// `AttachVnicDetails`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AttachVnicDetails {
+    pub instance_id: String,
+    pub create_vnic_details: CreateVnicDetails,
+    /// Physical NIC on two-NIC bare-metal shapes (0 or 1); leave unset on VMs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nic_index: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub display_name: Option<String>,
+}
+
+/// `Vnic.lifecycleState`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum VnicState {
+    Provisioning,
+    Available,
+    Terminating,
+    Terminated,
+    #[serde(other)]
+    Unknown,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Vnic {
+    pub id: String,
+    pub lifecycle_state: VnicState,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub private_ip: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mac_address: Option<String>,
+    #[serde(default)]
+    pub is_primary: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub subnet_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hostname_label: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub public_ip: Option<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub nsg_ids: Vec<String>,
+    #[serde(default)]
+    pub skip_source_dest_check: bool,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ipv6_addresses: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub display_name: Option<String>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub freeform_tags: BTreeMap<String, String>,
+}
+
+/// `Instance.lifecycleState`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum InstanceState {
+    Moving,
+    Provisioning,
+    Running,
+    Starting,
+    Stopping,
+    Stopped,
+    CreatingImage,
+    Terminating,
+    Terminated,
+    #[serde(other)]
+    Unknown,
+}
+
+impl InstanceState {
+    /// TERMINATING or TERMINATED: such instances stay listed for hours and must be filtered.
+    pub fn is_terminal(self) -> bool {
+        matches!(self, Self::Terminating | Self::Terminated)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Instance {
+    pub id: String,
+    pub lifecycle_state: InstanceState,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub display_name: Option<String>,
+    #[serde(default)]
+    pub shape: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub availability_domain: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compartment_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fault_domain: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub region: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub time_created: Option<String>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub freeform_tags: BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub metadata: BTreeMap<String, String>,
+}
+
+/// `LaunchInstanceShapeConfigDetails`, for Flex shapes.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ShapeConfig {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ocpus: Option<f32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_in_gbs: Option<f32>,
+}
+
+/// `InstanceSourceDetails`: an image or a boot volume.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "sourceType", rename_all = "camelCase")]
+pub enum SourceDetails {
+    #[serde(rename = "image", rename_all = "camelCase")]
+    Image {
+        image_id: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        boot_volume_size_in_gbs: Option<u64>,
+    },
+    #[serde(rename = "bootVolume", rename_all = "camelCase")]
+    BootVolume { boot_volume_id: String },
+}
+
+/// `LaunchInstanceDetails`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LaunchInstanceDetails {
+    pub availability_domain: String,
+    pub compartment_id: String,
+    pub shape: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shape_config: Option<ShapeConfig>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source_details: Option<SourceDetails>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub create_vnic_details: Option<CreateVnicDetails>,
+    /// `ssh_authorized_keys`, `user_data` (base64 cloud-init), …
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub metadata: BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub display_name: Option<String>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub freeform_tags: BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fault_domain: Option<String>,
+}
+
+/// Filters of ListInstances beyond the compartment.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ListInstancesFilter {
+    pub availability_domain: Option<String>,
+    pub display_name: Option<String>,
+    pub lifecycle_state: Option<InstanceState>,
+}
+
+/// Options of TerminateInstance.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TerminateOptions {
+    pub preserve_boot_volume: bool,
+    /// Act only if the instance's etag still matches.
+    pub if_match: Option<String>,
+}
+
+/// OCI's error document.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ErrorBody {
+    #[serde(default)]
+    pub code: String,
+    #[serde(default)]
+    pub message: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn attachment_parses_before_and_after_attach_and_tolerates_new_states() {
+        let a: VnicAttachment = serde_json::from_str(
+            r#"{"id":"a","instanceId":"i","lifecycleState":"ATTACHING","displayName":"x","timeCreated":"2026-01-01T00:00:00Z","extra":1}"#,
+        )
+        .unwrap();
+        assert_eq!(a.lifecycle_state, VnicAttachmentState::Attaching);
+        assert_eq!(a.vnic_id, None);
+        let b: VnicAttachment = serde_json::from_str(
+            r#"{"id":"a","instanceId":"i","lifecycleState":"SOMETHING_NEW","vnicId":"v","vlanTag":12}"#,
+        )
+        .unwrap();
+        assert_eq!(b.lifecycle_state, VnicAttachmentState::Unknown);
+        assert_eq!(b.vlan_tag, Some(12));
+    }
+
+    #[test]
+    fn attach_details_serialise_as_the_api_names_them() {
+        let d = AttachVnicDetails {
+            instance_id: "i".into(),
+            create_vnic_details: CreateVnicDetails {
+                subnet_id: "s".into(),
+                skip_source_dest_check: Some(true),
+                nsg_ids: vec!["n".into()],
+                ..Default::default()
+            },
+            nic_index: Some(1),
+            display_name: Some("d".into()),
+        };
+        assert_eq!(
+            serde_json::to_value(&d).unwrap(),
+            serde_json::json!({"instanceId":"i","createVnicDetails":{"subnetId":"s","skipSourceDestCheck":true,"nsgIds":["n"]},"nicIndex":1,"displayName":"d"})
+        );
+    }
+
+    #[test]
+    fn launch_details_tag_the_source_type() {
+        let d = LaunchInstanceDetails {
+            availability_domain: "AD-1".into(),
+            compartment_id: "c".into(),
+            shape: "VM.Standard.E5.Flex".into(),
+            shape_config: Some(ShapeConfig {
+                ocpus: Some(2.0),
+                memory_in_gbs: None,
+            }),
+            source_details: Some(SourceDetails::Image {
+                image_id: "img".into(),
+                boot_volume_size_in_gbs: None,
+            }),
+            create_vnic_details: None,
+            metadata: BTreeMap::new(),
+            display_name: None,
+            freeform_tags: BTreeMap::new(),
+            fault_domain: None,
+        };
+        let v = serde_json::to_value(&d).unwrap();
+        assert_eq!(
+            v["sourceDetails"],
+            serde_json::json!({"sourceType":"image","imageId":"img"})
+        );
+        assert_eq!(v["shapeConfig"], serde_json::json!({"ocpus":2.0}));
+    }
+}
