@@ -79,6 +79,15 @@ impl pb::node_agent_server::NodeAgent for Misbehaviour {
     ) -> Result<Response<pb::ApplyNetworkResponse>, Status> {
         Err(Status::unimplemented("fake"))
     }
+
+    type CollectDiagnosticsStream = tokio_stream::Empty<Result<pb::DiagnosticsChunk, Status>>;
+
+    async fn collect_diagnostics(
+        &self,
+        _: Request<pb::DiagnosticsRequest>,
+    ) -> Result<Response<Self::CollectDiagnosticsStream>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
 }
 
 async fn serve_fake(

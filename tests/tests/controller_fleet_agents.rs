@@ -66,6 +66,17 @@ impl pb::node_agent_server::NodeAgent for Fleet {
         let agent = self.pick(&request)?;
         pb::node_agent_server::NodeAgent::apply_network(&agent, request).await
     }
+
+    type CollectDiagnosticsStream =
+        <AgentService as pb::node_agent_server::NodeAgent>::CollectDiagnosticsStream;
+
+    async fn collect_diagnostics(
+        &self,
+        request: Request<pb::DiagnosticsRequest>,
+    ) -> Result<Response<Self::CollectDiagnosticsStream>, Status> {
+        let agent = self.pick(&request)?;
+        pb::node_agent_server::NodeAgent::collect_diagnostics(&agent, request).await
+    }
 }
 
 /// Starts the agents of `spec`; returns when every listener is bound.

@@ -164,6 +164,16 @@ impl Agents for NetnsAgents {
         let error = call_error(node.endpoint, "no network state in this test".into());
         Box::pin(std::future::ready(Err(error)))
     }
+
+    fn collect_diagnostics<'a>(
+        &'a self,
+        _: &'a AgentNode,
+        _: pb::DiagnosticsRequest,
+        _: Duration,
+    ) -> BoxFuture<'a, Result<nodekeeper_controller::shared::agents::DiagnosticsStream, CallError>>
+    {
+        unimplemented!("the NetworkTest reconciler collects no diagnostics")
+    }
 }
 
 fn netns_agents(by_address: BTreeMap<IpAddr, NetnsEntry>) -> Arc<dyn Agents> {

@@ -162,6 +162,10 @@ pub struct Config {
     #[arg(long, env = "NODEKEEPER_IMDS_ENDPOINT")]
     pub imds_endpoint: Option<String>,
 
+    /// Diagnostics bundle sources (`CollectDiagnostics`).
+    #[command(flatten)]
+    pub diagnostics: crate::diag::DiagConfig,
+
     /// Log line format.
     #[arg(
         long,
@@ -221,6 +225,9 @@ impl Config {
         }
         if let Some(dir) = &self.oca_plugin_dir {
             check_host_path("--oca-plugin-dir", dir)?;
+        }
+        for file in &self.diagnostics.diagnostics_files {
+            check_host_path("--diagnostics-files", file)?;
         }
         if self.health_checks
             && let Err(reason) =

@@ -30,6 +30,7 @@
 pub mod agent;
 pub mod collect;
 pub mod config;
+pub mod diag;
 pub mod error;
 pub mod monitor;
 pub mod network;
@@ -139,7 +140,8 @@ async fn serve_once(
     let addr = listener.local_addr().ok();
     let agent = Arc::clone(agent);
     let max = config.max_message_bytes;
-    let svc = NodeAgentServer::new(service::AgentService::new(agent))
+    let diagnostics = Arc::new(diag::Diagnostics::new(Arc::clone(&agent), &config));
+    let svc = NodeAgentServer::new(service::AgentService::new(agent).with_diagnostics(diagnostics))
         .max_decoding_message_size(max)
         .max_encoding_message_size(max);
 

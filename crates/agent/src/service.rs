@@ -20,11 +20,21 @@ use crate::tunables::{RawRule, RawRuleSet};
 #[derive(Clone)]
 pub struct AgentService {
     agent: Arc<Agent>,
+    diagnostics: Option<Arc<crate::diag::Diagnostics>>,
 }
 
 impl AgentService {
     pub fn new(agent: Arc<Agent>) -> Self {
-        Self { agent }
+        Self {
+            agent,
+            diagnostics: None,
+        }
+    }
+
+    /// Serves `CollectDiagnostics` with `diagnostics` (without it the call is refused).
+    pub fn with_diagnostics(mut self, diagnostics: Arc<crate::diag::Diagnostics>) -> Self {
+        self.diagnostics = Some(diagnostics);
+        self
     }
 
     /// The agent behind the service (for the network manager and probes to share).
@@ -112,6 +122,21 @@ impl NodeAgent for AgentService {
             .await
             .map_err(|e| status(e.into()))?;
         Ok(Response::new(response))
+    }
+
+    type CollectDiagnosticsStream =
+        tokio_stream::wrappers::ReceiverStream<Result<pb::DiagnosticsChunk, Status>>;
+
+    async fn collect_diagnostics(
+        &self,
+        request: Request<pb::DiagnosticsRequest>,
+    ) -> Result<Response<Self::CollectDiagnosticsStream>, Status> {
+        let Some(diagnostics) = &self.diagnostics else {
+            return Err(Status::failed_precondition(
+                "this agent was built without diagnostics sources",
+            ));
+        };
+        Ok(Response::new(diagnostics.collect(request.into_inner())?))
     }
 }
 

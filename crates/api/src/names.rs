@@ -18,10 +18,15 @@ pub const MANAGER_NODE_NETWORK_CONFIG: &str = "nodekeeper-nodenetworkconfig";
 pub const MANAGER_NODE_MAINTENANCE: &str = "nodekeeper-nodemaintenance";
 /// Field manager of the NodeSet controller.
 pub const MANAGER_NODE_SET: &str = "nodekeeper-nodeset";
+/// Field manager of the NodeDiagnostic controller.
+pub const MANAGER_NODE_DIAGNOSTIC: &str = "nodekeeper-nodediagnostic";
 /// Field manager of the node-condition writer (health, tunables, reachability).
 pub const MANAGER_NODE_CONDITIONS: &str = "nodekeeper-nodeconditions";
 
 // Labels and annotations.
+
+/// Finalizer on a NodeDiagnostic: its bundles on the controller's disk are deleted first.
+pub const FINALIZER_DIAGNOSTIC_BUNDLES: &str = "nodekeeper.dev/diagnostic-bundles";
 
 /// Label on a Node created by a NodeSet: the NodeSet's name.
 pub const LABEL_NODE_SET: &str = "nodekeeper.dev/nodeset";

@@ -46,7 +46,7 @@ fn rules(value: &Value, out: &mut Vec<(String, String)>) {
 #[test]
 fn every_crd_is_in_our_group_with_status_and_columns() {
     let all = crds();
-    assert_eq!(all.len(), 5);
+    assert_eq!(all.len(), 6);
     for c in &all {
         let name = c["metadata"]["name"].as_str().unwrap();
         assert_eq!(c["spec"]["group"], names::GROUP, "{name}");
@@ -74,6 +74,7 @@ fn every_crd_is_in_our_group_with_status_and_columns() {
     }
     let scope = |p: &str| crd(p)["spec"]["scope"].as_str().unwrap().to_string();
     assert_eq!(scope("networktests"), "Namespaced");
+    assert_eq!(scope("nodediagnostics"), "Namespaced");
     for p in [
         "nodenetworkconfigs",
         "nodemaintenances",

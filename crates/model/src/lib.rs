@@ -7,6 +7,7 @@
 //! pulling in a Kubernetes client.
 
 pub mod address_policy;
+pub mod diagnostics;
 pub mod indicators;
 pub mod network;
 pub mod oci_ids;

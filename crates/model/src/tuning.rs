@@ -18,6 +18,8 @@
 //! | `maintenance.maxSelectedNodes` | integer | `500` | a NodeMaintenance selecting more nodes is refused unless it sets `allowBroadSelection` (1–100000) |
 //! | `rules.yaml` | YAML | empty | the tunable rules and indicator thresholds, see [`RuleSet`] |
 //! | `probeAllowedCidrs` | list of ranges (`10.0.0.0/16, fd00::/8`) | empty | ranges NetworkTest probes may reach besides the nodes', pods' and services' (see [`crate::address_policy`]); never opens link-local addresses |
+//! | `diagnostics.maxBundleBytes` | integer | `33554432` (32 MiB) | cap on one node's diagnostics bundle (uncompressed content), see [`crate::diagnostics`] |
+//! | `diagnostics.parts` | comma-separated names | all | the parts a `NodeDiagnostic` gathers when its spec names none |
 //!
 //! Any other key is refused, so a typo (`sweepinterval`) is reported instead of silently ignored.
 //!
@@ -80,6 +82,8 @@ const KNOWN_KEYS: &[&str] = &[
     "maintenance.maxSelectedNodes",
     "rules.yaml",
     "probeAllowedCidrs",
+    "diagnostics.maxBundleBytes",
+    "diagnostics.parts",
 ];
 
 /// The parsed, validated tuning configuration.
@@ -101,6 +105,25 @@ pub struct TuningConfig {
     pub maintenance_max_concurrent_nodes: u32,
     /// The most nodes one NodeMaintenance may select without `allowBroadSelection`.
     pub maintenance_max_selected_nodes: u32,
+    pub diagnostics: DiagnosticsTuning,
+}
+
+/// Diagnostics bundle settings (`diagnostics.*` keys).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DiagnosticsTuning {
+    pub max_bundle_bytes: u64,
+    /// Empty: every part.
+    pub parts: Vec<String>,
+}
+
+impl Default for DiagnosticsTuning {
+    fn default() -> Self {
+        Self {
+            max_bundle_bytes: crate::diagnostics::DEFAULT_MAX_BUNDLE_BYTES,
+            parts: Vec::new(),
+        }
+    }
 }
 
 impl Default for TuningConfig {
@@ -115,6 +138,7 @@ impl Default for TuningConfig {
             probe_allowed_cidrs: Vec::new(),
             maintenance_max_concurrent_nodes: 20,
             maintenance_max_selected_nodes: 500,
+            diagnostics: DiagnosticsTuning::default(),
         }
     }
 }
@@ -366,6 +390,36 @@ pub fn parse(data: &BTreeMap<String, String>) -> Result<TuningConfig, TuningErro
             Err(problem) => errors.push(KeyError {
                 key: "probeAllowedCidrs".into(),
                 problem,
+            }),
+        }
+    }
+
+    if let Some(raw) = data.get("diagnostics.maxBundleBytes") {
+        let checked = raw
+            .trim()
+            .parse::<u64>()
+            .map_err(|_| format!("{raw:?} is not an integer byte count"))
+            .and_then(|v| crate::diagnostics::check_bundle_bytes(v).map(|()| v));
+        match checked {
+            Ok(v) => config.diagnostics.max_bundle_bytes = v,
+            Err(problem) => errors.push(KeyError {
+                key: "diagnostics.maxBundleBytes".into(),
+                problem,
+            }),
+        }
+    }
+    if let Some(raw) = data.get("diagnostics.parts") {
+        let parts: Vec<String> = raw
+            .split(',')
+            .map(str::trim)
+            .filter(|p| !p.is_empty())
+            .map(str::to_owned)
+            .collect();
+        match crate::diagnostics::check_parts(&parts) {
+            Ok(()) => config.diagnostics.parts = parts,
+            Err(e) => errors.push(KeyError {
+                key: "diagnostics.parts".into(),
+                problem: e.to_string(),
             }),
         }
     }
@@ -928,6 +982,27 @@ mod tests {
             err.to_string().contains("probeAllowedCidrs") && err.to_string().contains("host bits"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn diagnostics_keys_parse_and_name_the_bad_one() {
+        let config = parse(&data(&[
+            ("diagnostics.maxBundleBytes", "1048576"),
+            ("diagnostics.parts", "report, sysctl"),
+        ]))
+        .unwrap();
+        assert_eq!(config.diagnostics.max_bundle_bytes, 1_048_576);
+        assert_eq!(config.diagnostics.parts, vec!["report", "sysctl"]);
+        let errors = parse(&data(&[
+            ("diagnostics.maxBundleBytes", "12"),
+            ("diagnostics.parts", "report,dmesg"),
+        ]))
+        .unwrap_err();
+        let problems = errors.problems();
+        assert_eq!(problems[0].key, "diagnostics.maxBundleBytes");
+        assert!(problems[0].problem.contains("out of range"), "{errors}");
+        assert_eq!(problems[1].key, "diagnostics.parts");
+        assert!(problems[1].problem.contains("\"dmesg\""), "{errors}");
     }
 
     #[test]

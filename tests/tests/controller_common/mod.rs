@@ -125,6 +125,16 @@ pub async fn start_agent(
     addr: SocketAddr,
     tls: &(String, String, String),
 ) -> anyhow::Result<AgentHandle> {
+    start_agent_with(node, addr, tls, &[]).await
+}
+
+/// [`start_agent`] with more agent flags (`--flag=value`), given after the defaults.
+pub async fn start_agent_with(
+    node: &str,
+    addr: SocketAddr,
+    tls: &(String, String, String),
+    extra: &[String],
+) -> anyhow::Result<AgentHandle> {
     let dir = tempfile::tempdir()?;
     let tls = AgentTls {
         cert: tls.0.clone(),
@@ -136,7 +146,9 @@ pub async fn start_agent(
     setup.proc_root = Some(frozen_proc(dir.path())?);
     setup.create_dirs()?;
     use clap::Parser;
-    let config = nodekeeper_agent::Config::try_parse_from(setup.args())?;
+    let mut args = setup.args();
+    args.extend(extra.iter().map(Into::into));
+    let config = nodekeeper_agent::Config::try_parse_from(args)?;
     let stop = CancellationToken::new();
     // The agent crate's own server, on a listener bound to this node's address.
     let listener = tokio::net::TcpListener::bind(addr)

@@ -4,6 +4,7 @@
 pub mod common;
 pub mod network_test;
 pub mod node_class;
+pub mod node_diagnostic;
 pub mod node_maintenance;
 pub mod node_network_config;
 pub mod node_set;
@@ -17,6 +18,7 @@ pub use common::{
 };
 pub use network_test::{NetworkTest, NetworkTestSpec, NetworkTestStatus};
 pub use node_class::{NodeClass, NodeClassSpec, NodeClassStatus};
+pub use node_diagnostic::{NodeDiagnostic, NodeDiagnosticSpec, NodeDiagnosticStatus};
 pub use node_maintenance::{NodeMaintenance, NodeMaintenanceSpec, NodeMaintenanceStatus};
 pub use node_network_config::{NodeNetworkConfig, NodeNetworkConfigSpec, NodeNetworkConfigStatus};
 pub use node_set::{NodeSet, NodeSetSpec, NodeSetStatus};
@@ -31,6 +33,7 @@ pub fn all() -> Vec<CustomResourceDefinition> {
         NodeMaintenance::crd(),
         NodeClass::crd(),
         NodeSet::crd(),
+        NodeDiagnostic::crd(),
     ]
     .into_iter()
     .map(drop_unknown_formats)

@@ -29,6 +29,7 @@
 //! watch in [`crate::shared::fleet`]. It is started from the same place, as its own task.
 
 pub mod networktest;
+pub mod node_diagnostic;
 pub mod node_maintenance;
 pub mod node_network_config;
 pub mod nodes;
@@ -56,6 +57,8 @@ use crate::shared::metrics::ReconcileMetrics;
 pub struct Config {
     #[command(flatten)]
     pub networktest: networktest::Config,
+    #[command(flatten)]
+    pub node_diagnostic: node_diagnostic::Config,
 }
 
 /// A watch-reconcile controller, implemented by its `Context`.
@@ -126,12 +129,14 @@ pub async fn start<C: Reconciler>(
 #[derive(Default)]
 pub struct Controllers {
     networktest_results: networktest::ResultsStore,
+    diagnostic_bundles: node_diagnostic::BundleStore,
 }
 
 impl Controllers {
     /// The routes controllers add to the HTTP API.
     pub fn router(&self) -> axum::Router {
         networktest::store::router(self.networktest_results.clone())
+            .merge(self.diagnostic_bundles.router())
     }
 
     /// Starts every controller under `tracker`; each stops when `shutdown` fires. Called once
@@ -162,6 +167,11 @@ impl Controllers {
             &self.networktest_results,
         ));
         r.add(node_maintenance::Context::new(shared));
+        r.add(node_diagnostic::Context::new(
+            shared,
+            &config.node_diagnostic,
+            &self.diagnostic_bundles,
+        ));
     }
 }
 

@@ -257,6 +257,19 @@ pub async fn connect(
     endpoint: SocketAddr,
     limits: CallLimits,
 ) -> Result<AgentConnection, CallError> {
+    connect_windowed(tls, endpoint, limits, None).await
+}
+
+/// [`connect`] with HTTP/2 flow-control windows of `window` bytes (stream and connection). A
+/// stream the controller writes to disk as it reads (a diagnostics bundle) needs a small window:
+/// with hyper's default of 2 MiB per stream, a fast agent could park most of a bundle in the
+/// controller's memory while the disk catches up.
+pub async fn connect_windowed(
+    tls: &AgentTls,
+    endpoint: SocketAddr,
+    limits: CallLimits,
+    window: Option<u32>,
+) -> Result<AgentConnection, CallError> {
     let fail = |outcome, detail: String| CallError {
         outcome,
         endpoint,
@@ -277,7 +290,10 @@ pub async fn connect(
     let ep = Endpoint::from_shared(format!("http://{endpoint}"))
         .map_err(|e| fail(CallOutcome::Connect, chain(&e)))?
         .connect_timeout(limits.timeout)
-        .timeout(limits.timeout);
+        .timeout(limits.timeout)
+        .tcp_nodelay(true)
+        .initial_stream_window_size(window)
+        .initial_connection_window_size(window);
     let channel =
         match tokio::time::timeout(limits.timeout, ep.connect_with_connector(dialer)).await {
             Err(_) => {
@@ -342,6 +358,29 @@ impl AgentConnection {
     ) -> Result<pb::ApplyNetworkResponse, CallError> {
         let (endpoint, timeout) = (self.endpoint, self.limits.timeout);
         finish(endpoint, timeout, self.client.apply_network(request)).await
+    }
+}
+
+impl AgentConnection {
+    /// Opens a diagnostics bundle stream. Opening is bounded by the call timeout; the chunks are
+    /// read by the caller under a deadline of its own (a bundle takes longer than a report).
+    pub async fn collect_diagnostics(
+        &mut self,
+        request: pb::DiagnosticsRequest,
+    ) -> Result<
+        impl futures::Stream<Item = Result<pb::DiagnosticsChunk, CallError>> + Send + 'static,
+        CallError,
+    > {
+        use futures::StreamExt as _;
+        let (endpoint, timeout) = (self.endpoint, self.limits.timeout);
+        let stream = finish(endpoint, timeout, self.client.collect_diagnostics(request)).await?;
+        Ok(stream.map(move |item| {
+            item.map_err(|status| CallError {
+                outcome: classify_status(&status),
+                endpoint,
+                detail: format!("{:?}: {}", status.code(), status.message()),
+            })
+        }))
     }
 }
 

@@ -1,5 +1,5 @@
 //! The agents service: every call the controller makes to a node agent goes through [`Agents`]
-//! (`report`, `run_probes`, `apply_network`; diagnostics will join them), so that each call gets
+//! (`report`, `run_probes`, `apply_network`, `collect_diagnostics`), so that each call gets
 //! the same treatment whichever controller makes it: only agents of Nodes this controller manages
 //! (its `--node-selector`) are contacted, over mutual TLS with the current certificates, within a
 //! whole-call timeout and the reply size limit, inside a tracing span naming the node, and
@@ -15,6 +15,7 @@ use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
+use futures::stream::BoxStream;
 use nodekeeper_model::tuning::RuleSet;
 use nodekeeper_proto::agent::v1 as pb;
 use tracing::Instrument as _;
@@ -70,6 +71,13 @@ pub struct Report {
     pub rules: RulesOutcome,
 }
 
+/// HTTP/2 window of a diagnostics stream: four of the agent's 64 KiB chunks in flight, so the
+/// controller holds at most this much of a bundle in memory however fast the agent sends.
+pub const DIAGNOSTICS_WINDOW_BYTES: u32 = 256 * 1024;
+
+/// A diagnostics bundle as the agent streams it (`.tar.gz` chunks; the last carries the summary).
+pub type DiagnosticsStream = BoxStream<'static, Result<pb::DiagnosticsChunk, CallError>>;
+
 /// Calls to node agents. Every method contacts only managed nodes and returns an error naming
 /// the endpoint otherwise.
 pub trait Agents: Send + Sync {
@@ -96,6 +104,15 @@ pub trait Agents: Send + Sync {
         request: pb::ApplyNetworkRequest,
         timeout: Duration,
     ) -> BoxFuture<'a, Result<pb::ApplyNetworkResponse, CallError>>;
+
+    /// Opens the agent's diagnostics bundle stream; `timeout` bounds connecting and opening, the
+    /// caller bounds the reading.
+    fn collect_diagnostics<'a>(
+        &'a self,
+        node: &'a AgentNode,
+        request: pb::DiagnosticsRequest,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<DiagnosticsStream, CallError>>;
 }
 
 /// The production [`Agents`]: mutual TLS to the agents of the Nodes in [`Fleet`].
@@ -131,6 +148,17 @@ impl MtlsAgents {
         node: &AgentNode,
         timeout: Duration,
     ) -> Result<AgentConnection, CallError> {
+        self.connect_windowed(node, timeout, None).await
+    }
+
+    /// [`Self::connect`] with HTTP/2 windows of `window` bytes (see
+    /// [`agent_client::connect_windowed`]).
+    async fn connect_windowed(
+        &self,
+        node: &AgentNode,
+        timeout: Duration,
+        window: Option<u32>,
+    ) -> Result<AgentConnection, CallError> {
         let managed = self
             .fleet
             .lock()
@@ -162,7 +190,7 @@ impl MtlsAgents {
             timeout,
             max_reply_bytes: self.max_reply_bytes,
         };
-        agent_client::connect(&tls, node.endpoint, limits).await
+        agent_client::connect_windowed(&tls, node.endpoint, limits, window).await
     }
 
     /// Runs `call` in a span naming the node and counts it by method and outcome.
@@ -313,6 +341,29 @@ impl Agents for MtlsAgents {
             timeout,
             |mut conn| async move { conn.apply_network(request).await },
         )
+    }
+
+    fn collect_diagnostics<'a>(
+        &'a self,
+        node: &'a AgentNode,
+        request: pb::DiagnosticsRequest,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<DiagnosticsStream, CallError>> {
+        use futures::StreamExt as _;
+        self.measured(AgentMethod::CollectDiagnostics, node, async move {
+            let result: Result<DiagnosticsStream, CallError> = async {
+                let mut conn = self
+                    .connect_windowed(node, timeout, Some(DIAGNOSTICS_WINDOW_BYTES))
+                    .await?;
+                Ok(conn.collect_diagnostics(request).await?.boxed())
+            }
+            .await;
+            let outcome = match &result {
+                Ok(_) => CallOutcome::Answered,
+                Err(e) => e.outcome,
+            };
+            (outcome, result)
+        })
     }
 }
 

@@ -289,6 +289,7 @@ pub enum AgentMethod {
     Report,
     RunProbes,
     ApplyNetwork,
+    CollectDiagnostics,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]

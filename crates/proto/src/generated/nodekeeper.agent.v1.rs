@@ -535,6 +535,47 @@ pub struct ApplyNetworkResponse {
     #[prost(uint32, tag = "5")]
     pub netlink_writes: u32,
 }
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct DiagnosticsRequest {
+    /// The parts to gather (names in nodekeeper_model::diagnostics::PARTS); empty means all of them.
+    #[prost(string, repeated, tag = "1")]
+    pub parts: ::prost::alloc::vec::Vec<::prost::alloc::string::String>,
+    /// Cap on the bundle's size in bytes (counted on the uncompressed content, with room kept for the
+    /// manifest and gzip's framing, so the `.tar.gz` streamed is never larger); 0 means the agent's
+    /// default. Parts past the cap are truncated or skipped, and the manifest says which.
+    #[prost(uint64, tag = "2")]
+    pub max_bundle_bytes: u64,
+    /// Cap on one part's uncompressed size in bytes; 0 means the agent's default.
+    #[prost(uint64, tag = "3")]
+    pub max_part_bytes: u64,
+    /// Time cap of one part in milliseconds; 0 means the agent's default.
+    #[prost(uint32, tag = "4")]
+    pub part_timeout_ms: u32,
+}
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct DiagnosticsChunk {
+    /// The next bytes of the `.tar.gz` bundle.
+    #[prost(bytes = "vec", tag = "1")]
+    pub data: ::prost::alloc::vec::Vec<u8>,
+    /// Set on the last chunk only (its `data` may be empty): what the bundle holds.
+    #[prost(message, optional, tag = "2")]
+    pub summary: ::core::option::Option<DiagnosticsSummary>,
+}
+#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct DiagnosticsSummary {
+    /// Size of the compressed bundle in bytes, as streamed.
+    #[prost(uint64, tag = "1")]
+    pub bundle_bytes: u64,
+    #[prost(uint32, tag = "2")]
+    pub parts_ok: u32,
+    #[prost(uint32, tag = "3")]
+    pub parts_failed: u32,
+    #[prost(uint32, tag = "4")]
+    pub parts_skipped: u32,
+    /// Parts cut short by a size cap.
+    #[prost(uint32, tag = "5")]
+    pub parts_truncated: u32,
+}
 /// How an indicator, tunable, GPU or plugin compares with the rules in force.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, ::prost::Enumeration)]
 #[repr(i32)]
@@ -887,6 +928,39 @@ pub mod node_agent_client {
                 );
             self.inner.unary(req, path, codec).await
         }
+        /// Gathers a diagnostics bundle (a gzip-compressed tar) and streams it in chunks, never held
+        /// whole in memory. A part that fails or times out is recorded in the bundle's `manifest.json`
+        /// (the last member) and the bundle goes on; an unknown part name is refused with
+        /// INVALID_ARGUMENT naming it.
+        pub async fn collect_diagnostics(
+            &mut self,
+            request: impl tonic::IntoRequest<super::DiagnosticsRequest>,
+        ) -> std::result::Result<
+            tonic::Response<tonic::codec::Streaming<super::DiagnosticsChunk>>,
+            tonic::Status,
+        > {
+            self.inner
+                .ready()
+                .await
+                .map_err(|e| {
+                    tonic::Status::unknown(
+                        format!("Service was not ready: {}", e.into()),
+                    )
+                })?;
+            let codec = tonic_prost::ProstCodec::default();
+            let path = http::uri::PathAndQuery::from_static(
+                "/nodekeeper.agent.v1.NodeAgent/CollectDiagnostics",
+            );
+            let mut req = request.into_request();
+            req.extensions_mut()
+                .insert(
+                    GrpcMethod::new(
+                        "nodekeeper.agent.v1.NodeAgent",
+                        "CollectDiagnostics",
+                    ),
+                );
+            self.inner.server_streaming(req, path, codec).await
+        }
     }
 }
 /// Generated server implementations.
@@ -935,6 +1009,23 @@ pub mod node_agent_server {
             request: tonic::Request<super::ApplyNetworkRequest>,
         ) -> std::result::Result<
             tonic::Response<super::ApplyNetworkResponse>,
+            tonic::Status,
+        >;
+        /// Server streaming response type for the CollectDiagnostics method.
+        type CollectDiagnosticsStream: tonic::codegen::tokio_stream::Stream<
+                Item = std::result::Result<super::DiagnosticsChunk, tonic::Status>,
+            >
+            + std::marker::Send
+            + 'static;
+        /// Gathers a diagnostics bundle (a gzip-compressed tar) and streams it in chunks, never held
+        /// whole in memory. A part that fails or times out is recorded in the bundle's `manifest.json`
+        /// (the last member) and the bundle goes on; an unknown part name is refused with
+        /// INVALID_ARGUMENT naming it.
+        async fn collect_diagnostics(
+            &self,
+            request: tonic::Request<super::DiagnosticsRequest>,
+        ) -> std::result::Result<
+            tonic::Response<Self::CollectDiagnosticsStream>,
             tonic::Status,
         >;
     }
@@ -1190,6 +1281,52 @@ pub mod node_agent_server {
                                 max_encoding_message_size,
                             );
                         let res = grpc.unary(method, req).await;
+                        Ok(res)
+                    };
+                    Box::pin(fut)
+                }
+                "/nodekeeper.agent.v1.NodeAgent/CollectDiagnostics" => {
+                    #[allow(non_camel_case_types)]
+                    struct CollectDiagnosticsSvc<T: NodeAgent>(pub Arc<T>);
+                    impl<
+                        T: NodeAgent,
+                    > tonic::server::ServerStreamingService<super::DiagnosticsRequest>
+                    for CollectDiagnosticsSvc<T> {
+                        type Response = super::DiagnosticsChunk;
+                        type ResponseStream = T::CollectDiagnosticsStream;
+                        type Future = BoxFuture<
+                            tonic::Response<Self::ResponseStream>,
+                            tonic::Status,
+                        >;
+                        fn call(
+                            &mut self,
+                            request: tonic::Request<super::DiagnosticsRequest>,
+                        ) -> Self::Future {
+                            let inner = Arc::clone(&self.0);
+                            let fut = async move {
+                                <T as NodeAgent>::collect_diagnostics(&inner, request).await
+                            };
+                            Box::pin(fut)
+                        }
+                    }
+                    let accept_compression_encodings = self.accept_compression_encodings;
+                    let send_compression_encodings = self.send_compression_encodings;
+                    let max_decoding_message_size = self.max_decoding_message_size;
+                    let max_encoding_message_size = self.max_encoding_message_size;
+                    let inner = self.inner.clone();
+                    let fut = async move {
+                        let method = CollectDiagnosticsSvc(inner);
+                        let codec = tonic_prost::ProstCodec::default();
+                        let mut grpc = tonic::server::Grpc::new(codec)
+                            .apply_compression_config(
+                                accept_compression_encodings,
+                                send_compression_encodings,
+                            )
+                            .apply_max_message_size_config(
+                                max_decoding_message_size,
+                                max_encoding_message_size,
+                            );
+                        let res = grpc.server_streaming(method, req).await;
                         Ok(res)
                     };
                     Box::pin(fut)

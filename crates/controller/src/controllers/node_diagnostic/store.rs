@@ -1,0 +1,342 @@
+//! The bundles on the controller's own disk (`--diagnostics-dir`): one file per node under
+//! `<dir>/<namespace>/<name>/<node>.tar.gz`, a bound on their total size (oldest bundles of other
+//! NodeDiagnostics evicted to make room; a bundle that still does not fit is refused), and the
+//! HTTP route that streams a bundle from disk (`/api/diagnostics/{namespace}/{name}/{node}`).
+//!
+//! The store is configured when the controllers start (it needs the flags), but its route is part
+//! of the HTTP API from the process's start, so it answers 503 until then.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::time::SystemTime;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{Path as UrlPath, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use serde_json::json;
+use tracing::info;
+
+/// Suffix of a complete bundle.
+const BUNDLE: &str = "tar.gz";
+/// Suffix of a bundle being written.
+const PARTIAL: &str = "tar.gz.partial";
+/// Suffix of the marker left where a bundle was evicted, so its download says so.
+const EVICTED: &str = "tar.gz.evicted";
+
+#[derive(Debug)]
+struct Settings {
+    dir: PathBuf,
+    max_total_bytes: u64,
+}
+
+/// Shared by the controller (writes, evicts, deletes) and the HTTP route (reads).
+#[derive(Clone, Default)]
+pub struct BundleStore {
+    settings: Arc<OnceLock<Settings>>,
+    /// Bytes promised to bundles being written (each is promised its cap until it is done).
+    reserved: Arc<Mutex<u64>>,
+}
+
+/// Not enough room even after evicting every other bundle.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "the controller's diagnostics store is full: {used} bytes stored or being written, {want} more \
+     needed, limit {max} (--diagnostics-max-bytes); delete finished NodeDiagnostics or raise the limit"
+)]
+pub struct StoreFull {
+    pub used: u64,
+    pub want: u64,
+    pub max: u64,
+}
+
+/// Room held for one bundle being written; given back when dropped.
+pub struct Reservation {
+    store: BundleStore,
+    bytes: u64,
+    /// Bundles evicted to make this room, as `<namespace>/<name>/<node>`.
+    pub evicted: Vec<String>,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        let mut r = self
+            .store
+            .reserved
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        *r = r.saturating_sub(self.bytes);
+    }
+}
+
+/// `<dir>/<node>.<suffix>` beside `<dir>/<node>.tar.gz`.
+fn beside(bundle: &Path, suffix: &str) -> PathBuf {
+    let name = bundle
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let node = name.strip_suffix(&format!(".{BUNDLE}")).unwrap_or(&name);
+    bundle.with_file_name(format!("{node}.{suffix}"))
+}
+
+/// A path segment we accept: what Kubernetes allows in namespace, object and node names.
+pub fn valid_segment(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 253
+        && !s.starts_with('.')
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
+}
+
+impl BundleStore {
+    /// Sets the directory and the total limit. Called once; the directory is created when the
+    /// first bundle is written, so a controller that never collects leaves no trace on disk.
+    pub fn configure(&self, dir: &Path, max_total_bytes: u64) -> std::io::Result<()> {
+        if !dir.is_absolute() {
+            return Err(std::io::Error::other(format!(
+                "--diagnostics-dir {} is not an absolute path",
+                dir.display()
+            )));
+        }
+        let _ = self.settings.set(Settings {
+            dir: dir.to_path_buf(),
+            max_total_bytes,
+        });
+        Ok(())
+    }
+
+    fn settings(&self) -> Option<&Settings> {
+        self.settings.get()
+    }
+
+    /// `<dir>/<namespace>/<name>`.
+    pub fn object_dir(&self, ns: &str, name: &str) -> Option<PathBuf> {
+        Some(self.settings()?.dir.join(ns).join(name))
+    }
+
+    /// `<dir>/<namespace>/<name>/<node>.tar.gz`.
+    pub fn bundle_path(&self, ns: &str, name: &str, node: &str) -> Option<PathBuf> {
+        Some(self.object_dir(ns, name)?.join(format!("{node}.{BUNDLE}")))
+    }
+
+    /// Where a bundle is written before it is complete.
+    pub fn partial_path(bundle: &Path) -> PathBuf {
+        beside(bundle, PARTIAL)
+    }
+
+    /// Forgets an earlier eviction of `bundle` (a new one was just written there).
+    pub fn clear_evicted(bundle: &Path) {
+        let _ = std::fs::remove_file(beside(bundle, EVICTED));
+    }
+
+    /// Deletes every bundle of one NodeDiagnostic.
+    pub fn remove_object(&self, ns: &str, name: &str) -> std::io::Result<()> {
+        let Some(dir) = self.object_dir(ns, name) else {
+            return Ok(());
+        };
+        match std::fs::remove_dir_all(&dir) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+            _ => Ok(()),
+        }
+    }
+
+    /// Every bundle file on disk: (path, bytes, modified), complete and partial.
+    fn files(dir: &Path) -> Vec<(PathBuf, u64, SystemTime, bool)> {
+        let mut out = Vec::new();
+        let level = |d: &Path| -> Vec<PathBuf> {
+            std::fs::read_dir(d)
+                .map(|it| it.flatten().map(|e| e.path()).collect())
+                .unwrap_or_default()
+        };
+        for ns in level(dir) {
+            for obj in level(&ns) {
+                for file in level(&obj) {
+                    let name = file.to_string_lossy();
+                    let complete = name.ends_with(&format!(".{BUNDLE}"));
+                    if !complete && !name.ends_with(&format!(".{PARTIAL}")) {
+                        continue;
+                    }
+                    if let Ok(m) = file.metadata() {
+                        let modified = m.modified().unwrap_or(SystemTime::UNIX_EPOCH);
+                        out.push((file, m.len(), modified, complete));
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// Bytes of bundles on disk.
+    pub fn used_bytes(&self) -> u64 {
+        self.settings()
+            .map(|s| Self::files(&s.dir).iter().map(|f| f.1).sum())
+            .unwrap_or(0)
+    }
+
+    /// Holds `want` bytes for a bundle of `<ns>/<name>`, evicting the oldest complete bundles of
+    /// other NodeDiagnostics while the total (on disk + held) would pass the limit.
+    pub fn reserve(&self, ns: &str, name: &str, want: u64) -> Result<Reservation, StoreFull> {
+        let Some(settings) = self.settings() else {
+            return Err(StoreFull {
+                used: 0,
+                want,
+                max: 0,
+            });
+        };
+        let mut reserved = self.reserved.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut files = Self::files(&settings.dir);
+        let mut used: u64 = files.iter().map(|f| f.1).sum::<u64>() + *reserved;
+        let own = settings.dir.join(ns).join(name);
+        files.retain(|f| f.3 && !f.0.starts_with(&own));
+        files.sort_by_key(|f| f.2);
+        let mut evicted = Vec::new();
+        let mut candidates = files.into_iter();
+        while used + want > settings.max_total_bytes {
+            let Some((path, bytes, _, _)) = candidates.next() else {
+                return Err(StoreFull {
+                    used,
+                    want,
+                    max: settings.max_total_bytes,
+                });
+            };
+            if std::fs::remove_file(&path).is_ok() {
+                let _ = std::fs::write(beside(&path, EVICTED), b"");
+                used -= bytes;
+                let rel = path
+                    .strip_prefix(&settings.dir)
+                    .unwrap_or(&path)
+                    .to_string_lossy()
+                    .trim_end_matches(&format!(".{BUNDLE}"))
+                    .to_owned();
+                info!(bundle = %rel, bytes, "diagnostics bundle evicted to make room");
+                evicted.push(rel);
+            }
+        }
+        *reserved += want;
+        Ok(Reservation {
+            store: self.clone(),
+            bytes: want,
+            evicted,
+        })
+    }
+
+    /// The download route.
+    pub fn router(&self) -> Router {
+        Router::new()
+            .route("/api/diagnostics/{namespace}/{name}/{node}", get(download))
+            .with_state(self.clone())
+    }
+}
+
+fn error(code: StatusCode, message: String) -> Response {
+    (code, axum::Json(json!({ "error": message }))).into_response()
+}
+
+/// Streams the bundle from disk in 64 KiB reads: the controller never holds a whole bundle.
+async fn download(
+    State(store): State<BundleStore>,
+    UrlPath((ns, name, node)): UrlPath<(String, String, String)>,
+) -> Response {
+    if ![&ns, &name, &node].iter().all(|s| valid_segment(s)) {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "namespace, name and node must be Kubernetes names (lowercase letters, digits, '-', '.')".into(),
+        );
+    }
+    let Some(path) = store.bundle_path(&ns, &name, &node) else {
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "this replica does not lead and holds no diagnostics bundles; ask the leader".into(),
+        );
+    };
+    match tokio::fs::File::open(&path).await {
+        Ok(file) => {
+            let len = file.metadata().await.map(|m| m.len()).ok();
+            let body =
+                Body::from_stream(tokio_util::io::ReaderStream::with_capacity(file, 64 * 1024));
+            let mut response = Response::new(body);
+            let headers = response.headers_mut();
+            headers.insert(
+                header::CONTENT_TYPE,
+                header::HeaderValue::from_static("application/gzip"),
+            );
+            if let Some(len) = len {
+                headers.insert(header::CONTENT_LENGTH, len.into());
+            }
+            if let Ok(v) = header::HeaderValue::from_str(&format!(
+                "attachment; filename=\"{ns}-{name}-{node}.tar.gz\""
+            )) {
+                headers.insert(header::CONTENT_DISPOSITION, v);
+            }
+            response
+        }
+        Err(_) if beside(&path, EVICTED).exists() => error(
+            StatusCode::GONE,
+            format!(
+                "the bundle of node {node} for nodediagnostic {ns}/{name} was evicted to make room \
+                 for newer bundles (--diagnostics-max-bytes); create a new NodeDiagnostic"
+            ),
+        ),
+        Err(_) => error(
+            StatusCode::NOT_FOUND,
+            format!("no diagnostics bundle of node {node} for nodediagnostic {ns}/{name}"),
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn put(store: &BundleStore, ns: &str, name: &str, node: &str, bytes: usize) {
+        let p = store.bundle_path(ns, name, node).unwrap();
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(&p, vec![0u8; bytes]).unwrap();
+        // Distinct modification times, oldest first.
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+
+    #[test]
+    fn evicts_the_oldest_bundles_of_other_objects_then_refuses() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = BundleStore::default();
+        store.configure(dir.path(), 1000).unwrap();
+        put(&store, "ns", "old", "n1", 300);
+        put(&store, "ns", "mid", "n1", 300);
+        put(&store, "ns", "mine", "n1", 300);
+        assert_eq!(store.used_bytes(), 900);
+
+        let r = store.reserve("ns", "mine", 400).unwrap();
+        assert_eq!(r.evicted, vec!["ns/old/n1".to_string()]);
+        assert!(!store.bundle_path("ns", "old", "n1").unwrap().exists());
+        assert!(dir.path().join("ns/old/n1.tar.gz.evicted").exists());
+        // Held room counts: another 500 needs "mid" gone, and then there is nothing left to evict
+        // but this object's own bundle, which is never evicted for itself.
+        let err = store.reserve("ns", "mine", 500).err().unwrap();
+        assert!(err.to_string().contains("--diagnostics-max-bytes"), "{err}");
+        assert!(!store.bundle_path("ns", "mid", "n1").unwrap().exists());
+        drop(r);
+        assert!(store.reserve("ns", "mine", 700).is_ok());
+    }
+
+    #[test]
+    fn removes_an_objects_bundles() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = BundleStore::default();
+        store.configure(dir.path(), 1000).unwrap();
+        put(&store, "ns", "a", "n1", 10);
+        store.remove_object("ns", "a").unwrap();
+        assert_eq!(store.used_bytes(), 0);
+        store.remove_object("ns", "never").unwrap();
+    }
+
+    #[test]
+    fn path_segments_are_checked() {
+        assert!(valid_segment("node-1.example"));
+        for bad in ["", "..", ".hidden", "a/b", "UPPER", "a b"] {
+            assert!(!valid_segment(bad), "{bad:?}");
+        }
+    }
+}
