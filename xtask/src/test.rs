@@ -49,7 +49,16 @@ pub fn run(args: TestArgs) -> Result<()> {
 
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
     let mut command = crate::cargo::command(&cargo);
-    command.args(["test", "--workspace", "--no-fail-fast"]);
+    command.args(["test", "--no-fail-fast"]);
+    // The whole workspace unless the arguments pick packages (`-- -p nodekeeper-e2e --test x`).
+    let picks_packages = args
+        .cargo_args
+        .iter()
+        .take_while(|a| *a != "--")
+        .any(|a| a == "-p" || a == "--package" || a.starts_with("--package="));
+    if !picks_packages {
+        command.arg("--workspace");
+    }
     command.args(&args.cargo_args);
     command.env(KUBECONFIG_ENV, &cluster.kubeconfig);
     let status = command.status().context("run cargo test")?;
