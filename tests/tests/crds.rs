@@ -86,6 +86,7 @@ async fn crds_install_and_become_established() -> anyhow::Result<()> {
         [
             "networktests.nodekeeper.dev",
             "nodeclasses.nodekeeper.dev",
+            "nodediagnostics.nodekeeper.dev",
             "nodemaintenances.nodekeeper.dev",
             "nodenetworkconfigs.nodekeeper.dev",
             "nodesets.nodekeeper.dev",
