@@ -546,10 +546,10 @@ fn response(report: &ApplyReport, observed: &NetworkState) -> pb::ApplyNetworkRe
 mod tests {
     //! The manager in a fresh network namespace (root only), driven with the gRPC messages.
 
-    use std::process::Command;
     use std::sync::Arc;
 
     use clap::Parser;
+    use nodekeeper_testkit::{Netns, skip_unless_root};
     use tonic::{Code, Status};
 
     use super::*;
@@ -561,42 +561,30 @@ mod tests {
         crate::service::status(e.into())
     }
 
-    fn ip(ns: &str, args: &[&str]) -> String {
-        let out = Command::new("ip")
-            .arg("-n")
-            .arg(ns)
-            .args(args)
-            .output()
-            .expect("run ip");
-        assert!(
-            out.status.success(),
-            "ip {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).into_owned()
+    /// A fresh namespace with its loopback up, shared with the code run inside it, which
+    /// inspects and changes its links with `ip`.
+    fn netns(prefix: &str) -> Arc<Netns> {
+        Arc::new(Netns::with_loopback(prefix).expect("create a network namespace"))
     }
 
-    /// A network namespace this test created; deleted when dropped.
-    struct Ns(String);
-    impl Ns {
-        /// Creates `<prefix>-<pid>` with its loopback up.
-        fn create(prefix: &str) -> Ns {
-            let ns = Ns(format!("{prefix}-{}", std::process::id()));
-            assert!(
-                Command::new("ip")
-                    .args(["netns", "add", &ns.0])
-                    .status()
-                    .unwrap()
-                    .success()
-            );
-            ip(&ns.0, &["link", "set", "lo", "up"]);
-            ns
-        }
+    /// `ip -n <ns> ARGS`, asserting success; its standard output.
+    fn ip(ns: &Netns, args: &[&str]) -> String {
+        ns.ip(args).unwrap()
     }
-    impl Drop for Ns {
-        fn drop(&mut self) {
-            let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
-        }
+
+    /// An agent keeping its state in `state_dir`, asking the instance metadata at `imds` when
+    /// given; its TLS files are never read by these tests.
+    fn agent_in(state_dir: &str, imds: Option<&str>) -> Agent {
+        let mut args = vec![
+            "nodekeeper-agent".to_string(),
+            "--node-name=n1".into(),
+            "--tls-cert=/nonexistent".into(),
+            "--tls-key=/nonexistent".into(),
+            "--client-ca=/nonexistent".into(),
+            format!("--state-dir={state_dir}"),
+        ];
+        args.extend(imds.map(|e| format!("--imds-endpoint={e}")));
+        Agent::new(&Config::parse_from(args))
     }
 
     const DESIRED: &str = r#"{
@@ -618,15 +606,11 @@ mod tests {
     }
 
     #[test]
-    #[allow(clippy::print_stdout)] // SKIPPED goes to stdout (README, "Try it": root-only tests report it)
     fn apply_network_dry_run_apply_reapply_errors_and_drift() {
-        if !nix::unistd::geteuid().is_root() {
-            println!("SKIPPED: needs root to create network namespaces");
-            return;
-        }
-        let ns = Ns::create("nk-test-agent");
+        skip_unless_root!("needs root to create network namespaces");
+        let ns = netns("nk-test-agent");
         ip(
-            &ns.0,
+            &ns,
             &[
                 "link",
                 "add",
@@ -640,106 +624,87 @@ mod tests {
                 "nic0p",
             ],
         );
-        ip(&ns.0, &["link", "set", "nic0", "up"]);
-        ip(&ns.0, &["link", "set", "nic0p", "up"]);
-        ip(&ns.0, &["addr", "add", "10.0.20.1/24", "dev", "nic0p"]);
+        ip(&ns, &["link", "set", "nic0", "up"]);
+        ip(&ns, &["link", "set", "nic0p", "up"]);
+        ip(&ns, &["addr", "add", "10.0.20.1/24", "dev", "nic0p"]);
         let state = tempfile::tempdir().unwrap();
-        let name = ns.0.clone();
+        let name = Arc::clone(&ns);
         let state_dir = state.path().to_string_lossy().into_owned();
-        std::thread::spawn(move || {
-            let f = std::fs::File::open(format!("/run/netns/{name}")).unwrap();
-            nix::sched::setns(f, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            rt.block_on(async move {
-                let config = Config::parse_from([
-                    "nodekeeper-agent",
-                    "--node-name=n1",
-                    "--tls-cert=/nonexistent",
-                    "--tls-key=/nonexistent",
-                    "--client-ca=/nonexistent",
-                    &format!("--state-dir={state_dir}"),
-                ]);
-                let agent = Arc::new(Agent::new(&config));
-                let m = agent.network();
+        ns.run(move || async move {
+            let agent = Arc::new(agent_in(&state_dir, None));
+            let m = agent.network();
 
-                let r = m.apply(request(DESIRED, true)).await.unwrap();
-                assert_eq!(r.outcome, pb::ApplyOutcome::Planned as i32);
-                assert_eq!(r.netlink_writes, 0);
-                let ops: Vec<&str> = r.plan.iter().map(|s| s.op.as_str()).collect();
-                assert_eq!(
-                    ops,
-                    vec!["set-link", "add-address", "add-route", "add-rule"]
-                );
-                assert_eq!(r.plan[0].object, "nic0 mtu 9000");
-                assert!(!ip(&name, &["addr", "show", "dev", "nic0"]).contains("10.0.20.33"));
+            let r = m.apply(request(DESIRED, true)).await.unwrap();
+            assert_eq!(r.outcome, pb::ApplyOutcome::Planned as i32);
+            assert_eq!(r.netlink_writes, 0);
+            let ops: Vec<&str> = r.plan.iter().map(|s| s.op.as_str()).collect();
+            assert_eq!(
+                ops,
+                vec!["set-link", "add-address", "add-route", "add-rule"]
+            );
+            assert_eq!(r.plan[0].object, "nic0 mtu 9000");
+            assert!(!ip(&name, &["addr", "show", "dev", "nic0"]).contains("10.0.20.33"));
 
-                let r = m.apply(request(DESIRED, false)).await.unwrap();
-                assert_eq!(r.outcome, pb::ApplyOutcome::Applied as i32, "{}", r.message);
-                assert_eq!(r.netlink_writes, 4);
-                let observed: NetworkState = serde_json::from_str(&r.observed_state_json).unwrap();
-                assert_eq!(observed.addresses[0].cidr, "10.0.20.33/24");
-                assert_eq!(observed.links[0].name, "vnic1");
-                assert_eq!(observed.links[0].mtu, Some(9000));
-                assert_eq!(m.status().applied_generation, "uid-1/3");
+            let r = m.apply(request(DESIRED, false)).await.unwrap();
+            assert_eq!(r.outcome, pb::ApplyOutcome::Applied as i32, "{}", r.message);
+            assert_eq!(r.netlink_writes, 4);
+            let observed: NetworkState = serde_json::from_str(&r.observed_state_json).unwrap();
+            assert_eq!(observed.addresses[0].cidr, "10.0.20.33/24");
+            assert_eq!(observed.links[0].name, "vnic1");
+            assert_eq!(observed.links[0].mtu, Some(9000));
+            assert_eq!(m.status().applied_generation, "uid-1/3");
 
-                let r = m.apply(request(DESIRED, false)).await.unwrap();
-                assert_eq!(
-                    (r.outcome, r.netlink_writes, r.plan.len()),
-                    (pb::ApplyOutcome::Applied as i32, 0, 0)
-                );
+            let r = m.apply(request(DESIRED, false)).await.unwrap();
+            assert_eq!(
+                (r.outcome, r.netlink_writes, r.plan.len()),
+                (pb::ApplyOutcome::Applied as i32, 0, 0)
+            );
 
-                // Bad input: refused before any change, naming the field.
-                let e = status_of(m.apply(request("{not json", false)).await.unwrap_err());
-                assert_eq!(e.code(), Code::InvalidArgument);
-                let bad = DESIRED.replace("\"mtu\": 9000", "\"mtu\": 60");
-                let e = status_of(m.apply(request(&bad, false)).await.unwrap_err());
-                assert_eq!(e.code(), Code::InvalidArgument);
-                assert!(
-                    e.message().contains("links[0].mtu: 60 is outside 68–65535"),
-                    "{}",
-                    e.message()
-                );
-                let orphan =
-                    r#"{"links": [{"name": "nkm9", "kind": "macvlan", "parent": "ens9"}]}"#;
-                let e = status_of(m.apply(request(orphan, false)).await.unwrap_err());
-                assert_eq!(e.code(), Code::FailedPrecondition);
-                assert!(
-                    e.message().contains("parent ens9 does not exist"),
-                    "{}",
-                    e.message()
-                );
-                let mut req = request(DESIRED, false);
-                req.check_targets = vec!["example.com".into()];
-                let e = status_of(m.apply(req).await.unwrap_err());
-                assert_eq!(e.code(), Code::InvalidArgument);
+            // Bad input: refused before any change, naming the field.
+            let e = status_of(m.apply(request("{not json", false)).await.unwrap_err());
+            assert_eq!(e.code(), Code::InvalidArgument);
+            let bad = DESIRED.replace("\"mtu\": 9000", "\"mtu\": 60");
+            let e = status_of(m.apply(request(&bad, false)).await.unwrap_err());
+            assert_eq!(e.code(), Code::InvalidArgument);
+            assert!(
+                e.message().contains("links[0].mtu: 60 is outside 68–65535"),
+                "{}",
+                e.message()
+            );
+            let orphan = r#"{"links": [{"name": "nkm9", "kind": "macvlan", "parent": "ens9"}]}"#;
+            let e = status_of(m.apply(request(orphan, false)).await.unwrap_err());
+            assert_eq!(e.code(), Code::FailedPrecondition);
+            assert!(
+                e.message().contains("parent ens9 does not exist"),
+                "{}",
+                e.message()
+            );
+            let mut req = request(DESIRED, false);
+            req.check_targets = vec!["example.com".into()];
+            let e = status_of(m.apply(req).await.unwrap_err());
+            assert_eq!(e.code(), Code::InvalidArgument);
 
-                // Drift: someone removes the VNIC's default route; the manager sees it, reports
-                // it and puts it back.
-                ip(&name, &["route", "del", "default", "table", "101"]);
-                let drift = m.check_drift(true).await.unwrap();
-                assert_eq!(
-                    drift,
-                    vec!["add-route 0.0.0.0/0 via 10.0.20.1 dev nic0 table 101".to_string()]
-                );
-                let s = m.status();
-                assert!(
-                    s.drifted && s.reconverged_at_unix_ms > 0 && s.last_error.is_empty(),
-                    "{s:?}"
-                );
-                assert_eq!(
-                    ip(&name, &["route", "show", "table", "101"]).trim(),
-                    "default via 10.0.20.1 dev nic0 proto 176"
-                );
-                assert!(m.check_drift(true).await.unwrap().is_empty());
-                let (_, report) = agent.report(0).await;
-                assert!(report.unwrap().network.drifted);
-            });
-        })
-        .join()
-        .unwrap();
+            // Drift: someone removes the VNIC's default route; the manager sees it, reports
+            // it and puts it back.
+            ip(&name, &["route", "del", "default", "table", "101"]);
+            let drift = m.check_drift(true).await.unwrap();
+            assert_eq!(
+                drift,
+                vec!["add-route 0.0.0.0/0 via 10.0.20.1 dev nic0 table 101".to_string()]
+            );
+            let s = m.status();
+            assert!(
+                s.drifted && s.reconverged_at_unix_ms > 0 && s.last_error.is_empty(),
+                "{s:?}"
+            );
+            assert_eq!(
+                ip(&name, &["route", "show", "table", "101"]).trim(),
+                "default via 10.0.20.1 dev nic0 proto 176"
+            );
+            assert!(m.check_drift(true).await.unwrap().is_empty());
+            let (_, report) = agent.report(0).await;
+            assert!(report.unwrap().network.drifted);
+        });
     }
 
     #[test]
@@ -922,16 +887,12 @@ mod tests {
     }
 
     #[test]
-    #[allow(clippy::print_stdout)] // SKIPPED goes to stdout (README, "Try it": root-only tests report it)
     fn oci_layout_from_metadata_applies_and_reports_what_waits() {
-        if !nix::unistd::geteuid().is_root() {
-            println!("SKIPPED: needs root to create network namespaces");
-            return;
-        }
-        let ns = Ns::create("nk-test-agent-oci");
+        skip_unless_root!("needs root to create network namespaces");
+        let ns = netns("nk-test-agent-oci");
         // The primary VNIC and the second one are visible; the third is not attached yet.
         ip(
-            &ns.0,
+            &ns,
             &[
                 "link",
                 "add",
@@ -946,7 +907,7 @@ mod tests {
             ],
         );
         ip(
-            &ns.0,
+            &ns,
             &[
                 "link",
                 "add",
@@ -960,263 +921,218 @@ mod tests {
                 "ens5p",
             ],
         );
-        ip(&ns.0, &["link", "set", "ens5p", "up", "mtu", "9000"]);
-        ip(&ns.0, &["addr", "add", "10.0.20.1/24", "dev", "ens5p"]);
+        ip(&ns, &["link", "set", "ens5p", "up", "mtu", "9000"]);
+        ip(&ns, &["addr", "add", "10.0.20.1/24", "dev", "ens5p"]);
         let state = tempfile::tempdir().unwrap();
-        let name = ns.0.clone();
+        let name = Arc::clone(&ns);
         let state_dir = state.path().to_string_lossy().into_owned();
-        std::thread::spawn(move || {
-            let f = std::fs::File::open(format!("/run/netns/{name}")).unwrap();
-            nix::sched::setns(f, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            rt.block_on(async move {
-                let agent_with = |imds: Option<&str>| {
-                    let mut args = vec![
-                        "nodekeeper-agent".to_string(),
-                        "--node-name=n1".into(),
-                        "--tls-cert=/nonexistent".into(),
-                        "--tls-key=/nonexistent".into(),
-                        "--client-ca=/nonexistent".into(),
-                        format!("--state-dir={state_dir}"),
-                    ];
-                    args.extend(imds.map(|e| format!("--imds-endpoint={e}")));
-                    Agent::new(&Config::parse_from(args))
-                };
-                let oci_request = |json: &str, dry_run: bool| pb::ApplyNetworkRequest {
-                    oci_vnics: Some(pb::OciVnics {
-                        enabled: true,
-                        ..Default::default()
-                    }),
-                    ..request(json, dry_run)
-                };
-                let primary_before = ip(&name, &["addr", "show", "dev", "ens3"]);
-
-                // Without --imds-endpoint: refused, naming the flag, nothing changed.
-                let bare = agent_with(None);
-                let m0 = bare.network();
-                let e = status_of(m0.apply(oci_request("{}", false)).await.unwrap_err());
-                assert_eq!(e.code(), Code::FailedPrecondition, "{}", e.message());
-                assert!(e.message().contains("--imds-endpoint"), "{}", e.message());
-                // oci_vnics present but not enabled: the metadata service is not needed.
-                let mut off = oci_request("{}", true);
-                off.oci_vnics = Some(pb::OciVnics::default());
-                let r = m0.apply(off).await.unwrap();
-                assert_eq!(r.outcome, pb::ApplyOutcome::Planned as i32);
-                assert!(r.plan.is_empty(), "{:?}", r.plan);
-
-                // A metadata service that does not answer: UNAVAILABLE naming the endpoint.
-                // (Port 1 on this namespace's loopback: connection refused, bounded retries.)
-                let dead = agent_with(Some("http://127.0.0.1:1"));
-                let md = dead.network();
-                let e = status_of(md.apply(oci_request("{}", false)).await.unwrap_err());
-                assert_eq!(e.code(), Code::Unavailable, "{}", e.message());
-                assert!(e.message().contains("http://127.0.0.1:1"), "{}", e.message());
-
-                let endpoint = imds_server().await;
-                let agent = agent_with(Some(&endpoint));
-                let m = agent.network();
-
-                // What the layout leaves out (the third VNIC has no interface yet).
-                let no_sysfs = tempfile::tempdir().unwrap();
-                let layout = m
-                    .oci_vnic_layout(
-                        &endpoint,
-                        no_sysfs.path(),
-                        &nodekeeper_oci::LayoutOptions::default(),
-                    )
-                    .await
-                    .unwrap();
-                assert_eq!(layout.waiting.len(), 1);
-                assert!(
-                    layout.waiting[0]
-                        .contains("waiting for an interface with MAC 02:00:17:0a:33:03")
-                );
-
-                // A given object that claims the VNIC's interface differently: refused, naming it.
-                let clash = r#"{"links": [{"name": "mine", "kind": "existing", "mac": "02:00:17:0a:22:02", "mtu": 1500}]}"#;
-                let e = status_of(m.apply(oci_request(clash, false)).await.unwrap_err());
-                assert_eq!(e.code(), Code::InvalidArgument, "{}", e.message());
-                assert!(e.message().contains("links[0] (mine)"), "{}", e.message());
-                // Bad layout knobs are the caller's.
-                let mut bad = oci_request("{}", true);
-                bad.oci_vnics = Some(pb::OciVnics {
+        ns.run(move || async move {
+            let agent_with = |imds: Option<&str>| agent_in(&state_dir, imds);
+            let oci_request = |json: &str, dry_run: bool| pb::ApplyNetworkRequest {
+                oci_vnics: Some(pb::OciVnics {
                     enabled: true,
-                    table_base: 253,
                     ..Default::default()
-                });
-                let e = status_of(m.apply(bad).await.unwrap_err());
-                assert_eq!(e.code(), Code::InvalidArgument, "{}", e.message());
-                assert!(e.message().starts_with("oci_vnics: "), "{}", e.message());
+                }),
+                ..request(json, dry_run)
+            };
+            let primary_before = ip(&name, &["addr", "show", "dev", "ens3"]);
 
-                // Dry run: the plan, no change.
-                let r = m.apply(oci_request("{}", true)).await.unwrap();
-                assert_eq!(r.outcome, pb::ApplyOutcome::Planned as i32);
-                assert_eq!(r.netlink_writes, 0);
-                assert!(!r.plan.is_empty());
-                assert!(!ip(&name, &["addr", "show", "dev", "ens5"]).contains("10.0.20.33"));
+            // Without --imds-endpoint: refused, naming the flag, nothing changed.
+            let bare = agent_with(None);
+            let m0 = bare.network();
+            let e = status_of(m0.apply(oci_request("{}", false)).await.unwrap_err());
+            assert_eq!(e.code(), Code::FailedPrecondition, "{}", e.message());
+            assert!(e.message().contains("--imds-endpoint"), "{}", e.message());
+            // oci_vnics present but not enabled: the metadata service is not needed.
+            let mut off = oci_request("{}", true);
+            off.oci_vnics = Some(pb::OciVnics::default());
+            let r = m0.apply(off).await.unwrap();
+            assert_eq!(r.outcome, pb::ApplyOutcome::Planned as i32);
+            assert!(r.plan.is_empty(), "{:?}", r.plan);
 
-                // Apply from the metadata alone (desired state `{}`).
-                let r = m.apply(oci_request("{}", false)).await.unwrap();
-                assert_eq!(r.outcome, pb::ApplyOutcome::Applied as i32, "{}", r.message);
-                assert!(r.netlink_writes > 0);
-                let addr = ip(&name, &["addr", "show", "dev", "ens5"]);
-                assert!(addr.contains("inet 10.0.20.33/24"), "{addr}");
-                assert!(addr.contains("mtu 9000"), "{addr}");
-                assert_eq!(
-                    ip(&name, &["route", "show", "table", "101"]).trim(),
-                    "default via 10.0.20.1 dev ens5 proto 176"
-                );
-                let rules = ip(&name, &["rule", "show"]);
-                assert!(
-                    rules.contains("20100:\tfrom all to 169.254.0.0/16 lookup main proto 176"),
-                    "{rules}"
-                );
-                assert!(
-                    rules.contains("20101:\tfrom 10.0.20.33 lookup 101 proto 176"),
-                    "{rules}"
-                );
-                // The primary VNIC was not touched.
-                assert_eq!(ip(&name, &["addr", "show", "dev", "ens3"]), primary_before);
-                assert!(!primary_before.contains("inet "));
+            // A metadata service that does not answer: UNAVAILABLE naming the endpoint.
+            // (Port 1 on this namespace's loopback: connection refused, bounded retries.)
+            let dead = agent_with(Some("http://127.0.0.1:1"));
+            let md = dead.network();
+            let e = status_of(md.apply(oci_request("{}", false)).await.unwrap_err());
+            assert_eq!(e.code(), Code::Unavailable, "{}", e.message());
+            assert!(e.message().contains("http://127.0.0.1:1"), "{}", e.message());
 
-                // Again, with the same object also given explicitly: kept once, nothing to do.
-                let r = m.apply(oci_request(DESIRED, false)).await.unwrap();
-                assert_eq!(
-                    (r.outcome, r.netlink_writes, r.plan.len()),
-                    (pb::ApplyOutcome::Applied as i32, 0, 0),
-                    "{:?}",
-                    r.plan
-                );
+            let endpoint = imds_server().await;
+            let agent = agent_with(Some(&endpoint));
+            let m = agent.network();
+
+            // What the layout leaves out (the third VNIC has no interface yet).
+            let no_sysfs = tempfile::tempdir().unwrap();
+            let layout = m
+                .oci_vnic_layout(
+                    &endpoint,
+                    no_sysfs.path(),
+                    &nodekeeper_oci::LayoutOptions::default(),
+                )
+                .await
+                .unwrap();
+            assert_eq!(layout.waiting.len(), 1);
+            assert!(
+                layout.waiting[0]
+                    .contains("waiting for an interface with MAC 02:00:17:0a:33:03")
+            );
+
+            // A given object that claims the VNIC's interface differently: refused, naming it.
+            let clash = r#"{"links": [{"name": "mine", "kind": "existing", "mac": "02:00:17:0a:22:02", "mtu": 1500}]}"#;
+            let e = status_of(m.apply(oci_request(clash, false)).await.unwrap_err());
+            assert_eq!(e.code(), Code::InvalidArgument, "{}", e.message());
+            assert!(e.message().contains("links[0] (mine)"), "{}", e.message());
+            // Bad layout knobs are the caller's.
+            let mut bad = oci_request("{}", true);
+            bad.oci_vnics = Some(pb::OciVnics {
+                enabled: true,
+                table_base: 253,
+                ..Default::default()
             });
-        })
-        .join()
-        .unwrap();
+            let e = status_of(m.apply(bad).await.unwrap_err());
+            assert_eq!(e.code(), Code::InvalidArgument, "{}", e.message());
+            assert!(e.message().starts_with("oci_vnics: "), "{}", e.message());
+
+            // Dry run: the plan, no change.
+            let r = m.apply(oci_request("{}", true)).await.unwrap();
+            assert_eq!(r.outcome, pb::ApplyOutcome::Planned as i32);
+            assert_eq!(r.netlink_writes, 0);
+            assert!(!r.plan.is_empty());
+            assert!(!ip(&name, &["addr", "show", "dev", "ens5"]).contains("10.0.20.33"));
+
+            // Apply from the metadata alone (desired state `{}`).
+            let r = m.apply(oci_request("{}", false)).await.unwrap();
+            assert_eq!(r.outcome, pb::ApplyOutcome::Applied as i32, "{}", r.message);
+            assert!(r.netlink_writes > 0);
+            let addr = ip(&name, &["addr", "show", "dev", "ens5"]);
+            assert!(addr.contains("inet 10.0.20.33/24"), "{addr}");
+            assert!(addr.contains("mtu 9000"), "{addr}");
+            assert_eq!(
+                ip(&name, &["route", "show", "table", "101"]).trim(),
+                "default via 10.0.20.1 dev ens5 proto 176"
+            );
+            let rules = ip(&name, &["rule", "show"]);
+            assert!(
+                rules.contains("20100:\tfrom all to 169.254.0.0/16 lookup main proto 176"),
+                "{rules}"
+            );
+            assert!(
+                rules.contains("20101:\tfrom 10.0.20.33 lookup 101 proto 176"),
+                "{rules}"
+            );
+            // The primary VNIC was not touched.
+            assert_eq!(ip(&name, &["addr", "show", "dev", "ens3"]), primary_before);
+            assert!(!primary_before.contains("inet "));
+
+            // Again, with the same object also given explicitly: kept once, nothing to do.
+            let r = m.apply(oci_request(DESIRED, false)).await.unwrap();
+            assert_eq!(
+                (r.outcome, r.netlink_writes, r.plan.len()),
+                (pb::ApplyOutcome::Applied as i32, 0, 0),
+                "{:?}",
+                r.plan
+            );
+        });
     }
 
     /// Regression (issue 20, defect 5): a dual-stack VNIC is applied from the metadata alone; a
     /// VNIC reusing the primary's address and a malformed answer are FAILED_PRECONDITION and
     /// show in the report's `last_error`; the primary is never touched.
     #[test]
-    #[allow(clippy::print_stdout)] // SKIPPED goes to stdout (README, "Try it": root-only tests report it)
     fn dual_stack_layout_applies_and_metadata_errors_reach_last_error() {
-        if !nix::unistd::geteuid().is_root() {
-            println!("SKIPPED: needs root to create network namespaces");
-            return;
-        }
-        let ns = Ns::create("nk-test-agent-oci6");
+        skip_unless_root!("needs root to create network namespaces");
+        let ns = netns("nk-test-agent-oci6");
         for (dev, mac) in [("ens3", "02:00:17:0a:11:01"), ("ens5", "02:00:17:0a:22:02")] {
             let peer = format!("{dev}p");
             ip(
-                &ns.0,
+                &ns,
                 &[
                     "link", "add", dev, "address", mac, "type", "veth", "peer", "name", &peer,
                 ],
             );
         }
-        ip(&ns.0, &["link", "set", "ens5p", "up", "mtu", "9000"]);
-        ip(&ns.0, &["link", "set", "lo", "up"]);
+        ip(&ns, &["link", "set", "ens5p", "up", "mtu", "9000"]);
+        ip(&ns, &["link", "set", "lo", "up"]);
         // The virtual routers answer the post-apply check from the veth peer.
-        ip(&ns.0, &["addr", "add", "10.0.20.1/24", "dev", "ens5p"]);
+        ip(&ns, &["addr", "add", "10.0.20.1/24", "dev", "ens5p"]);
         ip(
-            &ns.0,
+            &ns,
             &["addr", "add", "fd00:10:20::1/64", "dev", "ens5p", "nodad"],
         );
         let state = tempfile::tempdir().unwrap();
-        let name = ns.0.clone();
+        let name = Arc::clone(&ns);
         let state_dir = state.path().to_string_lossy().into_owned();
-        std::thread::spawn(move || {
-            let f = std::fs::File::open(format!("/run/netns/{name}")).unwrap();
-            nix::sched::setns(f, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            rt.block_on(async move {
-                let agent_with = |imds: &str| {
-                    Agent::new(&Config::parse_from([
-                        "nodekeeper-agent".to_string(),
-                        "--node-name=n1".into(),
-                        "--tls-cert=/nonexistent".into(),
-                        "--tls-key=/nonexistent".into(),
-                        "--client-ca=/nonexistent".into(),
-                        format!("--state-dir={state_dir}"),
-                        format!("--imds-endpoint={imds}"),
-                    ]))
-                };
-                let oci = |dry_run: bool| pb::ApplyNetworkRequest {
-                    oci_vnics: Some(pb::OciVnics {
-                        enabled: true,
-                        ..Default::default()
-                    }),
-                    ..request("{}", dry_run)
-                };
-                let primary_before = ip(&name, &["addr", "show", "dev", "ens3"]);
+        ns.run(move || async move {
+            let agent_with = |imds: &str| agent_in(&state_dir, Some(imds));
+            let oci = |dry_run: bool| pb::ApplyNetworkRequest {
+                oci_vnics: Some(pb::OciVnics {
+                    enabled: true,
+                    ..Default::default()
+                }),
+                ..request("{}", dry_run)
+            };
+            let primary_before = ip(&name, &["addr", "show", "dev", "ens3"]);
 
-                for (file, says) in [
-                    (
-                        "vnics-vm-reuses-primary-ip.json",
-                        "vnics[1].privateIp: 10.0.10.17 is also an address of vnics[0]",
-                    ),
-                    (
-                        "vnics-vm-reuses-primary-ipv6.json",
-                        "vnics[1].ipv6Addresses[0]: fd00:10:10::17 is also an address of vnics[0]",
-                    ),
-                    ("vnics-vm-null-subnet.json", "vnics[1].subnetCidrBlock"),
-                ] {
-                    let agent = agent_with(&imds_server_with(file).await);
-                    let m = agent.network();
-                    // A dry run reports the error but leaves the status alone.
-                    let e = status_of(m.apply(oci(true)).await.unwrap_err());
-                    assert_eq!(
-                        e.code(),
-                        Code::FailedPrecondition,
-                        "{file}: {}",
-                        e.message()
-                    );
-                    assert!(m.status().last_error.is_empty(), "{file}");
-                    let e = status_of(m.apply(oci(false)).await.unwrap_err());
-                    assert_eq!(
-                        e.code(),
-                        Code::FailedPrecondition,
-                        "{file}: {}",
-                        e.message()
-                    );
-                    assert!(e.message().contains(says), "{file}: {}", e.message());
-                    let last = m.status().last_error;
-                    assert!(last.contains(says), "{file}: {last}");
-                    assert!(
-                        last.starts_with("instance metadata: --imds-endpoint http://127.0.0.1:"),
-                        "{last}"
-                    );
-                    assert_eq!(ip(&name, &["addr", "show", "dev", "ens3"]), primary_before);
-                    assert!(!ip(&name, &["addr", "show", "dev", "ens5"]).contains("inet"));
-                }
-
-                // The dual-stack layout is planned from the metadata alone, both families in
-                // the VNIC's one table. (A real apply is not asserted here: netconf's
-                // `add-route ::/0 via fd00:10:20::1 dev ens5 table 101` fails with EINVAL in
-                // a netns while the same `ip -6 route add` succeeds; reported as open.)
-                let agent = agent_with(&imds_server_with("vnics-vm-dual-stack.json").await);
+            for (file, says) in [
+                (
+                    "vnics-vm-reuses-primary-ip.json",
+                    "vnics[1].privateIp: 10.0.10.17 is also an address of vnics[0]",
+                ),
+                (
+                    "vnics-vm-reuses-primary-ipv6.json",
+                    "vnics[1].ipv6Addresses[0]: fd00:10:10::17 is also an address of vnics[0]",
+                ),
+                ("vnics-vm-null-subnet.json", "vnics[1].subnetCidrBlock"),
+            ] {
+                let agent = agent_with(&imds_server_with(file).await);
                 let m = agent.network();
-                let r = m.apply(oci(true)).await.unwrap();
-                assert_eq!(r.outcome, pb::ApplyOutcome::Planned as i32, "{}", r.message);
-                let plan: Vec<&str> = r.plan.iter().map(|s| s.object.as_str()).collect();
-                for want in [
-                    "10.0.20.33/24",
-                    "fd00:10:20::33/64",
-                    "via fd00:10:20::1",
-                    "from fd00:10:20::33",
-                ] {
-                    assert!(plan.iter().any(|p| p.contains(want)), "{want}: {plan:?}");
-                }
-                assert!(m.status().last_error.is_empty(), "{:?}", m.status());
+                // A dry run reports the error but leaves the status alone.
+                let e = status_of(m.apply(oci(true)).await.unwrap_err());
+                assert_eq!(
+                    e.code(),
+                    Code::FailedPrecondition,
+                    "{file}: {}",
+                    e.message()
+                );
+                assert!(m.status().last_error.is_empty(), "{file}");
+                let e = status_of(m.apply(oci(false)).await.unwrap_err());
+                assert_eq!(
+                    e.code(),
+                    Code::FailedPrecondition,
+                    "{file}: {}",
+                    e.message()
+                );
+                assert!(e.message().contains(says), "{file}: {}", e.message());
+                let last = m.status().last_error;
+                assert!(last.contains(says), "{file}: {last}");
+                assert!(
+                    last.starts_with("instance metadata: --imds-endpoint http://127.0.0.1:"),
+                    "{last}"
+                );
                 assert_eq!(ip(&name, &["addr", "show", "dev", "ens3"]), primary_before);
-            });
-        })
-        .join()
-        .unwrap();
+                assert!(!ip(&name, &["addr", "show", "dev", "ens5"]).contains("inet"));
+            }
+
+            // The dual-stack layout is planned from the metadata alone, both families in
+            // the VNIC's one table. (A real apply is not asserted here: netconf's
+            // `add-route ::/0 via fd00:10:20::1 dev ens5 table 101` fails with EINVAL in
+            // a netns while the same `ip -6 route add` succeeds; reported as open.)
+            let agent = agent_with(&imds_server_with("vnics-vm-dual-stack.json").await);
+            let m = agent.network();
+            let r = m.apply(oci(true)).await.unwrap();
+            assert_eq!(r.outcome, pb::ApplyOutcome::Planned as i32, "{}", r.message);
+            let plan: Vec<&str> = r.plan.iter().map(|s| s.object.as_str()).collect();
+            for want in [
+                "10.0.20.33/24",
+                "fd00:10:20::33/64",
+                "via fd00:10:20::1",
+                "from fd00:10:20::33",
+            ] {
+                assert!(plan.iter().any(|p| p.contains(want)), "{want}: {plan:?}");
+            }
+            assert!(m.status().last_error.is_empty(), "{:?}", m.status());
+            assert_eq!(ip(&name, &["addr", "show", "dev", "ens3"]), primary_before);
+        });
     }
 }

@@ -3,12 +3,13 @@
 //! gRPC, has its TLS files replaced (it reloads them), and must then still repair a route someone
 //! deleted and still report the applied state. Root only (network namespaces).
 
-use std::process::Command;
+use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser as _;
 use nodekeeper_agent::Config;
 use nodekeeper_proto::agent::v1 as pb;
+use nodekeeper_testkit::{Netns, skip_unless_root};
 use pb::get_report_response::Result as Answer;
 use pb::node_agent_client::NodeAgentClient;
 use rcgen::{
@@ -20,50 +21,6 @@ use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
 const SERVER_NAME: &str = "agent.nodekeeper.internal";
 /// Inside the test's own namespace any port is free.
 const LISTEN: &str = "127.0.0.1:9443";
-
-/// A network namespace this test created; deleted when dropped.
-struct Netns(String);
-
-impl Netns {
-    fn create(prefix: &str) -> Netns {
-        let ns = Netns(format!("{prefix}-{}", std::process::id()));
-        let _ = Command::new("ip").args(["netns", "del", &ns.0]).status();
-        assert!(
-            Command::new("ip")
-                .args(["netns", "add", &ns.0])
-                .status()
-                .unwrap()
-                .success()
-        );
-        ns.ip(&["link", "set", "lo", "up"]);
-        ns
-    }
-
-    fn ip(&self, args: &[&str]) -> String {
-        ip(&self.0, args)
-    }
-}
-
-/// `ip -n <ns> ARGS`, asserting success; its standard output.
-fn ip(ns: &str, args: &[&str]) -> String {
-    let out = Command::new("ip")
-        .args(["-n", ns])
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "ip {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
-    }
-}
 
 /// A CA, and the agent's server pair and the controller's client pair it signs.
 struct Pki {
@@ -164,18 +121,13 @@ const DESIRED: &str = r#"{
 }"#;
 
 #[test]
-#[allow(clippy::print_stdout)] // SKIPPED goes to stdout (README, "Try it": root-only tests report it)
 fn certificate_rotation_keeps_the_applied_network_and_its_drift_repair() {
-    if !nix::unistd::geteuid().is_root() {
-        println!("SKIPPED: needs root to create network namespaces");
-        return;
-    }
-    let ns = Netns::create("nk-test-rotation");
-    ns.ip(&[
-        "link", "add", "nic0", "type", "veth", "peer", "name", "nic0p",
-    ]);
-    ns.ip(&["link", "set", "nic0p", "up"]);
-    ns.ip(&["addr", "add", "10.0.20.1/24", "dev", "nic0p"]);
+    skip_unless_root!("needs root to create network namespaces");
+    // Shared with the code inside, which changes the namespace's routes with `ip`.
+    let ns =
+        Arc::new(Netns::with_loopback("nk-test-rotation").expect("create a network namespace"));
+    ns.add_veth("nic0", &[], "nic0p", None).unwrap();
+    ns.address_up("nic0p", "10.0.20.1/24").unwrap();
 
     let dir = tempfile::tempdir().unwrap();
     let (first, second) = (pki("first CA"), pki("second CA"));
@@ -196,91 +148,79 @@ fn certificate_rotation_keeps_the_applied_network_and_its_drift_repair() {
     ])
     .unwrap();
 
-    let path = format!("/run/netns/{}", ns.0);
-    let ns_name = ns.0.clone();
+    let inside = Arc::clone(&ns);
     let dir_path = dir.path().to_path_buf();
-    std::thread::spawn(move || {
-        // setns affects only this thread: the agent, its netlink sockets and the client all live
-        // in the test's namespace.
-        let f = std::fs::File::open(&path).unwrap();
-        nix::sched::setns(f, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        rt.block_on(async move {
-            let ip = |args: &[&str]| ip(&ns_name, args);
-            let shutdown = CancellationToken::new();
-            let agent = tokio::spawn(nodekeeper_agent::run(config, shutdown.clone()));
+    // The agent, its netlink sockets and the client all live in the test's namespace.
+    ns.run(move || async move {
+        let ip = |args: &[&str]| inside.ip(args).unwrap();
+        let shutdown = CancellationToken::new();
+        let agent = tokio::spawn(nodekeeper_agent::run(config, shutdown.clone()));
 
-            let mut c = wait_for_client(&first, 10).await;
-            let r = c
-                .apply_network(pb::ApplyNetworkRequest {
-                    desired_state_json: DESIRED.into(),
-                    generation: "uid-1/1".into(),
-                    ..Default::default()
-                })
-                .await
-                .unwrap()
-                .into_inner();
-            assert_eq!(r.outcome, pb::ApplyOutcome::Applied as i32, "{}", r.message);
-            let route = ip(&["route", "show", "table", "101"]);
-            assert_eq!(route.trim(), "default via 10.0.20.1 dev nkm0 proto 176");
-            let (status, _) = network_status(&mut c).await;
-            assert_eq!(status.applied_generation, "uid-1/1");
+        let mut c = wait_for_client(&first, 10).await;
+        let r = c
+            .apply_network(pb::ApplyNetworkRequest {
+                desired_state_json: DESIRED.into(),
+                generation: "uid-1/1".into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(r.outcome, pb::ApplyOutcome::Applied as i32, "{}", r.message);
+        let route = ip(&["route", "show", "table", "101"]);
+        assert_eq!(route.trim(), "default via 10.0.20.1 dev nkm0 proto 176");
+        let (status, _) = network_status(&mut c).await;
+        assert_eq!(status.applied_generation, "uid-1/1");
 
-            // Rotate: a new CA and new pairs, written under the running agent.
-            install(&dir_path, &second);
-            let mut c = wait_for_client(&second, 10).await;
-            assert!(
-                client(&first).await.is_err(),
-                "the old CA must no longer be trusted"
-            );
+        // Rotate: a new CA and new pairs, written under the running agent.
+        install(&dir_path, &second);
+        let mut c = wait_for_client(&second, 10).await;
+        assert!(
+            client(&first).await.is_err(),
+            "the old CA must no longer be trusted"
+        );
 
-            // Someone deletes the route; the drift loop must still run and put it back.
-            ip(&["route", "del", "default", "table", "101"]);
-            let mut repaired = false;
-            for _ in 0..100 {
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                if ip(&["route", "show", "table", "101"]).trim()
-                    == "default via 10.0.20.1 dev nkm0 proto 176"
-                {
-                    repaired = true;
-                    break;
-                }
+        // Someone deletes the route; the drift loop must still run and put it back.
+        ip(&["route", "del", "default", "table", "101"]);
+        let mut repaired = false;
+        for _ in 0..100 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            if ip(&["route", "show", "table", "101"]).trim()
+                == "default via 10.0.20.1 dev nkm0 proto 176"
+            {
+                repaired = true;
+                break;
             }
-            assert!(
-                repaired,
-                "the deleted route was not repaired within 10 s after the certificate rotation"
-            );
-            let (status, report) = network_status(&mut c).await;
-            assert_eq!(
-                status.applied_generation, "uid-1/1",
-                "the rotation forgot the applied state: {status:?}"
-            );
-            assert!(status.drifted, "{status:?}");
-            assert!(status.reconverged_at_unix_ms > 0, "{status:?}");
-            assert!(status.last_error.is_empty(), "{status:?}");
-            // The links nodekeeper created or configures are reported as managed, no others.
-            let managed: Vec<(&str, bool)> = report
-                .interfaces
-                .iter()
-                .map(|i| (i.name.as_str(), i.managed))
-                .collect();
-            assert!(managed.contains(&("nkm0", true)), "{managed:?}");
-            assert!(managed.contains(&("nic0", true)), "{managed:?}");
-            assert!(managed.contains(&("nic0p", false)), "{managed:?}");
-            assert!(managed.contains(&("lo", false)), "{managed:?}");
+        }
+        assert!(
+            repaired,
+            "the deleted route was not repaired within 10 s after the certificate rotation"
+        );
+        let (status, report) = network_status(&mut c).await;
+        assert_eq!(
+            status.applied_generation, "uid-1/1",
+            "the rotation forgot the applied state: {status:?}"
+        );
+        assert!(status.drifted, "{status:?}");
+        assert!(status.reconverged_at_unix_ms > 0, "{status:?}");
+        assert!(status.last_error.is_empty(), "{status:?}");
+        // The links nodekeeper created or configures are reported as managed, no others.
+        let managed: Vec<(&str, bool)> = report
+            .interfaces
+            .iter()
+            .map(|i| (i.name.as_str(), i.managed))
+            .collect();
+        assert!(managed.contains(&("nkm0", true)), "{managed:?}");
+        assert!(managed.contains(&("nic0", true)), "{managed:?}");
+        assert!(managed.contains(&("nic0p", false)), "{managed:?}");
+        assert!(managed.contains(&("lo", false)), "{managed:?}");
 
-            shutdown.cancel();
-            tokio::time::timeout(Duration::from_secs(30), agent)
-                .await
-                .expect("the agent stops on shutdown")
-                .unwrap()
-                .unwrap();
-        });
-    })
-    .join()
-    .unwrap();
+        shutdown.cancel();
+        tokio::time::timeout(Duration::from_secs(30), agent)
+            .await
+            .expect("the agent stops on shutdown")
+            .unwrap()
+            .unwrap();
+    });
     drop(ns);
 }

@@ -22,7 +22,7 @@ impl Netns {
         self.0.set_sysctl(key, value).unwrap();
     }
 
-    /// Runs `f` on a thread that has joined this namespace (setns affects only that thread,
+    /// Runs `f` on a thread that has joined this namespace (entering changes only that thread,
     /// and /proc/sys/net shows the namespace of the reading thread).
     fn run<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> T {
         self.0.run_blocking(f)
@@ -82,9 +82,7 @@ fn evaluate_in(ns: &Netns, state: std::path::PathBuf, install: bool) -> Vec<Tuna
 
 #[test]
 fn repairs_in_a_namespace_and_backs_off_on_conflict() {
-    nodekeeper_testkit::skip_unless_root!(
-        "needs root to create a network namespace (ip netns add)"
-    );
+    nodekeeper_testkit::skip_unless_root!("needs root to create a network namespace");
     let ns = Netns::create("nk-agent-tun");
     let host_before = (host("net.ipv4.ip_forward"), host("net.core.somaxconn"));
     assert_eq!(
