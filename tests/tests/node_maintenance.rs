@@ -545,10 +545,18 @@ async fn drain_in_order_behind_pdbs_and_restore_on_complete() -> anyhow::Result<
             .then_some(pods))
     })
     .await?;
-    ensure!(
-        pods_now.get("db-0") == Some(&spare[0]),
-        "the StatefulSet pod moved to the spare node: {pods_now:?}"
-    );
+    // The StatefulSet controller recreates db-0 after its eviction on its own schedule, so wait
+    // for it rather than expecting it the moment node 0 is empty.
+    wait_for(
+        "the StatefulSet pod db-0 running on the spare node",
+        TIMEOUT,
+        || async {
+            let pods = running_pods(&client, &ns).await?;
+            Ok((pods.get("db-0") == Some(&spare[0])).then_some(pods))
+        },
+    )
+    .await
+    .with_context(|| format!("the StatefulSet pod moved to the spare node: {pods_now:?}"))?;
     {
         let seen = deletions.seen.lock().unwrap();
         let when = |app: &str| {

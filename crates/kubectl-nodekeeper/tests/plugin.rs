@@ -636,18 +636,20 @@ async fn with_a_controller_each_verb_works_and_bad_input_gets_one_line() -> anyh
             && line.contains("kind dns takes hostname targets"),
         "{run:?}"
     );
-    // Refused by the controller: an apiServer target when it was not given the address.
+    // Refused by the controller: the metadata service by address. The schema admits any IP; the
+    // controller's address policy refuses it in its plan, so no probe is ever sent (and the agent
+    // would refuse it again).
     let run = plugin(
         kubeconfig,
         &ns,
-        &[&nc[..], &["--kind", "tcp", "apiserver"]].concat(),
+        &[&nc[..], &["--kind", "icmp", "169.254.169.254"]].concat(),
     )
     .await?;
     assert_eq!(run.code, 2, "{run:?}");
     let line = run.error_line();
     assert!(
         line.contains("the controller refused networktest")
-            && line.contains("spec.targets[0].apiServer"),
+            && line.contains("spec.targets[0].address"),
         "{run:?}"
     );
     assert!(
