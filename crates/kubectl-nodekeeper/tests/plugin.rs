@@ -322,24 +322,32 @@ async fn service_account_kubeconfig(
     dir: &Path,
 ) -> anyhow::Result<PathBuf> {
     let sas: Api<ServiceAccount> = Api::namespaced(client.clone(), namespace);
-    sas.create(
-        &PostParams::default(),
-        &serde_json::from_value(json!({"metadata": {"name": name}}))?,
-    )
-    .await?;
     let request: k8s_openapi::api::authentication::v1::TokenRequest =
         serde_json::from_value(json!({"spec": {"audiences": [], "expirationSeconds": 3600}}))?;
-    // A freshly started API server answers 429 "storage is (re)initializing" for a moment.
+    // The shared API server answers 429 "storage is (re)initializing" for a moment after it
+    // starts, and again while other tests install CRDs: that is a wait, not a failure.
+    let busy = |e: &kube::Error| matches!(e, kube::Error::Api(s) if s.code == 429);
     let token = wait_for(
         &format!("a token for ServiceAccount {name}"),
         TIMEOUT,
         || {
             let (sas, request) = (sas.clone(), request.clone());
             async move {
-                let answer = sas
+                let account = serde_json::from_value(json!({"metadata": {"name": name}}))?;
+                match sas.create(&PostParams::default(), &account).await {
+                    Ok(_) => {}
+                    Err(kube::Error::Api(s)) if s.code == 409 => {}
+                    Err(e) if busy(&e) => return Ok(None),
+                    Err(e) => return Err(e.into()),
+                }
+                match sas
                     .create_token_request(name, &PostParams::default(), &request)
-                    .await?;
-                Ok(answer.status.and_then(|s| s.token))
+                    .await
+                {
+                    Ok(answer) => Ok(answer.status.and_then(|s| s.token)),
+                    Err(e) if busy(&e) => Ok(None),
+                    Err(e) => Err(e.into()),
+                }
             }
         },
     )
