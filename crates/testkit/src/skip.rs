@@ -1,4 +1,4 @@
-//! The skipped-test contract (TESTING.md): a test that cannot run here prints
+//! The skipped-test contract (the project's testing rules, README "Try it"): a test that cannot run here prints
 //! `SKIPPED: <test>: <reason>` on stdout and returns, so CI (which runs as root) can tell a skip
 //! from a pass.
 
