@@ -325,3 +325,26 @@ mod tests {
         );
     }
 }
+
+/// Server-side applies a nodekeeper object of `K` named `name` with `spec`, as field manager
+/// [`FIELD_MANAGER`] (what a user's `kubectl apply --server-side` does).
+pub async fn apply_spec<K>(api: &Api<K>, name: &str, spec: serde_json::Value) -> anyhow::Result<()>
+where
+    K: kube::Resource<DynamicType = ()> + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    let kind = K::kind(&());
+    let body = json!({
+        "apiVersion": K::api_version(&()),
+        "kind": kind,
+        "metadata": { "name": name },
+        "spec": spec,
+    });
+    api.patch(
+        name,
+        &PatchParams::apply(FIELD_MANAGER),
+        &Patch::Apply(&body),
+    )
+    .await
+    .with_context(|| format!("apply {} {name}", kind.to_lowercase()))?;
+    Ok(())
+}

@@ -19,7 +19,6 @@ use std::time::Duration;
 use anyhow::Context as _;
 use controller_common::*;
 use kube::Api;
-use kube::api::{Patch, PatchParams};
 use nodekeeper_api::crd::NetworkTest;
 use nodekeeper_api::crd::network_test::Phase;
 use nodekeeper_e2e::{
@@ -40,20 +39,7 @@ async fn apply_test(
     name: &str,
     spec: serde_json::Value,
 ) -> anyhow::Result<()> {
-    let body = json!({
-        "apiVersion": "nodekeeper.dev/v1alpha1",
-        "kind": "NetworkTest",
-        "metadata": { "name": name },
-        "spec": spec,
-    });
-    api.patch(
-        name,
-        &PatchParams::apply("nodekeeper-e2e"),
-        &Patch::Apply(&body),
-    )
-    .await
-    .with_context(|| format!("apply networktest {name}"))?;
-    Ok(())
+    nodekeeper_e2e::apply_spec(api, name, spec).await
 }
 
 async fn finished(api: &Api<NetworkTest>, name: &str) -> anyhow::Result<NetworkTest> {

@@ -22,7 +22,7 @@ use std::time::Duration;
 use anyhow::{Context as _, bail};
 use controller_common::*;
 use kube::Api;
-use kube::api::{DeleteParams, Patch, PatchParams};
+use kube::api::DeleteParams;
 use nodekeeper_api::crd::NodeDiagnostic;
 use nodekeeper_api::crd::node_diagnostic::Phase;
 use nodekeeper_e2e::{
@@ -48,20 +48,7 @@ async fn apply(
     name: &str,
     spec: serde_json::Value,
 ) -> anyhow::Result<()> {
-    let body = json!({
-        "apiVersion": "nodekeeper.dev/v1alpha1",
-        "kind": "NodeDiagnostic",
-        "metadata": { "name": name },
-        "spec": spec,
-    });
-    api.patch(
-        name,
-        &PatchParams::apply("nodekeeper-e2e"),
-        &Patch::Apply(&body),
-    )
-    .await
-    .with_context(|| format!("apply nodediagnostic {name}"))?;
-    Ok(())
+    nodekeeper_e2e::apply_spec(api, name, spec).await
 }
 
 async fn finished(api: &Api<NodeDiagnostic>, name: &str) -> anyhow::Result<NodeDiagnostic> {
