@@ -241,11 +241,11 @@ fn duration_word(d: Duration) -> Result<String, Error> {
             "--timeout must be longer than zero, e.g. 30m".into(),
         ));
     }
-    Ok(if ms % 3_600_000 == 0 {
+    Ok(if ms.is_multiple_of(3_600_000) {
         format!("{}h", ms / 3_600_000)
-    } else if ms % 60_000 == 0 {
+    } else if ms.is_multiple_of(60_000) {
         format!("{}m", ms / 60_000)
-    } else if ms % 1_000 == 0 {
+    } else if ms.is_multiple_of(1_000) {
         format!("{}s", ms / 1_000)
     } else {
         format!("{ms}ms")
@@ -575,6 +575,12 @@ async fn follow(
                 } else {
                     format!("nodemaintenance {name} is left as it is")
                 };
+                // The controller names the spec field; say which flag sets it.
+                let message = if message.contains("allowBroadSelection") {
+                    format!("{message} (flag --allow-broad-selection)")
+                } else {
+                    message
+                };
                 return Err(Error::ControllerRefused {
                     what: format!("nodemaintenance {name}"),
                     message,
@@ -599,7 +605,10 @@ async fn follow(
                 ready_message(&nm).unwrap_or("waiting for the controller"),
                 started.elapsed().as_secs()
             ),
-            &progress_lines(nm.status.as_ref()),
+            // A status written for an earlier spec (before a stage change) is not shown.
+            &progress_lines(nm.status.as_ref().filter(|s| {
+                s.observed_generation.is_some() && s.observed_generation == nm.metadata.generation
+            })),
         );
         tokio::select! {
             reason = interrupts.recv() => {
