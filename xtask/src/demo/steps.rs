@@ -495,6 +495,7 @@ impl Plugin {
         if code != 0 {
             println!("    (exit status {code})");
         }
+        println!();
         if code == 2 || code < 0 {
             bail!(
                 "kubectl nodekeeper {} failed (exit status {code})",
