@@ -7,11 +7,13 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Api, ResourceExt as _};
 use nodekeeper_api::crd::common::{ConditionStatus, LabelSelector};
 use nodekeeper_api::crd::node_maintenance::{
-    BlockReason, NodeMaintenanceStatus, NodePhase, OnTimeout, Stage,
+    BlockReason, MAX_PODS_LISTED, NodeMaintenanceStatus, NodePhase, OnTimeout, Stage,
 };
 use nodekeeper_api::crd::{NodeMaintenance, NodeMaintenanceSpec};
 use nodekeeper_api::names;
@@ -554,12 +556,13 @@ async fn follow(
         match verdict(&nm) {
             Verdict::Done => {
                 live.clear();
-                render::print(&format(&nm, &Verdict::Done, out))?;
+                render::print(&format(&nm, &Verdict::Done, &[], out))?;
                 return Ok(Outcome::Ok);
             }
             Verdict::Failed => {
                 live.clear();
-                render::print(&format(&nm, &Verdict::Failed, out))?;
+                let left = pods_left(conn, &nm).await;
+                render::print(&format(&nm, &Verdict::Failed, &left, out))?;
                 return Ok(Outcome::Failed);
             }
             Verdict::Refused(message) => {
@@ -705,6 +708,100 @@ pub fn progress_lines(status: Option<&NodeMaintenanceStatus>) -> Vec<String> {
     lines
 }
 
+/// A pod still on a failed node, read from the API server: the controller's status lists
+/// blocking pods only while a drain is in progress, and names a failed node's leftovers in its
+/// message alone.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LeftPod {
+    pub node: String,
+    pub namespace: String,
+    pub name: String,
+    /// `PodDisruptionBudget` when a budget that allows no disruption selects it, else `NotEvicted`.
+    pub reason: String,
+    pub pdb: Option<String>,
+    pub message: String,
+}
+
+/// The pods that must still leave the failed nodes of `nm` (not DaemonSet or mirror pods, not
+/// finished), at most [`MAX_PODS_LISTED`] per node, each with the PodDisruptionBudget that holds
+/// it. Best effort: without the right to list pods or budgets the result is shorter, and the
+/// node's message in the status still names its pods.
+async fn pods_left(conn: &Connection, nm: &NodeMaintenance) -> Vec<LeftPod> {
+    let Some(status) = &nm.status else {
+        return Vec::new();
+    };
+    let pods: Api<Pod> = Api::all(conn.client.clone());
+    let mut budgets: BTreeMap<String, Vec<PodDisruptionBudget>> = BTreeMap::new();
+    let mut left = Vec::new();
+    for node in status.nodes.iter().filter(|n| n.phase == NodePhase::Failed) {
+        let params = ListParams::default().fields(&format!("spec.nodeName={}", node.node));
+        let Ok(list) = pods.list(&params).await else {
+            continue;
+        };
+        for pod in list
+            .items
+            .iter()
+            .filter(|p| must_leave(p))
+            .take(MAX_PODS_LISTED)
+        {
+            let namespace = pod.namespace().unwrap_or_default();
+            if !budgets.contains_key(&namespace) {
+                let api: Api<PodDisruptionBudget> =
+                    Api::namespaced(conn.client.clone(), &namespace);
+                let found = api.list(&ListParams::default()).await.map(|l| l.items);
+                budgets.insert(namespace.clone(), found.unwrap_or_default());
+            }
+            let holding = budgets[&namespace].iter().find(|b| holds(b, pod));
+            left.push(LeftPod {
+                node: node.node.clone(),
+                namespace,
+                name: pod.name_any(),
+                reason: if holding.is_some() {
+                    "PodDisruptionBudget".into()
+                } else {
+                    "NotEvicted".into()
+                },
+                pdb: holding.map(|b| b.name_any()),
+                message: "still on the node when its drain timed out".into(),
+            });
+        }
+    }
+    left
+}
+
+/// Whether a drain has to move `pod`: not a mirror pod, not DaemonSet-owned, not finished.
+fn must_leave(pod: &Pod) -> bool {
+    let mirror = pod
+        .annotations()
+        .contains_key("kubernetes.io/config.mirror");
+    let daemon = pod
+        .owner_references()
+        .iter()
+        .any(|o| o.kind == "DaemonSet" && o.controller == Some(true));
+    let finished = matches!(
+        pod.status.as_ref().and_then(|s| s.phase.as_deref()),
+        Some("Succeeded" | "Failed")
+    );
+    !mirror && !daemon && !finished && pod.metadata.deletion_timestamp.is_none()
+}
+
+/// Whether budget `b` selects `pod` and allows no disruption now.
+fn holds(b: &PodDisruptionBudget, pod: &Pod) -> bool {
+    let allowed = b
+        .status
+        .as_ref()
+        .and_then(|s| s.disruptions_allowed)
+        .unwrap_or(0);
+    // The budget's selector has the same shape as the CRDs' own.
+    let selector: Option<LabelSelector> = b
+        .spec
+        .as_ref()
+        .and_then(|s| s.selector.as_ref())
+        .and_then(|s| serde_json::to_value(s).ok())
+        .and_then(|v| serde_json::from_value(v).ok());
+    allowed == 0 && selector.is_some_and(|s| s.matches(pod.labels()))
+}
+
 fn trimmed(nm: &NodeMaintenance) -> NodeMaintenance {
     let mut nm = nm.clone();
     nm.metadata.managed_fields = None;
@@ -712,7 +809,7 @@ fn trimmed(nm: &NodeMaintenance) -> NodeMaintenance {
 }
 
 /// The maintenance as it ended (or stands), for `out`'s format.
-pub fn format(nm: &NodeMaintenance, verdict: &Verdict, out: &Output) -> String {
+pub fn format(nm: &NodeMaintenance, verdict: &Verdict, left: &[LeftPod], out: &Output) -> String {
     if let Some(text) = out.structured(&trimmed(nm)) {
         return text;
     }
@@ -808,6 +905,18 @@ pub fn format(nm: &NodeMaintenance, verdict: &Verdict, out: &Output) -> String {
                 p.message.as_str().into(),
             ]);
         }
+    }
+    for p in left {
+        t.row(vec![
+            p.node.as_str().into(),
+            format!("{}/{}", p.namespace, p.name).into(),
+            Cell {
+                text: p.reason.clone(),
+                color: Some(Color::Red),
+            },
+            p.pdb.as_deref().unwrap_or("-").into(),
+            p.message.as_str().into(),
+        ]);
     }
     let mut body = t.render_or_empty(out);
     if omitted > 0 {
@@ -972,11 +1081,53 @@ mod tests {
     }
 
     #[test]
+    fn budgets_that_allow_no_disruption_hold_the_pods_they_select() {
+        let pod: Pod = serde_json::from_value(json!({
+            "metadata": {"name": "web-1", "labels": {"app": "web"}},
+        }))
+        .unwrap();
+        let budget = |allowed: i32, app: &str| -> PodDisruptionBudget {
+            serde_json::from_value(json!({
+                "metadata": {"name": "web"},
+                "spec": {"selector": {"matchLabels": {"app": app}}},
+                "status": {"disruptionsAllowed": allowed, "currentHealthy": 1, "desiredHealthy": 1, "expectedPods": 1},
+            }))
+            .unwrap()
+        };
+        assert!(holds(&budget(0, "web"), &pod));
+        assert!(!holds(&budget(1, "web"), &pod));
+        assert!(!holds(&budget(0, "db"), &pod));
+        let mut daemon = pod.clone();
+        daemon.metadata.owner_references = Some(vec![serde_json::from_value(json!({
+            "apiVersion": "apps/v1", "kind": "DaemonSet", "name": "d", "uid": "u", "controller": true
+        })).unwrap()]);
+        assert!(must_leave(&pod) && !must_leave(&daemon));
+    }
+
+    #[test]
     fn piped_output_matches_the_golden_file() {
         let nm = sample(true);
-        let text = format(&nm, &verdict(&nm), &Output::plain(OutputFormat::Table));
+        let left = [LeftPod {
+            node: "worker-2".into(),
+            namespace: "shop".into(),
+            name: "cart-0".into(),
+            reason: "PodDisruptionBudget".into(),
+            pdb: Some("cart".into()),
+            message: "still on the node when its drain timed out".into(),
+        }];
+        let text = format(
+            &nm,
+            &verdict(&nm),
+            &left,
+            &Output::plain(OutputFormat::Table),
+        );
         crate::golden::check("maintain", &text);
-        let json = format(&nm, &Verdict::Failed, &Output::plain(OutputFormat::Json));
+        let json = format(
+            &nm,
+            &Verdict::Failed,
+            &[],
+            &Output::plain(OutputFormat::Json),
+        );
         let v: serde_json::Value = serde_json::from_str(&json).unwrap();
         assert_eq!(v["kind"], "NodeMaintenance");
         assert_eq!(v["status"]["nodes"][0]["blockingPods"][0]["pdb"], "web");

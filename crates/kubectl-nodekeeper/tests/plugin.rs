@@ -284,12 +284,13 @@ async fn maintain_verbs(
     }))?).await?;
     let pdbs: Api<k8s_openapi::api::policy::v1::PodDisruptionBudget> =
         Api::namespaced(client.clone(), ns);
+    let pdb = json!({
+        "metadata": {"name": "web"},
+        "spec": {"selector": {"matchLabels": {"app": "web"}}, "maxUnavailable": 0},
+    });
     pdbs.create(
         &PostParams::default(),
-        &serde_json::from_value(json!({
-            "metadata": {"name": "web"},
-            "spec": {"selector": {"matchLabels": {"app": "web"}}, "maxUnavailable": 0},
-        }))?,
+        &serde_json::from_value(pdb.clone())?,
     )
     .await?;
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
@@ -403,6 +404,60 @@ async fn maintain_verbs(
         "uncordoned"
     );
     assert!(created_maintenances(client).await?.is_empty(), "finished");
+
+    // A drain that times out (onTimeout Fail): exit 1, the pod and its budget in the result;
+    // `maintain complete` gives up and uncordons.
+    pdbs.create(&PostParams::default(), &serde_json::from_value(pdb)?)
+        .await?;
+    wait_for("the web pod to run on node 0 again", TIMEOUT, || async {
+        let list = pods.list(&ListParams::default().labels("app=web")).await?;
+        Ok(list
+            .items
+            .iter()
+            .any(|p| {
+                p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(nodes[0].as_str())
+                    && p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")
+            })
+            .then_some(()))
+    })
+    .await?;
+    let run = plugin(
+        kubeconfig,
+        ns,
+        &["maintain", &nodes[0], "--drain", "--timeout", "2s"],
+    )
+    .await?;
+    assert_eq!(run.code, 1, "{run:?}");
+    assert!(
+        field(&run.stdout, "Result").is_some_and(|r| r.starts_with("Failed")),
+        "{run:?}"
+    );
+    let blocking = run
+        .stdout
+        .split("BLOCKING PODS\n")
+        .nth(1)
+        .context("blocking pods")?;
+    assert!(
+        blocking.lines().any(|l| {
+            let cells: Vec<&str> = l.split_whitespace().collect();
+            cells.len() >= 4
+                && cells[1].starts_with(&format!("{ns}/web-"))
+                && cells[2] == "PodDisruptionBudget"
+                && cells[3] == "web"
+        }),
+        "{run:?}"
+    );
+    assert!(
+        field(&run.stdout, "Next").is_some_and(|n| n.contains("maintain complete --name maint-")),
+        "{run:?}"
+    );
+    let run = plugin(kubeconfig, ns, &["maintain", "complete", &nodes[0]]).await?;
+    assert_eq!(run.code, 0, "{run:?}");
+    assert!(
+        !unschedulable(&node_api.get(&nodes[0]).await?),
+        "uncordoned"
+    );
+    pdbs.delete("web", &DeleteParams::default()).await?;
 
     // Cordon, then advance the same object to Drain (-o json), then finish it by name.
     let run = plugin(kubeconfig, ns, &["maintain", &nodes[1]]).await?;
