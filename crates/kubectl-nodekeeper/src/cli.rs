@@ -191,6 +191,22 @@ mod tests {
     }
 
     #[test]
+    fn every_verb_that_changes_something_has_examples_in_its_help() {
+        let mut cli = Cli::command();
+        for verb in ["netcheck", "maintain", "diag"] {
+            let help = cli
+                .find_subcommand_mut(verb)
+                .unwrap_or_else(|| panic!("{verb}"))
+                .render_long_help()
+                .to_string();
+            assert!(
+                help.contains("Examples:") && help.contains(&format!("kubectl nodekeeper {verb} ")),
+                "{verb}:\n{help}"
+            );
+        }
+    }
+
+    #[test]
     fn help_documents_the_exit_codes() {
         let help = Cli::command().render_long_help().to_string();
         for needle in ["Exit codes:", "130", "netcheck", "-o json"] {
