@@ -494,6 +494,17 @@ async fn maintain_verbs(
         "uncordoned"
     );
 
+    // On a terminal: the result in colour.
+    let (code, transcript) =
+        on_a_terminal(kubeconfig, ns, &format!("maintain {}", nodes[2])).await?;
+    assert_eq!(code, Some(0), "{transcript:?}");
+    assert!(
+        transcript.contains("\x1b[32mDone\x1b[0m (1/1 nodes cordoned)"),
+        "{transcript:?}"
+    );
+    let run = plugin(kubeconfig, ns, &["maintain", "complete", &nodes[2]]).await?;
+    assert_eq!(run.code, 0, "{run:?}");
+
     // Refused by the controller (more nodes than maintenance.maxSelectedNodes): one line, the
     // maintenance deleted, no node touched.
     let all: Vec<&str> = nodes.iter().map(String::as_str).collect();
