@@ -209,6 +209,7 @@ pub const RESERVED_CONDITION_TYPES: &[&str] = &[
     "TunablesInBounds",
     "GpuHealthy",
     "NodeNetworkReady",
+    "MaintenancePlanned",
     "MaintenanceInProgress",
     "DrainInProgress",
     "Drained",
