@@ -3,8 +3,9 @@
 //! audit logging and kwok nodes. A kernel-log problem on one node becomes that node's condition
 //! within one sweep and one write (PATCHes counted in the apiserver's audit log); a temporary
 //! problem becomes one Node Event; a flood is capped by the per-node Event budget and counted as
-//! suppressed; a drifting tunable value causes no write; and the problem clearing (the node
-//! "reboots": the agent restarts with a fresh kernel log) sets the condition back to False.
+//! suppressed; a drifting tunable value causes no write; the problem clearing (the node
+//! "reboots": the agent restarts with a fresh kernel log) sets the condition back to False; and a
+//! controller restart writes nothing and replays no Event.
 //!
 //! Run: `cargo xtask test -- -p nodekeeper-e2e --test node_problems`.
 
@@ -403,6 +404,53 @@ async fn kernel_log_problems_become_conditions_and_budgeted_events() -> anyhow::
     assert!(
         notes[0].starts_with("KernelDeadlock is now False"),
         "{notes:?}"
+    );
+
+    // A controller restart: the new leader finds the problem conditions it owns on the Nodes
+    // (by their managedFields) and writes nothing, and replays no Event.
+    tokio::time::sleep(SWEEP + Duration::from_secs(3)).await;
+    let before = [
+        condition_patches(&audit_log, &nodes[0])?,
+        condition_patches(&audit_log, &nodes[1])?,
+    ];
+    let events_before = [
+        node_events(&client, &nodes[0], "DockerHung").await?.0,
+        node_events(&client, &nodes[1], "OOMKilling").await?.0,
+    ];
+    let mut controller = controller;
+    controller.stop();
+    let config = ControllerConfig {
+        identity: "npd-b".into(),
+        http: SocketAddr::from((Ipv4Addr::LOCALHOST, free_port())),
+        ..config
+    };
+    let controller =
+        ControllerProcess::spawn(&Program::this_test_binary(HELPER, "controller")?, &config)?;
+    wait_for(
+        "the new leader to read both nodes",
+        Duration::from_secs(60),
+        || async {
+            let read = metric(controller.http, "nodekeeper_sweep_nodes_read", &[]).await?;
+            Ok((read >= 2.0).then_some(()))
+        },
+    )
+    .await?;
+    tokio::time::sleep(SWEEP + Duration::from_secs(3)).await;
+    assert_eq!(
+        [
+            condition_patches(&audit_log, &nodes[0])?,
+            condition_patches(&audit_log, &nodes[1])?,
+        ],
+        before,
+        "no write after a restart"
+    );
+    assert_eq!(
+        [
+            node_events(&client, &nodes[0], "DockerHung").await?.0,
+            node_events(&client, &nodes[1], "OOMKilling").await?.0,
+        ],
+        events_before,
+        "no Event replayed"
     );
 
     drop((a0, a1, controller, kmsg0, kmsg1));
