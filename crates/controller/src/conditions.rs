@@ -491,7 +491,9 @@ fn problem_conditions(view: &NodeView) -> Vec<Condition> {
 }
 
 /// What one signal's verdicts say: (item name, verdict) pairs.
-fn signal_items(view: &NodeView, signal: Signal) -> Vec<(String, Verdict)> {
+type SignalItems = Vec<(String, Verdict)>;
+
+fn signal_items(view: &NodeView, signal: Signal) -> SignalItems {
     match signal {
         Signal::OcaPlugins => view
             .plugins
@@ -538,7 +540,7 @@ fn signal_conditions(
     tuning: &ProblemTuning,
     taken: &BTreeSet<String>,
 ) -> Vec<Condition> {
-    let mut by_type: BTreeMap<&str, Vec<(Signal, Vec<(String, Verdict)>)>> = BTreeMap::new();
+    let mut by_type: BTreeMap<&str, Vec<(Signal, SignalItems)>> = BTreeMap::new();
     for signal in Signal::ALL {
         let Some(type_) = tuning.signal_type(signal) else {
             continue;
@@ -774,20 +776,22 @@ mod tests {
 
     #[test]
     fn signals_map_verdicts_to_configured_types_without_values_in_messages() {
-        let mut view = NodeView::default();
-        view.indicators = vec![
-            indicator("disk./.used_percent", 50.0, Verdict::Ok),
-            indicator("disk./var/lib.used_percent", 93.0, Verdict::Critical),
-            indicator("disk./var/lib.inodes_used_percent", 10.0, Verdict::Ok),
-            indicator("psi.io.some_avg60", 0.0, Verdict::Unspecified),
-            indicator("memory.available_percent", 3.0, Verdict::Critical),
-        ];
-        view.plugins = vec![PluginView {
-            name: "osms".into(),
-            state: "RUNNING".into(),
-            message: String::new(),
-            verdict: Verdict::Ok,
-        }];
+        let mut view = NodeView {
+            indicators: vec![
+                indicator("disk./.used_percent", 50.0, Verdict::Ok),
+                indicator("disk./var/lib.used_percent", 93.0, Verdict::Critical),
+                indicator("disk./var/lib.inodes_used_percent", 10.0, Verdict::Ok),
+                indicator("psi.io.some_avg60", 0.0, Verdict::Unspecified),
+                indicator("memory.available_percent", 3.0, Verdict::Critical),
+            ],
+            plugins: vec![PluginView {
+                name: "osms".into(),
+                state: "RUNNING".into(),
+                message: String::new(),
+                verdict: Verdict::Ok,
+            }],
+            ..Default::default()
+        };
         let config = TuningConfig::default();
         let a = desired_conditions(Observation::Fresh(&view), &config, &[]).unwrap();
         let disk = find(&a, "DiskUsageHigh").unwrap();
@@ -1019,10 +1023,12 @@ mod tests {
             desired_conditions(Observation::Fresh(&view), &TuningConfig::default(), &[]).unwrap();
         assert!(!changed(&written(&a), &b));
         // Feature off: no GpuHealthy at all.
-        let mut off = TuningConfig::default();
-        off.features = Features {
-            gpu: false,
-            ..Features::default()
+        let mut off = TuningConfig {
+            features: Features {
+                gpu: false,
+                ..Features::default()
+            },
+            ..TuningConfig::default()
         };
         off.problems.signals.clear();
         let c = desired_conditions(Observation::Fresh(&view), &off, &[]).unwrap();

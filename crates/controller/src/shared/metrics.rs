@@ -513,7 +513,7 @@ pub const OTHER_LABEL: &str = "Other";
 /// Longest label value kept; longer ones count as [`OTHER_LABEL`].
 const MAX_LABEL_LEN: usize = 128;
 
-fn bounded<'a>(value: &'a str, known: bool, len: usize) -> &'a str {
+fn bounded(value: &str, known: bool, len: usize) -> &str {
     if known || (len < MAX_PROBLEM_SERIES && value.len() <= MAX_LABEL_LEN) {
         value
     } else {
