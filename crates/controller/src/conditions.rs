@@ -792,7 +792,19 @@ mod tests {
             }],
             ..Default::default()
         };
-        let config = TuningConfig::default();
+        let mut config = TuningConfig::default();
+        assert_eq!(
+            desired_conditions(Observation::Fresh(&view), &config, &[])
+                .unwrap()
+                .iter()
+                .find(|c| c.reason.starts_with("PressureStall")),
+            None,
+            "pressure stalls are opt-in"
+        );
+        config
+            .problems
+            .signals
+            .insert(Signal::Psi, "PressureStallHigh".into());
         let a = desired_conditions(Observation::Fresh(&view), &config, &[]).unwrap();
         let disk = find(&a, "DiskUsageHigh").unwrap();
         assert_eq!(

@@ -24,7 +24,7 @@
 //! | `problems.eventsPerNodePerHour` | integer | `10` | Node Events nodekeeper emits per node in any 60 minutes (temporary problems and condition transitions together); more are counted, not emitted (0–1000) |
 //! | `signals.disk` | condition type or empty | `DiskUsageHigh` | the condition the `disk.*.used_percent` verdicts set (empty: none) |
 //! | `signals.inodes` | condition type or empty | `InodeUsageHigh` | … the `disk.*.inodes_used_percent` verdicts |
-//! | `signals.psi` | condition type or empty | `PressureStallHigh` | … the `psi.*` verdicts |
+//! | `signals.psi` | condition type or empty | empty | … the `psi.*` verdicts (off by default: `avg60` stalls swing with load, and every swing across a level would be a write; `PressureStallHigh` is the suggested type) |
 //! | `signals.conntrack` | condition type or empty | `ConntrackUsageHigh` | … the `conntrack.*` verdicts |
 //! | `signals.timeSync` | condition type or empty | `NTPProblem` | … the `time.*` verdicts (NPD's custom-plugin `NTPProblem` type) |
 //! | `signals.fileHandles` | condition type or empty | `FileHandleUsageHigh` | … the `files.*` verdicts |
@@ -256,18 +256,21 @@ impl Signal {
         }
     }
 
-    /// The condition type it sets by default (problem polarity: `True` means a problem).
-    pub fn default_type(self) -> &'static str {
+    /// The condition type it sets by default (problem polarity: `True` means a problem); `None`
+    /// for a signal that is off unless the ConfigMap names a type.
+    pub fn default_type(self) -> Option<&'static str> {
         match self {
-            Signal::Disk => "DiskUsageHigh",
-            Signal::Inodes => "InodeUsageHigh",
-            Signal::Psi => "PressureStallHigh",
-            Signal::Conntrack => "ConntrackUsageHigh",
+            Signal::Disk => Some("DiskUsageHigh"),
+            Signal::Inodes => Some("InodeUsageHigh"),
+            // Pressure-stall averages swing with load; each swing across a level would be a
+            // write (and an Event) per node, so this one is opt-in.
+            Signal::Psi => None,
+            Signal::Conntrack => Some("ConntrackUsageHigh"),
             // The type node-problem-detector's own NTP check (custom-plugin-monitor) sets.
-            Signal::TimeSync => "NTPProblem",
-            Signal::FileHandles => "FileHandleUsageHigh",
-            Signal::OcaPlugins => "OcaPluginUnhealthy",
-            Signal::Gpu => "GpuUnhealthy",
+            Signal::TimeSync => Some("NTPProblem"),
+            Signal::FileHandles => Some("FileHandleUsageHigh"),
+            Signal::OcaPlugins => Some("OcaPluginUnhealthy"),
+            Signal::Gpu => Some("GpuUnhealthy"),
         }
     }
 
@@ -325,7 +328,7 @@ impl Default for ProblemTuning {
             events_per_node_per_hour: DEFAULT_EVENTS_PER_NODE_PER_HOUR,
             signals: Signal::ALL
                 .iter()
-                .map(|s| (*s, s.default_type().to_owned()))
+                .filter_map(|s| Some((*s, s.default_type()?.to_owned())))
                 .collect(),
         }
     }
@@ -1254,17 +1257,23 @@ mod tests {
             defaults.problems.signal_type(Signal::TimeSync),
             Some("NTPProblem")
         );
+        assert_eq!(defaults.problems.signal_type(Signal::Psi), None);
         let config = parse(&data(&[
             ("features.problems", "false"),
             ("problems.eventsPerNodePerHour", "0"),
-            ("signals.psi", ""),
+            ("signals.psi", "PressureStallHigh"),
+            ("signals.gpu", ""),
             ("signals.disk", "NodeDiskProblem"),
             ("signals.inodes", "NodeDiskProblem"),
         ]))
         .unwrap();
         assert!(!config.features.problems);
         assert_eq!(config.problems.events_per_node_per_hour, 0);
-        assert_eq!(config.problems.signal_type(Signal::Psi), None);
+        assert_eq!(
+            config.problems.signal_type(Signal::Psi),
+            Some("PressureStallHigh")
+        );
+        assert_eq!(config.problems.signal_type(Signal::Gpu), None);
         assert_eq!(
             config.problems.signal_type(Signal::Disk),
             config.problems.signal_type(Signal::Inodes)
