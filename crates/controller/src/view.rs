@@ -426,6 +426,42 @@ mod tests {
     }
 
     #[test]
+    fn carries_the_node_problems() {
+        let mut r = reply(3, "n1");
+        if let Some(pb::get_report_response::Result::Report(report)) = &mut r.result {
+            report.problems = Some(pb::NodeProblems {
+                conditions: vec![pb::ProblemCondition {
+                    r#type: "KernelDeadlock".into(),
+                    status: "True".into(),
+                    reason: "DockerHung".into(),
+                    message: "task docker:1 blocked".into(),
+                    source: "kernel-monitor".into(),
+                    transition_unix_ms: 5,
+                }],
+                counts: vec![pb::ProblemCount {
+                    reason: "OOMKilling".into(),
+                    count: 2,
+                }],
+                recent: vec![pb::ProblemEvent {
+                    source: "kernel-monitor".into(),
+                    reason: "OOMKilling".into(),
+                    message: "Killed process 1".into(),
+                    timestamp_unix_ms: 7,
+                }],
+                ..Default::default()
+            });
+        }
+        let view = NodeView::from_reply("n1", r, None).unwrap().unwrap();
+        let p = &view.problems;
+        assert_eq!(p.conditions[0].type_, "KernelDeadlock");
+        assert_eq!(p.conditions[0].status, "True");
+        assert_eq!(p.counts, vec![("OOMKilling".to_string(), 2)]);
+        assert_eq!(p.recent[0].timestamp_unix_ms, 7);
+        let json = serde_json::to_value(&view).unwrap();
+        assert_eq!(json["problems"]["conditions"][0]["type"], "KernelDeadlock");
+    }
+
+    #[test]
     fn refuses_a_report_for_another_node() {
         let err = NodeView::from_reply("n1", reply(7, "n2"), None).unwrap_err();
         assert!(matches!(err, InvalidReport::WrongNode { .. }));
