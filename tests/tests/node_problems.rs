@@ -2,8 +2,9 @@
 //! reads a file standing in for `/dev/kmsg`, the controller, and a private control plane with
 //! audit logging and kwok nodes. A kernel-log problem on one node becomes that node's condition
 //! within one sweep and one write (PATCHes counted in the apiserver's audit log); a temporary
-//! problem becomes one Node Event; a flood is capped by the per-node Event budget and counted as
-//! suppressed; a drifting tunable value causes no write; the problem clearing (the node
+//! problem becomes one Node Event; an indicator verdict (open file handles) sets the condition
+//! its `signals.*` key names, with one write and one Event per transition; a flood is capped by
+//! the per-node Event budget and counted as suppressed; a drifting tunable value causes no write; the problem clearing (the node
 //! "reboots": the agent restarts with a fresh kernel log) sets the condition back to False; and a
 //! controller restart writes nothing and replays no Event.
 //!
@@ -35,7 +36,7 @@ fn run_as_controller() {
 /// The sweep interval of this test; "within one sweep" is measured against it.
 const SWEEP: Duration = Duration::from_secs(10);
 /// Node Events per node per hour in this test.
-const BUDGET: u64 = 3;
+const BUDGET: u64 = 4;
 /// The condition writer's field manager.
 const MANAGER: &str = nodekeeper_api::names::MANAGER_NODE_CONDITIONS;
 
@@ -159,8 +160,9 @@ async fn kernel_log_problems_become_conditions_and_budgeted_events() -> anyhow::
 
     let rules = "tunables:\n  - name: somaxconn\n    key: net.core.somaxconn\n    atLeast: 4096\n";
     let budget = BUDGET.to_string();
-    // Signals off: their verdicts come from this machine's disks and clock, which the test does
-    // not control (the unit tests cover the mapping); the agents' NPD problems are under test.
+    // Signals off but one: the others' verdicts come from this machine's disks and clock, which
+    // the test does not control (the unit tests cover them). File handles are read from the
+    // agent's own copy of /proc, which the test writes.
     let mut tuning: BTreeMap<&str, &str> = [
         ("sweepInterval", "10s"),
         ("staleAfter", "30s"),
@@ -170,7 +172,9 @@ async fn kernel_log_problems_become_conditions_and_budgeted_events() -> anyhow::
     ]
     .into();
     for signal in Signal::ALL {
-        tuning.insert(signal.key(), "");
+        if signal != Signal::FileHandles {
+            tuning.insert(signal.key(), "");
+        }
     }
     put_tuning(&client, &ns, &tuning).await?;
 
@@ -205,6 +209,7 @@ async fn kernel_log_problems_become_conditions_and_budgeted_events() -> anyhow::
         for (type_, reason) in [
             ("KernelDeadlock", "KernelHasNoDeadlock"),
             ("ReadonlyFilesystem", "FilesystemIsNotReadOnly"),
+            ("FileHandleUsageHigh", "FileHandleUsageNormal"),
         ] {
             wait_condition(&client, node, type_, "False", Some(reason), t).await?;
         }
@@ -288,6 +293,55 @@ async fn kernel_log_problems_become_conditions_and_budgeted_events() -> anyhow::
     assert_eq!(n, 1, "one Event for the condition turning True: {notes:?}");
     assert_eq!(node_events(&client, &nodes[0], "TaskHung").await?.0, 1);
 
+    // A signal: node 1's open file handles at 95% of the maximum (critical at 90%) turn the
+    // condition `signals.fileHandles` names True, with one write and one Warning Event; back at
+    // 2%, False again, one more write and a Normal Event.
+    // `start_agent_with` keeps the agent's copy of /proc beside its sysctl tree.
+    let file_nr = a1
+        .sysctl_root
+        .parent()
+        .context("agent dir")?
+        .join("proc/sys/fs/file-nr");
+    std::fs::write(&file_nr, "95000\t0\t100000\n")?;
+    let (_, _, message) = wait_condition(
+        &client,
+        &nodes[1],
+        "FileHandleUsageHigh",
+        "True",
+        Some("FileHandleUsageCritical"),
+        Duration::from_secs(60),
+    )
+    .await?;
+    assert_eq!(message, "1 of 1 out of bounds: files.used_percent critical");
+    std::fs::write(&file_nr, "2000\t0\t100000\n")?;
+    wait_condition(
+        &client,
+        &nodes[1],
+        "FileHandleUsageHigh",
+        "False",
+        Some("FileHandleUsageNormal"),
+        Duration::from_secs(60),
+    )
+    .await?;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        condition_patches(&audit_log, &nodes[1])?,
+        settled[1] + 2,
+        "one write per signal transition"
+    );
+    assert_eq!(
+        node_events(&client, &nodes[1], "FileHandleUsageCritical")
+            .await?
+            .0,
+        1
+    );
+    assert_eq!(
+        node_events(&client, &nodes[1], "FileHandleUsageNormal")
+            .await?
+            .0,
+        1
+    );
+
     // One temporary problem on node 1: one Event, no condition write.
     kmsg1.append(&["Out of memory: Killed process 4242 (stress-ng) total-vm:8388608kB, anon-rss:8126464kB, file-rss:1024kB, shmem-rss:0kB, UID:0 pgtables:16000kB oom_score_adj:0"])?;
     let (n, notes) = wait_for(
@@ -305,7 +359,7 @@ async fn kernel_log_problems_become_conditions_and_budgeted_events() -> anyhow::
         "{notes:?}"
     );
 
-    // A flood of 20 on node 1: the budget (3 per hour, one used) lets 2 more through; the rest
+    // A flood of 20 on node 1: the budget (4 per hour, 3 used) lets one more through; the rest
     // are counted as suppressed.
     let suppressed_before = metric(
         http,
@@ -329,14 +383,14 @@ async fn kernel_log_problems_become_conditions_and_budgeted_events() -> anyhow::
             )
             .await
             .unwrap_or(0.0);
-            Ok((s >= suppressed_before + 18.0).then_some(()))
+            Ok((s >= suppressed_before + 19.0).then_some(()))
         },
     )
     .await?;
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert_eq!(
         node_events(&client, &nodes[1], "OOMKilling").await?.0,
-        BUDGET,
+        BUDGET - 2,
         "the budget caps the flood"
     );
     assert_eq!(
@@ -346,17 +400,26 @@ async fn kernel_log_problems_become_conditions_and_budgeted_events() -> anyhow::
             &["result=\"Suppressed\""]
         )
         .await?,
-        suppressed_before + 18.0
+        suppressed_before + 19.0
     );
     assert_eq!(
         condition_patches(&audit_log, &nodes[1])?,
-        settled[1],
+        settled[1] + 2,
         "temporary problems write no condition"
     );
     // NPD's metrics at the controller, under NPD's names: 21 OOM kills, one node deadlocked.
     assert_eq!(
         metric(http, "problem_counter", &["reason=\"OOMKilling\""]).await?,
         21.0
+    );
+    assert_eq!(
+        metric(
+            http,
+            "problem_counter",
+            &["reason=\"FileHandleUsageCritical\""]
+        )
+        .await?,
+        1.0
     );
     let gauge = wait_for(
         "problem_gauge for KernelDeadlock",
