@@ -40,7 +40,9 @@ pub const GPU_HEALTHY: &str = names::NODE_CONDITION_GPU_HEALTHY;
 /// nodekeeper-managed host networking is applied and has not drifted (set only on nodes with it).
 pub const NETWORK_READY: &str = names::NODE_CONDITION_NETWORK_READY;
 
-/// Every condition type this module writes; others on the Node are not ours and never touched.
+/// nodekeeper's own condition types (`True` = healthy). Problem types are open-ended; the ones on
+/// a Node that are ours are those our field manager owns ([`managed_condition_types`]). Any other
+/// condition on the Node is not ours and never touched.
 pub const OWNED_TYPES: [&str; 4] = [REACHABLE, TUNABLES_IN_BOUNDS, GPU_HEALTHY, NETWORK_READY];
 
 /// Condition reasons (PascalCase).
