@@ -1,17 +1,29 @@
 //! Node conditions owned by nodekeeper: what they should say for an observation
-//! ([`desired_conditions`]), whether that differs from what is on the Node ([`changed`]), and the
-//! server-side-apply body that writes them ([`apply_body`]). Plain functions over plain data.
+//! ([`desired_conditions`]), whether that differs from what is on the Node ([`changed`]), the
+//! server-side-apply body that writes them ([`apply_body`]), and the transitions of problem
+//! conditions that become Node Events ([`transitions`]). Plain functions over plain data.
+//!
+//! Two polarities live side by side. nodekeeper's own types ([`OWNED_TYPES`]) say `True` when
+//! all is well. Problem types follow node-problem-detector: `True` means the problem is present.
+//! They come from the agents' NPD rules (`KernelDeadlock`, `ReadonlyFilesystem`, a custom
+//! plugin's type, …) and from the indicator verdicts the tuning ConfigMap's `signals.*` keys map
+//! to condition types (`DiskUsageHigh`, `NTPProblem`, …). Which problem types are ours is read
+//! from the Node's managedFields ([`managed_condition_types`]): those our field manager applied.
 //!
 //! The write budget rests on [`changed`]: a Node is patched only when the status, reason or
 //! message of one of our conditions differs from what the Node already carries, so a steady
 //! fleet costs no writes at all. Messages therefore never carry values that drift with time
-//! (temperatures, timestamps, counters); they name rules, GPUs and states.
+//! (temperatures, sysctl values, percentages, timestamps, counters); they name rules,
+//! indicators, GPUs and states, so a message changes only with the set of things at fault.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ManagedFieldsEntry;
 use nodekeeper_api::names;
-use nodekeeper_model::tuning::{Features, format_duration};
+use nodekeeper_model::tuning::{
+    ProblemTuning, RESERVED_CONDITION_TYPES, Signal, TuningConfig, format_duration,
+};
 use serde_json::json;
 
 use crate::view::{NodeView, Verdict};
@@ -28,7 +40,9 @@ pub const GPU_HEALTHY: &str = names::NODE_CONDITION_GPU_HEALTHY;
 /// nodekeeper-managed host networking is applied and has not drifted (set only on nodes with it).
 pub const NETWORK_READY: &str = names::NODE_CONDITION_NETWORK_READY;
 
-/// Every condition type this module writes; others on the Node are not ours and never touched.
+/// nodekeeper's own condition types (`True` = healthy). Problem types are open-ended; the ones on
+/// a Node that are ours are those our field manager owns ([`managed_condition_types`]). Any other
+/// condition on the Node is not ours and never touched.
 pub const OWNED_TYPES: [&str; 4] = [REACHABLE, TUNABLES_IN_BOUNDS, GPU_HEALTHY, NETWORK_READY];
 
 /// Condition reasons (PascalCase).
@@ -51,6 +65,10 @@ pub mod reason {
 
 /// Longest condition message written; longer lists are cut with a count of the rest.
 const MAX_MESSAGE: usize = 1024;
+/// Most problem conditions (from agents' rules) written on one Node; the agent keeps as many.
+pub const MAX_PROBLEM_CONDITIONS: usize = 64;
+/// Longest problem condition type or reason taken from an agent; longer ones are not written.
+const MAX_PROBLEM_NAME: usize = 128;
 /// Items named in one message before "and N more".
 const MAX_ITEMS: usize = 5;
 
@@ -146,9 +164,10 @@ pub enum Observation<'a> {
 /// whatever is there).
 pub fn desired_conditions(
     observation: Observation<'_>,
-    features: &Features,
+    config: &TuningConfig,
     current: &[Written],
 ) -> Option<Vec<Condition>> {
+    let features = &config.features;
     let mut out = match observation {
         Observation::Pending => return None,
         Observation::Fresh(view) => {
@@ -167,6 +186,11 @@ pub fn desired_conditions(
             if features.network {
                 out.extend(network_condition(view));
             }
+            if features.problems {
+                out.extend(problem_conditions(view));
+            }
+            let taken: BTreeSet<String> = out.iter().map(|c| c.type_.clone()).collect();
+            out.extend(signal_conditions(view, &config.problems, &taken));
             out
         }
         Observation::Stale {
@@ -198,10 +222,12 @@ pub fn desired_conditions(
             for w in current {
                 let type_ = w.condition.type_.as_str();
                 let enabled = match type_ {
+                    REACHABLE => false,
                     TUNABLES_IN_BOUNDS => features.tunables,
                     GPU_HEALTHY => features.gpu,
                     NETWORK_READY => features.network,
-                    _ => false,
+                    // A problem type: from the agents' rules, or a signal's.
+                    _ => features.problems || config.problems.signals.values().any(|t| t == type_),
                 };
                 if enabled {
                     out.push(Condition::new(
@@ -298,11 +324,12 @@ fn tunables_condition(view: &NodeView) -> Condition {
             } else {
                 ""
             };
+            // The current value is left out on purpose: it may drift with every read while
+            // the verdict holds, and a message that changes is a write.
             format!(
-                "{} ({} = {:?}, expected {}, {}{conflict})",
+                "{} ({}, expected {}, {}{conflict})",
                 t.rule,
                 t.key,
-                t.current,
                 t.expected,
                 t.verdict.word()
             )
@@ -420,6 +447,223 @@ fn network_condition(view: &NodeView) -> Option<Condition> {
     ))
 }
 
+/// Whether a condition type is a problem type (NPD polarity) rather than one of nodekeeper's own.
+pub fn is_problem_type(type_: &str) -> bool {
+    !OWNED_TYPES.contains(&type_)
+}
+
+/// The condition types nodekeeper's field manager owns on a Node, from its managedFields: the
+/// `status.conditions` entries (keyed by type) in the manager's `status` apply. Problem types are
+/// open-ended (any rule file may declare one), so ownership, not a fixed list, says which of a
+/// Node's conditions are ours to compare and rewrite.
+pub fn managed_condition_types(entries: &[ManagedFieldsEntry]) -> BTreeSet<String> {
+    entries
+        .iter()
+        .filter(|e| {
+            e.manager.as_deref() == Some(FIELD_MANAGER)
+                && e.subresource.as_deref() == Some("status")
+        })
+        .filter_map(|e| e.fields_v1.as_ref())
+        .filter_map(|f| f.0.get("f:status")?.get("f:conditions")?.as_object())
+        .flat_map(|conditions| conditions.keys())
+        .filter_map(|key| {
+            let value: serde_json::Value = serde_json::from_str(key.strip_prefix("k:")?).ok()?;
+            value.get("type")?.as_str().map(str::to_owned)
+        })
+        .collect()
+}
+
+/// The agent's permanent NPD problems as conditions, as the rules state them. Types the kubelet
+/// or nodekeeper set with another meaning are never taken from an agent.
+fn problem_conditions(view: &NodeView) -> Vec<Condition> {
+    let mut by_type: BTreeMap<&str, Condition> = BTreeMap::new();
+    for c in &view.problems.conditions {
+        let usable = !c.type_.is_empty()
+            && c.type_.len() <= MAX_PROBLEM_NAME
+            && c.reason.len() <= MAX_PROBLEM_NAME
+            && !RESERVED_CONDITION_TYPES.contains(&c.type_.as_str());
+        if !usable || by_type.len() >= MAX_PROBLEM_CONDITIONS {
+            continue;
+        }
+        by_type.entry(&c.type_).or_insert_with(|| {
+            Condition::new(&c.type_, Status::parse(&c.status), &c.reason, &c.message)
+        });
+    }
+    by_type.into_values().collect()
+}
+
+/// What one signal's verdicts say: (item name, verdict) pairs.
+type SignalItems = Vec<(String, Verdict)>;
+
+fn signal_items(view: &NodeView, signal: Signal) -> SignalItems {
+    match signal {
+        Signal::OcaPlugins => view
+            .plugins
+            .iter()
+            .map(|p| (format!("plugin {}", p.name), p.verdict))
+            .collect(),
+        Signal::Gpu => {
+            let gpu = &view.gpu;
+            let mut items: Vec<(String, Verdict)> = gpu
+                .gpus
+                .iter()
+                .map(|g| (format!("GPU {} ({})", g.index, g.uuid), g.verdict))
+                .collect();
+            if !gpu.error.is_empty() {
+                items.push((gpu.source_or_tool().to_owned(), Verdict::Unspecified));
+            }
+            items
+        }
+        _ => view
+            .indicators
+            .iter()
+            .filter(|i| Signal::of_indicator(&i.name) == Some(signal))
+            .map(|i| (i.name.clone(), i.verdict))
+            .collect(),
+    }
+}
+
+/// How bad a verdict is, for picking the worst: a problem beats "not evaluated" beats ok.
+fn severity(verdict: Verdict) -> u8 {
+    match verdict {
+        Verdict::Ok => 0,
+        Verdict::Unspecified => 1,
+        Verdict::Warning => 2,
+        Verdict::Critical => 3,
+    }
+}
+
+/// The conditions the `signals.*` mapping asks for: one per configured type, from the worst
+/// verdict of the signals mapped to it (`Warning`/`Critical` → `True`, not evaluated →
+/// `Unknown`, all ok → `False`). A type no reported item covers is left out (no opinion), and a
+/// type already `taken` (an agent rule declares it) is the agent's.
+fn signal_conditions(
+    view: &NodeView,
+    tuning: &ProblemTuning,
+    taken: &BTreeSet<String>,
+) -> Vec<Condition> {
+    let mut by_type: BTreeMap<&str, Vec<(Signal, SignalItems)>> = BTreeMap::new();
+    for signal in Signal::ALL {
+        let Some(type_) = tuning.signal_type(signal) else {
+            continue;
+        };
+        if taken.contains(type_) {
+            continue;
+        }
+        let items = signal_items(view, signal);
+        if !items.is_empty() {
+            by_type.entry(type_).or_default().push((signal, items));
+        }
+    }
+    by_type
+        .into_iter()
+        .map(|(type_, groups)| {
+            // The worst verdict; on a tie, the signal listed first in `Signal::ALL`.
+            let (signal, worst) = groups
+                .iter()
+                .map(|(signal, items)| {
+                    let worst = items
+                        .iter()
+                        .map(|(_, v)| *v)
+                        .max_by_key(|v| severity(*v))
+                        .unwrap_or(Verdict::Ok);
+                    (*signal, worst)
+                })
+                .fold(None, |best: Option<(Signal, Verdict)>, (s, v)| match best {
+                    Some((_, bv)) if severity(bv) >= severity(v) => best,
+                    _ => Some((s, v)),
+                })
+                .unwrap_or((Signal::Disk, Verdict::Ok));
+            let items: Vec<&(String, Verdict)> =
+                groups.iter().flat_map(|(_, items)| items).collect();
+            let (status, suffix) = match worst {
+                Verdict::Critical => (Status::True, "Critical"),
+                Verdict::Warning => (Status::True, "Warning"),
+                Verdict::Unspecified => (Status::Unknown, "NotEvaluated"),
+                Verdict::Ok => (Status::False, "Normal"),
+            };
+            let reason = format!("{}{suffix}", signal.reason_stem());
+            let message = match status {
+                Status::True => {
+                    let bad: Vec<String> = items
+                        .iter()
+                        .filter(|(_, v)| matches!(v, Verdict::Warning | Verdict::Critical))
+                        .map(|(name, v)| format!("{name} {}", v.word()))
+                        .collect();
+                    format!(
+                        "{} of {} out of bounds: {}",
+                        bad.len(),
+                        items.len(),
+                        list(&bad)
+                    )
+                }
+                Status::Unknown => {
+                    let unread: Vec<String> = items
+                        .iter()
+                        .filter(|(_, v)| *v == Verdict::Unspecified)
+                        .map(|(name, _)| name.clone())
+                        .collect();
+                    format!(
+                        "{} of {} not evaluated: {}",
+                        unread.len(),
+                        items.len(),
+                        list(&unread)
+                    )
+                }
+                Status::False => format!("all {} within bounds", items.len()),
+            };
+            Condition::new(type_, status, &reason, message)
+        })
+        .collect()
+}
+
+/// Whether an Event is a warning or a recovery.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TransitionKind {
+    /// A problem condition turned `True`, or stayed `True` with another reason.
+    Problem,
+    /// A problem condition went from `True` back to `False`.
+    Recovered,
+}
+
+/// A problem condition's change worth a Node Event (as NPD emits one when a condition changes).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Transition {
+    pub type_: String,
+    pub kind: TransitionKind,
+    pub reason: String,
+    pub message: String,
+}
+
+/// The Event-worthy changes from `current` to `desired` among problem conditions. A problem
+/// condition first written `False` is no event (it is every healthy node's first state).
+pub fn transitions(current: &[Written], desired: &[Condition]) -> Vec<Transition> {
+    desired
+        .iter()
+        .filter(|c| is_problem_type(&c.type_))
+        .filter_map(|c| {
+            let before = current
+                .iter()
+                .find(|w| w.condition.type_ == c.type_)
+                .map(|w| &w.condition);
+            let was_true = before.is_some_and(|b| b.status == Status::True);
+            let kind = match c.status {
+                Status::True if !was_true || before.is_some_and(|b| b.reason != c.reason) => {
+                    TransitionKind::Problem
+                }
+                Status::False if was_true => TransitionKind::Recovered,
+                _ => return None,
+            };
+            Some(Transition {
+                type_: c.type_.clone(),
+                kind,
+                reason: c.reason.clone(),
+                message: c.message.clone(),
+            })
+        })
+        .collect()
+}
+
 impl crate::view::GpuView {
     fn source_or_tool(&self) -> &str {
         if self.source.is_empty() {
@@ -433,7 +677,8 @@ impl crate::view::GpuView {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::view::{GpuInfo, TunableView};
+    use crate::view::{GpuInfo, IndicatorView, PluginView, ProblemConditionView, TunableView};
+    use nodekeeper_model::tuning::Features;
 
     fn tunable(rule: &str, verdict: Verdict) -> TunableView {
         TunableView {
@@ -463,6 +708,249 @@ mod tests {
         conditions.iter().map(|c| c.type_.as_str()).collect()
     }
 
+    fn problem(type_: &str, status: &str, reason: &str) -> ProblemConditionView {
+        ProblemConditionView {
+            type_: type_.into(),
+            status: status.into(),
+            reason: reason.into(),
+            message: format!("{type_} {reason}"),
+            source: "kernel-monitor".into(),
+            transition_unix_ms: 1,
+        }
+    }
+
+    fn indicator(name: &str, value: f64, verdict: Verdict) -> IndicatorView {
+        IndicatorView {
+            name: name.into(),
+            value,
+            unit: "percent".into(),
+            verdict,
+            message: format!("{value}% used"),
+        }
+    }
+
+    fn find<'a>(conditions: &'a [Condition], type_: &str) -> Option<&'a Condition> {
+        conditions.iter().find(|c| c.type_ == type_)
+    }
+
+    #[test]
+    fn reserved_types_cover_every_type_nodekeeper_or_the_kubelet_writes() {
+        for t in OWNED_TYPES.iter().chain(&[
+            names::NODE_CONDITION_MAINTENANCE_PLANNED,
+            names::NODE_CONDITION_MAINTENANCE_IN_PROGRESS,
+            names::NODE_CONDITION_DRAIN_IN_PROGRESS,
+            names::NODE_CONDITION_DRAINED,
+            "Ready",
+        ]) {
+            assert!(RESERVED_CONDITION_TYPES.contains(t), "{t}");
+        }
+    }
+
+    #[test]
+    fn agent_problems_are_mirrored_with_npd_polarity_and_reserved_types_refused() {
+        let mut view = NodeView::default();
+        view.problems.conditions = vec![
+            problem("KernelDeadlock", "True", "DockerHung"),
+            problem("ReadonlyFilesystem", "False", "FilesystemIsNotReadOnly"),
+            // A rule file must not be able to overwrite the kubelet's Ready.
+            problem("Ready", "False", "Hijacked"),
+            problem("Odd", "maybe", "R"),
+        ];
+        let want =
+            desired_conditions(Observation::Fresh(&view), &TuningConfig::default(), &[]).unwrap();
+        let kd = find(&want, "KernelDeadlock").unwrap();
+        assert_eq!(
+            (kd.status, kd.reason.as_str()),
+            (Status::True, "DockerHung")
+        );
+        assert_eq!(
+            find(&want, "ReadonlyFilesystem").unwrap().status,
+            Status::False
+        );
+        assert_eq!(find(&want, "Ready"), None);
+        assert_eq!(find(&want, "Odd").unwrap().status, Status::Unknown);
+        // Off: none of them.
+        let mut off = TuningConfig::default();
+        off.features.problems = false;
+        let want = desired_conditions(Observation::Fresh(&view), &off, &[]).unwrap();
+        assert_eq!(find(&want, "KernelDeadlock"), None);
+    }
+
+    #[test]
+    fn signals_map_verdicts_to_configured_types_without_values_in_messages() {
+        let mut view = NodeView {
+            indicators: vec![
+                indicator("disk./.used_percent", 50.0, Verdict::Ok),
+                indicator("disk./var/lib.used_percent", 93.0, Verdict::Critical),
+                indicator("disk./var/lib.inodes_used_percent", 10.0, Verdict::Ok),
+                indicator("psi.io.some_avg60", 0.0, Verdict::Unspecified),
+                indicator("memory.available_percent", 3.0, Verdict::Critical),
+            ],
+            plugins: vec![PluginView {
+                name: "osms".into(),
+                state: "RUNNING".into(),
+                message: String::new(),
+                verdict: Verdict::Ok,
+            }],
+            ..Default::default()
+        };
+        let mut config = TuningConfig::default();
+        assert_eq!(
+            desired_conditions(Observation::Fresh(&view), &config, &[])
+                .unwrap()
+                .iter()
+                .find(|c| c.reason.starts_with("PressureStall")),
+            None,
+            "pressure stalls are opt-in"
+        );
+        config
+            .problems
+            .signals
+            .insert(Signal::Psi, "PressureStallHigh".into());
+        let a = desired_conditions(Observation::Fresh(&view), &config, &[]).unwrap();
+        let disk = find(&a, "DiskUsageHigh").unwrap();
+        assert_eq!(
+            (disk.status, disk.reason.as_str(), disk.message.as_str()),
+            (
+                Status::True,
+                "DiskUsageCritical",
+                "1 of 2 out of bounds: disk./var/lib.used_percent critical"
+            )
+        );
+        let inodes = find(&a, "InodeUsageHigh").unwrap();
+        assert_eq!(
+            (inodes.status, inodes.reason.as_str()),
+            (Status::False, "InodeUsageNormal")
+        );
+        assert_eq!(
+            find(&a, "PressureStallHigh").unwrap().status,
+            Status::Unknown
+        );
+        assert_eq!(
+            find(&a, "OcaPluginUnhealthy").unwrap().status,
+            Status::False
+        );
+        // No conntrack, time or GPU figures reported: no opinion on those types.
+        for absent in ["ConntrackUsageHigh", "NTPProblem", "GpuUnhealthy"] {
+            assert_eq!(find(&a, absent), None, "{absent}");
+        }
+        // The value drifts, the verdict holds: no change, no write.
+        view.indicators[1].value = 97.0;
+        view.indicators[1].message = "97% used".into();
+        let b = desired_conditions(Observation::Fresh(&view), &config, &[]).unwrap();
+        assert!(!changed(&written(&a), &b));
+
+        // Two signals on one type: the worst decides; an agent rule's type wins over a signal.
+        let mut merged = TuningConfig::default();
+        merged
+            .problems
+            .signals
+            .insert(Signal::Inodes, "DiskUsageHigh".into());
+        merged
+            .problems
+            .signals
+            .insert(Signal::OcaPlugins, "KernelDeadlock".into());
+        view.problems.conditions = vec![problem("KernelDeadlock", "False", "KernelHasNoDeadlock")];
+        let c = desired_conditions(Observation::Fresh(&view), &merged, &[]).unwrap();
+        let disk = find(&c, "DiskUsageHigh").unwrap();
+        assert_eq!(disk.reason, "DiskUsageCritical");
+        assert!(
+            disk.message.starts_with("1 of 3 out of bounds"),
+            "{}",
+            disk.message
+        );
+        assert_eq!(
+            find(&c, "KernelDeadlock").unwrap().reason,
+            "KernelHasNoDeadlock"
+        );
+    }
+
+    #[test]
+    fn a_drifting_tunable_value_is_no_change() {
+        let mut view = NodeView {
+            tunables: vec![tunable("a", Verdict::Warning)],
+            ..Default::default()
+        };
+        let config = TuningConfig::default();
+        let a = desired_conditions(Observation::Fresh(&view), &config, &[]).unwrap();
+        view.tunables[0].current = "129".into();
+        let b = desired_conditions(Observation::Fresh(&view), &config, &[]).unwrap();
+        assert!(!changed(&written(&a), &b), "{a:?} vs {b:?}");
+    }
+
+    #[test]
+    fn problem_transitions_become_events_once() {
+        let c = |status, reason: &str| Condition::new("KernelDeadlock", status, reason, "m");
+        let healthy = c(Status::False, "KernelHasNoDeadlock");
+        let sick = c(Status::True, "DockerHung");
+        // First write, healthy: no event. Turning True: a problem event. Back: a recovery.
+        assert!(transitions(&[], std::slice::from_ref(&healthy)).is_empty());
+        let t = transitions(
+            &written(std::slice::from_ref(&healthy)),
+            std::slice::from_ref(&sick),
+        );
+        assert_eq!(t.len(), 1);
+        assert_eq!(
+            (t[0].kind, t[0].reason.as_str()),
+            (TransitionKind::Problem, "DockerHung")
+        );
+        let t = transitions(
+            &written(std::slice::from_ref(&sick)),
+            std::slice::from_ref(&healthy),
+        );
+        assert_eq!(t[0].kind, TransitionKind::Recovered);
+        // Same state: nothing. Another reason while True: a new problem event.
+        assert!(
+            transitions(
+                &written(std::slice::from_ref(&sick)),
+                std::slice::from_ref(&sick)
+            )
+            .is_empty()
+        );
+        let other = c(Status::True, "AUFSUmountHung");
+        assert_eq!(transitions(&written(&[sick]), &[other]).len(), 1);
+        // nodekeeper's own types never make events here.
+        let reach = Condition::new(REACHABLE, Status::False, "AgentUnreachable", "m");
+        assert!(transitions(&[], &[reach]).is_empty());
+    }
+
+    #[test]
+    fn managed_types_are_read_from_our_status_apply_only() {
+        let entries: Vec<ManagedFieldsEntry> = serde_json::from_value(json!([
+            {"manager": FIELD_MANAGER, "operation": "Apply", "subresource": "status",
+             "fieldsType": "FieldsV1", "fieldsV1": {"f:status": {"f:conditions": {
+                "k:{\"type\":\"KernelDeadlock\"}": {".": {}, "f:status": {}},
+                "k:{\"type\":\"NodekeeperReachable\"}": {".": {}}}}}},
+            {"manager": "kubelet", "operation": "Update", "subresource": "status",
+             "fieldsType": "FieldsV1", "fieldsV1": {"f:status": {"f:conditions": {
+                "k:{\"type\":\"Ready\"}": {}}}}},
+        ]))
+        .unwrap();
+        let types = managed_condition_types(&entries);
+        assert_eq!(
+            types.into_iter().collect::<Vec<_>>(),
+            ["KernelDeadlock", "NodekeeperReachable"]
+        );
+    }
+
+    #[test]
+    fn stale_turns_problem_types_unknown() {
+        let mut view = NodeView::default();
+        view.problems.conditions = vec![problem("KernelDeadlock", "True", "DockerHung")];
+        let config = TuningConfig::default();
+        let before = desired_conditions(Observation::Fresh(&view), &config, &[]).unwrap();
+        let stale = Observation::Stale {
+            address: "127.1.0.9:9443",
+            class: FailureClass::Unreachable,
+            stale_after: Duration::from_secs(900),
+        };
+        let after = desired_conditions(stale, &config, &written(&before)).unwrap();
+        assert_eq!(
+            find(&after, "KernelDeadlock").unwrap().status,
+            Status::Unknown
+        );
+    }
+
     #[test]
     fn healthy_node_without_gpu_or_networking() {
         let view = NodeView {
@@ -470,7 +958,7 @@ mod tests {
             ..Default::default()
         };
         let want =
-            desired_conditions(Observation::Fresh(&view), &Features::default(), &[]).unwrap();
+            desired_conditions(Observation::Fresh(&view), &TuningConfig::default(), &[]).unwrap();
         assert_eq!(types(&want), vec![REACHABLE, TUNABLES_IN_BOUNDS]);
         assert!(want.iter().all(|c| c.status == Status::True));
         assert_eq!(want[1].message, "all 1 rules in bounds");
@@ -486,14 +974,13 @@ mod tests {
             ..Default::default()
         };
         let want =
-            desired_conditions(Observation::Fresh(&view), &Features::default(), &[]).unwrap();
+            desired_conditions(Observation::Fresh(&view), &TuningConfig::default(), &[]).unwrap();
         let c = want.iter().find(|c| c.type_ == TUNABLES_IN_BOUNDS).unwrap();
         assert_eq!(c.status, Status::False);
         assert_eq!(c.reason, reason::TUNABLES_OUT_OF_BOUNDS);
         assert!(
-            c.message.starts_with(
-                "8 of 9 rules out of bounds: r0 (net.r0 = \"128\", expected >= 4096, warning)"
-            ),
+            c.message
+                .starts_with("8 of 9 rules out of bounds: r0 (net.r0, expected >= 4096, warning)"),
             "{}",
             c.message
         );
@@ -510,7 +997,7 @@ mod tests {
             ..Default::default()
         };
         let want =
-            desired_conditions(Observation::Fresh(&view), &Features::default(), &[]).unwrap();
+            desired_conditions(Observation::Fresh(&view), &TuningConfig::default(), &[]).unwrap();
         assert_eq!(want[1].status, Status::Unknown);
     }
 
@@ -533,7 +1020,8 @@ mod tests {
             message: format!("{temp}°C"),
         };
         view.gpu.gpus = vec![gpu(0, 40.0, Verdict::Ok), gpu(1, 95.0, Verdict::Critical)];
-        let a = desired_conditions(Observation::Fresh(&view), &Features::default(), &[]).unwrap();
+        let a =
+            desired_conditions(Observation::Fresh(&view), &TuningConfig::default(), &[]).unwrap();
         let c = a.iter().find(|c| c.type_ == GPU_HEALTHY).unwrap();
         assert_eq!(
             (c.status, c.message.as_str()),
@@ -545,13 +1033,18 @@ mod tests {
         // A temperature change with the same verdicts is no change.
         view.gpu.gpus[1].temperature_c = 96.0;
         view.gpu.gpus[1].message = "96°C".into();
-        let b = desired_conditions(Observation::Fresh(&view), &Features::default(), &[]).unwrap();
+        let b =
+            desired_conditions(Observation::Fresh(&view), &TuningConfig::default(), &[]).unwrap();
         assert!(!changed(&written(&a), &b));
         // Feature off: no GpuHealthy at all.
-        let off = Features {
-            gpu: false,
-            ..Features::default()
+        let mut off = TuningConfig {
+            features: Features {
+                gpu: false,
+                ..Features::default()
+            },
+            ..TuningConfig::default()
         };
+        off.problems.signals.clear();
         let c = desired_conditions(Observation::Fresh(&view), &off, &[]).unwrap();
         assert!(!types(&c).contains(&GPU_HEALTHY));
     }
@@ -560,7 +1053,7 @@ mod tests {
     fn network_condition_follows_drift_and_errors() {
         let mut view = NodeView::default();
         let net = |v: &NodeView| {
-            desired_conditions(Observation::Fresh(v), &Features::default(), &[])
+            desired_conditions(Observation::Fresh(v), &TuningConfig::default(), &[])
                 .unwrap()
                 .into_iter()
                 .find(|c| c.type_ == NETWORK_READY)
@@ -578,7 +1071,7 @@ mod tests {
     #[test]
     fn pending_has_no_opinion() {
         assert_eq!(
-            desired_conditions(Observation::Pending, &Features::default(), &[]),
+            desired_conditions(Observation::Pending, &TuningConfig::default(), &[]),
             None
         );
     }
@@ -590,14 +1083,14 @@ mod tests {
             ..Default::default()
         };
         let before =
-            desired_conditions(Observation::Fresh(&view), &Features::default(), &[]).unwrap();
+            desired_conditions(Observation::Fresh(&view), &TuningConfig::default(), &[]).unwrap();
         let current = written(&before);
         let stale = Observation::Stale {
             address: "127.1.0.9:9443",
             class: FailureClass::Certificate,
             stale_after: Duration::from_secs(900),
         };
-        let after = desired_conditions(stale, &Features::default(), &current).unwrap();
+        let after = desired_conditions(stale, &TuningConfig::default(), &current).unwrap();
         assert_eq!(types(&after), vec![REACHABLE, TUNABLES_IN_BOUNDS]);
         assert_eq!(after[0].status, Status::False);
         assert_eq!(after[0].reason, reason::AGENT_CERTIFICATE_REJECTED);
@@ -610,7 +1103,7 @@ mod tests {
         // Staying stale is no change: no second write.
         assert!(!changed(
             &written(&after),
-            &desired_conditions(stale, &Features::default(), &written(&after)).unwrap()
+            &desired_conditions(stale, &TuningConfig::default(), &written(&after)).unwrap()
         ));
     }
 
@@ -618,7 +1111,7 @@ mod tests {
     fn changed_ignores_times_and_order_but_sees_removals() {
         let view = NodeView::default();
         let want =
-            desired_conditions(Observation::Fresh(&view), &Features::default(), &[]).unwrap();
+            desired_conditions(Observation::Fresh(&view), &TuningConfig::default(), &[]).unwrap();
         let mut current = written(&want);
         current.reverse();
         current[0].last_transition_time = Some("2020-01-01T00:00:00Z".into());
@@ -638,7 +1131,7 @@ mod tests {
     fn apply_body_keeps_transition_time_when_status_holds() {
         let view = NodeView::default();
         let want =
-            desired_conditions(Observation::Fresh(&view), &Features::default(), &[]).unwrap();
+            desired_conditions(Observation::Fresh(&view), &TuningConfig::default(), &[]).unwrap();
         let mut current = written(&want);
         current[0].condition.message = "old message".into();
         let body = apply_body("n1", &current, &want, "2026-06-01T00:00:00Z");

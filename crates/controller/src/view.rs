@@ -137,6 +137,45 @@ pub struct NetworkView {
     pub last_error: String,
 }
 
+/// A permanent node problem as the agent's node-problem-detector monitors report it
+/// (problem polarity: `True` means the problem is present).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ProblemConditionView {
+    #[serde(rename = "type")]
+    pub type_: String,
+    pub status: String,
+    pub reason: String,
+    pub message: String,
+    pub source: String,
+    pub transition_unix_ms: i64,
+}
+
+/// A temporary node problem (NPD sends these as Events).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ProblemEventView {
+    pub source: String,
+    pub reason: String,
+    pub message: String,
+    pub timestamp_unix_ms: i64,
+}
+
+/// What the agent's node-problem-detector-compatible monitors found.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ProblemsView {
+    pub conditions: Vec<ProblemConditionView>,
+    /// Problems since the agent started, by reason.
+    pub counts: Vec<(String, u64)>,
+    /// The latest temporary problems, oldest first.
+    pub recent: Vec<ProblemEventView>,
+    /// Rule files, rules and plugins that do not run: (origin, item, reason).
+    pub refused: Vec<(String, String, String)>,
+    pub refused_dropped: u64,
+    pub lost_records: u64,
+}
+
 /// One node's report as the controller keeps it.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 #[serde(rename_all = "camelCase")]
@@ -154,6 +193,7 @@ pub struct NodeView {
     pub collector_errors: Vec<(String, String)>,
     pub system: SystemView,
     pub network: NetworkView,
+    pub problems: ProblemsView,
 }
 
 fn is_zero(v: &i64) -> bool {
@@ -212,6 +252,7 @@ impl NodeView {
         let gpu = r.gpu.unwrap_or_default();
         let system = r.system.unwrap_or_default();
         let network = r.network.unwrap_or_default();
+        let problems = r.problems.unwrap_or_default();
         NodeView {
             node_name: r.node_name,
             agent_version: r.agent_version,
@@ -310,6 +351,42 @@ impl NodeView {
                 reconverged_at_unix_ms: network.reconverged_at_unix_ms,
                 last_error: network.last_error,
             },
+            problems: ProblemsView {
+                conditions: problems
+                    .conditions
+                    .into_iter()
+                    .map(|c| ProblemConditionView {
+                        type_: c.r#type,
+                        status: c.status,
+                        reason: c.reason,
+                        message: c.message,
+                        source: c.source,
+                        transition_unix_ms: c.transition_unix_ms,
+                    })
+                    .collect(),
+                counts: problems
+                    .counts
+                    .into_iter()
+                    .map(|c| (c.reason, c.count))
+                    .collect(),
+                recent: problems
+                    .recent
+                    .into_iter()
+                    .map(|e| ProblemEventView {
+                        source: e.source,
+                        reason: e.reason,
+                        message: e.message,
+                        timestamp_unix_ms: e.timestamp_unix_ms,
+                    })
+                    .collect(),
+                refused: problems
+                    .refused
+                    .into_iter()
+                    .map(|r| (r.origin, r.item, r.reason))
+                    .collect(),
+                refused_dropped: problems.refused_dropped,
+                lost_records: problems.lost_records,
+            },
         }
     }
 }
@@ -346,6 +423,42 @@ mod tests {
         assert_eq!(view.revision, 7);
         assert_eq!(view.tunables[0].verdict, Verdict::Critical);
         assert_eq!(view.indicators[0].verdict, Verdict::Unspecified);
+    }
+
+    #[test]
+    fn carries_the_node_problems() {
+        let mut r = reply(3, "n1");
+        if let Some(pb::get_report_response::Result::Report(report)) = &mut r.result {
+            report.problems = Some(pb::NodeProblems {
+                conditions: vec![pb::ProblemCondition {
+                    r#type: "KernelDeadlock".into(),
+                    status: "True".into(),
+                    reason: "DockerHung".into(),
+                    message: "task docker:1 blocked".into(),
+                    source: "kernel-monitor".into(),
+                    transition_unix_ms: 5,
+                }],
+                counts: vec![pb::ProblemCount {
+                    reason: "OOMKilling".into(),
+                    count: 2,
+                }],
+                recent: vec![pb::ProblemEvent {
+                    source: "kernel-monitor".into(),
+                    reason: "OOMKilling".into(),
+                    message: "Killed process 1".into(),
+                    timestamp_unix_ms: 7,
+                }],
+                ..Default::default()
+            });
+        }
+        let view = NodeView::from_reply("n1", r, None).unwrap().unwrap();
+        let p = &view.problems;
+        assert_eq!(p.conditions[0].type_, "KernelDeadlock");
+        assert_eq!(p.conditions[0].status, "True");
+        assert_eq!(p.counts, vec![("OOMKilling".to_string(), 2)]);
+        assert_eq!(p.recent[0].timestamp_unix_ms, 7);
+        let json = serde_json::to_value(&view).unwrap();
+        assert_eq!(json["problems"]["conditions"][0]["type"], "KernelDeadlock");
     }
 
     #[test]

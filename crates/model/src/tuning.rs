@@ -20,6 +20,16 @@
 //! | `probeAllowedCidrs` | list of ranges (`10.0.0.0/16, fd00::/8`) | empty | ranges NetworkTest probes may reach besides the nodes', pods' and services' (see [`crate::address_policy`]); never opens link-local addresses |
 //! | `diagnostics.maxBundleBytes` | integer | `33554432` (32 MiB) | cap on one node's diagnostics bundle (uncompressed content), see [`crate::diagnostics`] |
 //! | `diagnostics.parts` | comma-separated names | all | the parts a `NodeDiagnostic` gathers when its spec names none |
+//! | `features.problems` | bool | `true` | mirror what the agents' node-problem-detector monitors find: permanent problems as Node conditions, temporary ones as Node Events |
+//! | `problems.eventsPerNodePerHour` | integer | `10` | Node Events nodekeeper emits per node in any 60 minutes (temporary problems and condition transitions together); more are counted, not emitted (0–1000) |
+//! | `signals.disk` | condition type or empty | `DiskUsageHigh` | the condition the `disk.*.used_percent` verdicts set (empty: none) |
+//! | `signals.inodes` | condition type or empty | `InodeUsageHigh` | … the `disk.*.inodes_used_percent` verdicts |
+//! | `signals.psi` | condition type or empty | empty | … the `psi.*` verdicts (off by default: `avg60` stalls swing with load, and every swing across a level would be a write; `PressureStallHigh` is the suggested type) |
+//! | `signals.conntrack` | condition type or empty | `ConntrackUsageHigh` | … the `conntrack.*` verdicts |
+//! | `signals.timeSync` | condition type or empty | `NTPProblem` | … the `time.*` verdicts (NPD's custom-plugin `NTPProblem` type) |
+//! | `signals.fileHandles` | condition type or empty | `FileHandleUsageHigh` | … the `files.*` verdicts |
+//! | `signals.ocaPlugins` | condition type or empty | `OcaPluginUnhealthy` | … the Oracle Cloud Agent plugins' verdicts |
+//! | `signals.gpu` | condition type or empty | `GpuUnhealthy` | … the GPUs' verdicts |
 //!
 //! Any other key is refused, so a typo (`sweepinterval`) is reported instead of silently ignored.
 //!
@@ -84,6 +94,16 @@ const KNOWN_KEYS: &[&str] = &[
     "probeAllowedCidrs",
     "diagnostics.maxBundleBytes",
     "diagnostics.parts",
+    "features.problems",
+    "problems.eventsPerNodePerHour",
+    "signals.disk",
+    "signals.inodes",
+    "signals.psi",
+    "signals.conntrack",
+    "signals.timeSync",
+    "signals.fileHandles",
+    "signals.ocaPlugins",
+    "signals.gpu",
 ];
 
 /// The parsed, validated tuning configuration.
@@ -106,6 +126,7 @@ pub struct TuningConfig {
     /// The most nodes one NodeMaintenance may select without `allowBroadSelection`.
     pub maintenance_max_selected_nodes: u32,
     pub diagnostics: DiagnosticsTuning,
+    pub problems: ProblemTuning,
 }
 
 /// Diagnostics bundle settings (`diagnostics.*` keys).
@@ -139,6 +160,7 @@ impl Default for TuningConfig {
             maintenance_max_concurrent_nodes: 20,
             maintenance_max_selected_nodes: 500,
             diagnostics: DiagnosticsTuning::default(),
+            problems: ProblemTuning::default(),
         }
     }
 }
@@ -151,6 +173,8 @@ pub struct Features {
     pub gpu: bool,
     pub network: bool,
     pub repair: bool,
+    /// Mirror the agents' node-problem-detector findings as conditions and Events.
+    pub problems: bool,
 }
 
 impl Default for Features {
@@ -160,6 +184,218 @@ impl Default for Features {
             gpu: true,
             network: true,
             repair: false,
+            problems: true,
+        }
+    }
+}
+
+/// Default of `problems.eventsPerNodePerHour`.
+pub const DEFAULT_EVENTS_PER_NODE_PER_HOUR: u32 = 10;
+/// Highest `problems.eventsPerNodePerHour`: a flood on every node must stay a bounded load.
+pub const MAX_EVENTS_PER_NODE_PER_HOUR: u32 = 1000;
+/// Longest condition type a `signals.*` key may name.
+pub const MAX_CONDITION_TYPE_LEN: usize = 63;
+
+/// Condition types nodekeeper never writes from a signal or an agent's problem rule: the
+/// kubelet's own and the ones nodekeeper owns with their own meaning (the controller's tests
+/// check this list against the names it writes).
+pub const RESERVED_CONDITION_TYPES: &[&str] = &[
+    "Ready",
+    "MemoryPressure",
+    "DiskPressure",
+    "PIDPressure",
+    "NetworkUnavailable",
+    "NodekeeperReachable",
+    "TunablesInBounds",
+    "GpuHealthy",
+    "NodeNetworkReady",
+    "MaintenancePlanned",
+    "MaintenanceInProgress",
+    "DrainInProgress",
+    "Drained",
+];
+
+/// A group of verdicts that one `signals.*` key maps to a Node condition type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub enum Signal {
+    Disk,
+    Inodes,
+    Psi,
+    Conntrack,
+    TimeSync,
+    FileHandles,
+    OcaPlugins,
+    Gpu,
+}
+
+impl Signal {
+    /// Every signal, in the order a tie between two of them is broken.
+    pub const ALL: [Signal; 8] = [
+        Signal::Disk,
+        Signal::Inodes,
+        Signal::Psi,
+        Signal::Conntrack,
+        Signal::TimeSync,
+        Signal::FileHandles,
+        Signal::OcaPlugins,
+        Signal::Gpu,
+    ];
+
+    /// The ConfigMap key that maps it.
+    pub fn key(self) -> &'static str {
+        match self {
+            Signal::Disk => "signals.disk",
+            Signal::Inodes => "signals.inodes",
+            Signal::Psi => "signals.psi",
+            Signal::Conntrack => "signals.conntrack",
+            Signal::TimeSync => "signals.timeSync",
+            Signal::FileHandles => "signals.fileHandles",
+            Signal::OcaPlugins => "signals.ocaPlugins",
+            Signal::Gpu => "signals.gpu",
+        }
+    }
+
+    /// The condition type it sets by default (problem polarity: `True` means a problem); `None`
+    /// for a signal that is off unless the ConfigMap names a type.
+    pub fn default_type(self) -> Option<&'static str> {
+        match self {
+            Signal::Disk => Some("DiskUsageHigh"),
+            Signal::Inodes => Some("InodeUsageHigh"),
+            // Pressure-stall averages swing with load; each swing across a level would be a
+            // write (and an Event) per node, so this one is opt-in.
+            Signal::Psi => None,
+            Signal::Conntrack => Some("ConntrackUsageHigh"),
+            // The type node-problem-detector's own NTP check (custom-plugin-monitor) sets.
+            Signal::TimeSync => Some("NTPProblem"),
+            Signal::FileHandles => Some("FileHandleUsageHigh"),
+            Signal::OcaPlugins => Some("OcaPluginUnhealthy"),
+            Signal::Gpu => Some("GpuUnhealthy"),
+        }
+    }
+
+    /// The stem of the condition's reasons: `<stem>Normal`, `<stem>Warning`, `<stem>Critical`,
+    /// `<stem>NotEvaluated`.
+    pub fn reason_stem(self) -> &'static str {
+        match self {
+            Signal::Disk => "DiskUsage",
+            Signal::Inodes => "InodeUsage",
+            Signal::Psi => "PressureStall",
+            Signal::Conntrack => "ConntrackUsage",
+            Signal::TimeSync => "TimeSync",
+            Signal::FileHandles => "FileHandleUsage",
+            Signal::OcaPlugins => "OcaPlugin",
+            Signal::Gpu => "Gpu",
+        }
+    }
+
+    /// The signal an indicator's verdict belongs to, by the indicator's name; `None` for
+    /// indicators no signal covers (memory, load, CPU: the kubelet's pressure conditions and
+    /// metrics cover those).
+    pub fn of_indicator(name: &str) -> Option<Signal> {
+        if name.starts_with("disk.") {
+            // `disk.<mount>.inodes_used_percent` also ends in `used_percent`: inodes first.
+            return Some(if name.ends_with(".inodes_used_percent") {
+                Signal::Inodes
+            } else {
+                Signal::Disk
+            });
+        }
+        let family = name.split('.').next().unwrap_or_default();
+        match family {
+            "psi" => Some(Signal::Psi),
+            "conntrack" => Some(Signal::Conntrack),
+            "time" => Some(Signal::TimeSync),
+            "files" => Some(Signal::FileHandles),
+            _ => None,
+        }
+    }
+}
+
+/// Node problems and signals (`features.problems`, `problems.*` and `signals.*` keys).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ProblemTuning {
+    /// Node Events per node in any 60 minutes.
+    pub events_per_node_per_hour: u32,
+    /// The condition type each signal sets; a signal not listed sets none.
+    pub signals: BTreeMap<Signal, String>,
+}
+
+impl Default for ProblemTuning {
+    fn default() -> Self {
+        Self {
+            events_per_node_per_hour: DEFAULT_EVENTS_PER_NODE_PER_HOUR,
+            signals: Signal::ALL
+                .iter()
+                .filter_map(|s| Some((*s, s.default_type()?.to_owned())))
+                .collect(),
+        }
+    }
+}
+
+impl ProblemTuning {
+    /// The condition type `signal` sets, if any.
+    pub fn signal_type(&self, signal: Signal) -> Option<&str> {
+        self.signals.get(&signal).map(String::as_str)
+    }
+}
+
+/// Checks a condition type named by a `signals.*` key.
+pub fn check_condition_type(value: &str) -> Result<(), String> {
+    let mut chars = value.chars();
+    let well_formed = chars.next().is_some_and(|c| c.is_ascii_uppercase())
+        && chars.all(|c| c.is_ascii_alphanumeric())
+        && value.len() <= MAX_CONDITION_TYPE_LEN;
+    if !well_formed {
+        return Err(format!(
+            "{value:?} is not a condition type; use a PascalCase name of letters and digits (at most {MAX_CONDITION_TYPE_LEN}), such as DiskUsageHigh, or an empty value for none"
+        ));
+    }
+    if RESERVED_CONDITION_TYPES.contains(&value) {
+        return Err(format!(
+            "{value:?} is a condition type the kubelet or nodekeeper already sets with another meaning; choose another name"
+        ));
+    }
+    Ok(())
+}
+
+fn parse_problems(
+    data: &BTreeMap<String, String>,
+    config: &mut TuningConfig,
+    errors: &mut Vec<KeyError>,
+) {
+    const BUDGET: &str = "problems.eventsPerNodePerHour";
+    if let Some(raw) = data.get(BUDGET) {
+        match raw.trim().parse::<u32>() {
+            Ok(v) if v <= MAX_EVENTS_PER_NODE_PER_HOUR => {
+                config.problems.events_per_node_per_hour = v;
+            }
+            _ => errors.push(KeyError {
+                key: BUDGET.into(),
+                problem: format!(
+                    "{raw:?} is not an integer from 0 to {MAX_EVENTS_PER_NODE_PER_HOUR}"
+                ),
+            }),
+        }
+    }
+    for signal in Signal::ALL {
+        let Some(raw) = data.get(signal.key()) else {
+            continue;
+        };
+        let value = raw.trim();
+        if value.is_empty() {
+            config.problems.signals.remove(&signal);
+            continue;
+        }
+        match check_condition_type(value) {
+            Ok(()) => {
+                config.problems.signals.insert(signal, value.to_owned());
+            }
+            Err(problem) => errors.push(KeyError {
+                key: signal.key().into(),
+                problem,
+            }),
         }
     }
 }
@@ -355,6 +591,7 @@ pub fn parse(data: &BTreeMap<String, String>) -> Result<TuningConfig, TuningErro
         ("features.gpu", &mut config.features.gpu),
         ("features.network", &mut config.features.network),
         ("features.repair", &mut config.features.repair),
+        ("features.problems", &mut config.features.problems),
     ] {
         if let Some(raw) = data.get(key) {
             match raw.trim() {
@@ -423,6 +660,8 @@ pub fn parse(data: &BTreeMap<String, String>) -> Result<TuningConfig, TuningErro
             }),
         }
     }
+
+    parse_problems(data, &mut config, &mut errors);
 
     if let Some(raw) = data.get("rules.yaml") {
         match parse_rules(raw, config.features.repair) {
@@ -1003,6 +1242,93 @@ mod tests {
         assert!(problems[0].problem.contains("out of range"), "{errors}");
         assert_eq!(problems[1].key, "diagnostics.parts");
         assert!(problems[1].problem.contains("\"dmesg\""), "{errors}");
+    }
+
+    #[test]
+    fn problem_keys_parse_with_documented_defaults() {
+        let defaults = TuningConfig::default();
+        assert!(defaults.features.problems);
+        assert_eq!(defaults.problems.events_per_node_per_hour, 10);
+        assert_eq!(
+            defaults.problems.signal_type(Signal::Disk),
+            Some("DiskUsageHigh")
+        );
+        assert_eq!(
+            defaults.problems.signal_type(Signal::TimeSync),
+            Some("NTPProblem")
+        );
+        assert_eq!(defaults.problems.signal_type(Signal::Psi), None);
+        let config = parse(&data(&[
+            ("features.problems", "false"),
+            ("problems.eventsPerNodePerHour", "0"),
+            ("signals.psi", "PressureStallHigh"),
+            ("signals.gpu", ""),
+            ("signals.disk", "NodeDiskProblem"),
+            ("signals.inodes", "NodeDiskProblem"),
+        ]))
+        .unwrap();
+        assert!(!config.features.problems);
+        assert_eq!(config.problems.events_per_node_per_hour, 0);
+        assert_eq!(
+            config.problems.signal_type(Signal::Psi),
+            Some("PressureStallHigh")
+        );
+        assert_eq!(config.problems.signal_type(Signal::Gpu), None);
+        assert_eq!(
+            config.problems.signal_type(Signal::Disk),
+            config.problems.signal_type(Signal::Inodes)
+        );
+    }
+
+    #[test]
+    fn bad_problem_keys_are_refused_naming_the_key() {
+        let errors = problems(&[
+            ("problems.eventsPerNodePerHour", "lots"),
+            ("signals.gpu", "gpu-broken"),
+            ("signals.conntrack", "Ready"),
+            ("signals.timeSync", &"T".repeat(64)),
+            ("features.problems", "yes"),
+        ]);
+        let keys: Vec<&str> = errors.iter().map(|e| e.key.as_str()).collect();
+        assert_eq!(
+            keys,
+            [
+                "features.problems",
+                "problems.eventsPerNodePerHour",
+                "signals.conntrack",
+                "signals.timeSync",
+                "signals.gpu",
+            ]
+        );
+        assert!(errors[1].problem.contains("from 0 to 1000"), "{errors:?}");
+        assert!(
+            errors[2].problem.contains("kubelet or nodekeeper"),
+            "{errors:?}"
+        );
+        assert!(errors[3].problem.contains("at most 63"), "{errors:?}");
+        assert!(errors[4].problem.contains("\"gpu-broken\""), "{errors:?}");
+        assert!(
+            problems(&[("problems.eventsPerNodePerHour", "1001")])[0]
+                .problem
+                .contains("1001")
+        );
+    }
+
+    #[test]
+    fn indicators_fall_into_their_signal() {
+        for (name, signal) in [
+            ("disk./var/lib.used_percent", Some(Signal::Disk)),
+            ("disk./var/lib.inodes_used_percent", Some(Signal::Inodes)),
+            ("psi.io.full_avg60", Some(Signal::Psi)),
+            ("conntrack.used_percent", Some(Signal::Conntrack)),
+            ("time.synchronized", Some(Signal::TimeSync)),
+            ("time.max_error_seconds", Some(Signal::TimeSync)),
+            ("files.used_percent", Some(Signal::FileHandles)),
+            ("memory.available_percent", None),
+            ("load.avg5_per_cpu", None),
+        ] {
+            assert_eq!(Signal::of_indicator(name), signal, "{name}");
+        }
     }
 
     #[test]

@@ -44,12 +44,17 @@ pub fn node_facts(node: &Node) -> NodeFacts {
         .and_then(|s| s.addresses.as_ref())
         .and_then(|addrs| addrs.iter().find(|a| a.type_ == "InternalIP"))
         .and_then(|a| a.address.parse::<IpAddr>().ok());
+    // Problem types are open-ended (any rule file may declare one): ours are those our field
+    // manager applied, as the Node's managedFields say.
+    let managed = crate::conditions::managed_condition_types(
+        node.metadata.managed_fields.as_deref().unwrap_or_default(),
+    );
     let written = status
         .and_then(|s| s.conditions.as_ref())
         .map(|conds| {
             conds
                 .iter()
-                .filter(|c| OWNED_TYPES.contains(&c.type_.as_str()))
+                .filter(|c| OWNED_TYPES.contains(&c.type_.as_str()) || managed.contains(&c.type_))
                 .map(|c| Written {
                     condition: Condition {
                         type_: c.type_.clone(),

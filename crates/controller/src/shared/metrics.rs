@@ -1,9 +1,16 @@
 //! The controller's Prometheus metrics: one struct and one sub-registry per subsystem (`sweep`,
-//! `conditions`, `tuning`, `controller`, `agents`, `reconcile`), and only bounded label values
-//! (outcome classes, method and controller names, condition types and statuses — never node
-//! names, object names or error strings).
+//! `conditions`, `tuning`, `controller`, `agents`, `reconcile`, `problems`), and only bounded
+//! label values (outcome classes, method and controller names, condition types and statuses —
+//! never node names, object names or error strings). The one exception to the `nodekeeper_`
+//! prefix is node-problem-detector's `problem_counter` / `problem_gauge`, kept under NPD's names
+//! so that alert rules written for NPD keep working ([`ProblemTotals`]).
 
-use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeLabelValue};
+use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -102,11 +109,14 @@ pub struct Metrics {
     pub runtime: RuntimeMetrics,
     pub agents: AgentMetrics,
     pub reconcile: ReconcileMetrics,
+    pub problems: ProblemMetrics,
 }
 
 impl Metrics {
     /// Creates the metrics and registers each subsystem under `nodekeeper_<subsystem>_…`.
     pub fn new(registry: &mut Registry) -> Self {
+        let totals = Arc::new(ProblemTotals::default());
+        registry.register_collector(Box::new(Arc::clone(&totals)));
         let root = registry.sub_registry_with_prefix("nodekeeper");
         Self {
             sweep: SweepMetrics::register(root.sub_registry_with_prefix("sweep")),
@@ -115,6 +125,7 @@ impl Metrics {
             runtime: RuntimeMetrics::register(root.sub_registry_with_prefix("controller")),
             agents: AgentMetrics::register(root.sub_registry_with_prefix("agents")),
             reconcile: ReconcileMetrics::register(root.sub_registry_with_prefix("reconcile")),
+            problems: ProblemMetrics::register(root.sub_registry_with_prefix("problems"), totals),
         }
     }
 }
@@ -453,5 +464,181 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("nodekeeper_conditions_patches_total{result=\"Ok\"} 1"));
+    }
+}
+
+/// How a problem Event (a temporary problem, or a problem condition's transition) ended.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
+pub enum EventResult {
+    Emitted,
+    /// Over the node's `problems.eventsPerNodePerHour`: counted here, not written.
+    Suppressed,
+    /// The API refused it or did not answer.
+    Failed,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EventLabels {
+    pub result: EventResult,
+}
+
+/// Node problems: the problem Events and NPD's problem metrics over the fleet.
+#[derive(Clone)]
+pub struct ProblemMetrics {
+    pub events: Family<EventLabels, Counter>,
+    pub totals: Arc<ProblemTotals>,
+}
+
+impl ProblemMetrics {
+    fn register(problems: &mut Registry, totals: Arc<ProblemTotals>) -> Self {
+        let m = Self {
+            events: Family::default(),
+            totals,
+        };
+        problems.register(
+            "events",
+            "Node problem Events by result: Emitted, Suppressed (over the per-node hourly budget) or Failed",
+            m.events.clone(),
+        );
+        m
+    }
+}
+
+/// Most `reason` values of `problem_counter` and (type, reason) pairs of `problem_gauge`; the
+/// rest are summed under [`OTHER_LABEL`]. Reasons come from rule files, which any node may
+/// extend, so the controller caps what it exports.
+pub const MAX_PROBLEM_SERIES: usize = 256;
+/// The label value series beyond [`MAX_PROBLEM_SERIES`] fall into.
+pub const OTHER_LABEL: &str = "Other";
+/// Longest label value kept; longer ones count as [`OTHER_LABEL`].
+const MAX_LABEL_LEN: usize = 128;
+
+fn bounded(value: &str, known: bool, len: usize) -> &str {
+    if known || (len < MAX_PROBLEM_SERIES && value.len() <= MAX_LABEL_LEN) {
+        value
+    } else {
+        OTHER_LABEL
+    }
+}
+
+/// node-problem-detector's `problem_counter{reason}` (problems seen by the fleet's agents while
+/// this controller leads, and problem conditions turning `True`) and `problem_gauge{type,reason}`
+/// (nodes whose problem condition `type` is `True` with `reason`), aggregated over the fleet.
+///
+/// Both are written as gauges: in the OpenMetrics text this endpoint serves, a counter's samples
+/// must end in `_total`, while NPD's series (and the alert rules written for them) are named
+/// `problem_counter`. The value only ever grows, so `rate()` and `increase()` work as on NPD's.
+#[derive(Debug, Default)]
+pub struct ProblemTotals {
+    inner: Mutex<Totals>,
+}
+
+#[derive(Debug, Default)]
+struct Totals {
+    counters: BTreeMap<String, u64>,
+    gauges: BTreeMap<(String, String), u64>,
+}
+
+impl ProblemTotals {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Totals> {
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Adds `n` problems with `reason`.
+    pub fn add(&self, reason: &str, n: u64) {
+        if n == 0 {
+            return;
+        }
+        let mut totals = self.lock();
+        let len = totals.counters.len();
+        let label = bounded(reason, totals.counters.contains_key(reason), len);
+        *totals.counters.entry(label.to_owned()).or_default() += n;
+    }
+
+    /// Replaces the gauge values with `nodes` ((type, reason) → nodes). A pair seen before and
+    /// absent now stays at 0, as NPD keeps a cleared condition's series.
+    pub fn set_gauges(&self, nodes: &BTreeMap<(String, String), u64>) {
+        let mut totals = self.lock();
+        for value in totals.gauges.values_mut() {
+            *value = 0;
+        }
+        for ((type_, reason), count) in nodes {
+            let len = totals.gauges.len();
+            let known = totals.gauges.contains_key(&(type_.clone(), reason.clone()));
+            let key = (
+                bounded(type_, known, len).to_owned(),
+                bounded(reason, known, len).to_owned(),
+            );
+            *totals.gauges.entry(key).or_default() += count;
+        }
+    }
+
+    /// The counter for `reason` (tests and the HTTP API).
+    pub fn counter(&self, reason: &str) -> u64 {
+        self.lock().counters.get(reason).copied().unwrap_or(0)
+    }
+}
+
+impl Collector for ProblemTotals {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let totals = self.lock();
+        let mut counter = encoder.encode_descriptor(
+            "problem_counter",
+            "Number of times a specific type of problem have occurred (node-problem-detector's metric, summed over the fleet)",
+            None,
+            MetricType::Gauge,
+        )?;
+        for (reason, n) in &totals.counters {
+            counter
+                .encode_family(&[("reason", reason.as_str())])?
+                .encode_gauge(n)?;
+        }
+        let mut gauge = encoder.encode_descriptor(
+            "problem_gauge",
+            "Nodes a specific type of problem is affecting (node-problem-detector's metric, summed over the fleet)",
+            None,
+            MetricType::Gauge,
+        )?;
+        for ((type_, reason), n) in &totals.gauges {
+            gauge
+                .encode_family(&[("reason", reason.as_str()), ("type", type_.as_str())])?
+                .encode_gauge(n)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod problem_tests {
+    use super::*;
+
+    #[test]
+    fn npd_names_and_bounded_labels() {
+        let mut registry = Registry::default();
+        let metrics = Metrics::new(&mut registry);
+        let totals = &metrics.problems.totals;
+        totals.add("OOMKilling", 2);
+        totals.add("OOMKilling", 1);
+        for i in 0..(MAX_PROBLEM_SERIES + 10) {
+            totals.add(&format!("R{i}"), 1);
+        }
+        totals.set_gauges(&[(("KernelDeadlock".into(), "DockerHung".into()), 2)].into());
+        totals.set_gauges(&BTreeMap::new());
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        assert!(
+            text.contains("problem_counter{reason=\"OOMKilling\"} 3\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!("problem_counter{{reason=\"{OTHER_LABEL}\"}} 11\n")),
+            "{text}"
+        );
+        // A cleared condition's series stays, at 0.
+        assert!(
+            text.contains("problem_gauge{reason=\"DockerHung\",type=\"KernelDeadlock\"} 0\n"),
+            "{text}"
+        );
+        assert!(!text.contains("problem_counter_total"), "{text}");
     }
 }

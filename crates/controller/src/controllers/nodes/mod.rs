@@ -1,19 +1,28 @@
 //! The node sweep, the one controller that is not a watch-reconcile loop (see
 //! [`crate::controllers`]): a scheduler over the agents that reads every managed node's agent on
-//! its jittered interval ([`sweep`]) and writes the node's conditions only when they change, and
-//! the per-condition gauges computed from the fleet ([`condition_gauges`]). Its input is the
-//! fleet kept by the Node watch in [`crate::shared::fleet`].
+//! its jittered interval ([`sweep`]) and writes the node's conditions only when they change,
+//! turns the agents' node problems into Node Events within a per-node budget ([`problems`]), and
+//! the per-condition and per-problem gauges computed from the fleet ([`condition_gauges`]). Its
+//! input is the fleet kept by the Node watch in [`crate::shared::fleet`].
 
+pub mod problems;
 pub mod sweep;
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use std::collections::{BTreeMap, BTreeSet, HashSet};
+
+use kube::runtime::events::Recorder;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use crate::shared::metrics::{ConditionLabels, ConditionMetrics, SweepMetrics};
+use crate::conditions::{Status, is_problem_type};
+use crate::shared::metrics::{ConditionLabels, ConditionMetrics, ProblemMetrics, SweepMetrics};
 use crate::shared::{Agents, Fleet, Shared, TuningState};
+
+/// Most distinct condition types in `nodekeeper_conditions_nodes`: problem types are open-ended.
+const MAX_CONDITION_LABELS: usize = 128;
 
 /// What the sweep needs.
 pub struct Context {
@@ -25,6 +34,10 @@ pub struct Context {
     pub agent_port: u16,
     pub metrics: SweepMetrics,
     pub conditions: ConditionMetrics,
+    pub problem_metrics: ProblemMetrics,
+    /// Node Events (problems and problem conditions' transitions).
+    pub recorder: Recorder,
+    pub problems: problems::Problems,
 }
 
 impl Context {
@@ -37,6 +50,9 @@ impl Context {
             agent_port: shared.agent_port,
             metrics: shared.metrics.sweep.clone(),
             conditions: shared.metrics.conditions.clone(),
+            problem_metrics: shared.metrics.problems.clone(),
+            recorder: shared.recorder(),
+            problems: problems::Problems::new(k8s_openapi::jiff::Timestamp::now().as_millisecond()),
         }
     }
 
@@ -63,8 +79,15 @@ pub async fn condition_gauges(ctx: Arc<Context>, shutdown: CancellationToken) {
             .nodes_unreachable
             .set(i64::try_from(summary.unreachable).unwrap_or(i64::MAX));
         ctx.conditions.nodes.clear();
+        let mut types: BTreeSet<String> = BTreeSet::new();
         for (key, count) in summary.conditions {
             let (condition, status) = key.split_once('=').unwrap_or((key.as_str(), ""));
+            if !types.contains(condition) {
+                if types.len() >= MAX_CONDITION_LABELS {
+                    continue;
+                }
+                types.insert(condition.to_owned());
+            }
             ctx.conditions
                 .nodes
                 .get_or_create(&ConditionLabels {
@@ -73,5 +96,28 @@ pub async fn condition_gauges(ctx: Arc<Context>, shutdown: CancellationToken) {
                 })
                 .set(i64::try_from(count).unwrap_or(i64::MAX));
         }
+        problem_gauges(&ctx);
     }
+}
+
+/// NPD's `problem_gauge{type,reason}` over the fleet: nodes whose problem condition is `True`,
+/// as written on the Nodes. Also forgets the problem state of nodes that are gone.
+fn problem_gauges(ctx: &Context) {
+    let mut gauges: BTreeMap<(String, String), u64> = BTreeMap::new();
+    let names: HashSet<String> = {
+        let nodes = ctx.fleet.lock();
+        for entry in nodes.values() {
+            for w in &entry.written {
+                let c = &w.condition;
+                if is_problem_type(&c.type_) && c.status == Status::True {
+                    *gauges
+                        .entry((c.type_.clone(), c.reason.clone()))
+                        .or_default() += 1;
+                }
+            }
+        }
+        nodes.keys().cloned().collect()
+    };
+    ctx.problem_metrics.totals.set_gauges(&gauges);
+    ctx.problems.retain(|name| names.contains(name));
 }

@@ -1,6 +1,8 @@
 //! The fleet sweep (leader only): every node's agent is read on its jittered schedule with
-//! bounded concurrency, per-call timeouts and backoff; rules are pushed by revision; and a
-//! node's conditions are patched only when they change.
+//! bounded concurrency, per-call timeouts and backoff; rules are pushed by revision; a node's
+//! conditions are patched only when they change (one apply per node per read at most); and the
+//! node's new temporary problems and problem conditions' transitions become Node Events within
+//! the node's hourly budget, in the same write task.
 //!
 //! Each call runs as its own task with its own timeout, so a slow or silent agent holds one
 //! concurrency slot for at most `callTimeout` and never delays any other node. The call itself
@@ -18,11 +20,14 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use super::Context;
-use crate::conditions::{self, Observation, Written};
+use super::problems::{self, NewProblems};
+use crate::conditions::{self, Observation, TransitionKind, Written};
 use crate::shared::agent_client::{CallError, CallOutcome};
 use crate::shared::agents::{AgentNode, ReportRequest, RulesOutcome, RulesPush};
 use crate::shared::fleet::Job;
-use crate::shared::metrics::{OutcomeLabels, PatchLabels, PatchResult, ResultLabels, WriteResult};
+use crate::shared::metrics::{
+    EventLabels, EventResult, OutcomeLabels, PatchLabels, PatchResult, ResultLabels, WriteResult,
+};
 use crate::shared::writers::Writers;
 use crate::view::NodeView;
 
@@ -118,8 +123,9 @@ async fn poll(ctx: &Arc<Context>, writers: &Writers, job: Job) {
 
     let now = Instant::now();
     let interval = tuning.config.sweep_interval;
-    let features = tuning.config.features;
+    let config = &tuning.config;
     let unit: f64 = rand::random();
+    let mut fresh_view: Option<Arc<NodeView>> = None;
     // Decide under the lock, write without it.
     let write = {
         let mut nodes = ctx.fleet.lock();
@@ -130,7 +136,9 @@ async fn poll(ctx: &Arc<Context>, writers: &Writers, job: Job) {
             Ok((view, rules_refused)) => {
                 entry.schedule.succeeded(now, interval, unit);
                 if let Some(view) = view {
-                    entry.report = Some(Arc::new(view));
+                    let view = Arc::new(view);
+                    fresh_view = Some(Arc::clone(&view));
+                    entry.report = Some(view);
                 }
                 if let Some(revision) = rules_refused {
                     entry.rules_refused = revision;
@@ -142,11 +150,7 @@ async fn poll(ctx: &Arc<Context>, writers: &Writers, job: Job) {
                 entry.stale = false;
                 entry.last_failure = None;
                 entry.report.as_deref().and_then(|view| {
-                    conditions::desired_conditions(
-                        Observation::Fresh(view),
-                        &features,
-                        &entry.written,
-                    )
+                    conditions::desired_conditions(Observation::Fresh(view), config, &entry.written)
                 })
             }
             Err(error) => {
@@ -175,23 +179,92 @@ async fn poll(ctx: &Arc<Context>, writers: &Writers, job: Job) {
                         class,
                         stale_after: tuning.config.stale_after,
                     };
-                    conditions::desired_conditions(observation, &features, &entry.written)
+                    conditions::desired_conditions(observation, config, &entry.written)
                 } else {
                     None
                 }
             }
         };
+        // Types the agent's own rules declare: their turning True is already in its counts.
+        let agent_types: Vec<String> = entry
+            .report
+            .as_deref()
+            .map(|r| {
+                r.problems
+                    .conditions
+                    .iter()
+                    .map(|c| c.type_.clone())
+                    .collect()
+            })
+            .unwrap_or_default();
         desired
             .filter(|desired| conditions::changed(&entry.written, desired))
-            .map(|desired| (desired, entry.written.clone()))
+            .map(|desired| (desired, entry.written.clone(), agent_types))
     };
-    if let Some((desired, current)) = write {
-        // Handed to the writer pool: this read's slot is free for the next read now.
-        let ctx = Arc::clone(ctx);
-        writers.submit(&job.name.clone(), async move {
-            patch_conditions(&ctx, &job.name, &current, &desired, interval).await;
-        });
+    let new = match &fresh_view {
+        Some(view) => ctx.problems.observe(
+            &job.name,
+            view,
+            config.features.problems,
+            &ctx.problem_metrics.totals,
+        ),
+        None => NewProblems::default(),
+    };
+    if write.is_none() && new.events.is_empty() {
+        return;
     }
+    let NewProblems { events, cursor } = new;
+    // Handed to the writer pool: this read's slot is free for the next read now.
+    let task = {
+        let (ctx, name) = (Arc::clone(ctx), job.name.clone());
+        async move {
+            if let Some((desired, current, agent_types)) = write
+                && patch_conditions(&ctx, &name, &current, &desired, interval).await
+            {
+                for t in conditions::transitions(&current, &desired) {
+                    if t.kind == TransitionKind::Problem && !agent_types.contains(&t.type_) {
+                        ctx.problem_metrics.totals.add(&t.reason, 1);
+                    }
+                    publish(&ctx, &name, &problems::transition_event(&t)).await;
+                }
+            }
+            for problem in &events {
+                publish(&ctx, &name, &problems::temporary_event(problem)).await;
+            }
+        }
+    };
+    // A write for this node still pending drops this one; the problems stay unhandled and the
+    // next read offers them again.
+    if writers.submit(&job.name, task)
+        && let Some(cursor) = cursor
+    {
+        ctx.problems.commit(&job.name, cursor);
+    }
+}
+
+/// Writes one Node Event if the node's hourly budget allows; counts it either way.
+async fn publish(ctx: &Context, node: &str, event: &kube::runtime::events::Event) {
+    let budget = ctx.tuning().config.problems.events_per_node_per_hour;
+    let result = if !ctx.problems.admit(node, Instant::now(), budget) {
+        debug!(node = %node, reason = %event.reason, budget, "node event over the hourly budget; not written");
+        EventResult::Suppressed
+    } else {
+        match ctx
+            .recorder
+            .publish(event, &problems::node_reference(node))
+            .await
+        {
+            Ok(()) => EventResult::Emitted,
+            Err(error) => {
+                warn!(node = %node, reason = %event.reason, %error, "writing a node event failed");
+                EventResult::Failed
+            }
+        }
+    };
+    ctx.problem_metrics
+        .events
+        .get_or_create(&EventLabels { result })
+        .inc();
 }
 
 /// Reads the report through the agents service, pushing the rules when the agent holds another
@@ -247,13 +320,14 @@ async fn call_agent(
 }
 
 /// Writes a node's nodekeeper conditions with server-side apply and records what was written.
+/// True when the write landed.
 async fn patch_conditions(
     ctx: &Context,
     name: &str,
     current: &[Written],
     desired: &[conditions::Condition],
     interval: Duration,
-) {
+) -> bool {
     let now = k8s_openapi::jiff::Timestamp::now().to_string();
     let body = conditions::apply_body(name, current, desired, &now);
     let api: Api<Node> = Api::all(ctx.client.clone());
@@ -272,6 +346,7 @@ async fn patch_conditions(
             let facts = crate::shared::fleet::node_facts(&node);
             info!(node = %name, conditions = ?desired.iter().map(|c| format!("{}={}/{}", c.type_, c.status.as_str(), c.reason)).collect::<Vec<_>>(), "conditions changed");
             ctx.fleet.observe(facts, Instant::now());
+            true
         }
         Err(error) => {
             let result = PatchResult::of(&error);
@@ -288,6 +363,7 @@ async fn patch_conditions(
                 .get_mut(name)
                 .map(|entry| entry.schedule.write_failed(Instant::now(), interval));
             warn!(node = %name, %error, class = ?result, retry_in = ?retry, "patching node conditions failed; retrying");
+            false
         }
     }
 }
