@@ -62,6 +62,9 @@ pub async fn condition_gauges(ctx: Arc<Context>, shutdown: CancellationToken) {
         ctx.metrics
             .nodes_unreachable
             .set(i64::try_from(summary.unreachable).unwrap_or(i64::MAX));
+        ctx.metrics
+            .nodes_refusing_rules
+            .set(i64::try_from(summary.refusing_rules).unwrap_or(i64::MAX));
         ctx.conditions.nodes.clear();
         for (key, count) in summary.conditions {
             let (condition, status) = key.split_once('=').unwrap_or((key.as_str(), ""));
