@@ -677,5 +677,8 @@ pub fn link_alias(name: &str) -> String {
     alias_for(name)
 }
 
+mod simulate;
+pub use simulate::simulate;
+
 #[cfg(test)]
 mod tests;
