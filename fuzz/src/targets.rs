@@ -394,10 +394,7 @@ fn networktest(input: &[u8]) {
     let Ok(test) = plan(&spec, &nodes, &env, &resolved, "uid-1") else {
         return;
     };
-    let asked_metadata = spec
-        .targets
-        .iter()
-        .any(|t| *t == TargetSpec::MetadataService);
+    let asked_metadata = spec.targets.contains(&TargetSpec::MetadataService);
     let node_ips: BTreeSet<IpAddr> = nodes.iter().map(|n| n.address).collect();
     for (source, targets) in &test.sources {
         let sent: Vec<Cidr> = test
