@@ -5,7 +5,8 @@
 //! secrets it planted (a token in the kubelet environment file the agents are pointed at, a token
 //! and an AWS key id in a kernel log line). A node whose agent does not answer fails with the
 //! reason while the others succeed; an unknown part and a selector over the cap are refused
-//! naming the field; deleting the object deletes its bundles; the TTL deletes the object.
+//! naming the field; deleting the object deletes its bundles; the TTL deletes the object. A store
+//! with room for one bundle evicts the older one, and the older object's status says so.
 //!
 //! Run: `cargo xtask test -- -p nodekeeper-e2e --test node_diagnostic`.
 
@@ -23,8 +24,8 @@ use anyhow::{Context as _, bail};
 use controller_common::*;
 use kube::Api;
 use kube::api::DeleteParams;
-use nodekeeper_api::crd::NodeDiagnostic;
 use nodekeeper_api::crd::node_diagnostic::Phase;
+use nodekeeper_api::crd::{ConditionStatus, NodeDiagnostic};
 use nodekeeper_e2e::{
     ControlPlane, create_simulated_nodes, install_crds, test_namespace, unique_name, wait_for,
 };
@@ -33,6 +34,10 @@ use sha2::{Digest as _, Sha256};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
 const TIMEOUT: Duration = Duration::from_secs(90);
+
+/// Every controller reconciles every NodeDiagnostic in the cluster (one controller per cluster is
+/// the product's shape), so the tests in this file that start one take turns.
+static ONE_CONTROLLER: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 const ENV_SECRET: &str = "planted-env-secret-6f1c";
 const LOG_SECRET: &str = "planted-log-secret-93ab";
 const AWS_KEY_ID: &str = "AKIAPLANTEDKEY123456";
@@ -247,6 +252,56 @@ async fn check_bundle(
     Ok(())
 }
 
+/// One test's world: a namespace with the tuning ConfigMap (`diagnostics.maxBundleBytes` =
+/// `max_bundle`), a fresh node group label, and a controller managing that group with its bundle
+/// store in a temporary directory (`extra_env` added to its environment).
+struct DiagWorld {
+    client: kube::Client,
+    ns: String,
+    labels: BTreeMap<String, String>,
+    port: u16,
+    store: tempfile::TempDir,
+    controller: ControllerProcess,
+}
+
+async fn diag_world(
+    prefix: &str,
+    max_bundle: &str,
+    extra_env: &[(&str, &str)],
+) -> anyhow::Result<DiagWorld> {
+    let client = ControlPlane::shared().client().await?;
+    install_crds(&client).await?;
+    let ns = test_namespace(&client, prefix).await?;
+    let group = unique_name(prefix);
+    let labels: BTreeMap<String, String> =
+        [("nodekeeper.dev/e2e-group".to_string(), group.clone())].into();
+    let port = free_port();
+    put_tuning(
+        &client,
+        &ns,
+        &BTreeMap::from([
+            ("sweepInterval", "10s"),
+            ("callTimeout", "2s"),
+            ("diagnostics.maxBundleBytes", max_bundle),
+        ]),
+    )
+    .await?;
+    let store = tempfile::tempdir()?;
+    let store_dir = store.path().display().to_string();
+    let mut env = vec![("NODEKEEPER_DIAGNOSTICS_DIR", store_dir.as_str())];
+    env.extend_from_slice(extra_env);
+    let managed = format!("nodekeeper.dev/e2e-group={group}");
+    let controller = ControllerProcess::start(&ns, prefix, &managed, port, &env)?;
+    Ok(DiagWorld {
+        client,
+        ns,
+        labels,
+        port,
+        store,
+        controller,
+    })
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bundles_are_collected_stored_downloaded_and_deleted() -> anyhow::Result<()> {
     if std::process::Command::new("tar")
@@ -257,39 +312,22 @@ async fn bundles_are_collected_stored_downloaded_and_deleted() -> anyhow::Result
         println!("SKIPPED: needs the tar command to untar the downloaded bundles");
         return Ok(());
     }
-    let client = ControlPlane::shared().client().await?;
-    install_crds(&client).await?;
-    let ns = test_namespace(&client, "nk-diag").await?;
-    let group = unique_name("diag");
-    let managed = format!("nodekeeper.dev/e2e-group={group}");
+    let _turn = ONE_CONTROLLER.lock().await;
+    let DiagWorld {
+        client,
+        ns,
+        labels,
+        port,
+        store,
+        controller,
+    } = diag_world("nk-diag", "8388608", &[]).await?;
+    let group = labels["nodekeeper.dev/e2e-group"].clone();
     let ips = loopback_ips(4);
     // Nodes 0–2 get agents; node 3's agent never answers (nothing listens on its address).
-    let labels: BTreeMap<String, String> =
-        [("nodekeeper.dev/e2e-group".to_string(), group.clone())].into();
     let mut with_agents = labels.clone();
     with_agents.insert("nodekeeper.dev/e2e-agents".into(), group.clone());
     let mut nodes = create_simulated_nodes(&client, "nk-diag", 3, &with_agents, &ips[..3]).await?;
     nodes.extend(create_simulated_nodes(&client, "nk-diag-silent", 1, &labels, &ips[3..]).await?);
-    let port = free_port();
-    put_tuning(
-        &client,
-        &ns,
-        &BTreeMap::from([
-            ("sweepInterval", "10s"),
-            ("callTimeout", "2s"),
-            ("diagnostics.maxBundleBytes", "8388608"),
-        ]),
-    )
-    .await?;
-    let store = tempfile::tempdir()?;
-    let store_dir = store.path().display().to_string();
-    let controller = ControllerProcess::start(
-        &ns,
-        "diag-a",
-        &managed,
-        port,
-        &[("NODEKEEPER_DIAGNOSTICS_DIR", &store_dir)],
-    )?;
     let tls = agent_tls(&client, &ns).await?;
     let planted = tempfile::tempdir()?;
     let extra = plant_secrets(planted.path())?;
@@ -453,6 +491,93 @@ async fn bundles_are_collected_stored_downloaded_and_deleted() -> anyhow::Result
     Ok(())
 }
 
+/// A store with room for one bundle: the second NodeDiagnostic evicts the first one's bundle
+/// (its own status says `OlderBundlesEvicted`), and the first one's status stops pointing at a
+/// download that would answer 410: no download path, the reason, `BundlesAvailable=False`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_evicted_bundle_is_reported_in_its_own_objects_status() -> anyhow::Result<()> {
+    let _turn = ONE_CONTROLLER.lock().await;
+    // The smallest bundle cap the tuning ConfigMap accepts (`diagnostics::MIN_BUNDLE_BYTES`), and
+    // a store with room for exactly one bundle being written: any stored bundle must make way.
+    let min_bundle = "65536";
+    let DiagWorld {
+        client,
+        ns,
+        labels,
+        port,
+        store: _store,
+        controller,
+    } = diag_world(
+        "nk-diag-evict",
+        min_bundle,
+        &[("NODEKEEPER_DIAGNOSTICS_MAX_BYTES", min_bundle)],
+    )
+    .await?;
+    let ips = loopback_ips(1);
+    let nodes = create_simulated_nodes(&client, "nk-evict", 1, &labels, &ips).await?;
+    let tls = agent_tls(&client, &ns).await?;
+    let agent = start_agent(&nodes[0], SocketAddr::new(ips[0].into(), port), &tls).await?;
+    wait_condition(
+        &client,
+        &nodes[0],
+        "NodekeeperReachable",
+        "True",
+        None,
+        TIMEOUT,
+    )
+    .await?;
+
+    let api: Api<NodeDiagnostic> = Api::namespaced(client.clone(), &ns);
+    let spec = json!({"nodeName": nodes[0], "parts": ["report"], "ttlSecondsAfterFinished": 600});
+    let first = unique_name("first");
+    apply(&api, &first, spec.clone()).await?;
+    let s = finished(&api, &first).await?.status.context("status")?;
+    assert_eq!(s.phase, Some(Phase::Succeeded), "{s:#?}");
+    let old_path = s.nodes[0].download_path.clone();
+    assert!(!old_path.is_empty(), "{s:#?}");
+
+    let second = unique_name("second");
+    apply(&api, &second, spec).await?;
+    let s = finished(&api, &second).await?.status.context("status")?;
+    assert_eq!(s.phase, Some(Phase::Succeeded), "{s:#?}");
+    let storage = s
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "StorageAvailable")
+        .context("StorageAvailable")?;
+    assert_eq!(storage.reason, "OlderBundlesEvicted", "{storage:?}");
+    assert!(storage.message.contains(&first), "{storage:?}");
+
+    let evicted = wait_for("the evicted object's status to say so", TIMEOUT, || {
+        let api = api.clone();
+        let first = first.clone();
+        async move {
+            let s = api.get(&first).await?.status.context("status")?;
+            Ok(s.nodes[0].download_path.is_empty().then_some(s))
+        }
+    })
+    .await?;
+    assert_eq!(evicted.phase, Some(Phase::Succeeded), "{evicted:#?}");
+    assert!(
+        evicted.nodes[0].reason.contains("evicted to make room"),
+        "{evicted:#?}"
+    );
+    let available = evicted
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "BundlesAvailable")
+        .context("BundlesAvailable")?;
+    assert_eq!(
+        (available.status, available.reason.as_str()),
+        (ConditionStatus::False, "BundlesGone"),
+        "{available:?}"
+    );
+    let (code, _, _) = get_bytes(controller.http, &old_path).await?;
+    assert_eq!(code, 410);
+    drop((agent, controller));
+    Ok(())
+}
+
 /// Pseudo-random lowercase text (compresses to about 60 %, like busy logs), as kmsg records.
 fn noisy_kmsg(bytes: usize) -> String {
     let mut seed = 0x2545_f491_u32;
@@ -494,6 +619,7 @@ fn memory_kib(pid: u32, field: &str) -> anyhow::Result<u64> {
 #[ignore = "benchmark: cargo xtask test -- -p nodekeeper-e2e --test node_diagnostic -- --ignored --exact bench_bundles --nocapture"]
 async fn bench_bundles() -> anyhow::Result<()> {
     const NODES: usize = 50;
+    let _turn = ONE_CONTROLLER.lock().await;
     // The kernel log each agent holds; the bundle is mostly this, compressed to about 60 %.
     let kmsg_mib: usize = std::env::var("NODEKEEPER_BENCH_KMSG_MIB")
         .ok()

@@ -6,13 +6,14 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-const ABOUT: &str =
-    "nodekeeper from the command line: fleet status, node reports and network checks";
+const ABOUT: &str = "nodekeeper from the command line: fleet status, node reports, network checks, maintenance and diagnostics";
 
 const LONG_ABOUT: &str = "\
-nodekeeper from the command line: fleet status, node reports and network checks.
+nodekeeper from the command line: fleet status, node reports, network checks, node \
+maintenance (cordon, drain, uncordon) and diagnostics bundles.
 
-Talks only to the Kubernetes API server: NetworkTests and NodeMaintenances directly, the \
+Talks only to the Kubernetes API server: NetworkTests, NodeMaintenances and NodeDiagnostics \
+directly, the \
 controller's HTTP API (`/api/...`) through the API server's service proxy to the Service \
 `nodekeeper-controller` (port `http`) in the controller's namespace (-n). It never contacts an \
 agent. Install it by putting `kubectl-nodekeeper` on your PATH; kubectl then runs it as \
@@ -27,17 +28,23 @@ Examples:
   kubectl nodekeeper netcheck                    # every node pings 3 of its peers
   kubectl nodekeeper netcheck -l pool=gpu --kind tcp --port 443 10.0.0.10 apiserver
   kubectl nodekeeper netcheck --kind dns --resolver 10.96.0.10 kubernetes.default.svc.cluster.local
+  kubectl nodekeeper maintain worker-7 --drain    # cordon and drain, showing what blocks
+  kubectl nodekeeper maintain complete worker-7  # uncordon when the work is done
+  kubectl nodekeeper diag worker-7 -O /tmp/inc   # collect, download and check a bundle
   kubectl nodekeeper completion bash > /etc/bash_completion.d/kubectl-nodekeeper
 
 Exit codes:
   0    done, and what was checked is fine
-  1    done, and what was checked failed (netcheck: a pair failed, or the test did not finish)
+  1    done, and what was checked failed (netcheck: a pair failed, or the test did not finish;
+       maintain: a drain timed out; diag: a bundle not collected or not downloaded)
   2    not done: bad usage, API server unreachable, credentials refused, permission denied,
-       unknown node, selector matching no node, NetworkTest refused (by the API server or the
-       controller), controller not reachable
-  130  interrupted (Ctrl-C) during netcheck; its NetworkTest is deleted unless --keep
+       unknown node, selector matching no node, object refused (by the API server or the
+       controller), controller not reachable; nothing is created
+  130  interrupted (Ctrl-C): netcheck and diag delete what they created unless --keep;
+       maintain leaves the NodeMaintenance as it is and prints how to resume
 
-Output: tables on a terminal are coloured; piped output is plain and stable. Use -o json or
+Output: tables on a terminal are coloured and progress is redrawn in place on stderr; piped
+output is plain and stable (progress as one stderr line per change). Use -o json or
 -o yaml in scripts.";
 
 /// The `kubectl nodekeeper` plugin.
@@ -74,8 +81,8 @@ pub struct Global {
     #[arg(long, global = true, env = "NODEKEEPER_CONTEXT", value_name = "NAME")]
     pub context: Option<String>,
 
-    /// Namespace of the nodekeeper controller (its Service), and of the NetworkTests netcheck
-    /// creates.
+    /// Namespace of the nodekeeper controller (its Service), and of the NetworkTests and
+    /// NodeDiagnostics netcheck and diag create.
     #[arg(
         short = 'n',
         long,
@@ -132,6 +139,12 @@ pub enum Command {
     /// Runs a network test (a NetworkTest) from the selected nodes, shows its progress, and
     /// prints the summary and the failing pairs. Exits 1 when a pair failed.
     Netcheck(crate::netcheck::Args),
+    /// Cordons or drains nodes through a NodeMaintenance and follows it node by node, with the
+    /// pods that block; `maintain complete` uncordons. Exits 1 when a drain timed out.
+    Maintain(crate::maintain::Args),
+    /// Collects a diagnostics bundle from each node (a NodeDiagnostic), downloads it through
+    /// the API server and checks its sha256. Exits 1 when a bundle is missing.
+    Diag(crate::diag::Args),
     /// Prints a shell completion script.
     Completion(CompletionArgs),
 }
@@ -175,6 +188,22 @@ mod tests {
         assert_eq!(cli.global.namespace, "ops");
         assert_eq!(cli.global.output, OutputFormat::Json);
         assert_eq!(cli.global.context.as_deref(), Some("prod"));
+    }
+
+    #[test]
+    fn every_verb_that_changes_something_has_examples_in_its_help() {
+        let mut cli = Cli::command();
+        for verb in ["netcheck", "maintain", "diag"] {
+            let help = cli
+                .find_subcommand_mut(verb)
+                .unwrap_or_else(|| panic!("{verb}"))
+                .render_long_help()
+                .to_string();
+            assert!(
+                help.contains("Examples:") && help.contains(&format!("kubectl nodekeeper {verb} ")),
+                "{verb}:\n{help}"
+            );
+        }
     }
 
     #[test]

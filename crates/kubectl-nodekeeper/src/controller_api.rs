@@ -27,18 +27,27 @@ pub enum Answer {
     NotFound(String),
 }
 
-/// `GET path` on the controller through the service proxy.
-pub async fn get(conn: &Connection, path: &str) -> Result<Answer, Error> {
+/// `GET path` on the controller through the service proxy: the answer with its body unread
+/// (a bundle is streamed from it).
+pub async fn send_get(
+    conn: &Connection,
+    path: &str,
+    accept: &str,
+) -> Result<http::Response<kube::client::Body>, Error> {
     let uri = proxy_path(&conn.namespace, path);
     let request = http::Request::get(&uri)
-        .header(http::header::ACCEPT, "application/json")
+        .header(http::header::ACCEPT, accept)
         .body(Vec::new())
         .map_err(|e| Error::InvalidFlags(format!("cannot request {uri}: {e}")))?;
-    let response = conn
-        .client
+    conn.client
         .send(request.map(kube::client::Body::from))
         .await
-        .map_err(|e| conn.error(&format!("GET {uri}"), e))?;
+        .map_err(|e| conn.error(&format!("GET {uri}"), e))
+}
+
+/// `GET path` on the controller through the service proxy, read as JSON.
+pub async fn get(conn: &Connection, path: &str) -> Result<Answer, Error> {
+    let response = send_get(conn, path, "application/json").await?;
     let status = response.status();
     let body = response
         .into_body()
@@ -55,7 +64,12 @@ pub async fn get(conn: &Connection, path: &str) -> Result<Answer, Error> {
 
 /// Tells the API server's own answers (a `Status` object: no Service, no endpoints, forbidden)
 /// from the controller's (its JSON, or its `{"error": …}` / plain-text errors).
-fn classify(namespace: &str, server: &str, code: u16, text: &str) -> Result<Answer, Error> {
+pub(crate) fn classify(
+    namespace: &str,
+    server: &str,
+    code: u16,
+    text: &str,
+) -> Result<Answer, Error> {
     let json: Option<serde_json::Value> = serde_json::from_str(text).ok();
     let from_api_server = json.as_ref().is_some_and(|v| v["kind"] == "Status");
     let message = || -> String {

@@ -57,6 +57,42 @@ pub enum Error {
         message: String,
         disposition: String,
     },
+    #[error(
+        "node {name:?} cannot be selected by name: its kubernetes.io/hostname label is {}; write a NodeMaintenance or NodeDiagnostic with a spec.nodeSelector on its labels instead (kubectl apply)",
+        label.as_ref().map_or_else(|| "missing".to_owned(), |l| format!("{l:?}"))
+    )]
+    NodeNotSelectableByName { name: String, label: Option<String> },
+    #[error("the API server refused the {what}: {message}; nothing was changed")]
+    Refused { what: String, message: String },
+    #[error("the controller refused {what}: {message}; {disposition}")]
+    ControllerRefused {
+        what: String,
+        message: String,
+        disposition: String,
+    },
+    #[error(
+        "nodemaintenance {name} is finished (stage Complete) and cannot be reopened; leave out --name (a new one is created) or pick another name"
+    )]
+    MaintenanceFinished { name: String },
+    #[error(
+        "nodemaintenance {name} selects other nodes ({selector}); leave out --name to create one for these nodes, or name the nodes it selects"
+    )]
+    MaintenanceSelectsOtherNodes { name: String, selector: String },
+    #[error(
+        "several unfinished NodeMaintenances select exactly these nodes ({}); pick one with --name",
+        names.join(", ")
+    )]
+    AmbiguousMaintenance { names: Vec<String> },
+    #[error(
+        "no NodeMaintenance {what}; `kubectl get nodemaintenances` lists them (pass --name), or start one with `kubectl nodekeeper maintain NODES`"
+    )]
+    MaintenanceNotFound { what: String },
+    #[error("write {}: {source}", path.display())]
+    WriteFile {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("unexpected answer from {what}: {detail}")]
     UnexpectedAnswer { what: String, detail: String },
     #[error("{what}: {detail}")]

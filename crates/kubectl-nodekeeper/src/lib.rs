@@ -2,14 +2,17 @@
 //! server — custom resources directly, the controller's HTTP API through the API server's
 //! service proxy — and never to an agent.
 //!
-//! Each verb is a module with an `Args` struct and an `async fn run`; adding a verb (the
-//! NodeMaintenance and diagnostics verbs are still to come) means a module and one variant of
-//! [`cli::Command`].
+//! Each verb is a module with an `Args` struct and an `async fn run`; adding a verb means a
+//! module and one variant of [`cli::Command`].
 
 pub mod cli;
 pub mod connect;
 pub mod controller_api;
+pub mod diag;
 pub mod error;
+pub mod live;
+pub mod maintain;
+pub mod named_nodes;
 pub mod netcheck;
 pub mod node;
 pub mod render;
@@ -30,7 +33,8 @@ pub use error::Error;
 pub mod exit {
     /// Done, and what was checked is fine.
     pub const OK: u8 = 0;
-    /// Done, and what was checked failed (e.g. a netcheck with failing pairs).
+    /// Done, and what was checked failed (a netcheck with failing pairs, a drain that timed
+    /// out, a bundle that could not be collected).
     pub const FAILED: u8 = 1;
     /// Not done: bad usage, no connection, no permission, an object refused, the controller not
     /// reachable.
@@ -85,19 +89,16 @@ fn report(error: &Error) -> ExitCode {
 /// Runs one verb.
 pub async fn run(cli: Cli) -> Result<Outcome, Error> {
     let out = render::Output::new(cli.global.output);
+    if let cli::Command::Completion(_) = cli.command {
+        return Ok(Outcome::Ok);
+    }
+    let conn = connect::connect(&cli.global).await?;
     match cli.command {
-        cli::Command::Status(args) => {
-            let conn = connect::connect(&cli.global).await?;
-            status::run(&conn, &args, &out).await
-        }
-        cli::Command::Node(args) => {
-            let conn = connect::connect(&cli.global).await?;
-            node::run(&conn, &args, &out).await
-        }
-        cli::Command::Netcheck(args) => {
-            let conn = connect::connect(&cli.global).await?;
-            netcheck::run(&conn, &args, &out).await
-        }
+        cli::Command::Status(args) => status::run(&conn, &args, &out).await,
+        cli::Command::Node(args) => node::run(&conn, &args, &out).await,
+        cli::Command::Netcheck(args) => netcheck::run(&conn, &args, &out).await,
+        cli::Command::Maintain(args) => maintain::run(&conn, &args, &out).await,
+        cli::Command::Diag(args) => diag::run(&conn, &args, &out).await,
         cli::Command::Completion(_) => Ok(Outcome::Ok),
     }
 }

@@ -3,7 +3,8 @@
 //! against a control plane ([`ControllerProcess`]), give agents the certificate the controller
 //! issued ([`AgentTls`]), start agents with one command line ([`AgentSetup`]: in-process in the
 //! tests, many in one [`AgentsHost`] for the fleet bench, one process each in the demo), and read
-//! the controller's HTTP API and metrics ([`http_get`], [`metric`]).
+//! the controller's HTTP API and metrics ([`http_get`], [`metric`]), and expose that API through
+//! the API server's service proxy ([`service_proxy`], for the plugin's tests and the demo).
 //!
 //! This library does not link the agent or controller crates: xtask depends on it and must build
 //! without the generated gRPC code. Code that needs those crates runs in a test binary of this
@@ -16,6 +17,7 @@ mod agents;
 mod controller;
 mod http;
 mod process;
+pub mod service_proxy;
 
 pub use agents::{
     AGENT_SECRET, AgentSetup, AgentTls, AgentsHost, FLEET_HELPER, FLEET_ROLE, FLEET_SPEC_ENV,

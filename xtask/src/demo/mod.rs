@@ -1,7 +1,11 @@
 //! `cargo xtask demo`: nodekeeper end to end on this machine — a local control plane with
 //! simulated (kwok) nodes, one real `nodekeeper-agent` process per node listening on the node's
-//! loopback InternalIP, the real `nodekeeper-controller`, the fleet summary and Node conditions
-//! the controller produces, and a NetworkTest from `deploy/examples/` run across the fleet.
+//! loopback InternalIP, the real `nodekeeper-controller`, the fleet status and Node conditions
+//! the controller produces, and a network test across the fleet. As root, what the controller
+//! knows is shown by the built `kubectl nodekeeper` plugin, which reaches the controller as it
+//! would in a cluster: through the API server's service proxy (a network namespace stands in for
+//! the controller Pod's network, `nodekeeper_e2e::rig::service_proxy`); otherwise the demo reads
+//! the controller's HTTP API directly and runs `deploy/examples/networktest-mesh.yaml`.
 //!
 //! This file holds the entry point and what the demo has running; `steps.rs` the six steps,
 //! started through the rig of `nodekeeper_e2e::rig` like the e2e tests and the fleet bench;
@@ -9,7 +13,8 @@
 //!
 //! Everything it starts dies with it (Ctrl-C included): the control plane and our own children
 //! get SIGKILL from the kernel when this process ends (the harness's parent-death signal), and
-//! a normal exit or Ctrl-C stops them first, by pid. All traffic stays on 127.0.0.0/8.
+//! a normal exit or Ctrl-C stops them first, by pid (and removes the network namespace). All
+//! traffic stays on 127.0.0.0/8 and, as root, inside that namespace's veth pair (10.254.x.y/30).
 
 // The demo's output is its purpose.
 #![allow(clippy::print_stdout)]
@@ -24,6 +29,7 @@ use anyhow::{Result, anyhow};
 use clap::Args;
 use nodekeeper_e2e::controlplane::Cluster;
 use nodekeeper_e2e::rig::Process;
+use nodekeeper_e2e::rig::service_proxy::ExposedController;
 
 use crate::deps;
 
@@ -76,14 +82,15 @@ fn demo(args: &DemoArgs) -> Result<()> {
     let started = Instant::now();
     step(
         1,
-        "Building nodekeeper-agent and nodekeeper-controller (cargo build)",
+        "Building nodekeeper-agent, nodekeeper-controller and kubectl-nodekeeper (cargo build)",
     );
     deps::ensure(deps::DEMO)?;
     let bins = build_binaries()?;
     println!(
-        "    {}\n    {}",
+        "    {}\n    {}\n    {}",
         bins.agent.display(),
-        bins.controller.display()
+        bins.controller.display(),
+        bins.plugin.display()
     );
 
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -124,12 +131,14 @@ fn step(n: u32, title: &str) {
 struct Binaries {
     agent: PathBuf,
     controller: PathBuf,
+    /// The `kubectl nodekeeper` plugin.
+    plugin: PathBuf,
 }
 
-/// Builds both binaries with cargo's output on the terminal, and takes their paths from
+/// Builds the three binaries with cargo's output on the terminal, and takes their paths from
 /// cargo's own report (which honours `CARGO_TARGET_DIR` and config).
 fn build_binaries() -> Result<Binaries> {
-    let [agent, controller] = crate::cargo::build_executables(
+    let [agent, controller, plugin] = crate::cargo::build_executables(
         &crate::codegen::repo_root(),
         &[
             "build",
@@ -137,11 +146,21 @@ fn build_binaries() -> Result<Binaries> {
             "nodekeeper-agent",
             "-p",
             "nodekeeper-controller",
+            "-p",
+            "kubectl-nodekeeper",
             "--bins",
         ],
-        ["nodekeeper-agent", "nodekeeper-controller"],
+        [
+            "nodekeeper-agent",
+            "nodekeeper-controller",
+            "kubectl-nodekeeper",
+        ],
     )?;
-    Ok(Binaries { agent, controller })
+    Ok(Binaries {
+        agent,
+        controller,
+        plugin,
+    })
 }
 
 /// What the demo has running. Dropping it (any exit path) stops the children, then the
@@ -150,6 +169,8 @@ fn build_binaries() -> Result<Binaries> {
 struct Running {
     children: Vec<Process>,
     cluster: Option<Cluster>,
+    /// The controller behind the service proxy (as root).
+    exposed: Option<ExposedController>,
 }
 
 impl Running {
@@ -163,6 +184,7 @@ impl Running {
             p.wait_or_kill(deadline);
         }
         self.children.clear();
+        self.exposed = None;
         // A WithThisProcess cluster stops when dropped; a detached one stays.
         self.cluster = None;
     }

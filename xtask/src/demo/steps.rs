@@ -1,7 +1,9 @@
 //! The demo's six steps: a fresh control plane with the demo's namespace and tuning, the
-//! controller, one agent process per simulated node and their Nodes, the controller's view of
-//! them, and a NetworkTest across them — each started through the rig of `nodekeeper_e2e::rig`
-//! and awaited with a deadline that also fails when a child exits.
+//! controller (exposed through the API server's service proxy when root), one agent process per
+//! simulated node and their Nodes, the controller's view of them, and a network test across them
+//! — each started through the rig of `nodekeeper_e2e::rig` and awaited with a deadline that also
+//! fails when a child exits. What the controller knows is shown by `kubectl nodekeeper` where it
+//! can reach the controller, else read from the controller's HTTP API directly.
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -16,6 +18,7 @@ use kube::api::{ListParams, Patch, PatchParams};
 use nodekeeper_api::crd::NetworkTest;
 use nodekeeper_api::crd::network_test::Phase;
 use nodekeeper_e2e::controlplane::{self, Lifetime, Options, nodes};
+use nodekeeper_e2e::rig::service_proxy::{SERVICE_HOST_LABEL, expose_controller};
 use nodekeeper_e2e::rig::{
     AGENT_SECRET, AgentSetup, AgentTls, ControllerConfig, ControllerProcess, Output, Program,
     http_get,
@@ -143,7 +146,8 @@ pub(super) async fn steps(args: &DemoArgs, bins: &Binaries, running: &mut Runnin
         identity: "demo-controller".into(),
         http,
         agent_port,
-        node_selector: format!("{}=true", nodes::SIMULATED_LABEL),
+        // Not the node that holds the controller's stand-in Pod (below): it has no agent.
+        node_selector: fleet_selector(),
         log: None,
         // For `apiServer: true` targets (deploy/examples/networktest-apiserver.yaml).
         env: vec![(
@@ -185,6 +189,27 @@ pub(super) async fn steps(args: &DemoArgs, bins: &Binaries, running: &mut Runnin
         t.elapsed().as_secs_f64(),
         tls_dir.display()
     );
+    // The plugin reaches the controller only through the API server's service proxy, which
+    // dials Pod addresses and never loopback ones: as root, a network namespace stands in for
+    // the controller Pod's network.
+    let plugin = if nix::unistd::geteuid().is_root() {
+        let exposed = expose_controller(&client, NAMESPACE, http)
+            .await
+            .context("expose the controller through the service proxy")?;
+        println!(
+            "    Service {NAMESPACE}/nodekeeper-controller (port http) leads to it through a network namespace with a veth pair (10.254.x.y/30) standing in for its Pod's network, so `kubectl nodekeeper` reaches it through the API server's service proxy, as in a cluster"
+        );
+        running.exposed = Some(exposed);
+        Some(Plugin {
+            binary: bins.plugin.clone(),
+            kubeconfig: kubeconfig.clone(),
+        })
+    } else {
+        println!(
+            "    not root: no network namespace for the service proxy to reach the controller through, so the demo reads the controller's HTTP API directly instead of running `kubectl nodekeeper`"
+        );
+        None
+    };
 
     // 4. The agents, then the Nodes they stand for: the controller finds every agent already
     // listening when it first sees the Node.
@@ -267,84 +292,60 @@ pub(super) async fn steps(args: &DemoArgs, bins: &Binaries, running: &mut Runnin
         "    all {n} agents read, and their conditions written, within {:.1}s of their Nodes' creation",
         created.elapsed().as_secs_f64()
     );
-    print_summary(&summary, http);
-    let mut details = Vec::new();
-    for node in &sim {
-        let (status, body) = http_get(http, &format!("/api/v1/nodes/{}", node.name)).await?;
-        if status != 200 {
-            bail!(
-                "GET http://{http}/api/v1/nodes/{} answered {status}: {}",
-                node.name,
-                body.trim()
-            );
+    if let Some(plugin) = &plugin {
+        plugin.run(&["status", "-o", "wide"]).await?;
+        plugin.run(&["node", &sim[0].name]).await?;
+    } else {
+        print_summary(&summary, http);
+        let mut details = Vec::new();
+        for node in &sim {
+            let (status, body) = http_get(http, &format!("/api/v1/nodes/{}", node.name)).await?;
+            if status != 200 {
+                bail!(
+                    "GET http://{http}/api/v1/nodes/{} answered {status}: {}",
+                    node.name,
+                    body.trim()
+                );
+            }
+            details.push(serde_json::from_str::<Value>(&body)?);
         }
-        details.push(serde_json::from_str::<Value>(&body)?);
+        print_nodes(&details, http);
     }
-    print_nodes(&details, http);
     let simulated = Api::<Node>::all(client.clone())
         .list(&ListParams::default().labels(&format!("{}=true", nodes::SIMULATED_LABEL)))
         .await
         .context("list the simulated Nodes")?;
     print_conditions(&simulated.items);
 
-    // 6. A NetworkTest across the fleet.
-    step(
-        6,
-        &format!(
-            "Running NetworkTest {NAMESPACE}/mesh (deploy/examples/{NETWORK_TEST_EXAMPLE}) across the simulated fleet"
-        ),
-    );
-    let mut test = read_example(NETWORK_TEST_EXAMPLE)?;
-    test["metadata"]["namespace"] = NAMESPACE.into();
-    let test_name = test["metadata"]["name"]
-        .as_str()
-        .with_context(|| format!("deploy/examples/{NETWORK_TEST_EXAMPLE} has no metadata.name"))?
-        .to_owned();
-    let tests: Api<NetworkTest> = Api::namespaced(client.clone(), NAMESPACE);
-    apply(&tests, &test_name, &test).await?;
-    let (tests, test_name) = (&tests, test_name.as_str());
-    println!(
-        "    applied: kind {}, targets {}",
-        test["spec"]["kind"].as_str().unwrap_or("?"),
-        test["spec"]["targets"]
-    );
-    let t = Instant::now();
-    // A controller running the NetworkTest reconciler writes `Running` within seconds; without
-    // one the test would wait out the whole timeout for nothing.
-    wait_until(
-        running,
-        &format!("the controller to pick up NetworkTest {NAMESPACE}/{test_name} (any status.phase)"),
-        timeout.min(Duration::from_secs(20)),
-        &controller_log,
-        move || async move {
-            let test = tests.get(test_name).await?;
-            Ok(test.status.as_ref().and_then(|s| s.phase).is_some())
-        },
-    )
-    .await
-    .context(
-        "the controller did not pick up the NetworkTest (does this build of nodekeeper-controller run the NetworkTest reconciler? `grep -n networktest crates/controller/src/controllers/mod.rs`)",
-    )?;
-    let done = wait_until_some(
-        running,
-        &format!(
-            "NetworkTest {NAMESPACE}/{test_name} to finish (status.phase Succeeded or Failed)"
-        ),
-        timeout,
-        &controller_log,
-        move || async move {
-            let test = tests.get(test_name).await?;
-            let finished = test
-                .status
-                .as_ref()
-                .and_then(|s| s.phase)
-                .is_some_and(|p| matches!(p, Phase::Succeeded | Phase::Failed));
-            Ok(finished.then_some(test))
-        },
-    )
-    .await?;
-    println!("    finished in {:.1}s", t.elapsed().as_secs_f64());
-    print_network_test(&done);
+    // 6. A network test across the fleet.
+    let test_name = match &plugin {
+        Some(plugin) => {
+            step(
+                6,
+                "Running `kubectl nodekeeper netcheck` across the simulated fleet (the spec of deploy/examples/networktest-mesh.yaml)",
+            );
+            let selector = fleet_selector();
+            // The example's spec: ICMP, three peers per node, three probes each, 1 s timeout.
+            // Exit status 1 (a pair failed) is a result to show, not a failure of the demo.
+            plugin
+                .run(&[
+                    "netcheck",
+                    "-l",
+                    &selector,
+                    "--name",
+                    MESH,
+                    "--keep",
+                    "--count",
+                    "3",
+                    "--probe-timeout",
+                    "1s",
+                    "peers:3",
+                ])
+                .await?;
+            MESH.to_owned()
+        }
+        None => network_test_from_example(&client, running, timeout, &controller_log).await?,
+    };
     let path = format!("/api/networktests/{NAMESPACE}/{test_name}");
     match http_get(http, &path).await {
         Ok((200, body)) => print_pairs(&serde_json::from_str(&body)?),
@@ -390,6 +391,119 @@ pub(super) async fn steps(args: &DemoArgs, bins: &Binaries, running: &mut Runnin
         }
     }
     Ok(())
+}
+
+/// Step 6 without the plugin: applies `deploy/examples/networktest-mesh.yaml`, waits for it and
+/// prints its status; returns its name.
+async fn network_test_from_example(
+    client: &kube::Client,
+    running: &mut Running,
+    timeout: Duration,
+    controller_log: &Path,
+) -> Result<String> {
+    step(
+        6,
+        &format!(
+            "Running NetworkTest {NAMESPACE}/mesh (deploy/examples/{NETWORK_TEST_EXAMPLE}) across the simulated fleet"
+        ),
+    );
+    let mut test = read_example(NETWORK_TEST_EXAMPLE)?;
+    test["metadata"]["namespace"] = NAMESPACE.into();
+    let test_name = test["metadata"]["name"]
+        .as_str()
+        .with_context(|| format!("deploy/examples/{NETWORK_TEST_EXAMPLE} has no metadata.name"))?
+        .to_owned();
+    let tests: Api<NetworkTest> = Api::namespaced(client.clone(), NAMESPACE);
+    apply(&tests, &test_name, &test).await?;
+    let (tests, test_name) = (&tests, test_name.as_str());
+    println!(
+        "    applied: kind {}, targets {}",
+        test["spec"]["kind"].as_str().unwrap_or("?"),
+        test["spec"]["targets"]
+    );
+    let t = Instant::now();
+    // A controller running the NetworkTest reconciler writes `Running` within seconds; without
+    // one the test would wait out the whole timeout for nothing.
+    wait_until(
+        running,
+        &format!("the controller to pick up NetworkTest {NAMESPACE}/{test_name} (any status.phase)"),
+        timeout.min(Duration::from_secs(20)),
+        controller_log,
+        move || async move {
+            let test = tests.get(test_name).await?;
+            Ok(test.status.as_ref().and_then(|s| s.phase).is_some())
+        },
+    )
+    .await
+    .context(
+        "the controller did not pick up the NetworkTest (does this build of nodekeeper-controller run the NetworkTest reconciler? `grep -n networktest crates/controller/src/controllers/mod.rs`)",
+    )?;
+    let done = wait_until_some(
+        running,
+        &format!(
+            "NetworkTest {NAMESPACE}/{test_name} to finish (status.phase Succeeded or Failed)"
+        ),
+        timeout,
+        controller_log,
+        move || async move {
+            let test = tests.get(test_name).await?;
+            let finished = test
+                .status
+                .as_ref()
+                .and_then(|s| s.phase)
+                .is_some_and(|p| matches!(p, Phase::Succeeded | Phase::Failed));
+            Ok(finished.then_some(test))
+        },
+    )
+    .await?;
+    println!("    finished in {:.1}s", t.elapsed().as_secs_f64());
+    print_network_test(&done);
+    Ok(test_name.to_owned())
+}
+
+/// The demo's fleet: the simulated nodes, less the one holding the controller's stand-in Pod.
+fn fleet_selector() -> String {
+    format!("{}=true,!{SERVICE_HOST_LABEL}", nodes::SIMULATED_LABEL)
+}
+
+/// The NetworkTest the plugin runs: named as the example's.
+const MESH: &str = "mesh";
+
+/// The built `kubectl nodekeeper`, pointed at the demo's cluster.
+struct Plugin {
+    binary: PathBuf,
+    kubeconfig: PathBuf,
+}
+
+impl Plugin {
+    /// Runs `kubectl nodekeeper args…` with the demo's terminal as its own (colour and progress
+    /// when it is one), after printing the command; returns its exit code.
+    async fn run(&self, args: &[&str]) -> Result<i32> {
+        println!();
+        println!("    $ kubectl nodekeeper {}", args.join(" "));
+        let status = tokio::process::Command::new(&self.binary)
+            .arg("--kubeconfig")
+            .arg(&self.kubeconfig)
+            .args(["-n", NAMESPACE])
+            .args(args)
+            .env_remove("KUBECONFIG")
+            .stdin(std::process::Stdio::null())
+            .status()
+            .await
+            .with_context(|| format!("run {}", self.binary.display()))?;
+        let code = status.code().unwrap_or(-1);
+        if code != 0 {
+            println!("    (exit status {code})");
+        }
+        println!();
+        if code == 2 || code < 0 {
+            bail!(
+                "kubectl nodekeeper {} failed (exit status {code})",
+                args.join(" ")
+            );
+        }
+        Ok(code)
+    }
 }
 
 /// The sysctls of simulated node `i` and what is notable about them: node 0's

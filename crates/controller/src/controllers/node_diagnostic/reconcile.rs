@@ -125,6 +125,7 @@ async fn apply(obj: Arc<NodeDiagnostic>, ctx: &Context) -> Result<Action, Error>
     let current = obj.status.as_ref();
 
     if let Some(done) = current.filter(|s| status::is_terminal(Some(s))) {
+        mark_gone(ctx, &api, &ns, &name, done).await?;
         return match status::expiry(done, ttl, status::now_unix()) {
             Expiry::RecheckAfter(after) => Ok(Action::requeue(after)),
             Expiry::Delete => {
@@ -255,6 +256,15 @@ async fn apply(obj: Arc<NodeDiagnostic>, ctx: &Context) -> Result<Action, Error>
             format!("node {node} does not exist (spec.nodeName)"),
         ));
     }
+    let evicted_objects: std::collections::BTreeSet<(String, String)> = storage
+        .evicted
+        .iter()
+        .filter_map(|e| {
+            let mut it = e.splitn(3, '/');
+            Some((it.next()?.to_owned(), it.next()?.to_owned()))
+        })
+        .filter(|(n, o)| *n != ns || *o != name)
+        .collect();
     let done = status::finished(
         Some(&running),
         bundles,
@@ -273,7 +283,55 @@ async fn apply(obj: Arc<NodeDiagnostic>, ctx: &Context) -> Result<Action, Error>
         }
         finished.insert(uid);
     }
+    // The objects whose bundles made room for these say so now, not at their TTL.
+    for (other_ns, other) in evicted_objects {
+        let other_api: Api<NodeDiagnostic> = Api::namespaced(ctx.client.clone(), &other_ns);
+        let marked = match other_api.get_opt(&other).await {
+            Ok(Some(o)) => match o.status.as_ref().filter(|s| status::is_terminal(Some(s))) {
+                Some(done) => mark_gone(ctx, &other_api, &other_ns, &other, done).await,
+                None => Ok(()),
+            },
+            Ok(None) => Ok(()),
+            Err(source) => Err(Error::WriteStatus {
+                object: format!("{other_ns}/{other}"),
+                source,
+            }),
+        };
+        if let Err(error) = marked {
+            warn!(%error, %object, "could not mark evicted bundles in the other nodediagnostic's status");
+        }
+    }
     Ok(requeue_after_ttl(ttl))
+}
+
+/// Writes into a finished status which of its bundles are no longer on this controller's disk
+/// (evicted for newer ones, or never here: a restart without the disk, another replica leading),
+/// so nobody is pointed at a download that answers 410/404. Nothing is written when every bundle
+/// is still there or already marked.
+async fn mark_gone(
+    ctx: &Context,
+    api: &Api<NodeDiagnostic>,
+    ns: &str,
+    name: &str,
+    done: &NodeDiagnosticStatus,
+) -> Result<(), Error> {
+    let gone: Vec<(String, &str)> = done
+        .nodes
+        .iter()
+        .filter(|n| n.phase == Phase::Succeeded && !n.download_path.is_empty())
+        .filter_map(|n| {
+            ctx.store
+                .missing_bundle(ns, name, &n.node)
+                .map(|why| (n.node.clone(), why))
+        })
+        .collect();
+    if gone.is_empty() {
+        return Ok(());
+    }
+    let object = format!("{ns}/{name}");
+    info!(%object, nodes = gone.len(), "nodediagnostic bundles gone; status updated");
+    let next = status::bundles_gone(done, &gone, status::now_unix());
+    write_status(api, name, &object, Some(done), &next).await
 }
 
 fn failed(node: &str, reason: String) -> NodeBundle {

@@ -19,6 +19,10 @@ pub const CONDITION_STORAGE_AVAILABLE: &str = "StorageAvailable";
 pub const REASON_NODES_FAILED: &str = "NodesFailed";
 /// Older bundles were evicted to make room.
 pub const REASON_EVICTED: &str = "OlderBundlesEvicted";
+/// Condition type: whether every stored bundle can still be downloaded.
+pub const CONDITION_BUNDLES_AVAILABLE: &str = "BundlesAvailable";
+/// Some stored bundles are gone (evicted, or not on the controller serving downloads).
+pub const REASON_BUNDLES_GONE: &str = "BundlesGone";
 /// A bundle was refused for lack of room.
 pub const REASON_STORE_FULL: &str = "StoreFull";
 /// Every bundle fit.
@@ -264,6 +268,50 @@ pub fn finished(
     s
 }
 
+/// A finished status after the bundles of `gone` (node, why) disappeared from the store: each
+/// such node keeps its outcome, size and checksum but loses its download path and says why, and
+/// `BundlesAvailable=False` counts them. Nodes already marked are left as they are, so the same
+/// answer twice writes nothing.
+pub fn bundles_gone(
+    prev: &NodeDiagnosticStatus,
+    gone: &[(String, &str)],
+    now: u64,
+) -> NodeDiagnosticStatus {
+    let mut s = prev.clone();
+    for n in &mut s.nodes {
+        if n.download_path.is_empty() {
+            continue;
+        }
+        if let Some((_, why)) = gone.iter().find(|(node, _)| *node == n.node) {
+            n.download_path.clear();
+            n.reason = nodekeeper_model::text::truncate(why, MAX_REASON).into_owned();
+        }
+    }
+    let missing = s
+        .nodes
+        .iter()
+        .filter(|n| n.phase == Phase::Succeeded && n.download_path.is_empty())
+        .count();
+    if missing > 0 {
+        let stamp = Stamp {
+            generation: prev.observed_generation,
+            now: rfc3339(now),
+        };
+        let message = format!(
+            "{missing} of {} collected bundles can no longer be downloaded; see nodes[].reason",
+            s.node_count
+        );
+        stamp.set(
+            &mut s,
+            CONDITION_BUNDLES_AVAILABLE,
+            ConditionStatus::False,
+            REASON_BUNDLES_GONE,
+            &message,
+        );
+    }
+    s
+}
+
 /// Whether the status is final.
 pub fn is_terminal(s: Option<&NodeDiagnosticStatus>) -> bool {
     matches!(
@@ -315,6 +363,40 @@ mod tests {
 
     fn condition<'a>(s: &'a NodeDiagnosticStatus, t: &str) -> &'a nodekeeper_api::crd::Condition {
         s.conditions.iter().find(|c| c.type_ == t).unwrap()
+    }
+
+    #[test]
+    fn a_gone_bundle_loses_its_download_path_once_and_says_why() {
+        let run = running(None, &["a".into(), "b".into()], Some(1), 100);
+        let mut ok = bundle("a", Phase::Succeeded);
+        ok.download_path = download_path("ns", "d", "a");
+        let mut other = bundle("b", Phase::Succeeded);
+        other.download_path = download_path("ns", "d", "b");
+        let done = finished(
+            Some(&run),
+            vec![ok, other],
+            &Storage::default(),
+            Some(1),
+            200,
+        );
+        assert!(
+            done.conditions
+                .iter()
+                .all(|c| c.type_ != CONDITION_BUNDLES_AVAILABLE)
+        );
+        let gone = bundles_gone(&done, &[("a".into(), "evicted")], 300);
+        assert_eq!(gone.nodes[0].download_path, "");
+        assert_eq!(gone.nodes[0].reason, "evicted");
+        assert_eq!(gone.nodes[0].phase, Phase::Succeeded);
+        assert_eq!(gone.nodes[1].download_path, download_path("ns", "d", "b"));
+        let c = condition(&gone, CONDITION_BUNDLES_AVAILABLE);
+        assert_eq!(c.status, ConditionStatus::False);
+        assert!(c.message.starts_with("1 of 2"), "{}", c.message);
+        // Asked again (a later reconcile finds the same file missing): nothing changes.
+        assert_eq!(
+            bundles_gone(&gone, &[("a".into(), "other words")], 400),
+            gone
+        );
     }
 
     #[test]

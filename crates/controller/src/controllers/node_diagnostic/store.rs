@@ -131,6 +131,26 @@ impl BundleStore {
         let _ = std::fs::remove_file(beside(bundle, EVICTED));
     }
 
+    /// Why the stored bundle of `node` for `<ns>/<name>` can no longer be downloaded, or `None`
+    /// while it is on disk: evicted for newer bundles (the marker says so), or simply gone (this
+    /// controller restarted without its disk, or another replica took over the lead).
+    pub fn missing_bundle(&self, ns: &str, name: &str, node: &str) -> Option<&'static str> {
+        let path = self.bundle_path(ns, name, node)?;
+        if path.exists() {
+            None
+        } else if beside(&path, EVICTED).exists() {
+            Some(
+                "bundle evicted to make room for newer bundles (--diagnostics-max-bytes); create \
+                 a new NodeDiagnostic to collect again",
+            )
+        } else {
+            Some(
+                "bundle no longer on the controller serving downloads (restarted without its \
+                 disk, or another replica leads now); create a new NodeDiagnostic to collect again",
+            )
+        }
+    }
+
     /// Deletes every bundle of one NodeDiagnostic.
     pub fn remove_object(&self, ns: &str, name: &str) -> std::io::Result<()> {
         let Some(dir) = self.object_dir(ns, name) else {
@@ -296,6 +316,23 @@ mod tests {
         std::fs::write(&p, vec![0u8; bytes]).unwrap();
         // Distinct modification times, oldest first.
         std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+
+    #[test]
+    fn a_missing_bundle_says_whether_it_was_evicted_or_is_gone() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = BundleStore::default();
+        store.configure(dir.path(), 1000).unwrap();
+        put(&store, "ns", "old", "n1", 600);
+        put(&store, "ns", "kept", "n1", 10);
+        assert_eq!(store.missing_bundle("ns", "kept", "n1"), None);
+        let why = store.missing_bundle("ns", "kept", "n2").unwrap();
+        assert!(why.contains("no longer on the controller"), "{why}");
+        let r = store.reserve("ns", "new", 500).unwrap();
+        assert_eq!(r.evicted, vec!["ns/old/n1".to_string()]);
+        let why = store.missing_bundle("ns", "old", "n1").unwrap();
+        assert!(why.contains("evicted to make room"), "{why}");
+        assert_eq!(store.missing_bundle("ns", "kept", "n1"), None);
     }
 
     #[test]
