@@ -357,3 +357,44 @@ async fn opt_in_audit_log_counts_requests_by_user() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// The server reports the pinned Kubernetes version as semver (the build stamps it; left at the
+/// source default, `v0.0.0-master+$Format:%H$`, `kubectl version` fails on it), and the built
+/// `kubectl version` reads it without error.
+#[tokio::test]
+async fn the_server_reports_its_pinned_version_and_kubectl_version_works() -> anyhow::Result<()> {
+    use nodekeeper_e2e::controlplane::binaries;
+    let (pins, _) = binaries::cache_key(&binaries::controlplane_dir())?;
+    let client = ControlPlane::shared().client().await?;
+    let info = client.apiserver_version().await?;
+    assert_eq!(info.git_version, pins.kubernetes, "{info:?}");
+    let numeric = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    assert!(numeric(&info.major) && numeric(&info.minor), "{info:?}");
+    assert!(
+        pins.kubernetes
+            .starts_with(&format!("v{}.{}.", info.major, info.minor)),
+        "{info:?}"
+    );
+    let kubectl = binaries::ensure(&mut |_| {})?.path("kubectl");
+    let out = std::process::Command::new(kubectl)
+        .args(["version", "--output=json"])
+        .env("KUBECONFIG", ControlPlane::shared().kubeconfig())
+        .output()?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "kubectl version: {}\n{stdout}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let parsed: serde_json::Value = serde_json::from_str(&stdout)?;
+    assert_eq!(
+        parsed["serverVersion"]["gitVersion"],
+        pins.kubernetes.as_str()
+    );
+    assert_eq!(
+        parsed["clientVersion"]["gitVersion"],
+        pins.kubernetes.as_str()
+    );
+    Ok(())
+}

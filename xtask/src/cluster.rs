@@ -47,9 +47,10 @@ enum ClusterCommand {
 
 #[derive(Args)]
 struct UpArgs {
-    /// kube-apiserver port on 127.0.0.1.
-    #[arg(long, env = "NODEKEEPER_CLUSTER_PORT", default_value_t = 6443)]
-    port: u16,
+    /// kube-apiserver port on 127.0.0.1 [default: 6443 when free, else the port the cluster had
+    /// or a free one]. Given explicitly, a taken port is an error.
+    #[arg(long, env = "NODEKEEPER_CLUSTER_PORT")]
+    port: Option<u16>,
     /// Simulated (kwok) nodes to create, labelled nodekeeper.dev/simulated=true, node i with
     /// InternalIP 127.1.x.y.
     #[arg(long, env = "NODEKEEPER_CLUSTER_NODES", default_value_t = 3)]
@@ -95,7 +96,7 @@ fn dispatch(args: ClusterArgs) -> anyhow::Result<()> {
 async fn up_cmd(name: &str, args: UpArgs) -> anyhow::Result<()> {
     let started = Instant::now();
     let mut options = Options::new(name, Lifetime::Detached);
-    options.apiserver_port = Some(args.port);
+    options.apiserver_port = args.port.or_else(preferred_port);
     options.audit = args.audit;
     options.max_requests_inflight = args.max_requests_inflight;
     options.max_mutating_requests_inflight = args.max_mutating_requests_inflight;
@@ -138,6 +139,19 @@ async fn up_cmd(name: &str, args: UpArgs) -> anyhow::Result<()> {
     );
     println!("export KUBECONFIG={}", cluster.kubeconfig.display());
     Ok(())
+}
+
+/// The conventional port when it is free; otherwise `None`, and `up` keeps the port this cluster
+/// had or picks a free one — so a second user (or a second cluster) on the machine does not fail
+/// on a fixed 6443.
+fn preferred_port() -> Option<u16> {
+    const CONVENTIONAL: u16 = 6443;
+    if nodekeeper_testkit::net::port_is_free(std::net::Ipv4Addr::LOCALHOST, CONVENTIONAL) {
+        Some(CONVENTIONAL)
+    } else {
+        eprintln!("port {CONVENTIONAL} is taken; kube-apiserver gets another (see the kubeconfig)");
+        None
+    }
 }
 
 fn down_cmd(name: &str, purge: bool) -> anyhow::Result<()> {

@@ -13,6 +13,7 @@ mod codegen;
 mod demo;
 mod deps;
 mod fleet_rig;
+mod fuzz;
 mod layering;
 mod test;
 mod vm;
@@ -43,6 +44,8 @@ enum Command {
     /// Run nodekeeper end to end on this machine: a local control plane with simulated nodes, a
     /// real agent per node, the controller, the fleet summary and a NetworkTest.
     Demo(demo::DemoArgs),
+    /// Run the fuzz campaign (fuzz/) for longer than the test suite does, from a fresh seed.
+    Fuzz(fuzz::FuzzArgs),
 }
 
 #[derive(Subcommand)]
@@ -67,6 +70,7 @@ fn main() -> anyhow::Result<()> {
         Command::Vm(args) => vm::run(args),
         Command::Test(args) => test::run(args),
         Command::Demo(args) => demo::run(args),
+        Command::Fuzz(args) => fuzz::run(args),
         Command::Bench(Bench::Agent(args)) => bench_agent::run(args),
         Command::Bench(Bench::Fleet(args)) => bench_fleet::run(args),
         Command::Bench(Bench::Networktest(args)) => bench_networktest::run(args),

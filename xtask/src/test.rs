@@ -61,6 +61,11 @@ pub fn run(args: TestArgs) -> Result<()> {
     }
     command.args(&args.cargo_args);
     command.env(KUBECONFIG_ENV, &cluster.kubeconfig);
+    // The fuzz campaign (fuzz/tests/campaign.rs) runs with the suite: a bounded few seconds per
+    // target from a fixed seed, so CI is repeatable; `cargo xtask fuzz` runs it longer.
+    if std::env::var_os("NODEKEEPER_FUZZ_SECONDS").is_none() {
+        command.env("NODEKEEPER_FUZZ_SECONDS", "5");
+    }
     let status = command.status().context("run cargo test")?;
 
     cluster.stop();

@@ -155,6 +155,9 @@ pub fn cache_key(dir: &Path) -> Result<(Versions, String), Error> {
         hasher.update(read(&dir.join(module).join("go.sum"))?.as_bytes());
         found.push(version);
     }
+    // How the binaries are built is part of what they are: a changed recipe builds into a fresh
+    // directory and leaves the old one to whoever still uses it.
+    hasher.update(BUILD_RECIPE.as_bytes());
     let hash = hex::encode(&hasher.finalize()[..6]);
     let mut found = found.into_iter();
     let versions = Versions {
@@ -252,6 +255,7 @@ pub fn ensure_in(
             &source.join(component.module),
             &bin,
             &log_path,
+            &v,
         )?;
         progress(&format!(
             "built {} in {:.0}s",
@@ -262,16 +266,64 @@ pub fn ensure_in(
     Ok(binaries)
 }
 
+/// Names the way [`build_one`] builds (flags that change the output); part of the cache key.
+const BUILD_RECIPE: &str = "trimpath; kubernetes version stamped by -ldflags -X (1)";
+
+/// The Go packages whose link-time variables carry a Kubernetes binary's version (the ones the
+/// upstream release build, `hack/lib/version.sh`, sets).
+const K8S_VERSION_PACKAGES: [&str; 2] = [
+    "k8s.io/component-base/version",
+    "k8s.io/client-go/pkg/version",
+];
+
+/// `-ldflags` for a Kubernetes component built from module version `version` (`v1.36.3`).
+///
+/// `go build` of a module dependency leaves the version variables at their source defaults,
+/// `v0.0.0-master+$Format:%H$`, which is not semver: `kubectl version` fails to parse the
+/// server's `/version` and kube-apiserver's own compatibility-version logic falls back to a
+/// built-in guess. The upstream release build stamps them at link time; so does this, from the
+/// pinned module version. The commit and build date are fixed (there is no git checkout to read
+/// them from, and a fixed date keeps the build reproducible), the tree is `clean` because the
+/// sources are the module's, checked by `go.sum`.
+pub fn k8s_version_ldflags(version: &str) -> Option<String> {
+    let core = version.strip_prefix('v')?;
+    let mut parts = core.split(['.', '-', '+']);
+    let major = parts.next().filter(|p| p.parse::<u32>().is_ok())?;
+    let minor = parts.next().filter(|p| p.parse::<u32>().is_ok())?;
+    let mut flags = Vec::new();
+    for package in K8S_VERSION_PACKAGES {
+        for (var, value) in [
+            ("gitVersion", version),
+            ("gitMajor", major),
+            ("gitMinor", minor),
+            ("gitCommit", ""),
+            ("gitTreeState", "clean"),
+            ("buildDate", "1970-01-01T00:00:00Z"),
+        ] {
+            flags.push(format!("-X {package}.{var}={value}"));
+        }
+    }
+    Some(flags.join(" "))
+}
+
 fn build_one(
     go: &str,
     component: &Component,
     module_dir: &Path,
     bin: &Path,
     log_path: &Path,
+    versions: &Versions,
 ) -> Result<(), Error> {
     let tmp = bin.join(format!(".{}.partial", component.name));
-    let out = Command::new(go)
-        .args(["build", "-trimpath", "-o"])
+    let mut command = Command::new(go);
+    command.args(["build", "-trimpath"]);
+    if component.module == "kubernetes"
+        && let Some(flags) = k8s_version_ldflags(&versions.kubernetes)
+    {
+        command.arg(format!("-ldflags={flags}"));
+    }
+    let out = command
+        .arg("-o")
         .arg(&tmp)
         .arg(component.package)
         .current_dir(module_dir)
@@ -343,6 +395,26 @@ mod tests {
         let message = error.to_string();
         assert!(!message.contains('\n'), "{message}");
         assert!(message.contains("install Go"), "{message}");
+    }
+
+    #[test]
+    fn kubernetes_builds_are_stamped_with_their_module_version() {
+        let flags = k8s_version_ldflags("v1.36.3").unwrap();
+        for want in [
+            "-X k8s.io/component-base/version.gitVersion=v1.36.3",
+            "-X k8s.io/component-base/version.gitMajor=1",
+            "-X k8s.io/component-base/version.gitMinor=36",
+            "-X k8s.io/client-go/pkg/version.gitVersion=v1.36.3",
+            "-X k8s.io/component-base/version.buildDate=1970-01-01T00:00:00Z",
+        ] {
+            assert!(flags.contains(want), "{want} in {flags}");
+        }
+        assert_eq!(
+            k8s_version_ldflags("v1.37.0-rc.1").map(|f| f.contains("gitMinor=37 ")),
+            Some(true)
+        );
+        assert_eq!(k8s_version_ldflags("1.36.3"), None);
+        assert_eq!(k8s_version_ldflags("vX.Y"), None);
     }
 
     #[test]

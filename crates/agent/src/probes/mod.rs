@@ -10,7 +10,7 @@ mod http;
 mod icmp;
 mod pmtu;
 mod tcp;
-mod validate;
+pub mod validate;
 
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -148,6 +148,7 @@ async fn node(State(ctx): State<Arc<Context>>, Path(name): Path<String>) -> Resp
             "address": entry.address.map(|a| a.to_string()),
             "stale": entry.stale,
             "consecutiveFailures": entry.schedule.failures,
+            "rulesRefused": entry.rules_refusal,
             "lastFailure": entry.last_failure.as_ref().map(|(outcome, detail)| json!({ "outcome": format!("{outcome:?}"), "detail": detail })),
             "conditions": written_json(&entry.written),
             "report": entry.report.as_deref(),

@@ -236,7 +236,22 @@ pub async fn hold(
             () = cancel.cancelled() => return Ok(written),
             () = tokio::time::sleep(config.retry_period) => {}
         }
-        match put_ours(api, config, &written, Renewal::Renew).await {
+        // A renewal may not outlast the renew deadline. The client's own read timeout is minutes
+        // (it serves watches too), and an API server that accepts the connection but never
+        // answers (hung, partitioned behind a proxy) would hold this replica in a request
+        // while its Lease expires and another replica takes over: two leaders. Found by the
+        // fault campaign (tests/tests/apiserver_outage.rs, issue #20).
+        let left = config
+            .renew_deadline
+            .saturating_sub(last_renew.elapsed())
+            .max(Duration::from_millis(100));
+        let renewal =
+            match tokio::time::timeout(left, put_ours(api, config, &written, Renewal::Renew)).await
+            {
+                Ok(result) => result.map_err(|e| e.to_string()),
+                Err(_) => Err(format!("no answer within {left:?}")),
+            };
+        match renewal {
             Ok(Held::Ours(lease)) => {
                 written = *lease;
                 last_renew = Instant::now();

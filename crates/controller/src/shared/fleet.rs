@@ -92,9 +92,55 @@ pub struct NodeEntry {
     pub report: Option<Arc<NodeView>>,
     /// The last failure's class and text (for the HTTP API and logs), cleared on success.
     pub last_failure: Option<(CallOutcome, String)>,
-    /// A rules revision this agent refused (INVALID_ARGUMENT); it is not pushed again.
-    pub rules_refused: u64,
+    /// The rules revision this agent refused on its merits (INVALID_ARGUMENT) and why; that
+    /// revision is not pushed again. Cleared when the agent takes a revision.
+    pub rules_refusal: Option<RulesRefusal>,
     pub stale: bool,
+}
+
+/// Rules the controller accepted and an agent still refused: the agent checks what only the
+/// node can tell (a sysctl this kernel lacks, its own version's limits), so the shared validator
+/// at the controller cannot catch everything. Shown on the node's page of the HTTP API, counted
+/// in the summary and the `nodekeeper_sweep_nodes_refusing_rules` gauge.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RulesRefusal {
+    pub revision: u64,
+    /// The agent's message (it names the rule and the field).
+    pub error: String,
+}
+
+/// What became of pushing rules to one agent during a read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RulesNews {
+    /// Nothing pushed, or the call failed for another reason: what was known stays.
+    Nothing,
+    /// The agent took a revision: any earlier refusal is over.
+    Accepted,
+    Refused(RulesRefusal),
+}
+
+impl NodeEntry {
+    /// Records what became of a rules push. Returns +1 when this node starts refusing rules,
+    /// -1 when it stops, 0 otherwise (for the gauge).
+    pub fn note_rules(&mut self, news: RulesNews) -> i64 {
+        let before = self.rules_refusal.is_some();
+        match news {
+            RulesNews::Nothing => {}
+            RulesNews::Accepted => self.rules_refusal = None,
+            RulesNews::Refused(refusal) => {
+                // The agent's text is untrusted: kept short (the summary lists many nodes).
+                let error = nodekeeper_model::text::truncate(&refusal.error, 512).into_owned();
+                self.rules_refusal = Some(RulesRefusal { error, ..refusal });
+            }
+        }
+        i64::from(self.rules_refusal.is_some()) - i64::from(before)
+    }
+
+    /// The revision not to push again (0: none).
+    pub fn refused_revision(&self) -> u64 {
+        self.rules_refusal.as_ref().map_or(0, |r| r.revision)
+    }
 }
 
 /// A node whose agent is due for a read.
@@ -180,7 +226,7 @@ impl Fleet {
                         schedule,
                         report: None,
                         last_failure: None,
-                        rules_refused: 0,
+                        rules_refusal: None,
                         stale: false,
                     },
                 );
@@ -225,7 +271,7 @@ impl Fleet {
                     endpoint: SocketAddr::new(entry.address?, port),
                     cached_revision: entry.report.as_ref().map(|r| r.revision),
                     agent_rules_revision: entry.report.as_ref().map(|r| r.rules_revision),
-                    rules_refused: entry.rules_refused,
+                    rules_refused: entry.refused_revision(),
                     name,
                 })
             })
@@ -253,6 +299,10 @@ impl Fleet {
                 s.unreachable += 1;
                 s.unreachable_nodes.push(name.clone());
             }
+            if entry.rules_refusal.is_some() {
+                s.refusing_rules += 1;
+                s.refusing_rules_nodes.push(name.clone());
+            }
             for w in &entry.written {
                 let key = format!("{}={}", w.condition.type_, w.condition.status.as_str());
                 *s.conditions.entry(key).or_default() += 1;
@@ -268,8 +318,10 @@ impl Fleet {
                 }
             }
         }
-        s.unreachable_nodes.sort_unstable();
-        s.unreachable_nodes.truncate(MAX_LISTED);
+        for list in [&mut s.unreachable_nodes, &mut s.refusing_rules_nodes] {
+            list.sort_unstable();
+            list.truncate(MAX_LISTED);
+        }
         s
     }
 }
@@ -290,6 +342,11 @@ pub struct FleetSummary {
     /// Up to [`MAX_LISTED`] of them by name, sorted (a map's first few would change from call
     /// to call).
     pub unreachable_nodes: Vec<String>,
+    /// Nodes whose agent refuses the rules the controller accepted (see [`RulesRefusal`]); each
+    /// node's page says why.
+    pub refusing_rules: usize,
+    /// Up to [`MAX_LISTED`] of them by name, sorted.
+    pub refusing_rules_nodes: Vec<String>,
     pub without_internal_ip: usize,
     /// `Type=Status` → nodes, for nodekeeper's conditions as found on the Nodes.
     pub conditions: std::collections::BTreeMap<String, usize>,
@@ -461,6 +518,48 @@ mod tests {
         let s = fleet.summary();
         assert_eq!((s.unreachable, s.stale), (2, 0));
         assert_eq!(s.unreachable_nodes, ["n1", "n3"]);
+    }
+
+    #[test]
+    fn an_agent_refusing_rules_is_counted_until_it_takes_a_revision() {
+        let fleet = Fleet::default();
+        let now = Instant::now();
+        for name in ["n1", "n2"] {
+            let mut facts = node_facts(&node("1", Some("127.1.0.4"), json!([])));
+            facts.name = name.into();
+            fleet.observe(facts, now);
+        }
+        let refused = RulesNews::Refused(RulesRefusal {
+            revision: 7,
+            error: format!("rule \"x\" field `key`: {}", "é".repeat(400)),
+        });
+        {
+            let mut nodes = fleet.lock();
+            let n2 = nodes.get_mut("n2").unwrap();
+            assert_eq!(n2.note_rules(refused.clone()), 1);
+            assert_eq!(n2.note_rules(refused), 0, "still refusing: no second count");
+            assert_eq!(n2.note_rules(RulesNews::Nothing), 0);
+            assert!(n2.rules_refusal.as_ref().unwrap().error.len() <= 512 + 3);
+            assert_eq!(n2.refused_revision(), 7);
+        }
+        let s = fleet.summary();
+        assert_eq!(
+            (s.refusing_rules, s.refusing_rules_nodes.clone()),
+            (1, vec!["n2".to_owned()])
+        );
+        // The refused revision is not pushed again.
+        let jobs = fleet.take_due(now, 10, 9443);
+        let n2 = jobs.iter().find(|j| j.name == "n2").unwrap();
+        assert_eq!(n2.rules_refused, 7);
+        assert_eq!(
+            fleet
+                .lock()
+                .get_mut("n2")
+                .unwrap()
+                .note_rules(RulesNews::Accepted),
+            -1
+        );
+        assert_eq!(fleet.summary().refusing_rules, 0);
     }
 
     #[test]

@@ -139,6 +139,7 @@ pub struct SweepMetrics {
     pub nodes_known: Gauge,
     pub nodes_stale: Gauge,
     pub nodes_unreachable: Gauge,
+    pub nodes_refusing_rules: Gauge,
     pub nodes_skipped: Family<ReasonLabels, Counter>,
     pub nodes_read_once: Gauge,
     pub initial_sweep_seconds: Gauge<f64, std::sync::atomic::AtomicU64>,
@@ -154,6 +155,7 @@ impl SweepMetrics {
             nodes_known: Gauge::default(),
             nodes_stale: Gauge::default(),
             nodes_unreachable: Gauge::default(),
+            nodes_refusing_rules: Gauge::default(),
             nodes_skipped: Family::default(),
             nodes_read_once: Gauge::default(),
             initial_sweep_seconds: Gauge::default(),
@@ -188,6 +190,11 @@ impl SweepMetrics {
             "nodes_unreachable",
             "Nodes whose agent's latest call failed (set at once; stale only after staleAfter)",
             m.nodes_unreachable.clone(),
+        );
+        sweep.register(
+            "nodes_refusing_rules",
+            "Nodes whose agent refused the rules revision the controller accepted",
+            m.nodes_refusing_rules.clone(),
         );
         sweep.register(
             "nodes_skipped",

@@ -14,6 +14,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Resource};
 use nodekeeper_model::tuning::{self, TuningConfig};
 use serde::Serialize;
+use sha2::Digest as _;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -139,28 +140,16 @@ pub async fn watch_tuning(
                 for p in &problems {
                     warn!(configmap = %name, key = %p.key, problem = %p.problem, "tuning ConfigMap refused; the last good configuration stays in force");
                 }
-                let mut note = format!(
-                    "refused; the last good configuration ({}) stays in force: {}",
-                    kept.source,
-                    problems
-                        .iter()
-                        .map(ToString::to_string)
-                        .collect::<Vec<_>>()
-                        .join("; ")
+                let refusal = Refusal::new(
+                    &kept.source,
+                    &problems,
+                    data.get("rules.yaml").map(String::as_str),
                 );
-                if note.len() > 1000 {
-                    let mut cut = 997;
-                    while !note.is_char_boundary(cut) {
-                        cut -= 1;
-                    }
-                    note.truncate(cut);
-                    note.push_str("...");
-                }
                 let event = Event {
                     type_: EventType::Warning,
                     reason: REASON_INVALID.into(),
-                    note: Some(note),
-                    action: "LoadTuning".into(),
+                    note: Some(refusal.note),
+                    action: refusal.action,
                     secondary: None,
                 };
                 if let Err(error) = recorder.publish(&event, &cm.object_ref(&())).await {
@@ -170,6 +159,83 @@ pub async fn watch_tuning(
             }
         }
     }
+}
+
+/// The most bytes of an Event's note the API accepts (`events.k8s.io/v1`: 1 KiB).
+const MAX_NOTE_BYTES: usize = 1000;
+
+/// The Warning Event for one refused ConfigMap version.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Refusal {
+    /// Every problem, each naming its key (and, inside `rules.yaml`, the rule by name and the
+    /// field), within the API's size limit.
+    pub note: String,
+    /// `LoadTuning-<digest of the note>`. kube's `Recorder` folds Events with the same type,
+    /// reason, action, reporter and object into one series that keeps its *first* note (it does
+    /// not key on the note), so a second, different refusal would only bump the first one's count
+    /// and its message would never be shown. A short digest of the note in the action gives each
+    /// distinct refusal its own Event, while the same refusal again still counts up one series
+    /// (as client-go's correlator does, which keys on the message).
+    pub action: String,
+}
+
+impl Refusal {
+    /// The Event for `problems`, with the last good configuration's `kept_source`; `rules_yaml`
+    /// (the raw `rules.yaml`) lets a problem at `tunables[i]` or `thresholds[i]` name its rule.
+    pub fn new(kept_source: &str, problems: &[tuning::KeyError], rules_yaml: Option<&str>) -> Self {
+        let names = rules_yaml.map(entry_names).unwrap_or_default();
+        let listed: Vec<String> = problems
+            .iter()
+            .map(|p| match named_entry(&p.key, &names) {
+                Some(label) => format!("key `{}` ({label}): {}", p.key, p.problem),
+                None => p.to_string(),
+            })
+            .collect();
+        let note = format!(
+            "refused; the last good configuration ({kept_source}) stays in force: {}",
+            listed.join("; ")
+        );
+        let note = nodekeeper_model::text::truncate(&note, MAX_NOTE_BYTES).into_owned();
+        let digest = sha2::Sha256::digest(note.as_bytes());
+        Self {
+            action: format!("LoadTuning-{}", hex::encode(&digest[..4])),
+            note,
+        }
+    }
+}
+
+/// `tunables` and `thresholds` entries of a `rules.yaml` → their `name` / `indicator`, by index;
+/// nothing when the document does not parse (its own problem already says so).
+fn entry_names(raw: &str) -> BTreeMap<(String, usize), String> {
+    let Ok(doc) = serde_yaml::from_str::<serde_yaml::Value>(raw) else {
+        return BTreeMap::new();
+    };
+    let mut out = BTreeMap::new();
+    for (list, field, what) in [
+        ("tunables", "name", "rule"),
+        ("thresholds", "indicator", "threshold for"),
+    ] {
+        let Some(items) = doc.get(list).and_then(serde_yaml::Value::as_sequence) else {
+            continue;
+        };
+        for (i, item) in items.iter().enumerate() {
+            if let Some(name) = item.get(field).and_then(serde_yaml::Value::as_str) {
+                let name = nodekeeper_model::text::truncate(name, 64);
+                out.insert((list.to_owned(), i), format!("{what} {name:?}"));
+            }
+        }
+    }
+    out
+}
+
+/// The rule a problem's key points into (`rules.yaml: tunables[2].atLeast` → `rule "x"`).
+fn named_entry<'a>(key: &str, names: &'a BTreeMap<(String, usize), String>) -> Option<&'a str> {
+    let path = key.strip_prefix("rules.yaml: ")?;
+    let (list, rest) = path.split_once('[')?;
+    let (index, _) = rest.split_once(']')?;
+    names
+        .get(&(list.to_owned(), index.parse().ok()?))
+        .map(String::as_str)
 }
 
 #[cfg(test)]
@@ -205,5 +271,60 @@ mod tests {
         // A later good version clears the error.
         let again = next_state(&good, &data(&[]), "v3".into()).unwrap();
         assert!(again.last_error.is_none());
+    }
+
+    fn refusal(data: &BTreeMap<String, String>) -> Refusal {
+        let problems = tuning::parse(data).unwrap_err().problems().to_vec();
+        Refusal::new(
+            "defaults",
+            &problems,
+            data.get("rules.yaml").map(String::as_str),
+        )
+    }
+
+    #[test]
+    fn a_refusal_names_the_rule_and_the_field() {
+        let rules = "tunables:\n  - {name: backlog, key: net.core.somaxconn, atLeast: 1024}\n  - {name: bad-max, key: net.core.rmem_max, atLeast: many}\nthresholds:\n  - {indicator: load1PerCpu, warning: 4, critical: 2}\n";
+        let r = refusal(&data(&[("rules.yaml", rules)]));
+        assert!(
+            r.note
+                .contains("key `rules.yaml: tunables[1].atLeast` (rule \"bad-max\")"),
+            "{}",
+            r.note
+        );
+        assert!(
+            r.note.contains("(threshold for \"load1PerCpu\")") && r.note.contains("thresholds[0]"),
+            "{}",
+            r.note
+        );
+        assert!(!r.note.contains("backlog"), "{}", r.note);
+    }
+
+    #[test]
+    fn each_distinct_refusal_gets_its_own_event_series() {
+        let a = refusal(&data(&[("sweepInterval", "soon")]));
+        let a_again = refusal(&data(&[("sweepInterval", "soon")]));
+        let b = refusal(&data(&[("concurrency", "lots")]));
+        assert!(a.action.starts_with("LoadTuning-") && a.action.len() == "LoadTuning-".len() + 8);
+        assert_eq!(a, a_again, "the same refusal again counts up one series");
+        assert_ne!(a.action, b.action, "a new refusal is a new Event");
+        assert!(b.note.contains("key `concurrency`"), "{}", b.note);
+    }
+
+    #[test]
+    fn a_long_refusal_fits_the_event_note_limit_without_splitting_a_character() {
+        let many: Vec<(String, String)> = (0..200)
+            .map(|i| (format!("ünknown-{i}"), "x".to_owned()))
+            .collect();
+        let data: BTreeMap<String, String> = many.into_iter().collect();
+        let r = refusal(&data);
+        assert!(
+            r.note.len() <= MAX_NOTE_BYTES + '…'.len_utf8(),
+            "{}",
+            r.note.len()
+        );
+        // Bad YAML names nothing but still refuses cleanly.
+        let r = refusal(&self::data(&[("rules.yaml", "tunables: [")]));
+        assert!(r.note.contains("key `rules.yaml`"), "{}", r.note);
     }
 }

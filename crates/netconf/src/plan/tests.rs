@@ -81,79 +81,9 @@ fn ops(p: &Plan) -> Vec<String> {
     p.steps.iter().map(|s| format!("{} {s}", s.op())).collect()
 }
 
-/// Simulates a perfect apply of `plan` on `obs` (what the kernel would report afterwards).
-fn simulate(mut obs: Observed, plan: &Plan) -> Observed {
-    let idx = |obs: &Observed, n: &str| obs.link_by_name(n).unwrap().index;
-    for s in &plan.steps {
-        match s {
-            Step::CreateLink(d) => {
-                let index = obs.links.iter().map(|l| l.index).max().unwrap() + 1;
-                let parent = idx(&obs, &d.parent);
-                let parent_mac = obs.link_by_index(parent).unwrap().mac.clone();
-                obs.links.push(ObservedLink {
-                    index,
-                    name: d.name.clone(),
-                    mac: d.mac.map(|m| format_mac(&m)).or(parent_mac),
-                    mtu: d.mtu.unwrap_or(1500),
-                    up: d.up,
-                    oper_state: "up".into(),
-                    kind: match d.kind {
-                        CreatedKind::Vlan { .. } => "vlan".into(),
-                        CreatedKind::Macvlan { .. } => "macvlan".into(),
-                    },
-                    parent_index: Some(parent),
-                    vlan_id: match d.kind {
-                        CreatedKind::Vlan { id } => Some(id),
-                        CreatedKind::Macvlan { .. } => None,
-                    },
-                    macvlan_mode: match d.kind {
-                        CreatedKind::Vlan { .. } => None,
-                        CreatedKind::Macvlan { mode } => Some(mode_name(mode).into()),
-                    },
-                    alias: Some(link_alias(&d.name)),
-                });
-            }
-            Step::SetLink { link, mtu, up, .. } => {
-                let l = obs.links.iter_mut().find(|l| &l.name == link).unwrap();
-                if let Some(m) = mtu {
-                    l.mtu = *m;
-                }
-                if let Some(u) = up {
-                    l.up = *u;
-                }
-            }
-            Step::AddAddress(a) => {
-                let index = idx(&obs, &a.link);
-                obs.addresses.push(ObservedAddress {
-                    index,
-                    net: a.net,
-                    protocol: NK_PROTOCOL,
-                });
-            }
-            Step::AddRoute(r) => {
-                let oif = r.link.as_deref().map(|l| idx(&obs, l));
-                obs.routes.push(ObservedRoute {
-                    table: r.table,
-                    destination: r.destination,
-                    gateway: r.gateway,
-                    oif,
-                    metric: r.metric,
-                    protocol: NK_PROTOCOL,
-                    on_link: r.on_link,
-                });
-            }
-            Step::AddRule(r) => obs.rules.push(ObservedRule {
-                v6: r.v6,
-                priority: r.priority,
-                from: r.from,
-                to: r.to,
-                table: r.table,
-                protocol: NK_PROTOCOL,
-            }),
-            other => panic!("simulate does not model {other:?}"),
-        }
-    }
-    obs
+/// A perfect apply of `plan` on `obs` (see [`super::simulate`]).
+fn simulate(obs: Observed, plan: &Plan) -> Observed {
+    super::simulate(obs, plan).expect("the plan's links exist when its steps name them")
 }
 
 #[test]

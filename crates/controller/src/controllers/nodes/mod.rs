@@ -78,6 +78,9 @@ pub async fn condition_gauges(ctx: Arc<Context>, shutdown: CancellationToken) {
         ctx.metrics
             .nodes_unreachable
             .set(i64::try_from(summary.unreachable).unwrap_or(i64::MAX));
+        ctx.metrics
+            .nodes_refusing_rules
+            .set(i64::try_from(summary.refusing_rules).unwrap_or(i64::MAX));
         ctx.conditions.nodes.clear();
         let mut types: BTreeSet<String> = BTreeSet::new();
         for (key, count) in summary.conditions {

@@ -24,7 +24,7 @@ use super::problems::{self, NewProblems};
 use crate::conditions::{self, Observation, TransitionKind, Written};
 use crate::shared::agent_client::{CallError, CallOutcome};
 use crate::shared::agents::{AgentNode, ReportRequest, RulesOutcome, RulesPush};
-use crate::shared::fleet::Job;
+use crate::shared::fleet::{Job, RulesNews, RulesRefusal};
 use crate::shared::metrics::{
     EventLabels, EventResult, OutcomeLabels, PatchLabels, PatchResult, ResultLabels, WriteResult,
 };
@@ -133,16 +133,16 @@ async fn poll(ctx: &Arc<Context>, writers: &Writers, job: Job) {
             return;
         };
         let desired = match result {
-            Ok((view, rules_refused)) => {
+            Ok((view, rules_news)) => {
                 entry.schedule.succeeded(now, interval, unit);
                 if let Some(view) = view {
                     let view = Arc::new(view);
                     fresh_view = Some(Arc::clone(&view));
                     entry.report = Some(view);
                 }
-                if let Some(revision) = rules_refused {
-                    entry.rules_refused = revision;
-                }
+                ctx.metrics
+                    .nodes_refusing_rules
+                    .inc_by(entry.note_rules(rules_news));
                 if entry.last_failure.is_some() {
                     ctx.metrics.nodes_unreachable.dec();
                     info!(node = %job.name, "agent answers again");
@@ -268,15 +268,14 @@ async fn publish(ctx: &Context, node: &str, event: &kube::runtime::events::Event
 }
 
 /// Reads the report through the agents service, pushing the rules when the agent holds another
-/// revision. Returns the new view (None when unchanged) and the rules revision the agent refused,
-/// if any.
+/// revision. Returns the new view (None when unchanged) and what became of the rules push.
 async fn call_agent(
     ctx: &Context,
     job: &Job,
     timeout: Duration,
     rules: &RuleSet,
     push_rules: bool,
-) -> Result<(Option<NodeView>, Option<u64>), CallError> {
+) -> Result<(Option<NodeView>, RulesNews), CallError> {
     let node = AgentNode {
         name: job.name.clone(),
         endpoint: job.endpoint,
@@ -290,10 +289,11 @@ async fn call_agent(
         }),
     };
     let report = ctx.agents.report(&node, request, timeout).await;
-    let mut refused = None;
+    let mut news = RulesNews::Nothing;
     match report.rules {
         RulesOutcome::NotPushed => {}
         RulesOutcome::Applied(_) => {
+            news = RulesNews::Accepted;
             ctx.metrics
                 .set_rules_calls
                 .get_or_create(&ResultLabels {
@@ -312,11 +312,14 @@ async fn call_agent(
             if error.outcome == CallOutcome::Status {
                 // Refused on its merits (INVALID_ARGUMENT): pushing the same set again would
                 // be refused again.
-                refused = Some(revision);
+                news = RulesNews::Refused(RulesRefusal {
+                    revision,
+                    error: error.detail.clone(),
+                });
             }
         }
     }
-    Ok((report.view?, refused))
+    Ok((report.view?, news))
 }
 
 /// Writes a node's nodekeeper conditions with server-side apply and records what was written.
