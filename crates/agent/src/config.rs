@@ -123,6 +123,23 @@ pub struct Config {
     #[arg(long, env = "NODEKEEPER_MONITOR_CONFIG_DIR")]
     pub monitor_config_dir: Option<PathBuf>,
 
+    /// Run the journal monitor: NPD's `systemd-monitor.json` service rules (kubelet and runtime
+    /// starts as Events) and `systemd-monitor-counter.json` restart counts
+    /// (`FrequentKubeletRestart`, `FrequentContainerdRestart`), plus `journald` files and
+    /// `log-counter` rules in `--monitor-config-dir` (`false` turns it off).
+    #[arg(long, env = "NODEKEEPER_JOURNAL", default_value_t = true, action = clap::ArgAction::Set)]
+    pub journal: bool,
+
+    /// The `journalctl` program the journal is read with (a bare name is looked up on PATH).
+    /// When it cannot run, the report lists why and the restart conditions are Unknown.
+    #[arg(long, env = "NODEKEEPER_JOURNALCTL", default_value = "journalctl")]
+    pub journalctl: PathBuf,
+
+    /// The journal directory (the host's `/var/log/journal` or `/run/log/journal` mounted into
+    /// the agent). Unset: the rule files' `logPath`, else the first of those two that exists.
+    #[arg(long, env = "NODEKEEPER_JOURNAL_DIR")]
+    pub journal_dir: Option<PathBuf>,
+
     /// Run the built-in kubelet and container-runtime health checks (conditions
     /// `KubeletUnhealthy` and `ContainerRuntimeUnhealthy`, as NPD's health checker).
     #[arg(long, env = "NODEKEEPER_HEALTH_CHECKS", default_value_t = true, action = clap::ArgAction::Set)]
@@ -203,8 +220,16 @@ impl Config {
                 timeout: Duration::from_secs(10),
             }
         });
+        let journal = self
+            .journal
+            .then(|| crate::monitor::journal::JournalConfig {
+                journalctl: crate::collect::gpu::locate(&self.journalctl)
+                    .unwrap_or_else(|| self.journalctl.clone()),
+                directory: self.journal_dir.clone(),
+            });
         crate::monitor::MonitorConfig {
             kmsg_path: self.kernel_monitor.then(|| self.kmsg_path.clone()),
+            journal,
             config_dir: self.monitor_config_dir.clone(),
             health,
             metrics: self.metrics_listen,
