@@ -77,10 +77,27 @@ pub struct Config {
     #[arg(long, env = "NODEKEEPER_OCA_PLUGIN_DIR")]
     pub oca_plugin_dir: Option<PathBuf>,
 
-    /// The `nvidia-smi` program: a bare name is looked up on PATH. When it is not found the
-    /// report says "no GPU", which is a normal answer.
+    /// The `nvidia-smi` program (a bare name is looked up on PATH), used with `-q -x` where
+    /// NVML cannot be loaded. When neither is found the report says "no GPU", a normal answer.
     #[arg(long, env = "NODEKEEPER_NVIDIA_SMI", default_value = "nvidia-smi")]
     pub nvidia_smi: PathBuf,
+
+    /// NVIDIA's management library, loaded at run time (a name is searched on the loader's
+    /// path, e.g. the driver's library directory mounted into the agent and on
+    /// `LD_LIBRARY_PATH`); `none` turns NVML off. It gives XID events, NVLink state and the
+    /// other GPU health facts; without it `nvidia-smi -q -x` is read.
+    #[arg(
+        long,
+        env = "NODEKEEPER_NVML_LIBRARY",
+        default_value = "libnvidia-ml.so.1"
+    )]
+    pub nvml_library: String,
+
+    /// GPUs this node must have (set it per node pool, e.g. from the instance shape). Fewer
+    /// found (a GPU fell off the bus, the driver did not load) is a Critical GPU verdict.
+    /// Unset: any number of GPUs, including none, is fine.
+    #[arg(long, env = "NODEKEEPER_EXPECTED_GPUS")]
+    pub expected_gpus: Option<u32>,
 
     /// How long a GPU reading is reused before `nvidia-smi` runs again (it is slow to start).
     #[arg(long, env = "NODEKEEPER_GPU_INTERVAL", default_value = "30s", value_parser = parse_duration)]
@@ -233,6 +250,19 @@ impl Config {
             config_dir: self.monitor_config_dir.clone(),
             health,
             metrics: self.metrics_listen,
+        }
+    }
+
+    /// Where the GPU facts come from.
+    pub fn gpu(&self) -> crate::collect::gpu::GpuConfig {
+        crate::collect::gpu::GpuConfig {
+            nvml_library: match self.nvml_library.trim() {
+                "" | "none" => None,
+                name => Some(name.to_owned()),
+            },
+            nvidia_smi: self.nvidia_smi.clone(),
+            expected: self.expected_gpus,
+            pci_devices: "/sys/bus/pci/devices".into(),
         }
     }
 

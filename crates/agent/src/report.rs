@@ -71,10 +71,15 @@ pub fn evaluate(m: &Measurement, overrides: &[Threshold]) -> Indicator {
     }
 }
 
-/// Judges one GPU: uncorrected ECC errors and temperature.
+/// Judges one GPU: uncorrected ECC errors and temperature against their levels, then the health
+/// facts (`collect::gpu::health`: lost, remapped rows, NVLink, PCIe width, AER, throttling, XID,
+/// unreadable fields).
 pub fn judge_gpu(gpu: &Gpu, overrides: &[Threshold]) -> (Verdict, String) {
-    let mut verdict = Verdict::Ok;
-    let mut why = Vec::new();
+    let (mut verdict, mut why) = crate::collect::gpu::health(gpu, std::time::SystemTime::now());
+    let unknown = verdict == Verdict::Unspecified;
+    if unknown {
+        verdict = Verdict::Ok;
+    }
     for (name, value) in [
         ("gpu.ecc_uncorrected", gpu.ecc_uncorrected as f64),
         ("gpu.temperature_c", gpu.temperature_c),
@@ -91,6 +96,9 @@ pub fn judge_gpu(gpu: &Gpu, overrides: &[Threshold]) -> (Verdict, String) {
             }
             verdict = verdict.max(v);
         }
+    }
+    if unknown && verdict == Verdict::Ok {
+        verdict = Verdict::Unspecified;
     }
     (verdict, why.join("; "))
 }
@@ -127,6 +135,10 @@ pub struct Report {
     pub gpu_source: String,
     pub gpu_error: String,
     pub gpus: Vec<JudgedGpu>,
+    /// `--expected-gpus`, and the verdict over all GPUs (fewer than expected is Critical).
+    pub gpu_expected: Option<u32>,
+    pub gpu_verdict: Verdict,
+    pub gpu_message: String,
     pub plugins: Vec<Plugin>,
     /// (collector, error), sorted.
     pub collector_errors: Vec<(String, String)>,
@@ -155,9 +167,10 @@ pub fn assemble(inputs: Inputs, overrides: &[Threshold]) -> Report {
         .map(|m| evaluate(m, overrides))
         .collect();
     indicators.sort_by(|a, b| a.name.cmp(&b.name));
-    let gpus = inputs
+    let gpus: Vec<JudgedGpu> = inputs
         .gpu
         .gpus
+        .clone()
         .into_iter()
         .map(|gpu| {
             let (verdict, message) = judge_gpu(&gpu, overrides);
@@ -168,9 +181,14 @@ pub fn assemble(inputs: Inputs, overrides: &[Threshold]) -> Report {
             }
         })
         .collect();
+    let verdicts: Vec<Verdict> = gpus.iter().map(|g| g.verdict).collect();
+    let (gpu_verdict, gpu_message) = crate::collect::gpu::judge_reading(&inputs.gpu, &verdicts);
     let mut collector_errors = inputs.collector_errors;
     collector_errors.sort();
     Report {
+        gpu_expected: inputs.gpu.expected,
+        gpu_verdict,
+        gpu_message,
         indicators,
         interfaces: inputs.interfaces,
         gpu_present: inputs.gpu.present,
@@ -224,8 +242,8 @@ pub fn revision(r: &Report) -> u64 {
     }
     let _ = writeln!(
         s,
-        "g {} {:?} {:?}",
-        r.gpu_present, r.gpu_source, r.gpu_error
+        "g {} {:?} {:?} {:?} {:?} {:?}",
+        r.gpu_present, r.gpu_source, r.gpu_error, r.gpu_expected, r.gpu_verdict, r.gpu_message
     );
     for g in &r.gpus {
         let _ = writeln!(
