@@ -239,19 +239,17 @@ impl Agent {
             errors.push(("gpu".into(), inputs.gpu.error.clone()));
         }
 
-        if let Some(dir) = &s.oca_plugin_dir {
-            match collect::oca::collect(dir) {
-                Ok((plugins, file_errors)) => {
-                    inputs.plugins = plugins;
-                    errors.extend(
-                        file_errors
-                            .into_iter()
-                            .map(|(f, e)| (format!("oca:{f}"), e)),
-                    );
-                }
-                Err(e) => errors.push(("oca".into(), format!("read {}: {e}", dir.display()))),
-            }
-        }
+        let oca = collect::oca::collect_all(
+            &collect::oca::OcaConfig {
+                host_root: s.host_root.clone(),
+                plugin_dir: s.oca_plugin_dir.clone(),
+            },
+            SystemTime::now(),
+        );
+        inputs.plugins = oca.plugins;
+        inputs.oca_version = oca.version;
+        inputs.oca_source = oca.source;
+        errors.extend(oca.errors.into_iter().map(|(f, e)| (format!("oca:{f}"), e)));
         inputs.collector_errors = errors;
         inputs.system = system;
 

@@ -72,8 +72,9 @@ pub struct Config {
     #[arg(long, env = "NODEKEEPER_HOST_ROOT", default_value = "/")]
     pub host_root: PathBuf,
 
-    /// Directory holding one JSON file per Oracle Cloud Agent plugin (format in the crate's
-    /// README). Unset: no plugin state is reported.
+    /// Directory holding one JSON file per Oracle Cloud Agent plugin (nodekeeper's format, in
+    /// the crate's README), read where OCA's own log (`/var/log/oracle-cloud-agent/agent.log`,
+    /// or the snap's, under `--host-root`) is not found. OCA's log needs no flag.
     #[arg(long, env = "NODEKEEPER_OCA_PLUGIN_DIR")]
     pub oca_plugin_dir: Option<PathBuf>,
 

@@ -140,6 +140,9 @@ pub struct Report {
     pub gpu_verdict: Verdict,
     pub gpu_message: String,
     pub plugins: Vec<Plugin>,
+    /// Oracle Cloud Agent's version and where its plugin states were read (empty: no OCA).
+    pub oca_version: String,
+    pub oca_source: String,
     /// (collector, error), sorted.
     pub collector_errors: Vec<(String, String)>,
     pub system: SystemInfo,
@@ -155,6 +158,8 @@ pub struct Inputs {
     pub gpu: GpuReading,
     pub interfaces: Vec<Interface>,
     pub plugins: Vec<Plugin>,
+    pub oca_version: String,
+    pub oca_source: String,
     pub collector_errors: Vec<(String, String)>,
     pub system: SystemInfo,
 }
@@ -196,6 +201,8 @@ pub fn assemble(inputs: Inputs, overrides: &[Threshold]) -> Report {
         gpu_error: inputs.gpu.error,
         gpus,
         plugins: inputs.plugins,
+        oca_version: inputs.oca_version,
+        oca_source: inputs.oca_source,
         collector_errors,
         system: inputs.system,
         ..Report::default()
@@ -264,6 +271,7 @@ pub fn revision(r: &Report) -> u64 {
     for p in &r.plugins {
         let _ = writeln!(s, "p {p:?}");
     }
+    let _ = writeln!(s, "o {:?} {:?}", r.oca_version, r.oca_source);
     for e in &r.collector_errors {
         let _ = writeln!(s, "e {e:?}");
     }

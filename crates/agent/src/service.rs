@@ -251,8 +251,11 @@ pub fn to_proto(r: &Report) -> pb::NodeReport {
                 state: p.state.clone(),
                 message: p.message.clone(),
                 verdict: verdict(p.verdict),
+                version: p.version.clone(),
             })
             .collect(),
+        oca_version: r.oca_version.clone(),
+        oca_source: r.oca_source.clone(),
         collector_errors: r
             .collector_errors
             .iter()

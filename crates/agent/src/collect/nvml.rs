@@ -359,7 +359,6 @@ impl<T> Answer<T> {
     }
 }
 
-
 /// One GPU as NVML answered, field by field.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct NvmlGpu {

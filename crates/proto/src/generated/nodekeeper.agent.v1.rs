@@ -71,6 +71,14 @@ pub struct NodeReport {
     /// What the node-problem-detector-compatible monitors (kernel log, custom plugins) found.
     #[prost(message, optional, tag = "13")]
     pub problems: ::core::option::Option<NodeProblems>,
+    /// Oracle Cloud Agent's package version (snap, dpkg or rpm), empty when not installed or not
+    /// visible to the agent.
+    #[prost(string, tag = "14")]
+    pub oca_version: ::prost::alloc::string::String,
+    /// Where the plugin states were read: OCA's agent.log path, the --oca-plugin-dir directory, or
+    /// empty.
+    #[prost(string, tag = "15")]
+    pub oca_source: ::prost::alloc::string::String,
 }
 /// Node problems in node-problem-detector's terms: permanent problems are conditions (status
 /// "True" means the problem is present), temporary ones are counted by reason and the latest few
@@ -346,6 +354,9 @@ pub struct PluginState {
     pub message: ::prost::alloc::string::String,
     #[prost(enumeration = "Verdict", tag = "4")]
     pub verdict: i32,
+    /// The plugin's version where Oracle Cloud Agent's log gives it.
+    #[prost(string, tag = "5")]
+    pub version: ::prost::alloc::string::String,
 }
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct CollectorError {
