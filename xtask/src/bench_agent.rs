@@ -482,7 +482,13 @@ fn measure_kmsg(pid: u32, fifo: &Path, metrics: u16, args: &AgentArgs) -> anyhow
     let (rate, seconds, path) = (args.kmsg_rate, args.kmsg_seconds, fifo.to_owned());
     let feeder = std::thread::spawn(move || feed_kmsg(&path, rate, seconds));
     let mut max_kib = idle_kib;
+    // A consumer that stops reading would block the feeder on a full pipe: give up then.
+    let give_up = t0 + Duration::from_secs(u64::from(args.kmsg_seconds) * 3 + 30);
     while !feeder.is_finished() {
+        ensure!(
+            Instant::now() < give_up,
+            "the kmsg feed did not finish: the consumer stopped reading"
+        );
         max_kib = max_kib.max(rss_kib(pid)?);
         std::thread::sleep(Duration::from_millis(500));
     }
