@@ -7,6 +7,14 @@
 //! `/proc/<pid>/status`, CPU the utime+stime ticks from `/proc/<pid>/stat`. node-problem-detector
 //! is built from its Go module (source from the module proxy, cached under ~/.cache) and run
 //! standalone with its shipped system-stats and kernel (kmsg) monitor configs.
+//!
+//! `--kmsg` measures the kernel-log monitor instead: the agent and NPD, one after the other, each
+//! fed the same generated kernel records (`--kmsg-rate` lines/s for `--kmsg-seconds`) through a
+//! FIFO standing in for `/dev/kmsg`, one record per write as the kernel hands them out. The agent
+//! is pointed at the FIFO with `--kmsg-path`; NPD opens `/dev/kmsg` by name, so it runs in a
+//! mount namespace of its own (`unshare --mount`) where the FIFO is bind-mounted over
+//! `/dev/kmsg`. Both count the problem lines in `problem_counter`, scraped at the end to show
+//! each processed the whole feed. Written as the `### kmsg monitor` block of `## agent`.
 
 use std::fmt::Write as _;
 use std::io::Read as _;
@@ -27,9 +35,19 @@ pub struct AgentArgs {
     /// Length of the load phase in seconds.
     #[arg(long, default_value_t = 30)]
     seconds: u32,
-    /// node-problem-detector release (a tag of its Go module k8s.io/node-problem-detector).
-    #[arg(long, default_value = "v0.8.20")]
+    /// node-problem-detector release (a tag of its Go module k8s.io/node-problem-detector); the
+    /// release the agent's built-in rules come from.
+    #[arg(long, default_value = "v1.36.0")]
     npd_version: String,
+    /// Measure the kernel-log monitor (agent vs NPD on the same kmsg feed) instead of GetReport.
+    #[arg(long)]
+    kmsg: bool,
+    /// Kernel records per second fed in `--kmsg` mode.
+    #[arg(long, default_value_t = 1000)]
+    kmsg_rate: u32,
+    /// How long the feed lasts in `--kmsg` mode, in seconds.
+    #[arg(long, default_value_t = 60)]
+    kmsg_seconds: u32,
     /// Skip node-problem-detector.
     #[arg(long)]
     no_npd: bool,
@@ -352,9 +370,332 @@ fn f(v: &serde_json::Value, path: &[&str]) -> f64 {
         .unwrap_or(f64::NAN)
 }
 
+/// Ordinary kernel lines (matching no default rule), in the kernel's own wording.
+const BENIGN: &[&str] = &[
+    "IPv6: ADDRCONF(NETDEV_CHANGE): veth1a2b3c4d: link becomes ready",
+    "cni0: port 3(veth1a2b3c4d) entered forwarding state",
+    "eth0: renamed from tmp5f6e7d",
+    "audit: type=1400 audit(1763890000.123:456): apparmor=\"DENIED\" operation=\"open\" \
+     profile=\"cri-containerd.apparmor.d\" name=\"/proc/sys/kernel/random/boot_id\" pid=1234 comm=\"runc\"",
+    "overlayfs: upperdir is in-use as upperdir/workdir of another mount, accessing files from both \
+     mounts will result in undefined behavior.",
+    "TCP: request_sock_TCP: Possible SYN flooding on port 443. Sending cookies.  Check SNMP counters.",
+    "nf_conntrack: nf_conntrack: table full, dropping packet",
+    "EXT4-fs (sda1): mounted filesystem with ordered data mode. Quota mode: none.",
+];
+
+/// Every this many records one is an OOM kill (a temporary rule of kernel-monitor.json).
+const PROBLEM_EVERY: u64 = 100;
+
+/// The `n`th record's message.
+fn kmsg_message(n: u64) -> String {
+    if n % PROBLEM_EVERY == PROBLEM_EVERY - 1 {
+        format!(
+            "Out of memory: Killed process {} (stress-ng) total-vm:8426496kB, anon-rss:7845632kB, \
+             file-rss:4kB, shmem-rss:0kB, UID:0 pgtables:15440kB oom_score_adj:0",
+            10_000 + n
+        )
+    } else {
+        BENIGN[(n % BENIGN.len() as u64) as usize].to_owned()
+    }
+}
+
+/// Writes `rate × seconds` records to the FIFO, one write per record, paced to the rate. Opening
+/// the FIFO waits for the reader. Returns the records written.
+fn feed_kmsg(fifo: &Path, rate: u32, seconds: u32) -> anyhow::Result<u64> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    // Opened non-blocking (a FIFO without a reader answers ENXIO at once) and retried for at
+    // most 30 s, then switched to blocking writes, so a consumer that never opens its input
+    // cannot hang the benchmark.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut out = loop {
+        match std::fs::OpenOptions::new()
+            .write(true)
+            .custom_flags(nix::fcntl::OFlag::O_NONBLOCK.bits())
+            .open(fifo)
+        {
+            Ok(f) => break f,
+            Err(e) if Instant::now() < deadline && e.raw_os_error() == Some(nix::libc::ENXIO) => {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            Err(e) => {
+                return Err(e).with_context(|| format!("open {} for writing", fifo.display()));
+            }
+        }
+    };
+    nix::fcntl::fcntl(
+        &out,
+        nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::empty()),
+    )
+    .context("make the FIFO writes blocking")?;
+    let uptime: f64 = std::fs::read_to_string("/proc/uptime")?
+        .split_whitespace()
+        .next()
+        .context("odd /proc/uptime")?
+        .parse()?;
+    let start = Instant::now();
+    let total = u64::from(rate) * u64::from(seconds);
+    for n in 0..total {
+        let due = Duration::from_secs_f64(n as f64 / f64::from(rate));
+        if let Some(wait) = due.checked_sub(start.elapsed()) {
+            std::thread::sleep(wait);
+        }
+        let ts = ((uptime + start.elapsed().as_secs_f64()) * 1e6) as u64;
+        let record = format!("{},{},{ts},-;{}\n", 3, 1_000_000 + n, kmsg_message(n));
+        out.write_all(record.as_bytes())?;
+    }
+    Ok(total)
+}
+
+/// `problem_counter{reason="OOMKilling"}` from a Prometheus endpoint on 127.0.0.1.
+fn oom_counter(port: u16) -> Option<u64> {
+    use std::io::{Read as _, Write as _};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+        .ok()?;
+    let mut text = String::new();
+    s.read_to_string(&mut text).ok()?;
+    text.lines()
+        .find(|l| l.starts_with("problem_counter{reason=\"OOMKilling\"}"))
+        .and_then(|l| l.split_whitespace().last()?.parse::<f64>().ok())
+        .map(|v| v as u64)
+}
+
+/// One consumer's figures over the feed.
+struct KmsgRun {
+    idle_kib: u64,
+    max_kib: u64,
+    cpu_percent: f64,
+    fed: u64,
+    seconds: f64,
+    oom_counted: Option<u64>,
+}
+
+/// Feeds the FIFO while sampling `pid`'s RSS; `metrics` is the consumer's Prometheus port.
+fn measure_kmsg(pid: u32, fifo: &Path, metrics: u16, args: &AgentArgs) -> anyhow::Result<KmsgRun> {
+    std::thread::sleep(Duration::from_secs(3));
+    let idle_kib = rss_kib(pid)?;
+    let cpu0 = cpu_ticks(pid)?;
+    let t0 = Instant::now();
+    let (rate, seconds, path) = (args.kmsg_rate, args.kmsg_seconds, fifo.to_owned());
+    let feeder = std::thread::spawn(move || feed_kmsg(&path, rate, seconds));
+    let mut max_kib = idle_kib;
+    // A consumer that stops reading would block the feeder on a full pipe: give up then.
+    let give_up = t0 + Duration::from_secs(u64::from(args.kmsg_seconds) * 3 + 30);
+    while !feeder.is_finished() {
+        ensure!(
+            Instant::now() < give_up,
+            "the kmsg feed did not finish: the consumer stopped reading"
+        );
+        max_kib = max_kib.max(rss_kib(pid)?);
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let fed = feeder
+        .join()
+        .map_err(|_| anyhow::anyhow!("feeder panicked"))??;
+    // The reader may still be working through what the FIFO holds: wait for the counter to
+    // settle (bounded), and count that time too.
+    let expected = fed / PROBLEM_EVERY;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut oom = oom_counter(metrics);
+    while oom.is_none_or(|n| n < expected) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(500));
+        max_kib = max_kib.max(rss_kib(pid)?);
+        oom = oom_counter(metrics);
+    }
+    let seconds = t0.elapsed().as_secs_f64();
+    let cpu = (cpu_ticks(pid)? - cpu0) as f64 / USER_HZ;
+    Ok(KmsgRun {
+        idle_kib,
+        max_kib,
+        cpu_percent: cpu / seconds * 100.0,
+        fed,
+        seconds,
+        oom_counted: oom,
+    })
+}
+
+// A benchmark's figures are its output.
+#[allow(clippy::print_stdout)]
+fn run_kmsg(args: &AgentArgs) -> anyhow::Result<()> {
+    let root = root();
+    run_ok(
+        Command::new(env!("CARGO"))
+            .args(["build", "--release", "-p", "nodekeeper-agent"])
+            .args(["--example", "bench_client"])
+            .current_dir(&root),
+    )?;
+    run_ok(
+        Command::new(env!("CARGO"))
+            .args([
+                "build",
+                "--release",
+                "-p",
+                "nodekeeper-agent",
+                "--bin",
+                "nodekeeper-agent",
+            ])
+            .current_dir(&root),
+    )?;
+    let target = target_dir(&root).join("release");
+    let (bin, client) = (
+        target.join("nodekeeper-agent"),
+        target.join("examples/bench_client"),
+    );
+    let work = tempfile::tempdir()?;
+    let certs = work.path().join("certs");
+    run_ok(Command::new(&client).arg("certs").arg(&certs))?;
+    let mkfifo = |name: &str| -> anyhow::Result<PathBuf> {
+        let path = work.path().join(name);
+        run_ok(Command::new("mkfifo").arg(&path))?;
+        Ok(path)
+    };
+
+    // The agent: only the kernel-log monitor runs (no journal, no health checks, no GetReport).
+    let fifo = mkfifo("kmsg-agent")?;
+    let metrics = nodekeeper_testkit::free_port();
+    let agent = start_agent(
+        &bin,
+        work.path(),
+        &certs,
+        &[
+            &format!("--kmsg-path={}", fifo.display()),
+            &format!("--metrics-listen=127.0.0.1:{metrics}"),
+            "--journal=false",
+            "--health-checks=false",
+        ],
+    )?;
+    let ours = measure_kmsg(agent.child.id(), &fifo, metrics, args);
+    stop(agent.child);
+    let ours = ours?;
+
+    // NPD: its shipped kernel-monitor.json only, /dev/kmsg being the FIFO in its namespace.
+    let (npd_bin, src) = build_npd(&args.npd_version)?;
+    let fifo = mkfifo("kmsg-npd")?;
+    let prom = nodekeeper_testkit::free_port();
+    let script = format!(
+        "mount --bind {fifo} /dev/kmsg && exec {bin} --enable-k8s-exporter=false \
+         --hostname-override=bench --config.system-log-monitor={config} --address=127.0.0.1 \
+         --port={port} --prometheus-address=127.0.0.1 --prometheus-port={prom}",
+        fifo = fifo.display(),
+        bin = npd_bin.display(),
+        config = src.join("config/kernel-monitor.json").display(),
+        port = nodekeeper_testkit::free_port(),
+    );
+    let log = std::fs::File::create(work.path().join("npd-kmsg.log"))?;
+    let mut child = Command::new("unshare")
+        .args(["--mount", "--propagation", "private", "sh", "-c", &script])
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .context("start node-problem-detector under unshare --mount (needs root)")?;
+    wait_for_port(prom, &mut child)?;
+    let theirs = measure_kmsg(child.id(), &fifo, prom, args);
+    stop(child);
+    let theirs = theirs?;
+
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let cpus = std::thread::available_parallelism().map_or(0, usize::from);
+    let mut r = String::new();
+    let _ = writeln!(r, "### kmsg monitor\n");
+    let _ = writeln!(
+        r,
+        "`cargo xtask bench agent --kmsg --kmsg-rate {} --kmsg-seconds {}` (as root). The same generated \
+         kernel records (1 in {PROBLEM_EVERY} an OOM kill, the rest ordinary lines matching no rule) fed at \
+         {} lines/s for {} s through a FIFO standing in for `/dev/kmsg`, one record per write: first to \
+         the agent (`--kmsg-path`; built-in NPD {} kernel-monitor and readonly-monitor rules; journal and \
+         health checks off; no GetReport calls), then to node-problem-detector {} (its shipped \
+         `config/kernel-monitor.json` only; the FIFO bind-mounted over `/dev/kmsg` in a mount namespace \
+         of its own). CPU is utime+stime over the feed and the drain after it (100% = one core); RSS is \
+         VmRSS. Machine: {cpus} CPUs, Linux {}, load average at the end {} — shared with seven other \
+         engineers' builds and tests, so CPU figures are indicative, the ratio more than the values.\n",
+        args.kmsg_rate,
+        args.kmsg_seconds,
+        args.kmsg_rate,
+        args.kmsg_seconds,
+        nodekeeper_agent_npd_version(),
+        args.npd_version,
+        kernel.trim(),
+        load.split_whitespace()
+            .take(3)
+            .collect::<Vec<_>>()
+            .join(" "),
+    );
+    let _ = writeln!(
+        r,
+        "| measurement | nodekeeper-agent | node-problem-detector | agent / NPD |"
+    );
+    let _ = writeln!(r, "|---|---|---|---|");
+    let row = |r: &mut String, what: &str, a: String, b: String, ratio: String| {
+        let _ = writeln!(r, "| {what} | {a} | {b} | {ratio} |");
+    };
+    row(
+        &mut r,
+        "RSS before the feed",
+        mib(ours.idle_kib),
+        mib(theirs.idle_kib),
+        format!("{:.2}", ours.idle_kib as f64 / theirs.idle_kib as f64),
+    );
+    row(
+        &mut r,
+        "max RSS during the feed",
+        mib(ours.max_kib),
+        mib(theirs.max_kib),
+        format!("{:.2}", ours.max_kib as f64 / theirs.max_kib as f64),
+    );
+    row(
+        &mut r,
+        "CPU during the feed",
+        format!("{:.1}% over {:.0} s", ours.cpu_percent, ours.seconds),
+        format!("{:.1}% over {:.0} s", theirs.cpu_percent, theirs.seconds),
+        format!("{:.2}", ours.cpu_percent / theirs.cpu_percent),
+    );
+    let counted = |k: &KmsgRun| {
+        k.oom_counted.map_or("not scraped".to_owned(), |n| {
+            format!("{n} of {}", k.fed / PROBLEM_EVERY)
+        })
+    };
+    row(
+        &mut r,
+        "OOM kills counted (`problem_counter`)",
+        counted(&ours),
+        counted(&theirs),
+        String::new(),
+    );
+    let met = |v: f64| if v <= 0.5 { "met" } else { "NOT met" };
+    let cpu_ratio = ours.cpu_percent / theirs.cpu_percent;
+    let rss_ratio = ours.max_kib as f64 / theirs.max_kib as f64;
+    let _ = writeln!(
+        r,
+        "\nTargets: agent CPU ≤ ½ of NPD's — {} ({cpu_ratio:.2}); agent max RSS ≤ ½ of NPD's — {} \
+         ({rss_ratio:.2}).",
+        met(cpu_ratio),
+        met(rss_ratio)
+    );
+    println!("{r}");
+    if !args.no_write {
+        let intro = "## agent\n";
+        crate::benchmarks::write_subsection(&root, "agent", intro, "kmsg monitor", &r)?;
+        eprintln!("updated {}", root.join("BENCHMARKS.md").display());
+    }
+    Ok(())
+}
+
+/// The NPD release the agent's built-in rules come from (kept in step with the agent crate's
+/// `monitor::NPD_VERSION`; xtask does not link the agent).
+fn nodekeeper_agent_npd_version() -> &'static str {
+    "v1.36.0"
+}
+
 // A benchmark's figures are its output.
 #[allow(clippy::print_stdout)]
 pub fn run(args: AgentArgs) -> anyhow::Result<()> {
+    if args.kmsg {
+        return run_kmsg(&args);
+    }
     let root = root();
     // Two builds: the example pulls in dev-dependencies, whose features would otherwise be
     // unified into the measured binary; the binary is built on its own, as it ships.

@@ -27,7 +27,7 @@ pub struct Sources {
     pub host_root: PathBuf,
     pub mounts: Vec<PathBuf>,
     pub oca_plugin_dir: Option<PathBuf>,
-    pub nvidia_smi: PathBuf,
+    pub gpu: collect::gpu::GpuConfig,
     pub gpu_interval: Duration,
     pub report_max_age: Duration,
 }
@@ -71,7 +71,7 @@ impl Agent {
                 host_root: config.host_root.clone(),
                 mounts: config.mounts.clone(),
                 oca_plugin_dir: config.oca_plugin_dir.clone(),
-                nvidia_smi: config.nvidia_smi.clone(),
+                gpu: config.gpu(),
                 gpu_interval: config.gpu_interval,
                 report_max_age: config.report_max_age,
             },
@@ -228,7 +228,7 @@ impl Agent {
             .as_ref()
             .is_some_and(|(at, _)| at.elapsed() < s.gpu_interval);
         if !gpu_fresh {
-            cache.gpu = Some((Instant::now(), collect::gpu::collect(&s.nvidia_smi).await));
+            cache.gpu = Some((Instant::now(), collect::gpu::collect(&s.gpu).await));
         }
         inputs.gpu = cache
             .gpu
@@ -239,19 +239,17 @@ impl Agent {
             errors.push(("gpu".into(), inputs.gpu.error.clone()));
         }
 
-        if let Some(dir) = &s.oca_plugin_dir {
-            match collect::oca::collect(dir) {
-                Ok((plugins, file_errors)) => {
-                    inputs.plugins = plugins;
-                    errors.extend(
-                        file_errors
-                            .into_iter()
-                            .map(|(f, e)| (format!("oca:{f}"), e)),
-                    );
-                }
-                Err(e) => errors.push(("oca".into(), format!("read {}: {e}", dir.display()))),
-            }
-        }
+        let oca = collect::oca::collect_all(
+            &collect::oca::OcaConfig {
+                host_root: s.host_root.clone(),
+                plugin_dir: s.oca_plugin_dir.clone(),
+            },
+            SystemTime::now(),
+        );
+        inputs.plugins = oca.plugins;
+        inputs.oca_version = oca.version;
+        inputs.oca_source = oca.source;
+        errors.extend(oca.errors.into_iter().map(|(f, e)| (format!("oca:{f}"), e)));
         inputs.collector_errors = errors;
         inputs.system = system;
 

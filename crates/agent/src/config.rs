@@ -72,15 +72,33 @@ pub struct Config {
     #[arg(long, env = "NODEKEEPER_HOST_ROOT", default_value = "/")]
     pub host_root: PathBuf,
 
-    /// Directory holding one JSON file per Oracle Cloud Agent plugin (format in the crate's
-    /// README). Unset: no plugin state is reported.
+    /// Directory holding one JSON file per Oracle Cloud Agent plugin (nodekeeper's format, in
+    /// the crate's README), read where OCA's own log (`/var/log/oracle-cloud-agent/agent.log`,
+    /// or the snap's, under `--host-root`) is not found. OCA's log needs no flag.
     #[arg(long, env = "NODEKEEPER_OCA_PLUGIN_DIR")]
     pub oca_plugin_dir: Option<PathBuf>,
 
-    /// The `nvidia-smi` program: a bare name is looked up on PATH. When it is not found the
-    /// report says "no GPU", which is a normal answer.
+    /// The `nvidia-smi` program (a bare name is looked up on PATH), used with `-q -x` where
+    /// NVML cannot be loaded. When neither is found the report says "no GPU", a normal answer.
     #[arg(long, env = "NODEKEEPER_NVIDIA_SMI", default_value = "nvidia-smi")]
     pub nvidia_smi: PathBuf,
+
+    /// NVIDIA's management library, loaded at run time (a name is searched on the loader's
+    /// path, e.g. the driver's library directory mounted into the agent and on
+    /// `LD_LIBRARY_PATH`); `none` turns NVML off. It gives XID events, NVLink state and the
+    /// other GPU health facts; without it `nvidia-smi -q -x` is read.
+    #[arg(
+        long,
+        env = "NODEKEEPER_NVML_LIBRARY",
+        default_value = "libnvidia-ml.so.1"
+    )]
+    pub nvml_library: String,
+
+    /// GPUs this node must have (set it per node pool, e.g. from the instance shape). Fewer
+    /// found (a GPU fell off the bus, the driver did not load) is a Critical GPU verdict.
+    /// Unset: any number of GPUs, including none, is fine.
+    #[arg(long, env = "NODEKEEPER_EXPECTED_GPUS")]
+    pub expected_gpus: Option<u32>,
 
     /// How long a GPU reading is reused before `nvidia-smi` runs again (it is slow to start).
     #[arg(long, env = "NODEKEEPER_GPU_INTERVAL", default_value = "30s", value_parser = parse_duration)]
@@ -122,6 +140,23 @@ pub struct Config {
     /// custom-plugin files (`"plugin": "custom"`), read unchanged. Unset: built-in rules only.
     #[arg(long, env = "NODEKEEPER_MONITOR_CONFIG_DIR")]
     pub monitor_config_dir: Option<PathBuf>,
+
+    /// Run the journal monitor: NPD's `systemd-monitor.json` service rules (kubelet and runtime
+    /// starts as Events) and `systemd-monitor-counter.json` restart counts
+    /// (`FrequentKubeletRestart`, `FrequentContainerdRestart`), plus `journald` files and
+    /// `log-counter` rules in `--monitor-config-dir` (`false` turns it off).
+    #[arg(long, env = "NODEKEEPER_JOURNAL", default_value_t = true, action = clap::ArgAction::Set)]
+    pub journal: bool,
+
+    /// The `journalctl` program the journal is read with (a bare name is looked up on PATH).
+    /// When it cannot run, the report lists why and the restart conditions are Unknown.
+    #[arg(long, env = "NODEKEEPER_JOURNALCTL", default_value = "journalctl")]
+    pub journalctl: PathBuf,
+
+    /// The journal directory (the host's `/var/log/journal` or `/run/log/journal` mounted into
+    /// the agent). Unset: the rule files' `logPath`, else the first of those two that exists.
+    #[arg(long, env = "NODEKEEPER_JOURNAL_DIR")]
+    pub journal_dir: Option<PathBuf>,
 
     /// Run the built-in kubelet and container-runtime health checks (conditions
     /// `KubeletUnhealthy` and `ContainerRuntimeUnhealthy`, as NPD's health checker).
@@ -203,11 +238,32 @@ impl Config {
                 timeout: Duration::from_secs(10),
             }
         });
+        let journal = self
+            .journal
+            .then(|| crate::monitor::journal::JournalConfig {
+                journalctl: crate::collect::gpu::locate(&self.journalctl)
+                    .unwrap_or_else(|| self.journalctl.clone()),
+                directory: self.journal_dir.clone(),
+            });
         crate::monitor::MonitorConfig {
             kmsg_path: self.kernel_monitor.then(|| self.kmsg_path.clone()),
+            journal,
             config_dir: self.monitor_config_dir.clone(),
             health,
             metrics: self.metrics_listen,
+        }
+    }
+
+    /// Where the GPU facts come from.
+    pub fn gpu(&self) -> crate::collect::gpu::GpuConfig {
+        crate::collect::gpu::GpuConfig {
+            nvml_library: match self.nvml_library.trim() {
+                "" | "none" => None,
+                name => Some(name.to_owned()),
+            },
+            nvidia_smi: self.nvidia_smi.clone(),
+            expected: self.expected_gpus,
+            pci_devices: "/sys/bus/pci/devices".into(),
         }
     }
 

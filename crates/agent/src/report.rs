@@ -71,10 +71,15 @@ pub fn evaluate(m: &Measurement, overrides: &[Threshold]) -> Indicator {
     }
 }
 
-/// Judges one GPU: uncorrected ECC errors and temperature.
+/// Judges one GPU: uncorrected ECC errors and temperature against their levels, then the health
+/// facts (`collect::gpu::health`: lost, remapped rows, NVLink, PCIe width, AER, throttling, XID,
+/// unreadable fields).
 pub fn judge_gpu(gpu: &Gpu, overrides: &[Threshold]) -> (Verdict, String) {
-    let mut verdict = Verdict::Ok;
-    let mut why = Vec::new();
+    let (mut verdict, mut why) = crate::collect::gpu::health(gpu, std::time::SystemTime::now());
+    let unknown = verdict == Verdict::Unspecified;
+    if unknown {
+        verdict = Verdict::Ok;
+    }
     for (name, value) in [
         ("gpu.ecc_uncorrected", gpu.ecc_uncorrected as f64),
         ("gpu.temperature_c", gpu.temperature_c),
@@ -91,6 +96,9 @@ pub fn judge_gpu(gpu: &Gpu, overrides: &[Threshold]) -> (Verdict, String) {
             }
             verdict = verdict.max(v);
         }
+    }
+    if unknown && verdict == Verdict::Ok {
+        verdict = Verdict::Unspecified;
     }
     (verdict, why.join("; "))
 }
@@ -127,7 +135,14 @@ pub struct Report {
     pub gpu_source: String,
     pub gpu_error: String,
     pub gpus: Vec<JudgedGpu>,
+    /// `--expected-gpus`, and the verdict over all GPUs (fewer than expected is Critical).
+    pub gpu_expected: Option<u32>,
+    pub gpu_verdict: Verdict,
+    pub gpu_message: String,
     pub plugins: Vec<Plugin>,
+    /// Oracle Cloud Agent's version and where its plugin states were read (empty: no OCA).
+    pub oca_version: String,
+    pub oca_source: String,
     /// (collector, error), sorted.
     pub collector_errors: Vec<(String, String)>,
     pub system: SystemInfo,
@@ -143,6 +158,8 @@ pub struct Inputs {
     pub gpu: GpuReading,
     pub interfaces: Vec<Interface>,
     pub plugins: Vec<Plugin>,
+    pub oca_version: String,
+    pub oca_source: String,
     pub collector_errors: Vec<(String, String)>,
     pub system: SystemInfo,
 }
@@ -155,9 +172,10 @@ pub fn assemble(inputs: Inputs, overrides: &[Threshold]) -> Report {
         .map(|m| evaluate(m, overrides))
         .collect();
     indicators.sort_by(|a, b| a.name.cmp(&b.name));
-    let gpus = inputs
+    let gpus: Vec<JudgedGpu> = inputs
         .gpu
         .gpus
+        .clone()
         .into_iter()
         .map(|gpu| {
             let (verdict, message) = judge_gpu(&gpu, overrides);
@@ -168,9 +186,14 @@ pub fn assemble(inputs: Inputs, overrides: &[Threshold]) -> Report {
             }
         })
         .collect();
+    let verdicts: Vec<Verdict> = gpus.iter().map(|g| g.verdict).collect();
+    let (gpu_verdict, gpu_message) = crate::collect::gpu::judge_reading(&inputs.gpu, &verdicts);
     let mut collector_errors = inputs.collector_errors;
     collector_errors.sort();
     Report {
+        gpu_expected: inputs.gpu.expected,
+        gpu_verdict,
+        gpu_message,
         indicators,
         interfaces: inputs.interfaces,
         gpu_present: inputs.gpu.present,
@@ -178,6 +201,8 @@ pub fn assemble(inputs: Inputs, overrides: &[Threshold]) -> Report {
         gpu_error: inputs.gpu.error,
         gpus,
         plugins: inputs.plugins,
+        oca_version: inputs.oca_version,
+        oca_source: inputs.oca_source,
         collector_errors,
         system: inputs.system,
         ..Report::default()
@@ -224,8 +249,8 @@ pub fn revision(r: &Report) -> u64 {
     }
     let _ = writeln!(
         s,
-        "g {} {:?} {:?}",
-        r.gpu_present, r.gpu_source, r.gpu_error
+        "g {} {:?} {:?} {:?} {:?} {:?}",
+        r.gpu_present, r.gpu_source, r.gpu_error, r.gpu_expected, r.gpu_verdict, r.gpu_message
     );
     for g in &r.gpus {
         let _ = writeln!(
@@ -246,6 +271,7 @@ pub fn revision(r: &Report) -> u64 {
     for p in &r.plugins {
         let _ = writeln!(s, "p {p:?}");
     }
+    let _ = writeln!(s, "o {:?} {:?}", r.oca_version, r.oca_source);
     for e in &r.collector_errors {
         let _ = writeln!(s, "e {e:?}");
     }

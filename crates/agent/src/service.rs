@@ -234,20 +234,14 @@ pub fn to_proto(r: &Report) -> pb::NodeReport {
                 .gpus
                 .iter()
                 .map(|g| pb::Gpu {
-                    index: g.gpu.index,
-                    uuid: g.gpu.uuid.clone(),
-                    model: g.gpu.model.clone(),
-                    memory_total_mib: g.gpu.memory_total_mib,
-                    memory_used_mib: g.gpu.memory_used_mib,
-                    temperature_c: g.gpu.temperature_c,
-                    utilization_percent: g.gpu.utilization_percent,
-                    ecc_uncorrected: g.gpu.ecc_uncorrected,
-                    // `nvidia-smi --query-gpu` reports no XID events; see the crate README.
-                    xid_events: 0,
                     verdict: verdict(g.verdict),
                     message: g.message.clone(),
+                    ..crate::collect::gpu::to_proto(&g.gpu)
                 })
                 .collect(),
+            expected_count: r.gpu_expected,
+            verdict: verdict(r.gpu_verdict),
+            message: r.gpu_message.clone(),
         }),
         plugins: r
             .plugins
@@ -257,8 +251,11 @@ pub fn to_proto(r: &Report) -> pb::NodeReport {
                 state: p.state.clone(),
                 message: p.message.clone(),
                 verdict: verdict(p.verdict),
+                version: p.version.clone(),
             })
             .collect(),
+        oca_version: r.oca_version.clone(),
+        oca_source: r.oca_source.clone(),
         collector_errors: r
             .collector_errors
             .iter()

@@ -14,7 +14,7 @@ use std::time::{Duration, SystemTime};
 use nodekeeper_agent::monitor::plugin::{self, Outcome, PluginMonitor};
 use nodekeeper_agent::monitor::rules::LogMonitor;
 use nodekeeper_agent::monitor::state::{ConditionStatus, ProblemState, lock};
-use nodekeeper_agent::monitor::{self, NPD_VERSION};
+use nodekeeper_agent::monitor::{self, NPD_VERSION, journal};
 
 /// The release's `config/` directory (with the module root as its parent), or why not.
 fn release_config() -> Result<PathBuf, String> {
@@ -111,6 +111,7 @@ fn release_kmsg_rule_files_equal_the_builtin_defaults_and_run() {
     for (name, builtin) in [
         ("kernel-monitor.json", monitor::DEFAULT_KERNEL_MONITOR),
         ("readonly-monitor.json", monitor::DEFAULT_READONLY_MONITOR),
+        ("systemd-monitor.json", monitor::DEFAULT_SYSTEMD_MONITOR),
     ] {
         let bytes = std::fs::read(config.join(name)).unwrap();
         let release: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
@@ -130,6 +131,21 @@ fn release_kmsg_rule_files_equal_the_builtin_defaults_and_run() {
         .map(|m| m.source.as_str())
         .collect();
     assert_eq!(sources, ["kernel-monitor", "readonly-monitor"]);
+    // Its journald files load as journal monitors, each on its SYSLOG_IDENTIFIER.
+    let mut journald: Vec<_> = loaded
+        .journal_monitors
+        .iter()
+        .map(|m| (m.source.as_str(), m.identifier.as_deref().unwrap_or("")))
+        .collect();
+    journald.sort();
+    assert_eq!(
+        journald,
+        [
+            ("abrt-adaptor", "abrt-notification"),
+            ("docker-monitor", "dockerd"),
+            ("systemd-monitor", "systemd"),
+        ]
+    );
     let dir = tempfile::tempdir().unwrap();
     let kmsg = dir.path().join("kmsg");
     std::fs::write(
@@ -159,9 +175,9 @@ fn release_kmsg_rule_files_equal_the_builtin_defaults_and_run() {
         assert!(!r.reason.is_empty());
     }
     for name in [
-        "systemd-monitor.json",
-        "docker-monitor.json",
         "kernel-monitor-filelog.json",
+        "docker-monitor-filelog.json",
+        "system-stats-monitor.json",
     ] {
         let refusal = state.refusals().iter().find(|r| r.origin.ends_with(name));
         let refusal =
@@ -194,11 +210,27 @@ async fn release_custom_plugin_files_parse_and_run() {
         for r in &refused {
             assert!(r.reason.contains("does not exist"), "{name}: {r:?}");
         }
-        if name.contains("counter") || name.starts_with("health-checker") {
+        if name.starts_with("health-checker") {
             assert!(
                 !refused.is_empty(),
                 "{name}: its program should be missing here"
             );
+        }
+        // NPD's log-counter rules are not run as programs but counted from the journal.
+        if name.contains("counter") {
+            assert!(!monitor.log_counters.is_empty(), "{name}");
+            for rule in &monitor.log_counters {
+                let counter =
+                    journal::Counter::from_rule(&monitor.source, rule, &monitor.conditions)
+                        .unwrap_or_else(|e| panic!("{name}: {}: {e}", rule.reason));
+                assert!(counter.threshold >= 1 && counter.lookback > Duration::ZERO);
+            }
+        }
+        if name == "systemd-monitor-counter.json" {
+            let release: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+            let ours: serde_json::Value =
+                serde_json::from_str(monitor::DEFAULT_SYSTEMD_MONITOR_COUNTER).unwrap();
+            assert_eq!(release, ours, "{name} differs from NPD {NPD_VERSION}");
         }
         // Run the plugin that only looks at this machine and says what it saw by its exit code
         // (the network one resolves DNS names, which tests do not do; iptables_mode.sh prints

@@ -224,6 +224,21 @@ fn monitor_flags_have_defaults_and_an_off_switch() {
     let m = c.monitors();
     assert_eq!(m.kmsg_path.as_deref(), Some(Path::new("/dev/kmsg")));
     assert_eq!(m.config_dir, None);
+    let j = m.journal.expect("the journal monitor is on by default");
+    assert_eq!(j.directory, None);
+    assert!(j.journalctl.ends_with("journalctl"), "{j:?}");
     let c = Config::try_parse_from(base.iter().copied().chain(["--kernel-monitor=false"])).unwrap();
     assert_eq!(c.monitors().kmsg_path, None);
+    let c = Config::try_parse_from(
+        base.iter()
+            .copied()
+            .chain(["--journal-dir=/host/var/log/journal"]),
+    )
+    .unwrap();
+    assert_eq!(
+        c.monitors().journal.unwrap().directory.as_deref(),
+        Some(Path::new("/host/var/log/journal"))
+    );
+    let c = Config::try_parse_from(base.iter().copied().chain(["--journal=false"])).unwrap();
+    assert!(c.monitors().journal.is_none());
 }

@@ -7,6 +7,8 @@ pub mod interfaces;
 pub mod kernel;
 pub mod load;
 pub mod memory;
+pub mod nvml;
+pub mod nvsmi;
 pub mod oca;
 pub mod time;
 

@@ -169,7 +169,7 @@ impl KmsgReader {
         let mut reader = BufReader::with_capacity(16 * 1024, file);
         let mut pending = Line::default();
         while !self.stop.load(Ordering::Relaxed) {
-            let complete = match read_line_bounded(&mut reader, &mut pending) {
+            let complete = match read_line_bounded(&mut reader, &mut pending, MAX_LINE_BYTES) {
                 Ok(complete) => complete,
                 // The log is opened non-blocking so that a stop request is seen while idle.
                 Err(e) if e.kind() == ErrorKind::WouldBlock => false,
@@ -249,23 +249,27 @@ impl KmsgReader {
     }
 }
 
-/// A line being read: at most [`MAX_LINE_BYTES`] kept, and whether more was dropped.
+/// A line being read: at most the reader's limit kept, and whether more was dropped.
 #[derive(Default)]
-struct Line {
-    bytes: Vec<u8>,
-    truncated: bool,
+pub(super) struct Line {
+    pub(super) bytes: Vec<u8>,
+    pub(super) truncated: bool,
 }
 
 impl Line {
-    fn clear(&mut self) {
+    pub(super) fn clear(&mut self) {
         self.bytes.clear();
         self.truncated = false;
     }
 }
 
-/// Reads into `line` up to the next newline; `Ok(false)` when the input has no more for now
-/// (the part read so far stays in `line`).
-fn read_line_bounded(reader: &mut impl BufRead, line: &mut Line) -> std::io::Result<bool> {
+/// Reads into `line` up to the next newline, keeping at most `max` bytes of it; `Ok(false)` when
+/// the input has no more for now (the part read so far stays in `line`).
+pub(super) fn read_line_bounded(
+    reader: &mut impl BufRead,
+    line: &mut Line,
+    max: usize,
+) -> std::io::Result<bool> {
     loop {
         let buf = reader.fill_buf()?;
         if buf.is_empty() {
@@ -275,7 +279,7 @@ fn read_line_bounded(reader: &mut impl BufRead, line: &mut Line) -> std::io::Res
             Some(i) => (&buf[..i], i + 1),
             None => (buf, buf.len()),
         };
-        let room = MAX_LINE_BYTES.saturating_sub(line.bytes.len());
+        let room = max.saturating_sub(line.bytes.len());
         if chunk.len() > room {
             line.truncated = true;
         }
@@ -289,41 +293,54 @@ fn read_line_bounded(reader: &mut impl BufRead, line: &mut Line) -> std::io::Res
     }
 }
 
-/// A started reader.
-pub struct Running {
+/// A started reader thread (kernel log or journal).
+pub struct Running<S = ReadStats> {
     pub stop: Arc<AtomicBool>,
-    pub thread: std::thread::JoinHandle<ReadStats>,
+    pub thread: std::thread::JoinHandle<S>,
     /// Resolves once the backlog has been read.
     pub caught_up: tokio::sync::oneshot::Receiver<()>,
 }
 
-/// Starts the reader on its own thread (reading and matching must not hold a runtime worker).
+/// Starts `run` on a thread of its own named `name` (reading and matching must not hold a
+/// runtime worker), handing it the stop flag and the caught-up signal.
+pub(super) fn start_thread<S: Send + 'static>(
+    name: &str,
+    run: impl FnOnce(Arc<AtomicBool>, tokio::sync::oneshot::Sender<()>) -> S + Send + 'static,
+) -> Running<S> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let (tx, caught_up) = tokio::sync::oneshot::channel();
+    let flag = stop.clone();
+    let thread = std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || run(flag, tx))
+        .unwrap_or_else(|e| panic!("spawn the {name} thread: {e}"));
+    Running {
+        stop,
+        thread,
+        caught_up,
+    }
+}
+
+/// Starts the kernel log reader on its own thread.
 pub fn spawn(
     path: &Path,
     boot: SystemTime,
     monitors: Vec<LogMonitor>,
     state: SharedState,
 ) -> Running {
-    let stop = Arc::new(AtomicBool::new(false));
-    let (tx, caught_up) = tokio::sync::oneshot::channel();
-    let reader = KmsgReader {
-        path: path.to_owned(),
-        boot,
-        monitors,
-        state,
-        stop: stop.clone(),
-        stop_at_end: false,
-        caught_up: Some(tx),
-    };
-    let thread = std::thread::Builder::new()
-        .name("kmsg".into())
-        .spawn(move || reader.run())
-        .expect("spawn the kernel log thread");
-    Running {
-        stop,
-        thread,
-        caught_up,
-    }
+    let path = path.to_owned();
+    start_thread("kmsg", move |stop, tx| {
+        KmsgReader {
+            path,
+            boot,
+            monitors,
+            state,
+            stop,
+            stop_at_end: false,
+            caught_up: Some(tx),
+        }
+        .run()
+    })
 }
 
 #[cfg(test)]
@@ -348,17 +365,17 @@ mod tests {
         input.extend_from_slice(b"\nnext\npart");
         let mut reader = BufReader::with_capacity(100, &input[..]);
         let mut line = Line::default();
-        assert!(read_line_bounded(&mut reader, &mut line).unwrap());
+        assert!(read_line_bounded(&mut reader, &mut line, MAX_LINE_BYTES).unwrap());
         assert!(line.truncated);
         assert_eq!(line.bytes.len(), MAX_LINE_BYTES);
         line.clear();
-        assert!(read_line_bounded(&mut reader, &mut line).unwrap());
+        assert!(read_line_bounded(&mut reader, &mut line, MAX_LINE_BYTES).unwrap());
         assert_eq!(
             (line.bytes.as_slice(), line.truncated),
             (&b"next"[..], false)
         );
         line.clear();
-        assert!(!read_line_bounded(&mut reader, &mut line).unwrap());
+        assert!(!read_line_bounded(&mut reader, &mut line, MAX_LINE_BYTES).unwrap());
         assert_eq!(line.bytes, b"part");
     }
 }

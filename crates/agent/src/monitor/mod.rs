@@ -1,14 +1,17 @@
 //! Node problem monitors that read node-problem-detector's (NPD) own configuration files: the
-//! kernel-log monitor (`plugin: "kmsg"` rule files) and custom plugins (`plugin: "custom"`),
+//! kernel-log monitor (`plugin: "kmsg"` rule files), the journal monitor (`plugin: "journald"`
+//! rule files and NPD's `log-counter` restart counters) and custom plugins (`plugin: "custom"`),
 //! feeding one bounded [`state::ProblemState`] that the report reads.
 //!
-//! The built-in rules are NPD v1.36.0's `config/kernel-monitor.json` and
-//! `config/readonly-monitor.json` (github.com/kubernetes/node-problem-detector, tag v1.36.0,
-//! commit 19d58b0e), kept as data in `defaults/` with the same condition types, reasons, patterns
-//! and polarity, so alerts and remediation keyed on NPD's conditions keep working. A file in the
-//! configuration directory with the same `source` replaces a built-in one.
+//! The built-in rules are NPD v1.36.0's `config/kernel-monitor.json`,
+//! `config/readonly-monitor.json`, `config/systemd-monitor.json` and
+//! `config/systemd-monitor-counter.json` (github.com/kubernetes/node-problem-detector, tag
+//! v1.36.0, commit 19d58b0e), kept as data in `defaults/` with the same condition types, reasons,
+//! patterns and polarity, so alerts and remediation keyed on NPD's conditions keep working. A
+//! file in the configuration directory with the same `source` replaces a built-in one.
 
 pub mod health;
+pub mod journal;
 pub mod kmsg;
 pub mod metrics;
 pub mod plugin;
@@ -32,6 +35,12 @@ pub const NPD_VERSION: &str = "v1.36.0";
 pub const DEFAULT_KERNEL_MONITOR: &str = include_str!("defaults/kernel-monitor.json");
 /// NPD v1.36.0 `config/readonly-monitor.json`.
 pub const DEFAULT_READONLY_MONITOR: &str = include_str!("defaults/readonly-monitor.json");
+/// NPD v1.36.0 `config/systemd-monitor.json` (journald: kubelet/runtime starts as Events).
+pub const DEFAULT_SYSTEMD_MONITOR: &str = include_str!("defaults/systemd-monitor.json");
+/// NPD v1.36.0 `config/systemd-monitor-counter.json` (`FrequentKubeletRestart`,
+/// `FrequentDockerRestart`, `FrequentContainerdRestart` from journal restart counts).
+pub const DEFAULT_SYSTEMD_MONITOR_COUNTER: &str =
+    include_str!("defaults/systemd-monitor-counter.json");
 
 /// Configuration files read from a directory at most; more are refused.
 const MAX_FILES: usize = 64;
@@ -108,7 +117,7 @@ impl MonitorFile {
                 "plugin",
                 format!(
                     "{:?} where {expected:?} was expected; nodekeeper reads the kernel log \
-                     (\"kmsg\") and runs custom plugins (\"custom\")",
+                     (\"kmsg\"), the journal (\"journald\") and runs custom plugins (\"custom\")",
                     self.plugin
                 ),
             ));
@@ -149,6 +158,8 @@ pub struct MonitorConfig {
     pub kmsg_path: Option<PathBuf>,
     /// A directory of NPD `*.json` monitor files (kmsg rule files and custom-plugin files).
     pub config_dir: Option<PathBuf>,
+    /// The journal (service rules and restart counters); `None` turns the journal monitor off.
+    pub journal: Option<journal::JournalConfig>,
     /// The built-in kubelet and container-runtime checks; `None` turns them off.
     pub health: Option<health::HealthConfig>,
     /// Where `/metrics` (NPD's problem metrics) is served; `None`: not served.
@@ -158,8 +169,48 @@ pub struct MonitorConfig {
 /// The monitor files that loaded.
 #[derive(Debug, Default)]
 pub struct Loaded {
+    /// `kmsg` rule files.
     pub log_monitors: Vec<LogMonitor>,
+    /// `journald` rule files.
+    pub journal_monitors: Vec<LogMonitor>,
+    /// `log-counter` rules of custom-plugin files, counted from the journal.
+    pub counters: Vec<journal::Counter>,
     pub plugin_monitors: Vec<PluginMonitor>,
+}
+
+impl Loaded {
+    /// Adds a log monitor to its list, replacing a loaded one with the same `source`.
+    fn add_log_monitor(&mut self, m: LogMonitor) {
+        let list = if m.identifier.is_some() {
+            &mut self.journal_monitors
+        } else {
+            &mut self.log_monitors
+        };
+        list.retain(|old| old.source != m.source);
+        list.push(m);
+    }
+
+    /// Adds a custom-plugin file: its `log-counter` rules become journal counters (replacing
+    /// those of a loaded file with the same `source`), the rest runs as plugins.
+    fn add_plugin_monitor(&mut self, origin: &str, mut m: PluginMonitor, state: &mut ProblemState) {
+        let rules = std::mem::take(&mut m.log_counters);
+        if !rules.is_empty() {
+            self.counters.retain(|c| c.source != m.source);
+        }
+        for (i, rule) in rules.iter().enumerate() {
+            match journal::Counter::from_rule(&m.source, rule, &m.conditions) {
+                Ok(c) => self.counters.push(c),
+                Err(reason) => state.refuse(
+                    origin,
+                    &format!("log-counter {i} ({})", rule.reason),
+                    &reason,
+                ),
+            }
+        }
+        if m.rule_count() > 0 || rules.is_empty() {
+            self.plugin_monitors.push(m);
+        }
+    }
 }
 
 fn record_refusals(state: &mut ProblemState, origin: &str, refusals: Vec<RuleRefusal>) {
@@ -175,14 +226,13 @@ pub fn load(dir: Option<&Path>, state: &mut ProblemState) -> Loaded {
     for (origin, json) in [
         ("builtin:kernel-monitor.json", DEFAULT_KERNEL_MONITOR),
         ("builtin:readonly-monitor.json", DEFAULT_READONLY_MONITOR),
+        ("builtin:systemd-monitor.json", DEFAULT_SYSTEMD_MONITOR),
+        (
+            "builtin:systemd-monitor-counter.json",
+            DEFAULT_SYSTEMD_MONITOR_COUNTER,
+        ),
     ] {
-        match LogMonitor::parse(origin, json.as_bytes()) {
-            Ok((m, refusals)) => {
-                record_refusals(state, origin, refusals);
-                loaded.log_monitors.push(m);
-            }
-            Err(e) => state.refuse(origin, "", &e.to_string()),
-        }
+        load_one(origin, json.as_bytes(), state, &mut loaded);
     }
     let Some(dir) = dir else { return loaded };
     let mut files = match std::fs::read_dir(dir) {
@@ -245,18 +295,17 @@ fn load_one(origin: &str, bytes: &[u8], state: &mut ProblemState, loaded: &mut L
         }
     };
     match kind.as_str() {
-        "kmsg" => match LogMonitor::parse(origin, bytes) {
+        "kmsg" | "journald" => match LogMonitor::parse(origin, bytes) {
             Ok((m, refusals)) => {
                 record_refusals(state, origin, refusals);
-                loaded.log_monitors.retain(|old| old.source != m.source);
-                loaded.log_monitors.push(m);
+                loaded.add_log_monitor(m);
             }
             Err(e) => state.refuse(origin, "", &e.to_string()),
         },
         "custom" => match PluginMonitor::parse(origin, bytes, None) {
             Ok((m, refusals)) => {
                 record_refusals(state, origin, refusals);
-                loaded.plugin_monitors.push(m);
+                loaded.add_plugin_monitor(origin, m, state);
             }
             Err(e) => state.refuse(origin, "", &e.to_string()),
         },
@@ -264,7 +313,8 @@ fn load_one(origin: &str, bytes: &[u8], state: &mut ProblemState, loaded: &mut L
             origin,
             "plugin",
             &format!(
-                "{other:?} is not supported; nodekeeper runs \"kmsg\" rule files and \"custom\" plugins"
+                "{other:?} is not supported; nodekeeper runs \"kmsg\" and \"journald\" rule \
+                 files and \"custom\" plugins"
             ),
         ),
     }
@@ -296,24 +346,41 @@ pub async fn start(
     }
     tracing::info!(
         kernel_rule_files = loaded.log_monitors.len(),
+        journal_rule_files = loaded.journal_monitors.len(),
+        journal_counters = loaded.counters.len(),
         plugin_files = loaded.plugin_monitors.len(),
         kmsg = ?config.kmsg_path,
         "node problem monitors loaded"
     );
-    let mut caught_up = None;
-    if let Some(path) = &config.kmsg_path {
-        let boot = kmsg::boot_time().unwrap_or_else(|e| {
-            tracing::warn!(error = %e, "read /proc/uptime; kernel log lookback counts from now");
-            SystemTime::now()
-        });
-        let running = kmsg::spawn(path, boot, loaded.log_monitors, shared.clone());
-        let stop = running.stop;
-        caught_up = Some(running.caught_up);
+    let boot = kmsg::boot_time().unwrap_or_else(|e| {
+        tracing::warn!(error = %e, "read /proc/uptime; log lookback counts from now");
+        SystemTime::now()
+    });
+    let mut caught_up = Vec::new();
+    let stop_on_shutdown = |stop: std::sync::Arc<std::sync::atomic::AtomicBool>| {
         let token = shutdown.clone();
         tasks.spawn(async move {
             token.cancelled().await;
             stop.store(true, std::sync::atomic::Ordering::Relaxed);
         });
+    };
+    if let Some(path) = &config.kmsg_path {
+        let running = kmsg::spawn(path, boot, loaded.log_monitors, shared.clone());
+        stop_on_shutdown(running.stop);
+        caught_up.push(running.caught_up);
+    }
+    if let Some(journal) = &config.journal
+        && !(loaded.journal_monitors.is_empty() && loaded.counters.is_empty())
+    {
+        let running = journal::spawn(
+            journal.clone(),
+            boot,
+            loaded.journal_monitors,
+            loaded.counters,
+            shared.clone(),
+        );
+        stop_on_shutdown(running.stop);
+        caught_up.push(running.caught_up);
     }
     for m in loaded.plugin_monitors {
         tasks.spawn(m.run(shared.clone(), shutdown.clone()));
@@ -332,14 +399,16 @@ pub async fn start(
             }
         }
     }
-    if let Some(rx) = caught_up
-        && tokio::time::timeout(CATCH_UP, rx).await.is_err()
+    if !caught_up.is_empty()
+        && tokio::time::timeout(CATCH_UP, futures::future::join_all(caught_up))
+            .await
+            .is_err()
     {
-        tracing::warn!("kernel log backlog not read within {CATCH_UP:?}; serving meanwhile");
+        tracing::warn!("log backlogs not read within {CATCH_UP:?}; serving meanwhile");
     }
 }
 
-fn unix_ms(t: SystemTime) -> i64 {
+pub(crate) fn unix_ms(t: SystemTime) -> i64 {
     t.duration_since(SystemTime::UNIX_EPOCH)
         .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }
@@ -418,5 +487,27 @@ mod tests {
         assert_eq!(sources, ["kernel-monitor", "readonly-monitor"]);
         assert_eq!(loaded.log_monitors[0].rule_count(), 14);
         assert_eq!(loaded.log_monitors[1].rule_count(), 1);
+        assert_eq!(loaded.journal_monitors.len(), 1);
+        assert_eq!(loaded.journal_monitors[0].source, "systemd-monitor");
+        assert_eq!(
+            loaded.journal_monitors[0].identifier.as_deref(),
+            Some("systemd")
+        );
+        let counted: Vec<_> = loaded
+            .counters
+            .iter()
+            .map(|c| (c.condition.kind.as_str(), c.threshold, c.lookback, c.delay))
+            .collect();
+        let m = |n: u64| Duration::from_secs(60 * n);
+        assert_eq!(
+            counted,
+            [
+                ("FrequentKubeletRestart", 5, m(20), m(5)),
+                ("FrequentDockerRestart", 5, m(20), m(0)),
+                ("FrequentContainerdRestart", 5, m(20), m(0)),
+            ]
+        );
+        // The counter file has only log-counter rules: nothing is left to run as a plugin.
+        assert!(loaded.plugin_monitors.is_empty());
     }
 }

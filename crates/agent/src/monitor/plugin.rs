@@ -80,6 +80,10 @@ pub struct PluginMonitor {
     pub concurrency: usize,
     pub message_change_update: bool,
     rules: Vec<Rule>,
+    /// Rules that run NPD's `log-counter` (the journal restart counters of
+    /// `systemd-monitor-counter.json`): not executed, but counted natively by the journal
+    /// reader from their arguments (see [`super::journal::Counter`]).
+    pub log_counters: Vec<PluginRule>,
 }
 
 /// A plugin's verdict.
@@ -145,6 +149,7 @@ impl PluginMonitor {
 
         let mut refusals = Vec::new();
         let mut rules = Vec::new();
+        let mut log_counters = Vec::new();
         for (i, value) in raw_rules.into_iter().enumerate() {
             let mut refuse =
                 |item: String, reason: String| refusals.push(RuleRefusal { item, reason });
@@ -196,6 +201,10 @@ impl PluginMonitor {
                 );
                 continue;
             }
+            if rule.path.file_name().is_some_and(|n| n == "log-counter") {
+                log_counters.push(rule);
+                continue;
+            }
             if let Some(base) = base
                 && rule.path.is_relative()
             {
@@ -221,6 +230,7 @@ impl PluginMonitor {
                     .enable_message_change_based_condition_update
                     .unwrap_or(false),
                 rules,
+                log_counters,
             },
             refusals,
         ))

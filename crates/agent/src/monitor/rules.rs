@@ -38,6 +38,16 @@ pub struct LogMonitorFile {
     pub delay: String,
     #[serde(default)]
     pub buffer_size: usize,
+    /// `journald` files name the `SYSLOG_IDENTIFIER` they read in `pluginConfig.source`.
+    #[serde(default)]
+    pub plugin_config: Option<JournaldConfig>,
+}
+
+/// `pluginConfig` of a `journald` file.
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct JournaldConfig {
+    #[serde(default)]
+    pub source: String,
 }
 
 /// One entry of `rules[]`.
@@ -66,6 +76,11 @@ struct CompiledRule {
 #[derive(Debug)]
 pub struct LogMonitor {
     pub source: String,
+    /// For a `journald` file, the `SYSLOG_IDENTIFIER` it reads (`pluginConfig.source`); `None`
+    /// for a `kmsg` file.
+    pub identifier: Option<String>,
+    /// The file's `logPath` (a journal directory for `journald` files; unused for `kmsg`).
+    pub log_path: String,
     pub conditions: Vec<ConditionDefault>,
     /// Lines stamped before `boot + delay` or `now - lookback` (whichever is later) are skipped.
     pub lookback: Duration,
@@ -83,21 +98,37 @@ pub struct RuleRefusal {
 }
 
 impl LogMonitor {
-    /// Parses a rule file. A file that is not a kmsg log monitor at all is an error; a single bad
-    /// rule (invalid regex, a permanent rule naming an undeclared condition, …) is refused and
-    /// listed while the others load.
+    /// Parses a rule file (`"plugin": "kmsg"` or `"journald"`). A file that is not a log
+    /// monitor at all is an error; a single bad rule (invalid regex, a permanent rule naming an
+    /// undeclared condition, …) is refused and listed while the others load.
     pub fn parse(
         origin: &str,
         json: &[u8],
     ) -> Result<(LogMonitor, Vec<RuleRefusal>), MonitorError> {
         let file: LogMonitorFile = parse_json(origin, json)?;
         let invalid = |field: &str, reason: String| invalid(origin, field, reason);
+        let journald = file.common.plugin == "journald";
         let MonitorFile {
             source,
             conditions,
             rules: raw_rules,
             ..
-        } = file.common.checked(origin, "kmsg")?;
+        } = file
+            .common
+            .checked(origin, if journald { "journald" } else { "kmsg" })?;
+        let identifier = if journald {
+            match file.plugin_config.as_ref().map(|c| c.source.trim()) {
+                Some(s) if !s.is_empty() => Some(s.to_owned()),
+                _ => {
+                    return Err(invalid(
+                        "pluginConfig.source",
+                        "must name the SYSLOG_IDENTIFIER to read (e.g. \"systemd\")".into(),
+                    ));
+                }
+            }
+        } else {
+            None
+        };
         let buffer_size = match file.buffer_size {
             0 => DEFAULT_BUFFER_SIZE,
             n if n > MAX_BUFFER_SIZE => {
@@ -149,6 +180,8 @@ impl LogMonitor {
         Ok((
             LogMonitor {
                 source,
+                identifier,
+                log_path: file.log_path,
                 conditions,
                 lookback,
                 delay,
@@ -328,9 +361,11 @@ mod tests {
 
     #[test]
     fn a_file_for_another_plugin_is_refused_whole() {
+        let err = LogMonitor::parse("f.json", br#"{"plugin":"filelog","source":"s"}"#).unwrap_err();
+        assert!(err.to_string().contains("plugin"), "{err}");
         let err =
             LogMonitor::parse("j.json", br#"{"plugin":"journald","source":"s"}"#).unwrap_err();
-        assert!(err.to_string().contains("plugin"), "{err}");
+        assert!(err.to_string().contains("pluginConfig.source"), "{err}");
         let err = LogMonitor::parse(
             "b.json",
             br#"{"plugin":"kmsg","source":"s","bufferSize":1000}"#,

@@ -71,6 +71,14 @@ pub struct NodeReport {
     /// What the node-problem-detector-compatible monitors (kernel log, custom plugins) found.
     #[prost(message, optional, tag = "13")]
     pub problems: ::core::option::Option<NodeProblems>,
+    /// Oracle Cloud Agent's package version (snap, dpkg or rpm), empty when not installed or not
+    /// visible to the agent.
+    #[prost(string, tag = "14")]
+    pub oca_version: ::prost::alloc::string::String,
+    /// Where the plugin states were read: OCA's agent.log path, the --oca-plugin-dir directory, or
+    /// empty.
+    #[prost(string, tag = "15")]
+    pub oca_source: ::prost::alloc::string::String,
 }
 /// Node problems in node-problem-detector's terms: permanent problems are conditions (status
 /// "True" means the problem is present), temporary ones are counted by reason and the latest few
@@ -225,14 +233,24 @@ pub struct ObservedInterface {
 pub struct GpuState {
     #[prost(bool, tag = "1")]
     pub present: bool,
-    /// Where the data came from: `nvidia-smi`, or empty when no GPU tool is installed.
+    /// Where the data came from: `nvml` (libnvidia-ml loaded at run time), `nvidia-smi` (`-q -x`,
+    /// where NVML cannot be loaded), or empty when neither is on the node.
     #[prost(string, tag = "2")]
     pub source: ::prost::alloc::string::String,
-    /// Set when a GPU tool exists but failed.
+    /// Set when a GPU source exists but failed.
     #[prost(string, tag = "3")]
     pub error: ::prost::alloc::string::String,
     #[prost(message, repeated, tag = "4")]
     pub gpus: ::prost::alloc::vec::Vec<Gpu>,
+    /// GPUs the node must have (`--expected-gpus`); unset: any number, including none, is fine.
+    #[prost(uint32, optional, tag = "5")]
+    pub expected_count: ::core::option::Option<u32>,
+    /// The verdict over all GPUs: the worst GPU's; CRITICAL when fewer than expected_count were
+    /// found (a GPU that fell off the bus); UNSPECIFIED when a GPU could not be read.
+    #[prost(enumeration = "Verdict", tag = "6")]
+    pub verdict: i32,
+    #[prost(string, tag = "7")]
+    pub message: ::prost::alloc::string::String,
 }
 #[derive(Clone, PartialEq, ::prost::Message)]
 pub struct Gpu {
@@ -255,13 +273,74 @@ pub struct Gpu {
     /// Volatile uncorrected ECC errors since the driver loaded; 0 where ECC is not reported.
     #[prost(uint64, tag = "8")]
     pub ecc_uncorrected: u64,
-    /// Retired/remapped pages pending or failed, XID-style critical events where the tool reports them.
+    /// XID critical-error events NVML delivered since the agent started (0 from nvidia-smi, which
+    /// does not report them).
     #[prost(uint64, tag = "9")]
     pub xid_events: u64,
     #[prost(enumeration = "Verdict", tag = "10")]
     pub verdict: i32,
     #[prost(string, tag = "11")]
     pub message: ::prost::alloc::string::String,
+    /// PCI address, e.g. `0000:00:06.0`.
+    #[prost(string, tag = "12")]
+    pub bus_id: ::prost::alloc::string::String,
+    /// The latest XID code and when it arrived (unset before the first).
+    #[prost(uint64, tag = "13")]
+    pub last_xid: u64,
+    #[prost(int64, optional, tag = "14")]
+    pub last_xid_unix_ms: ::core::option::Option<i64>,
+    /// Retired pages (pre-Ampere GPUs; unset where the GPU remaps rows instead).
+    #[prost(uint64, optional, tag = "15")]
+    pub retired_pages_sbe: ::core::option::Option<u64>,
+    #[prost(uint64, optional, tag = "16")]
+    pub retired_pages_dbe: ::core::option::Option<u64>,
+    #[prost(bool, optional, tag = "17")]
+    pub retired_pages_pending: ::core::option::Option<bool>,
+    /// Row remapping (Ampere on).
+    #[prost(uint64, optional, tag = "18")]
+    pub remapped_rows_correctable: ::core::option::Option<u64>,
+    #[prost(uint64, optional, tag = "19")]
+    pub remapped_rows_uncorrectable: ::core::option::Option<u64>,
+    #[prost(bool, optional, tag = "20")]
+    pub remapped_rows_pending: ::core::option::Option<bool>,
+    #[prost(bool, optional, tag = "21")]
+    pub remapped_rows_failure: ::core::option::Option<bool>,
+    /// NVLink links and how many are down (unset where the source does not say).
+    #[prost(uint32, optional, tag = "22")]
+    pub nvlinks: ::core::option::Option<u32>,
+    #[prost(uint32, optional, tag = "23")]
+    pub nvlinks_down: ::core::option::Option<u32>,
+    #[prost(uint32, optional, tag = "24")]
+    pub pcie_link_width: ::core::option::Option<u32>,
+    #[prost(uint32, optional, tag = "25")]
+    pub pcie_link_width_max: ::core::option::Option<u32>,
+    #[prost(uint32, optional, tag = "26")]
+    pub pcie_link_gen: ::core::option::Option<u32>,
+    #[prost(uint32, optional, tag = "27")]
+    pub pcie_link_gen_max: ::core::option::Option<u32>,
+    #[prost(uint64, optional, tag = "28")]
+    pub pcie_replays: ::core::option::Option<u64>,
+    /// PCIe AER error totals since boot, from sysfs.
+    #[prost(uint64, optional, tag = "29")]
+    pub aer_correctable: ::core::option::Option<u64>,
+    #[prost(uint64, optional, tag = "30")]
+    pub aer_nonfatal: ::core::option::Option<u64>,
+    #[prost(uint64, optional, tag = "31")]
+    pub aer_fatal: ::core::option::Option<u64>,
+    /// Active clock-event (throttle) reasons, by nvidia-smi's names (`hw_thermal_slowdown`, ...).
+    #[prost(string, repeated, tag = "32")]
+    pub throttle_reasons: ::prost::alloc::vec::Vec<::prost::alloc::string::String>,
+    #[prost(double, optional, tag = "33")]
+    pub power_draw_w: ::core::option::Option<f64>,
+    #[prost(double, optional, tag = "34")]
+    pub power_limit_w: ::core::option::Option<f64>,
+    /// Fields that could not be read (`\[Unknown Error\]`, an NVML error, N/A where required); any
+    /// makes the verdict UNSPECIFIED unless something worse is known.
+    #[prost(string, repeated, tag = "35")]
+    pub unknown_fields: ::prost::alloc::vec::Vec<::prost::alloc::string::String>,
+    /// The driver lost this GPU (it fell off the bus).
+    #[prost(bool, tag = "36")]
+    pub lost: bool,
 }
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct PluginState {
@@ -275,6 +354,9 @@ pub struct PluginState {
     pub message: ::prost::alloc::string::String,
     #[prost(enumeration = "Verdict", tag = "4")]
     pub verdict: i32,
+    /// The plugin's version where Oracle Cloud Agent's log gives it.
+    #[prost(string, tag = "5")]
+    pub version: ::prost::alloc::string::String,
 }
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct CollectorError {
