@@ -342,7 +342,9 @@ impl NetworkManager {
         for line in &layout.waiting {
             info!(%generation, %endpoint, waiting = %line, "oci vnic left out");
         }
-        merge_layout(desired, layout.desired)
+        let mut laid_out = layout.desired;
+        exclude_vnics(&mut laid_out, &oci.exclude_macs);
+        merge_layout(desired, laid_out)
     }
 
     /// The OCI secondary-VNIC layout of this host: asks the metadata service at `endpoint` for
@@ -400,6 +402,52 @@ impl NetworkManager {
             other => NetworkError::Layout(format!("--imds-endpoint {endpoint}: {other}")),
         })
     }
+}
+
+/// Drops from `layout` the VNICs whose MAC is in `exclude_macs` (about to be detached): their
+/// links and the links stacked on them, the addresses and routes on those links, and the rules
+/// of those routes' tables. What nodekeeper had configured for them is then removed by the apply.
+fn exclude_vnics(layout: &mut NetworkState, exclude_macs: &[String]) {
+    if exclude_macs.is_empty() {
+        return;
+    }
+    let excluded: Vec<String> = exclude_macs.iter().map(|m| norm_mac(m)).collect();
+    let mut names: Vec<String> = layout
+        .links
+        .iter()
+        .filter(|l| {
+            l.mac
+                .as_deref()
+                .is_some_and(|m| excluded.contains(&norm_mac(m)))
+        })
+        .map(|l| l.name.clone())
+        .collect();
+    // Links stacked on an excluded one (a VLAN on a bare-metal VNIC's macvlan), transitively.
+    loop {
+        let more: Vec<String> = layout
+            .links
+            .iter()
+            .filter(|l| !names.contains(&l.name))
+            .filter(|l| l.parent.as_ref().is_some_and(|p| names.contains(p)))
+            .map(|l| l.name.clone())
+            .collect();
+        if more.is_empty() {
+            break;
+        }
+        names.extend(more);
+    }
+    let tables: Vec<u32> = layout
+        .routes
+        .iter()
+        .filter(|r| r.link.as_ref().is_some_and(|l| names.contains(l)))
+        .map(|r| r.table)
+        .collect();
+    layout.links.retain(|l| !names.contains(&l.name));
+    layout.addresses.retain(|a| !names.contains(&a.link));
+    layout.routes.retain(|r| {
+        !r.link.as_ref().is_some_and(|l| names.contains(l)) && !tables.contains(&r.table)
+    });
+    layout.rules.retain(|r| !tables.contains(&r.table));
 }
 
 /// The layout knobs of a request, with the proto's zero-means-default rule.
