@@ -34,7 +34,7 @@ use nodekeeper_controller::controllers::node_network_config::{Context, Settings}
 use nodekeeper_controller::shared::agents::{AgentNode, Agents, Report, RulesOutcome};
 use nodekeeper_controller::shared::metrics::{CloudMetrics, ReconcileMetrics};
 use nodekeeper_e2e::oci_endpoint::{
-    EndpointConfig, Fault, InstanceSpec, OciEndpoint, test_signing_key,
+    EndpointConfig, Fault, InstanceSpec, OciEndpoint, test_key_pem,
 };
 use nodekeeper_e2e::{
     ControlPlane, apply_spec, create_simulated_nodes, install_crds, unique_name, wait_for,
@@ -42,6 +42,7 @@ use nodekeeper_e2e::{
 use nodekeeper_oci::auth::{ApiKeyProvider, AuthProvider as _};
 use nodekeeper_oci::compute::{ComputeClient, ComputeConfig};
 use nodekeeper_oci::retry::RetryPolicy;
+use nodekeeper_oci::signer::PrivateKey;
 use nodekeeper_proto::agent::v1 as pb;
 use nodekeeper_testkit::{Netns, NetnsEntry, skip_unless_root};
 use serde_json::{Value, json};
@@ -199,7 +200,7 @@ impl Rig {
             })
             .await?,
         );
-        let key = test_signing_key()?;
+        let key = PrivateKey::from_pem(&test_key_pem()?)?;
         let auth = ApiKeyProvider::new("ocid1.tenancy.oc1..t", "ocid1.user.oc1..u", key.clone());
         let key_id = auth.credentials().await?.key_id;
         endpoint.register_key(&key_id, &key.public_key_pem()?)?;

@@ -557,15 +557,14 @@ fn paginate(items: Vec<Value>, q: &HashMap<String, String>, max: usize) -> Answe
     a
 }
 
-/// The 2048-bit RSA test key of `crates/oci/tests/fixtures` (never a real credential), for
-/// clients that sign requests to this endpoint.
-pub fn test_signing_key() -> anyhow::Result<nodekeeper_oci::signer::PrivateKey> {
-    let pem = std::fs::read_to_string(concat!(
+/// The PEM of the 2048-bit RSA test key in `crates/oci/tests/fixtures` (never a real
+/// credential), for clients that sign requests to this endpoint.
+pub fn test_key_pem() -> anyhow::Result<String> {
+    std::fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/../crates/oci/tests/fixtures/test-key-2048.pem"
     ))
-    .context("read the test key fixture")?;
-    nodekeeper_oci::signer::PrivateKey::from_pem(&pem).context("parse the test key")
+    .context("read the test key fixture")
 }
 
 /// One VNIC attachment as [`OciEndpoint::guest_vnics`] reports it.

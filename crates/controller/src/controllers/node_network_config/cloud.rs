@@ -201,6 +201,7 @@ struct VnicFacts {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Seen {
     pub found: FoundAttachment,
+    pub vnic_id: Option<String>,
     pub mac: Option<String>,
 }
 
@@ -315,6 +316,7 @@ impl Cloud {
                     state: state_of(a.lifecycle_state),
                     owner: vnic.owner,
                 },
+                vnic_id: a.vnic_id.clone(),
                 mac: vnic.mac,
             });
         }
@@ -397,27 +399,24 @@ impl Cloud {
         r
     }
 
-    /// The MAC of an attachment's VNIC (cached, else one GetVnic).
+    /// The MAC of `seen`'s VNIC: known from the list, else one GetVnic (a VNIC this process
+    /// attached is cached without its MAC; it is asked for only when it is to be detached).
     pub async fn mac_of(
         &self,
-        attachment: &VnicAttachment,
+        seen: &Seen,
         calls: &mut u32,
     ) -> Result<Option<String>, ComputeError> {
-        if let Some(mac) = self
-            .lock_vnics()
-            .get(&attachment.id)
-            .and_then(|f| f.mac.clone())
-        {
-            return Ok(Some(mac));
+        if seen.mac.is_some() {
+            return Ok(seen.mac.clone());
         }
-        let Some(vnic_id) = &attachment.vnic_id else {
+        let Some(vnic_id) = &seen.vnic_id else {
             return Ok(None);
         };
         let r = self.client.get_vnic(vnic_id).await;
         self.count("GetVnic", calls, &r);
         let v = r?;
         let mut vnics = self.lock_vnics();
-        let entry = vnics.entry(attachment.id.clone()).or_default();
+        let entry = vnics.entry(seen.found.id.clone()).or_default();
         entry.mac = v.mac_address.clone();
         entry.owner = v.freeform_tags.get(OWNER_TAG).cloned();
         Ok(v.mac_address)

@@ -524,17 +524,20 @@ async fn observe(
             .collect::<Vec<_>>()
             .join("; ")
     })?;
-    let detach: Vec<Detach> = plan
-        .detach
-        .iter()
-        .map(|id| Detach {
+    let mut detach = Vec::new();
+    for id in &plan.detach {
+        let mac = match seen.iter().find(|s| &s.found.id == id) {
+            Some(s) => cloud
+                .mac_of(s, &mut run.calls)
+                .await
+                .map_err(|e| cloud_error("GetVnic", &e))?,
+            None => None,
+        };
+        detach.push(Detach {
             id: id.clone(),
-            mac: seen
-                .iter()
-                .find(|s| &s.found.id == id)
-                .and_then(|s| s.mac.clone()),
-        })
-        .collect();
+            mac,
+        });
+    }
     if let Some((&first, rest)) = plan.attach.split_first() {
         return match cloud
             .attach(&instance, owner, &desired[first], &mut run.calls)
