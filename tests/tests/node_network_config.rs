@@ -822,3 +822,278 @@ async fn refused_input_is_named_and_changes_nothing_on_the_host() -> anyhow::Res
     handle.await?;
     Ok(())
 }
+
+/// Simulated agents for the benchmark: a VNIC is "on the host" once the endpoint reports it
+/// ATTACHED (what the metadata service and hot-plug make visible), and an apply answers Applied
+/// with those VNICs' links observed. No namespace, no netlink: the controller is measured.
+struct SimulatedAgents {
+    endpoint: Arc<OciEndpoint>,
+    instances: BTreeMap<IpAddr, String>,
+}
+
+impl Agents for SimulatedAgents {
+    fn apply_network<'a>(
+        &'a self,
+        node: &'a AgentNode,
+        _: pb::ApplyNetworkRequest,
+        _: Duration,
+    ) -> BoxFuture<'a, Result<pb::ApplyNetworkResponse, CallError>> {
+        let endpoint = node.endpoint;
+        let answer = match self.instances.get(&endpoint.ip()) {
+            None => Err(call_error(endpoint, "no agent here".into())),
+            Some(instance) => {
+                let links: Vec<Value> = self
+                    .endpoint
+                    .guest_vnics(instance)
+                    .into_iter()
+                    .filter(|v| !v.primary && v.state == "ATTACHED")
+                    .enumerate()
+                    .map(|(i, v)| json!({"name": format!("vnic{i}"), "kind": "existing", "mac": v.mac}))
+                    .collect();
+                Ok(pb::ApplyNetworkResponse {
+                    outcome: pb::ApplyOutcome::Applied as i32,
+                    observed_state_json: json!({"links": links}).to_string(),
+                    ..Default::default()
+                })
+            }
+        };
+        Box::pin(std::future::ready(answer))
+    }
+
+    fn report<'a>(
+        &'a self,
+        node: &'a AgentNode,
+        _: nodekeeper_controller::shared::agents::ReportRequest<'a>,
+        _: Duration,
+    ) -> BoxFuture<'a, Report> {
+        let view = Err(call_error(
+            node.endpoint,
+            "no reports in this benchmark".into(),
+        ));
+        Box::pin(std::future::ready(Report {
+            view,
+            rules: RulesOutcome::NotPushed,
+        }))
+    }
+
+    fn run_probes<'a>(
+        &'a self,
+        node: &'a AgentNode,
+        _: pb::RunProbesRequest,
+        _: Duration,
+    ) -> BoxFuture<'a, Result<pb::RunProbesResponse, CallError>> {
+        let e = call_error(node.endpoint, "no probes in this benchmark".into());
+        Box::pin(std::future::ready(Err(e)))
+    }
+
+    fn collect_diagnostics<'a>(
+        &'a self,
+        node: &'a AgentNode,
+        _: pb::DiagnosticsRequest,
+        _: Duration,
+    ) -> BoxFuture<'a, Result<nodekeeper_controller::shared::agents::DiagnosticsStream, CallError>>
+    {
+        let e = call_error(node.endpoint, "no diagnostics in this benchmark".into());
+        Box::pin(std::future::ready(Err(e)))
+    }
+}
+
+/// This process's CPU time (user + system), from `/proc/self/stat`.
+fn process_cpu_seconds() -> anyhow::Result<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat")?;
+    let after = stat.rsplit_once(')').context("parse /proc/self/stat")?.1;
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    let ticks: f64 = fields[11].parse::<f64>()? + fields[12].parse::<f64>()?;
+    Ok(ticks / 100.0)
+}
+
+/// The apiserver's write counters that only this controller moves: server-side applies of
+/// `nodes/status` and `nodenetworkconfigs/status`, and patches of `nodenetworkconfigs` (the
+/// finalizer). kwok's heartbeats are not applies, and the benchmark's own writes happen
+/// before the first reading or are subtracted.
+async fn controller_writes(client: &kube::Client) -> anyhow::Result<f64> {
+    let text = client
+        .request_text(http::Request::get("/metrics").body(Vec::new())?)
+        .await?;
+    let mut total = 0.0;
+    for line in text
+        .lines()
+        .filter(|l| l.starts_with("apiserver_request_total{"))
+    {
+        let has = |k: &str, v: &str| line.contains(&format!("{k}=\"{v}\""));
+        let ours = (has("verb", "APPLY")
+            && has("subresource", "status")
+            && (has("resource", "nodes") || has("resource", "nodenetworkconfigs")))
+            || (has("verb", "PATCH") && has("resource", "nodenetworkconfigs"));
+        if ours {
+            total += line
+                .rsplit_once(' ')
+                .and_then(|(_, v)| v.parse::<f64>().ok())
+                .unwrap_or(0.0);
+        }
+    }
+    Ok(total)
+}
+
+/// `cargo xtask bench vnic` runs this with `NODEKEEPER_BENCH_VNIC_NODES` (default 100) and
+/// reads the figures from the JSON file `NODEKEEPER_BENCH_OUT` names: N kwok nodes, one VNIC
+/// each, `maxUnavailable: 10%`, the local endpoint with a 1 s attach, simulated agents.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "benchmark: cargo xtask bench vnic"]
+async fn bench_vnic() -> anyhow::Result<()> {
+    let n: usize = std::env::var("NODEKEEPER_BENCH_VNIC_NODES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(100);
+    let attach_delay = Duration::from_secs(1);
+    let poll = Duration::from_millis(250);
+    let cp = ControlPlane::shared();
+    let client = cp.client().await?;
+    install_crds(&client).await?;
+    let endpoint = Arc::new(
+        OciEndpoint::start(EndpointConfig {
+            attach_delay,
+            ..Default::default()
+        })
+        .await?,
+    );
+    let key = PrivateKey::from_pem(&test_key_pem()?)?;
+    let auth = ApiKeyProvider::new("ocid1.tenancy.oc1..t", "ocid1.user.oc1..u", key.clone());
+    endpoint.register_key(&auth.credentials().await?.key_id, &key.public_key_pem()?)?;
+    let compute = ComputeClient::new(ComputeConfig::new(endpoint.url()), Arc::new(auth))?;
+    let primary = endpoint.add_subnet("10.0.0.0/16")?;
+    let pods = endpoint.add_subnet("10.1.0.0/16")?;
+    let label = (
+        "nodekeeper.dev/bench-vnic".to_string(),
+        unique_name("bench"),
+    );
+    let names =
+        create_simulated_nodes(&client, "bvnic", n, &BTreeMap::from([label.clone()]), &[]).await?;
+    let node_api: Api<Node> = Api::all(client.clone());
+    let mut instances = BTreeMap::new();
+    for name in &names {
+        let instance = endpoint.add_instance(&InstanceSpec {
+            display_name: name.clone(),
+            shape: VM.into(),
+            compartment_id: COMPARTMENT.into(),
+            availability_domain: AD.into(),
+            subnet_id: primary.clone(),
+        })?;
+        let node = node_api
+            .patch(
+                name,
+                &PatchParams::default(),
+                &Patch::Merge(json!({
+                    "metadata": {"labels": {"node.kubernetes.io/instance-type": VM}},
+                    "spec": {"providerID": format!("oci://{instance}")},
+                })),
+            )
+            .await?;
+        let ip: IpAddr = node
+            .status
+            .and_then(|s| s.addresses)
+            .unwrap_or_default()
+            .iter()
+            .find(|a| a.type_ == "InternalIP")
+            .context("InternalIP")?
+            .address
+            .parse()?;
+        instances.insert(ip, instance);
+    }
+    let agents: Arc<dyn Agents> = Arc::new(SimulatedAgents {
+        endpoint: Arc::clone(&endpoint),
+        instances,
+    });
+    let ctx = Arc::new(Context::with(
+        client.clone(),
+        agents,
+        9443,
+        CloudAccess::On(Arc::new(Cloud::new(
+            compute,
+            Some(COMPARTMENT.into()),
+            CloudMetrics::default(),
+        ))),
+        CloudMetrics::default(),
+        Settings {
+            node_concurrency: 64,
+            object_concurrency: 2,
+            poll,
+            resync: Duration::from_secs(5),
+            attach_timeout: Duration::from_secs(120),
+            apply_timeout: Duration::from_secs(30),
+        },
+    ));
+    let stop = CancellationToken::new();
+    let handle = tokio::spawn(controllers::start(
+        ctx,
+        ReconcileMetrics::default(),
+        stop.clone(),
+    ));
+    let api: Api<NodeNetworkConfig> = Api::all(client.clone());
+    let name = unique_name("bench-vnic");
+    let writes_before = controller_writes(&client).await?;
+    let cpu_before = process_cpu_seconds()?;
+    let requests_before = endpoint.requests().len();
+    let started = std::time::Instant::now();
+    apply_spec(
+        &api,
+        &name,
+        json!({
+            "nodeSelector": {"matchLabels": {label.0.clone(): label.1.clone()}},
+            "ociVnics": {"attach": [vnic("pods", &pods)]},
+            "rollout": {"maxUnavailable": "10%", "failureThreshold": "5%"},
+        }),
+    )
+    .await?;
+    let timeout = Duration::from_secs(60 + 2 * n as u64);
+    wait_for("every node applied", timeout, || async {
+        let s = status_of(&api, &name).await?;
+        Ok((s["applied"].as_u64() == Some(n as u64)).then_some(()))
+    })
+    .await?;
+    let seconds = started.elapsed().as_secs_f64();
+    // Let the last status write land before counting.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let cpu = process_cpu_seconds()? - cpu_before;
+    let writes = controller_writes(&client).await? - writes_before;
+    let requests = endpoint.requests();
+    let calls = &requests[requests_before..];
+    let mut by_op: BTreeMap<String, usize> = BTreeMap::new();
+    for r in calls {
+        let op = match (
+            r.method.as_str(),
+            r.path.split('/').filter(|s| !s.is_empty()).count(),
+        ) {
+            ("POST", _) => "AttachVnic",
+            ("GET", 1) if r.path.starts_with("/vnicAttachments") => "ListVnicAttachments",
+            ("GET", _) if r.path.starts_with("/vnicAttachments") => "GetVnicAttachment",
+            ("GET", _) if r.path.starts_with("/vnics") => "GetVnic",
+            ("GET", _) => "GetInstance",
+            ("DELETE", _) => "DetachVnic",
+            _ => "other",
+        };
+        *by_op.entry(op.to_string()).or_default() += 1;
+    }
+    let batches = (n as f64 / (n as f64 * 0.1).floor().max(1.0)).ceil();
+    let figures = json!({
+        "nodes": n,
+        "seconds": seconds,
+        "batches": batches,
+        "attach_delay_s": attach_delay.as_secs_f64(),
+        "poll_s": poll.as_secs_f64(),
+        "lower_bound_s": batches * attach_delay.as_secs_f64(),
+        "cloud_calls_per_node": calls.len() as f64 / n as f64,
+        "cloud_calls_by_operation": by_op,
+        "attach_calls": by_op.get("AttachVnic").copied().unwrap_or(0),
+        "api_writes_per_node": writes / n as f64,
+        "api_writes": writes,
+        "process_cpu_s": cpu,
+    });
+    if let Ok(path) = std::env::var("NODEKEEPER_BENCH_OUT") {
+        std::fs::write(path, figures.to_string())?;
+    }
+    // The object stays (with its VNICs): the control plane is the benchmark's own.
+    stop.cancel();
+    handle.await?;
+    Ok(())
+}

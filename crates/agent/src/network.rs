@@ -852,6 +852,39 @@ mod tests {
     }
 
     #[test]
+    fn excluded_vnics_lose_links_stacked_links_addresses_routes_and_rules() {
+        let mut layout: NetworkState = serde_json::from_str(
+            r#"{
+              "links": [
+                {"name": "keep", "kind": "existing", "mac": "02:00:17:00:00:01"},
+                {"name": "mv", "kind": "macvlan", "parent": "eth0", "mac": "02:00:17:00:00:02"},
+                {"name": "vl", "kind": "vlan", "parent": "mv", "vlanId": 7}
+              ],
+              "addresses": [{"link": "keep", "cidr": "10.0.1.5/24"}, {"link": "vl", "cidr": "10.0.2.5/24"}],
+              "routes": [
+                {"destination": "default", "gateway": "10.0.1.1", "link": "keep", "table": 101},
+                {"destination": "default", "gateway": "10.0.2.1", "link": "vl", "table": 102}
+              ],
+              "rules": [
+                {"from": "10.0.1.5/32", "table": 101, "priority": 20101},
+                {"from": "10.0.2.5/32", "table": 102, "priority": 20102}
+              ]
+            }"#,
+        )
+        .unwrap();
+        let before = layout.clone();
+        exclude_vnics(&mut layout, &[]);
+        assert_eq!(layout, before);
+        exclude_vnics(&mut layout, &["02:00:17:00:00:02".to_uppercase()]);
+        let names: Vec<&str> = layout.links.iter().map(|l| l.name.as_str()).collect();
+        assert_eq!(names, ["keep"]);
+        assert_eq!(layout.addresses.len(), 1);
+        assert_eq!(layout.routes.len(), 1);
+        assert_eq!(layout.rules.len(), 1);
+        assert_eq!(layout.rules[0].table, 101);
+    }
+
+    #[test]
     fn layout_options_default_zeros_and_refuse_bad_mtu() {
         let o = layout_options(&pb::OciVnics {
             enabled: true,
