@@ -71,9 +71,17 @@ struct SimNode {
     broken: bool,
 }
 
-/// The agents: `ApplyNetwork` goes to the node's manager thread (inside its namespace).
-struct NetnsAgents {
-    by_address: BTreeMap<IpAddr, mpsc::UnboundedSender<Call>>,
+/// The agents of these tests: `ApplyNetwork` goes either to the node's manager thread (inside
+/// its namespace), or, for the benchmark, to a simulation where a VNIC is "on the host" once the
+/// endpoint reports it ATTACHED (what the metadata service and hot-plug make visible) and an
+/// apply answers Applied with those VNICs' links observed: no namespace, no netlink, so the
+/// controller is what is measured.
+enum TestAgents {
+    Netns(BTreeMap<IpAddr, mpsc::UnboundedSender<Call>>),
+    Simulated {
+        endpoint: Arc<OciEndpoint>,
+        instances: BTreeMap<IpAddr, String>,
+    },
 }
 
 fn call_error(endpoint: SocketAddr, detail: String) -> CallError {
@@ -84,7 +92,23 @@ fn call_error(endpoint: SocketAddr, detail: String) -> CallError {
     }
 }
 
-impl Agents for NetnsAgents {
+/// The benchmark's simulated apply (see [`TestAgents`]).
+fn simulated_apply(endpoint: &OciEndpoint, instance: &str) -> pb::ApplyNetworkResponse {
+    let links: Vec<Value> = endpoint
+        .guest_vnics(instance)
+        .into_iter()
+        .filter(|v| !v.primary && v.state == "ATTACHED")
+        .enumerate()
+        .map(|(i, v)| json!({"name": format!("vnic{i}"), "kind": "existing", "mac": v.mac}))
+        .collect();
+    pb::ApplyNetworkResponse {
+        outcome: pb::ApplyOutcome::Applied as i32,
+        observed_state_json: json!({ "links": links }).to_string(),
+        ..Default::default()
+    }
+}
+
+impl Agents for TestAgents {
     fn apply_network<'a>(
         &'a self,
         node: &'a AgentNode,
@@ -93,10 +117,20 @@ impl Agents for NetnsAgents {
     ) -> BoxFuture<'a, Result<pb::ApplyNetworkResponse, CallError>> {
         let endpoint = node.endpoint;
         Box::pin(async move {
-            let tx = self
-                .by_address
-                .get(&endpoint.ip())
-                .ok_or_else(|| call_error(endpoint, "no agent here".into()))?;
+            let tx = match self {
+                TestAgents::Simulated {
+                    endpoint: oci,
+                    instances,
+                } => {
+                    let instance = instances
+                        .get(&endpoint.ip())
+                        .ok_or_else(|| call_error(endpoint, "no agent here".into()))?;
+                    return Ok(simulated_apply(oci, instance));
+                }
+                TestAgents::Netns(by_address) => by_address
+                    .get(&endpoint.ip())
+                    .ok_or_else(|| call_error(endpoint, "no agent here".into()))?,
+            };
             let (reply, rx) = oneshot::channel();
             tx.send((request, reply))
                 .map_err(|_| call_error(endpoint, "agent thread gone".into()))?;
@@ -122,7 +156,10 @@ impl Agents for NetnsAgents {
         _: nodekeeper_controller::shared::agents::ReportRequest<'a>,
         _: Duration,
     ) -> BoxFuture<'a, Report> {
-        let view = Err(call_error(node.endpoint, "no reports in this test".into()));
+        let view = Err(call_error(
+            node.endpoint,
+            "no reports in these tests".into(),
+        ));
         Box::pin(std::future::ready(Report {
             view,
             rules: RulesOutcome::NotPushed,
@@ -135,7 +172,7 @@ impl Agents for NetnsAgents {
         _: pb::RunProbesRequest,
         _: Duration,
     ) -> BoxFuture<'a, Result<pb::RunProbesResponse, CallError>> {
-        let e = call_error(node.endpoint, "no probes in this test".into());
+        let e = call_error(node.endpoint, "no probes in these tests".into());
         Box::pin(std::future::ready(Err(e)))
     }
 
@@ -146,7 +183,7 @@ impl Agents for NetnsAgents {
         _: Duration,
     ) -> BoxFuture<'a, Result<nodekeeper_controller::shared::agents::DiagnosticsStream, CallError>>
     {
-        let e = call_error(node.endpoint, "no diagnostics in this test".into());
+        let e = call_error(node.endpoint, "no diagnostics in these tests".into());
         Box::pin(std::future::ready(Err(e)))
     }
 }
@@ -299,7 +336,7 @@ impl Rig {
             client,
             endpoint,
             compute,
-            agents: Arc::new(NetnsAgents { by_address }),
+            agents: Arc::new(TestAgents::Netns(by_address)),
             nodes,
             subnet,
             label,
@@ -823,81 +860,6 @@ async fn refused_input_is_named_and_changes_nothing_on_the_host() -> anyhow::Res
     Ok(())
 }
 
-/// Simulated agents for the benchmark: a VNIC is "on the host" once the endpoint reports it
-/// ATTACHED (what the metadata service and hot-plug make visible), and an apply answers Applied
-/// with those VNICs' links observed. No namespace, no netlink: the controller is measured.
-struct SimulatedAgents {
-    endpoint: Arc<OciEndpoint>,
-    instances: BTreeMap<IpAddr, String>,
-}
-
-impl Agents for SimulatedAgents {
-    fn apply_network<'a>(
-        &'a self,
-        node: &'a AgentNode,
-        _: pb::ApplyNetworkRequest,
-        _: Duration,
-    ) -> BoxFuture<'a, Result<pb::ApplyNetworkResponse, CallError>> {
-        let endpoint = node.endpoint;
-        let answer = match self.instances.get(&endpoint.ip()) {
-            None => Err(call_error(endpoint, "no agent here".into())),
-            Some(instance) => {
-                let links: Vec<Value> = self
-                    .endpoint
-                    .guest_vnics(instance)
-                    .into_iter()
-                    .filter(|v| !v.primary && v.state == "ATTACHED")
-                    .enumerate()
-                    .map(|(i, v)| json!({"name": format!("vnic{i}"), "kind": "existing", "mac": v.mac}))
-                    .collect();
-                Ok(pb::ApplyNetworkResponse {
-                    outcome: pb::ApplyOutcome::Applied as i32,
-                    observed_state_json: json!({"links": links}).to_string(),
-                    ..Default::default()
-                })
-            }
-        };
-        Box::pin(std::future::ready(answer))
-    }
-
-    fn report<'a>(
-        &'a self,
-        node: &'a AgentNode,
-        _: nodekeeper_controller::shared::agents::ReportRequest<'a>,
-        _: Duration,
-    ) -> BoxFuture<'a, Report> {
-        let view = Err(call_error(
-            node.endpoint,
-            "no reports in this benchmark".into(),
-        ));
-        Box::pin(std::future::ready(Report {
-            view,
-            rules: RulesOutcome::NotPushed,
-        }))
-    }
-
-    fn run_probes<'a>(
-        &'a self,
-        node: &'a AgentNode,
-        _: pb::RunProbesRequest,
-        _: Duration,
-    ) -> BoxFuture<'a, Result<pb::RunProbesResponse, CallError>> {
-        let e = call_error(node.endpoint, "no probes in this benchmark".into());
-        Box::pin(std::future::ready(Err(e)))
-    }
-
-    fn collect_diagnostics<'a>(
-        &'a self,
-        node: &'a AgentNode,
-        _: pb::DiagnosticsRequest,
-        _: Duration,
-    ) -> BoxFuture<'a, Result<nodekeeper_controller::shared::agents::DiagnosticsStream, CallError>>
-    {
-        let e = call_error(node.endpoint, "no diagnostics in this benchmark".into());
-        Box::pin(std::future::ready(Err(e)))
-    }
-}
-
 /// This process's CPU time (user + system), from `/proc/self/stat`.
 fn process_cpu_seconds() -> anyhow::Result<f64> {
     let stat = std::fs::read_to_string("/proc/self/stat")?;
@@ -1000,7 +962,7 @@ async fn bench_vnic() -> anyhow::Result<()> {
             .parse()?;
         instances.insert(ip, instance);
     }
-    let agents: Arc<dyn Agents> = Arc::new(SimulatedAgents {
+    let agents: Arc<dyn Agents> = Arc::new(TestAgents::Simulated {
         endpoint: Arc::clone(&endpoint),
         instances,
     });
