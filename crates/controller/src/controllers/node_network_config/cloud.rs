@@ -212,6 +212,10 @@ pub struct Cloud {
     locks: InstanceLocks,
     instances: Mutex<HashMap<String, InstanceFacts>>,
     vnics: Mutex<HashMap<String, VnicFacts>>,
+    /// How long ATTACHING → ATTACHED takes here, learned from the attaches seen: the first look
+    /// at a new attachment waits this long, so that it usually finds it ATTACHED (one
+    /// GetVnicAttachment per VNIC instead of one per poll).
+    attach_latency: Mutex<Option<Duration>>,
     pub metrics: CloudMetrics,
 }
 
@@ -233,6 +237,7 @@ impl Cloud {
             locks: InstanceLocks::new(),
             instances: Mutex::default(),
             vnics: Mutex::default(),
+            attach_latency: Mutex::default(),
             metrics,
         }
     }
@@ -386,6 +391,27 @@ impl Cloud {
             },
         );
         Ok(a)
+    }
+
+    /// The expected ATTACHING → ATTACHED time, once one attach has been seen through.
+    pub fn expected_attach_latency(&self) -> Option<Duration> {
+        *self
+            .attach_latency
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Records that an attachment requested `took` ago was found ATTACHED (a moving average,
+    /// so one slow attach does not slow every later first look).
+    pub fn observe_attach_latency(&self, took: Duration) {
+        let mut l = self
+            .attach_latency
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        *l = Some(match *l {
+            None => took,
+            Some(prev) => prev.mul_f64(0.7) + took.mul_f64(0.3),
+        });
     }
 
     /// GetVnicAttachment.

@@ -95,6 +95,9 @@ pub(crate) struct NodeRun {
     instance: Option<String>,
     /// An apply reached the host (so the finalizer removes the host side).
     host_touched: bool,
+    /// When the attachment being waited for was requested, and when to look at it next.
+    attach_requested: Option<Instant>,
+    next_look: Option<Instant>,
 }
 
 impl NodeRun {
@@ -108,7 +111,16 @@ impl NodeRun {
             started: Instant::now(),
             instance: None,
             host_touched: false,
+            attach_requested: None,
+            next_look: None,
         }
+    }
+
+    /// An attach was just requested: the first look waits for the expected attach time.
+    fn attach_requested(&mut self, cloud: &Cloud) {
+        let now = Instant::now();
+        self.attach_requested = Some(now);
+        self.next_look = cloud.expected_attach_latency().map(|l| now + l);
     }
 
     fn fail(&mut self, error: String, rolled_back: bool) {
@@ -343,11 +355,30 @@ fn take_runs(
                     instance: r.instance.clone(),
                     ..NodeRun::new(target)
                 },
+                None if applied_per_node_condition(n, target) => NodeRun {
+                    phase: NodePhase::Applied,
+                    attached: true,
+                    work: Work::Done,
+                    host_touched: true,
+                    ..NodeRun::new(target)
+                },
                 None => NodeRun::new(target),
             };
             (n.name.clone(), run)
         })
         .collect()
+}
+
+/// Whether the Node says this very generation is applied (the condition this controller writes
+/// names it): a restarted controller resumes there instead of rolling every node out again.
+fn applied_per_node_condition(n: &NodeInfo, target: &str) -> bool {
+    n.ready
+        .as_ref()
+        .is_some_and(|(status, reason, message, _)| {
+            status == "True"
+                && reason == REASON_NETWORK_CONVERGED
+                && *message == format!("host networking at generation {target}")
+        })
 }
 
 fn put_runs(ctx: &Context, uid: &str, nodes: BTreeMap<String, NodeRun>) {
@@ -401,12 +432,20 @@ async fn step(
                         false,
                     );
                 }
+                if run.next_look.is_some_and(|t| Instant::now() < t) {
+                    return;
+                }
                 let a = match cloud.attachment(&id, &mut run.calls).await {
                     Ok(a) => a,
                     Err(e) => return run.fail(cloud_error("GetVnicAttachment", &e), false),
                 };
                 match a.lifecycle_state {
-                    VnicAttachmentState::Attached if a.vnic_id.is_some() => {}
+                    VnicAttachmentState::Attached if a.vnic_id.is_some() => {
+                        if let Some(t) = run.attach_requested.take() {
+                            cloud.observe_attach_latency(t.elapsed());
+                        }
+                        run.next_look = None;
+                    }
                     s if s.is_gone() => {
                         return run.fail(
                             format!(
@@ -427,6 +466,7 @@ async fn step(
                             .await
                         {
                             Ok(a) => {
+                                run.attach_requested(cloud);
                                 run.work = Work::WaitAttach {
                                     id: a.id,
                                     rest: more.to_vec(),
@@ -544,6 +584,7 @@ async fn observe(
             .await
         {
             Ok(a) => {
+                run.attach_requested(cloud);
                 info!(node = %info.name, vnic = %desired[first].display_name, attachment = %a.id, "vnic attach requested");
                 run.work = Work::WaitAttach {
                     id: a.id,
@@ -1009,6 +1050,34 @@ mod tests {
         run.host_touched = true;
         run.fail("check 10.0.0.1 failed".into(), true);
         assert_eq!(node_condition(&run).unwrap().1, REASON_NETWORK_APPLY_FAILED);
+    }
+
+    #[test]
+    fn a_restart_resumes_nodes_whose_condition_names_this_generation() {
+        let node = |status: &str, message: &str| NodeInfo {
+            name: "n1".into(),
+            labels: BTreeMap::new(),
+            provider_id: None,
+            address: None,
+            ready: Some((
+                status.into(),
+                REASON_NETWORK_CONVERGED.into(),
+                message.into(),
+                None,
+            )),
+        };
+        assert!(applied_per_node_condition(
+            &node("True", "host networking at generation uid/3"),
+            "uid/3"
+        ));
+        assert!(!applied_per_node_condition(
+            &node("True", "host networking at generation uid/2"),
+            "uid/3"
+        ));
+        assert!(!applied_per_node_condition(
+            &node("False", "host networking at generation uid/3"),
+            "uid/3"
+        ));
     }
 
     #[test]
