@@ -351,7 +351,8 @@ impl Rig {
             self.compute.clone(),
             Some(COMPARTMENT.into()),
             CloudMetrics::default(),
-        );
+        )
+        .with_attach_latency(Duration::from_millis(500));
         let ctx = Arc::new(Context::with(
             self.client.clone(),
             Arc::clone(&self.agents),
@@ -970,11 +971,10 @@ async fn bench_vnic() -> anyhow::Result<()> {
         client.clone(),
         agents,
         9443,
-        CloudAccess::On(Arc::new(Cloud::new(
-            compute,
-            Some(COMPARTMENT.into()),
-            CloudMetrics::default(),
-        ))),
+        CloudAccess::On(Arc::new(
+            Cloud::new(compute, Some(COMPARTMENT.into()), CloudMetrics::default())
+                .with_attach_latency(attach_delay),
+        )),
         CloudMetrics::default(),
         Settings {
             node_concurrency: 64,

@@ -212,10 +212,10 @@ pub struct Cloud {
     locks: InstanceLocks,
     instances: Mutex<HashMap<String, InstanceFacts>>,
     vnics: Mutex<HashMap<String, VnicFacts>>,
-    /// How long ATTACHING → ATTACHED takes here, learned from the attaches seen: the first look
-    /// at a new attachment waits this long, so that it usually finds it ATTACHED (one
-    /// GetVnicAttachment per VNIC instead of one per poll).
-    attach_latency: Mutex<Option<Duration>>,
+    /// How long ATTACHING → ATTACHED takes here: the first look at a new attachment waits this
+    /// long, so that it usually finds it ATTACHED (one GetVnicAttachment per VNIC instead of one
+    /// per poll). Starts at `--nnc-attach-latency` and follows what the first looks find.
+    attach_latency: Mutex<Duration>,
     pub metrics: CloudMetrics,
 }
 
@@ -237,7 +237,7 @@ impl Cloud {
             locks: InstanceLocks::new(),
             instances: Mutex::default(),
             vnics: Mutex::default(),
-            attach_latency: Mutex::default(),
+            attach_latency: Mutex::new(Duration::from_secs(10)),
             metrics,
         }
     }
@@ -393,25 +393,36 @@ impl Cloud {
         Ok(a)
     }
 
-    /// The expected ATTACHING → ATTACHED time, once one attach has been seen through.
-    pub fn expected_attach_latency(&self) -> Option<Duration> {
+    /// Sets the first guess of the attach time (`--nnc-attach-latency`).
+    pub fn with_attach_latency(self, guess: Duration) -> Self {
+        *self
+            .attach_latency
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = guess;
+        self
+    }
+
+    /// How long to wait before the first look at a new attachment.
+    pub fn expected_attach_latency(&self) -> Duration {
         *self
             .attach_latency
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Records that an attachment requested `took` ago was found ATTACHED (a moving average,
-    /// so one slow attach does not slow every later first look).
-    pub fn observe_attach_latency(&self, took: Duration) {
+    /// What the first look at an attachment requested `took` ago found: ATTACHED means the wait
+    /// may shrink a little (probing for a faster cloud), still ATTACHING means it was too short.
+    pub fn observe_first_look(&self, attached: bool, took: Duration) {
         let mut l = self
             .attach_latency
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        *l = Some(match *l {
-            None => took,
-            Some(prev) => prev.mul_f64(0.7) + took.mul_f64(0.3),
-        });
+        *l = if attached {
+            l.mul_f64(0.95)
+        } else {
+            l.max(took).mul_f64(1.25)
+        }
+        .clamp(Duration::from_millis(100), Duration::from_secs(300));
     }
 
     /// GetVnicAttachment.

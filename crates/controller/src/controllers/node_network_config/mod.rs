@@ -67,6 +67,12 @@ pub struct Config {
     #[arg(long, env = "NODEKEEPER_NNC_ATTACH_TIMEOUT", default_value = "5m", value_parser = duration)]
     pub nnc_attach_timeout: Duration,
 
+    /// First guess of how long OCI takes from AttachVnic to ATTACHED: the first look at a new
+    /// attachment waits this long (then the guess follows what the looks find), so a VNIC
+    /// usually costs one GetVnicAttachment.
+    #[arg(long, env = "NODEKEEPER_NNC_ATTACH_LATENCY", default_value = "10s", value_parser = duration)]
+    pub nnc_attach_latency: Duration,
+
     /// Longest `ApplyNetwork` call (the post-apply check included).
     #[arg(long, env = "NODEKEEPER_NNC_APPLY_TIMEOUT", default_value = "90s", value_parser = duration)]
     pub nnc_apply_timeout: Duration,
@@ -163,7 +169,15 @@ impl Context {
     /// The controller's context in the running controller-manager.
     pub fn new(shared: &Shared, config: &Config) -> Self {
         let metrics = shared.metrics.cloud.clone();
-        let cloud = CloudAccess::from_config(&config.cloud, metrics.clone());
+        let cloud = match CloudAccess::from_config(&config.cloud, metrics.clone()) {
+            CloudAccess::On(c) => match Arc::try_unwrap(c) {
+                Ok(c) => {
+                    CloudAccess::On(Arc::new(c.with_attach_latency(config.nnc_attach_latency)))
+                }
+                Err(c) => CloudAccess::On(c),
+            },
+            other => other,
+        };
         match &cloud {
             CloudAccess::Off => tracing::info!(
                 "nodenetworkconfig: no OCI endpoint configured; VNICs are never attached or detached"

@@ -120,7 +120,7 @@ impl NodeRun {
     fn attach_requested(&mut self, cloud: &Cloud) {
         let now = Instant::now();
         self.attach_requested = Some(now);
-        self.next_look = cloud.expected_attach_latency().map(|l| now + l);
+        self.next_look = Some(now + cloud.expected_attach_latency());
     }
 
     fn fail(&mut self, error: String, rolled_back: bool) {
@@ -442,7 +442,7 @@ async fn step(
                 match a.lifecycle_state {
                     VnicAttachmentState::Attached if a.vnic_id.is_some() => {
                         if let Some(t) = run.attach_requested.take() {
-                            cloud.observe_attach_latency(t.elapsed());
+                            cloud.observe_first_look(true, t.elapsed());
                         }
                         run.next_look = None;
                     }
@@ -456,7 +456,14 @@ async fn step(
                             false,
                         );
                     }
-                    _ => return,
+                    _ => {
+                        // Too early: later looks follow the poll interval.
+                        if let Some(t) = run.attach_requested.take() {
+                            cloud.observe_first_look(false, t.elapsed());
+                        }
+                        run.next_look = None;
+                        return;
+                    }
                 }
                 match rest.split_first() {
                     Some((&next, more)) => {
