@@ -412,15 +412,17 @@ impl Cloud {
 
     /// What the first look at an attachment requested `took` ago found: ATTACHED means the wait
     /// may shrink a little (probing for a faster cloud), still ATTACHING means it was too short.
+    /// Both follow `took` rather than the current guess, so a batch of nodes looking at once
+    /// moves the guess once, not once per node.
     pub fn observe_first_look(&self, attached: bool, took: Duration) {
         let mut l = self
             .attach_latency
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
         *l = if attached {
-            l.mul_f64(0.95)
+            took.mul_f64(0.95).min(*l)
         } else {
-            l.max(took).mul_f64(1.25)
+            took.mul_f64(1.2).max(*l)
         }
         .clamp(Duration::from_millis(100), Duration::from_secs(300));
     }
@@ -495,6 +497,38 @@ mod tests {
         );
         let e = instance_id(Some("oci://ocid1.subnet.oc1.phx.aaaa")).unwrap_err();
         assert!(e.contains("instance OCID"), "{e}");
+    }
+
+    #[test]
+    fn the_first_look_wait_follows_what_the_looks_find_without_compounding() {
+        let cloud = Cloud::new(
+            ComputeClient::new(
+                ComputeConfig::new("http://127.0.0.1:9"),
+                Arc::new(ApiKeyProvider::new(
+                    "t",
+                    "u",
+                    nodekeeper_oci::signer::PrivateKey::generate().unwrap(),
+                )),
+            )
+            .unwrap(),
+            None,
+            CloudMetrics::default(),
+        )
+        .with_attach_latency(Duration::from_secs(10));
+        let s = Duration::from_secs;
+        // Ten nodes of a batch find their attachment ATTACHED after 10.2 s: the guess moves once.
+        for _ in 0..10 {
+            cloud.observe_first_look(true, Duration::from_millis(10_200));
+        }
+        assert_eq!(
+            cloud.expected_attach_latency(),
+            Duration::from_millis(9_690)
+        );
+        // Too early for ten nodes: raised once, to 1.2 × what they waited.
+        for _ in 0..10 {
+            cloud.observe_first_look(false, s(10));
+        }
+        assert_eq!(cloud.expected_attach_latency(), s(12));
     }
 
     #[test]
