@@ -889,8 +889,16 @@ async fn cleanup(
             let run = runs.remove(&info.name);
             let ctx = Arc::clone(ctx);
             let name = name.clone();
+            let uid = uid.clone();
             async move {
-                let mut run = run.unwrap_or_else(|| NodeRun::new(""));
+                let mut run = run.unwrap_or_else(|| NodeRun {
+                    // After a restart the Node's condition tells whether this object's host
+                    // side is there.
+                    host_touched: info.ready.as_ref().is_some_and(|(_, _, m, _)| {
+                        m.starts_with(&format!("host networking at generation {uid}/"))
+                    }),
+                    ..NodeRun::new("")
+                });
                 let done = cleanup_node(&ctx, &name, &info, &mut run).await;
                 (info.name, run, done)
             }
