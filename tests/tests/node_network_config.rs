@@ -36,9 +36,7 @@ use nodekeeper_controller::shared::metrics::{CloudMetrics, ReconcileMetrics};
 use nodekeeper_e2e::oci_endpoint::{
     EndpointConfig, Fault, InstanceSpec, OciEndpoint, test_key_pem,
 };
-use nodekeeper_e2e::{
-    ControlPlane, apply_spec, create_simulated_nodes, install_crds, unique_name, wait_for,
-};
+use nodekeeper_e2e::{ControlPlane, create_simulated_nodes, install_crds, unique_name, wait_for};
 use nodekeeper_oci::auth::{ApiKeyProvider, AuthProvider as _};
 use nodekeeper_oci::compute::{ComputeClient, ComputeConfig};
 use nodekeeper_oci::retry::RetryPolicy;
@@ -353,21 +351,24 @@ impl Rig {
             CloudMetrics::default(),
         )
         .with_attach_latency(Duration::from_millis(500));
-        let ctx = Arc::new(Context::with(
-            self.client.clone(),
-            Arc::clone(&self.agents),
-            9443,
-            CloudAccess::On(Arc::new(cloud)),
-            CloudMetrics::default(),
-            Settings {
-                node_concurrency: 8,
-                object_concurrency: 2,
-                poll: Duration::from_millis(250),
-                resync: Duration::from_secs(2),
-                attach_timeout: Duration::from_secs(30),
-                apply_timeout: Duration::from_secs(30),
-            },
-        ));
+        let ctx = Arc::new(
+            Context::with(
+                self.client.clone(),
+                Arc::clone(&self.agents),
+                9443,
+                CloudAccess::On(Arc::new(cloud)),
+                CloudMetrics::default(),
+                Settings {
+                    node_concurrency: 8,
+                    object_concurrency: 2,
+                    poll: Duration::from_millis(250),
+                    resync: Duration::from_secs(2),
+                    attach_timeout: Duration::from_secs(30),
+                    apply_timeout: Duration::from_secs(30),
+                },
+            )
+            .watching(&format!("{}={}", self.label.0, self.label.1)),
+        );
         let token = CancellationToken::new();
         let handle = tokio::spawn(controllers::start(
             ctx,
@@ -531,6 +532,30 @@ async fn node_ready(
         }))
 }
 
+/// Server-side applies NodeNetworkConfig `name` with `spec`, labelled `label` so that only this
+/// test's controller reconciles it (tests share the API server).
+async fn apply_nnc(
+    api: &Api<NodeNetworkConfig>,
+    label: &(String, String),
+    name: &str,
+    spec: Value,
+) -> anyhow::Result<()> {
+    let body = json!({
+        "apiVersion": "nodekeeper.dev/v1alpha1",
+        "kind": "NodeNetworkConfig",
+        "metadata": {"name": name, "labels": {label.0.clone(): label.1.clone()}},
+        "spec": spec,
+    });
+    api.patch(
+        name,
+        &PatchParams::apply("nodekeeper-e2e"),
+        &Patch::Apply(&body),
+    )
+    .await
+    .with_context(|| format!("apply nodenetworkconfig {name}"))?;
+    Ok(())
+}
+
 fn vnic(name: &str, subnet: &str) -> Value {
     json!({"displayName": name, "subnetId": subnet})
 }
@@ -545,8 +570,9 @@ async fn two_vnics_on_three_nodes_rolled_out_rolled_back_detached_never_doubled(
     let (mut stop, mut handle) = rig.start_controller();
     // The check target is the pod subnet's router: it answers on the nodes whose VNIC can
     // reach it, and not on the broken node.
-    apply_spec(
+    apply_nnc(
         &api,
+        &rig.label,
         &name,
         json!({
             "nodeSelector": rig.selector(),
@@ -678,8 +704,9 @@ async fn two_vnics_on_three_nodes_rolled_out_rolled_back_detached_never_doubled(
     );
 
     // Remove one VNIC: its host side goes, then it is detached.
-    apply_spec(
+    apply_nnc(
         &api,
+        &rig.label,
         &name,
         json!({
             "nodeSelector": rig.selector(),
@@ -763,8 +790,9 @@ async fn refused_input_is_named_and_changes_nothing_on_the_host() -> anyhow::Res
 
     // A subnet OCID of the wrong form: the API server refuses it, naming the field.
     let name = unique_name("badsubnet");
-    let e = apply_spec(
+    let e = apply_nnc(
         &api,
+        &rig.label,
         &name,
         json!({
             "nodeSelector": rig.selector(),
@@ -797,8 +825,9 @@ async fn refused_input_is_named_and_changes_nothing_on_the_host() -> anyhow::Res
     let name = unique_name("nicindex");
     let mut one = vnic("x", &rig.subnet);
     one["nicIndex"] = json!(1);
-    apply_spec(
+    apply_nnc(
         &api,
+        &rig.label,
         &name,
         json!({
             "nodeSelector": rig.selector(),
@@ -967,24 +996,27 @@ async fn bench_vnic() -> anyhow::Result<()> {
         endpoint: Arc::clone(&endpoint),
         instances,
     });
-    let ctx = Arc::new(Context::with(
-        client.clone(),
-        agents,
-        9443,
-        CloudAccess::On(Arc::new(
-            Cloud::new(compute, Some(COMPARTMENT.into()), CloudMetrics::default())
-                .with_attach_latency(attach_delay),
-        )),
-        CloudMetrics::default(),
-        Settings {
-            node_concurrency: 64,
-            object_concurrency: 2,
-            poll,
-            resync: Duration::from_secs(5),
-            attach_timeout: Duration::from_secs(120),
-            apply_timeout: Duration::from_secs(30),
-        },
-    ));
+    let ctx = Arc::new(
+        Context::with(
+            client.clone(),
+            agents,
+            9443,
+            CloudAccess::On(Arc::new(
+                Cloud::new(compute, Some(COMPARTMENT.into()), CloudMetrics::default())
+                    .with_attach_latency(attach_delay),
+            )),
+            CloudMetrics::default(),
+            Settings {
+                node_concurrency: 64,
+                object_concurrency: 2,
+                poll,
+                resync: Duration::from_secs(5),
+                attach_timeout: Duration::from_secs(120),
+                apply_timeout: Duration::from_secs(30),
+            },
+        )
+        .watching(&format!("{}={}", label.0, label.1)),
+    );
     let stop = CancellationToken::new();
     let handle = tokio::spawn(controllers::start(
         ctx,
@@ -997,8 +1029,9 @@ async fn bench_vnic() -> anyhow::Result<()> {
     let cpu_before = process_cpu_seconds()?;
     let requests_before = endpoint.requests().len();
     let started = std::time::Instant::now();
-    apply_spec(
+    apply_nnc(
         &api,
+        &label,
         &name,
         json!({
             "nodeSelector": {"matchLabels": {label.0.clone(): label.1.clone()}},

@@ -163,6 +163,9 @@ pub struct Context {
     /// Per object (by uid): where each selected node stands. Lost on restart and rebuilt from
     /// OCI's attachments (found by display name and owner tag) and idempotent applies.
     pub(crate) runs: Mutex<HashMap<String, reconcile::ObjectRun>>,
+    /// Reconcile only the NodeNetworkConfigs with these labels (tests sharing one API server
+    /// each run their own controller); `None`: all of them.
+    pub object_labels: Option<String>,
 }
 
 impl Context {
@@ -215,7 +218,14 @@ impl Context {
             metrics,
             settings,
             runs: Mutex::default(),
+            object_labels: None,
         }
+    }
+
+    /// Reconciles only the objects `label_selector` (e.g. `team=a`) picks.
+    pub fn watching(mut self, label_selector: &str) -> Self {
+        self.object_labels = Some(label_selector.to_string());
+        self
     }
 }
 
@@ -226,6 +236,13 @@ impl Reconciler for Context {
 
     fn api(&self) -> Api<NodeNetworkConfig> {
         Api::all(self.client.clone())
+    }
+
+    fn watcher_config(&self) -> watcher::Config {
+        match &self.object_labels {
+            Some(l) => watcher::Config::default().labels(l),
+            None => watcher::Config::default(),
+        }
     }
 
     fn concurrency(&self) -> u16 {
