@@ -897,6 +897,7 @@ mod tests {
             mtu: 1500,
             table_base: 200,
             rule_priority_base: 21000,
+            ..Default::default()
         })
         .unwrap();
         assert_eq!(
