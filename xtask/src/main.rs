@@ -6,6 +6,7 @@ mod bench_drain;
 mod bench_fleet;
 mod bench_netconf;
 mod bench_networktest;
+mod bench_vnic;
 mod benchmarks;
 mod cargo;
 mod cluster;
@@ -60,6 +61,8 @@ enum Bench {
     Netconf(bench_netconf::NetconfArgs),
     /// A NodeMaintenance draining N kwok nodes behind PDBs: time vs the PDB bound, requests per pod.
     Drain(bench_drain::DrainArgs),
+    /// One NodeNetworkConfig attaching a VNIC to N kwok nodes: time, cloud calls, API writes.
+    Vnic(bench_vnic::VnicArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -76,5 +79,6 @@ fn main() -> anyhow::Result<()> {
         Command::Bench(Bench::Networktest(args)) => bench_networktest::run(args),
         Command::Bench(Bench::Netconf(args)) => bench_netconf::run_bench(args),
         Command::Bench(Bench::Drain(args)) => bench_drain::run(args),
+        Command::Bench(Bench::Vnic(args)) => bench_vnic::run(args),
     }
 }

@@ -342,7 +342,9 @@ impl NetworkManager {
         for line in &layout.waiting {
             info!(%generation, %endpoint, waiting = %line, "oci vnic left out");
         }
-        merge_layout(desired, layout.desired)
+        let mut laid_out = layout.desired;
+        exclude_vnics(&mut laid_out, &oci.exclude_macs);
+        merge_layout(desired, laid_out)
     }
 
     /// The OCI secondary-VNIC layout of this host: asks the metadata service at `endpoint` for
@@ -400,6 +402,52 @@ impl NetworkManager {
             other => NetworkError::Layout(format!("--imds-endpoint {endpoint}: {other}")),
         })
     }
+}
+
+/// Drops from `layout` the VNICs whose MAC is in `exclude_macs` (about to be detached): their
+/// links and the links stacked on them, the addresses and routes on those links, and the rules
+/// of those routes' tables. What nodekeeper had configured for them is then removed by the apply.
+fn exclude_vnics(layout: &mut NetworkState, exclude_macs: &[String]) {
+    if exclude_macs.is_empty() {
+        return;
+    }
+    let excluded: Vec<String> = exclude_macs.iter().map(|m| norm_mac(m)).collect();
+    let mut names: Vec<String> = layout
+        .links
+        .iter()
+        .filter(|l| {
+            l.mac
+                .as_deref()
+                .is_some_and(|m| excluded.contains(&norm_mac(m)))
+        })
+        .map(|l| l.name.clone())
+        .collect();
+    // Links stacked on an excluded one (a VLAN on a bare-metal VNIC's macvlan), transitively.
+    loop {
+        let more: Vec<String> = layout
+            .links
+            .iter()
+            .filter(|l| !names.contains(&l.name))
+            .filter(|l| l.parent.as_ref().is_some_and(|p| names.contains(p)))
+            .map(|l| l.name.clone())
+            .collect();
+        if more.is_empty() {
+            break;
+        }
+        names.extend(more);
+    }
+    let tables: Vec<u32> = layout
+        .routes
+        .iter()
+        .filter(|r| r.link.as_ref().is_some_and(|l| names.contains(l)))
+        .map(|r| r.table)
+        .collect();
+    layout.links.retain(|l| !names.contains(&l.name));
+    layout.addresses.retain(|a| !names.contains(&a.link));
+    layout.routes.retain(|r| {
+        !r.link.as_ref().is_some_and(|l| names.contains(l)) && !tables.contains(&r.table)
+    });
+    layout.rules.retain(|r| !tables.contains(&r.table));
 }
 
 /// The layout knobs of a request, with the proto's zero-means-default rule.
@@ -804,6 +852,39 @@ mod tests {
     }
 
     #[test]
+    fn excluded_vnics_lose_links_stacked_links_addresses_routes_and_rules() {
+        let mut layout: NetworkState = serde_json::from_str(
+            r#"{
+              "links": [
+                {"name": "keep", "kind": "existing", "mac": "02:00:17:00:00:01"},
+                {"name": "mv", "kind": "macvlan", "parent": "eth0", "mac": "02:00:17:00:00:02"},
+                {"name": "vl", "kind": "vlan", "parent": "mv", "vlanId": 7}
+              ],
+              "addresses": [{"link": "keep", "cidr": "10.0.1.5/24"}, {"link": "vl", "cidr": "10.0.2.5/24"}],
+              "routes": [
+                {"destination": "default", "gateway": "10.0.1.1", "link": "keep", "table": 101},
+                {"destination": "default", "gateway": "10.0.2.1", "link": "vl", "table": 102}
+              ],
+              "rules": [
+                {"from": "10.0.1.5/32", "table": 101, "priority": 20101},
+                {"from": "10.0.2.5/32", "table": 102, "priority": 20102}
+              ]
+            }"#,
+        )
+        .unwrap();
+        let before = layout.clone();
+        exclude_vnics(&mut layout, &[]);
+        assert_eq!(layout, before);
+        exclude_vnics(&mut layout, &["02:00:17:00:00:02".to_uppercase()]);
+        let names: Vec<&str> = layout.links.iter().map(|l| l.name.as_str()).collect();
+        assert_eq!(names, ["keep"]);
+        assert_eq!(layout.addresses.len(), 1);
+        assert_eq!(layout.routes.len(), 1);
+        assert_eq!(layout.rules.len(), 1);
+        assert_eq!(layout.rules[0].table, 101);
+    }
+
+    #[test]
     fn layout_options_default_zeros_and_refuse_bad_mtu() {
         let o = layout_options(&pb::OciVnics {
             enabled: true,
@@ -816,6 +897,7 @@ mod tests {
             mtu: 1500,
             table_base: 200,
             rule_priority_base: 21000,
+            ..Default::default()
         })
         .unwrap();
         assert_eq!(

@@ -97,3 +97,27 @@ pub const REASON_BLOCKED_BY_PDB: &str = "BlockedByPodDisruptionBudget";
 pub const REASON_DRAIN_TIMED_OUT: &str = "DrainTimedOut";
 /// A network change failed and was rolled back.
 pub const REASON_ROLLED_BACK: &str = "RolledBack";
+
+// NodeNetworkConfig.
+
+/// Finalizer on a NodeNetworkConfig: the VNICs it attached are detached (and their host side
+/// removed) before the object goes.
+pub const FINALIZER_NODE_NETWORK_CONFIG: &str = "nodekeeper.dev/node-network-config";
+/// The well-known Node label holding the instance's shape (OKE sets it to e.g.
+/// `VM.Standard.E5.Flex`).
+pub const LABEL_INSTANCE_TYPE: &str = "node.kubernetes.io/instance-type";
+/// NodeNetworkConfig `Progressing=False`: the failure threshold holds the rollout.
+pub const REASON_PAUSED: &str = "FailureThresholdReached";
+/// NodeNetworkConfig `Ready=False`: nodes are failing or pending.
+pub const REASON_NOT_APPLIED: &str = "NotAllApplied";
+/// NodeNetworkConfig `Ready=False`: VNICs are to be attached, but the controller was started
+/// without an OCI endpoint or region and credentials.
+pub const REASON_CLOUD_NOT_CONFIGURED: &str = "CloudNotConfigured";
+/// Node `NodeNetworkReady=False`: the node cannot get the object's VNICs (spec against the
+/// node's shape, or an OCI answer); the message names the field or OCI's code.
+pub const REASON_VNIC_ATTACH_FAILED: &str = "VnicAttachFailed";
+/// Node `NodeNetworkReady=True`: the host network is applied (the same reason the node sweep
+/// writes from the agent's report, so the two writers agree).
+pub const REASON_NETWORK_CONVERGED: &str = "NetworkConverged";
+/// Node `NodeNetworkReady=False`: applying on the host failed (the sweep's reason too).
+pub const REASON_NETWORK_APPLY_FAILED: &str = "NetworkApplyFailed";

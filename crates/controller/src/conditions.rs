@@ -184,7 +184,18 @@ pub fn desired_conditions(
                 out.extend(gpu_condition(view));
             }
             if features.network {
-                out.extend(network_condition(view));
+                match network_condition(view) {
+                    Some(c) => out.push(c),
+                    // The agent has no network state, but the NodeNetworkConfig controller may
+                    // have said why (a VNIC it could not attach): keep its word rather than
+                    // rewrite the node on every pull.
+                    None => out.extend(
+                        current
+                            .iter()
+                            .find(|w| w.condition.type_ == NETWORK_READY)
+                            .map(|w| w.condition.clone()),
+                    ),
+                }
             }
             if features.problems {
                 out.extend(problem_conditions(view));
@@ -1066,6 +1077,36 @@ mod tests {
         assert_eq!(net(&view).unwrap().reason, reason::NETWORK_DRIFTED);
         view.network.last_error = "add-route failed".into();
         assert_eq!(net(&view).unwrap().reason, reason::NETWORK_APPLY_FAILED);
+    }
+
+    #[test]
+    fn a_network_condition_the_agent_cannot_tell_is_kept_not_rewritten() {
+        let view = NodeView::default();
+        let nnc = Condition::new(
+            NETWORK_READY,
+            Status::False,
+            "VnicAttachFailed",
+            "spec.ociVnics.attach[0].nicIndex: …",
+        );
+        let current = written(&[nnc.clone()]);
+        let desired =
+            desired_conditions(Observation::Fresh(&view), &Features::default(), &current).unwrap();
+        let network: Vec<&Condition> = desired
+            .iter()
+            .filter(|c| c.type_ == NETWORK_READY)
+            .collect();
+        assert_eq!(network, [&nnc]);
+        // Once the agent has applied, its own word wins again.
+        let mut applied = NodeView::default();
+        applied.network.applied_generation = "uid/3".into();
+        let desired =
+            desired_conditions(Observation::Fresh(&applied), &Features::default(), &current)
+                .unwrap();
+        let network: Vec<&Condition> = desired
+            .iter()
+            .filter(|c| c.type_ == NETWORK_READY)
+            .collect();
+        assert_eq!(network[0].reason, reason::NETWORK_CONVERGED);
     }
 
     #[test]

@@ -536,3 +536,142 @@ fn parse_rule(r: &RuleMessage) -> ObservedRule {
     }
     o
 }
+
+#[cfg(test)]
+mod tests {
+    //! The netlink messages against a real kernel, in a fresh network namespace (root only).
+
+    use nodekeeper_model::network::NetworkState;
+    use nodekeeper_testkit::{Netns, skip_unless_root};
+
+    use crate::{ApplyOptions, Netconf, Outcome};
+
+    /// `(table, gateway, dev)` of the IPv6 default routes, from `ip -6 -j route show table all`.
+    fn v6_defaults(ns: &Netns) -> Vec<(String, String, String)> {
+        let out = ns
+            .ip(&["-6", "-j", "route", "show", "table", "all"])
+            .unwrap();
+        let routes: Vec<serde_json::Value> = serde_json::from_str(&out).unwrap();
+        routes
+            .iter()
+            .filter(|r| r["dst"] == "default")
+            .map(|r| {
+                (
+                    r["table"].as_str().unwrap_or("main").to_string(),
+                    r["gateway"].as_str().unwrap_or("").to_string(),
+                    r["dev"].as_str().unwrap_or("").to_string(),
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn ipv6_default_routes_apply_in_every_form() {
+        skip_unless_root!("needs root to create network namespaces");
+        let ns = Netns::with_loopback("nk-test-v6route").unwrap();
+        ns.ip(&[
+            "link", "add", "nic0", "type", "veth", "peer", "name", "nic0p",
+        ])
+        .unwrap();
+        for l in ["nic0", "nic0p"] {
+            ns.ip(&["link", "set", l, "up"]).unwrap();
+        }
+        let desired: NetworkState = serde_json::from_str(
+            r#"{
+              "links": [{"name": "nic0", "kind": "existing"}],
+              "addresses": [{"link": "nic0", "cidr": "fd00:10:40::5/64"}],
+              "routes": [
+                {"destination": "::/0", "gateway": "fd00:10:40::1", "link": "nic0", "table": 111},
+                {"destination": "::/0", "gateway": "fd00:99::1", "link": "nic0", "table": 113, "onLink": true},
+                {"destination": "::/0", "link": "nic0", "table": 114},
+                {"destination": "::/0", "gateway": "fe80::200:17ff:fe00:1", "link": "nic0", "table": 115},
+                {"destination": "::/0", "gateway": "fd00:10:40::1", "link": "nic0", "table": 116, "metric": 100}
+              ]
+            }"#,
+        )
+        .unwrap();
+        let again = desired.clone();
+        let report = ns.run(move || async move {
+            let nc = Netconf::connect().unwrap();
+            nc.apply(&desired, &ApplyOptions::default()).await.unwrap()
+        });
+        assert_eq!(report.outcome, Outcome::Applied, "{:?}", report.error);
+        let mut got = v6_defaults(&ns);
+        got.sort();
+        assert_eq!(
+            got,
+            [
+                ("111".into(), "fd00:10:40::1".into(), "nic0".into()),
+                ("113".into(), "fd00:99::1".into(), "nic0".into()),
+                ("114".into(), String::new(), "nic0".into()),
+                ("115".into(), "fe80::200:17ff:fe00:1".into(), "nic0".into()),
+                ("116".into(), "fd00:10:40::1".into(), "nic0".into()),
+            ]
+        );
+        // Re-applying writes nothing; an empty state removes every route again.
+        let (reapplied, removed) = ns.run(move || async move {
+            let nc = Netconf::connect().unwrap();
+            let opts = ApplyOptions::default();
+            let second = nc.apply(&again, &opts).await.unwrap();
+            let third = nc.apply(&NetworkState::default(), &opts).await.unwrap();
+            (second, third)
+        });
+        assert_eq!(
+            (reapplied.outcome, reapplied.writes),
+            (Outcome::Applied, 0),
+            "{:?}",
+            reapplied.plan
+        );
+        assert_eq!(removed.outcome, Outcome::Applied, "{:?}", removed.error);
+        assert_eq!(v6_defaults(&ns), []);
+    }
+
+    /// A dual-stack OCI VNIC as the layout makes it: both families' addresses, default routes
+    /// and source rules in the VNIC's one table.
+    #[test]
+    fn a_dual_stack_vnic_layout_applies() {
+        skip_unless_root!("needs root to create network namespaces");
+        let ns = Netns::with_loopback("nk-test-dualstack").unwrap();
+        ns.ip(&[
+            "link",
+            "add",
+            "ens5",
+            "address",
+            "02:00:17:0a:22:02",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "ens5p",
+        ])
+        .unwrap();
+        ns.ip(&["link", "set", "ens5p", "up"]).unwrap();
+        let desired: NetworkState = serde_json::from_str(
+            r#"{
+              "links": [{"name": "vnic1", "kind": "existing", "mac": "02:00:17:0a:22:02", "mtu": 9000, "up": true}],
+              "addresses": [
+                {"link": "vnic1", "cidr": "10.0.20.33/24"},
+                {"link": "vnic1", "cidr": "fd00:10:20::33/64"}
+              ],
+              "routes": [
+                {"destination": "default", "gateway": "10.0.20.1", "link": "vnic1", "table": 101},
+                {"destination": "::/0", "gateway": "fd00:10:20::1", "link": "vnic1", "table": 101}
+              ],
+              "rules": [
+                {"from": "10.0.20.33/32", "table": 101, "priority": 20101},
+                {"from": "fd00:10:20::33/128", "table": 101, "priority": 20101}
+              ]
+            }"#,
+        )
+        .unwrap();
+        let report = ns.run(move || async move {
+            let nc = Netconf::connect().unwrap();
+            nc.apply(&desired, &ApplyOptions::default()).await.unwrap()
+        });
+        assert_eq!(report.outcome, Outcome::Applied, "{:?}", report.error);
+        assert_eq!(
+            v6_defaults(&ns),
+            [("101".into(), "fd00:10:20::1".into(), "ens5".into())]
+        );
+    }
+}

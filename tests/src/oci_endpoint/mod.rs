@@ -557,6 +557,31 @@ fn paginate(items: Vec<Value>, q: &HashMap<String, String>, max: usize) -> Answe
     a
 }
 
+/// The PEM of the 2048-bit RSA test key in `crates/oci/tests/fixtures` (never a real
+/// credential), for clients that sign requests to this endpoint.
+pub fn test_key_pem() -> anyhow::Result<String> {
+    std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../crates/oci/tests/fixtures/test-key-2048.pem"
+    ))
+    .context("read the test key fixture")
+}
+
+/// One VNIC attachment as [`OciEndpoint::guest_vnics`] reports it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GuestVnic {
+    pub attachment_id: String,
+    pub mac: String,
+    pub private_ip: Ipv4Addr,
+    /// The subnet's virtual router (its first host address).
+    pub router: Ipv4Addr,
+    pub prefix: u8,
+    pub primary: bool,
+    pub display_name: Option<String>,
+    /// `ATTACHING`, `ATTACHED`, `DETACHING` or `DETACHED`.
+    pub state: &'static str,
+}
+
 /// The running local endpoint; dropping it stops the server.
 pub struct OciEndpoint {
     addr: SocketAddr,
@@ -768,6 +793,34 @@ impl OciEndpoint {
     /// Every API request so far.
     pub fn requests(&self) -> Vec<Recorded> {
         self.lock().log.clone()
+    }
+
+    /// Every attachment of `instance_id` as the guest would notice it (hot-plug): VNIC MAC,
+    /// whether it is the primary, and the attachment's lifecycle state now; in attach order.
+    pub fn guest_vnics(&self, instance_id: &str) -> Vec<GuestVnic> {
+        let s = self.lock();
+        let now = Instant::now();
+        let mut all: Vec<&AttachmentRec> = s
+            .attachments
+            .values()
+            .filter(|a| a.instance_id == instance_id)
+            .collect();
+        all.sort_by_key(|a| a.order);
+        all.iter()
+            .map(|a| {
+                let subnet = &s.subnets[&a.subnet_id];
+                GuestVnic {
+                    attachment_id: a.id.clone(),
+                    mac: a.vnic.mac.clone(),
+                    private_ip: a.vnic.private_ip,
+                    router: Ipv4Addr::from(u32::from(subnet.network) + 1),
+                    prefix: subnet.prefix,
+                    primary: a.vnic.is_primary,
+                    display_name: a.display_name.clone(),
+                    state: a.state(now, &s.cfg),
+                }
+            })
+            .collect()
     }
 
     /// Live (not DETACHED) VNIC attachments of `instance_id`, primary included.

@@ -59,6 +59,8 @@ pub struct Config {
     pub networktest: networktest::Config,
     #[command(flatten)]
     pub node_diagnostic: node_diagnostic::Config,
+    #[command(flatten)]
+    pub node_network_config: node_network_config::Config,
 }
 
 /// A watch-reconcile controller, implemented by its `Context`.
@@ -171,6 +173,10 @@ impl Controllers {
             shared,
             &config.node_diagnostic,
             &self.diagnostic_bundles,
+        ));
+        r.add(node_network_config::Context::new(
+            shared,
+            &config.node_network_config,
         ));
     }
 }

@@ -1,5 +1,5 @@
 //! The controller's Prometheus metrics: one struct and one sub-registry per subsystem (`sweep`,
-//! `conditions`, `tuning`, `controller`, `agents`, `reconcile`, `problems`), and only bounded
+//! `conditions`, `tuning`, `controller`, `agents`, `reconcile`, `problems`, `cloud`), and only bounded
 //! label values (outcome classes, method and controller names, condition types and statuses —
 //! never node names, object names or error strings). The one exception to the `nodekeeper_`
 //! prefix is node-problem-detector's `problem_counter` / `problem_gauge`, kept under NPD's names
@@ -110,6 +110,7 @@ pub struct Metrics {
     pub agents: AgentMetrics,
     pub reconcile: ReconcileMetrics,
     pub problems: ProblemMetrics,
+    pub cloud: CloudMetrics,
 }
 
 impl Metrics {
@@ -126,6 +127,7 @@ impl Metrics {
             agents: AgentMetrics::register(root.sub_registry_with_prefix("agents")),
             reconcile: ReconcileMetrics::register(root.sub_registry_with_prefix("reconcile")),
             problems: ProblemMetrics::register(root.sub_registry_with_prefix("problems"), totals),
+            cloud: CloudMetrics::register(root.sub_registry_with_prefix("cloud")),
         }
     }
 }
@@ -363,6 +365,60 @@ impl AgentMetrics {
         self.call_seconds
             .get_or_create(&MethodLabels { method })
             .observe(seconds);
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CloudCallLabels {
+    /// The Compute API operation (`ListVnicAttachments`, `AttachVnic`, …): a fixed set.
+    pub operation: &'static str,
+    /// `ok` or `error`.
+    pub outcome: &'static str,
+}
+
+/// Cloud (OCI Compute API) calls made by the controllers, and how many one node needed to reach
+/// its result, so that the cost per node is visible without a per-node label.
+#[derive(Clone)]
+pub struct CloudMetrics {
+    pub calls: Family<CloudCallLabels, Counter>,
+    /// Calls spent on one node from its start to Applied or Failed (one observation per node
+    /// and generation).
+    pub calls_per_node: Histogram,
+}
+
+impl Default for CloudMetrics {
+    fn default() -> Self {
+        Self {
+            calls: Family::default(),
+            calls_per_node: Histogram::new([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0, 20.0]),
+        }
+    }
+}
+
+impl CloudMetrics {
+    fn register(cloud: &mut Registry) -> Self {
+        let m = Self::default();
+        cloud.register(
+            "calls",
+            "OCI Compute API calls by operation and result",
+            m.calls.clone(),
+        );
+        cloud.register(
+            "calls_per_node",
+            "OCI Compute API calls one node needed to reach Applied or Failed",
+            m.calls_per_node.clone(),
+        );
+        m
+    }
+
+    /// Counts one finished call.
+    pub fn record(&self, operation: &'static str, ok: bool) {
+        self.calls
+            .get_or_create(&CloudCallLabels {
+                operation,
+                outcome: if ok { "ok" } else { "error" },
+            })
+            .inc();
     }
 }
 

@@ -573,7 +573,7 @@ pub struct ApplyNetworkRequest {
 /// FAILED_PRECONDITION; the metadata service failing or answering badly gives UNAVAILABLE naming the
 /// endpoint; a layout object that conflicts with one in `desired_state_json` gives INVALID_ARGUMENT
 /// naming it.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct OciVnics {
     /// Lay out the secondary VNICs. False: the other fields are ignored.
     #[prost(bool, tag = "1")]
@@ -589,6 +589,11 @@ pub struct OciVnics {
     /// `rule_priority_base + i`; 0 means 20100.
     #[prost(uint32, tag = "4")]
     pub rule_priority_base: u32,
+    /// MACs (any case, colon form) of VNICs left out of the layout although the metadata service
+    /// still lists them: their host side (interface settings, addresses, routes, rules) is removed,
+    /// because the controller is about to detach them. Numbering (tables, priorities) is unchanged.
+    #[prost(string, repeated, tag = "5")]
+    pub exclude_macs: ::prost::alloc::vec::Vec<::prost::alloc::string::String>,
 }
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct PlanStep {

@@ -1,12 +1,262 @@
-//! The NodeNetworkConfig rollout, as pure logic over plain data: which VNICs to attach, keep or
-//! detach on a node ([`plan`]), which nodes to start next within `rollout.maxUnavailable` and
-//! when to pause ([`rollout`]), and the bounded status written only on change ([`status`]).
+//! The `NodeNetworkConfig` controller: for every node the selector picks, attach the missing OCI
+//! secondary VNICs, wait for ATTACHED, then `ApplyNetwork` on the agent (host side, with its
+//! plan/apply/check/rollback), a few nodes at a time (`rollout.maxUnavailable`), pausing once
+//! `rollout.failureThreshold` nodes fail.
 //!
-//! No controller is registered yet: the reconciler (watch NodeNetworkConfigs and Nodes, read the
-//! attachments through `nodekeeper_oci::compute`, attach, wait for ATTACHED, `ApplyNetwork` on
-//! the agent, finalizer) is the next step and builds on these functions. Nothing here calls the
-//! Kubernetes API, OCI or an agent.
+//! Files: the pure logic — one node's VNIC diff ([`plan`]), which nodes start next ([`rollout`]),
+//! the bounded status ([`status`]) — the cloud side with its caches and call counting
+//! ([`cloud`]), and the reconciler that drives one node at a time through its steps without
+//! ever blocking on the cloud ([`reconcile`]). This file holds the [`Context`] and the
+//! [`Config`] (flags).
+//!
+//! Nodes are read from a reflector of this controller's own (the shared fleet keeps no labels or
+//! provider IDs); a change of a node's labels is picked up at the next pass (at most
+//! `--nnc-resync-interval` later).
 
+pub mod cloud;
 pub mod plan;
+pub mod reconcile;
 pub mod rollout;
 pub mod status;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::StreamExt as _;
+use k8s_openapi::api::core::v1::Node;
+use kube::Api;
+use kube::runtime::controller::Action;
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::{WatchStreamExt as _, watcher};
+use nodekeeper_api::crd::NodeNetworkConfig;
+
+pub use cloud::{CloudAccess, CloudConfig};
+pub use reconcile::{Error, error_policy, reconcile};
+
+use super::Reconciler;
+use crate::shared::metrics::CloudMetrics;
+use crate::shared::{Agents, Shared};
+
+/// The NodeNetworkConfig controller's flags.
+#[derive(Clone, Debug, clap::Args)]
+#[group(id = "node_network_config")]
+pub struct Config {
+    #[command(flatten)]
+    pub cloud: CloudConfig,
+
+    /// Nodes of one NodeNetworkConfig stepped at once (cloud and agent calls in flight).
+    #[arg(long, env = "NODEKEEPER_NNC_NODE_CONCURRENCY", default_value_t = 32)]
+    pub nnc_node_concurrency: usize,
+
+    /// NodeNetworkConfigs reconciled at once.
+    #[arg(long, env = "NODEKEEPER_NNC_CONCURRENCY", default_value_t = 2)]
+    pub nnc_concurrency: u16,
+
+    /// How soon a rollout in progress is looked at again (attachments waiting for ATTACHED,
+    /// nodes waiting for their turn).
+    #[arg(long, env = "NODEKEEPER_NNC_POLL_INTERVAL", default_value = "2s", value_parser = duration)]
+    pub nnc_poll_interval: Duration,
+
+    /// How often a finished rollout is looked at again (nodes added or relabelled).
+    #[arg(long, env = "NODEKEEPER_NNC_RESYNC_INTERVAL", default_value = "60s", value_parser = duration)]
+    pub nnc_resync_interval: Duration,
+
+    /// Longest wait for a VNIC to become ATTACHED and visible on the host (its interface and
+    /// the metadata service's answer); the node then fails, naming the VNIC.
+    #[arg(long, env = "NODEKEEPER_NNC_ATTACH_TIMEOUT", default_value = "5m", value_parser = duration)]
+    pub nnc_attach_timeout: Duration,
+
+    /// First guess of how long OCI takes from AttachVnic to ATTACHED: the first look at a new
+    /// attachment waits this long (then the guess follows what the looks find), so a VNIC
+    /// usually costs one GetVnicAttachment.
+    #[arg(long, env = "NODEKEEPER_NNC_ATTACH_LATENCY", default_value = "10s", value_parser = duration)]
+    pub nnc_attach_latency: Duration,
+
+    /// Longest `ApplyNetwork` call (the post-apply check included).
+    #[arg(long, env = "NODEKEEPER_NNC_APPLY_TIMEOUT", default_value = "90s", value_parser = duration)]
+    pub nnc_apply_timeout: Duration,
+}
+
+fn duration(s: &str) -> Result<Duration, String> {
+    nodekeeper_model::tuning::parse_duration(s)
+}
+
+/// Timing and concurrency of the reconciler.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    pub node_concurrency: usize,
+    pub object_concurrency: u16,
+    pub poll: Duration,
+    pub resync: Duration,
+    pub attach_timeout: Duration,
+    pub apply_timeout: Duration,
+}
+
+impl Settings {
+    pub fn from_config(c: &Config) -> Self {
+        Self {
+            node_concurrency: c.nnc_node_concurrency.max(1),
+            object_concurrency: c.nnc_concurrency.max(1),
+            poll: c.nnc_poll_interval,
+            resync: c.nnc_resync_interval,
+            attach_timeout: c.nnc_attach_timeout,
+            apply_timeout: c.nnc_apply_timeout,
+        }
+    }
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            node_concurrency: 32,
+            object_concurrency: 2,
+            poll: Duration::from_secs(2),
+            resync: Duration::from_secs(60),
+            attach_timeout: Duration::from_secs(300),
+            apply_timeout: Duration::from_secs(90),
+        }
+    }
+}
+
+/// The Nodes as this controller sees them: a reflector store fed by its own watch, which ends
+/// when the context is dropped.
+pub struct NodeCache {
+    pub store: Store<Node>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl NodeCache {
+    /// Starts the Node watch (managedFields dropped from the cache).
+    pub fn start(client: kube::Client) -> Self {
+        let (store, writer) = reflector::store();
+        let stream = watcher(Api::<Node>::all(client), watcher::Config::default())
+            .default_backoff()
+            .modify(|n| {
+                n.metadata.managed_fields = None;
+                n.metadata.annotations = None;
+            })
+            .reflect(writer)
+            .applied_objects();
+        let task = tokio::spawn(async move {
+            stream.for_each(|_| futures::future::ready(())).await;
+        });
+        Self { store, task }
+    }
+}
+
+impl Drop for NodeCache {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// What the reconciler needs.
+pub struct Context {
+    pub client: kube::Client,
+    pub agents: Arc<dyn Agents>,
+    pub agent_port: u16,
+    pub cloud: CloudAccess,
+    pub metrics: CloudMetrics,
+    pub settings: Settings,
+    pub nodes: NodeCache,
+    /// Per object (by uid): where each selected node stands. Lost on restart and rebuilt from
+    /// OCI's attachments (found by display name and owner tag) and idempotent applies.
+    pub(crate) runs: Mutex<HashMap<String, reconcile::ObjectRun>>,
+    /// Reconcile only the NodeNetworkConfigs with these labels (tests sharing one API server
+    /// each run their own controller); `None`: all of them.
+    pub object_labels: Option<String>,
+}
+
+impl Context {
+    /// The controller's context in the running controller-manager.
+    pub fn new(shared: &Shared, config: &Config) -> Self {
+        let metrics = shared.metrics.cloud.clone();
+        let cloud = match CloudAccess::from_config(&config.cloud, metrics.clone()) {
+            CloudAccess::On(c) => match Arc::try_unwrap(c) {
+                Ok(c) => {
+                    CloudAccess::On(Arc::new(c.with_attach_latency(config.nnc_attach_latency)))
+                }
+                Err(c) => CloudAccess::On(c),
+            },
+            other => other,
+        };
+        match &cloud {
+            CloudAccess::Off => tracing::info!(
+                "nodenetworkconfig: no OCI endpoint configured; VNICs are never attached or detached"
+            ),
+            CloudAccess::Misconfigured(message) => {
+                tracing::error!(%message, "nodenetworkconfig: OCI access misconfigured")
+            }
+            CloudAccess::On(_) => tracing::info!("nodenetworkconfig: OCI access configured"),
+        }
+        Self::with(
+            shared.client.clone(),
+            shared.agents(),
+            shared.agent_port,
+            cloud,
+            metrics,
+            Settings::from_config(config),
+        )
+    }
+
+    /// A context from its parts (tests and benchmarks build their own agents and cloud).
+    pub fn with(
+        client: kube::Client,
+        agents: Arc<dyn Agents>,
+        agent_port: u16,
+        cloud: CloudAccess,
+        metrics: CloudMetrics,
+        settings: Settings,
+    ) -> Self {
+        Self {
+            nodes: NodeCache::start(client.clone()),
+            client,
+            agents,
+            agent_port,
+            cloud,
+            metrics,
+            settings,
+            runs: Mutex::default(),
+            object_labels: None,
+        }
+    }
+
+    /// Reconciles only the objects `label_selector` (e.g. `team=a`) picks.
+    pub fn watching(mut self, label_selector: &str) -> Self {
+        self.object_labels = Some(label_selector.to_string());
+        self
+    }
+}
+
+impl Reconciler for Context {
+    type Object = NodeNetworkConfig;
+    type Error = Error;
+    const NAME: &'static str = "nodenetworkconfig";
+
+    fn api(&self) -> Api<NodeNetworkConfig> {
+        Api::all(self.client.clone())
+    }
+
+    fn watcher_config(&self) -> watcher::Config {
+        match &self.object_labels {
+            Some(l) => watcher::Config::default().labels(l),
+            None => watcher::Config::default(),
+        }
+    }
+
+    fn concurrency(&self) -> u16 {
+        self.settings.object_concurrency
+    }
+
+    fn reconcile(
+        obj: Arc<NodeNetworkConfig>,
+        ctx: Arc<Self>,
+    ) -> impl Future<Output = Result<Action, Error>> + Send + 'static {
+        reconcile(obj, ctx)
+    }
+
+    fn error_policy(obj: Arc<NodeNetworkConfig>, error: &Error, ctx: Arc<Self>) -> Action {
+        error_policy(obj, error, ctx)
+    }
+}

@@ -8,6 +8,7 @@ use nodekeeper_api::names::{
     CONDITION_PROGRESSING, CONDITION_READY, REASON_DONE, REASON_IN_PROGRESS,
     REASON_NO_MATCHING_NODES,
 };
+pub use nodekeeper_api::names::{REASON_NOT_APPLIED, REASON_PAUSED};
 
 use super::rollout::{NodePhase, Paused};
 
@@ -15,11 +16,6 @@ use super::rollout::{NodePhase, Paused};
 pub const MAX_FAILING_LISTED: usize = 50;
 /// Longest error kept per failing node (the schema's bound), in bytes.
 pub const MAX_ERROR_LEN: usize = 1024;
-/// Reason of `Progressing=False` while the failure threshold holds the rollout.
-// TODO(integrator): move beside the other reasons in nodekeeper_api::names.
-pub const REASON_PAUSED: &str = "FailureThresholdReached";
-/// Reason of `Ready=False` while nodes are failing or pending.
-pub const REASON_NOT_APPLIED: &str = "NotAllApplied";
 
 /// One selected node as the status sees it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -112,8 +108,52 @@ pub fn next_status(
     (next != *previous).then_some(next)
 }
 
+/// The status of an object that cannot be rolled out at all (its spec is invalid, or it asks
+/// for VNICs and the controller has no cloud access): nothing on any node changes, `Ready=False`
+/// with `reason` and `message` (naming the field or flag and what to do), `Progressing=False`.
+/// `None` when `previous` already says so.
+pub fn blocked_status(
+    previous: &NodeNetworkConfigStatus,
+    matched: u32,
+    generation: Option<i64>,
+    reason: &str,
+    message: &str,
+    now: &str,
+) -> Option<NodeNetworkConfigStatus> {
+    let mut next = NodeNetworkConfigStatus {
+        matched,
+        attached: 0,
+        applied: 0,
+        failing: 0,
+        failing_nodes: Vec::new(),
+        omitted_failing: 0,
+        conditions: previous.conditions.clone(),
+        observed_generation: generation,
+    };
+    let message = truncate(message, MAX_ERROR_LEN);
+    set_condition(
+        &mut next.conditions,
+        CONDITION_READY,
+        ConditionStatus::False,
+        reason,
+        &message,
+        generation,
+        now,
+    );
+    set_condition(
+        &mut next.conditions,
+        CONDITION_PROGRESSING,
+        ConditionStatus::False,
+        reason,
+        "nothing is rolled out until this is fixed",
+        generation,
+        now,
+    );
+    (next != *previous).then_some(next)
+}
+
 /// `s` cut to at most `max` bytes on a character boundary, marked with `…` when cut.
-fn truncate(s: &str, max: usize) -> String {
+pub fn truncate(s: &str, max: usize) -> String {
     if s.len() <= max {
         return s.to_string();
     }

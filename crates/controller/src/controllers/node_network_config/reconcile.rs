@@ -1,0 +1,1118 @@
+//! The NodeNetworkConfig reconciler. One pass: check the spec, pick the selected nodes, start the
+//! next batch ([`next_batch`]), then move every node in progress one or more steps on without
+//! waiting for the cloud (attach one VNIC at a time per instance, look at the attachment again
+//! on a later pass until ATTACHED, apply the host side through the agent, detach what the spec
+//! no longer lists after its host side is gone), write the node's `NodeNetworkReady` condition
+//! and the object's status when they change, and requeue. Deleting the object removes its host
+//! side and detaches the VNICs carrying its owner tag (finalizer), nothing else.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, PoisonError};
+use std::time::Instant;
+
+use futures::StreamExt as _;
+use k8s_openapi::api::core::v1::Node;
+use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::controller::Action;
+use kube::{Resource as _, ResourceExt as _};
+use nodekeeper_api::crd::node_network_config::{NodeNetworkConfigSpec, OciVnic};
+use nodekeeper_api::crd::{NodeNetworkConfig, format_field_errors};
+use nodekeeper_api::names::{
+    API_VERSION, FINALIZER_NODE_NETWORK_CONFIG, LABEL_INSTANCE_TYPE, MANAGER_NODE_NETWORK_CONFIG,
+    NODE_CONDITION_NETWORK_READY, REASON_CLOUD_NOT_CONFIGURED, REASON_INVALID_SPEC,
+    REASON_NETWORK_APPLY_FAILED, REASON_NETWORK_CONVERGED, REASON_VNIC_ATTACH_FAILED,
+};
+use nodekeeper_oci::compute::{ComputeError, VnicAttachmentState};
+use nodekeeper_proto::agent::v1 as pb;
+use serde_json::json;
+use tracing::{info, warn};
+
+use super::Context;
+use super::cloud::{Cloud, CloudAccess, instance_id};
+use super::plan::{NodeFacts, plan_node};
+use super::rollout::{NodePhase, NodeState, next_batch};
+use super::status::{NodeReport, blocked_status, next_status};
+use crate::shared::AgentNode;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("write status of nodenetworkconfig {object}: {source}")]
+    WriteStatus { object: String, source: kube::Error },
+    #[error("update finalizer of nodenetworkconfig {object}: {source}")]
+    UpdateFinalizer { object: String, source: kube::Error },
+    #[error("nodenetworkconfig {object}: the Node cache did not fill within 30 s")]
+    WaitNodes { object: String },
+}
+
+/// Logs the failure and retries in 10 s.
+pub fn error_policy(obj: Arc<NodeNetworkConfig>, error: &Error, _ctx: Arc<Context>) -> Action {
+    warn!(%error, object = %obj.name_any(), "nodenetworkconfig reconcile failed; retrying in 10s");
+    Action::requeue(std::time::Duration::from_secs(10))
+}
+
+/// The next thing one node waits for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Work {
+    /// List the instance's attachments and plan.
+    Observe,
+    /// Attachment `id` should become ATTACHED; then attach `rest` (indices into the attach
+    /// list) one by one, then apply.
+    WaitAttach {
+        id: String,
+        rest: Vec<usize>,
+        detach: Vec<Detach>,
+    },
+    /// Apply the host side, leaving out the VNICs in `detach`.
+    Apply {
+        detach: Vec<Detach>,
+    },
+    /// Detach these (their host side is gone), one per pass.
+    Detach {
+        rest: Vec<Detach>,
+    },
+    Done,
+}
+
+/// An attachment to detach and its VNIC's MAC (to leave its host side out).
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Detach {
+    id: String,
+    mac: Option<String>,
+}
+
+/// One selected node in one object's rollout.
+#[derive(Clone, Debug)]
+pub(crate) struct NodeRun {
+    /// `<uid>/<generation>` this run is for.
+    target: String,
+    phase: NodePhase,
+    attached: bool,
+    work: Work,
+    /// Cloud calls spent on this node for `target`.
+    calls: u32,
+    started: Instant,
+    instance: Option<String>,
+    /// An apply reached the host (so the finalizer removes the host side).
+    host_touched: bool,
+    /// When the attachment being waited for was requested, and when to look at it next.
+    attach_requested: Option<Instant>,
+    next_look: Option<Instant>,
+}
+
+impl NodeRun {
+    fn new(target: &str) -> Self {
+        Self {
+            target: target.to_string(),
+            phase: NodePhase::Pending,
+            attached: false,
+            work: Work::Observe,
+            calls: 0,
+            started: Instant::now(),
+            instance: None,
+            host_touched: false,
+            attach_requested: None,
+            next_look: None,
+        }
+    }
+
+    /// An attach was just requested: the first look waits for the expected attach time.
+    fn attach_requested(&mut self, cloud: &Cloud) {
+        let now = Instant::now();
+        self.attach_requested = Some(now);
+        self.next_look = Some(now + cloud.expected_attach_latency());
+    }
+
+    fn fail(&mut self, error: String, rolled_back: bool) {
+        self.phase = NodePhase::Failed { error, rolled_back };
+        self.work = Work::Done;
+    }
+}
+
+/// One object's nodes.
+#[derive(Debug, Default)]
+pub(crate) struct ObjectRun {
+    nodes: BTreeMap<String, NodeRun>,
+}
+
+/// What the reconciler reads of a Node.
+#[derive(Clone, Debug)]
+struct NodeInfo {
+    name: String,
+    labels: BTreeMap<String, String>,
+    provider_id: Option<String>,
+    address: Option<IpAddr>,
+    /// `NodeNetworkReady` as the Node carries it: status, reason, message, transition time.
+    ready: Option<(String, String, String, Option<String>)>,
+}
+
+fn node_info(n: &Node) -> NodeInfo {
+    let status = n.status.as_ref();
+    NodeInfo {
+        name: n.name_any(),
+        labels: n.labels().clone(),
+        provider_id: n.spec.as_ref().and_then(|s| s.provider_id.clone()),
+        address: status
+            .and_then(|s| s.addresses.as_ref())
+            .and_then(|a| a.iter().find(|a| a.type_ == "InternalIP"))
+            .and_then(|a| a.address.parse().ok()),
+        ready: status
+            .and_then(|s| s.conditions.as_ref())
+            .and_then(|c| c.iter().find(|c| c.type_ == NODE_CONDITION_NETWORK_READY))
+            .map(|c| {
+                (
+                    c.status.clone(),
+                    c.reason.clone().unwrap_or_default(),
+                    c.message.clone().unwrap_or_default(),
+                    c.last_transition_time.as_ref().map(|t| t.0.to_string()),
+                )
+            }),
+    }
+}
+
+fn now() -> String {
+    k8s_openapi::jiff::Timestamp::now().to_string()
+}
+
+pub async fn reconcile(obj: Arc<NodeNetworkConfig>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let name = obj.name_any();
+    let api: Api<NodeNetworkConfig> = Api::all(ctx.client.clone());
+    if tokio::time::timeout(
+        std::time::Duration::from_secs(30),
+        ctx.nodes.store.wait_until_ready(),
+    )
+    .await
+    .is_err()
+    {
+        return Err(Error::WaitNodes { object: name });
+    }
+    if obj.meta().deletion_timestamp.is_some() {
+        return cleanup(&obj, &ctx, &api).await;
+    }
+    if !obj
+        .finalizers()
+        .iter()
+        .any(|f| f == FINALIZER_NODE_NETWORK_CONFIG)
+    {
+        let mut finalizers = obj.finalizers().to_vec();
+        finalizers.push(FINALIZER_NODE_NETWORK_CONFIG.to_string());
+        set_finalizers(&api, &obj, finalizers).await?;
+    }
+    let spec = &obj.spec;
+    let generation = obj.meta().generation;
+    let previous = obj.status.clone().unwrap_or_default();
+    let nodes = selected(&ctx, spec);
+    let matched = u32::try_from(nodes.len()).unwrap_or(u32::MAX);
+
+    // Objects that cannot be rolled out change nothing anywhere.
+    let blocked = match spec.validate() {
+        Err(errors) => Some((REASON_INVALID_SPEC, format_field_errors(&errors))),
+        Ok(()) if !attach_list(spec).is_empty() => ctx
+            .cloud
+            .unavailable()
+            .map(|m| (REASON_CLOUD_NOT_CONFIGURED, m)),
+        Ok(()) => None,
+    };
+    if let Some((reason, message)) = blocked {
+        info!(object = %name, %reason, %message, "nodenetworkconfig not rolled out");
+        if let Some(s) = blocked_status(&previous, matched, generation, reason, &message, &now()) {
+            write_status(&api, &name, &s).await?;
+        }
+        return Ok(Action::requeue(ctx.settings.resync));
+    }
+
+    let uid = obj.uid().unwrap_or_default();
+    let target = format!("{uid}/{}", generation.unwrap_or(0));
+    let mut runs = take_runs(&ctx, &uid, &nodes, &target);
+
+    let states: Vec<NodeState> = runs
+        .values()
+        .map(|r| NodeState {
+            name: String::new(),
+            phase: r.phase.clone(),
+        })
+        .zip(runs.keys())
+        .map(|(mut s, n)| {
+            s.name = n.clone();
+            s
+        })
+        .collect();
+    let decision = next_batch(&states, &spec.rollout);
+    for n in &decision.start {
+        if let Some(r) = runs.get_mut(n) {
+            r.phase = NodePhase::InProgress;
+            r.started = Instant::now();
+        }
+    }
+
+    // Step every node in progress, a bounded number at once.
+    let by_name: HashMap<&str, &NodeInfo> = nodes.iter().map(|n| (n.name.as_str(), n)).collect();
+    let owner = name.clone();
+    let stepping: Vec<(String, NodeRun)> = runs
+        .iter()
+        .filter(|(_, r)| r.phase == NodePhase::InProgress)
+        .map(|(n, r)| (n.clone(), r.clone()))
+        .collect();
+    let stepped: Vec<(String, NodeRun)> = futures::stream::iter(stepping)
+        .map(|(n, mut run)| {
+            let info = by_name.get(n.as_str()).map(|i| (*i).clone());
+            let ctx = Arc::clone(&ctx);
+            let owner = owner.clone();
+            async move {
+                if let Some(info) = info {
+                    step(&ctx, &owner, spec, &info, &mut run).await;
+                }
+                (n, run)
+            }
+        })
+        .buffer_unordered(ctx.settings.node_concurrency)
+        .collect()
+        .await;
+    let mut finished = Vec::new();
+    for (n, run) in stepped {
+        if run.phase != NodePhase::InProgress {
+            ctx.metrics.calls_per_node.observe(f64::from(run.calls));
+            info!(object = %name, node = %n, phase = ?run.phase, cloud_calls = run.calls, "node finished");
+            finished.push(n.clone());
+        }
+        runs.insert(n, run);
+    }
+
+    // Node conditions of the nodes that finished, written only when they change.
+    for n in &finished {
+        if let (Some(info), Some(run)) = (by_name.get(n.as_str()), runs.get(n)) {
+            write_node_condition(&ctx, info, run).await;
+        }
+    }
+
+    let states: Vec<NodeState> = runs
+        .iter()
+        .map(|(n, r)| NodeState {
+            name: n.clone(),
+            phase: r.phase.clone(),
+        })
+        .collect();
+    let paused = next_batch(&states, &spec.rollout).paused;
+    let reports: Vec<NodeReport<'_>> = runs
+        .iter()
+        .map(|(n, r)| NodeReport {
+            name: n,
+            attached: r.attached,
+            phase: &r.phase,
+        })
+        .collect();
+    let status = next_status(&previous, &reports, paused.as_ref(), generation, &now());
+    let busy = runs.values().any(|r| {
+        r.phase == NodePhase::InProgress || (r.phase == NodePhase::Pending && paused.is_none())
+    });
+    put_runs(&ctx, &uid, runs);
+    if let Some(s) = status {
+        write_status(&api, &name, &s).await?;
+    }
+    Ok(Action::requeue(if busy {
+        ctx.settings.poll
+    } else {
+        ctx.settings.resync
+    }))
+}
+
+fn attach_list(spec: &NodeNetworkConfigSpec) -> &[OciVnic] {
+    spec.oci_vnics.as_ref().map_or(&[], |v| v.attach.as_slice())
+}
+
+/// The nodes the selector picks, by name.
+fn selected(ctx: &Context, spec: &NodeNetworkConfigSpec) -> Vec<NodeInfo> {
+    let mut nodes: Vec<NodeInfo> = ctx
+        .nodes
+        .store
+        .state()
+        .iter()
+        .filter(|n| spec.node_selector.matches(n.labels()))
+        .map(|n| node_info(n))
+        .collect();
+    nodes.sort_by(|a, b| a.name.cmp(&b.name));
+    nodes
+}
+
+/// This object's node runs for the selected nodes: kept when they are for `target`, reset
+/// otherwise; nodes no longer selected are dropped (their configuration stays until the object
+/// is deleted).
+fn take_runs(
+    ctx: &Context,
+    uid: &str,
+    nodes: &[NodeInfo],
+    target: &str,
+) -> BTreeMap<String, NodeRun> {
+    let mut all = ctx.runs.lock().unwrap_or_else(PoisonError::into_inner);
+    let old = all.remove(uid).unwrap_or_default();
+    nodes
+        .iter()
+        .map(|n| {
+            let run = match old.nodes.get(&n.name) {
+                Some(r) if r.target == target => r.clone(),
+                Some(r) => NodeRun {
+                    host_touched: r.host_touched,
+                    instance: r.instance.clone(),
+                    ..NodeRun::new(target)
+                },
+                None if applied_per_node_condition(n, target) => NodeRun {
+                    phase: NodePhase::Applied,
+                    attached: true,
+                    work: Work::Done,
+                    host_touched: true,
+                    ..NodeRun::new(target)
+                },
+                None => NodeRun::new(target),
+            };
+            (n.name.clone(), run)
+        })
+        .collect()
+}
+
+/// Whether the Node says this very generation is applied (the condition this controller writes
+/// names it): a restarted controller resumes there instead of rolling every node out again.
+fn applied_per_node_condition(n: &NodeInfo, target: &str) -> bool {
+    n.ready
+        .as_ref()
+        .is_some_and(|(status, reason, message, _)| {
+            status == "True"
+                && reason == REASON_NETWORK_CONVERGED
+                && *message == format!("host networking at generation {target}")
+        })
+}
+
+fn put_runs(ctx: &Context, uid: &str, nodes: BTreeMap<String, NodeRun>) {
+    ctx.runs
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .insert(uid.to_string(), super::reconcile::ObjectRun { nodes });
+}
+
+/// Moves one node on as far as it can go without waiting.
+async fn step(
+    ctx: &Context,
+    owner: &str,
+    spec: &NodeNetworkConfigSpec,
+    info: &NodeInfo,
+    run: &mut NodeRun,
+) {
+    let desired = attach_list(spec);
+    let cloud = match &ctx.cloud {
+        CloudAccess::On(c) => Some(Arc::clone(c)),
+        _ => None,
+    };
+    // At most a handful of transitions per pass; each either waits or moves on.
+    for _ in 0..8 {
+        let work = run.work.clone();
+        match work {
+            Work::Done => return,
+            Work::Observe => {
+                let Some(cloud) = &cloud else {
+                    // No cloud side: host side only.
+                    run.attached = true;
+                    run.work = Work::Apply { detach: Vec::new() };
+                    continue;
+                };
+                match observe(cloud, owner, desired, info, run).await {
+                    Ok(true) => continue,
+                    Ok(false) => return,
+                    Err(e) => return run.fail(e, false),
+                }
+            }
+            Work::WaitAttach { id, rest, detach } => {
+                let Some(cloud) = &cloud else { return };
+                if run.started.elapsed() > ctx.settings.attach_timeout {
+                    return run.fail(
+                        format!(
+                            "vnic attachment {id} is not ATTACHED after {}s; look at the \
+                             attachment in OCI (subnet capacity, shape limit) and fix the spec or \
+                             the node",
+                            ctx.settings.attach_timeout.as_secs()
+                        ),
+                        false,
+                    );
+                }
+                if run.next_look.is_some_and(|t| Instant::now() < t) {
+                    return;
+                }
+                let a = match cloud.attachment(&id, &mut run.calls).await {
+                    Ok(a) => a,
+                    Err(e) => return run.fail(cloud_error("GetVnicAttachment", &e), false),
+                };
+                match a.lifecycle_state {
+                    VnicAttachmentState::Attached if a.vnic_id.is_some() => {
+                        if let Some(t) = run.attach_requested.take() {
+                            cloud.observe_first_look(true, t.elapsed());
+                        }
+                        run.next_look = None;
+                    }
+                    s if s.is_gone() => {
+                        return run.fail(
+                            format!(
+                                "vnic attachment {id} went {s:?} instead of ATTACHED: OCI \
+                                 refused the attach; check the subnet, its free addresses, the \
+                                 NSGs and the shape's VNIC limit"
+                            ),
+                            false,
+                        );
+                    }
+                    _ => {
+                        // Too early: later looks follow the poll interval.
+                        if let Some(t) = run.attach_requested.take() {
+                            cloud.observe_first_look(false, t.elapsed());
+                        }
+                        run.next_look = None;
+                        return;
+                    }
+                }
+                match rest.split_first() {
+                    Some((&next, more)) => {
+                        let instance = run.instance.clone().unwrap_or_default();
+                        match cloud
+                            .attach(&instance, owner, &desired[next], &mut run.calls)
+                            .await
+                        {
+                            Ok(a) => {
+                                run.attach_requested(cloud);
+                                run.work = Work::WaitAttach {
+                                    id: a.id,
+                                    rest: more.to_vec(),
+                                    detach,
+                                };
+                                return;
+                            }
+                            // The instance is still being modified: try again next pass.
+                            Err(ComputeError::Conflict { .. }) => return,
+                            Err(e) => {
+                                return run.fail(attach_error(next, &desired[next], &e), false);
+                            }
+                        }
+                    }
+                    None => run.work = Work::Apply { detach },
+                }
+            }
+            Work::Apply { detach } => {
+                run.attached = true;
+                match apply(ctx, spec, info, run, &detach).await {
+                    Ok(true) if detach.is_empty() => {
+                        run.phase = NodePhase::Applied;
+                        run.work = Work::Done;
+                        return;
+                    }
+                    Ok(true) => run.work = Work::Detach { rest: detach },
+                    Ok(false) => return,
+                    Err((e, rolled_back)) => return run.fail(e, rolled_back),
+                }
+            }
+            Work::Detach { rest } => {
+                let Some(cloud) = &cloud else { return };
+                let Some((first, more)) = rest.split_first() else {
+                    run.phase = NodePhase::Applied;
+                    run.work = Work::Done;
+                    return;
+                };
+                let instance = run.instance.clone().unwrap_or_default();
+                match cloud.detach(&instance, &first.id, &mut run.calls).await {
+                    Ok(()) => {
+                        info!(node = %info.name, attachment = %first.id, "vnic detached");
+                        run.work = Work::Detach {
+                            rest: more.to_vec(),
+                        };
+                        if more.is_empty() {
+                            continue;
+                        }
+                        return;
+                    }
+                    Err(ComputeError::Conflict { .. }) => return,
+                    Err(e) => return run.fail(cloud_error("DetachVnic", &e), false),
+                }
+            }
+        }
+    }
+}
+
+/// Lists the node's attachments, plans, and attaches the first missing VNIC. `Ok(true)`: moved
+/// on without waiting.
+async fn observe(
+    cloud: &Cloud,
+    owner: &str,
+    desired: &[OciVnic],
+    info: &NodeInfo,
+    run: &mut NodeRun,
+) -> Result<bool, String> {
+    let instance = instance_id(info.provider_id.as_deref())?;
+    run.instance = Some(instance.clone());
+    let facts = cloud
+        .instance(
+            &instance,
+            info.labels.get(LABEL_INSTANCE_TYPE).map(String::as_str),
+            &mut run.calls,
+        )
+        .await
+        .map_err(|e| cloud_error("GetInstance", &e))?;
+    let seen = cloud
+        .attachments(&facts, &instance, &mut run.calls)
+        .await
+        .map_err(|e| cloud_error("ListVnicAttachments", &e))?;
+    let plan = plan_node(
+        owner,
+        desired,
+        &NodeFacts {
+            node: info.name.clone(),
+            shape: facts.shape.clone(),
+            max_vnics: None,
+            attachments: seen.iter().map(|s| s.found.clone()).collect(),
+        },
+    )
+    .map_err(|errors| {
+        errors
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join("; ")
+    })?;
+    let mut detach = Vec::new();
+    for id in &plan.detach {
+        let mac = match seen.iter().find(|s| &s.found.id == id) {
+            Some(s) => cloud
+                .mac_of(s, &mut run.calls)
+                .await
+                .map_err(|e| cloud_error("GetVnic", &e))?,
+            None => None,
+        };
+        detach.push(Detach {
+            id: id.clone(),
+            mac,
+        });
+    }
+    if let Some((&first, rest)) = plan.attach.split_first() {
+        return match cloud
+            .attach(&instance, owner, &desired[first], &mut run.calls)
+            .await
+        {
+            Ok(a) => {
+                run.attach_requested(cloud);
+                info!(node = %info.name, vnic = %desired[first].display_name, attachment = %a.id, "vnic attach requested");
+                run.work = Work::WaitAttach {
+                    id: a.id,
+                    rest: rest.to_vec(),
+                    detach,
+                };
+                Ok(false)
+            }
+            Err(ComputeError::Conflict { .. }) => Ok(false),
+            Err(e) => Err(attach_error(first, &desired[first], &e)),
+        };
+    }
+    if let Some((_, id, _)) = plan.keep.iter().find(|(_, _, attached)| !attached) {
+        run.work = Work::WaitAttach {
+            id: id.clone(),
+            rest: Vec::new(),
+            detach,
+        };
+        return Ok(false);
+    }
+    if !plan.waiting.is_empty() {
+        // A namesake is still detaching: look again next pass.
+        return Ok(false);
+    }
+    run.work = Work::Apply { detach };
+    Ok(true)
+}
+
+fn cloud_error(operation: &str, e: &ComputeError) -> String {
+    let what = match e.status() {
+        Some(400) => "; fix the spec field OCI names",
+        Some(401) => "; the controller's OCI credentials were refused: renew them",
+        Some(404) => {
+            "; the resource does not exist or the controller's OCI policy does not allow it \
+             (code NotAuthorizedOrNotFound): check the OCID and the policy"
+        }
+        _ => "",
+    };
+    format!("{operation}: {e}{what}")
+}
+
+fn attach_error(index: usize, vnic: &OciVnic, e: &ComputeError) -> String {
+    format!(
+        "spec.ociVnics.attach[{index}] ({}): {}",
+        vnic.display_name,
+        cloud_error("AttachVnic", e)
+    )
+}
+
+/// Applies the host side. `Ok(true)`: applied and every VNIC to keep is laid out; `Ok(false)`:
+/// a VNIC's interface is not visible yet (try again next pass); `Err((message, rolled_back))`.
+async fn apply(
+    ctx: &Context,
+    spec: &NodeNetworkConfigSpec,
+    info: &NodeInfo,
+    run: &mut NodeRun,
+    detach: &[Detach],
+) -> Result<bool, (String, bool)> {
+    let Some(address) = info.address else {
+        return Err((
+            "the Node has no InternalIP address, so its agent cannot be reached".into(),
+            false,
+        ));
+    };
+    let node = AgentNode {
+        name: info.name.clone(),
+        endpoint: SocketAddr::new(address, ctx.agent_port),
+    };
+    let request = apply_request(spec, &run.target, detach);
+    let response = match ctx
+        .agents
+        .apply_network(&node, request, ctx.settings.apply_timeout)
+        .await
+    {
+        Ok(r) => r,
+        Err(e) => return Err((format!("ApplyNetwork on the agent: {e}"), false)),
+    };
+    run.host_touched = true;
+    match pb::ApplyOutcome::try_from(response.outcome) {
+        Ok(pb::ApplyOutcome::Applied) => {}
+        Ok(pb::ApplyOutcome::RolledBack) => return Err((response.message, true)),
+        _ => {
+            return Err((
+                format!("apply failed and so did the rollback: {}", response.message),
+                false,
+            ));
+        }
+    }
+    // The metadata service and the interfaces lag the attach: the agent leaves a VNIC out
+    // until both show it. Count the VNIC interfaces laid out against the VNICs to keep.
+    let want = attach_list(spec).len();
+    if want > 0 {
+        let observed: nodekeeper_model::network::NetworkState =
+            serde_json::from_str(&response.observed_state_json).unwrap_or_default();
+        let mut macs: Vec<String> = observed
+            .links
+            .iter()
+            .filter_map(|l| l.mac.as_ref().map(|m| m.to_lowercase()))
+            .collect();
+        macs.sort();
+        macs.dedup();
+        if macs.len() < want {
+            if run.started.elapsed() > ctx.settings.attach_timeout {
+                return Err((
+                    format!(
+                        "{} of {want} VNICs of spec.ociVnics.attach are ATTACHED in OCI but not \
+                         visible on the host after {}s (instance metadata or interface \
+                         missing); check the node's metadata service and the VNIC's driver",
+                        macs.len(),
+                        ctx.settings.attach_timeout.as_secs()
+                    ),
+                    true,
+                ));
+            }
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
+fn apply_request(
+    spec: &NodeNetworkConfigSpec,
+    target: &str,
+    detach: &[Detach],
+) -> pb::ApplyNetworkRequest {
+    pb::ApplyNetworkRequest {
+        desired_state_json: spec
+            .state
+            .as_ref()
+            .and_then(|s| serde_json::to_string(s).ok())
+            .unwrap_or_else(|| "{}".into()),
+        dry_run: false,
+        generation: target.to_string(),
+        check_targets: spec.check_targets.clone(),
+        check_timeout_ms: spec.check_timeout_ms,
+        oci_vnics: spec.oci_vnics.as_ref().map(|o| pb::OciVnics {
+            enabled: true,
+            mtu: o.mtu,
+            table_base: o.table_base,
+            rule_priority_base: o.rule_priority_base,
+            exclude_macs: detach.iter().filter_map(|d| d.mac.clone()).collect(),
+        }),
+    }
+}
+
+/// The `NodeNetworkReady` condition a finished node should carry. Host outcomes use the same
+/// reason and message as the node sweep derives from the agent's report, so the two writers
+/// agree instead of taking turns.
+fn node_condition(run: &NodeRun) -> Option<(&'static str, &'static str, String)> {
+    match &run.phase {
+        NodePhase::Applied => Some((
+            "True",
+            REASON_NETWORK_CONVERGED,
+            format!("host networking at generation {}", run.target),
+        )),
+        NodePhase::Failed { error, .. } if run.host_touched => {
+            Some(("False", REASON_NETWORK_APPLY_FAILED, error.clone()))
+        }
+        NodePhase::Failed { error, .. } => {
+            Some(("False", REASON_VNIC_ATTACH_FAILED, error.clone()))
+        }
+        _ => None,
+    }
+}
+
+async fn write_node_condition(ctx: &Context, info: &NodeInfo, run: &NodeRun) {
+    let Some((status, reason, message)) = node_condition(run) else {
+        return;
+    };
+    let message = super::status::truncate(&message, 1024);
+    let unchanged = info
+        .ready
+        .as_ref()
+        .is_some_and(|(s, r, m, _)| s == status && r == reason && *m == message);
+    if unchanged {
+        return;
+    }
+    let now = now();
+    let transition = info
+        .ready
+        .as_ref()
+        .filter(|(s, ..)| s == status)
+        .and_then(|(.., t)| t.clone())
+        .unwrap_or_else(|| now.clone());
+    let body = json!({
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": info.name},
+        "status": {"conditions": [{
+            "type": NODE_CONDITION_NETWORK_READY,
+            "status": status,
+            "reason": reason,
+            "message": message,
+            "lastTransitionTime": transition,
+            "lastHeartbeatTime": now,
+        }]},
+    });
+    let api: Api<Node> = Api::all(ctx.client.clone());
+    let params = PatchParams::apply(MANAGER_NODE_NETWORK_CONFIG).force();
+    if let Err(error) = api
+        .patch_status(&info.name, &params, &Patch::Apply(&body))
+        .await
+    {
+        warn!(%error, node = %info.name, "write NodeNetworkReady failed");
+    }
+}
+
+async fn write_status(
+    api: &Api<NodeNetworkConfig>,
+    name: &str,
+    status: &nodekeeper_api::crd::node_network_config::NodeNetworkConfigStatus,
+) -> Result<(), Error> {
+    let body = json!({
+        "apiVersion": API_VERSION,
+        "kind": "NodeNetworkConfig",
+        "metadata": {"name": name},
+        "status": status,
+    });
+    api.patch_status(
+        name,
+        &PatchParams::apply(MANAGER_NODE_NETWORK_CONFIG).force(),
+        &Patch::Apply(&body),
+    )
+    .await
+    .map(|_| ())
+    .map_err(|source| Error::WriteStatus {
+        object: name.to_string(),
+        source,
+    })
+}
+
+async fn set_finalizers(
+    api: &Api<NodeNetworkConfig>,
+    obj: &NodeNetworkConfig,
+    finalizers: Vec<String>,
+) -> Result<(), Error> {
+    // A merge patch carrying resourceVersion fails on a concurrent change instead of losing it.
+    let body = json!({"metadata": {
+        "finalizers": finalizers,
+        "resourceVersion": obj.resource_version(),
+    }});
+    api.patch(
+        &obj.name_any(),
+        &PatchParams::default(),
+        &Patch::Merge(&body),
+    )
+    .await
+    .map(|_| ())
+    .map_err(|source| Error::UpdateFinalizer {
+        object: obj.name_any(),
+        source,
+    })
+}
+
+/// Deletion: remove the host side where this object applied it, detach the VNICs carrying its
+/// owner tag (one per instance per pass), then let the object go.
+async fn cleanup(
+    obj: &NodeNetworkConfig,
+    ctx: &Arc<Context>,
+    api: &Api<NodeNetworkConfig>,
+) -> Result<Action, Error> {
+    if !obj
+        .finalizers()
+        .iter()
+        .any(|f| f == FINALIZER_NODE_NETWORK_CONFIG)
+    {
+        return Ok(Action::await_change());
+    }
+    let name = obj.name_any();
+    let uid = obj.uid().unwrap_or_default();
+    let mut runs = ctx
+        .runs
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .remove(&uid)
+        .unwrap_or_default()
+        .nodes;
+    let mut nodes = selected(ctx, &obj.spec);
+    let all: HashMap<String, NodeInfo> = ctx
+        .nodes
+        .store
+        .state()
+        .iter()
+        .map(|n| (n.name_any(), node_info(n)))
+        .collect();
+    for n in runs.keys() {
+        if !nodes.iter().any(|x| &x.name == n)
+            && let Some(i) = all.get(n)
+        {
+            nodes.push(i.clone());
+        }
+    }
+    let results: Vec<(String, NodeRun, bool)> = futures::stream::iter(nodes)
+        .map(|info| {
+            let run = runs.remove(&info.name);
+            let ctx = Arc::clone(ctx);
+            let name = name.clone();
+            let uid = uid.clone();
+            async move {
+                let mut run = run.unwrap_or_else(|| NodeRun {
+                    // After a restart the Node's condition tells whether this object's host
+                    // side is there.
+                    host_touched: info.ready.as_ref().is_some_and(|(_, _, m, _)| {
+                        m.starts_with(&format!("host networking at generation {uid}/"))
+                    }),
+                    ..NodeRun::new("")
+                });
+                let done = cleanup_node(&ctx, &name, &info, &mut run).await;
+                (info.name, run, done)
+            }
+        })
+        .buffer_unordered(ctx.settings.node_concurrency)
+        .collect()
+        .await;
+    let pending = results.iter().filter(|(_, _, done)| !done).count();
+    if pending > 0 {
+        let keep: BTreeMap<String, NodeRun> = results
+            .into_iter()
+            .filter(|(_, _, done)| !done)
+            .map(|(n, r, _)| (n, r))
+            .collect();
+        put_runs(ctx, &uid, keep);
+        info!(object = %name, pending, "nodenetworkconfig cleanup in progress");
+        return Ok(Action::requeue(ctx.settings.poll));
+    }
+    let finalizers: Vec<String> = obj
+        .finalizers()
+        .iter()
+        .filter(|f| *f != FINALIZER_NODE_NETWORK_CONFIG)
+        .cloned()
+        .collect();
+    set_finalizers(api, obj, finalizers).await?;
+    info!(object = %name, "nodenetworkconfig cleaned up");
+    Ok(Action::await_change())
+}
+
+/// One node's cleanup step; true when nothing of this object is left on it.
+async fn cleanup_node(ctx: &Context, owner: &str, info: &NodeInfo, run: &mut NodeRun) -> bool {
+    if run.host_touched
+        && let Some(address) = info.address
+    {
+        let node = AgentNode {
+            name: info.name.clone(),
+            endpoint: SocketAddr::new(address, ctx.agent_port),
+        };
+        // The agent holds one desired state: an empty one removes what nodekeeper configured.
+        let request = pb::ApplyNetworkRequest {
+            desired_state_json: "{}".into(),
+            generation: String::new(),
+            ..Default::default()
+        };
+        match ctx
+            .agents
+            .apply_network(&node, request, ctx.settings.apply_timeout)
+            .await
+        {
+            Ok(_) => run.host_touched = false,
+            // An unreachable agent must not hold the object forever: the VNICs still go.
+            Err(error) => {
+                warn!(%error, node = %info.name, "host cleanup failed; detaching anyway");
+                run.host_touched = false;
+            }
+        }
+    }
+    let CloudAccess::On(cloud) = &ctx.cloud else {
+        return true;
+    };
+    let Ok(instance) = instance_id(info.provider_id.as_deref()) else {
+        return true;
+    };
+    let facts = match cloud
+        .instance(
+            &instance,
+            info.labels.get(LABEL_INSTANCE_TYPE).map(String::as_str),
+            &mut run.calls,
+        )
+        .await
+    {
+        Ok(f) => f,
+        Err(error) => {
+            warn!(%error, node = %info.name, "cleanup: read instance");
+            return false;
+        }
+    };
+    let seen = match cloud.attachments(&facts, &instance, &mut run.calls).await {
+        Ok(s) => s,
+        Err(error) => {
+            warn!(%error, node = %info.name, "cleanup: list attachments");
+            return false;
+        }
+    };
+    let ours: Vec<_> = seen
+        .iter()
+        .filter(|s| s.found.owner.as_deref() == Some(owner))
+        .collect();
+    let Some(first) = ours
+        .iter()
+        .find(|s| s.found.state == super::plan::AttachmentState::Attached)
+    else {
+        // Nothing attached of ours; an attach still in progress is detached next pass.
+        return !ours
+            .iter()
+            .any(|s| s.found.state == super::plan::AttachmentState::Attaching);
+    };
+    match cloud
+        .detach(&instance, &first.found.id, &mut run.calls)
+        .await
+    {
+        Ok(()) => {
+            info!(node = %info.name, attachment = %first.found.id, "vnic detached (object deleted)")
+        }
+        Err(ComputeError::Conflict { .. }) => {}
+        Err(error) => warn!(%error, node = %info.name, "cleanup: detach"),
+    }
+    false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nodekeeper_api::crd::node_network_config::OciVnics;
+
+    fn spec(attach: usize) -> NodeNetworkConfigSpec {
+        serde_json::from_value(json!({
+            "nodeSelector": {},
+            "ociVnics": {"attach": (0..attach).map(|i| json!({
+                "displayName": format!("v{i}"),
+                "subnetId": "ocid1.subnet.oc1.phx.aaaa",
+            })).collect::<Vec<_>>()},
+            "checkTargets": ["10.0.0.1"],
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn the_apply_request_carries_the_layout_knobs_and_the_macs_to_leave_out() {
+        let s = spec(1);
+        let r = apply_request(
+            &s,
+            "uid/3",
+            &[Detach {
+                id: "a".into(),
+                mac: Some("02:00:17:00:00:01".into()),
+            }],
+        );
+        assert_eq!(r.desired_state_json, "{}");
+        assert_eq!(r.generation, "uid/3");
+        assert_eq!(r.check_targets, ["10.0.0.1"]);
+        let o = r.oci_vnics.unwrap();
+        assert!(o.enabled);
+        let d = OciVnics::default();
+        assert_eq!((o.mtu, o.table_base), (d.mtu, d.table_base));
+        assert_eq!(o.exclude_macs, ["02:00:17:00:00:01"]);
+    }
+
+    #[test]
+    fn node_conditions_match_the_sweeps_words_for_host_outcomes() {
+        let mut run = NodeRun::new("uid/3");
+        assert_eq!(node_condition(&run), None);
+        run.phase = NodePhase::Applied;
+        assert_eq!(
+            node_condition(&run).unwrap(),
+            (
+                "True",
+                REASON_NETWORK_CONVERGED,
+                "host networking at generation uid/3".to_string()
+            )
+        );
+        run.fail("spec.ociVnics.attach[0].nicIndex: …".into(), false);
+        assert_eq!(node_condition(&run).unwrap().1, REASON_VNIC_ATTACH_FAILED);
+        run.host_touched = true;
+        run.fail("check 10.0.0.1 failed".into(), true);
+        assert_eq!(node_condition(&run).unwrap().1, REASON_NETWORK_APPLY_FAILED);
+    }
+
+    #[test]
+    fn a_restart_resumes_nodes_whose_condition_names_this_generation() {
+        let node = |status: &str, message: &str| NodeInfo {
+            name: "n1".into(),
+            labels: BTreeMap::new(),
+            provider_id: None,
+            address: None,
+            ready: Some((
+                status.into(),
+                REASON_NETWORK_CONVERGED.into(),
+                message.into(),
+                None,
+            )),
+        };
+        assert!(applied_per_node_condition(
+            &node("True", "host networking at generation uid/3"),
+            "uid/3"
+        ));
+        assert!(!applied_per_node_condition(
+            &node("True", "host networking at generation uid/2"),
+            "uid/3"
+        ));
+        assert!(!applied_per_node_condition(
+            &node("False", "host networking at generation uid/3"),
+            "uid/3"
+        ));
+    }
+
+    #[test]
+    fn cloud_errors_say_what_to_do() {
+        let e = ComputeError::Service {
+            operation: "AttachVnic",
+            status: 404,
+            code: "NotAuthorizedOrNotFound".into(),
+            message: "subnet not found".into(),
+            request_id: "r1".into(),
+            attempts: 1,
+        };
+        let m = attach_error(1, &spec(2).oci_vnics.unwrap().attach[1], &e);
+        assert!(
+            m.starts_with("spec.ociVnics.attach[1] (v1): AttachVnic:"),
+            "{m}"
+        );
+        assert!(
+            m.contains("NotAuthorizedOrNotFound") && m.contains("check the OCID"),
+            "{m}"
+        );
+    }
+}

@@ -1,0 +1,1094 @@
+//! `NodeNetworkConfig` end to end on real parts: the real kube-apiserver (CRDs from
+//! `deploy/crds/`), kwok Nodes whose `spec.providerID` names an instance of the local OCI
+//! endpoint (signatures checked, attach asynchronous), the controller crate's NodeNetworkConfig
+//! reconciler, and per node a network namespace where the agent's real host-network code
+//! (`NetworkManager`: IMDS layout, plan, apply, check, rollback) runs with its own `--imds-endpoint`
+//! answered by the endpoint for that node's instance. Only the gRPC hop between controller and
+//! agent is left out (the reconciler's `ApplyNetwork` runs the manager on the node's thread).
+//!
+//! The endpoint's attach is made visible to the guest the way OCI hot-plugs a NIC: once an
+//! attachment is ATTACHED, a veth with the VNIC's MAC appears in the node's namespace (its peer
+//! carries the subnet's router address), and it disappears once DETACHED.
+//!
+//! Not covered: the bare-metal variant (macvlan + VLAN under the qemu VM; this kernel has no
+//! 802.1Q), which the agent's own qemu test covers for the host side.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::{Context as _, bail, ensure};
+use futures::future::BoxFuture;
+use http::Method;
+use k8s_openapi::api::core::v1::Node;
+use kube::Api;
+use kube::api::{DeleteParams, Patch, PatchParams};
+use nodekeeper_agent::network::NetworkManager;
+use nodekeeper_api::crd::NodeNetworkConfig;
+use nodekeeper_api::names::{NODE_CONDITION_NETWORK_READY, REASON_PAUSED};
+use nodekeeper_controller::agent_client::{CallError, CallOutcome};
+use nodekeeper_controller::controllers;
+use nodekeeper_controller::controllers::node_network_config::cloud::{Cloud, CloudAccess};
+use nodekeeper_controller::controllers::node_network_config::{Context, Settings};
+use nodekeeper_controller::shared::agents::{AgentNode, Agents, Report, RulesOutcome};
+use nodekeeper_controller::shared::metrics::{CloudMetrics, ReconcileMetrics};
+use nodekeeper_e2e::oci_endpoint::{
+    EndpointConfig, Fault, InstanceSpec, OciEndpoint, test_key_pem,
+};
+use nodekeeper_e2e::{ControlPlane, create_simulated_nodes, install_crds, unique_name, wait_for};
+use nodekeeper_oci::auth::{ApiKeyProvider, AuthProvider as _};
+use nodekeeper_oci::compute::{ComputeClient, ComputeConfig};
+use nodekeeper_oci::retry::RetryPolicy;
+use nodekeeper_oci::signer::PrivateKey;
+use nodekeeper_proto::agent::v1 as pb;
+use nodekeeper_testkit::{Netns, NetnsEntry, skip_unless_root};
+use serde_json::{Value, json};
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+
+const COMPARTMENT: &str = "ocid1.compartment.oc1..localtest";
+const AD: &str = "Uocm:PHX-AD-1";
+const VM: &str = "VM.Standard2.4"; // 4 VNICs in the endpoint's limits
+const BM: &str = "BM.Standard.E5.192";
+const TIMEOUT: Duration = Duration::from_secs(90);
+
+type Call = (
+    pb::ApplyNetworkRequest,
+    oneshot::Sender<Result<pb::ApplyNetworkResponse, String>>,
+);
+
+/// One simulated node: its namespace, instance, and the thread running its agent's manager.
+struct SimNode {
+    name: String,
+    instance: String,
+    ns: Arc<Netns>,
+    /// Hot-plugged VNIC interfaces: attachment id → link name.
+    plugged: Mutex<HashMap<String, String>>,
+    /// Its VNICs' peers get no router address: the post-apply check fails here.
+    broken: bool,
+}
+
+/// The agents of these tests: `ApplyNetwork` goes either to the node's manager thread (inside
+/// its namespace), or, for the benchmark, to a simulation where a VNIC is "on the host" once the
+/// endpoint reports it ATTACHED (what the metadata service and hot-plug make visible) and an
+/// apply answers Applied with those VNICs' links observed: no namespace, no netlink, so the
+/// controller is what is measured.
+enum TestAgents {
+    Netns(BTreeMap<IpAddr, mpsc::UnboundedSender<Call>>),
+    Simulated {
+        endpoint: Arc<OciEndpoint>,
+        instances: BTreeMap<IpAddr, String>,
+    },
+}
+
+fn call_error(endpoint: SocketAddr, detail: String) -> CallError {
+    CallError {
+        outcome: CallOutcome::Connect,
+        endpoint,
+        detail,
+    }
+}
+
+/// The benchmark's simulated apply (see [`TestAgents`]).
+fn simulated_apply(endpoint: &OciEndpoint, instance: &str) -> pb::ApplyNetworkResponse {
+    let links: Vec<Value> = endpoint
+        .guest_vnics(instance)
+        .into_iter()
+        .filter(|v| !v.primary && v.state == "ATTACHED")
+        .enumerate()
+        .map(|(i, v)| json!({"name": format!("vnic{i}"), "kind": "existing", "mac": v.mac}))
+        .collect();
+    pb::ApplyNetworkResponse {
+        outcome: pb::ApplyOutcome::Applied as i32,
+        observed_state_json: json!({ "links": links }).to_string(),
+        ..Default::default()
+    }
+}
+
+impl Agents for TestAgents {
+    fn apply_network<'a>(
+        &'a self,
+        node: &'a AgentNode,
+        request: pb::ApplyNetworkRequest,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<pb::ApplyNetworkResponse, CallError>> {
+        let endpoint = node.endpoint;
+        Box::pin(async move {
+            let tx = match self {
+                TestAgents::Simulated {
+                    endpoint: oci,
+                    instances,
+                } => {
+                    let instance = instances
+                        .get(&endpoint.ip())
+                        .ok_or_else(|| call_error(endpoint, "no agent here".into()))?;
+                    return Ok(simulated_apply(oci, instance));
+                }
+                TestAgents::Netns(by_address) => by_address
+                    .get(&endpoint.ip())
+                    .ok_or_else(|| call_error(endpoint, "no agent here".into()))?,
+            };
+            let (reply, rx) = oneshot::channel();
+            tx.send((request, reply))
+                .map_err(|_| call_error(endpoint, "agent thread gone".into()))?;
+            match tokio::time::timeout(timeout, rx).await {
+                Ok(Ok(Ok(r))) => Ok(r),
+                Ok(Ok(Err(e))) => Err(CallError {
+                    outcome: CallOutcome::Status,
+                    endpoint,
+                    detail: e,
+                }),
+                Ok(Err(_)) => Err(call_error(endpoint, "agent thread died".into())),
+                Err(_) => Err(call_error(
+                    endpoint,
+                    format!("no answer within {timeout:?}"),
+                )),
+            }
+        })
+    }
+
+    fn report<'a>(
+        &'a self,
+        node: &'a AgentNode,
+        _: nodekeeper_controller::shared::agents::ReportRequest<'a>,
+        _: Duration,
+    ) -> BoxFuture<'a, Report> {
+        let view = Err(call_error(
+            node.endpoint,
+            "no reports in these tests".into(),
+        ));
+        Box::pin(std::future::ready(Report {
+            view,
+            rules: RulesOutcome::NotPushed,
+        }))
+    }
+
+    fn run_probes<'a>(
+        &'a self,
+        node: &'a AgentNode,
+        _: pb::RunProbesRequest,
+        _: Duration,
+    ) -> BoxFuture<'a, Result<pb::RunProbesResponse, CallError>> {
+        let e = call_error(node.endpoint, "no probes in these tests".into());
+        Box::pin(std::future::ready(Err(e)))
+    }
+
+    fn collect_diagnostics<'a>(
+        &'a self,
+        node: &'a AgentNode,
+        _: pb::DiagnosticsRequest,
+        _: Duration,
+    ) -> BoxFuture<'a, Result<nodekeeper_controller::shared::agents::DiagnosticsStream, CallError>>
+    {
+        let e = call_error(node.endpoint, "no diagnostics in these tests".into());
+        Box::pin(std::future::ready(Err(e)))
+    }
+}
+
+/// Forwards connections made to a loopback port inside `entry`'s namespace to `upstream` on the
+/// host's loopback (sockets keep the namespace they were created in): the node's way to its
+/// metadata service. Returns the port inside.
+async fn loopback_proxy(entry: &NetnsEntry, upstream: SocketAddr) -> anyhow::Result<u16> {
+    let listener = entry
+        .spawn_blocking(|| std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0)))
+        .join()
+        .map_err(|_| anyhow::anyhow!("bind thread panicked"))??;
+    listener.set_nonblocking(true)?;
+    let port = listener.local_addr()?.port();
+    let listener = tokio::net::TcpListener::from_std(listener)?;
+    tokio::spawn(async move {
+        while let Ok((mut inside, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                if let Ok(mut outside) = tokio::net::TcpStream::connect(upstream).await {
+                    let _ = tokio::io::copy_bidirectional(&mut inside, &mut outside).await;
+                }
+            });
+        }
+    });
+    Ok(port)
+}
+
+/// Everything one test needs.
+struct Rig {
+    client: kube::Client,
+    endpoint: Arc<OciEndpoint>,
+    compute: ComputeClient,
+    agents: Arc<dyn Agents>,
+    nodes: Vec<Arc<SimNode>>,
+    subnet: String,
+    label: (String, String),
+    stop: CancellationToken,
+}
+
+impl Rig {
+    /// `shapes[i]` and `broken[i]` for node i.
+    async fn new(prefix: &str, shapes: &[&str], broken: &[bool]) -> anyhow::Result<Rig> {
+        let cp = ControlPlane::shared();
+        let client = cp.client().await?;
+        install_crds(&client).await?;
+        let endpoint = Arc::new(
+            OciEndpoint::start(EndpointConfig {
+                attach_delay: Duration::from_millis(800),
+                detach_delay: Duration::from_millis(300),
+                ..Default::default()
+            })
+            .await?,
+        );
+        let key = PrivateKey::from_pem(&test_key_pem()?)?;
+        let auth = ApiKeyProvider::new("ocid1.tenancy.oc1..t", "ocid1.user.oc1..u", key.clone());
+        let key_id = auth.credentials().await?.key_id;
+        endpoint.register_key(&key_id, &key.public_key_pem()?)?;
+        let mut cfg = ComputeConfig::new(endpoint.url());
+        cfg.retry = RetryPolicy {
+            max_attempts: 3,
+            base: Duration::from_millis(20),
+            cap: Duration::from_millis(100),
+            max_elapsed: Duration::from_secs(5),
+        };
+        cfg.timeout = Duration::from_secs(5);
+        let compute = ComputeClient::new(cfg, Arc::new(auth))?;
+        let primary_subnet = endpoint.add_subnet("10.0.10.0/24")?;
+        let subnet = endpoint.add_subnet("10.0.20.0/24")?;
+
+        let label = ("nodekeeper.dev/e2e-nnc".to_string(), unique_name(prefix));
+        let ips: Vec<Ipv4Addr> = (0..shapes.len())
+            .map(|i| Ipv4Addr::new(127, 91, rand::random::<u8>(), 10 + i as u8))
+            .collect();
+        let names = create_simulated_nodes(
+            &client,
+            prefix,
+            shapes.len(),
+            &BTreeMap::from([label.clone()]),
+            &ips,
+        )
+        .await?;
+        let node_api: Api<Node> = Api::all(client.clone());
+        let upstream: SocketAddr = endpoint.url().trim_start_matches("http://").parse()?;
+        let mut nodes = Vec::new();
+        let mut by_address = BTreeMap::new();
+        for (i, name) in names.iter().enumerate() {
+            let instance = endpoint.add_instance(&InstanceSpec {
+                display_name: name.clone(),
+                shape: shapes[i].into(),
+                compartment_id: COMPARTMENT.into(),
+                availability_domain: AD.into(),
+                subnet_id: primary_subnet.clone(),
+            })?;
+            node_api
+                .patch(
+                    name,
+                    &PatchParams::default(),
+                    &Patch::Merge(json!({
+                        "metadata": {"labels": {"node.kubernetes.io/instance-type": shapes[i]}},
+                        "spec": {"providerID": format!("oci://{instance}")},
+                    })),
+                )
+                .await
+                .with_context(|| format!("set providerID of {name}"))?;
+            let ns = Arc::new(Netns::with_loopback(&format!("nknnc{i}"))?);
+            // The primary VNIC's interface, never touched.
+            let primary = endpoint
+                .guest_vnics(&instance)
+                .into_iter()
+                .find(|v| v.primary)
+                .context("primary vnic")?;
+            ns.ip(&[
+                "link",
+                "add",
+                "ens3",
+                "address",
+                &primary.mac,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "ens3p",
+            ])?;
+            ns.address_up(
+                "ens3",
+                &format!("{}/{}", primary.private_ip, primary.prefix),
+            )?;
+            let port = loopback_proxy(&ns.entry(), upstream).await?;
+            let imds = format!("http://127.0.0.1:{port}/imds/{instance}");
+            let (tx, mut rx) = mpsc::unbounded_channel::<Call>();
+            ns.entry().spawn(move || async move {
+                let manager = NetworkManager::new(Some(imds));
+                while let Some((request, reply)) = rx.recv().await {
+                    let r = manager.apply(request).await.map_err(|e| e.to_string());
+                    let _ = reply.send(r);
+                }
+            });
+            by_address.insert(IpAddr::V4(ips[i]), tx);
+            nodes.push(Arc::new(SimNode {
+                name: name.clone(),
+                instance,
+                ns,
+                plugged: Mutex::default(),
+                broken: broken.get(i).copied().unwrap_or(false),
+            }));
+        }
+        let stop = CancellationToken::new();
+        tokio::spawn(hotplug(Arc::clone(&endpoint), nodes.clone(), stop.clone()));
+        Ok(Rig {
+            client,
+            endpoint,
+            compute,
+            agents: Arc::new(TestAgents::Netns(by_address)),
+            nodes,
+            subnet,
+            label,
+            stop,
+        })
+    }
+
+    /// A controller as the controller-manager would run it, with its own caches (a restart
+    /// starts from nothing but what OCI and the API server say).
+    fn start_controller(&self) -> (CancellationToken, tokio::task::JoinHandle<()>) {
+        let cloud = Cloud::new(
+            self.compute.clone(),
+            Some(COMPARTMENT.into()),
+            CloudMetrics::default(),
+        )
+        .with_attach_latency(Duration::from_millis(500));
+        let ctx = Arc::new(
+            Context::with(
+                self.client.clone(),
+                Arc::clone(&self.agents),
+                9443,
+                CloudAccess::On(Arc::new(cloud)),
+                CloudMetrics::default(),
+                Settings {
+                    node_concurrency: 8,
+                    object_concurrency: 2,
+                    poll: Duration::from_millis(250),
+                    resync: Duration::from_secs(2),
+                    attach_timeout: Duration::from_secs(30),
+                    apply_timeout: Duration::from_secs(30),
+                },
+            )
+            .watching(&format!("{}={}", self.label.0, self.label.1)),
+        );
+        let token = CancellationToken::new();
+        let handle = tokio::spawn(controllers::start(
+            ctx,
+            ReconcileMetrics::default(),
+            token.clone(),
+        ));
+        (token, handle)
+    }
+
+    fn selector(&self) -> Value {
+        json!({"matchLabels": {self.label.0.clone(): self.label.1.clone()}})
+    }
+
+    fn attach_calls(&self) -> usize {
+        self.endpoint
+            .requests()
+            .iter()
+            .filter(|r| r.method == Method::POST && r.path == "/vnicAttachments" && r.status == 200)
+            .count()
+    }
+}
+
+impl Drop for Rig {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+/// Makes ATTACHED VNICs appear as interfaces in their node's namespace and DETACHED ones vanish.
+async fn hotplug(endpoint: Arc<OciEndpoint>, nodes: Vec<Arc<SimNode>>, stop: CancellationToken) {
+    let mut n = 0;
+    while !stop.is_cancelled() {
+        for node in &nodes {
+            for v in endpoint.guest_vnics(&node.instance) {
+                if v.primary {
+                    continue;
+                }
+                let mut plugged = node.plugged.lock().unwrap();
+                let present = plugged.get(&v.attachment_id).cloned();
+                match (v.state, present) {
+                    ("ATTACHED", None) => {
+                        n += 1;
+                        let link = format!("ens{}", 4 + n);
+                        let peer = format!("{link}p");
+                        let ok = node
+                            .ns
+                            .ip(&[
+                                "link", "add", &link, "address", &v.mac, "type", "veth", "peer",
+                                "name", &peer,
+                            ])
+                            .and_then(|_| node.ns.ip(&["link", "set", &peer, "up", "mtu", "9000"]));
+                        if ok.is_ok() && !node.broken {
+                            let _ = node.ns.ip(&[
+                                "addr",
+                                "add",
+                                &format!("{}/{}", v.router, v.prefix),
+                                "dev",
+                                &peer,
+                            ]);
+                        }
+                        plugged.insert(v.attachment_id.clone(), link);
+                    }
+                    ("DETACHED", Some(link)) if !link.is_empty() => {
+                        let _ = node.ns.ip(&["link", "del", &link]);
+                        plugged.insert(v.attachment_id.clone(), String::new());
+                    }
+                    _ => {}
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn ip_json(ns: &Netns, args: &[&str]) -> anyhow::Result<Vec<Value>> {
+    let mut all = vec!["-j"];
+    all.extend_from_slice(args);
+    let out = ns.ip(&all)?;
+    Ok(serde_json::from_str(if out.trim().is_empty() {
+        "[]"
+    } else {
+        &out
+    })?)
+}
+
+/// The host state a refused object must leave alone.
+fn host_snapshot(ns: &Netns) -> anyhow::Result<Value> {
+    Ok(json!({
+        "addr": ip_json(ns, &["addr", "show"])?,
+        "route": ip_json(ns, &["route", "show", "table", "all"])?,
+        "rule": ip_json(ns, &["rule", "show"])?,
+    }))
+}
+
+/// Addresses of the link with `mac`.
+fn addresses_of(ns: &Netns, mac: &str) -> anyhow::Result<Vec<String>> {
+    let links = ip_json(ns, &["addr", "show"])?;
+    Ok(links
+        .iter()
+        .filter(|l| l["address"].as_str() == Some(mac))
+        .flat_map(|l| l["addr_info"].as_array().cloned().unwrap_or_default())
+        .filter(|a| a["family"] == "inet")
+        .map(|a| format!("{}/{}", a["local"].as_str().unwrap_or(""), a["prefixlen"]))
+        .collect())
+}
+
+/// `(table, gateway)` of default routes outside the main table.
+fn default_routes(ns: &Netns) -> anyhow::Result<Vec<(u64, String)>> {
+    Ok(ip_json(ns, &["route", "show", "table", "all"])?
+        .iter()
+        .filter(|r| r["dst"] == "default")
+        .filter_map(|r| {
+            Some((
+                r["table"].as_str()?.parse().ok()?,
+                r["gateway"].as_str()?.to_string(),
+            ))
+        })
+        .collect())
+}
+
+/// `(priority, from, table)` of rules in nodekeeper's range.
+fn nk_rules(ns: &Netns) -> anyhow::Result<Vec<(u64, String, String)>> {
+    Ok(ip_json(ns, &["rule", "show"])?
+        .iter()
+        .filter(|r| {
+            r["priority"]
+                .as_u64()
+                .is_some_and(|p| (20000..21000).contains(&p))
+        })
+        .map(|r| {
+            (
+                r["priority"].as_u64().unwrap_or(0),
+                r["src"].as_str().unwrap_or("").to_string(),
+                r["table"].as_str().unwrap_or("").to_string(),
+            )
+        })
+        .collect())
+}
+
+async fn status_of(api: &Api<NodeNetworkConfig>, name: &str) -> anyhow::Result<Value> {
+    let obj = api.get(name).await?;
+    Ok(serde_json::to_value(obj.status.unwrap_or_default())?)
+}
+
+async fn node_ready(
+    client: &kube::Client,
+    node: &str,
+) -> anyhow::Result<Option<(String, String, String)>> {
+    let n = Api::<Node>::all(client.clone()).get(node).await?;
+    Ok(n.status
+        .and_then(|s| s.conditions)
+        .unwrap_or_default()
+        .into_iter()
+        .find(|c| c.type_ == NODE_CONDITION_NETWORK_READY)
+        .map(|c| {
+            (
+                c.status,
+                c.reason.unwrap_or_default(),
+                c.message.unwrap_or_default(),
+            )
+        }))
+}
+
+/// Server-side applies NodeNetworkConfig `name` with `spec`, labelled `label` so that only this
+/// test's controller reconciles it (tests share the API server).
+async fn apply_nnc(
+    api: &Api<NodeNetworkConfig>,
+    label: &(String, String),
+    name: &str,
+    spec: Value,
+) -> anyhow::Result<()> {
+    let body = json!({
+        "apiVersion": "nodekeeper.dev/v1alpha1",
+        "kind": "NodeNetworkConfig",
+        "metadata": {"name": name, "labels": {label.0.clone(): label.1.clone()}},
+        "spec": spec,
+    });
+    api.patch(
+        name,
+        &PatchParams::apply("nodekeeper-e2e"),
+        &Patch::Apply(&body),
+    )
+    .await
+    .with_context(|| format!("apply nodenetworkconfig {name}"))?;
+    Ok(())
+}
+
+fn vnic(name: &str, subnet: &str) -> Value {
+    json!({"displayName": name, "subnetId": subnet})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_vnics_on_three_nodes_rolled_out_rolled_back_detached_never_doubled()
+-> anyhow::Result<()> {
+    skip_unless_root!("needs root to create network namespaces");
+    let rig = Rig::new("nnc", &[VM, VM, VM], &[false, false, true]).await?;
+    let api: Api<NodeNetworkConfig> = Api::all(rig.client.clone());
+    let name = unique_name("vnics");
+    let (mut stop, mut handle) = rig.start_controller();
+    // The check target is the pod subnet's router: it answers on the nodes whose VNIC can
+    // reach it, and not on the broken node.
+    apply_nnc(
+        &api,
+        &rig.label,
+        &name,
+        json!({
+            "nodeSelector": rig.selector(),
+            "ociVnics": {"attach": [vnic("pods-a", &rig.subnet), vnic("pods-b", &rig.subnet)]},
+            "rollout": {"maxUnavailable": 1, "failureThreshold": 1},
+            "checkTargets": ["10.0.20.1"],
+            "checkTimeoutMs": 1500,
+        }),
+    )
+    .await?;
+
+    // Restart the controller mid-rollout: once the first attach is in flight.
+    wait_for("the first AttachVnic", TIMEOUT, || async {
+        Ok((rig.attach_calls() >= 1).then_some(()))
+    })
+    .await?;
+    stop.cancel();
+    handle.await?;
+    (stop, handle) = rig.start_controller();
+
+    let status = wait_for(
+        "two nodes applied and the broken one failing",
+        TIMEOUT,
+        || async {
+            let s = status_of(&api, &name).await?;
+            Ok((s["applied"] == 2 && s["failing"] == 1).then_some(s))
+        },
+    )
+    .await?;
+    assert_eq!(status["matched"], 3, "{status:#}");
+    assert_eq!(status["attached"], 3, "{status:#}");
+    let failing = &status["failingNodes"][0];
+    assert_eq!(failing["node"], rig.nodes[2].name.as_str(), "{status:#}");
+    assert_eq!(failing["rolledBack"], true, "{status:#}");
+    assert!(
+        failing["error"]
+            .as_str()
+            .unwrap_or("")
+            .contains("10.0.20.1"),
+        "{status:#}"
+    );
+    let progressing = status["conditions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["type"] == "Progressing")
+        .cloned()
+        .unwrap();
+    assert_eq!(progressing["reason"], REASON_PAUSED, "{status:#}");
+    assert!(
+        progressing["message"]
+            .as_str()
+            .unwrap()
+            .contains(&rig.nodes[2].name),
+        "{status:#}"
+    );
+
+    // Never doubled, restart included: 2 VNICs × 3 nodes.
+    assert_eq!(rig.attach_calls(), 6);
+    for n in &rig.nodes {
+        assert_eq!(
+            rig.endpoint.live_attachment_count(&n.instance),
+            3,
+            "{}",
+            n.name
+        );
+    }
+
+    // The host side, read back with `ip -j`.
+    for n in &rig.nodes[..2] {
+        let vnics: Vec<_> = rig
+            .endpoint
+            .guest_vnics(&n.instance)
+            .into_iter()
+            .filter(|v| !v.primary)
+            .collect();
+        assert_eq!(vnics.len(), 2);
+        let routes = default_routes(&n.ns)?;
+        let rules = nk_rules(&n.ns)?;
+        for (i, v) in vnics.iter().enumerate() {
+            let table = 101 + i as u64;
+            assert_eq!(
+                addresses_of(&n.ns, &v.mac)?,
+                [format!("{}/24", v.private_ip)],
+                "{}",
+                n.name
+            );
+            assert!(
+                routes.contains(&(table, v.router.to_string())),
+                "{}: {routes:?}",
+                n.name
+            );
+            assert!(
+                rules.iter().any(
+                    |(_, from, t)| from == &v.private_ip.to_string() && t == &table.to_string()
+                ),
+                "{}: {rules:?}",
+                n.name
+            );
+        }
+        let ready = node_ready(&rig.client, &n.name)
+            .await?
+            .context("NodeNetworkReady")?;
+        assert_eq!(
+            (ready.0.as_str(), ready.1.as_str()),
+            ("True", "NetworkConverged"),
+            "{ready:?}"
+        );
+    }
+    // The broken node: rolled back, nothing of nodekeeper's left, reported on the Node.
+    let broken = &rig.nodes[2];
+    assert!(
+        nk_rules(&broken.ns)?.is_empty(),
+        "{:?}",
+        nk_rules(&broken.ns)?
+    );
+    assert!(
+        default_routes(&broken.ns)?.is_empty(),
+        "{:?}",
+        default_routes(&broken.ns)?
+    );
+    let ready = node_ready(&rig.client, &broken.name)
+        .await?
+        .context("NodeNetworkReady")?;
+    assert_eq!(
+        (ready.0.as_str(), ready.1.as_str()),
+        ("False", "NetworkApplyFailed"),
+        "{ready:?}"
+    );
+
+    // Remove one VNIC: its host side goes, then it is detached.
+    apply_nnc(
+        &api,
+        &rig.label,
+        &name,
+        json!({
+            "nodeSelector": rig.selector(),
+            "ociVnics": {"attach": [vnic("pods-a", &rig.subnet)]},
+            "rollout": {"maxUnavailable": 1, "failureThreshold": 1},
+            "checkTargets": ["10.0.20.1"],
+            "checkTimeoutMs": 1500,
+        }),
+    )
+    .await?;
+    let n0 = &rig.nodes[0];
+    let b = rig
+        .endpoint
+        .guest_vnics(&n0.instance)
+        .into_iter()
+        .find(|v| v.display_name.as_deref() == Some("pods-b"))
+        .context("pods-b")?;
+    wait_for("pods-b detached from the first node", TIMEOUT, || async {
+        let now = rig
+            .endpoint
+            .guest_vnics(&n0.instance)
+            .into_iter()
+            .find(|v| v.attachment_id == b.attachment_id);
+        Ok(now.filter(|v| v.state == "DETACHED").map(|_| ()))
+    })
+    .await?;
+    wait_for("the first node applied again", TIMEOUT, || async {
+        let s = status_of(&api, &name).await?;
+        Ok((s["applied"].as_u64() >= Some(1)).then_some(()))
+    })
+    .await?;
+    let rules = nk_rules(&n0.ns)?;
+    assert!(
+        !rules
+            .iter()
+            .any(|(_, from, _)| from == &b.private_ip.to_string()),
+        "pods-b's rule is left: {rules:?}"
+    );
+    assert!(
+        !default_routes(&n0.ns)?.iter().any(|(t, _)| *t == 102),
+        "{:?}",
+        default_routes(&n0.ns)?
+    );
+    let a = rig
+        .endpoint
+        .guest_vnics(&n0.instance)
+        .into_iter()
+        .find(|v| v.display_name.as_deref() == Some("pods-a"))
+        .context("pods-a")?;
+    assert_eq!(
+        addresses_of(&n0.ns, &a.mac)?,
+        [format!("{}/24", a.private_ip)]
+    );
+    assert_eq!(rig.attach_calls(), 6, "removing a VNIC attaches nothing");
+
+    // Deleting the object detaches what it attached, and only that.
+    api.delete(&name, &DeleteParams::default()).await?;
+    wait_for("the object gone after its cleanup", TIMEOUT, || async {
+        Ok(api.get_opt(&name).await?.is_none().then_some(()))
+    })
+    .await?;
+    for n in &rig.nodes {
+        let live: Vec<_> = rig
+            .endpoint
+            .guest_vnics(&n.instance)
+            .into_iter()
+            .filter(|v| !matches!(v.state, "DETACHED" | "DETACHING"))
+            .collect();
+        ensure!(live.len() == 1 && live[0].primary, "{}: {live:?}", n.name);
+    }
+    stop.cancel();
+    handle.await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn refused_input_is_named_and_changes_nothing_on_the_host() -> anyhow::Result<()> {
+    skip_unless_root!("needs root to create network namespaces");
+    let rig = Rig::new("nncbad", &[VM, BM], &[false, false]).await?;
+    let api: Api<NodeNetworkConfig> = Api::all(rig.client.clone());
+
+    // A subnet OCID of the wrong form: the API server refuses it, naming the field.
+    let name = unique_name("badsubnet");
+    let e = apply_nnc(
+        &api,
+        &rig.label,
+        &name,
+        json!({
+            "nodeSelector": rig.selector(),
+            "ociVnics": {"attach": [vnic("x", "ocid1.vcn.oc1.phx.aaaa")]},
+        }),
+    )
+    .await
+    .unwrap_err();
+    let text = format!("{e:#}");
+    assert!(
+        text.contains("subnetId") && text.contains("subnet OCID"),
+        "{text}"
+    );
+
+    let before: Vec<Value> = rig
+        .nodes
+        .iter()
+        .map(|n| host_snapshot(&n.ns))
+        .collect::<anyhow::Result<_>>()?;
+    // nicIndex on the VM node: refused per node, naming the field. On the bare-metal node the
+    // attach goes to OCI, which answers 404: refused, naming OCI's code.
+    rig.endpoint.inject(Fault {
+        status: 404,
+        code: "NotAuthorizedOrNotFound".into(),
+        message: "Authorization failed or requested resource not found.".into(),
+        count: 1,
+        method: Some(Method::POST),
+    });
+    let (stop, handle) = rig.start_controller();
+    let name = unique_name("nicindex");
+    let mut one = vnic("x", &rig.subnet);
+    one["nicIndex"] = json!(1);
+    apply_nnc(
+        &api,
+        &rig.label,
+        &name,
+        json!({
+            "nodeSelector": rig.selector(),
+            "ociVnics": {"attach": [one]},
+            "rollout": {"maxUnavailable": 2, "failureThreshold": 5},
+        }),
+    )
+    .await?;
+    let status = wait_for("both nodes failing", TIMEOUT, || async {
+        let s = status_of(&api, &name).await?;
+        Ok((s["failing"] == 2).then_some(s))
+    })
+    .await?;
+    let errors: BTreeMap<String, String> = status["failingNodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| {
+            (
+                f["node"].as_str().unwrap().to_string(),
+                f["error"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    let vm_error = &errors[&rig.nodes[0].name];
+    assert!(
+        vm_error.starts_with("spec.ociVnics.attach[0].nicIndex:"),
+        "{vm_error}"
+    );
+    assert!(vm_error.contains("remove nicIndex"), "{vm_error}");
+    let bm_error = &errors[&rig.nodes[1].name];
+    assert!(
+        bm_error.contains("NotAuthorizedOrNotFound") && bm_error.contains("404"),
+        "{bm_error}"
+    );
+    for n in &rig.nodes {
+        let ready = node_ready(&rig.client, &n.name)
+            .await?
+            .context("NodeNetworkReady")?;
+        assert_eq!(
+            (ready.0.as_str(), ready.1.as_str()),
+            ("False", "VnicAttachFailed"),
+            "{ready:?}"
+        );
+    }
+    // Nothing attached, nothing on the hosts changed.
+    assert_eq!(rig.attach_calls(), 0);
+    for (n, b) in rig.nodes.iter().zip(&before) {
+        if host_snapshot(&n.ns)? != *b {
+            bail!("{}: the host changed", n.name);
+        }
+    }
+    api.delete(&name, &DeleteParams::default()).await?;
+    wait_for("the refused object deleted", TIMEOUT, || async {
+        Ok(api.get_opt(&name).await?.is_none().then_some(()))
+    })
+    .await?;
+    stop.cancel();
+    handle.await?;
+    Ok(())
+}
+
+/// This process's CPU time (user + system), from `/proc/self/stat`.
+fn process_cpu_seconds() -> anyhow::Result<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat")?;
+    let after = stat.rsplit_once(')').context("parse /proc/self/stat")?.1;
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    let ticks: f64 = fields[11].parse::<f64>()? + fields[12].parse::<f64>()?;
+    Ok(ticks / 100.0)
+}
+
+/// The apiserver's write counters that only this controller moves: server-side applies of
+/// `nodes/status` and `nodenetworkconfigs/status`, and patches of `nodenetworkconfigs` (the
+/// finalizer). kwok's heartbeats are not applies, and the benchmark's own writes happen
+/// before the first reading or are subtracted.
+async fn controller_writes(client: &kube::Client) -> anyhow::Result<f64> {
+    let text = client
+        .request_text(http::Request::get("/metrics").body(Vec::new())?)
+        .await?;
+    let mut total = 0.0;
+    for line in text
+        .lines()
+        .filter(|l| l.starts_with("apiserver_request_total{"))
+    {
+        let has = |k: &str, v: &str| line.contains(&format!("{k}=\"{v}\""));
+        let ours = (has("verb", "APPLY")
+            && has("subresource", "status")
+            && (has("resource", "nodes") || has("resource", "nodenetworkconfigs")))
+            || (has("verb", "PATCH") && has("resource", "nodenetworkconfigs"));
+        if ours {
+            total += line
+                .rsplit_once(' ')
+                .and_then(|(_, v)| v.parse::<f64>().ok())
+                .unwrap_or(0.0);
+        }
+    }
+    Ok(total)
+}
+
+/// `cargo xtask bench vnic` runs this with `NODEKEEPER_BENCH_VNIC_NODES` (default 100) and
+/// reads the figures from the JSON file `NODEKEEPER_BENCH_OUT` names: N kwok nodes, one VNIC
+/// each, `maxUnavailable: 10%`, the local endpoint with a 1 s attach, simulated agents.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "benchmark: cargo xtask bench vnic"]
+async fn bench_vnic() -> anyhow::Result<()> {
+    let n: usize = std::env::var("NODEKEEPER_BENCH_VNIC_NODES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(100);
+    let attach_delay = Duration::from_secs(1);
+    let poll = Duration::from_millis(250);
+    let cp = ControlPlane::shared();
+    let client = cp.client().await?;
+    install_crds(&client).await?;
+    let endpoint = Arc::new(
+        OciEndpoint::start(EndpointConfig {
+            attach_delay,
+            ..Default::default()
+        })
+        .await?,
+    );
+    let key = PrivateKey::from_pem(&test_key_pem()?)?;
+    let auth = ApiKeyProvider::new("ocid1.tenancy.oc1..t", "ocid1.user.oc1..u", key.clone());
+    endpoint.register_key(&auth.credentials().await?.key_id, &key.public_key_pem()?)?;
+    let compute = ComputeClient::new(ComputeConfig::new(endpoint.url()), Arc::new(auth))?;
+    let primary = endpoint.add_subnet("10.0.0.0/16")?;
+    let pods = endpoint.add_subnet("10.1.0.0/16")?;
+    let label = (
+        "nodekeeper.dev/bench-vnic".to_string(),
+        unique_name("bench"),
+    );
+    let names =
+        create_simulated_nodes(&client, "bvnic", n, &BTreeMap::from([label.clone()]), &[]).await?;
+    let node_api: Api<Node> = Api::all(client.clone());
+    let mut instances = BTreeMap::new();
+    for name in &names {
+        let instance = endpoint.add_instance(&InstanceSpec {
+            display_name: name.clone(),
+            shape: VM.into(),
+            compartment_id: COMPARTMENT.into(),
+            availability_domain: AD.into(),
+            subnet_id: primary.clone(),
+        })?;
+        let node = node_api
+            .patch(
+                name,
+                &PatchParams::default(),
+                &Patch::Merge(json!({
+                    "metadata": {"labels": {"node.kubernetes.io/instance-type": VM}},
+                    "spec": {"providerID": format!("oci://{instance}")},
+                })),
+            )
+            .await?;
+        let ip: IpAddr = node
+            .status
+            .and_then(|s| s.addresses)
+            .unwrap_or_default()
+            .iter()
+            .find(|a| a.type_ == "InternalIP")
+            .context("InternalIP")?
+            .address
+            .parse()?;
+        instances.insert(ip, instance);
+    }
+    let agents: Arc<dyn Agents> = Arc::new(TestAgents::Simulated {
+        endpoint: Arc::clone(&endpoint),
+        instances,
+    });
+    let ctx = Arc::new(
+        Context::with(
+            client.clone(),
+            agents,
+            9443,
+            CloudAccess::On(Arc::new(
+                Cloud::new(compute, Some(COMPARTMENT.into()), CloudMetrics::default())
+                    .with_attach_latency(attach_delay),
+            )),
+            CloudMetrics::default(),
+            Settings {
+                node_concurrency: 64,
+                object_concurrency: 2,
+                poll,
+                resync: Duration::from_secs(5),
+                attach_timeout: Duration::from_secs(120),
+                apply_timeout: Duration::from_secs(30),
+            },
+        )
+        .watching(&format!("{}={}", label.0, label.1)),
+    );
+    let stop = CancellationToken::new();
+    let handle = tokio::spawn(controllers::start(
+        ctx,
+        ReconcileMetrics::default(),
+        stop.clone(),
+    ));
+    let api: Api<NodeNetworkConfig> = Api::all(client.clone());
+    let name = unique_name("bench-vnic");
+    let writes_before = controller_writes(&client).await?;
+    let cpu_before = process_cpu_seconds()?;
+    let requests_before = endpoint.requests().len();
+    let started = std::time::Instant::now();
+    apply_nnc(
+        &api,
+        &label,
+        &name,
+        json!({
+            "nodeSelector": {"matchLabels": {label.0.clone(): label.1.clone()}},
+            "ociVnics": {"attach": [vnic("pods", &pods)]},
+            "rollout": {"maxUnavailable": "10%", "failureThreshold": "5%"},
+        }),
+    )
+    .await?;
+    let timeout = Duration::from_secs(60 + 2 * n as u64);
+    wait_for("every node applied", timeout, || async {
+        let s = status_of(&api, &name).await?;
+        Ok((s["applied"].as_u64() == Some(n as u64)).then_some(()))
+    })
+    .await?;
+    let seconds = started.elapsed().as_secs_f64();
+    // Let the last status write land before counting.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let cpu = process_cpu_seconds()? - cpu_before;
+    let writes = controller_writes(&client).await? - writes_before;
+    let requests = endpoint.requests();
+    let calls = &requests[requests_before..];
+    let mut by_op: BTreeMap<String, usize> = BTreeMap::new();
+    for r in calls {
+        let op = match (
+            r.method.as_str(),
+            r.path.split('/').filter(|s| !s.is_empty()).count(),
+        ) {
+            ("POST", _) => "AttachVnic",
+            ("GET", 1) if r.path.starts_with("/vnicAttachments") => "ListVnicAttachments",
+            ("GET", _) if r.path.starts_with("/vnicAttachments") => "GetVnicAttachment",
+            ("GET", _) if r.path.starts_with("/vnics") => "GetVnic",
+            ("GET", _) => "GetInstance",
+            ("DELETE", _) => "DetachVnic",
+            _ => "other",
+        };
+        *by_op.entry(op.to_string()).or_default() += 1;
+    }
+    let batches = (n as f64 / (n as f64 * 0.1).floor().max(1.0)).ceil();
+    let figures = json!({
+        "nodes": n,
+        "seconds": seconds,
+        "batches": batches,
+        "attach_delay_s": attach_delay.as_secs_f64(),
+        "poll_s": poll.as_secs_f64(),
+        "lower_bound_s": batches * attach_delay.as_secs_f64(),
+        "cloud_calls_per_node": calls.len() as f64 / n as f64,
+        "cloud_calls_by_operation": by_op,
+        "attach_calls": by_op.get("AttachVnic").copied().unwrap_or(0),
+        "api_writes_per_node": writes / n as f64,
+        "api_writes": writes,
+        "process_cpu_s": cpu,
+    });
+    if let Ok(path) = std::env::var("NODEKEEPER_BENCH_OUT") {
+        std::fs::write(path, figures.to_string())?;
+    }
+    // The object stays (with its VNICs): the control plane is the benchmark's own.
+    stop.cancel();
+    handle.await?;
+    Ok(())
+}

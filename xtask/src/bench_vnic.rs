@@ -1,0 +1,106 @@
+//! `cargo xtask bench vnic`: one NodeNetworkConfig attaching one VNIC to each of N kwok nodes
+//! with `maxUnavailable: 10%`, against the local OCI endpoint (signatures checked, 1 s attach)
+//! and simulated agents. Starts a private control plane, runs the `bench_vnic` test of
+//! `nodekeeper-e2e` (the controller must run in a binary that has the generated gRPC code, which
+//! xtask must build without) and writes its section (`## vnic`) in BENCHMARKS.md: time to all
+//! applied against the bound set by the attach latency × batches, cloud calls per node, API
+//! writes per node, CPU.
+
+use anyhow::{Context as _, bail};
+use nodekeeper_e2e::{KUBECONFIG_ENV, Lifetime, Options, controlplane};
+use serde_json::Value;
+
+/// `cargo xtask bench vnic` arguments.
+#[derive(clap::Args, Debug, Clone)]
+pub struct VnicArgs {
+    /// Simulated nodes, one VNIC each.
+    #[arg(long, default_value_t = 100)]
+    pub nodes: usize,
+    /// Do not write BENCHMARKS.md.
+    #[arg(long)]
+    pub no_write: bool,
+}
+
+/// The issue's targets when nothing fails.
+const TARGET_CLOUD_CALLS: f64 = 3.0;
+const TARGET_API_WRITES: f64 = 2.0;
+
+pub fn run(args: VnicArgs) -> anyhow::Result<()> {
+    let root = crate::codegen::repo_root();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let name = format!("bench-vnic-{}", std::process::id());
+    let options = Options::new(name.clone(), Lifetime::WithThisProcess);
+    let mut cluster = runtime
+        .block_on(controlplane::up(&options, &mut |line| {
+            eprintln!("xtask: {line}")
+        }))
+        .context("start the benchmark's control plane")?;
+    let out = tempfile::NamedTempFile::new()?;
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+    let status = crate::cargo::command(&cargo)
+        .args([
+            "test",
+            "-p",
+            "nodekeeper-e2e",
+            "--test",
+            "node_network_config",
+            "--",
+            "--ignored",
+            "--exact",
+            "bench_vnic",
+            "--nocapture",
+        ])
+        .env(KUBECONFIG_ENV, &cluster.kubeconfig)
+        .env("NODEKEEPER_BENCH_VNIC_NODES", args.nodes.to_string())
+        .env("NODEKEEPER_BENCH_OUT", out.path())
+        .status()
+        .context("run the bench_vnic test")?;
+    cluster.stop();
+    let _ = controlplane::down(&name, true);
+    if !status.success() {
+        bail!("bench_vnic failed; see its output above");
+    }
+    let figures: Value = serde_json::from_str(&std::fs::read_to_string(out.path())?)
+        .context("read the benchmark's figures")?;
+    let section = report(&figures);
+    println!("{section}");
+    if !args.no_write {
+        crate::benchmarks::write_section(&root, "vnic", &section)?;
+    }
+    Ok(())
+}
+
+fn report(f: &Value) -> String {
+    let num = |k: &str| f[k].as_f64().unwrap_or(f64::NAN);
+    let n = num("nodes");
+    let calls = num("cloud_calls_per_node");
+    let writes = num("api_writes_per_node");
+    let verdict = |ok: bool| if ok { "meets" } else { "misses" };
+    format!(
+        "## vnic\n\n\
+         `cargo xtask bench vnic --nodes {n}`: one NodeNetworkConfig, one VNIC on each of {n} kwok \
+         nodes, `maxUnavailable: 10%` ({batches} batches), the local OCI endpoint (every request \
+         signature-checked, ATTACHING → ATTACHED after {delay} s), simulated agents (a VNIC is on \
+         the host once ATTACHED), the reconciler polling every {poll} s with its first look at a new attachment after \
+         `--nnc-attach-latency {delay}s` (then adapting). Debug build, 2-core shared machine.\n\n\
+         | figure | value | target |\n|---|---|---|\n\
+         | time to all applied | {secs:.1} s | bound by attach latency × batches = {bound:.0} s |\n\
+         | cloud calls per node | {calls:.2} ({ops}) | ≤ {TARGET_CLOUD_CALLS} ({cv}) |\n\
+         | AttachVnic calls | {attach} for {n} nodes | one per node, never doubled |\n\
+         | API writes per node | {writes:.2} ({total} in all: node conditions, status, finalizer) | ≤ {TARGET_API_WRITES} ({wv}) |\n\
+         | CPU of the benchmark process | {cpu:.1} s | (controller, endpoint and simulated agents together) |\n",
+        batches = num("batches"),
+        delay = num("attach_delay_s"),
+        poll = num("poll_s"),
+        secs = num("seconds"),
+        bound = num("lower_bound_s"),
+        ops = f["cloud_calls_by_operation"],
+        cv = verdict(calls <= TARGET_CLOUD_CALLS),
+        attach = f["attach_calls"],
+        total = num("api_writes"),
+        wv = verdict(writes <= TARGET_API_WRITES),
+        cpu = num("process_cpu_s"),
+    )
+}
