@@ -13,6 +13,8 @@ mod codegen;
 mod demo;
 mod deps;
 mod fleet_rig;
+mod helm;
+mod image;
 mod layering;
 mod test;
 mod vm;
@@ -43,6 +45,12 @@ enum Command {
     /// Run nodekeeper end to end on this machine: a local control plane with simulated nodes, a
     /// real agent per node, the controller, the fleet summary and a NetworkTest.
     Demo(demo::DemoArgs),
+    /// Build reproducible OCI image archives of the agent and the controller (static musl
+    /// binaries on an empty base, from deploy/images/*.Containerfile), without a container daemon.
+    Image(image::ImageArgs),
+    /// Run the pinned Helm (built from xtask/tools/helm into ~/.cache/nodekeeper), e.g.
+    /// `cargo xtask helm -- template nodekeeper deploy/helm/nodekeeper -n nodekeeper`.
+    Helm(helm::HelmArgs),
 }
 
 #[derive(Subcommand)]
@@ -67,6 +75,8 @@ fn main() -> anyhow::Result<()> {
         Command::Vm(args) => vm::run(args),
         Command::Test(args) => test::run(args),
         Command::Demo(args) => demo::run(args),
+        Command::Image(args) => image::run(args),
+        Command::Helm(args) => helm::run(args),
         Command::Bench(Bench::Agent(args)) => bench_agent::run(args),
         Command::Bench(Bench::Fleet(args)) => bench_fleet::run(args),
         Command::Bench(Bench::Networktest(args)) => bench_networktest::run(args),
