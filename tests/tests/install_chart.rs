@@ -494,3 +494,82 @@ fn oke_addon_arguments_map_onto_the_chart_and_the_tuning_configmap() {
     let message = refused(&["-f", file.path().to_str().unwrap()]);
     assert!(message.contains("replicas"), "{message}");
 }
+
+/// The chart's alerts pass `promtool check rules`, and `promtool test rules` fires each on the
+/// series that should fire it (deploy/monitoring/rules-test.yaml); the monitoring objects render
+/// and carry those rules and a dashboard whose every panel has a query.
+#[test]
+fn monitoring_rules_pass_promtool_and_render() {
+    let Some(promtool) = std::env::var_os("PATH").and_then(|path| {
+        std::env::split_paths(&path)
+            .map(|d| d.join("promtool"))
+            .find(|p| p.is_file())
+    }) else {
+        println!(
+            "SKIPPED: monitoring_rules_pass_promtool_and_render: promtool not on PATH (Debian's `prometheus` package; `cargo xtask test` installs it as root)"
+        );
+        return;
+    };
+    let rules = chart_dir().join("files/prometheus-rules.yaml");
+    let out = run(&promtool, &["check", "rules", rules.to_str().unwrap()])
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(out.contains("SUCCESS"), "{out}");
+    let tests = repo().join("deploy/monitoring/rules-test.yaml");
+    let out = run(&promtool, &["test", "rules", tests.to_str().unwrap()])
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(out.contains("SUCCESS"), "{out}");
+    // Every alert of the rules file has a firing case in the test file.
+    let text = std::fs::read_to_string(&rules).unwrap();
+    let tested = std::fs::read_to_string(&tests).unwrap();
+    let alerts: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("- alert: "))
+        .collect();
+    assert!(alerts.len() >= 5, "{alerts:?}");
+    let tested: Value = serde_yaml::from_str(&tested).unwrap();
+    let firing: Vec<&str> = tested["tests"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|t| t["alert_rule_test"].as_array().unwrap())
+        .filter(|c| c["exp_alerts"].as_array().is_some_and(|a| !a.is_empty()))
+        .map(|c| c["alertname"].as_str().unwrap())
+        .collect();
+    for alert in &alerts {
+        assert!(
+            firing.contains(alert),
+            "{alert} has no firing case in deploy/monitoring/rules-test.yaml"
+        );
+    }
+
+    let objects = helm_template(
+        "nodekeeper",
+        &[
+            "--set",
+            "monitoring.podMonitor.enabled=true,monitoring.prometheusRule.enabled=true,monitoring.dashboard.enabled=true",
+        ],
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let rule = find(&objects, "PrometheusRule");
+    let rendered: Vec<&str> = rule["spec"]["groups"][0]["rules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["alert"].as_str().unwrap())
+        .collect();
+    assert_eq!(rendered, alerts);
+    let monitor = find(&objects, "PodMonitor");
+    assert_eq!(monitor["spec"]["podMetricsEndpoints"][0]["port"], "http");
+    let dashboard = objects
+        .iter()
+        .find(|o| o["metadata"]["name"] == "nodekeeper-dashboard")
+        .expect("the dashboard ConfigMap");
+    let json: Value =
+        serde_json::from_str(dashboard["data"]["nodekeeper-fleet.json"].as_str().unwrap()).unwrap();
+    let panels = json["panels"].as_array().unwrap();
+    assert!(panels.len() >= 8);
+    for panel in panels {
+        let expr = panel["targets"][0]["expr"].as_str().unwrap_or_default();
+        assert!(expr.contains("nodekeeper_"), "{}: {expr}", panel["title"]);
+    }
+}
