@@ -40,8 +40,14 @@ pub struct ImageArgs {
     /// Use this directory's `nodekeeper-agent` / `nodekeeper-controller` instead of building.
     #[arg(long, env = "NODEKEEPER_IMAGE_BINARIES")]
     binaries: Option<PathBuf>,
+    /// Then load each archive into podman and run it: `--version` for both, and the agent
+    /// serving on 127.0.0.1 with host networking until its port accepts a connection.
+    #[arg(long, env = "NODEKEEPER_IMAGE_SMOKE")]
+    smoke: bool,
 }
 
+// The archives' paths and digests are this command's output.
+#[allow(clippy::print_stdout)]
 pub fn run(args: ImageArgs) -> anyhow::Result<()> {
     let root = crate::codegen::repo_root();
     let components: Vec<String> = if args.components.is_empty() {
@@ -84,7 +90,102 @@ pub fn run(args: ImageArgs) -> anyhow::Result<()> {
             image.layer_bytes as f64 / 1048576.0,
             image.unpacked_bytes as f64 / 1048576.0,
         );
+        if args.smoke {
+            smoke(component, &path, &format!("{name}:{}", args.tag))?;
+        }
     }
+    Ok(())
+}
+
+/// Runs `podman args…`, failing with its output.
+fn podman(args: &[&str]) -> anyhow::Result<String> {
+    let out = std::process::Command::new("podman")
+        .args(args)
+        .output()
+        .context("run podman (Debian's `podman` package)")?;
+    if !out.status.success() {
+        bail!(
+            "podman {} failed ({}): {}{}",
+            args.join(" "),
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Loads `archive` into podman and runs it (see `--smoke`).
+#[allow(clippy::print_stdout)]
+fn smoke(component: &str, archive: &Path, reference: &str) -> anyhow::Result<()> {
+    let loaded = podman(&["load", "-q", "-i", &archive.to_string_lossy()])?;
+    let image = format!("localhost/{reference}");
+    let version = podman(&["run", "--rm", "--network=host", &image, "--version"])?;
+    println!("  podman: {} → {}", loaded.trim(), version.trim());
+    if component != "agent" {
+        return Ok(());
+    }
+    // The agent for real: mutual TLS with a throwaway CA, host network, read-only root, only
+    // the DaemonSet's capabilities, serving until its port accepts (the kubelet's liveness check).
+    let dir = tempfile::tempdir()?;
+    let key = rcgen::KeyPair::generate()?;
+    let mut params = rcgen::CertificateParams::new(vec!["agent.nodekeeper.internal".to_owned()])?;
+    params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    let cert = params.self_signed(&key)?;
+    std::fs::write(dir.path().join("tls.crt"), cert.pem())?;
+    std::fs::write(dir.path().join("ca.crt"), cert.pem())?;
+    std::fs::write(dir.path().join("tls.key"), key.serialize_pem())?;
+    std::fs::create_dir(dir.path().join("state"))?;
+    let port = nodekeeper_testkit::free_port();
+    let name = format!("nodekeeper-smoke-{}", std::process::id());
+    let mount = format!("{}:/etc/nodekeeper/tls:ro", dir.path().display());
+    let state = format!("{}:/var/lib/nodekeeper", dir.path().join("state").display());
+    let listen = format!("NODEKEEPER_LISTEN=127.0.0.1:{port}");
+    podman(&[
+        "run",
+        "-d",
+        "--name",
+        &name,
+        "--network=host",
+        "--read-only",
+        "--cap-drop=ALL",
+        "--cap-add=NET_ADMIN,NET_RAW",
+        "-v",
+        &mount,
+        "-v",
+        &state,
+        "-e",
+        "NODEKEEPER_NODE_NAME=smoke",
+        "-e",
+        &listen,
+        "-e",
+        "NODEKEEPER_TLS_CERT=/etc/nodekeeper/tls/tls.crt",
+        "-e",
+        "NODEKEEPER_TLS_KEY=/etc/nodekeeper/tls/tls.key",
+        "-e",
+        "NODEKEEPER_CLIENT_CA=/etc/nodekeeper/tls/ca.crt",
+        "-e",
+        "NODEKEEPER_STATE_DIR=/var/lib/nodekeeper",
+        "-e",
+        "NODEKEEPER_KERNEL_MONITOR=false",
+        &image,
+    ])?;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let result = loop {
+        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            break Ok(());
+        }
+        if std::time::Instant::now() > deadline {
+            let logs = podman(&["logs", &name]).unwrap_or_default();
+            break Err(anyhow::anyhow!(
+                "the agent container never listened on 127.0.0.1:{port}; its log:\n{logs}"
+            ));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    };
+    let _ = podman(&["rm", "-f", &name]);
+    result?;
+    println!("  podman: the agent served mutual TLS on 127.0.0.1:{port} with host networking");
     Ok(())
 }
 
@@ -288,9 +389,12 @@ pub fn build(containerfile: &Path, context: &Context, reference: &str) -> anyhow
     pack(&files, &config, reference)
 }
 
+/// Tar entries by path: (mode, uid, gid, content; `None` for a directory).
+type Entries<'a> = BTreeMap<String, (u32, u64, u64, Option<&'a [u8]>)>;
+
 /// A tar of `entries` (path → (mode, uid, gid, content; `None` for a directory)) in path
 /// order, with every varying header field fixed.
-fn tar(entries: &BTreeMap<String, (u32, u64, u64, Option<&[u8]>)>) -> anyhow::Result<Vec<u8>> {
+fn tar(entries: &Entries<'_>) -> anyhow::Result<Vec<u8>> {
     let mut builder = tar::Builder::new(Vec::new());
     for (path, (mode, uid, gid, bytes)) in entries {
         let mut header = tar::Header::new_ustar();
@@ -320,7 +424,7 @@ fn sha256(bytes: &[u8]) -> String {
 
 fn pack(files: &BTreeMap<String, File>, config: &Config, reference: &str) -> anyhow::Result<Image> {
     // The layer: every parent directory (root-owned, 0755), then the files, sorted by path.
-    let mut entries: BTreeMap<String, (u32, u64, u64, Option<&[u8]>)> = BTreeMap::new();
+    let mut entries: Entries<'_> = BTreeMap::new();
     for (path, file) in files {
         let mut parent = Path::new(path).parent();
         while let Some(dir) = parent.filter(|d| !d.as_os_str().is_empty()) {
@@ -386,7 +490,7 @@ fn pack(files: &BTreeMap<String, File>, config: &Config, reference: &str) -> any
     let layout = br#"{"imageLayoutVersion":"1.0.0"}"#;
 
     let blob = |bytes: &[u8]| format!("blobs/sha256/{}", &sha256(bytes)["sha256:".len()..]);
-    let mut archive: BTreeMap<String, (u32, u64, u64, Option<&[u8]>)> = BTreeMap::new();
+    let mut archive: Entries<'_> = BTreeMap::new();
     archive.insert("blobs".into(), (0o755, 0, 0, None));
     archive.insert("blobs/sha256".into(), (0o755, 0, 0, None));
     for bytes in [&layer_gz[..], &image_config[..], &manifest[..]] {
