@@ -42,6 +42,7 @@
 //! (needs Go; about 20 minutes on 2 cores); later uses start in seconds.
 
 pub mod controlplane;
+pub mod gotool;
 mod harness;
 pub mod oci_endpoint;
 pub mod rig;

@@ -41,6 +41,11 @@ pub const TEST: &[Requirement] = &[
         package: Some("busybox-static"),
         why: "the init of the VLAN test VM",
     },
+    Requirement {
+        command: "promtool",
+        package: Some("prometheus"),
+        why: "checks and unit-tests the chart's alert rules",
+    },
     // The VM's kernel comes from `apt-get download` (no install) and is unpacked with `dpkg-deb`;
     // its initramfs is packed by our own cpio writer, so neither needs a package of its own.
 ];

@@ -15,6 +15,8 @@ mod demo;
 mod deps;
 mod fleet_rig;
 mod fuzz;
+mod helm;
+mod image;
 mod layering;
 mod test;
 mod vm;
@@ -47,6 +49,12 @@ enum Command {
     Demo(demo::DemoArgs),
     /// Run the fuzz campaign (fuzz/) for longer than the test suite does, from a fresh seed.
     Fuzz(fuzz::FuzzArgs),
+    /// Build reproducible OCI image archives of the agent and the controller (static musl
+    /// binaries on an empty base, from deploy/images/*.Containerfile), without a container daemon.
+    Image(image::ImageArgs),
+    /// Run the pinned Helm (built from xtask/tools/helm into ~/.cache/nodekeeper), e.g.
+    /// `cargo xtask helm -- template nodekeeper deploy/helm/nodekeeper -n nodekeeper`.
+    Helm(helm::HelmArgs),
 }
 
 #[derive(Subcommand)]
@@ -74,6 +82,8 @@ fn main() -> anyhow::Result<()> {
         Command::Test(args) => test::run(args),
         Command::Demo(args) => demo::run(args),
         Command::Fuzz(args) => fuzz::run(args),
+        Command::Image(args) => image::run(args),
+        Command::Helm(args) => helm::run(args),
         Command::Bench(Bench::Agent(args)) => bench_agent::run(args),
         Command::Bench(Bench::Fleet(args)) => bench_fleet::run(args),
         Command::Bench(Bench::Networktest(args)) => bench_networktest::run(args),

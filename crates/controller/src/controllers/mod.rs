@@ -46,7 +46,7 @@ use kube::{Api, Resource, ResourceExt as _};
 use serde::de::DeserializeOwned;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::{Instrument as _, info};
+use tracing::{Instrument as _, info, warn};
 
 use crate::shared::Shared;
 use crate::shared::metrics::ReconcileMetrics;
@@ -121,7 +121,15 @@ pub async fn start<C: Reconciler>(
         .with_config(config)
         .graceful_shutdown_on(async move { shutdown.cancelled().await })
         .run(reconcile, C::error_policy, ctx)
-        .for_each(|_| futures::future::ready(()))
+        .for_each(|result| {
+            // Reconcile errors are logged by each error_policy; a failing watch would otherwise
+            // retry (with backoff) in silence. A 403 here carries the API server's "cannot
+            // <verb> resource <resource>", naming what the ClusterRole lacks.
+            if let Err(kube::runtime::controller::Error::QueueError(error)) = result {
+                warn!(controller = C::NAME, %error, "watch failed; retrying with backoff");
+            }
+            futures::future::ready(())
+        })
         .await;
     info!(controller = C::NAME, "controller stopped");
 }
