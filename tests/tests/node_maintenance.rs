@@ -1170,6 +1170,9 @@ async fn leader_handover_mid_drain_evicts_each_pod_once_and_forgets_no_node() ->
     let mut first = start("leader-a")?;
     let group = unique_name("handover");
     let pool = unique_name("pool");
+    // A node outside the selection and the pool: this cluster is the test's alone, and a
+    // selector picking every node of a cluster is refused.
+    create_simulated_nodes(&client, "nk-handover-other", 1, &BTreeMap::new(), &[]).await?;
     let nodes = create_simulated_nodes(
         &client,
         "nk-handover",
