@@ -41,6 +41,10 @@ pub struct DrainArgs {
     /// Do not write BENCHMARKS.md.
     #[arg(long)]
     pub no_write: bool,
+    /// A release controller binary built already (skips the build: on a shared machine a
+    /// release build takes longer than the benchmark).
+    #[arg(long, env = "NODEKEEPER_BENCH_CONTROLLER")]
+    pub controller: Option<PathBuf>,
 }
 
 const TARGET_RATIO: f64 = 1.5;
@@ -52,6 +56,17 @@ const POOL_LABEL: &str = "nodekeeper.dev/bench-pool";
 
 pub fn run(args: DrainArgs) -> anyhow::Result<()> {
     let root = crate::codegen::repo_root();
+    if let Some(controller) = args.controller.clone() {
+        anyhow::ensure!(
+            controller.is_file(),
+            "--controller {}: no such file; build it with `cargo build --release -p nodekeeper-controller`, or leave the flag out",
+            controller.display()
+        );
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()?;
+        return runtime.block_on(bench(args, root, controller));
+    }
     let [controller] = crate::cargo::build_executables(
         &root,
         &[
