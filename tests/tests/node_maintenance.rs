@@ -17,6 +17,7 @@ use controller_common::*;
 use futures::{StreamExt as _, TryStreamExt as _};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::events::v1::Event as KubeEvent;
+use k8s_openapi::jiff::Timestamp;
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::{WatchStreamExt as _, watcher};
 use kube::{Api, ResourceExt as _};
@@ -184,6 +185,60 @@ async fn cordon_by_hand(client: &kube::Client, name: &str) -> anyhow::Result<()>
         )
         .await?;
     Ok(())
+}
+
+/// Taints a node by hand, as `kubectl taint` does (another field manager).
+async fn taint_by_hand(
+    client: &kube::Client,
+    name: &str,
+    taint: serde_json::Value,
+) -> anyhow::Result<()> {
+    let mut taints = node(client, name)
+        .await?
+        .spec
+        .and_then(|s| s.taints)
+        .map(serde_json::to_value)
+        .transpose()?
+        .unwrap_or_else(|| json!([]));
+    taints.as_array_mut().context("taints")?.push(taint);
+    Api::<Node>::all(client.clone())
+        .patch(
+            name,
+            &PatchParams {
+                field_manager: Some("kubectl-taint".into()),
+                ..PatchParams::default()
+            },
+            &Patch::Merge(json!({ "spec": { "taints": taints } })),
+        )
+        .await?;
+    Ok(())
+}
+
+/// A node's nodekeeper taints (key prefix `nodekeeper.dev/`) as (key, value, effect).
+fn nodekeeper_taints(node: &Node) -> BTreeSet<(String, String, String)> {
+    node.spec
+        .as_ref()
+        .and_then(|s| s.taints.as_ref())
+        .map(|ts| {
+            ts.iter()
+                .filter(|t| t.key.starts_with("nodekeeper.dev/"))
+                .map(|t| {
+                    (
+                        t.key.clone(),
+                        t.value.clone().unwrap_or_default(),
+                        t.effect.clone(),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn taint_set(taints: &[(&str, &str, &str)]) -> BTreeSet<(String, String, String)> {
+    taints
+        .iter()
+        .map(|(k, v, e)| ((*k).to_owned(), (*v).to_owned(), (*e).to_owned()))
+        .collect()
 }
 
 async fn create(client: &kube::Client, ns: &str, value: serde_json::Value) -> anyhow::Result<()> {
@@ -385,8 +440,17 @@ async fn drain_in_order_behind_pdbs_and_restore_on_complete() -> anyhow::Result<
         &[],
     )
     .await?;
-    // Node 1 was cordoned by someone before the maintenance: it must stay cordoned after.
+    // Node 1 was cordoned by someone before the maintenance: it must stay cordoned after. It
+    // also carries a nodekeeper taint someone set by hand (same key as the maintenance taint,
+    // another effect, so the DaemonSet still runs there): it must be there after, exactly.
     cordon_by_hand(&client, &nodes[1]).await?;
+    let prior_taint = ("nodekeeper.dev/maintenance", "manual", "PreferNoSchedule");
+    taint_by_hand(
+        &client,
+        &nodes[1],
+        json!({ "key": prior_taint.0, "value": prior_taint.1, "effect": prior_taint.2 }),
+    )
+    .await?;
 
     // Workloads on node 0 (the only schedulable one of the pool yet).
     create(
@@ -473,8 +537,20 @@ async fn drain_in_order_behind_pdbs_and_restore_on_complete() -> anyhow::Result<
         condition(nm, "Ready").is_some_and(|c| c.0 == "True")
     })
     .await?;
-    for n in &nodes {
-        ensure!(unschedulable(&node(&client, n).await?), "{n} cordoned");
+    // Cordoned, and tainted: the maintenance taint beside the one set by hand.
+    let maintenance_taint = ("nodekeeper.dev/maintenance", "", "NoSchedule");
+    for (n, want) in [
+        (&nodes[0], taint_set(&[maintenance_taint])),
+        (&nodes[1], taint_set(&[maintenance_taint, prior_taint])),
+    ] {
+        let n = node(&client, n).await?;
+        ensure!(unschedulable(&n), "{} cordoned", n.name_any());
+        ensure!(
+            nodekeeper_taints(&n) == want,
+            "{}: {:?}",
+            n.name_any(),
+            nodekeeper_taints(&n)
+        );
     }
     ensure!(
         deletions.seen.lock().unwrap().is_empty(),
@@ -617,6 +693,17 @@ async fn drain_in_order_behind_pdbs_and_restore_on_complete() -> anyhow::Result<
     ensure!(
         unschedulable(&n1),
         "node 1 was cordoned before and stays so"
+    );
+    // The taints as they were before: none on node 0, exactly the hand-set one on node 1.
+    ensure!(
+        nodekeeper_taints(&n0).is_empty(),
+        "{:?}",
+        nodekeeper_taints(&n0)
+    );
+    ensure!(
+        nodekeeper_taints(&n1) == taint_set(&[prior_taint]),
+        "{:?}",
+        nodekeeper_taints(&n1)
     );
     for n in [&n0, &n1] {
         ensure!(
@@ -800,6 +887,11 @@ async fn overlapping_maintenances_and_delete_restore() -> anyhow::Result<()> {
     let n = node(&client, &nodes[0]).await?;
     ensure!(unschedulable(&n), "b still holds the node");
     ensure!(n.annotations()["nodekeeper.dev/maintenance"].contains(&b));
+    ensure!(
+        nodekeeper_taints(&n) == taint_set(&[("nodekeeper.dev/maintenance", "", "NoSchedule")]),
+        "b's hold keeps the maintenance taint: {:?}",
+        nodekeeper_taints(&n)
+    );
 
     let api: Api<NodeMaintenance> = Api::all(client.clone());
     api.delete(&b, &DeleteParams::default()).await?;
@@ -811,6 +903,11 @@ async fn overlapping_maintenances_and_delete_restore() -> anyhow::Result<()> {
     ensure!(
         !unschedulable(&n),
         "the last holder's deletion restored the node"
+    );
+    ensure!(
+        nodekeeper_taints(&n).is_empty(),
+        "and took the maintenance taint off: {:?}",
+        nodekeeper_taints(&n)
     );
     ensure!(condition_of(&n, "MaintenanceInProgress").is_none());
     let events = events_for(&client, &b).await?;
@@ -997,12 +1094,50 @@ async fn stage_back_stops_evicting_and_idle_releases() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The leader is killed in the middle of a drain: the next one continues from what is recorded
-/// on the node (same drain start, so the timeout is not reset) and finishes it.
+/// One audited request: (verb, HTTP code, when it was received).
+type Audited = (String, i64, Timestamp);
+
+/// The audited requests on `resource`/`subresource` named `name`, in order.
+fn audited(text: &str, resource: &str, subresource: &str, name: &str) -> Vec<Audited> {
+    text.lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter(|e| e["stage"] == "ResponseComplete")
+        .filter(|e| {
+            let o = &e["objectRef"];
+            o["resource"] == resource
+                && o["subresource"].as_str().unwrap_or_default() == subresource
+                && o["name"] == name
+        })
+        .map(|e| {
+            (
+                e["verb"].as_str().unwrap_or_default().to_owned(),
+                e["responseStatus"]["code"].as_i64().unwrap_or(0),
+                e["requestReceivedTimestamp"]
+                    .as_str()
+                    .and_then(|t| t.parse().ok())
+                    .unwrap_or_default(),
+            )
+        })
+        .collect()
+}
+
+/// The leader is killed in the middle of a drain, on a private control plane with audit
+/// logging: the next leader continues from what is recorded on the nodes (same drain start, so
+/// the timeout is not reset), and the audit log shows every pod evicted exactly once across the
+/// two leaders (an eviction accepted by the first is not sent again by the second) and both
+/// draining nodes written by the second leader (none forgotten).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn leader_handover_mid_drain_continues_the_same_drain() -> anyhow::Result<()> {
+async fn leader_handover_mid_drain_evicts_each_pod_once_and_forgets_no_node() -> anyhow::Result<()>
+{
     let _serial = SERIAL.lock().await;
-    let client = ControlPlane::shared().client().await?;
+    let mut options = nodekeeper_e2e::controlplane::Options::new(
+        format!("test-{}-nm-handover", std::process::id()),
+        nodekeeper_e2e::controlplane::Lifetime::WithThisProcess,
+    );
+    options.audit = true;
+    let cp = tokio::task::spawn_blocking(move || ControlPlane::start(options)).await??;
+    let audit_log = cp.audit_log().context("audit enabled")?;
+    let client = cp.client().await?;
     install_crds(&client).await?;
     let ns = test_namespace(&client, "nk-maint-leader").await?;
     put_tuning(&client, &ns, &BTreeMap::new()).await?;
@@ -1011,41 +1146,73 @@ async fn leader_handover_mid_drain_continues_the_same_drain() -> anyhow::Result<
         ("NODEKEEPER_RENEW_DEADLINE", "4s"),
         ("NODEKEEPER_RETRY_PERIOD", "1s"),
     ];
-    let mut first = ControllerProcess::start(
-        &ns,
-        "leader-a",
-        "nodekeeper.dev/no-such-label=none",
-        free_port(),
-        &timing,
-    )?;
+    // This test binary as a controller, against the private control plane.
+    let start = |identity: &str| -> anyhow::Result<ControllerProcess> {
+        let config = nodekeeper_e2e::rig::ControllerConfig {
+            kubeconfig: cp.kubeconfig().to_owned(),
+            namespace: ns.clone(),
+            identity: identity.to_owned(),
+            http: std::net::SocketAddr::from((std::net::Ipv4Addr::LOCALHOST, free_port())),
+            agent_port: free_port(),
+            node_selector: "nodekeeper.dev/no-such-label=none".into(),
+            log: Some("info,kube=warn".into()),
+            env: timing
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect(),
+            output: nodekeeper_e2e::rig::Output::Stderr,
+        };
+        ControllerProcess::spawn(
+            &nodekeeper_e2e::rig::Program::this_test_binary(HELPER, "controller")?,
+            &config,
+        )
+    };
+    let mut first = start("leader-a")?;
     let group = unique_name("handover");
     let pool = unique_name("pool");
+    // A node outside the selection and the pool: this cluster is the test's alone, and a
+    // selector picking every node of a cluster is refused.
+    create_simulated_nodes(&client, "nk-handover-other", 1, &BTreeMap::new(), &[]).await?;
     let nodes = create_simulated_nodes(
         &client,
         "nk-handover",
-        1,
+        2,
         &labels(&[(GROUP, &group), (POOL, &pool)]),
         &[],
     )
     .await?;
-    create(&client, &ns, deployment("slow", 2, &pool, json!({}))).await?;
+    // Four pods on the two nodes; their budget lets one go at a time.
+    create(&client, &ns, deployment("slow", 4, &pool, json!({}))).await?;
     create(
         &client,
         &ns,
-        pdb("slow-pdb", "slow", json!({ "minAvailable": "100%" })),
+        pdb("slow-pdb", "slow", json!({ "maxUnavailable": 1 })),
     )
     .await?;
-    wait_running(&client, &ns, 2).await?;
+    let originals: BTreeSet<String> = wait_running(&client, &ns, 4).await?.into_keys().collect();
     let deletions = watch_deletions(&client, &ns);
     let name = unique_name("handover");
     apply_nm(
         &client,
         &name,
-        json!({ "nodeSelector": { "matchLabels": { GROUP: group } }, "stage": "Drain" }),
+        json!({ "nodeSelector": { "matchLabels": { GROUP: group } }, "stage": "Drain", "maxConcurrentNodes": 2 }),
     )
     .await?;
-    wait_nm(&client, &name, "draining, blocked", |nm| {
-        nm.status.as_ref().is_some_and(|s| s.blocked == 1)
+    // The first leader evicts one pod; its replacement has nowhere to run (both nodes of the
+    // pool are cordoned), so the budget holds the rest.
+    wait_nm(&client, &name, "both draining, blocked", |nm| {
+        nm.status.as_ref().is_some_and(|s| {
+            s.blocked >= 1
+                && s.nodes
+                    .iter()
+                    .filter(|n| n.phase == NodePhase::Draining)
+                    .count()
+                    == 2
+        })
+    })
+    .await?;
+    wait_for("the first eviction", TIMEOUT, || async {
+        Ok((!deletions.seen.lock().unwrap().is_empty()).then_some(()))
     })
     .await?;
     let record = |n: &Node| {
@@ -1054,26 +1221,17 @@ async fn leader_handover_mid_drain_continues_the_same_drain() -> anyhow::Result<
             .cloned()
             .unwrap_or_default()
     };
-    let before = record(&node(&client, &nodes[0]).await?);
-    ensure!(before.contains("drainStart"), "{before}");
+    let mut before = Vec::new();
+    for n in &nodes {
+        let r = record(&node(&client, n).await?);
+        ensure!(r.contains("drainStart"), "{r}");
+        before.push(r);
+    }
 
     first.kill();
-    let _second = ControllerProcess::start(
-        &ns,
-        "leader-b",
-        "nodekeeper.dev/no-such-label=none",
-        free_port(),
-        &timing,
-    )?;
-    // The budget is relaxed only now: the new leader must pick the drain up and finish it.
-    Api::<k8s_openapi::api::policy::v1::PodDisruptionBudget>::namespaced(client.clone(), &ns)
-        .patch(
-            "slow-pdb",
-            &PatchParams::default(),
-            &Patch::Merge(json!({ "spec": { "minAvailable": null, "maxUnavailable": 1 } })),
-        )
-        .await?;
-    // Replacements need somewhere to go.
+    let handover = Timestamp::now();
+    let _second = start("leader-b")?;
+    // Room for the replacements only now: the new leader must pick the drain up and finish it.
     create_simulated_nodes(
         &client,
         "nk-handover-spare",
@@ -1082,20 +1240,60 @@ async fn leader_handover_mid_drain_continues_the_same_drain() -> anyhow::Result<
         &[],
     )
     .await?;
-    wait_nm(&client, &name, "drained after the handover", |nm| {
-        node_phase(nm, &nodes[0]) == Some(NodePhase::Drained)
+    wait_nm(&client, &name, "both drained after the handover", |nm| {
+        nodes
+            .iter()
+            .all(|n| node_phase(nm, n) == Some(NodePhase::Drained))
     })
     .await?;
-    let after: serde_json::Value = serde_json::from_str(&record(&node(&client, &nodes[0]).await?))?;
-    let before: serde_json::Value = serde_json::from_str(&before)?;
+    for (n, before) in nodes.iter().zip(&before) {
+        let after: serde_json::Value = serde_json::from_str(&record(&node(&client, n).await?))?;
+        let before: serde_json::Value = serde_json::from_str(before)?;
+        ensure!(
+            after["holders"][&name]["drainStart"] == before["holders"][&name]["drainStart"],
+            "{n}: the drain start survived the handover: {before} → {after}"
+        );
+    }
+
+    // The audit log: every original pod evicted (201) exactly once, some by each leader.
+    let text = std::fs::read_to_string(&audit_log)?;
+    let mut by_first = 0;
+    let mut by_second = 0;
+    for pod in &originals {
+        let accepted: Vec<Audited> = audited(&text, "pods", "eviction", pod)
+            .into_iter()
+            .filter(|(verb, code, _)| verb == "create" && (200..300).contains(code))
+            .collect();
+        ensure!(
+            accepted.len() == 1,
+            "pod {pod} evicted exactly once, not {}: {accepted:?}",
+            accepted.len()
+        );
+        if accepted[0].2 < handover {
+            by_first += 1;
+        } else {
+            by_second += 1;
+        }
+    }
     ensure!(
-        after["holders"][&name]["drainStart"] == before["holders"][&name]["drainStart"],
-        "the drain start survived the handover: {before} → {after}"
+        by_first >= 1 && by_second >= 1,
+        "evictions on both sides of the handover ({by_first} before, {by_second} after)"
     );
+    // No node forgotten: the second leader wrote each node's hold (Drained) itself.
+    for n in &nodes {
+        let after_handover = audited(&text, "nodes", "", n)
+            .into_iter()
+            .filter(|(verb, code, at)| verb == "patch" && *code == 200 && *at > handover)
+            .count();
+        ensure!(
+            after_handover >= 1,
+            "{n}: written by the second leader after the handover"
+        );
+    }
     let seen = deletions.seen.lock().unwrap();
     ensure!(
-        seen.values().filter(|(_, _, a)| a == "slow").count() == 2,
-        "both original pods evicted once each: {:?}",
+        seen.values().filter(|(_, _, a)| a == "slow").count() == 4,
+        "the four original pods deleted once each: {:?}",
         seen.keys()
     );
     Ok(())

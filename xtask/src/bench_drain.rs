@@ -3,8 +3,8 @@
 //! through the release controller under its own ServiceAccount on a private control plane with
 //! audit logging. Reports the time to every node Drained against the lower bound the budgets
 //! allow (replacement time × the serial steps they force), the controller's API requests per
-//! evicted pod (audit log), and its status writes per node. Writes its section (`## drain`) in
-//! BENCHMARKS.md.
+//! evicted pod (audit log), its status writes per node, and its CPU time (the machine is shared,
+//! so wall time alone says little). Writes its section (`## drain`) in BENCHMARKS.md.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -21,7 +21,9 @@ use nodekeeper_e2e::controlplane::{Lifetime, Options, nodes};
 use nodekeeper_e2e::{ControlPlane, wait_for};
 use serde_json::json;
 
-use crate::fleet_rig::{CONTROLLER_USER, NAMESPACE, audit_counts, controller_kubeconfig};
+use crate::fleet_rig::{
+    CONTROLLER_USER, NAMESPACE, audit_counts, controller_kubeconfig, proc_usage,
+};
 use nodekeeper_e2e::rig::{ControllerConfig, ControllerProcess, Output, Program};
 
 /// `cargo xtask bench drain` arguments.
@@ -39,6 +41,10 @@ pub struct DrainArgs {
     /// Do not write BENCHMARKS.md.
     #[arg(long)]
     pub no_write: bool,
+    /// A release controller binary built already (skips the build: on a shared machine a
+    /// release build takes longer than the benchmark).
+    #[arg(long, env = "NODEKEEPER_BENCH_CONTROLLER")]
+    pub controller: Option<PathBuf>,
 }
 
 const TARGET_RATIO: f64 = 1.5;
@@ -50,6 +56,17 @@ const POOL_LABEL: &str = "nodekeeper.dev/bench-pool";
 
 pub fn run(args: DrainArgs) -> anyhow::Result<()> {
     let root = crate::codegen::repo_root();
+    if let Some(controller) = args.controller.clone() {
+        anyhow::ensure!(
+            controller.is_file(),
+            "--controller {}: no such file; build it with `cargo build --release -p nodekeeper-controller`, or leave the flag out",
+            controller.display()
+        );
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()?;
+        return runtime.block_on(bench(args, root, controller));
+    }
     let [controller] = crate::cargo::build_executables(
         &root,
         &[
@@ -76,6 +93,47 @@ struct Figures {
     requests: u64,
     by_kind: BTreeMap<String, u64>,
     status_writes: u64,
+    /// Evictions the API server accepted, and refused with 429.
+    accepted: u64,
+    refused: u64,
+    /// Seconds from the create to the first node drained and to half of them.
+    first_drained: f64,
+    half_drained: f64,
+    /// The controller's CPU seconds (user + system) during the drain, and its RSS at the end.
+    cpu_seconds: f64,
+    rss_mib: f64,
+    /// The host's 1-minute load average at the start and the end of the drain.
+    load: (f64, f64),
+}
+
+fn load_average() -> f64 {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|t| t.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// The controller's evictions in the audit log after line `from`: (accepted, refused with 429).
+fn eviction_answers(path: &std::path::Path, from: usize) -> anyhow::Result<(u64, u64)> {
+    let text = std::fs::read_to_string(path)?;
+    let (mut accepted, mut refused) = (0, 0);
+    for line in text.lines().skip(from) {
+        let Ok(event) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
+        if event["stage"] != "ResponseComplete"
+            || event["user"]["username"] != CONTROLLER_USER
+            || event["objectRef"]["subresource"] != "eviction"
+        {
+            continue;
+        }
+        match event["responseStatus"]["code"].as_i64() {
+            Some(200..=299) => accepted += 1,
+            Some(429) => refused += 1,
+            _ => {}
+        }
+    }
+    Ok((accepted, refused))
 }
 
 async fn bench(args: DrainArgs, root: PathBuf, controller: PathBuf) -> anyhow::Result<()> {
@@ -261,7 +319,7 @@ async fn bench(args: DrainArgs, root: PathBuf, controller: PathBuf) -> anyhow::R
     }
     let steps = per_app.values().copied().max().unwrap_or(0);
 
-    let _controller = ControllerProcess::spawn(
+    let controller = ControllerProcess::spawn(
         &Program::Binary(controller),
         &ControllerConfig {
             kubeconfig,
@@ -277,8 +335,12 @@ async fn bench(args: DrainArgs, root: PathBuf, controller: PathBuf) -> anyhow::R
     )?;
     tokio::time::sleep(Duration::from_secs(5)).await;
     let (_, audit_from, _) = audit_counts(&audit, 0)?;
+    let (_, _, cpu_before) = proc_usage(controller.pid())?;
+    let load_start = load_average();
     let nms: Api<NodeMaintenance> = Api::all(client.clone());
     let started = Instant::now();
+    let mut first_drained = None;
+    let mut half_drained = None;
     nms.create(
         &PostParams::default(),
         &serde_json::from_value(json!({
@@ -297,6 +359,20 @@ async fn bench(args: DrainArgs, root: PathBuf, controller: PathBuf) -> anyhow::R
     loop {
         let nm = nms.get("bench").await?;
         let drained = nm.status.as_ref().map_or(0, |s| s.drained) as usize;
+        if drained >= 1 && first_drained.is_none() {
+            first_drained = Some(started.elapsed().as_secs_f64());
+            say(format!(
+                "first node drained after {:.1} s",
+                started.elapsed().as_secs_f64()
+            ));
+        }
+        if drained * 2 >= n && half_drained.is_none() {
+            half_drained = Some(started.elapsed().as_secs_f64());
+            say(format!(
+                "half the nodes drained after {:.1} s",
+                started.elapsed().as_secs_f64()
+            ));
+        }
         if drained == n {
             break;
         }
@@ -313,7 +389,11 @@ async fn bench(args: DrainArgs, root: PathBuf, controller: PathBuf) -> anyhow::R
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     let seconds = started.elapsed().as_secs_f64();
+    let (_, _, cpu_after) = proc_usage(controller.pid())?;
+    let load_end = load_average();
     tokio::time::sleep(Duration::from_secs(3)).await;
+    let (rss_kib, _, _) = proc_usage(controller.pid())?;
+    let (accepted, refused) = eviction_answers(&audit, audit_from)?;
     let (counts, _, _) = audit_counts(&audit, audit_from)?;
     let mut by_kind: BTreeMap<String, u64> = BTreeMap::new();
     for ((user, verb, resource), c) in &counts {
@@ -334,7 +414,15 @@ async fn bench(args: DrainArgs, root: PathBuf, controller: PathBuf) -> anyhow::R
         requests,
         by_kind,
         status_writes,
+        accepted,
+        refused,
+        first_drained: first_drained.unwrap_or(seconds),
+        half_drained: half_drained.unwrap_or(seconds),
+        cpu_seconds: cpu_after - cpu_before,
+        rss_mib: rss_kib as f64 / 1024.0,
+        load: (load_start, load_end),
     };
+    drop(controller);
     drop(cp);
 
     let report = render(&args, &figures);
@@ -397,8 +485,9 @@ fn render(args: &DrainArgs, f: &Figures) -> String {
     ));
     out.push_str("| figure | value | target |\n|---|---|---|\n");
     out.push_str(&format!(
-        "| create → every node Drained | {:.1} s | |\n| lower bound (steps × replacement) | {:.1} s | |\n| ratio | {:.2}× | ≤ {TARGET_RATIO}× |\n| pods evicted | {} | |\n| controller requests | {} | |\n| requests per evicted pod | {:.2} | ≤ {TARGET_REQUESTS_PER_POD} |\n| status writes | {} ({:.2} per node) | ≤ {TARGET_STATUS_WRITES_PER_NODE} per node |\n\n",
-        f.seconds, bound, ratio, f.evicted, f.requests, per_pod, f.status_writes, per_node
+        "| create → every node Drained | {:.1} s | |\n| create → first node / half the nodes Drained | {:.1} s / {:.1} s | |\n| lower bound (steps × replacement) | {:.1} s | |\n| ratio | {:.2}× | ≤ {TARGET_RATIO}× |\n| pods on the maintained nodes at the start | {} | |\n| evictions accepted / refused (429) | {} / {} | |\n| controller requests | {} | |\n| requests per evicted pod | {:.2} | ≤ {TARGET_REQUESTS_PER_POD} |\n| status writes | {} ({:.2} per node) | ≤ {TARGET_STATUS_WRITES_PER_NODE} per node |\n| controller CPU during the drain | {:.1} s ({:.0}% of one core) | |\n| controller RSS at the end | {:.1} MiB | |\n| host load average (1 min) at start / end | {:.1} / {:.1} | |\n\n",
+        f.seconds, f.first_drained, f.half_drained, bound, ratio, f.evicted, f.accepted, f.refused, f.requests, per_pod, f.status_writes, per_node,
+        f.cpu_seconds, 100.0 * f.cpu_seconds / f.seconds.max(0.001), f.rss_mib, f.load.0, f.load.1
     ));
     out.push_str("Controller requests by verb and resource:\n\n| request | count |\n|---|---|\n");
     for (k, v) in &f.by_kind {

@@ -85,6 +85,12 @@ pub trait Reconciler: Send + Sync + Sized + 'static {
     }
     /// Objects reconciled at once.
     fn concurrency(&self) -> u16;
+    /// Other events that wake every object up (e.g. watches of other kinds whose changes
+    /// concern the objects; kube's per-object `reconcile_on` is still an unstable feature);
+    /// polled while the controller runs. None by default.
+    fn reconcile_all_on(&self) -> Option<futures::stream::BoxStream<'static, ()>> {
+        None
+    }
     fn reconcile(
         obj: Arc<Self::Object>,
         ctx: Arc<Self>,
@@ -117,8 +123,11 @@ pub async fn start<C: Reconciler>(
         .instrument(span)
     };
     info!(controller = C::NAME, "controller starting");
-    Controller::new(ctx.api(), ctx.watcher_config())
-        .with_config(config)
+    let mut controller = Controller::new(ctx.api(), ctx.watcher_config()).with_config(config);
+    if let Some(trigger) = ctx.reconcile_all_on() {
+        controller = controller.reconcile_all_on(trigger);
+    }
+    controller
         .graceful_shutdown_on(async move { shutdown.cancelled().await })
         .run(reconcile, C::error_policy, ctx)
         .for_each(|result| {

@@ -53,6 +53,22 @@ pub fn admit(budgets: &mut [Budget], namespace: &str, labels: &BTreeMap<String, 
     }
 }
 
+/// The one budget covering a pod, `(namespace, name)`: the allowance an accepted eviction
+/// spent. `None` with no budget or with two or more (the API server refuses those).
+pub fn sole_budget(
+    budgets: &[Budget],
+    namespace: &str,
+    labels: &BTreeMap<String, String>,
+) -> Option<(String, String)> {
+    let mut matching = budgets.iter().filter(|b| {
+        b.namespace == namespace && b.selector.as_ref().is_some_and(|s| s.matches(labels))
+    });
+    match (matching.next(), matching.next()) {
+        (Some(one), None) => Some((one.namespace.clone(), one.name.clone())),
+        _ => None,
+    }
+}
+
 /// How one eviction attempt ended.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum EvictionAnswer {
@@ -146,6 +162,12 @@ mod tests {
             allowed: 0,
         });
         assert_eq!(admit(&mut budgets, "a", &web), Admit::Send);
+        assert_eq!(sole_budget(&budgets, "a", &web), None);
+        assert_eq!(
+            sole_budget(&budgets[..1], "a", &web),
+            Some(("a".to_string(), "web".to_string()))
+        );
+        assert_eq!(sole_budget(&budgets, "b", &web), None);
     }
 
     #[test]

@@ -2,9 +2,11 @@
 //! functions over plain data — drain plan and timeouts (`plan`), stage to per-node holds
 //! (`stage`), what is recorded on each node and how it is restored (`record`), eviction answers
 //! (`eviction`), admission safety (`admission`) and the status (`status`) — driven by the
-//! reconciler (`reconcile`). This file holds the [`Context`].
+//! reconciler (`reconcile`), which reads the cluster from the watch cache (`cache`) whose
+//! watches also wake it. This file holds the [`Context`].
 
 pub mod admission;
+pub mod cache;
 pub mod eviction;
 pub mod plan;
 pub mod reconcile;
@@ -12,13 +14,16 @@ pub mod record;
 pub mod stage;
 pub mod status;
 
-use std::sync::Arc;
-use std::time::Duration;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
+use futures::stream::BoxStream;
 use kube::Api;
 use kube::runtime::controller::Action;
 use kube::runtime::events::Recorder;
 use nodekeeper_api::crd::NodeMaintenance;
+use nodekeeper_api::crd::node_maintenance::NodeMaintenanceStatus;
 use tokio::sync::{OnceCell, watch};
 use tracing::warn;
 
@@ -48,8 +53,15 @@ pub struct Context {
     pub tuning: watch::Receiver<Arc<TuningState>>,
     /// How long one reconcile may spend evicting before it requeues.
     pub eviction_budget: Duration,
-    /// How often a node with a drain in progress is looked at again.
+    /// How often a node with a drain in progress is looked at again when no event comes: a
+    /// safety net (the watches wake a drain when a pod leaves or a budget allows again), and
+    /// the moment a pod terminating past its grace period is reported.
     pub drain_recheck: Duration,
+    /// Nodes, pods and budgets from watches; the watches wake the maintenances.
+    pub cache: Arc<cache::Cache>,
+    /// The status this replica last wrote per maintenance (by UID) and when: newer than the
+    /// watched object until the watch catches up, and the clock of the write coalescing.
+    statuses: Mutex<HashMap<String, (NodeMaintenanceStatus, Instant)>>,
 }
 
 impl Context {
@@ -61,8 +73,32 @@ impl Context {
             recorder: shared.recorder(),
             tuning: shared.tuning.clone(),
             eviction_budget: Duration::from_secs(5),
-            drain_recheck: Duration::from_secs(1),
+            drain_recheck: Duration::from_secs(15),
+            cache: Arc::default(),
+            statuses: Mutex::default(),
         }
+    }
+
+    /// The status this replica last wrote for the maintenance with `uid`.
+    pub fn last_status(&self, uid: &str) -> Option<NodeMaintenanceStatus> {
+        let statuses = self.statuses.lock().unwrap_or_else(PoisonError::into_inner);
+        statuses.get(uid).map(|(s, _)| s.clone())
+    }
+
+    /// How long ago this replica last wrote that status; `None` if it has not.
+    pub fn since_status_write(&self, uid: &str) -> Option<Duration> {
+        let statuses = self.statuses.lock().unwrap_or_else(PoisonError::into_inner);
+        statuses.get(uid).map(|(_, at)| at.elapsed())
+    }
+
+    pub fn remember_status(&self, uid: &str, status: NodeMaintenanceStatus) {
+        let mut statuses = self.statuses.lock().unwrap_or_else(PoisonError::into_inner);
+        statuses.insert(uid.to_owned(), (status, Instant::now()));
+    }
+
+    pub fn forget_status(&self, uid: &str) {
+        let mut statuses = self.statuses.lock().unwrap_or_else(PoisonError::into_inner);
+        statuses.remove(uid);
     }
 
     /// The no-retry client, built on first use from the same configuration the process
@@ -111,6 +147,10 @@ impl Reconciler for Context {
 
     fn concurrency(&self) -> u16 {
         4
+    }
+
+    fn reconcile_all_on(&self) -> Option<BoxStream<'static, ()>> {
+        Some(self.cache.triggers(&self.base_client))
     }
 
     fn reconcile(

@@ -1,8 +1,10 @@
-//! The `NodeMaintenance` reconciler: reads the selected and the held Nodes, refuses unsafe
-//! selections before touching any, moves each node's hold as the stage wants (cordon with the
-//! prior state recorded, drain by plan through the Eviction subresource for a bounded time,
-//! timeouts, release), writes Node metadata, Node conditions and the status only when they
-//! change, and restores the nodes when the object is deleted (finalizer).
+//! The `NodeMaintenance` reconciler: reads the selected and the held Nodes from the watch cache
+//! (`cache`), refuses unsafe selections before touching any, moves each node's hold as the
+//! stage wants (cordon and taint with the prior state recorded, drain by plan through the
+//! Eviction subresource, timeouts, release), writes Node metadata, Node conditions and the
+//! status only when they change, and restores the nodes when the object is deleted
+//! (finalizer). It is woken by the watches (a pod leaving a draining node, a budget allowing
+//! again, a held node changing), not by polling; a slow requeue is only the safety net.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -10,7 +12,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use futures::StreamExt as _;
 use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::api::{Api, DeleteParams, EvictParams, ListParams, Patch, PatchParams, Preconditions};
+use kube::api::{Api, DeleteParams, EvictParams, Patch, PatchParams, Preconditions};
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType};
 use kube::{Resource as _, ResourceExt as _};
@@ -26,7 +28,8 @@ use tracing::{info, warn};
 
 use super::Context;
 use super::admission::{self, CONTROL_PLANE_LABEL, Selection};
-use super::eviction::{Admit, Budget, EvictionAnswer, admit, classify};
+use super::cache::{CachedNode, CachedPod, NotReady};
+use super::eviction::{Admit, EvictionAnswer, admit, classify};
 use super::plan::{self, DeadlineStep, Owner, PodFacts, Rules};
 use super::record::{self, Hold, HoldPhase, NodeRecord};
 use super::stage::{self, Limits, NodeHold, Target};
@@ -35,12 +38,15 @@ use super::status::{self, NodeView, Outcome};
 /// Finalizer: the nodes are restored before the object goes.
 pub const FINALIZER: &str = "nodekeeper.dev/node-maintenance";
 
+/// How long a reconcile waits for the watches' first lists before it gives up and retries.
+const CACHE_WAIT: Duration = Duration::from_secs(60);
+/// How often a node write that lost a race (409) is tried again, each from a fresh read.
+const WRITE_ATTEMPTS: usize = 3;
+
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("list nodes for nodemaintenance {name}: {source}")]
-    ListNodes { name: String, source: kube::Error },
-    #[error("list pods on node {node}: {source}")]
-    ListPods { node: String, source: kube::Error },
+    #[error("read the cluster for nodemaintenance {name}: {source}")]
+    Cache { name: String, source: NotReady },
     #[error("write node {node} for nodemaintenance {name}: {source}")]
     WriteNode {
         name: String,
@@ -74,6 +80,16 @@ struct Seen {
     node: Node,
     selected: bool,
     record: Option<NodeRecord>,
+}
+
+impl Seen {
+    fn of(cached: CachedNode, selected: bool) -> Self {
+        Self {
+            node: cached.node,
+            selected,
+            record: cached.record,
+        }
+    }
 }
 
 fn record_of(node: &Node) -> Option<NodeRecord> {
@@ -112,18 +128,34 @@ async fn publish(
 
 pub async fn reconcile(nm: Arc<NodeMaintenance>, ctx: Arc<Context>) -> Result<Action, Error> {
     let name = nm.name_any();
+    let uid = nm.uid().unwrap_or_default();
     let client = ctx.kube().await;
     let api: Api<NodeMaintenance> = Api::all(client.clone());
     let nodes_api: Api<Node> = Api::all(client.clone());
+    // Nothing is decided on a cache that has not listed yet (an empty pod list would read as
+    // "drained").
+    ctx.cache
+        .wait_ready(CACHE_WAIT)
+        .await
+        .map_err(|source| Error::Cache {
+            name: name.clone(),
+            source,
+        })?;
 
     // Deleted: let go of every node this maintenance holds, then of the object.
     if nm.meta().deletion_timestamp.is_some() {
         if nm.finalizers().iter().any(|f| f == FINALIZER) {
-            let held = held_nodes(&nodes_api, &name).await?;
+            let held: Vec<Seen> = ctx
+                .cache
+                .held_nodes()
+                .into_iter()
+                .filter(|n| n.record.as_ref().is_some_and(|r| r.hold(&name).is_some()))
+                .map(|n| Seen::of(n, false))
+                .collect();
             let count = held.len();
             let mut uncordoned = 0;
             for mut seen in held {
-                if write_node(&nodes_api, &name, &mut seen, Target::Release, None).await? {
+                if write_node(&ctx, &nodes_api, &name, &mut seen, Target::Release, None).await? {
                     uncordoned += 1;
                 }
             }
@@ -139,12 +171,17 @@ pub async fn reconcile(nm: Arc<NodeMaintenance>, ctx: Arc<Context>) -> Result<Ac
             }
             set_finalizer(&api, &name, false).await?;
         }
+        ctx.cache.know(&name, false);
+        ctx.forget_status(&uid);
         return Ok(Action::await_change());
     }
+    ctx.cache.know(&name, true);
 
     let generation = nm.meta().generation;
     let stage = nm.spec.stage;
-    let current = nm.status.clone();
+    // What this replica last wrote is newer than the object the reconcile was handed when the
+    // watch has not caught up with that write yet.
+    let current = ctx.last_status(&uid).or_else(|| nm.status.clone());
 
     // A spec the controller cannot act on is refused; no node or pod is touched.
     let timeout = match nm
@@ -164,7 +201,10 @@ pub async fn reconcile(nm: Arc<NodeMaintenance>, ctx: Arc<Context>) -> Result<Ac
                 current.as_ref(),
                 &rfc3339(now_unix()),
             );
-            if write_status(&api, &name, current.as_ref(), &s).await? {
+            if write_status(&ctx, &api, &nm, current.as_ref(), &s, true)
+                .await?
+                .written
+            {
                 publish(&ctx, &nm, EventType::Warning, "InvalidSpec", message).await;
             }
             return Ok(Action::await_change());
@@ -178,46 +218,30 @@ pub async fn reconcile(nm: Arc<NodeMaintenance>, ctx: Arc<Context>) -> Result<Ac
         set_finalizer(&api, &name, true).await?;
     }
 
-    // The selected nodes and every node any maintenance holds.
-    let selector = nm.spec.node_selector.to_query();
-    let list_err = |source| Error::ListNodes {
-        name: name.clone(),
-        source,
-    };
-    let selected = nodes_api
-        .list(&ListParams::default().labels(&selector))
-        .await
-        .map_err(list_err)?;
-    let maintained = nodes_api
-        .list(&ListParams::default().labels(&format!("{LABEL_MAINTAINED}=true")))
-        .await
-        .map_err(list_err)?;
-    let matched = u32::try_from(selected.items.len()).unwrap_or(u32::MAX);
-    let cluster_draining = maintained
-        .items
-        .iter()
-        .filter(|n| record_of(n).is_some_and(|r| r.draining()))
-        .count();
+    // The selected nodes and every node this maintenance holds, from the cache.
+    let all_nodes = ctx.cache.nodes();
+    let selector = &nm.spec.node_selector;
+    let mut matched = 0u32;
+    let mut cluster_draining = 0usize;
+    let mut control_plane = 0u32;
+    let mut selected_control_plane = 0u32;
+    let total_nodes = u32::try_from(all_nodes.len()).unwrap_or(u32::MAX);
     let mut seen: BTreeMap<String, Seen> = BTreeMap::new();
-    for node in selected.items {
-        let record = record_of(&node);
-        seen.insert(
-            node.name_any(),
-            Seen {
-                node,
-                selected: true,
-                record,
-            },
-        );
-    }
-    for node in maintained.items {
-        let record = record_of(&node);
-        if record.as_ref().is_some_and(|r| r.hold(&name).is_some()) {
-            seen.entry(node.name_any()).or_insert(Seen {
-                node,
-                selected: false,
-                record,
-            });
+    for cached in all_nodes {
+        let selected = selector.matches(cached.node.labels());
+        let cp = cached.node.labels().contains_key(CONTROL_PLANE_LABEL);
+        control_plane += u32::from(cp);
+        selected_control_plane += u32::from(cp && selected);
+        matched += u32::from(selected);
+        if cached.record.as_ref().is_some_and(NodeRecord::draining) {
+            cluster_draining += 1;
+        }
+        let holds = cached
+            .record
+            .as_ref()
+            .is_some_and(|r| r.hold(&name).is_some());
+        if selected || holds {
+            seen.insert(cached.node.name_any(), Seen::of(cached, selected));
         }
     }
     let holding = seen
@@ -227,9 +251,12 @@ pub async fn reconcile(nm: Arc<NodeMaintenance>, ctx: Arc<Context>) -> Result<Ac
     // Admission safety: checked before the first node is touched.
     let limits = ctx.limits();
     if matches!(stage, Stage::Cordon | Stage::Drain) && !holding && matched > 0 {
-        let selection = selection(&nodes_api, &seen, matched)
-            .await
-            .map_err(list_err)?;
+        let selection = Selection {
+            selected: matched,
+            total: total_nodes,
+            selected_control_plane,
+            total_control_plane: control_plane,
+        };
         if let Err(refusal) = admission::check(
             selection,
             limits.max_selected_nodes,
@@ -246,10 +273,13 @@ pub async fn reconcile(nm: Arc<NodeMaintenance>, ctx: Arc<Context>) -> Result<Ac
                 current.as_ref(),
                 &rfc3339(now_unix()),
             );
-            if write_status(&api, &name, current.as_ref(), &s).await? {
+            if write_status(&ctx, &api, &nm, current.as_ref(), &s, true)
+                .await?
+                .written
+            {
                 publish(&ctx, &nm, EventType::Warning, "Refused", message).await;
             }
-            // The cluster may change (a node added); look again now and then.
+            // A node added or relabelled wakes it through the node watch; this is the net.
             return Ok(Action::requeue(Duration::from_secs(60)));
         }
     }
@@ -278,6 +308,8 @@ pub async fn reconcile(nm: Arc<NodeMaintenance>, ctx: Arc<Context>) -> Result<Ac
 
     let now = now_unix();
     let mut views = Vec::new();
+    // The safety net only: the watches wake the maintenance when something it waits for
+    // changes.
     let mut requeue = Duration::from_secs(300);
     let mut draining = Vec::new();
     for (hold, target) in holds.iter().zip(targets) {
@@ -287,7 +319,7 @@ pub async fn reconcile(nm: Arc<NodeMaintenance>, ctx: Arc<Context>) -> Result<Ac
         match target {
             Target::Release => {
                 if hold.hold.is_some() {
-                    write_node(&nodes_api, &name, s, Target::Release, None).await?;
+                    write_node(&ctx, &nodes_api, &name, s, Target::Release, None).await?;
                 }
                 if hold.selected && stage != Stage::Idle {
                     views.push(NodeView::phase_only(&hold.node, NodePhase::Released));
@@ -302,10 +334,15 @@ pub async fn reconcile(nm: Arc<NodeMaintenance>, ctx: Arc<Context>) -> Result<Ac
                     note: previous.map(|p| p.note).unwrap_or_default(),
                     reason: nm.spec.reason.clone(),
                 };
-                write_node(&nodes_api, &name, s, Target::Hold(phase), Some(new.clone())).await?;
-                if phase == HoldPhase::Waiting {
-                    requeue = requeue.min(ctx.drain_recheck * 2);
-                }
+                write_node(
+                    &ctx,
+                    &nodes_api,
+                    &name,
+                    s,
+                    Target::Hold(phase),
+                    Some(new.clone()),
+                )
+                .await?;
                 let mut view = NodeView::phase_only(
                     &hold.node,
                     match phase {
@@ -324,31 +361,16 @@ pub async fn reconcile(nm: Arc<NodeMaintenance>, ctx: Arc<Context>) -> Result<Ac
         }
     }
 
-    // Drain the nodes whose turn it is, concurrently, each for a bounded time.
+    // Drain the nodes whose turn it is.
     let jobs: Vec<Seen> = draining
         .iter()
         .filter_map(|node| seen.remove(node))
         .collect();
-    let budgets = if jobs.is_empty() {
-        Vec::new()
-    } else {
-        read_budgets(&client).await
-    };
-    let budgets = std::sync::Mutex::new(budgets);
-    let results: Vec<Result<(NodeView, Option<Duration>), Error>> = futures::stream::iter(
-        jobs.into_iter()
-            .map(|s| drain_node(&ctx, &nodes_api, &nm, s, &rules, &budgets, now)),
-    )
-    .buffer_unordered(16)
-    .collect()
-    .await;
-    for result in results {
-        let (view, recheck) = result?;
-        if let Some(recheck) = recheck {
-            requeue = requeue.min(recheck);
-        }
-        views.push(view);
+    let outcome = drain(&ctx, &nodes_api, &nm, jobs, &rules, now).await?;
+    if let Some(recheck) = outcome.recheck {
+        requeue = requeue.min(recheck);
     }
+    views.extend(outcome.views);
 
     let s = status::build(
         stage,
@@ -359,64 +381,23 @@ pub async fn reconcile(nm: Arc<NodeMaintenance>, ctx: Arc<Context>) -> Result<Ac
         current.as_ref(),
         &rfc3339(now),
     );
-    write_status(&api, &name, current.as_ref(), &s).await?;
-    Ok(Action::requeue(requeue.max(Duration::from_millis(500))))
-}
-
-/// Counts for the admission check: every node and the control-plane nodes (metadata only).
-async fn selection(
-    nodes_api: &Api<Node>,
-    seen: &BTreeMap<String, Seen>,
-    matched: u32,
-) -> Result<Selection, kube::Error> {
-    let all = nodes_api.list_metadata(&ListParams::default()).await?;
-    let control_plane: BTreeSet<String> = nodes_api
-        .list_metadata(&ListParams::default().labels(CONTROL_PLANE_LABEL))
-        .await?
-        .items
-        .iter()
-        .map(|n| n.name_any())
-        .collect();
-    let selected_cp = seen
-        .iter()
-        .filter(|(n, s)| s.selected && control_plane.contains(*n))
-        .count();
-    Ok(Selection {
-        selected: matched,
-        total: u32::try_from(all.items.len()).unwrap_or(u32::MAX),
-        selected_control_plane: u32::try_from(selected_cp).unwrap_or(u32::MAX),
-        total_control_plane: u32::try_from(control_plane.len()).unwrap_or(u32::MAX),
-    })
-}
-
-/// The nodes `name` holds, for the finalizer.
-async fn held_nodes(nodes_api: &Api<Node>, name: &str) -> Result<Vec<Seen>, Error> {
-    let list = nodes_api
-        .list(&ListParams::default().labels(&format!("{LABEL_MAINTAINED}=true")))
-        .await
-        .map_err(|source| Error::ListNodes {
-            name: name.to_owned(),
-            source,
-        })?;
-    Ok(list
-        .items
-        .into_iter()
-        .filter_map(|node| {
-            let record = record_of(&node)?;
-            record.hold(name)?;
-            Some(Seen {
-                node,
-                selected: false,
-                record: Some(record),
-            })
-        })
-        .collect())
+    let written = write_status(&ctx, &api, &nm, current.as_ref(), &s, false).await?;
+    if let Some(pending) = written.pending {
+        requeue = requeue.min(pending);
+    }
+    if outcome.freed_slot {
+        // A node finished: the next one takes its slot now, not at the next event.
+        requeue = Duration::ZERO;
+    }
+    Ok(Action::requeue(requeue))
 }
 
 /// Applies this maintenance's wish for one node: its hold (or its release) in the record, the
-/// cordon that follows from the record, and the KEP-5683 conditions. Writes only what differs
-/// from the node as read. Returns whether a release uncordoned the node.
+/// cordon and the maintenance taint that follow from the record, and the KEP-5683 conditions.
+/// Writes only what differs from the node as read; a write that lost a race with another
+/// writer (409) is redone from a fresh read. Returns whether a release uncordoned the node.
 async fn write_node(
+    ctx: &Context,
     nodes_api: &Api<Node>,
     name: &str,
     seen: &mut Seen,
@@ -424,14 +405,55 @@ async fn write_node(
     hold: Option<Hold>,
 ) -> Result<bool, Error> {
     let node_name = seen.node.name_any();
+    let err = |source| Error::WriteNode {
+        name: name.to_owned(),
+        node: node_name.clone(),
+        source,
+    };
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        match write_node_once(ctx, nodes_api, name, seen, target, hold.clone()).await {
+            Ok(uncordoned) => return Ok(uncordoned),
+            Err(kube::Error::Api(s)) if s.code == 409 && attempt < WRITE_ATTEMPTS => {
+                let fresh = nodes_api.get(&node_name).await.map_err(err)?;
+                ctx.cache.wrote_node(fresh.clone());
+                seen.record = record_of(&fresh);
+                seen.node = super::cache::trim_node(fresh);
+            }
+            Err(kube::Error::Api(s)) if s.code == 404 => return Ok(false),
+            Err(source) => return Err(err(source)),
+        }
+    }
+}
+
+async fn write_node_once(
+    ctx: &Context,
+    nodes_api: &Api<Node>,
+    name: &str,
+    seen: &mut Seen,
+    target: Target,
+    hold: Option<Hold>,
+) -> Result<bool, kube::Error> {
+    let node_name = seen.node.name_any();
     let current_owned = seen.record.clone();
     let current = current_owned.as_ref();
     let was_unschedulable = unschedulable(&seen.node);
+    let taints_now = seen
+        .node
+        .spec
+        .as_ref()
+        .and_then(|s| s.taints.clone())
+        .unwrap_or_default();
     let (record, uncordoned) = match (target, hold) {
-        (Target::Hold(_), Some(hold)) => (
-            Some(record::set_hold(current, was_unschedulable, name, hold)),
-            false,
-        ),
+        (Target::Hold(_), Some(hold)) => {
+            let mut r = record::set_hold(current, was_unschedulable, name, hold);
+            if current.is_none() {
+                // The first hold: what nodekeeper's taints were, to put back on release.
+                r.prior_taints = record::nodekeeper_taints(&taints_now);
+            }
+            (Some(r), false)
+        }
         _ => match current {
             Some(r) => {
                 let rel = record::release(r, name);
@@ -444,23 +466,32 @@ async fn write_node(
     let want_unschedulable = record
         .as_ref()
         .map_or(prior, NodeRecord::wants_unschedulable);
+    let prior_taints = current
+        .or(record.as_ref())
+        .map(|r| r.prior_taints.clone())
+        .unwrap_or_default();
+    let want_taints = record::taints(
+        &taints_now,
+        &prior_taints,
+        record.as_ref().is_some_and(NodeRecord::held_cordoned),
+        record.is_none(),
+    );
     let labelled = seen.node.labels().get(LABEL_MAINTAINED).map(String::as_str) == Some("true");
-    let err = |source| Error::WriteNode {
-        name: name.to_owned(),
-        node: node_name.clone(),
-        source,
-    };
 
     let params = PatchParams::apply(MANAGER_NODE_MAINTENANCE).force();
     if record.as_ref() != current
         || want_unschedulable != was_unschedulable
         || labelled != record.is_some()
+        || want_taints != taints_now
     {
         // Fields this manager stops applying are removed by server-side apply when it alone
         // owned them: the annotation, the label, and `spec.unschedulable` when nodekeeper's
         // cordon was the only one. A cordon someone else set stays.
-        // The resourceVersion read makes the apply conditional: two maintenances writing one
-        // node's record at once cannot lose each other's hold (the loser retries).
+        // `spec.taints` is an atomic list: it is always applied whole (everyone's taints as
+        // read, with the maintenance taint added or removed), never left out, so that no apply
+        // removes a list this manager came to own.
+        // The resourceVersion read makes the apply conditional: two writers of one node
+        // cannot lose each other's hold or taint (the loser reads again and retries).
         let mut metadata = serde_json::json!({
             "name": node_name,
             "resourceVersion": seen.node.resource_version(),
@@ -470,20 +501,25 @@ async fn write_node(
                 serde_json::json!({ ANNOTATION_MAINTENANCE: r.to_annotation() });
             metadata["labels"] = serde_json::json!({ LABEL_MAINTAINED: "true" });
         }
-        let mut body = serde_json::json!({
+        let mut spec = serde_json::json!({ "taints": want_taints });
+        if want_unschedulable {
+            spec["unschedulable"] = serde_json::json!(true);
+        }
+        let body = serde_json::json!({
             "apiVersion": "v1",
             "kind": "Node",
             "metadata": metadata,
+            "spec": spec,
         });
-        if want_unschedulable {
-            body["spec"] = serde_json::json!({ "unschedulable": true });
-        }
-        seen.node = nodes_api
+        let written = nodes_api
             .patch(&node_name, &params, &Patch::Apply(&body))
-            .await
-            .map_err(err)?;
+            .await?;
+        ctx.cache.wrote_node(written.clone());
+        seen.node = super::cache::trim_node(written);
         info!(maintenance = %name, node = %node_name, unschedulable = want_unschedulable, holders = record.as_ref().map_or(0, |r| r.holders.len()), "node hold written");
     }
+    // From here on the node as written is what later writes compare against.
+    seen.record = record.clone();
 
     let desired = record::node_conditions(record.as_ref());
     if conditions_differ(&seen.node, &desired) {
@@ -521,16 +557,17 @@ async fn write_node(
         if !conditions.is_empty() {
             body["status"] = serde_json::json!({ "conditions": conditions });
         }
-        seen.node = nodes_api
+        let written = nodes_api
             .patch_status(&node_name, &params, &Patch::Apply(&body))
-            .await
-            .map_err(err)?;
+            .await?;
+        ctx.cache.wrote_node(written.clone());
+        seen.node = super::cache::trim_node(written);
     }
-    seen.record = record;
     Ok(uncordoned)
 }
 
-const MAINTENANCE_CONDITIONS: [&str; 4] = [
+/// The maintenance conditions on a Node (the ones this controller owns).
+pub const MAINTENANCE_CONDITIONS: [&str; 4] = [
     nodekeeper_api::names::NODE_CONDITION_MAINTENANCE_PLANNED,
     nodekeeper_api::names::NODE_CONDITION_MAINTENANCE_IN_PROGRESS,
     nodekeeper_api::names::NODE_CONDITION_DRAIN_IN_PROGRESS,
@@ -609,18 +646,137 @@ pub fn pod_facts(pod: &Pod) -> PodFacts {
             .unwrap_or(30),
     }
 }
+/// What draining this time came to.
+#[derive(Default)]
+struct DrainOutcome {
+    views: Vec<NodeView>,
+    /// When to look again at the latest, without an event.
+    recheck: Option<Duration>,
+    /// A node left its drain slot (drained): the next may start at once.
+    freed_slot: bool,
+}
 
-/// One node's drain step: plan, deadline, evictions (bounded in time), and the hold that
-/// follows. Returns the node's view and when to look again.
-async fn drain_node(
+/// One draining node between its plan and its write.
+struct Job {
+    seen: Seen,
+    node: String,
+    hold: Hold,
+    view: NodeView,
+    pods: Vec<CachedPod>,
+    facts: Vec<PodFacts>,
+    plan: plan::NodePlan,
+    step: DeadlineStep,
+    /// Pods admitted against their budgets, to evict now.
+    send: Vec<usize>,
+    answers: Vec<(usize, EvictionAnswer)>,
+}
+
+/// Drains the nodes whose turn it is. Every node is planned from the cache; the evictions the
+/// budgets allow now are admitted node by node, the longest-draining node first (so nodes
+/// finish one after another and free their slots early, rather than all at the end), then sent
+/// together, concurrently, for a bounded time; then each node's hold and view follow.
+async fn drain(
+    ctx: &Context,
+    nodes_api: &Api<Node>,
+    nm: &NodeMaintenance,
+    seen: Vec<Seen>,
+    rules: &Rules,
+    now: i64,
+) -> Result<DrainOutcome, Error> {
+    let mut out = DrainOutcome::default();
+    if seen.is_empty() {
+        return Ok(out);
+    }
+    let started: Vec<Result<Job, Error>> = futures::stream::iter(
+        seen.into_iter()
+            .map(|s| start_node(ctx, nodes_api, nm, s, rules, now)),
+    )
+    .buffer_unordered(16)
+    .collect()
+    .await;
+    let mut jobs = Vec::with_capacity(started.len());
+    for job in started {
+        jobs.push(job?);
+    }
+    jobs.sort_by(|a, b| (a.hold.drain_start, &a.node).cmp(&(b.hold.drain_start, &b.node)));
+
+    // Spend the budgets here first: a pod whose budget allows nothing now is not sent (it
+    // would only earn a 429), and is reported as waiting on that budget.
+    let mut budgets = ctx.cache.budgets();
+    let snapshot = budgets.clone();
+    for job in &mut jobs {
+        if !matches!(job.step, DeadlineStep::Continue { .. }) {
+            continue;
+        }
+        for &i in &job.plan.evict {
+            let pod = &job.facts[i];
+            match admit(&mut budgets, &pod.namespace, &pod.labels) {
+                Admit::Send => job.send.push(i),
+                Admit::Wait { pdb, message } => job.answers.push((
+                    i,
+                    EvictionAnswer::Blocked {
+                        pdb: Some(pdb),
+                        message,
+                    },
+                )),
+            }
+        }
+    }
+
+    let sends: Vec<(usize, usize)> = jobs
+        .iter()
+        .enumerate()
+        .flat_map(|(j, job)| job.send.iter().map(move |&i| (j, i)))
+        .collect();
+    let sent = sends.len();
+    let answers = evict(ctx, &jobs, &sends).await;
+    if answers.len() < sent {
+        // The time bound cut the round short: the rest go at once in the next.
+        out.recheck = Some(Duration::ZERO);
+    }
+    let mut evicted_uids = Vec::new();
+    let mut spent: BTreeMap<(String, String), i32> = BTreeMap::new();
+    for (j, i, answer) in answers {
+        let job = &mut jobs[j];
+        if answer == EvictionAnswer::Evicted {
+            evicted_uids.extend(job.pods[i].uid.clone());
+            let pod = &job.facts[i];
+            if let Some(key) = super::eviction::sole_budget(&snapshot, &pod.namespace, &pod.labels)
+            {
+                *spent.entry(key).or_default() += 1;
+            }
+        }
+        job.answers.push((i, answer));
+    }
+    ctx.cache.evicted(evicted_uids);
+    ctx.cache.spent(
+        &spent
+            .into_iter()
+            .map(|((ns, name), n)| (ns, name, n))
+            .collect::<Vec<_>>(),
+    );
+
+    for job in jobs {
+        let (view, recheck, drained) = finish_node(ctx, nodes_api, nm, job, now).await?;
+        if let Some(r) = recheck {
+            out.recheck = Some(out.recheck.map_or(r, |o| o.min(r)));
+        }
+        out.freed_slot |= drained;
+        out.views.push(view);
+    }
+    Ok(out)
+}
+
+/// A draining node's first half: the cordon and the recorded start (first time only), its pods
+/// from the cache, its plan and where it stands against its deadline.
+async fn start_node(
     ctx: &Context,
     nodes_api: &Api<Node>,
     nm: &NodeMaintenance,
     mut seen: Seen,
     rules: &Rules,
-    budgets: &std::sync::Mutex<Vec<Budget>>,
     now: i64,
-) -> Result<(NodeView, Option<Duration>), Error> {
+) -> Result<Job, Error> {
     let name = nm.name_any();
     let node = seen.node.name_any();
     let previous = seen.record.as_ref().and_then(|r| r.hold(&name)).cloned();
@@ -629,7 +785,7 @@ async fn drain_node(
         .filter(|p| p.phase == HoldPhase::Draining)
         .and_then(|p| p.drain_start);
     let drain_start = started.unwrap_or(now);
-    let mut hold = Hold {
+    let hold = Hold {
         phase: HoldPhase::Draining,
         drain_start: Some(drain_start),
         note: String::new(),
@@ -639,6 +795,7 @@ async fn drain_node(
         // Cordon (and record the start) before the first eviction, so that no replacement
         // lands on this node.
         write_node(
+            ctx,
             nodes_api,
             &name,
             &mut seen,
@@ -656,19 +813,18 @@ async fn drain_node(
         .await;
     }
 
-    let client = ctx.kube().await;
-    let pods_api: Api<Pod> = Api::all(client.clone());
-    let pods = pods_api
-        .list(&ListParams::default().fields(&format!("spec.nodeName={node}")))
-        .await
-        .map_err(|source| Error::ListPods {
-            node: node.clone(),
-            source,
-        })?
-        .items;
-    let facts: Vec<PodFacts> = pods.iter().map(pod_facts).collect();
+    let pods = ctx.cache.pods_on(&node);
+    let facts: Vec<PodFacts> = pods.iter().map(|p| p.facts.clone()).collect();
     let node_plan = plan::plan_node(&facts, rules);
     let elapsed = Duration::from_secs(u64::try_from(now - drain_start).unwrap_or(0));
+    let step = if node_plan.drained() {
+        DeadlineStep::Continue {
+            delete: Vec::new(),
+            recheck_in: Duration::ZERO,
+        }
+    } else {
+        plan::deadline_step(&node_plan, &facts, rules, elapsed)
+    };
 
     let mut view = NodeView::phase_only(&node, NodePhase::Draining);
     view.drain_start = Some(rfc3339(drain_start));
@@ -687,8 +843,45 @@ async fn drain_node(
         .map(|i| facts[*i].key())
         .collect();
     view.pods_remaining = u32::try_from(node_plan.remaining.len()).unwrap_or(u32::MAX);
+    Ok(Job {
+        seen,
+        node,
+        hold,
+        view,
+        pods,
+        facts,
+        plan: node_plan,
+        step,
+        send: Vec::new(),
+        answers: Vec::new(),
+    })
+}
 
+/// A draining node's second half: what the answers and the deadline make of it (drained,
+/// failed, still blocked and by what), its Events, and its hold written if it changed. Returns
+/// its view, when to look again, and whether it left its drain slot drained.
+async fn finish_node(
+    ctx: &Context,
+    nodes_api: &Api<Node>,
+    nm: &NodeMaintenance,
+    job: Job,
+    now: i64,
+) -> Result<(NodeView, Option<Duration>, bool), Error> {
+    let Job {
+        mut seen,
+        node,
+        mut hold,
+        mut view,
+        pods,
+        facts,
+        plan: node_plan,
+        step,
+        answers,
+        ..
+    } = job;
+    let name = nm.name_any();
     let mut recheck = Some(ctx.drain_recheck);
+    let mut drained = false;
     let left = |idx: &[usize]| -> String {
         let names: Vec<String> = idx.iter().take(5).map(|i| facts[*i].key()).collect();
         let more = idx.len().saturating_sub(5);
@@ -703,6 +896,7 @@ async fn drain_node(
         hold.phase = HoldPhase::Drained;
         view.phase = NodePhase::Drained;
         recheck = None;
+        drained = true;
         publish(
             ctx,
             nm,
@@ -712,7 +906,7 @@ async fn drain_node(
         )
         .await;
     } else {
-        match plan::deadline_step(&node_plan, &facts, rules, elapsed) {
+        match step {
             DeadlineStep::Fail => {
                 hold.phase = HoldPhase::Failed;
                 hold.note = format!(
@@ -740,6 +934,7 @@ async fn drain_node(
                 );
                 view.phase = NodePhase::Drained;
                 recheck = None;
+                drained = true;
                 publish(
                     ctx,
                     nm,
@@ -770,28 +965,6 @@ async fn drain_node(
                 view.blocking = blocking_without_eviction(&node_plan, &facts, &pods, now);
             }
             DeadlineStep::Continue { recheck_in, .. } => {
-                // Spend the budgets here first: a pod whose budget allows nothing now is not
-                // sent (it would only earn a 429), and is reported as waiting on that budget.
-                let mut send = Vec::new();
-                let mut answers = Vec::new();
-                {
-                    let mut budgets = budgets
-                        .lock()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner);
-                    for &i in &node_plan.evict {
-                        match admit(&mut budgets, &facts[i].namespace, &facts[i].labels) {
-                            Admit::Send => send.push(i),
-                            Admit::Wait { pdb, message } => answers.push((
-                                i,
-                                EvictionAnswer::Blocked {
-                                    pdb: Some(pdb),
-                                    message,
-                                },
-                            )),
-                        }
-                    }
-                }
-                answers.extend(evict(ctx, &facts, &pods, &send).await);
                 let mut blocking = blocking_without_eviction(&node_plan, &facts, &pods, now);
                 let mut evicted_local = Vec::new();
                 for (i, answer) in answers {
@@ -803,20 +976,30 @@ async fn drain_node(
                             }
                         }
                         EvictionAnswer::Gone => {}
-                        EvictionAnswer::Blocked { pdb, message } => blocking.push(BlockingPod {
-                            namespace: pod.namespace.clone(),
-                            name: pod.name.clone(),
-                            reason: BlockReason::PodDisruptionBudget,
-                            pdb,
-                            message: truncate(&message, 500),
-                        }),
-                        EvictionAnswer::Failed { message } => blocking.push(BlockingPod {
-                            namespace: pod.namespace.clone(),
-                            name: pod.name.clone(),
-                            reason: BlockReason::EvictionFailed,
-                            pdb: None,
-                            message: truncate(&message, 500),
-                        }),
+                        EvictionAnswer::Blocked { pdb, message } => {
+                            if pdb.is_none() {
+                                // Not a budget (the API server's own limits, or two budgets):
+                                // no budget event will say when to try again.
+                                recheck = Some(Duration::from_secs(1));
+                            }
+                            blocking.push(BlockingPod {
+                                namespace: pod.namespace.clone(),
+                                name: pod.name.clone(),
+                                reason: BlockReason::PodDisruptionBudget,
+                                pdb,
+                                message: truncate(&message, 500),
+                            });
+                        }
+                        EvictionAnswer::Failed { message } => {
+                            recheck = Some(Duration::from_secs(5));
+                            blocking.push(BlockingPod {
+                                namespace: pod.namespace.clone(),
+                                name: pod.name.clone(),
+                                reason: BlockReason::EvictionFailed,
+                                pdb: None,
+                                message: truncate(&message, 500),
+                            });
+                        }
                     }
                 }
                 if !evicted_local.is_empty() {
@@ -833,12 +1016,13 @@ async fn drain_node(
                     .await;
                 }
                 view.blocking = blocking;
-                recheck = Some(ctx.drain_recheck.min(recheck_in));
+                recheck = recheck.map(|r| r.min(recheck_in));
             }
         }
     }
     view.message = hold.note.clone();
     write_node(
+        ctx,
         nodes_api,
         &name,
         &mut seen,
@@ -846,45 +1030,7 @@ async fn drain_node(
         Some(hold),
     )
     .await?;
-    Ok((view, recheck))
-}
-
-/// Every PodDisruptionBudget with its allowance now. A failed read gives none: the evictions
-/// are then sent and the API server enforces the budgets itself (429s).
-async fn read_budgets(client: &kube::Client) -> Vec<Budget> {
-    use k8s_openapi::api::policy::v1::PodDisruptionBudget;
-    use nodekeeper_api::crd::LabelSelector;
-    let api: Api<PodDisruptionBudget> = Api::all(client.clone());
-    let list = match api.list(&ListParams::default()).await {
-        Ok(list) => list,
-        Err(error) => {
-            warn!(%error, "listing PodDisruptionBudgets failed; evictions go to the API server unfiltered");
-            return Vec::new();
-        }
-    };
-    list.items
-        .iter()
-        .filter_map(|pdb| {
-            let selector = match pdb.spec.as_ref()?.selector.as_ref() {
-                None => None,
-                // Through JSON: the same shape, and an expression this controller cannot read
-                // drops the budget from the local check (the API server still enforces it).
-                Some(s) => Some(
-                    serde_json::from_value::<LabelSelector>(serde_json::to_value(s).ok()?).ok()?,
-                ),
-            };
-            Some(Budget {
-                namespace: pdb.namespace().unwrap_or_default(),
-                name: pdb.name_any(),
-                selector,
-                allowed: pdb
-                    .status
-                    .as_ref()
-                    .and_then(|s| s.disruptions_allowed)
-                    .unwrap_or(0),
-            })
-        })
-        .collect()
+    Ok((view, recheck, drained))
 }
 
 fn truncate(s: &str, max: usize) -> String {
@@ -903,7 +1049,7 @@ fn truncate(s: &str, max: usize) -> String {
 fn blocking_without_eviction(
     plan: &plan::NodePlan,
     facts: &[PodFacts],
-    pods: &[Pod],
+    pods: &[CachedPod],
     now: i64,
 ) -> Vec<BlockingPod> {
     let entry = |i: usize, reason, message: String| BlockingPod {
@@ -933,11 +1079,7 @@ fn blocking_without_eviction(
     }));
     for i in &plan.terminating {
         // Terminating within its grace period is normal; past it, a person may need to look.
-        let overdue = pods[*i]
-            .metadata
-            .deletion_timestamp
-            .as_ref()
-            .is_some_and(|t| t.0.as_second() < now);
+        let overdue = pods[*i].deletion.is_some_and(|t| t < now);
         if overdue && !plan.waiting.contains(i) && !plan.standalone.contains(i) {
             out.push(entry(
                 *i,
@@ -949,34 +1091,30 @@ fn blocking_without_eviction(
     out
 }
 
-fn uid(pod: &Pod) -> Option<String> {
-    pod.metadata.uid.clone()
-}
-
-/// Evicts the given pods through the Eviction subresource, 8 at a time, for at most the
-/// reconcile's eviction budget; pods not reached are tried at the next reconcile. Each eviction
-/// carries the pod's UID as a precondition, so a replacement with the same name (a StatefulSet's)
-/// is never evicted by mistake.
+/// Evicts the given pods (job, pod index) through the Eviction subresource, 32 at a time
+/// across the nodes, for at most the reconcile's eviction budget; pods not reached are tried
+/// at the next reconcile. Each eviction carries the pod's UID as a precondition, so a
+/// replacement with the same name (a StatefulSet's) is never evicted by mistake.
 async fn evict(
     ctx: &Context,
-    facts: &[PodFacts],
-    pods: &[Pod],
-    which: &[usize],
-) -> Vec<(usize, EvictionAnswer)> {
+    jobs: &[Job],
+    which: &[(usize, usize)],
+) -> Vec<(usize, usize, EvictionAnswer)> {
     let client = ctx.kube().await;
-    let attempts = futures::stream::iter(which.iter().copied().map(|i| {
-        let api: Api<Pod> = Api::namespaced(client.clone(), &facts[i].namespace);
+    let attempts = futures::stream::iter(which.iter().copied().map(|(j, i)| {
+        let pod = &jobs[j].pods[i];
+        let api: Api<Pod> = Api::namespaced(client.clone(), &pod.facts.namespace);
         let params = EvictParams {
             delete_options: Some(DeleteParams {
                 preconditions: Some(Preconditions {
-                    uid: uid(&pods[i]),
+                    uid: pod.uid.clone(),
                     resource_version: None,
                 }),
                 ..DeleteParams::default()
             }),
             ..EvictParams::default()
         };
-        let name = facts[i].name.clone();
+        let name = pod.facts.name.clone();
         async move {
             let answer = match api.evict(&name, &params).await {
                 Ok(_) => EvictionAnswer::Evicted,
@@ -997,10 +1135,10 @@ async fn evict(
                     message: error.to_string(),
                 },
             };
-            (i, answer)
+            (j, i, answer)
         }
     }))
-    .buffer_unordered(8);
+    .buffer_unordered(32);
     let mut answers = Vec::new();
     let collect = async {
         let mut attempts = attempts;
@@ -1013,7 +1151,12 @@ async fn evict(
 }
 
 /// Deletes the given pods with their own grace period (never 0), past their budgets.
-async fn force_delete(ctx: &Context, facts: &[PodFacts], pods: &[Pod], which: &[usize]) -> usize {
+async fn force_delete(
+    ctx: &Context,
+    facts: &[PodFacts],
+    pods: &[CachedPod],
+    which: &[usize],
+) -> usize {
     let client = ctx.kube().await;
     let mut deleted = 0;
     for &i in which {
@@ -1022,7 +1165,7 @@ async fn force_delete(ctx: &Context, facts: &[PodFacts], pods: &[Pod], which: &[
         let params = DeleteParams {
             grace_period_seconds: Some(grace),
             preconditions: Some(Preconditions {
-                uid: uid(&pods[i]),
+                uid: pods[i].uid.clone(),
                 resource_version: None,
             }),
             ..DeleteParams::default()
@@ -1038,15 +1181,54 @@ async fn force_delete(ctx: &Context, facts: &[PodFacts], pods: &[Pod], which: &[
     deleted
 }
 
-/// Writes the status when it differs from the stored one. Returns whether it wrote.
+/// What [`write_status`] did.
+struct StatusWrite {
+    written: bool,
+    /// A change held back: write it after this long (unless something else comes first).
+    pending: Option<Duration>,
+}
+
+/// At most one status write per this interval while only the phases and counts change.
+const STATUS_MIN_INTERVAL: Duration = Duration::from_secs(1);
+/// At most one status write per this interval while only details change (pods remaining,
+/// which pods block and why, the `Blocked` condition): during a drain behind budgets they
+/// change with every eviction, and a block that lasts less than this is not one a person acts
+/// on.
+const STATUS_DETAIL_INTERVAL: Duration = Duration::from_secs(10);
+
+/// Writes the status when it differs from the last one written, coalesced: a change of what a
+/// person acts on (phases, counts, `Ready`/`Progressing`) at most once per
+/// [`STATUS_MIN_INTERVAL`], a change of details only at most once per
+/// [`STATUS_DETAIL_INTERVAL`]; `urgent` (a refusal) at once. A held-back change is reported as
+/// `pending` so the reconcile comes back to write it.
 async fn write_status(
+    ctx: &Context,
     api: &Api<NodeMaintenance>,
-    name: &str,
+    nm: &NodeMaintenance,
     current: Option<&NodeMaintenanceStatus>,
     status: &NodeMaintenanceStatus,
-) -> Result<bool, Error> {
+    urgent: bool,
+) -> Result<StatusWrite, Error> {
+    let name = nm.name_any();
+    let uid = nm.uid().unwrap_or_default();
     if current == Some(status) {
-        return Ok(false);
+        return Ok(StatusWrite {
+            written: false,
+            pending: None,
+        });
+    }
+    let acted_on = current.is_none_or(|c| status::acted_on(c) != status::acted_on(status));
+    let wait = match ctx.since_status_write(&uid) {
+        Some(_) if urgent => Duration::ZERO,
+        Some(since) if acted_on => STATUS_MIN_INTERVAL.saturating_sub(since),
+        Some(since) => STATUS_DETAIL_INTERVAL.saturating_sub(since),
+        None => Duration::ZERO,
+    };
+    if !wait.is_zero() {
+        return Ok(StatusWrite {
+            written: false,
+            pending: Some(wait),
+        });
     }
     let body = serde_json::json!({
         "apiVersion": API_VERSION,
@@ -1054,16 +1236,20 @@ async fn write_status(
         "status": status,
     });
     api.patch_status(
-        name,
+        &name,
         &PatchParams::apply(MANAGER_NODE_MAINTENANCE).force(),
         &Patch::Apply(&body),
     )
     .await
     .map_err(|source| Error::WriteStatus {
-        name: name.to_owned(),
+        name: name.clone(),
         source,
     })?;
-    Ok(true)
+    ctx.remember_status(&uid, status.clone());
+    Ok(StatusWrite {
+        written: true,
+        pending: None,
+    })
 }
 
 /// Adds or removes the finalizer (server-side apply of this manager's one list entry).

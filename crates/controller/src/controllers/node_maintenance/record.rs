@@ -4,10 +4,105 @@
 //! from it: a node is uncordoned only when the last holder lets go and it was schedulable
 //! before; a node someone else cordoned first stays cordoned. The node's KEP-5683 conditions are
 //! computed from it too, so overlapping maintenances agree on them whoever writes.
+//!
+//! # The maintenance taint
+//!
+//! While any hold cordons a node, nodekeeper also puts the `nodekeeper.dev/maintenance`
+//! `NoSchedule` taint on it (as medik8s' node-maintenance-operator and the KEP-4212 draft do).
+//! Why, on top of `spec.unschedulable`: a cordon is anyone's (`kubectl uncordon` undoes it and
+//! it says nothing about who or why), while the taint names nodekeeper and keeps replacement
+//! pods off a node mid-drain even if someone uncordons it by hand; and a workload that must run
+//! there during maintenance (a maintenance tool) can opt in by tolerating it. The cost, accepted:
+//! a DaemonSet pod that does not tolerate it is not re-created on the node until release
+//! (`NoSchedule` never evicts, so the ones running stay).
+//!
+//! Restore: the record keeps the node's nodekeeper taints (key prefix `nodekeeper.dev/`) from
+//! before the first hold. On the last release the maintenance taint goes unless it was there
+//! before, and every recorded taint is there again; taints anyone else set are never touched.
 
 use std::collections::BTreeMap;
 
+use k8s_openapi::api::core::v1::Taint;
 use serde::{Deserialize, Serialize};
+
+/// The taint a cordoning hold adds, and its effect.
+pub const MAINTENANCE_TAINT: &str = "nodekeeper.dev/maintenance";
+pub const MAINTENANCE_EFFECT: &str = "NoSchedule";
+/// The prefix of the taints that are nodekeeper's.
+pub const NODEKEEPER_TAINT_PREFIX: &str = "nodekeeper.dev/";
+
+/// A taint as recorded (the fields that identify and restore it).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecordedTaint {
+    pub key: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub value: String,
+    pub effect: String,
+}
+
+impl RecordedTaint {
+    fn of(t: &Taint) -> Self {
+        Self {
+            key: t.key.clone(),
+            value: t.value.clone().unwrap_or_default(),
+            effect: t.effect.clone(),
+        }
+    }
+
+    fn to_taint(&self) -> Taint {
+        Taint {
+            key: self.key.clone(),
+            value: (!self.value.is_empty()).then(|| self.value.clone()),
+            effect: self.effect.clone(),
+            time_added: None,
+        }
+    }
+}
+
+/// nodekeeper's taints among `taints`: what the record keeps from before the first hold.
+pub fn nodekeeper_taints(taints: &[Taint]) -> Vec<RecordedTaint> {
+    taints
+        .iter()
+        .filter(|t| t.key.starts_with(NODEKEEPER_TAINT_PREFIX))
+        .map(RecordedTaint::of)
+        .collect()
+}
+
+/// The node's taints after a write. `current`: as read; `prior`: nodekeeper's taints from
+/// before the first hold; `cordoned`: whether a hold cordons the node after this write;
+/// `released`: no holder is left. Only the maintenance taint (`NoSchedule`) is added or
+/// removed — and never removed when it was there before — and on release every recorded taint
+/// missing is put back; every other taint stays as read.
+pub fn taints(
+    current: &[Taint],
+    prior: &[RecordedTaint],
+    cordoned: bool,
+    released: bool,
+) -> Vec<Taint> {
+    let ours = |key: &str, effect: &str| key == MAINTENANCE_TAINT && effect == MAINTENANCE_EFFECT;
+    let had_before = prior.iter().any(|t| ours(&t.key, &t.effect));
+    let mut out: Vec<Taint> = current
+        .iter()
+        .filter(|t| had_before || cordoned || !ours(&t.key, &t.effect))
+        .cloned()
+        .collect();
+    if cordoned && !out.iter().any(|t| ours(&t.key, &t.effect)) {
+        out.push(Taint {
+            key: MAINTENANCE_TAINT.to_owned(),
+            value: None,
+            effect: MAINTENANCE_EFFECT.to_owned(),
+            time_added: None,
+        });
+    }
+    if released {
+        for t in prior {
+            if !out.iter().any(|o| o.key == t.key && o.effect == t.effect) {
+                out.push(t.to_taint());
+            }
+        }
+    }
+    out
+}
 
 /// One maintenance's hold on a node.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
@@ -54,6 +149,10 @@ pub struct Hold {
 pub struct NodeRecord {
     /// `spec.unschedulable` before nodekeeper first touched the node.
     pub prior_unschedulable: bool,
+    /// nodekeeper's taints before the first hold (absent in records written before taints were
+    /// recorded: none).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub prior_taints: Vec<RecordedTaint>,
     /// Holders by NodeMaintenance name.
     #[serde(default)]
     pub holders: BTreeMap<String, Hold>,
@@ -82,6 +181,11 @@ impl NodeRecord {
         self.prior_unschedulable || self.holders.values().any(|h| h.phase.cordons())
     }
 
+    /// Whether a hold (not the prior state) cordons the node: the maintenance taint follows.
+    pub fn held_cordoned(&self) -> bool {
+        self.holders.values().any(|h| h.phase.cordons())
+    }
+
     /// Whether any holder is draining the node (it then counts against the cluster ceiling).
     pub fn draining(&self) -> bool {
         self.holders
@@ -101,6 +205,7 @@ pub fn set_hold(
 ) -> NodeRecord {
     let mut record = current.cloned().unwrap_or(NodeRecord {
         prior_unschedulable: unschedulable_now,
+        prior_taints: Vec::new(),
         holders: BTreeMap::new(),
     });
     record.holders.insert(holder.to_owned(), hold);
@@ -276,6 +381,69 @@ mod tests {
         assert!(rel.record.is_some(), "w still has its hold");
         // Releasing a holder that holds nothing changes nothing.
         assert_eq!(release(&a, "zz").record, Some(a));
+    }
+
+    fn taint(key: &str, value: Option<&str>) -> Taint {
+        Taint {
+            key: key.into(),
+            value: value.map(str::to_owned),
+            effect: "NoSchedule".into(),
+            time_added: None,
+        }
+    }
+
+    #[test]
+    fn the_maintenance_taint_follows_the_cordon_and_prior_taints_come_back() {
+        let theirs = taint("gpu", None);
+        // Held: the taint joins what is there; nothing else changes.
+        let held = taints(&[theirs.clone()], &[], true, false);
+        assert_eq!(held, [theirs.clone(), taint(MAINTENANCE_TAINT, None)]);
+        // Idempotent.
+        assert_eq!(taints(&held, &[], true, false), held);
+        // A waiting hold does not cordon: no taint.
+        assert_eq!(taints(&held, &[], false, false), [theirs.clone()]);
+        // Released: gone again, and someone else's taint set meanwhile stays.
+        let later = [held.clone(), vec![taint("other", None)]].concat();
+        assert_eq!(
+            taints(&later, &[], false, true),
+            [theirs.clone(), taint("other", None)]
+        );
+
+        // The same key with another effect is not ours: ours goes beside it, and only ours goes.
+        let soft = Taint {
+            effect: "PreferNoSchedule".into(),
+            ..taint(MAINTENANCE_TAINT, Some("manual"))
+        };
+        let prior_soft = nodekeeper_taints(std::slice::from_ref(&soft));
+        let held = taints(std::slice::from_ref(&soft), &prior_soft, true, false);
+        assert_eq!(held, [soft.clone(), taint(MAINTENANCE_TAINT, None)]);
+        assert_eq!(taints(&held, &prior_soft, false, true), [soft]);
+
+        // The node carried nodekeeper taints before: the maintenance taint (with its own value)
+        // stays as it was, and one removed meanwhile is put back on release.
+        let before = [
+            taint(MAINTENANCE_TAINT, Some("manual")),
+            taint("nodekeeper.dev/gpu-unhealthy", None),
+        ];
+        let prior = nodekeeper_taints(&[theirs.clone(), before[0].clone(), before[1].clone()]);
+        assert_eq!(prior.len(), 2);
+        let held = taints(&before, &prior, true, false);
+        assert_eq!(held, before);
+        let released = taints(&before[..1], &prior, false, true);
+        assert_eq!(released, before);
+
+        // The record keeps them, and older records without them still read.
+        let mut r = set_hold(None, false, "a", hold(HoldPhase::Cordoned));
+        r.prior_taints = prior.clone();
+        assert_eq!(NodeRecord::parse(Some(&r.to_annotation())).unwrap(), r);
+        let old = r#"{"priorUnschedulable":false,"holders":{}}"#;
+        assert!(
+            NodeRecord::parse(Some(old))
+                .unwrap()
+                .prior_taints
+                .is_empty()
+        );
+        assert!(r.held_cordoned());
     }
 
     #[test]

@@ -245,6 +245,48 @@ pub fn build(
     }
 }
 
+/// See [`acted_on`].
+pub type ActedOn = (
+    (u32, u32, u32, u32, u32),
+    Vec<(String, NodePhase, Option<String>)>,
+    Vec<(String, ConditionStatus, String, String)>,
+    Option<i64>,
+);
+
+/// What a person acts on in a status: the counts that say how far it got (not `blocked`), each
+/// listed node's phase and drain start, and the `Ready` and `Progressing` conditions. Pods
+/// remaining, which pods block and why, skipped pods, messages and the `Blocked` condition are
+/// details: during a drain behind budgets they change with every eviction, so the reconciler
+/// writes a change of details alone less often (see `reconcile::write_status`).
+pub fn acted_on(s: &NodeMaintenanceStatus) -> ActedOn {
+    let mut nodes: Vec<(String, NodePhase, Option<String>)> = s
+        .nodes
+        .iter()
+        .map(|n| (n.node.clone(), n.phase, n.drain_start_time.clone()))
+        .collect();
+    // The listed order follows attention (blocked first), a detail.
+    nodes.sort_by(|a, b| a.0.cmp(&b.0));
+    let conditions: Vec<(String, ConditionStatus, String, String)> = s
+        .conditions
+        .iter()
+        .filter(|c| c.type_ != CONDITION_BLOCKED)
+        .map(|c| {
+            (
+                c.type_.clone(),
+                c.status,
+                c.reason.clone(),
+                c.message.clone(),
+            )
+        })
+        .collect();
+    (
+        (s.matched, s.cordoned, s.drained, s.failed, s.omitted_nodes),
+        nodes,
+        conditions,
+        s.observed_generation,
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,0 +1,744 @@
+//! What the maintenance controller knows of the cluster between reconciles: the Nodes, the
+//! scheduled Pods indexed by node, and the PodDisruptionBudgets, each kept by one watch instead
+//! of lists on every reconcile, and trimmed to what a drain reads (at 10,000 nodes a full Node
+//! or Pod cache would be most of the process's memory). The same watches wake the maintenances
+//! that care: a pod on a node one of them drains changed or left, a budget allows a disruption
+//! again, a held node changed, a node's labels changed (a selector may pick it now).
+//!
+//! It also remembers what this replica did that the watches have not shown yet — pods it
+//! evicted, budget allowances it spent — so that a reconcile running before the watch event
+//! neither evicts a pod twice nor sends an eviction its budget would refuse (429). Those
+//! memories are short-lived: the watch event replaces them, and they expire on their own if the
+//! event never comes.
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt as _;
+use futures::stream::BoxStream;
+use k8s_openapi::api::core::v1::{Node, NodeSpec, NodeStatus, Pod};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use kube::api::{Api, ObjectMeta};
+use kube::runtime::WatchStreamExt as _;
+use kube::runtime::watcher::{self, Event};
+use kube::{Resource as _, ResourceExt as _};
+use nodekeeper_api::crd::LabelSelector;
+use nodekeeper_api::names::ANNOTATION_MAINTENANCE;
+use tokio::sync::watch;
+use tracing::warn;
+
+use super::eviction::Budget;
+use super::plan::PodFacts;
+use super::reconcile::{MAINTENANCE_CONDITIONS, pod_facts};
+use super::record::{HoldPhase, NodeRecord};
+
+/// How long an eviction this replica sent counts the pod as terminating when the pod watch has
+/// not said so yet.
+const EVICTED_MEMORY: Duration = Duration::from_secs(60);
+/// How long a budget allowance this replica spent counts when the budget watch shows no newer
+/// status (an eviction that was accepted always moves the budget's status on).
+const SPENT_MEMORY: Duration = Duration::from_secs(10);
+
+const NODES: u8 = 1;
+const PODS: u8 = 2;
+const BUDGETS: u8 = 4;
+const ALL: u8 = NODES | PODS | BUDGETS;
+
+/// The cache was not filled in time.
+#[derive(Debug, thiserror::Error)]
+#[error("wait for the node, pod and PodDisruptionBudget watches to list (after {0:?})")]
+pub struct NotReady(Duration);
+
+/// One Node, trimmed: name, labels, resourceVersion, nodekeeper's maintenance annotation,
+/// `spec.unschedulable` and taints, and the maintenance conditions; with its record parsed.
+#[derive(Clone, Debug)]
+pub struct CachedNode {
+    pub node: Node,
+    pub record: Option<NodeRecord>,
+    rv: u64,
+}
+
+impl CachedNode {
+    fn new(node: Node) -> Self {
+        let node = trim_node(node);
+        let record = NodeRecord::parse(
+            node.annotations()
+                .get(ANNOTATION_MAINTENANCE)
+                .map(String::as_str),
+        );
+        let rv = resource_version(node.meta());
+        Self { node, record, rv }
+    }
+
+    /// The same as far as the controller cares (the resourceVersion aside).
+    fn same(&self, other: &CachedNode) -> bool {
+        let m = |n: &Node| (n.labels().clone(), n.annotations().clone());
+        m(&self.node) == m(&other.node)
+            && self.node.spec == other.node.spec
+            && self.node.status == other.node.status
+    }
+}
+
+fn resource_version(meta: &ObjectMeta) -> u64 {
+    meta.resource_version
+        .as_deref()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Keeps what the reconciler reads of a Node and drops the rest (images, addresses, other
+/// annotations and conditions, managedFields).
+pub fn trim_node(node: Node) -> Node {
+    let Node {
+        metadata,
+        spec,
+        status,
+    } = node;
+    let annotations = metadata.annotations.map(|a| {
+        a.into_iter()
+            .filter(|(k, _)| k == ANNOTATION_MAINTENANCE)
+            .collect()
+    });
+    Node {
+        metadata: ObjectMeta {
+            name: metadata.name,
+            uid: metadata.uid,
+            resource_version: metadata.resource_version,
+            labels: metadata.labels,
+            annotations,
+            ..ObjectMeta::default()
+        },
+        spec: spec.map(|s| NodeSpec {
+            unschedulable: s.unschedulable,
+            taints: s.taints,
+            ..NodeSpec::default()
+        }),
+        status: status.map(|s| NodeStatus {
+            conditions: s.conditions.map(|cs| {
+                cs.into_iter()
+                    .filter(|c| MAINTENANCE_CONDITIONS.contains(&c.type_.as_str()))
+                    .collect()
+            }),
+            ..NodeStatus::default()
+        }),
+    }
+}
+
+/// One scheduled Pod as the plan sees it, with what eviction and deletion need.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CachedPod {
+    pub facts: PodFacts,
+    pub uid: Option<String>,
+    /// `metadata.deletionTimestamp` in Unix seconds.
+    pub deletion: Option<i64>,
+}
+
+impl CachedPod {
+    fn new(pod: &Pod) -> Self {
+        Self {
+            facts: pod_facts(pod),
+            uid: pod.metadata.uid.clone(),
+            deletion: pod
+                .metadata
+                .deletion_timestamp
+                .as_ref()
+                .map(|t| t.0.as_second()),
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+struct CachedBudget {
+    budget: Budget,
+    rv: u64,
+    /// Allowances this replica spent since the status cached here was written.
+    spent: i32,
+    spent_at: Option<Instant>,
+}
+
+/// A budget as read from a PodDisruptionBudget; `None` for one whose selector this controller
+/// cannot read (the API server still enforces it: the eviction gets a 429).
+fn budget_of(pdb: &PodDisruptionBudget) -> Option<Budget> {
+    let selector = match pdb.spec.as_ref()?.selector.as_ref() {
+        None => None,
+        // Through JSON: the same shape.
+        Some(s) => {
+            Some(serde_json::from_value::<LabelSelector>(serde_json::to_value(s).ok()?).ok()?)
+        }
+    };
+    Some(Budget {
+        namespace: pdb.namespace().unwrap_or_default(),
+        name: pdb.name_any(),
+        selector,
+        allowed: pdb
+            .status
+            .as_ref()
+            .and_then(|s| s.disruptions_allowed)
+            .unwrap_or(0),
+    })
+}
+
+type PodKey = (String, String);
+
+#[derive(Default)]
+struct State {
+    nodes: HashMap<String, CachedNode>,
+    /// Nodes that carry a maintenance record.
+    held: HashSet<String>,
+    /// Scheduled pods by node, then by (namespace, name).
+    pods: HashMap<String, HashMap<PodKey, CachedPod>>,
+    pod_node: HashMap<PodKey, String>,
+    budgets: HashMap<PodKey, CachedBudget>,
+    /// Pod UIDs this replica evicted, until the pod watch shows them going.
+    evicted: HashMap<String, Instant>,
+    /// Maintenances this replica has reconciled (woken when any node's labels change).
+    known: BTreeSet<String>,
+    nodes_init: Option<HashMap<String, CachedNode>>,
+    pods_init: Option<Vec<(String, PodKey, CachedPod)>>,
+    budgets_init: Option<HashMap<PodKey, CachedBudget>>,
+}
+
+impl State {
+    /// Maintenances holding `node` in `Draining`.
+    fn draining_holders(&self, node: &str) -> Vec<String> {
+        self.nodes
+            .get(node)
+            .and_then(|n| n.record.as_ref())
+            .map(|r| {
+                r.holders
+                    .iter()
+                    .filter(|(_, h)| h.phase == HoldPhase::Draining)
+                    .map(|(name, _)| name.clone())
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Maintenances draining any node.
+    fn all_draining(&self) -> BTreeSet<String> {
+        self.held
+            .iter()
+            .flat_map(|n| self.draining_holders(n))
+            .collect()
+    }
+
+    fn holders(node: Option<&CachedNode>) -> impl Iterator<Item = String> + '_ {
+        node.and_then(|n| n.record.as_ref())
+            .into_iter()
+            .flat_map(|r| r.holders.keys().cloned())
+    }
+
+    /// Stores a node unless what is stored is newer; returns the maintenances to wake.
+    fn put_node(&mut self, new: CachedNode) -> Vec<String> {
+        let name = new.node.name_any();
+        let old = self.nodes.get(&name);
+        if old.is_some_and(|o| o.rv > new.rv) {
+            return Vec::new();
+        }
+        let mut wake: BTreeSet<String> = BTreeSet::new();
+        match old {
+            Some(o) if o.same(&new) => {}
+            Some(o) => {
+                wake.extend(Self::holders(Some(o)));
+                wake.extend(Self::holders(Some(&new)));
+                if o.node.labels() != new.node.labels() {
+                    wake.extend(self.known.iter().cloned());
+                }
+            }
+            None => {
+                wake.extend(Self::holders(Some(&new)));
+                wake.extend(self.known.iter().cloned());
+            }
+        }
+        if new.record.is_some() {
+            self.held.insert(name.clone());
+        } else {
+            self.held.remove(&name);
+        }
+        self.nodes.insert(name, new);
+        wake.into_iter().collect()
+    }
+
+    fn put_pod(&mut self, node: String, key: PodKey, pod: CachedPod) -> Vec<String> {
+        if pod.deletion.is_some()
+            && let Some(uid) = &pod.uid
+        {
+            self.evicted.remove(uid);
+        }
+        let before = self.pod_node.insert(key.clone(), node.clone());
+        if let Some(before) = before.filter(|b| *b != node) {
+            if let Some(m) = self.pods.get_mut(&before) {
+                m.remove(&key);
+            }
+        }
+        let slot = self.pods.entry(node.clone()).or_default();
+        if slot.get(&key) == Some(&pod) {
+            return Vec::new();
+        }
+        slot.insert(key, pod);
+        self.draining_holders(&node)
+    }
+
+    fn remove_pod(&mut self, key: &PodKey, uid: Option<&str>) -> Vec<String> {
+        if let Some(uid) = uid {
+            self.evicted.remove(uid);
+        }
+        let Some(node) = self.pod_node.remove(key) else {
+            return Vec::new();
+        };
+        if let Some(m) = self.pods.get_mut(&node) {
+            m.remove(key);
+            if m.is_empty() {
+                self.pods.remove(&node);
+            }
+        }
+        self.draining_holders(&node)
+    }
+
+    fn put_budget(&mut self, key: PodKey, new: CachedBudget) -> Vec<String> {
+        let old = self.budgets.get(&key);
+        if old.is_some_and(|o| o.rv > new.rv) {
+            return Vec::new();
+        }
+        // Only a budget allowing more (or selecting differently) can let a drain go on; the
+        // status after an eviction (allowing less) wakes nobody.
+        let freed = old.is_none_or(|o| {
+            new.budget.allowed > o.budget.allowed || new.budget.selector != o.budget.selector
+        });
+        self.budgets.insert(key, new);
+        if freed {
+            self.all_draining().into_iter().collect()
+        } else {
+            Vec::new()
+        }
+    }
+}
+
+/// The watches' state, shared by the trigger stream (which feeds it) and the reconciles.
+pub struct Cache {
+    state: Mutex<State>,
+    ready: watch::Sender<u8>,
+}
+
+impl Default for Cache {
+    fn default() -> Self {
+        Self {
+            state: Mutex::default(),
+            ready: watch::Sender::new(0),
+        }
+    }
+}
+
+impl Cache {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn set_ready(&self, bit: u8) {
+        self.ready.send_modify(|r| *r |= bit);
+    }
+
+    /// Waits until every watch has listed once.
+    pub async fn wait_ready(&self, limit: Duration) -> Result<(), NotReady> {
+        let mut rx = self.ready.subscribe();
+        match tokio::time::timeout(limit, rx.wait_for(|r| *r == ALL)).await {
+            Ok(Ok(_)) => Ok(()),
+            _ => Err(NotReady(limit)),
+        }
+    }
+
+    /// Remembers a maintenance (so that node label changes wake it) or forgets a deleted one.
+    pub fn know(&self, name: &str, present: bool) {
+        let mut s = self.lock();
+        if present {
+            if !s.known.contains(name) {
+                s.known.insert(name.to_owned());
+            }
+        } else {
+            s.known.remove(name);
+        }
+    }
+
+    /// Every node (trimmed) with its record.
+    pub fn nodes(&self) -> Vec<CachedNode> {
+        self.lock().nodes.values().cloned().collect()
+    }
+
+    /// The nodes that carry a maintenance record.
+    pub fn held_nodes(&self) -> Vec<CachedNode> {
+        let s = self.lock();
+        s.held
+            .iter()
+            .filter_map(|n| s.nodes.get(n).cloned())
+            .collect()
+    }
+
+    /// A node this replica just wrote (the API's answer), so that the next reconcile does not
+    /// read the older copy before the watch brings the new one.
+    pub fn wrote_node(&self, node: Node) {
+        self.lock().put_node(CachedNode::new(node));
+    }
+
+    /// The pods on `node`; a pod this replica evicted counts as terminating even before the
+    /// watch says so.
+    pub fn pods_on(&self, node: &str) -> Vec<CachedPod> {
+        let s = self.lock();
+        let now = Instant::now();
+        let mut pods: Vec<CachedPod> = s
+            .pods
+            .get(node)
+            .map(|m| m.values().cloned().collect())
+            .unwrap_or_default();
+        for p in &mut pods {
+            let evicted = p
+                .uid
+                .as_ref()
+                .and_then(|u| s.evicted.get(u))
+                .is_some_and(|at| now.duration_since(*at) < EVICTED_MEMORY);
+            if evicted {
+                p.facts.terminating = true;
+            }
+        }
+        // A stable order: the plan and the status list pods the same way every time.
+        pods.sort_by(|a, b| {
+            (&a.facts.namespace, &a.facts.name).cmp(&(&b.facts.namespace, &b.facts.name))
+        });
+        pods
+    }
+
+    /// Pods this replica evicted (accepted by the API server).
+    pub fn evicted(&self, uids: impl IntoIterator<Item = String>) {
+        let mut s = self.lock();
+        let now = Instant::now();
+        s.evicted
+            .retain(|_, at| now.duration_since(*at) < EVICTED_MEMORY);
+        for uid in uids {
+            s.evicted.insert(uid, now);
+        }
+    }
+
+    /// Every budget with what it allows now, less what this replica spent since its status was
+    /// written.
+    pub fn budgets(&self) -> Vec<Budget> {
+        let now = Instant::now();
+        self.lock()
+            .budgets
+            .values()
+            .map(|b| {
+                let mut budget = b.budget.clone();
+                if b.spent_at
+                    .is_some_and(|at| now.duration_since(at) < SPENT_MEMORY)
+                {
+                    budget.allowed -= b.spent;
+                }
+                budget
+            })
+            .collect()
+    }
+
+    /// Allowances spent by accepted evictions, per budget (namespace, name).
+    pub fn spent(&self, spent: &[(String, String, i32)]) {
+        let mut s = self.lock();
+        let now = Instant::now();
+        for (ns, name, n) in spent {
+            if let Some(b) = s.budgets.get_mut(&(ns.clone(), name.clone())) {
+                if b.spent_at
+                    .is_none_or(|at| now.duration_since(at) >= SPENT_MEMORY)
+                {
+                    b.spent = 0;
+                }
+                b.spent += n;
+                b.spent_at = Some(now);
+            }
+        }
+    }
+
+    fn on_node(&self, event: Result<Event<Node>, watcher::Error>) -> Vec<String> {
+        let event = match event {
+            Ok(e) => e,
+            Err(error) => {
+                warn!(%error, "nodemaintenance: node watch failed; it restarts");
+                return Vec::new();
+            }
+        };
+        let mut s = self.lock();
+        match event {
+            Event::Init => {
+                s.nodes_init = Some(HashMap::new());
+                Vec::new()
+            }
+            Event::InitApply(node) => {
+                let c = CachedNode::new(node);
+                if let Some(buffer) = s.nodes_init.as_mut() {
+                    buffer.insert(c.node.name_any(), c);
+                }
+                Vec::new()
+            }
+            Event::InitDone => {
+                if let Some(buffer) = s.nodes_init.take() {
+                    s.held = buffer
+                        .iter()
+                        .filter(|(_, n)| n.record.is_some())
+                        .map(|(k, _)| k.clone())
+                        .collect();
+                    s.nodes = buffer;
+                }
+                self.set_ready(NODES);
+                s.known.iter().cloned().collect()
+            }
+            Event::Apply(node) => s.put_node(CachedNode::new(node)),
+            Event::Delete(node) => {
+                let name = node.name_any();
+                let old = s.nodes.remove(&name);
+                s.held.remove(&name);
+                let mut wake: BTreeSet<String> = State::holders(old.as_ref()).collect();
+                wake.extend(s.known.iter().cloned());
+                wake.into_iter().collect()
+            }
+        }
+    }
+
+    fn on_pod(&self, event: Result<Event<Pod>, watcher::Error>) -> Vec<String> {
+        let event = match event {
+            Ok(e) => e,
+            Err(error) => {
+                warn!(%error, "nodemaintenance: pod watch failed; it restarts");
+                return Vec::new();
+            }
+        };
+        let key = |p: &Pod| (p.namespace().unwrap_or_default(), p.name_any());
+        let node = |p: &Pod| p.spec.as_ref().and_then(|s| s.node_name.clone());
+        let mut s = self.lock();
+        match event {
+            Event::Init => {
+                s.pods_init = Some(Vec::new());
+                Vec::new()
+            }
+            Event::InitApply(pod) => {
+                if let (Some(n), Some(buffer)) = (node(&pod), s.pods_init.as_mut()) {
+                    buffer.push((n, key(&pod), CachedPod::new(&pod)));
+                }
+                Vec::new()
+            }
+            Event::InitDone => {
+                if let Some(buffer) = s.pods_init.take() {
+                    s.pods.clear();
+                    s.pod_node.clear();
+                    for (n, k, p) in buffer {
+                        s.pod_node.insert(k.clone(), n.clone());
+                        s.pods.entry(n).or_default().insert(k, p);
+                    }
+                }
+                self.set_ready(PODS);
+                s.known.iter().cloned().collect()
+            }
+            Event::Apply(pod) => match node(&pod) {
+                Some(n) => s.put_pod(n, key(&pod), CachedPod::new(&pod)),
+                None => Vec::new(),
+            },
+            Event::Delete(pod) => s.remove_pod(&key(&pod), pod.metadata.uid.as_deref()),
+        }
+    }
+
+    fn on_budget(&self, event: Result<Event<PodDisruptionBudget>, watcher::Error>) -> Vec<String> {
+        let event = match event {
+            Ok(e) => e,
+            Err(error) => {
+                warn!(%error, "nodemaintenance: PodDisruptionBudget watch failed; it restarts");
+                return Vec::new();
+            }
+        };
+        let cached = |pdb: &PodDisruptionBudget| {
+            budget_of(pdb).map(|budget| CachedBudget {
+                budget,
+                rv: resource_version(pdb.meta()),
+                spent: 0,
+                spent_at: None,
+            })
+        };
+        let key = |p: &PodDisruptionBudget| (p.namespace().unwrap_or_default(), p.name_any());
+        let mut s = self.lock();
+        match event {
+            Event::Init => {
+                s.budgets_init = Some(HashMap::new());
+                Vec::new()
+            }
+            Event::InitApply(pdb) => {
+                if let (Some(b), Some(buffer)) = (cached(&pdb), s.budgets_init.as_mut()) {
+                    buffer.insert(key(&pdb), b);
+                }
+                Vec::new()
+            }
+            Event::InitDone => {
+                if let Some(buffer) = s.budgets_init.take() {
+                    s.budgets = buffer;
+                }
+                self.set_ready(BUDGETS);
+                s.known.iter().cloned().collect()
+            }
+            Event::Apply(pdb) => match cached(&pdb) {
+                Some(b) => s.put_budget(key(&pdb), b),
+                None => {
+                    s.budgets.remove(&key(&pdb));
+                    s.all_draining().into_iter().collect()
+                }
+            },
+            Event::Delete(pdb) => {
+                s.budgets.remove(&key(&pdb));
+                s.all_draining().into_iter().collect()
+            }
+        }
+    }
+
+    /// The three watches, feeding this cache, as one stream with an item each time some
+    /// maintenance should look again. They run while the controller polls the stream, i.e.
+    /// while this replica leads. The item wakes every maintenance (kube's per-object trigger is
+    /// an unstable feature); there are few, and a reconcile with nothing to do reads only this
+    /// cache and writes nothing, while the event that concerns none is dropped here.
+    pub fn triggers(self: &Arc<Self>, client: &kube::Client) -> BoxStream<'static, ()> {
+        // From the API server's watch cache: no quorum read of every pod at each (re)list.
+        let config = watcher::Config::default().any_semantic();
+        let c = Arc::clone(self);
+        let nodes = watcher::watcher(Api::<Node>::all(client.clone()), config.clone())
+            .default_backoff()
+            .map(move |e| c.on_node(e));
+        let c = Arc::clone(self);
+        let pods = watcher::watcher(Api::<Pod>::all(client.clone()), config.clone())
+            .default_backoff()
+            .map(move |e| c.on_pod(e));
+        let c = Arc::clone(self);
+        let budgets = watcher::watcher(Api::<PodDisruptionBudget>::all(client.clone()), config)
+            .default_backoff()
+            .map(move |e| c.on_budget(e));
+        futures::stream::select_all([nodes.boxed(), pods.boxed(), budgets.boxed()])
+            .filter_map(|names| std::future::ready((!names.is_empty()).then_some(())))
+            .boxed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::controllers::node_maintenance::record::{Hold, set_hold};
+
+    fn node(name: &str, rv: u64, record: Option<&NodeRecord>) -> Node {
+        let mut annotations = std::collections::BTreeMap::new();
+        if let Some(r) = record {
+            annotations.insert(ANNOTATION_MAINTENANCE.to_owned(), r.to_annotation());
+        }
+        annotations.insert("big".to_owned(), "x".repeat(100));
+        Node {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                resource_version: Some(rv.to_string()),
+                annotations: Some(annotations),
+                ..ObjectMeta::default()
+            },
+            ..Node::default()
+        }
+    }
+
+    fn pod(name: &str, node: &str, uid: &str) -> Pod {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"namespace": "ns", "name": name, "uid": uid,
+                "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "rs",
+                    "uid": "rs", "controller": true}]},
+            "spec": {"nodeName": node, "containers": []},
+        }))
+        .unwrap()
+    }
+
+    fn draining(holder: &str) -> NodeRecord {
+        let hold = Hold {
+            phase: HoldPhase::Draining,
+            drain_start: Some(1),
+            note: String::new(),
+            reason: String::new(),
+        };
+        set_hold(None, false, holder, hold)
+    }
+
+    #[test]
+    fn pod_events_wake_the_maintenance_draining_their_node_only() {
+        let cache = Cache::default();
+        let r = draining("m");
+        cache.on_node(Ok(Event::Apply(node("n1", 5, Some(&r)))));
+        cache.on_node(Ok(Event::Apply(node("n2", 5, None))));
+        assert_eq!(cache.on_pod(Ok(Event::Apply(pod("a", "n1", "u1")))), ["m"]);
+        assert!(
+            cache
+                .on_pod(Ok(Event::Apply(pod("b", "n2", "u2"))))
+                .is_empty()
+        );
+        // The same pod again (a status change the plan does not read): nobody woken.
+        assert!(
+            cache
+                .on_pod(Ok(Event::Apply(pod("a", "n1", "u1"))))
+                .is_empty()
+        );
+        assert_eq!(cache.pods_on("n1").len(), 1);
+        // Evicted here: terminating at once, before the watch says so.
+        cache.evicted(["u1".to_owned()]);
+        assert!(cache.pods_on("n1")[0].facts.terminating);
+        assert_eq!(cache.on_pod(Ok(Event::Delete(pod("a", "n1", "u1")))), ["m"]);
+        assert!(cache.pods_on("n1").is_empty());
+        // Trimmed: only the maintenance annotation is kept.
+        let n1 = &cache
+            .nodes()
+            .into_iter()
+            .find(|n| n.node.name_any() == "n1")
+            .unwrap();
+        assert_eq!(n1.node.annotations().len(), 1);
+        assert_eq!(cache.held_nodes().len(), 1);
+    }
+
+    #[test]
+    fn an_older_node_never_replaces_a_newer_one() {
+        let cache = Cache::default();
+        cache.wrote_node(node("n1", 9, Some(&draining("m"))));
+        // A watch event from before this replica's write arrives late.
+        cache.on_node(Ok(Event::Apply(node("n1", 7, None))));
+        assert!(cache.held_nodes()[0].record.is_some());
+    }
+
+    #[test]
+    fn spent_allowances_count_until_the_budget_moves_on() {
+        let cache = Cache::default();
+        cache.on_node(Ok(Event::Apply(node("n1", 1, Some(&draining("m"))))));
+        let pdb = |rv: u64, allowed: i32| -> PodDisruptionBudget {
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"namespace": "ns", "name": "web", "resourceVersion": rv.to_string()},
+                "spec": {"selector": {"matchLabels": {"app": "web"}}},
+                "status": {"disruptionsAllowed": allowed, "currentHealthy": 3, "desiredHealthy": 2,
+                    "expectedPods": 3, "observedGeneration": 1},
+            }))
+            .unwrap()
+        };
+        // A budget allowing a disruption wakes the draining maintenance.
+        assert_eq!(cache.on_budget(Ok(Event::Apply(pdb(1, 1)))), ["m"]);
+        cache.spent(&[("ns".into(), "web".into(), 1)]);
+        assert_eq!(cache.budgets()[0].allowed, 0);
+        // The status after the eviction (allowing nothing): no wake-up, nothing spent twice.
+        assert!(cache.on_budget(Ok(Event::Apply(pdb(2, 0)))).is_empty());
+        assert_eq!(cache.budgets()[0].allowed, 0);
+        // A replacement is Ready: allowed again, and woken.
+        assert_eq!(cache.on_budget(Ok(Event::Apply(pdb(3, 1)))), ["m"]);
+        assert_eq!(cache.budgets()[0].allowed, 1);
+    }
+
+    #[tokio::test]
+    async fn ready_only_after_every_watch_listed() {
+        let cache = Cache::default();
+        cache.on_node(Ok(Event::Init));
+        cache.on_node(Ok(Event::InitDone));
+        cache.on_pod(Ok(Event::Init));
+        cache.on_pod(Ok(Event::InitApply(pod("a", "n1", "u1"))));
+        cache.on_pod(Ok(Event::InitDone));
+        assert!(cache.wait_ready(Duration::from_millis(10)).await.is_err());
+        cache.on_budget(Ok(Event::Init));
+        cache.on_budget(Ok(Event::InitDone));
+        assert!(cache.wait_ready(Duration::from_millis(10)).await.is_ok());
+        assert_eq!(cache.pods_on("n1").len(), 1);
+    }
+}
