@@ -18,6 +18,22 @@ use super::common::{
 use super::node_class::Taint;
 use super::node_maintenance::OnTimeout;
 
+/// Annotation on a Node made by a NodeSet: the hash of the NodeClass spec and the set's template
+/// it was made from; a node whose hash differs from the current one is replaced (rolling).
+pub const ANNOTATION_TEMPLATE_HASH: &str = "nodekeeper.dev/template-hash";
+/// Annotation on a NodeMaintenance a NodeSet created to drain one of its nodes: the node's name.
+pub const ANNOTATION_DRAINED_NODE: &str = "nodekeeper.dev/nodeset-node";
+/// Condition reason: the NodeClass the set names does not exist.
+pub const REASON_NODE_CLASS_NOT_FOUND: &str = "NodeClassNotFound";
+/// Condition reason: `spec.replicas` is above the controller's cap.
+pub const REASON_ABOVE_CAP: &str = "ReplicasAboveCap";
+/// Condition reason: the provider refused to create machines; the message has its error.
+pub const REASON_PROVIDER_FAILED: &str = "ProviderFailed";
+/// Condition reason: a node's drain failed or was refused; the scale-down waits.
+pub const REASON_SCALE_DOWN_BLOCKED: &str = "ScaleDownBlocked";
+/// Condition reason: new machines do not join; the rollout waits.
+pub const REASON_ROLLOUT_STALLED: &str = "RolloutStalled";
+
 /// Keeps `replicas` nodes made from the NodeClass `nodeClassName`. Scaling down (and replacing a
 /// node) cordons and drains the node first, then removes its machine.
 #[derive(CustomResource, Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
@@ -40,6 +56,16 @@ use super::node_maintenance::OnTimeout;
     printcolumn(name = "Desired", type_ = "integer", json_path = ".spec.replicas"),
     printcolumn(name = "Current", type_ = "integer", json_path = ".status.replicas"),
     printcolumn(name = "Ready", type_ = "integer", json_path = ".status.readyReplicas"),
+    printcolumn(
+        name = "Updated",
+        type_ = "integer",
+        json_path = ".status.updatedReplicas"
+    ),
+    printcolumn(
+        name = "Draining",
+        type_ = "integer",
+        json_path = ".status.drainingReplicas"
+    ),
     printcolumn(
         name = "Age",
         type_ = "date",
@@ -214,6 +240,10 @@ pub struct NodeSetStatus {
     /// Problems not listed.
     #[serde(default)]
     pub omitted_problems: u32,
+    /// Machines deleted and replaced because their node never joined (no Ready condition within
+    /// the controller's join timeout), since the set was created.
+    #[serde(default)]
+    pub failed_joins: u32,
     /// `Ready` (replicas ready and updated) and `Progressing`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(schema_with = "conditions_schema")]

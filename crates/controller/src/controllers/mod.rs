@@ -32,6 +32,7 @@ pub mod networktest;
 pub mod node_diagnostic;
 pub mod node_maintenance;
 pub mod node_network_config;
+pub mod node_set;
 pub mod nodes;
 
 use std::fmt::Debug;
@@ -59,6 +60,8 @@ pub struct Config {
     pub networktest: networktest::Config,
     #[command(flatten)]
     pub node_diagnostic: node_diagnostic::Config,
+    #[command(flatten)]
+    pub node_set: node_set::Config,
 }
 
 /// A watch-reconcile controller, implemented by its `Context`.
@@ -172,6 +175,7 @@ impl Controllers {
             &config.node_diagnostic,
             &self.diagnostic_bundles,
         ));
+        r.add(node_set::Context::new(shared, &config.node_set));
     }
 }
 
