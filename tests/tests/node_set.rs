@@ -653,3 +653,100 @@ async fn a_provider_failing_every_create_is_called_a_bounded_number_of_times() -
     set_replicas(&client, &set, 0).await?;
     Ok(())
 }
+
+fn schedulable_ready(node: &Node) -> bool {
+    ready(node)
+        && !node
+            .spec
+            .as_ref()
+            .and_then(|s| s.unschedulable)
+            .unwrap_or(false)
+}
+
+#[tokio::test]
+async fn a_template_change_rolls_within_surge_and_unavailable_across_a_restart()
+-> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    let (client, ns) = setup("nset-roll").await?;
+    let mut controller = start_controller(&ns, &[]).await?;
+    let class = unique_name("kwok");
+    let set = unique_name("roll");
+    kwok_class(&client, &class, &unique_name("pool")).await?;
+    let sets: Api<NodeSet> = Api::all(client.clone());
+    let spec = |rev: &str| {
+        json!({
+            "nodeClassName": class, "replicas": 5, "maxSurge": 1, "maxUnavailable": 0,
+            "template": { "labels": { "rev": rev } },
+        })
+    };
+    apply_spec(&sets, &set, spec("1")).await?;
+    let before = wait_converged(&client, &set, 5).await?;
+    let created = watch_created(&client, &set);
+
+    apply_spec(&sets, &set, spec("2")).await?;
+    let mut most = 0;
+    let mut fewest_available = usize::MAX;
+    let mut restarted = false;
+    let mut saw_progress = false;
+    let deadline = Instant::now() + TIMEOUT;
+    loop {
+        let nodes = set_nodes(&client, &set).await?;
+        most = most.max(nodes.len());
+        fewest_available =
+            fewest_available.min(nodes.iter().filter(|n| schedulable_ready(n)).count());
+        let s = sets.get(&set).await?;
+        let st = s.status.clone().unwrap_or_default();
+        saw_progress |= condition(&s, "Progressing").is_some_and(|c| c.0 == "True");
+        // Kill the controller mid-rollout, once, and start another.
+        if !restarted && st.updated_replicas >= 2 {
+            controller.kill();
+            controller = start_controller(&ns, &[]).await?;
+            restarted = true;
+        }
+        let done = nodes.len() == 5
+            && nodes
+                .iter()
+                .all(|n| n.labels().get("rev").map(String::as_str) == Some("2"))
+            && nodes.iter().all(ready)
+            && st.updated_replicas == 5
+            && st.ready_replicas == 5
+            && st.draining_replicas == 0;
+        if done {
+            break;
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "rollout of {set} did not finish: {} nodes, status {:?}",
+                nodes.len(),
+                s.status
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    ensure!(
+        restarted,
+        "the rollout finished before the controller could be killed"
+    );
+    ensure!(
+        saw_progress,
+        "Progressing was never True during the rollout"
+    );
+    ensure!(
+        most <= 6,
+        "maxSurge 1 on 5 replicas, yet {most} nodes existed at once"
+    );
+    ensure!(
+        fewest_available >= 5,
+        "maxUnavailable 0 on 5 replicas, yet only {fewest_available} nodes were Ready and schedulable at one point"
+    );
+    // Each old node was replaced exactly once.
+    let created = created.lock().unwrap().clone();
+    let old: BTreeSet<String> = before.iter().map(|n| n.name_any()).collect();
+    let new: BTreeSet<String> = created.difference(&old).cloned().collect();
+    ensure!(
+        new.len() == 5,
+        "{} new machines for 5 replaced nodes: {new:?}",
+        new.len()
+    );
+    Ok(())
+}

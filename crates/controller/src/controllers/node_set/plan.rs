@@ -145,10 +145,19 @@ pub fn plan(machines: &[MachineView], inputs: Inputs) -> Plan {
         }
     }
 
+    // Outdated machines still on their way out exist (and cost) until deleted: the surge bound
+    // counts them, so a rollout never has more than `max_total` machines. (Nodes of a plain
+    // scale-down are current and not counted, so scaling back up is never held by them.)
+    let leaving_outdated = count(
+        machines
+            .iter()
+            .filter(|m| !m.updated && !matches!(m.leaving, Leaving::No))
+            .count(),
+    );
     out.create = inputs
         .replicas
         .saturating_sub(updated)
-        .min(inputs.max_total.saturating_sub(total));
+        .min(inputs.max_total.saturating_sub(total + leaving_outdated));
 
     let outdated: Vec<&MachineView> = active.iter().copied().filter(|m| !m.updated).collect();
     if outdated.is_empty() {
@@ -338,6 +347,14 @@ mod tests {
         assert_eq!(p.drain, ["o3"]);
         assert_eq!(p.create, 0);
         assert_eq!(p.counts.updated, 1);
+        // While o3 drains it still counts against the surge: no second new machine yet.
+        nodes2[2].leaving = Leaving::Draining;
+        let p = plan(&nodes2, inputs(3, 4, 3));
+        assert_eq!((p.create, p.drain.len()), (0, 0));
+        // Gone: the next new machine.
+        nodes2.remove(2);
+        let p = plan(&nodes2, inputs(3, 4, 3));
+        assert_eq!((p.create, p.drain.len()), (1, 0));
     }
 
     #[test]
