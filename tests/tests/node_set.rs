@@ -242,29 +242,7 @@ async fn scale_0_to_20_to_5_drains_behind_a_pdb_and_loses_nothing() -> anyhow::R
         .collect();
     by_age.sort();
     let sick = by_age[0].1.clone();
-    let node_api: Api<Node> = Api::all(client.clone());
-    node_api
-        .patch(
-            &sick,
-            &PatchParams::default(),
-            &Patch::Merge(json!({
-                "metadata": { "labels": { "nodekeeper.dev/simulated": null } },
-                "spec": { "unschedulable": true },
-            })),
-        )
-        .await?;
-    let now = k8s_openapi::jiff::Timestamp::now().to_string();
-    node_api
-        .patch_status(
-            &sick,
-            &PatchParams::default(),
-            &Patch::Strategic(json!({ "status": { "conditions": [{
-                "type": "Ready", "status": "False", "reason": "E2eStopped",
-                "message": "kwok no longer runs this node", "lastHeartbeatTime": now,
-                "lastTransitionTime": now,
-            }] } })),
-        )
-        .await?;
+    break_node(&client, &sick, true).await?;
     wait_for("the status to count the sick node", TIMEOUT, || async {
         let s = sets.get(&set).await?;
         let st = s.status.unwrap_or_default();
@@ -747,6 +725,118 @@ async fn a_template_change_rolls_within_surge_and_unavailable_across_a_restart()
         new.len() == 5,
         "{} new machines for 5 replaced nodes: {new:?}",
         new.len()
+    );
+    Ok(())
+}
+
+/// Takes a node away from kwok (so it stays as patched) and marks it Ready=False; `cordon` keeps
+/// pods off it.
+async fn break_node(client: &kube::Client, name: &str, cordon: bool) -> anyhow::Result<()> {
+    let node_api: Api<Node> = Api::all(client.clone());
+    let mut patch = json!({ "metadata": { "labels": { "nodekeeper.dev/simulated": null } } });
+    if cordon {
+        patch["spec"] = json!({ "unschedulable": true });
+    }
+    node_api
+        .patch(name, &PatchParams::default(), &Patch::Merge(patch))
+        .await?;
+    let now = k8s_openapi::jiff::Timestamp::now().to_string();
+    node_api
+        .patch_status(
+            name,
+            &PatchParams::default(),
+            &Patch::Strategic(json!({ "status": { "conditions": [{
+                "type": "Ready", "status": "False", "reason": "E2eStopped",
+                "message": "kwok no longer runs this node", "lastHeartbeatTime": now,
+                "lastTransitionTime": now,
+            }] } })),
+        )
+        .await?;
+    Ok(())
+}
+
+/// Gives a node back to kwok, which makes it Ready again.
+async fn heal_node(client: &kube::Client, name: &str) -> anyhow::Result<()> {
+    Api::<Node>::all(client.clone())
+        .patch(
+            name,
+            &PatchParams::default(),
+            &Patch::Merge(
+                json!({ "metadata": { "labels": { "nodekeeper.dev/simulated": "true" } } }),
+            ),
+        )
+        .await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn repair_replaces_a_node_unhealthy_too_long_but_never_too_many() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    let (client, ns) = setup("nset-repair").await?;
+    let _controller = start_controller(&ns, &[]).await?;
+    let class = unique_name("kwok");
+    let set = unique_name("heal");
+    kwok_class(&client, &class, &unique_name("pool")).await?;
+    let sets: Api<NodeSet> = Api::all(client.clone());
+    apply_spec(
+        &sets,
+        &set,
+        json!({
+            "nodeClassName": class, "replicas": 5,
+            "repair": { "notReadyAfter": "3s", "maxUnhealthy": 1 },
+        }),
+    )
+    .await?;
+    let nodes = wait_converged(&client, &set, 5).await?;
+    let created = watch_created(&client, &set);
+    let (first, second) = (nodes[0].name_any(), nodes[1].name_any());
+
+    // Two of five unhealthy, the bound is one: repair halts and says why; nothing is replaced.
+    break_node(&client, &first, false).await?;
+    break_node(&client, &second, false).await?;
+    let message = wait_for("Progressing=False RepairHalted", TIMEOUT, || async {
+        let s = sets.get(&set).await?;
+        Ok(condition(&s, "Progressing")
+            .filter(|c| c.1 == "RepairHalted")
+            .map(|c| c.2))
+    })
+    .await?;
+    ensure!(
+        message.contains("2 nodes are unhealthy") && message.contains("spec.repair.maxUnhealthy"),
+        "{message}"
+    );
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let names: BTreeSet<String> = set_nodes(&client, &set)
+        .await?
+        .iter()
+        .map(|n| n.name_any())
+        .collect();
+    ensure!(
+        names.contains(&first) && names.contains(&second) && names.len() == 5,
+        "repair went past its bound: {names:?}"
+    );
+    ensure!(
+        created.lock().unwrap().len() == 5,
+        "a machine was created while repair was halted"
+    );
+
+    // One heals: the other is drained, deleted and replaced.
+    heal_node(&client, &second).await?;
+    let nodes = wait_for("the unhealthy node to be replaced", TIMEOUT, || async {
+        let nodes = set_nodes(&client, &set).await?;
+        let gone = !nodes.iter().any(|n| n.name_any() == first);
+        Ok((gone && nodes.len() == 5 && nodes.iter().all(ready)).then_some(nodes))
+    })
+    .await?;
+    ensure!(
+        nodes.iter().any(|n| n.name_any() == second),
+        "the healed node was replaced too"
+    );
+    wait_converged(&client, &set, 5).await?;
+    let created = created.lock().unwrap().len();
+    ensure!(
+        created == 6,
+        "{created} machines in all; expected the 5 and one replacement"
     );
     Ok(())
 }

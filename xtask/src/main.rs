@@ -6,6 +6,7 @@ mod bench_drain;
 mod bench_fleet;
 mod bench_netconf;
 mod bench_networktest;
+mod bench_nodeset;
 mod benchmarks;
 mod cargo;
 mod cluster;
@@ -57,6 +58,8 @@ enum Bench {
     Netconf(bench_netconf::NetconfArgs),
     /// A NodeMaintenance draining N kwok nodes behind PDBs: time vs the PDB bound, requests per pod.
     Drain(bench_drain::DrainArgs),
+    /// A kwok NodeSet scaled 0 → N → 0 (drained): time, API writes and provider calls per node, RSS.
+    Nodeset(bench_nodeset::NodesetArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -72,5 +75,6 @@ fn main() -> anyhow::Result<()> {
         Command::Bench(Bench::Networktest(args)) => bench_networktest::run(args),
         Command::Bench(Bench::Netconf(args)) => bench_netconf::run_bench(args),
         Command::Bench(Bench::Drain(args)) => bench_drain::run(args),
+        Command::Bench(Bench::Nodeset(args)) => bench_nodeset::run(args),
     }
 }

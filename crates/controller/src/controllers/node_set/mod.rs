@@ -260,14 +260,18 @@ impl Drop for Context {
 }
 
 /// Keeps of a Node only what the plan reads: metadata without managedFields, the providerID, and
-/// the Ready condition. At 10,000 nodes this is the difference between a few MiB and hundreds.
+/// the Ready and nodekeeper conditions. At 10,000 nodes this is the difference between a few MiB and hundreds.
 fn trim_node(node: &mut Node) {
     node.managed_fields_mut().clear();
     if let Some(status) = node.status.as_mut() {
-        let ready = status
-            .conditions
-            .take()
-            .map(|cs| cs.into_iter().filter(|c| c.type_ == "Ready").collect());
+        // Ready, and nodekeeper's own conditions (which a set's repair may name).
+        let ready = status.conditions.take().map(|cs| {
+            cs.into_iter()
+                .filter(|c| {
+                    c.type_ == "Ready" || crate::conditions::OWNED_TYPES.contains(&c.type_.as_str())
+                })
+                .collect()
+        });
         *status = Default::default();
         status.conditions = ready;
     }

@@ -41,6 +41,19 @@ pub struct MachineView {
     /// Made from the current class and template.
     pub updated: bool,
     pub leaving: Leaving,
+    /// Since when (Unix seconds) the node is unhealthy for repair: Ready not `True`, or a
+    /// condition the set names `False`. `None` when healthy or never joined.
+    pub unhealthy_since: Option<i64>,
+}
+
+/// Bounded repair, when the set asks for it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Repair {
+    /// A node unhealthy this long is replaced.
+    pub after_secs: i64,
+    /// Repair goes on only while at most this many nodes are unhealthy (those being repaired
+    /// included).
+    pub max_unhealthy: u32,
 }
 
 /// The numbers the plan works with.
@@ -58,6 +71,8 @@ pub struct Inputs {
     /// Machines created by this process that the Node watch has not shown yet (new, updated,
     /// not joined).
     pub in_flight: u32,
+    /// Bounded repair, when the set asks for it.
+    pub repair: Option<Repair>,
 }
 
 /// What to do now.
@@ -74,6 +89,10 @@ pub struct Plan {
     /// Machines that never joined within the timeout: deleted at once (no pod ever ran there)
     /// and replaced.
     pub replace: Vec<String>,
+    /// Of `drain`: the nodes drained because they were unhealthy too long.
+    pub repair: Vec<String>,
+    /// Repair is halted: this many nodes are unhealthy, more than allowed.
+    pub repair_halted: Option<u32>,
     /// Counts for the status.
     pub counts: Counts,
 }
@@ -116,6 +135,33 @@ pub fn plan(machines: &[MachineView], inputs: Inputs) -> Plan {
             Leaving::No => active.push(m),
             Leaving::Drained => out.remove.push(m.name.clone()),
             Leaving::Draining | Leaving::Stuck(_) | Leaving::Deleting => {}
+        }
+    }
+
+    // Bounded repair first: the nodes it takes out are replaced by the arithmetic below like any
+    // missing node.
+    if let Some(r) = inputs.repair {
+        let unhealthy = active
+            .iter()
+            .filter(|m| m.unhealthy_since.is_some())
+            .count();
+        let repairing = machines
+            .iter()
+            .filter(|m| m.unhealthy_since.is_some() && !matches!(m.leaving, Leaving::No))
+            .count();
+        let all = count(unhealthy + repairing);
+        if all > r.max_unhealthy {
+            out.repair_halted = Some(all);
+        } else {
+            out.repair = active
+                .iter()
+                .filter(|m| {
+                    m.unhealthy_since
+                        .is_some_and(|t| inputs.now - t >= r.after_secs)
+                })
+                .map(|m| m.name.clone())
+                .collect();
+            active.retain(|m| !out.repair.contains(&m.name));
         }
     }
 
@@ -193,6 +239,8 @@ pub fn plan(machines: &[MachineView], inputs: Inputs) -> Plan {
     }
 
     let drained = count(out.drain.len());
+    let repaired = count(out.repair.len());
+    out.drain.splice(0..0, out.repair.iter().cloned());
     let draining_ready = count(
         active
             .iter()
@@ -215,7 +263,7 @@ pub fn plan(machines: &[MachineView], inputs: Inputs) -> Plan {
         replicas: total - drained,
         ready: ready - draining_ready,
         updated: updated - draining_updated,
-        draining: leaving_before + drained,
+        draining: leaving_before + drained + repaired,
     };
     out
 }
@@ -231,6 +279,7 @@ mod tests {
             health,
             updated,
             leaving: Leaving::No,
+            unhealthy_since: None,
         }
     }
 
@@ -242,6 +291,7 @@ mod tests {
             now: 1_000,
             join_timeout_secs: 600,
             in_flight: 0,
+            repair: None,
         }
     }
 
@@ -389,5 +439,54 @@ mod tests {
         // old node is drained and nothing more is created.
         let p = plan(&nodes, inputs(2, 3, 2));
         assert_eq!((p.create, p.drain.len()), (0, 0));
+    }
+
+    #[test]
+    fn repair_replaces_long_unhealthy_nodes_but_stops_when_too_many_are() {
+        let sick = |n: &str, since| MachineView {
+            unhealthy_since: Some(since),
+            ..m(n, 1, Health::NotReady, true)
+        };
+        let repair = Some(Repair {
+            after_secs: 300,
+            max_unhealthy: 1,
+        });
+        // One node NotReady for 500 s, one for 100 s: only the first is due... but two are
+        // unhealthy, above the bound of 1: nothing.
+        let nodes = vec![
+            m("a", 1, Health::Ready, true),
+            m("b", 2, Health::Ready, true),
+            m("c", 3, Health::Ready, true),
+            sick("d", 500),
+            sick("e", 900),
+        ];
+        let p = plan(
+            &nodes,
+            Inputs {
+                repair,
+                ..inputs(5, 6, 5)
+            },
+        );
+        assert_eq!(p.repair_halted, Some(2));
+        assert!(p.drain.is_empty() && p.create == 0);
+        // With a bound of 2, the one due is drained and replaced at once.
+        let repair = Some(Repair {
+            after_secs: 300,
+            max_unhealthy: 2,
+        });
+        let p = plan(
+            &nodes,
+            Inputs {
+                repair,
+                ..inputs(5, 6, 5)
+            },
+        );
+        assert_eq!(p.repair, ["d"]);
+        assert_eq!(p.drain, ["d"]);
+        assert_eq!(p.create, 1);
+        assert_eq!(p.counts.draining, 1);
+        // Repair off: nothing.
+        let p = plan(&nodes, inputs(5, 6, 5));
+        assert!(p.drain.is_empty() && p.create == 0);
     }
 }

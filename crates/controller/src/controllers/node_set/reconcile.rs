@@ -128,6 +128,26 @@ fn leaving_of(nm: &NodeMaintenance, node: &str) -> Leaving {
     }
 }
 
+/// Since when the node is unhealthy for repair: Ready not `True`, or one of `conditions`
+/// `False`; the earliest such transition. `None` when healthy or never joined.
+fn unhealthy_since(node: &Node, conditions: &[String]) -> Option<i64> {
+    let cs = node.status.as_ref()?.conditions.as_ref()?;
+    if !cs.iter().any(|c| c.type_ == "Ready") {
+        return None;
+    }
+    cs.iter()
+        .filter(|c| {
+            (c.type_ == "Ready" && c.status != "True")
+                || (conditions.contains(&c.type_) && c.status == "False")
+        })
+        .map(|c| {
+            c.last_transition_time
+                .as_ref()
+                .map_or(0, |t| t.0.as_second())
+        })
+        .min()
+}
+
 fn machine_of(node: &Node) -> Machine {
     Machine {
         node_name: node.name_any(),
@@ -277,6 +297,8 @@ pub async fn reconcile(set: Arc<NodeSet>, ctx: Arc<Context>) -> Result<Action, E
         }
     };
     let hash = template_hash(&class.spec, &set.spec.template);
+    // Validated above.
+    let repair_after = set.spec.repair.after().ok().flatten();
     let join_timeout = ctx.join_timeout;
     let now = now_unix();
 
@@ -321,6 +343,7 @@ pub async fn reconcile(set: Arc<NodeSet>, ctx: Arc<Context>) -> Result<Action, E
                 created: n.creation_timestamp().map_or(now, |t| t.0.as_second()),
                 health: health_of(n),
                 updated: n.annotations().get(ANNOTATION_TEMPLATE_HASH) == Some(&hash),
+                unhealthy_since: unhealthy_since(n, &set.spec.repair.conditions),
                 leaving,
                 name: node,
             }
@@ -345,8 +368,15 @@ pub async fn reconcile(set: Arc<NodeSet>, ctx: Arc<Context>) -> Result<Action, E
             now,
             join_timeout_secs: i64::try_from(join_timeout.as_secs()).unwrap_or(i64::MAX),
             in_flight,
+            repair: repair_after.map(|after| plan::Repair {
+                after_secs: i64::try_from(after.as_secs()).unwrap_or(i64::MAX),
+                max_unhealthy: set.spec.repair.max_unhealthy(set.spec.replicas),
+            }),
         },
     );
+    for node in &plan.repair {
+        info!(nodeset = %name, node, "node unhealthy too long; draining it for replacement");
+    }
 
     // Machines that never joined: deleted at once (no pod can have run there) and replaced.
     let mut new_failed_joins = 0;
@@ -463,6 +493,12 @@ pub async fn reconcile(set: Arc<NodeSet>, ctx: Arc<Context>) -> Result<Action, E
         converged,
         provider_error,
         scale_down_blocked: blocked,
+        repair_halted: plan.repair_halted.map(|n| {
+            format!(
+                "{n} nodes are unhealthy, more than spec.repair.maxUnhealthy allows ({}); repair waits until fewer are",
+                set.spec.repair.max_unhealthy(set.spec.replicas)
+            )
+        }),
         rollout_stalled: stalled,
     };
     let api: Api<NodeSet> = Api::all(ctx.client.clone());

@@ -4,8 +4,8 @@
 
 use nodekeeper_api::crd::common::{ConditionStatus, MAX_LISTED, set_condition};
 use nodekeeper_api::crd::node_set::{
-    MachineProblem, NodeSetStatus, REASON_PROVIDER_FAILED, REASON_ROLLOUT_STALLED,
-    REASON_SCALE_DOWN_BLOCKED,
+    MachineProblem, NodeSetStatus, REASON_PROVIDER_FAILED, REASON_REPAIR_HALTED,
+    REASON_ROLLOUT_STALLED, REASON_SCALE_DOWN_BLOCKED,
 };
 use nodekeeper_api::names::{
     CONDITION_PROGRESSING, CONDITION_READY, REASON_DONE, REASON_IN_PROGRESS,
@@ -30,6 +30,8 @@ pub enum Outcome {
         provider_error: Option<String>,
         /// A node's drain failed or was refused.
         scale_down_blocked: Option<String>,
+        /// Too much of the set is unhealthy for repair to go on.
+        repair_halted: Option<String>,
         /// New machines do not join while old ones wait to be replaced.
         rollout_stalled: Option<String>,
     },
@@ -85,6 +87,7 @@ pub fn build(
             converged,
             provider_error,
             scale_down_blocked,
+            repair_halted,
             rollout_stalled,
         } => {
             let c = counts.unwrap_or_default();
@@ -119,6 +122,13 @@ pub fn build(
                     CONDITION_PROGRESSING,
                     ConditionStatus::False,
                     REASON_SCALE_DOWN_BLOCKED,
+                    message,
+                );
+            } else if let Some(message) = repair_halted {
+                cond(
+                    CONDITION_PROGRESSING,
+                    ConditionStatus::False,
+                    REASON_REPAIR_HALTED,
                     message,
                 );
             } else if let Some(message) = rollout_stalled {
@@ -157,6 +167,7 @@ mod tests {
             converged,
             provider_error: None,
             scale_down_blocked: None,
+            repair_halted: None,
             rollout_stalled: None,
         }
     }
