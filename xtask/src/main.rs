@@ -6,6 +6,7 @@ mod bench_drain;
 mod bench_fleet;
 mod bench_netconf;
 mod bench_networktest;
+mod bench_nodeset;
 mod bench_vnic;
 mod benchmarks;
 mod cargo;
@@ -71,6 +72,8 @@ enum Bench {
     Drain(bench_drain::DrainArgs),
     /// One NodeNetworkConfig attaching a VNIC to N kwok nodes: time, cloud calls, API writes.
     Vnic(bench_vnic::VnicArgs),
+    /// A kwok NodeSet scaled 0 → N → 0 (drained): time, API writes and provider calls per node, RSS.
+    Nodeset(bench_nodeset::NodesetArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -90,5 +93,6 @@ fn main() -> anyhow::Result<()> {
         Command::Bench(Bench::Netconf(args)) => bench_netconf::run_bench(args),
         Command::Bench(Bench::Drain(args)) => bench_drain::run(args),
         Command::Bench(Bench::Vnic(args)) => bench_vnic::run(args),
+        Command::Bench(Bench::Nodeset(args)) => bench_nodeset::run(args),
     }
 }

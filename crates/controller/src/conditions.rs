@@ -1089,8 +1089,12 @@ mod tests {
             "spec.ociVnics.attach[0].nicIndex: …",
         );
         let current = written(&[nnc.clone()]);
-        let desired =
-            desired_conditions(Observation::Fresh(&view), &Features::default(), &current).unwrap();
+        let desired = desired_conditions(
+            Observation::Fresh(&view),
+            &TuningConfig::default(),
+            &current,
+        )
+        .unwrap();
         let network: Vec<&Condition> = desired
             .iter()
             .filter(|c| c.type_ == NETWORK_READY)
@@ -1099,9 +1103,12 @@ mod tests {
         // Once the agent has applied, its own word wins again.
         let mut applied = NodeView::default();
         applied.network.applied_generation = "uid/3".into();
-        let desired =
-            desired_conditions(Observation::Fresh(&applied), &Features::default(), &current)
-                .unwrap();
+        let desired = desired_conditions(
+            Observation::Fresh(&applied),
+            &TuningConfig::default(),
+            &current,
+        )
+        .unwrap();
         let network: Vec<&Condition> = desired
             .iter()
             .filter(|c| c.type_ == NETWORK_READY)

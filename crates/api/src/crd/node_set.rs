@@ -18,6 +18,24 @@ use super::common::{
 use super::node_class::Taint;
 use super::node_maintenance::OnTimeout;
 
+/// Annotation on a Node made by a NodeSet: the hash of the NodeClass spec and the set's template
+/// it was made from; a node whose hash differs from the current one is replaced (rolling).
+pub const ANNOTATION_TEMPLATE_HASH: &str = "nodekeeper.dev/template-hash";
+/// Annotation on a NodeMaintenance a NodeSet created to drain one of its nodes: the node's name.
+pub const ANNOTATION_DRAINED_NODE: &str = "nodekeeper.dev/nodeset-node";
+/// Condition reason: the NodeClass the set names does not exist.
+pub const REASON_NODE_CLASS_NOT_FOUND: &str = "NodeClassNotFound";
+/// Condition reason: `spec.replicas` is above the controller's cap.
+pub const REASON_ABOVE_CAP: &str = "ReplicasAboveCap";
+/// Condition reason: the provider refused to create machines; the message has its error.
+pub const REASON_PROVIDER_FAILED: &str = "ProviderFailed";
+/// Condition reason: a node's drain failed or was refused; the scale-down waits.
+pub const REASON_SCALE_DOWN_BLOCKED: &str = "ScaleDownBlocked";
+/// Condition reason: more of the set is unhealthy than `spec.repair.maxUnhealthy`; repair waits.
+pub const REASON_REPAIR_HALTED: &str = "RepairHalted";
+/// Condition reason: new machines do not join; the rollout waits.
+pub const REASON_ROLLOUT_STALLED: &str = "RolloutStalled";
+
 /// Keeps `replicas` nodes made from the NodeClass `nodeClassName`. Scaling down (and replacing a
 /// node) cordons and drains the node first, then removes its machine.
 #[derive(CustomResource, Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
@@ -40,6 +58,16 @@ use super::node_maintenance::OnTimeout;
     printcolumn(name = "Desired", type_ = "integer", json_path = ".spec.replicas"),
     printcolumn(name = "Current", type_ = "integer", json_path = ".status.replicas"),
     printcolumn(name = "Ready", type_ = "integer", json_path = ".status.readyReplicas"),
+    printcolumn(
+        name = "Updated",
+        type_ = "integer",
+        json_path = ".status.updatedReplicas"
+    ),
+    printcolumn(
+        name = "Draining",
+        type_ = "integer",
+        json_path = ".status.drainingReplicas"
+    ),
     printcolumn(
         name = "Age",
         type_ = "date",
@@ -77,6 +105,54 @@ pub struct NodeSetSpec {
     /// How a node leaves: drained, then removed.
     #[serde(default)]
     pub scale_down: ScaleDown,
+    /// Replacing unhealthy nodes (off unless `notReadyAfter` is set).
+    #[serde(default, skip_serializing_if = "Repair::is_off")]
+    pub repair: Repair,
+}
+
+/// Bounded repair: a node unhealthy for longer than `notReadyAfter` is drained and replaced, but
+/// only while at most `maxUnhealthy` of the set is unhealthy (as Karpenter stops at 20 %: when
+/// many nodes fail at once the cause is rarely the nodes, and replacing them all would make it
+/// worse).
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Repair {
+    /// How long a node may be unhealthy (Ready not `True`, or one of `conditions` `False`)
+    /// before it is replaced, e.g. `10m`. Unset: never.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 32), regex(pattern = DURATION_PATTERN))]
+    pub not_ready_after: Option<String>,
+    /// Node condition types (nodekeeper's: `NodekeeperReachable`, `NodeNetworkReady`,
+    /// `TunablesInBounds`, `GpuHealthy`) whose status `False` also makes a node unhealthy.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 8), inner(length(max = 63)))]
+    pub conditions: Vec<String>,
+    /// The most unhealthy nodes (a count, or a percentage of `replicas`, rounded down, at least
+    /// one) for which repair goes on; above it repair stops with a condition. Default 20%.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_unhealthy: Option<IntOrPercent>,
+}
+
+impl Repair {
+    fn is_off(&self) -> bool {
+        self == &Self::default()
+    }
+
+    /// The repair delay, if repair is on.
+    pub fn after(&self) -> Result<Option<Duration>, FieldError> {
+        self.not_ready_after
+            .as_deref()
+            .map(|d| parse_duration_field("spec.repair.notReadyAfter", d))
+            .transpose()
+    }
+
+    /// The most unhealthy nodes repair goes on with, for `replicas`.
+    pub fn max_unhealthy(&self, replicas: u32) -> u32 {
+        self.max_unhealthy
+            .unwrap_or(IntOrPercent::Percent(20))
+            .resolve(replicas, false)
+            .max(1)
+    }
 }
 
 fn default_max_surge() -> IntOrPercent {
@@ -163,6 +239,9 @@ impl NodeSetSpec {
                 "maxSurge and maxUnavailable cannot both be zero: nodes could never be replaced; raise one of them",
             ));
         }
+        if let Err(e) = self.repair.after() {
+            errors.push(e);
+        }
         match self.drain_timeout() {
             Ok(d) if d.is_zero() => errors.push(FieldError::new(
                 "spec.scaleDown.drainTimeout",
@@ -214,6 +293,10 @@ pub struct NodeSetStatus {
     /// Problems not listed.
     #[serde(default)]
     pub omitted_problems: u32,
+    /// Machines deleted and replaced because their node never joined (no Ready condition within
+    /// the controller's join timeout), since the set was created.
+    #[serde(default)]
+    pub failed_joins: u32,
     /// `Ready` (replicas ready and updated) and `Progressing`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(schema_with = "conditions_schema")]

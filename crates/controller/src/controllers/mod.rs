@@ -32,6 +32,7 @@ pub mod networktest;
 pub mod node_diagnostic;
 pub mod node_maintenance;
 pub mod node_network_config;
+pub mod node_set;
 pub mod nodes;
 
 use std::fmt::Debug;
@@ -61,6 +62,8 @@ pub struct Config {
     pub node_diagnostic: node_diagnostic::Config,
     #[command(flatten)]
     pub node_network_config: node_network_config::Config,
+    #[command(flatten)]
+    pub node_set: node_set::Config,
 }
 
 /// A watch-reconcile controller, implemented by its `Context`.
@@ -195,6 +198,7 @@ impl Controllers {
             shared,
             &config.node_network_config,
         ));
+        r.add(node_set::Context::new(shared, &config.node_set));
     }
 }
 

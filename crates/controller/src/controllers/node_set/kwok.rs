@@ -1,0 +1,242 @@
+//! The kwok provider: a machine is a Node object that kwok simulates (heartbeats, pod
+//! lifecycles). Creating the machine is creating the Node, with the set's record on it; deleting
+//! it is deleting the Node.
+
+use std::collections::BTreeMap;
+
+use futures::future::BoxFuture;
+use k8s_openapi::api::core::v1::Node;
+use kube::api::{DeleteParams, ListParams, PostParams};
+use kube::{Api, ResourceExt as _};
+use nodekeeper_api::crd::node_set::ANNOTATION_TEMPLATE_HASH;
+use nodekeeper_api::names::{LABEL_NODE_CLASS, LABEL_NODE_SET};
+use serde_json::json;
+
+use super::provider::{Deletion, Machine, MachineRequest, Provider, ProviderError};
+
+/// The label kwok must be started to manage (`--manage-nodes-with-label-selector`); kwok leaves
+/// nodes without it alone, so the provider puts it on every node it creates.
+pub const KWOK_MANAGED_LABEL: &str = "nodekeeper.dev/simulated";
+/// The `spec.providerID` scheme of kwok machines.
+pub const PROVIDER_ID_PREFIX: &str = "kwok://";
+
+/// Machines as kwok-simulated Node objects.
+pub struct KwokProvider {
+    nodes: Api<Node>,
+}
+
+impl KwokProvider {
+    pub fn new(client: kube::Client) -> Self {
+        Self {
+            nodes: Api::all(client),
+        }
+    }
+}
+
+/// The Node object for a request: labels (the set's, the class's, kwok's, hostname, os, arch),
+/// the template hash, the taints, `spec.providerID`, and the class's capacity as capacity and
+/// allocatable (kwok keeps what the Node is created with).
+pub fn node_object(request: &MachineRequest) -> serde_json::Value {
+    let mut labels = BTreeMap::from([
+        (
+            "kubernetes.io/hostname".to_owned(),
+            request.node_name.clone(),
+        ),
+        ("kubernetes.io/os".to_owned(), "linux".to_owned()),
+        ("kubernetes.io/arch".to_owned(), "amd64".to_owned()),
+        ("type".to_owned(), "kwok".to_owned()),
+    ]);
+    labels.extend(request.labels.clone());
+    labels.insert(KWOK_MANAGED_LABEL.to_owned(), "true".to_owned());
+    labels.insert(LABEL_NODE_SET.to_owned(), request.node_set.clone());
+    labels.insert(LABEL_NODE_CLASS.to_owned(), request.node_class.clone());
+    let capacity = request
+        .class
+        .kwok
+        .as_ref()
+        .map(|k| k.capacity.clone())
+        .unwrap_or_default();
+    let mut status = json!({});
+    if !capacity.is_empty() {
+        status = json!({ "capacity": capacity, "allocatable": capacity });
+    }
+    let taints: Vec<serde_json::Value> = request
+        .taints
+        .iter()
+        .map(|t| json!({ "key": t.key, "value": t.value, "effect": t.effect }))
+        .collect();
+    json!({
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": request.node_name,
+            "labels": labels,
+            "annotations": { ANNOTATION_TEMPLATE_HASH: request.template_hash },
+        },
+        "spec": {
+            "providerID": format!("{PROVIDER_ID_PREFIX}{}", request.node_name),
+            "taints": taints,
+        },
+        "status": status,
+    })
+}
+
+fn machine_of(node: &Node) -> Option<Machine> {
+    let provider_id = node.spec.as_ref()?.provider_id.clone()?;
+    provider_id
+        .starts_with(PROVIDER_ID_PREFIX)
+        .then(|| Machine {
+            node_name: node.name_any(),
+            provider_id,
+            node_set: node.labels().get(LABEL_NODE_SET).cloned(),
+        })
+}
+
+fn name_of(provider_id: &str) -> &str {
+    provider_id
+        .strip_prefix(PROVIDER_ID_PREFIX)
+        .unwrap_or(provider_id)
+}
+
+impl Provider for KwokProvider {
+    fn kind(&self) -> &'static str {
+        "kwok"
+    }
+
+    fn create<'a>(
+        &'a self,
+        request: &'a MachineRequest,
+    ) -> BoxFuture<'a, Result<Machine, ProviderError>> {
+        Box::pin(async move {
+            let failed = |message: String| ProviderError::Create {
+                node: request.node_name.clone(),
+                message,
+            };
+            let node: Node =
+                serde_json::from_value(node_object(request)).map_err(|e| failed(e.to_string()))?;
+            match self.nodes.create(&PostParams::default(), &node).await {
+                Ok(node) => {
+                    machine_of(&node).ok_or_else(|| failed("created node has no providerID".into()))
+                }
+                // Idempotent: the machine exists already (a retry after a lost answer). Only a
+                // node of this set is taken for it; another's name is a real conflict.
+                Err(kube::Error::Api(s)) if s.code == 409 => {
+                    let existing = self
+                        .nodes
+                        .get(&request.node_name)
+                        .await
+                        .map_err(|e| failed(e.to_string()))?;
+                    match machine_of(&existing) {
+                        Some(m) if m.node_set.as_deref() == Some(request.node_set.as_str()) => {
+                            Ok(m)
+                        }
+                        _ => Err(failed(format!(
+                            "a node named {} exists and is not a machine of nodeset {}",
+                            request.node_name, request.node_set
+                        ))),
+                    }
+                }
+                Err(kube::Error::Api(s)) => Err(failed(s.message)),
+                Err(e) => Err(failed(e.to_string())),
+            }
+        })
+    }
+
+    fn delete<'a>(
+        &'a self,
+        machine: &'a Machine,
+    ) -> BoxFuture<'a, Result<Deletion, ProviderError>> {
+        Box::pin(async move {
+            match self
+                .nodes
+                .delete(name_of(&machine.provider_id), &DeleteParams::default())
+                .await
+            {
+                Ok(either) => Ok(if either.is_left() {
+                    Deletion::InProgress
+                } else {
+                    Deletion::Gone
+                }),
+                Err(kube::Error::Api(s)) if s.code == 404 => Ok(Deletion::Gone),
+                Err(e) => Err(ProviderError::Delete {
+                    id: machine.provider_id.clone(),
+                    message: e.to_string(),
+                }),
+            }
+        })
+    }
+
+    fn get<'a>(
+        &'a self,
+        provider_id: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Machine>, ProviderError>> {
+        Box::pin(async move {
+            self.nodes
+                .get_opt(name_of(provider_id))
+                .await
+                .map(|n| n.as_ref().and_then(machine_of))
+                .map_err(|e| ProviderError::Get {
+                    id: provider_id.to_owned(),
+                    message: e.to_string(),
+                })
+        })
+    }
+
+    fn list<'a>(&'a self, node_set: &'a str) -> BoxFuture<'a, Result<Vec<Machine>, ProviderError>> {
+        Box::pin(async move {
+            let params = ListParams::default().labels(&format!("{LABEL_NODE_SET}={node_set}"));
+            self.nodes
+                .list(&params)
+                .await
+                .map(|l| l.items.iter().filter_map(machine_of).collect())
+                .map_err(|e| ProviderError::List {
+                    node_set: node_set.to_owned(),
+                    message: e.to_string(),
+                })
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nodekeeper_api::crd::NodeClassSpec;
+    use nodekeeper_api::crd::node_class::{KwokTemplate, Provider as Kind, Taint, TaintEffect};
+
+    #[test]
+    fn the_node_carries_the_record() {
+        let request = MachineRequest {
+            node_name: "pool-abcde".into(),
+            node_set: "pool".into(),
+            node_class: "small".into(),
+            template_hash: "0123456789".into(),
+            labels: BTreeMap::from([("tier".into(), "web".into())]),
+            taints: vec![Taint {
+                key: "gpu".into(),
+                value: String::new(),
+                effect: TaintEffect::NoSchedule,
+            }],
+            class: NodeClassSpec {
+                provider: Kind::Kwok,
+                oci: None,
+                kwok: Some(KwokTemplate {
+                    capacity: BTreeMap::from([("cpu".into(), "8".into())]),
+                }),
+                labels: BTreeMap::new(),
+                taints: Vec::new(),
+            },
+        };
+        let node: Node = serde_json::from_value(node_object(&request)).unwrap();
+        assert_eq!(node.labels()[LABEL_NODE_SET], "pool");
+        assert_eq!(node.labels()[LABEL_NODE_CLASS], "small");
+        assert_eq!(node.labels()[KWOK_MANAGED_LABEL], "true");
+        assert_eq!(node.labels()["tier"], "web");
+        assert_eq!(node.annotations()[ANNOTATION_TEMPLATE_HASH], "0123456789");
+        let spec = node.spec.as_ref().unwrap();
+        assert_eq!(spec.provider_id.as_deref(), Some("kwok://pool-abcde"));
+        assert_eq!(spec.taints.as_ref().unwrap()[0].effect, "NoSchedule");
+        let m = machine_of(&node).unwrap();
+        assert_eq!(m.node_set.as_deref(), Some("pool"));
+        assert_eq!(name_of(&m.provider_id), "pool-abcde");
+    }
+}

@@ -1,0 +1,741 @@
+//! One NodeSet reconcile: check the spec and the class, read the set's nodes and drains from
+//! the caches, plan, then act — create machines (slow start, stopping at the first failure,
+//! backing off), start drains (one NodeMaintenance per node), delete drained machines, replace
+//! machines that never joined — and write the status if it changed.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use futures::StreamExt as _;
+use k8s_openapi::api::core::v1::Node;
+use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
+use kube::runtime::controller::Action;
+use kube::runtime::events::{Event, EventType};
+use kube::runtime::reflector::ObjectRef;
+use kube::{Api, Resource as _, ResourceExt as _};
+use nodekeeper_api::crd::common::{FieldError, format_field_errors};
+use nodekeeper_api::crd::node_class::NodeClassSpec;
+use nodekeeper_api::crd::node_maintenance::NodePhase;
+use nodekeeper_api::crd::node_set::{
+    ANNOTATION_DRAINED_NODE, ANNOTATION_TEMPLATE_HASH, MachineProblem, NodeSetStatus, NodeTemplate,
+    REASON_ABOVE_CAP, REASON_NODE_CLASS_NOT_FOUND, REASON_PROVIDER_FAILED,
+};
+use nodekeeper_api::crd::{NodeMaintenance, NodeSet};
+use nodekeeper_api::names::{API_VERSION, LABEL_NODE_SET, MANAGER_NODE_SET, REASON_INVALID_SPEC};
+use sha2::{Digest as _, Sha256};
+use tracing::{info, warn};
+
+use super::Context;
+use super::plan::{self, Health, Inputs, Leaving, MachineView};
+use super::provider::{Deletion, Machine, MachineRequest, Provider, ProviderError};
+use super::status::{self, Outcome};
+use crate::controllers::node_maintenance::status::REASON_REFUSED;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("wait for the nodeset caches (nodes, nodemaintenances, nodeclasses) to list")]
+    SyncCaches,
+    #[error("write status of nodeset {name}: {source}")]
+    WriteStatus { name: String, source: kube::Error },
+    #[error("create nodemaintenance {name}: {source}")]
+    CreateMaintenance { name: String, source: kube::Error },
+    #[error("delete nodemaintenance {name}: {source}")]
+    DeleteMaintenance { name: String, source: kube::Error },
+}
+
+pub fn error_policy(set: Arc<NodeSet>, error: &Error, _ctx: Arc<Context>) -> Action {
+    warn!(%error, nodeset = %set.name_any(), "nodeset reconcile failed; retrying");
+    Action::requeue(Duration::from_secs(5))
+}
+
+fn now_unix() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
+}
+
+fn rfc3339(unix: i64) -> String {
+    let t = UNIX_EPOCH + Duration::from_secs(u64::try_from(unix).unwrap_or(0));
+    humantime::format_rfc3339_seconds(t).to_string()
+}
+
+/// The hash of what a node is made from (class spec and set template): ten hex digits. A node
+/// whose `nodekeeper.dev/template-hash` differs is outdated and replaced.
+pub fn template_hash(class: &NodeClassSpec, template: &NodeTemplate) -> String {
+    let bytes = serde_json::to_vec(&(class, template)).unwrap_or_default();
+    hex::encode(&Sha256::digest(&bytes)[..5])
+}
+
+/// The name of the NodeMaintenance that drains `node` for its set.
+pub fn maintenance_name(node: &str) -> String {
+    format!("nodeset-drain-{node}")
+}
+
+/// A new machine's name: the set's name (cut so the whole fits a label value) and five
+/// characters that cannot spell words, as Kubernetes' generated names do.
+fn machine_name(set: &str, taken: &HashSet<String>) -> String {
+    const ALPHABET: &[u8] = b"bcdfghjklmnpqrstvwxz2456789";
+    let prefix: String = set.chars().take(57).collect();
+    let prefix = prefix.trim_end_matches(['-', '.']);
+    loop {
+        let suffix: String = (0..5)
+            .map(|_| ALPHABET[rand::random_range(0..ALPHABET.len())] as char)
+            .collect();
+        let name = format!("{prefix}-{suffix}");
+        if !taken.contains(&name) {
+            return name;
+        }
+    }
+}
+
+fn health_of(node: &Node) -> Health {
+    let ready = node
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .and_then(|cs| cs.iter().find(|c| c.type_ == "Ready"));
+    match ready {
+        None => Health::NeverJoined,
+        Some(c) if c.status == "True" => Health::Ready,
+        Some(_) => Health::NotReady,
+    }
+}
+
+/// Where a node's drain stands, from its NodeMaintenance's status.
+fn leaving_of(nm: &NodeMaintenance, node: &str) -> Leaving {
+    let Some(s) = &nm.status else {
+        return Leaving::Draining;
+    };
+    let name = nm.name_any();
+    if let Some(c) = s
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Ready" && c.reason == REASON_REFUSED)
+    {
+        return Leaving::Stuck(format!("nodemaintenance {name} refused: {}", c.message));
+    }
+    match s.nodes.iter().find(|p| p.node == node) {
+        Some(p) if p.phase == NodePhase::Drained => Leaving::Drained,
+        Some(p) if p.phase == NodePhase::Failed => Leaving::Stuck(format!(
+            "drain of node {node} failed (nodemaintenance {name}): {}",
+            p.message
+        )),
+        Some(_) => Leaving::Draining,
+        None if s.matched == 1 && s.drained == 1 => Leaving::Drained,
+        None => Leaving::Draining,
+    }
+}
+
+/// Since when the node is unhealthy for repair: Ready not `True`, or one of `conditions`
+/// `False`; the earliest such transition. `None` when healthy or never joined.
+fn unhealthy_since(node: &Node, conditions: &[String]) -> Option<i64> {
+    let cs = node.status.as_ref()?.conditions.as_ref()?;
+    if !cs.iter().any(|c| c.type_ == "Ready") {
+        return None;
+    }
+    cs.iter()
+        .filter(|c| {
+            (c.type_ == "Ready" && c.status != "True")
+                || (conditions.contains(&c.type_) && c.status == "False")
+        })
+        .map(|c| {
+            c.last_transition_time
+                .as_ref()
+                .map_or(0, |t| t.0.as_second())
+        })
+        .min()
+}
+
+fn machine_of(node: &Node) -> Machine {
+    Machine {
+        node_name: node.name_any(),
+        provider_id: node
+            .spec
+            .as_ref()
+            .and_then(|s| s.provider_id.clone())
+            .unwrap_or_else(|| format!("{}{}", super::kwok::PROVIDER_ID_PREFIX, node.name_any())),
+        node_set: node.labels().get(LABEL_NODE_SET).cloned(),
+    }
+}
+
+async fn publish(ctx: &Context, set: &NodeSet, type_: EventType, reason: &str, note: String) {
+    let event = Event {
+        type_,
+        reason: reason.into(),
+        note: Some(note),
+        action: reason.into(),
+        secondary: None,
+    };
+    if let Err(error) = ctx.recorder.publish(&event, &set.object_ref(&())).await {
+        warn!(%error, nodeset = %set.name_any(), reason, "publishing an event failed");
+    }
+}
+
+/// Writes the status when it differs from the stored one. Returns whether it wrote.
+async fn write_status(
+    api: &Api<NodeSet>,
+    name: &str,
+    current: Option<&NodeSetStatus>,
+    status: &NodeSetStatus,
+) -> Result<bool, Error> {
+    if current == Some(status) {
+        return Ok(false);
+    }
+    let body = serde_json::json!({
+        "apiVersion": API_VERSION,
+        "kind": "NodeSet",
+        "status": status,
+    });
+    api.patch_status(
+        name,
+        &PatchParams::apply(MANAGER_NODE_SET).force(),
+        &Patch::Apply(&body),
+    )
+    .await
+    .map_err(|source| Error::WriteStatus {
+        name: name.to_owned(),
+        source,
+    })?;
+    Ok(true)
+}
+
+/// Writes a refusal and says when to look again.
+async fn refuse(
+    ctx: &Context,
+    set: &NodeSet,
+    reason: &'static str,
+    message: String,
+    again: Action,
+) -> Result<Action, Error> {
+    let name = set.name_any();
+    let api: Api<NodeSet> = Api::all(ctx.client.clone());
+    let s = status::build(
+        set.status.as_ref(),
+        None,
+        Vec::new(),
+        0,
+        &Outcome::Refused {
+            reason,
+            message: message.clone(),
+        },
+        set.meta().generation,
+        &rfc3339(now_unix()),
+    );
+    if write_status(&api, &name, set.status.as_ref(), &s).await? {
+        info!(nodeset = %name, reason, %message, "nodeset refused");
+        publish(ctx, set, EventType::Warning, reason, message).await;
+    }
+    Ok(again)
+}
+
+pub async fn reconcile(set: Arc<NodeSet>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let name = set.name_any();
+    if set.meta().deletion_timestamp.is_some() {
+        // The nodes stay (deleting a set must not remove nodes without a drain; scale it to 0
+        // first); its NodeMaintenances go with it (owner references).
+        ctx.forget(&name);
+        return Ok(Action::await_change());
+    }
+
+    // The spec: what the schema cannot check, and the controller's cap.
+    let mut errors = set.spec.validate().err().unwrap_or_default();
+    let above_cap = set.spec.replicas > ctx.max_replicas;
+    if above_cap {
+        errors.push(FieldError::new(
+            "spec.replicas",
+            format!(
+                "{} is above the {} this controller allows (--nodeset-max-replicas, NODEKEEPER_NODESET_MAX_REPLICAS); lower spec.replicas or raise the cap",
+                set.spec.replicas, ctx.max_replicas
+            ),
+        ));
+    }
+    if !errors.is_empty() {
+        let reason = if above_cap && errors.len() == 1 {
+            REASON_ABOVE_CAP
+        } else {
+            REASON_INVALID_SPEC
+        };
+        let message = format!("nodeset {name}: {}", format_field_errors(&errors));
+        return refuse(&ctx, &set, reason, message, Action::await_change()).await;
+    }
+
+    let stores = ctx.stores().await?;
+    let Some(class) = stores
+        .classes
+        .get(&ObjectRef::new(&set.spec.node_class_name))
+    else {
+        let message = format!(
+            "spec.nodeClassName: NodeClass {:?} does not exist; create it, or name an existing NodeClass",
+            set.spec.node_class_name
+        );
+        return refuse(
+            &ctx,
+            &set,
+            REASON_NODE_CLASS_NOT_FOUND,
+            message,
+            Action::requeue(Duration::from_secs(10)),
+        )
+        .await;
+    };
+    let provider = match ctx.provider(class.spec.provider) {
+        Ok(p) => p,
+        Err(error) => {
+            let message = format!(
+                "spec.nodeClassName: NodeClass {}: {error}",
+                class.name_any()
+            );
+            return refuse(
+                &ctx,
+                &set,
+                REASON_PROVIDER_FAILED,
+                message,
+                Action::requeue(Duration::from_secs(60)),
+            )
+            .await;
+        }
+    };
+    let hash = template_hash(&class.spec, &set.spec.template);
+    // Validated above.
+    let repair_after = set.spec.repair.after().ok().flatten();
+    let join_timeout = ctx.join_timeout;
+    let now = now_unix();
+
+    // What the caches show of this set.
+    let nodes: BTreeMap<String, Arc<Node>> = stores
+        .nodes
+        .state()
+        .into_iter()
+        .filter(|n| n.labels().get(LABEL_NODE_SET) == Some(&name))
+        .map(|n| (n.name_any(), n))
+        .collect();
+    let maintenances: HashMap<String, Arc<NodeMaintenance>> = stores
+        .maintenances
+        .state()
+        .into_iter()
+        .filter(|m| m.labels().get(LABEL_NODE_SET) == Some(&name))
+        .filter_map(|m| Some((m.annotations().get(ANNOTATION_DRAINED_NODE)?.clone(), m)))
+        .collect();
+    let (in_flight, deleting) = ctx.memory(&name, |mem| {
+        let expiry = Duration::from_secs(120);
+        mem.in_flight
+            .retain(|n, at| !nodes.contains_key(n) && at.elapsed() < expiry);
+        mem.deleting
+            .retain(|n, at| nodes.contains_key(n) && at.elapsed() < expiry);
+        (
+            u32::try_from(mem.in_flight.len()).unwrap_or(u32::MAX),
+            mem.deleting.keys().cloned().collect::<HashSet<_>>(),
+        )
+    });
+    let views: Vec<MachineView> = nodes
+        .values()
+        .map(|n| {
+            let node = n.name_any();
+            let leaving = if deleting.contains(&node) {
+                Leaving::Deleting
+            } else if let Some(nm) = maintenances.get(&node) {
+                leaving_of(nm, &node)
+            } else {
+                Leaving::No
+            };
+            MachineView {
+                created: n.creation_timestamp().map_or(now, |t| t.0.as_second()),
+                health: health_of(n),
+                updated: n.annotations().get(ANNOTATION_TEMPLATE_HASH) == Some(&hash),
+                unhealthy_since: unhealthy_since(n, &set.spec.repair.conditions),
+                leaving,
+                name: node,
+            }
+        })
+        .collect();
+
+    let nm_api: Api<NodeMaintenance> = Api::all(ctx.client.clone());
+    // A drain whose node is gone has done its work.
+    for (node, nm) in &maintenances {
+        if !nodes.contains_key(node) {
+            delete_maintenance(&nm_api, &nm.name_any()).await?;
+        }
+    }
+
+    let (max_total, min_ready) = set.spec.rollout_bounds();
+    let plan = plan::plan(
+        &views,
+        Inputs {
+            replicas: set.spec.replicas,
+            max_total,
+            min_ready,
+            now,
+            join_timeout_secs: i64::try_from(join_timeout.as_secs()).unwrap_or(i64::MAX),
+            in_flight,
+            repair: repair_after.map(|after| plan::Repair {
+                after_secs: i64::try_from(after.as_secs()).unwrap_or(i64::MAX),
+                max_unhealthy: set.spec.repair.max_unhealthy(set.spec.replicas),
+            }),
+        },
+    );
+    for node in &plan.repair {
+        info!(nodeset = %name, node, "node unhealthy too long; draining it for replacement");
+    }
+
+    // Machines that never joined: deleted at once (no pod can have run there) and replaced.
+    let mut new_failed_joins = 0;
+    let mut stalled = None;
+    for node in &plan.replace {
+        let machine = machine_of(&nodes[node]);
+        ctx.calls.delete.fetch_add(1, Ordering::Relaxed);
+        match provider.delete(&machine).await {
+            Ok(_) => {
+                new_failed_joins += 1;
+                let message = format!(
+                    "machine {node} ({}) never joined: no Ready condition within {}; deleted, a new one replaces it",
+                    machine.provider_id,
+                    humantime::format_duration(join_timeout)
+                );
+                ctx.memory(&name, |mem| {
+                    mem.deleting.insert(node.clone(), Instant::now());
+                    mem.fail(message.clone());
+                });
+                if views.iter().any(|v| !v.updated && v.leaving == Leaving::No) {
+                    stalled = Some(message.clone());
+                }
+                publish(
+                    &ctx,
+                    &set,
+                    EventType::Warning,
+                    "MachineNeverJoined",
+                    message,
+                )
+                .await;
+            }
+            Err(error) => {
+                warn!(%error, nodeset = %name, node, "deleting a machine that never joined failed")
+            }
+        }
+    }
+
+    for node in &plan.reclaim {
+        delete_maintenance(&nm_api, &maintenances[node].name_any()).await?;
+    }
+    for node in &plan.drain {
+        create_maintenance(&nm_api, &set, node).await?;
+    }
+    for node in &plan.remove {
+        let machine = machine_of(&nodes[node]);
+        ctx.calls.delete.fetch_add(1, Ordering::Relaxed);
+        match provider.delete(&machine).await {
+            Ok(Deletion::Gone | Deletion::InProgress) => {
+                ctx.memory(&name, |mem| {
+                    mem.deleting.insert(node.clone(), Instant::now())
+                });
+            }
+            Err(error) => {
+                warn!(%error, nodeset = %name, node, "deleting a drained machine failed; retrying")
+            }
+        }
+    }
+
+    // Creates, unless the provider is backing off.
+    let mut requeue = ctx.recheck;
+    if plan.create > 0 {
+        match ctx.memory(&name, |mem| mem.backoff_left()) {
+            Some(wait) => requeue = wait.max(ctx.recheck),
+            None => {
+                let mut taken: HashSet<String> = nodes.keys().cloned().collect();
+                let requests: Vec<MachineRequest> = (0..plan.create)
+                    .map(|_| {
+                        let node_name = machine_name(&name, &taken);
+                        taken.insert(node_name.clone());
+                        request(&set, &class.name_any(), &class.spec, &hash, node_name)
+                    })
+                    .collect();
+                if let Err(error) = create_machines(&ctx, &provider, &name, &requests).await {
+                    let message = format!("provider {}: {error}", provider.kind());
+                    warn!(nodeset = %name, %message, "creating machines failed; backing off");
+                    ctx.memory(&name, |mem| mem.fail(message));
+                    if let Some(wait) = ctx.memory(&name, |mem| mem.backoff_left()) {
+                        requeue = wait;
+                    }
+                }
+            }
+        }
+    }
+
+    // Status.
+    let mut problems = Vec::new();
+    let mut blocked = None;
+    for v in &views {
+        let message = match &v.leaving {
+            Leaving::Stuck(m) => {
+                blocked.get_or_insert_with(|| m.clone());
+                m.clone()
+            }
+            Leaving::No if v.health == Health::NotReady => "not Ready".to_owned(),
+            _ => continue,
+        };
+        problems.push(MachineProblem {
+            node: v.name.clone(),
+            message,
+        });
+    }
+    let provider_error = ctx.memory(&name, |mem| mem.last_error.clone());
+    let converged = plan.create == 0
+        && plan.drain.is_empty()
+        && plan.remove.is_empty()
+        && plan.replace.is_empty()
+        && plan.reclaim.is_empty()
+        && in_flight == 0
+        && plan.counts.draining == 0
+        && plan.counts.replicas == set.spec.replicas
+        && plan.counts.ready == set.spec.replicas
+        && plan.counts.updated == set.spec.replicas;
+    let outcome = Outcome::Acting {
+        converged,
+        provider_error,
+        scale_down_blocked: blocked,
+        repair_halted: plan.repair_halted.map(|n| {
+            format!(
+                "{n} nodes are unhealthy, more than spec.repair.maxUnhealthy allows ({}); repair waits until fewer are",
+                set.spec.repair.max_unhealthy(set.spec.replicas)
+            )
+        }),
+        rollout_stalled: stalled,
+    };
+    let api: Api<NodeSet> = Api::all(ctx.client.clone());
+    let s = status::build(
+        set.status.as_ref(),
+        Some(plan.counts),
+        problems,
+        new_failed_joins,
+        &outcome,
+        set.meta().generation,
+        &rfc3339(now),
+    );
+    if write_status(&api, &name, set.status.as_ref(), &s).await? {
+        if let Outcome::Acting {
+            provider_error: Some(error),
+            ..
+        } = &outcome
+        {
+            publish(
+                &ctx,
+                &set,
+                EventType::Warning,
+                REASON_PROVIDER_FAILED,
+                error.clone(),
+            )
+            .await;
+        }
+    }
+    Ok(Action::requeue(if converged {
+        ctx.resync
+    } else {
+        requeue
+    }))
+}
+
+/// What to ask the provider for: the class's and the template's labels and taints on top of
+/// the set's own record.
+fn request(
+    set: &NodeSet,
+    class_name: &str,
+    class: &NodeClassSpec,
+    hash: &str,
+    node_name: String,
+) -> MachineRequest {
+    let mut labels = class.labels.clone();
+    labels.extend(set.spec.template.labels.clone());
+    let mut taints = class.taints.clone();
+    taints.extend(set.spec.template.taints.iter().cloned());
+    MachineRequest {
+        node_name,
+        node_set: set.name_any(),
+        node_class: class_name.to_owned(),
+        template_hash: hash.to_owned(),
+        labels,
+        taints,
+        class: class.clone(),
+    }
+}
+
+/// Creates machines in batches of 1, 2, 4, … (Kubernetes' slow start): a provider that fails
+/// every create costs one call, not a flood; a batch with a failure ends the round.
+async fn create_machines(
+    ctx: &Context,
+    provider: &Arc<dyn Provider>,
+    set: &str,
+    requests: &[MachineRequest],
+) -> Result<(), ProviderError> {
+    let mut batch = 1usize;
+    let mut start = 0;
+    while start < requests.len() {
+        let chunk = &requests[start..(start + batch).min(requests.len())];
+        ctx.memory(set, |mem| {
+            for r in chunk {
+                mem.in_flight.insert(r.node_name.clone(), Instant::now());
+            }
+        });
+        // Owned futures collected first: a closure over borrowed requests inside the stream
+        // trips the compiler's Send inference for the reconcile future.
+        let calls: Vec<_> = chunk
+            .iter()
+            .map(|r| create_one(Arc::clone(provider), r.clone()))
+            .collect();
+        let results: Vec<(String, Result<Machine, ProviderError>)> = futures::stream::iter(calls)
+            .buffer_unordered(ctx.create_concurrency)
+            .collect()
+            .await;
+        let mut first_error = None;
+        for (node, result) in results {
+            match result {
+                Ok(_) => {
+                    ctx.calls.create_ok.fetch_add(1, Ordering::Relaxed);
+                    ctx.memory(set, |mem| mem.succeed());
+                }
+                Err(error) => {
+                    ctx.calls.create_failed.fetch_add(1, Ordering::Relaxed);
+                    ctx.memory(set, |mem| mem.in_flight.remove(&node));
+                    first_error.get_or_insert(error);
+                }
+            }
+        }
+        if let Some(error) = first_error {
+            return Err(error);
+        }
+        start += chunk.len();
+        batch = batch.saturating_mul(2);
+    }
+    Ok(())
+}
+
+async fn create_one(
+    provider: Arc<dyn Provider>,
+    request: MachineRequest,
+) -> (String, Result<Machine, ProviderError>) {
+    let result = provider.create(&request).await;
+    (request.node_name, result)
+}
+
+/// Starts the drain of `node`: a NodeMaintenance in stage Drain selecting exactly that node,
+/// with the set's drain timeout and on-timeout action, owned by the set.
+async fn create_maintenance(
+    api: &Api<NodeMaintenance>,
+    set: &NodeSet,
+    node: &str,
+) -> Result<(), Error> {
+    let name = maintenance_name(node);
+    let body = serde_json::json!({
+        "apiVersion": API_VERSION,
+        "kind": "NodeMaintenance",
+        "metadata": {
+            "name": name,
+            "labels": { LABEL_NODE_SET: set.name_any() },
+            "annotations": { ANNOTATION_DRAINED_NODE: node },
+            "ownerReferences": [{
+                "apiVersion": API_VERSION,
+                "kind": "NodeSet",
+                "name": set.name_any(),
+                "uid": set.uid().unwrap_or_default(),
+                "controller": true,
+            }],
+        },
+        "spec": {
+            "nodeSelector": { "matchLabels": { "kubernetes.io/hostname": node } },
+            "stage": "Drain",
+            "drainTimeout": set.spec.scale_down.drain_timeout,
+            "onTimeout": set.spec.scale_down.on_timeout,
+            // The selection is one node the set chose by name; in a small cluster it can be
+            // every node, which the maintenance would otherwise refuse.
+            "allowBroadSelection": true,
+            "reason": format!("nodeset {}: node {node} leaves the set", set.name_any()),
+        },
+    });
+    let nm: NodeMaintenance =
+        serde_json::from_value(body).map_err(|e| Error::CreateMaintenance {
+            name: name.clone(),
+            source: kube::Error::SerdeError(e),
+        })?;
+    match api.create(&PostParams::default(), &nm).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
+        Err(source) => Err(Error::CreateMaintenance { name, source }),
+    }
+}
+
+async fn delete_maintenance(api: &Api<NodeMaintenance>, name: &str) -> Result<(), Error> {
+    match api.delete(name, &DeleteParams::default()).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
+        Err(source) => Err(Error::DeleteMaintenance {
+            name: name.to_owned(),
+            source,
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nodekeeper_api::crd::node_maintenance::{NodeMaintenanceStatus, NodeProgress};
+
+    #[test]
+    fn template_hash_follows_class_and_template_only() {
+        let class: NodeClassSpec =
+            serde_json::from_value(serde_json::json!({"provider": "kwok", "kwok": {}})).unwrap();
+        let t = NodeTemplate::default();
+        let a = template_hash(&class, &t);
+        assert_eq!(a.len(), 10);
+        assert_eq!(a, template_hash(&class, &t));
+        let mut t2 = t.clone();
+        t2.labels.insert("tier".into(), "web".into());
+        assert_ne!(a, template_hash(&class, &t2));
+    }
+
+    #[test]
+    fn machine_names_are_label_values_and_unique() {
+        let long = "a".repeat(200);
+        let mut taken = HashSet::new();
+        for _ in 0..100 {
+            let n = machine_name(&long, &taken);
+            assert!(n.len() <= 63, "{n}");
+            assert!(taken.insert(n));
+        }
+    }
+
+    #[test]
+    fn the_drain_state_comes_from_the_maintenance() {
+        let mut nm: NodeMaintenance = serde_json::from_value(serde_json::json!({
+            "apiVersion": API_VERSION, "kind": "NodeMaintenance",
+            "metadata": {"name": "nodeset-drain-a"},
+            "spec": {"nodeSelector": {"matchLabels": {"kubernetes.io/hostname": "a"}}}
+        }))
+        .unwrap();
+        assert_eq!(leaving_of(&nm, "a"), Leaving::Draining);
+        let progress = |phase, message: &str| NodeProgress {
+            node: "a".into(),
+            phase,
+            drain_start_time: None,
+            pods_remaining: 0,
+            blocking_pods: vec![],
+            omitted_blocking_pods: 0,
+            skipped_pods: vec![],
+            omitted_skipped_pods: 0,
+            local_storage_pods: vec![],
+            message: message.into(),
+        };
+        nm.status = Some(NodeMaintenanceStatus {
+            matched: 1,
+            nodes: vec![progress(NodePhase::Draining, "")],
+            ..Default::default()
+        });
+        assert_eq!(leaving_of(&nm, "a"), Leaving::Draining);
+        nm.status.as_mut().unwrap().nodes = vec![progress(NodePhase::Drained, "")];
+        assert_eq!(leaving_of(&nm, "a"), Leaving::Drained);
+        nm.status.as_mut().unwrap().nodes =
+            vec![progress(NodePhase::Failed, "timed out; 1 pod left")];
+        match leaving_of(&nm, "a") {
+            Leaving::Stuck(m) => assert!(m.contains("timed out"), "{m}"),
+            other => panic!("{other:?}"),
+        }
+    }
+}
