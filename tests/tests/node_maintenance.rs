@@ -1425,3 +1425,53 @@ async fn concurrency_per_maintenance_and_cluster_wide() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// The eviction the controller sends carries the listed pod's UID, and the real API server
+/// enforces it: a replacement with the same name (a StatefulSet's, still Pending) is never
+/// evicted in place of the pod that was listed. kube 5.0's own `Api::evict` drops the options
+/// (it names the field `delete_options`), which once let a drain evict a StatefulSet's new pod.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_eviction_for_a_pod_that_is_gone_spares_its_same_named_replacement() -> anyhow::Result<()>
+{
+    use nodekeeper_controller::controllers::node_maintenance::eviction::{self, EvictionAnswer};
+    let client = ControlPlane::shared().client().await?;
+    let ns = test_namespace(&client, "nk-evict-uid").await?;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    // Never scheduled (no node has this label): Pending, which the eviction subresource deletes
+    // without consulting any budget — the case where a wrong target costs a pod.
+    let pending = |name: &str| {
+        serde_json::from_value::<Pod>(json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": { "name": name },
+            "spec": {
+                "nodeSelector": { "nodekeeper.dev/no-such-node": "x" },
+                "containers": [{ "name": "c", "image": "registry.invalid/x:1" }],
+            },
+        }))
+    };
+    let old = pods.create(&PostParams::default(), &pending("db-0")?).await?;
+    let old_uid = old.uid().context("uid")?;
+    pods.delete("db-0", &DeleteParams::default().grace_period(0))
+        .await?;
+    wait_for("the first db-0 gone", TIMEOUT, || async {
+        Ok(pods.get_opt("db-0").await?.is_none().then_some(()))
+    })
+    .await?;
+    let replacement = pods.create(&PostParams::default(), &pending("db-0")?).await?;
+    let answer = eviction::send(&pods, "db-0", Some(&old_uid)).await;
+    ensure!(answer == EvictionAnswer::Gone, "{answer:?}");
+    let now = pods.get("db-0").await?;
+    ensure!(
+        now.uid() == replacement.uid() && now.metadata.deletion_timestamp.is_none(),
+        "the replacement must be untouched"
+    );
+    // The right UID evicts it.
+    let answer = eviction::send(&pods, "db-0", replacement.uid().as_deref()).await;
+    ensure!(answer == EvictionAnswer::Evicted, "{answer:?}");
+    let gone = pods
+        .get_opt("db-0")
+        .await?
+        .is_none_or(|p| p.metadata.deletion_timestamp.is_some());
+    ensure!(gone, "the evicted pod is deleted or terminating");
+    Ok(())
+}

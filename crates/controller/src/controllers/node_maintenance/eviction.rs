@@ -5,6 +5,10 @@
 
 use std::collections::BTreeMap;
 
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::policy::v1::Eviction;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{DeleteOptions, ObjectMeta, Preconditions};
+use kube::api::{Api, PostParams};
 use nodekeeper_api::crd::LabelSelector;
 
 /// A PodDisruptionBudget as read at the start of a reconcile.
@@ -83,6 +87,51 @@ pub enum EvictionAnswer {
     },
     /// Refused for another reason; reported, tried again later.
     Failed { message: String },
+}
+
+/// Sends one `policy/v1` Eviction for the pod `name` whose UID is `uid`, and says how it ended.
+///
+/// The body is written here rather than through `kube::Api::evict`: kube 5.0 serialises its
+/// options as `delete_options`, a field the API server does not know and drops, so the UID
+/// precondition never reached it and a StatefulSet's replacement (same name, new UID, still
+/// Pending) could be evicted in place of the pod that was listed. With the precondition, an
+/// eviction aimed at a pod that is gone answers 409 and is reported as [`EvictionAnswer::Gone`].
+pub async fn send(api: &Api<Pod>, name: &str, uid: Option<&str>) -> EvictionAnswer {
+    let eviction = Eviction {
+        metadata: ObjectMeta {
+            name: Some(name.to_owned()),
+            ..ObjectMeta::default()
+        },
+        delete_options: Some(DeleteOptions {
+            preconditions: uid.map(|uid| Preconditions {
+                uid: Some(uid.to_owned()),
+                resource_version: None,
+            }),
+            ..DeleteOptions::default()
+        }),
+    };
+    let answer: Result<serde_json::Value, kube::Error> = api
+        .create_subresource("eviction", name, &PostParams::default(), &eviction)
+        .await;
+    match answer {
+        Ok(_) => EvictionAnswer::Evicted,
+        Err(kube::Error::Api(status)) => {
+            let causes: Vec<String> = status
+                .details
+                .as_ref()
+                .map(|d| d.causes.iter().map(|c| c.message.clone()).collect())
+                .unwrap_or_default();
+            // A UID precondition that fails means the pod we listed is gone.
+            if status.code == 409 && status.message.contains("UID") {
+                EvictionAnswer::Gone
+            } else {
+                classify(status.code, &status.message, &causes)
+            }
+        }
+        Err(error) => EvictionAnswer::Failed {
+            message: error.to_string(),
+        },
+    }
 }
 
 /// Classifies an answer: HTTP `code`, the Status `message`, and its `details.causes[].message`.

@@ -12,7 +12,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use futures::StreamExt as _;
 use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::api::{Api, DeleteParams, EvictParams, Patch, PatchParams, Preconditions};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, Preconditions};
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType};
 use kube::{Resource as _, ResourceExt as _};
@@ -29,7 +29,7 @@ use tracing::{info, warn};
 use super::Context;
 use super::admission::{self, CONTROL_PLANE_LABEL, Selection};
 use super::cache::{CachedNode, CachedPod, NotReady};
-use super::eviction::{Admit, EvictionAnswer, admit, classify};
+use super::eviction::{self, Admit, EvictionAnswer, admit};
 use super::plan::{self, DeadlineStep, Owner, PodFacts, Rules};
 use super::record::{self, Hold, HoldPhase, NodeRecord};
 use super::stage::{self, Limits, NodeHold, Target};
@@ -1104,37 +1104,14 @@ async fn evict(
     let attempts = futures::stream::iter(which.iter().copied().map(|(j, i)| {
         let pod = &jobs[j].pods[i];
         let api: Api<Pod> = Api::namespaced(client.clone(), &pod.facts.namespace);
-        let params = EvictParams {
-            delete_options: Some(DeleteParams {
-                preconditions: Some(Preconditions {
-                    uid: pod.uid.clone(),
-                    resource_version: None,
-                }),
-                ..DeleteParams::default()
-            }),
-            ..EvictParams::default()
-        };
         let name = pod.facts.name.clone();
+        let namespace = pod.facts.namespace.clone();
+        let uid = pod.uid.clone();
         async move {
-            let answer = match api.evict(&name, &params).await {
-                Ok(_) => EvictionAnswer::Evicted,
-                Err(kube::Error::Api(status)) => {
-                    let causes: Vec<String> = status
-                        .details
-                        .as_ref()
-                        .map(|d| d.causes.iter().map(|c| c.message.clone()).collect())
-                        .unwrap_or_default();
-                    // A UID precondition that fails means the pod we listed is gone.
-                    if status.code == 409 && status.message.contains("UID") {
-                        EvictionAnswer::Gone
-                    } else {
-                        classify(status.code, &status.message, &causes)
-                    }
-                }
-                Err(error) => EvictionAnswer::Failed {
-                    message: error.to_string(),
-                },
-            };
+            let answer = eviction::send(&api, &name, uid.as_deref()).await;
+            if answer == EvictionAnswer::Evicted {
+                info!(%namespace, pod = %name, uid = uid.as_deref().unwrap_or(""), "pod evicted");
+            }
             (j, i, answer)
         }
     }))
