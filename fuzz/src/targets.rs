@@ -653,6 +653,15 @@ fn check_plan(desired: &NetworkState, observed: &Observed) {
         Ok(after) => after,
         Err(problem) => panic!("{problem}\nplan: {plan:?}\nobserved: {observed:?}"),
     };
+    // Deleting a link takes its VLANs and macvlans along: no link nodekeeper does not own may
+    // go that way either.
+    for o in observed.links.iter().filter(|o| !o.owned()) {
+        assert!(
+            after.links.iter().any(|a| a.index == o.index),
+            "applying the plan removes {}, which nodekeeper does not own\nplan: {plan:?}\nobserved: {observed:?}",
+            o.name
+        );
+    }
     match nodekeeper_netconf::plan(desired, &after) {
         Ok(again) => assert_eq!(
             again,

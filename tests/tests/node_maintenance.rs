@@ -1449,7 +1449,9 @@ async fn an_eviction_for_a_pod_that_is_gone_spares_its_same_named_replacement() 
             },
         }))
     };
-    let old = pods.create(&PostParams::default(), &pending("db-0")?).await?;
+    let old = pods
+        .create(&PostParams::default(), &pending("db-0")?)
+        .await?;
     let old_uid = old.uid().context("uid")?;
     pods.delete("db-0", &DeleteParams::default().grace_period(0))
         .await?;
@@ -1457,7 +1459,9 @@ async fn an_eviction_for_a_pod_that_is_gone_spares_its_same_named_replacement() 
         Ok(pods.get_opt("db-0").await?.is_none().then_some(()))
     })
     .await?;
-    let replacement = pods.create(&PostParams::default(), &pending("db-0")?).await?;
+    let replacement = pods
+        .create(&PostParams::default(), &pending("db-0")?)
+        .await?;
     let answer = eviction::send(&pods, "db-0", Some(&old_uid)).await;
     ensure!(answer == EvictionAnswer::Gone, "{answer:?}");
     let now = pods.get("db-0").await?;

@@ -214,6 +214,20 @@ pub enum PlanError {
         name: String,
         message: String,
     },
+    /// Deleting a link takes every VLAN and macvlan on it along (the kernel removes upper
+    /// devices with their lower one), so a link that carries an interface the plan keeps is
+    /// never deleted.
+    #[error(
+        "link {link} was created by nodekeeper and this state {action} it, but {child} ({whose}) is on it and the kernel would delete {child} with it; {fix}"
+    )]
+    WouldTakeChild {
+        link: String,
+        /// "removes", or "re-creates" (a change of kind, VLAN id, parent or MAC).
+        action: &'static str,
+        child: String,
+        whose: &'static str,
+        fix: String,
+    },
 }
 
 /// The ordered plan.
@@ -514,6 +528,41 @@ pub fn plan(desired: &NetworkState, observed: &Observed) -> Result<Plan, PlanErr
         }
     }
     let gone: BTreeSet<u32> = delete_links.iter().map(|o| o.index).collect();
+    // Found by the fuzz campaign (fuzz/regressions/netconf): deleting a link removes its VLANs
+    // and macvlans too, so every link on one the plan deletes must be deleted by the plan.
+    for o in &observed.links {
+        if gone.contains(&o.index) {
+            continue;
+        }
+        let mut cur = o.parent_index;
+        for _ in 0..16 {
+            let Some(p) = cur else { break };
+            if gone.contains(&p) {
+                let link = observed.link_name(p).unwrap_or("?").to_string();
+                let (action, keep) = if recreated.contains(&link) {
+                    ("re-creates", format!("leave {link} as it is"))
+                } else {
+                    ("removes", format!("keep {link} in links"))
+                };
+                let (whose, fix) = if o.owned() {
+                    ("created by nodekeeper and still wanted", keep)
+                } else {
+                    (
+                        "not created by nodekeeper",
+                        format!("{keep}, or delete {} yourself first", o.name),
+                    )
+                };
+                return Err(PlanError::WouldTakeChild {
+                    link,
+                    action,
+                    child: o.name.clone(),
+                    whose,
+                    fix,
+                });
+            }
+            cur = observed.link_by_index(p).and_then(|x| x.parent_index);
+        }
+    }
 
     // Deletions: rules, routes, addresses of owned objects no longer wanted.
     let mut steps = Vec::new();

@@ -282,3 +282,42 @@ fn changed_vlan_id_recreates_the_link() {
         ]
     );
 }
+
+/// Someone else's VLAN on a macvlan nodekeeper made: dropping the macvlan from the state, or
+/// changing it so that it must be re-created, would take their VLAN with it (the kernel deletes
+/// upper devices with their lower one). The plan is refused, naming both and the fix.
+#[test]
+fn a_link_carrying_someone_elses_interface_is_never_deleted() {
+    let mut applied = simulate(host(), &plan(&bm_desired(), &host()).unwrap());
+    let nkm21 = applied.link_by_name("nkm21").unwrap().index;
+    applied.links.push(ObservedLink {
+        kind: "vlan".into(),
+        parent_index: Some(nkm21),
+        vlan_id: Some(99),
+        ..link(90, "theirs.99", "02:00:17:1b:08:21")
+    });
+
+    let e = plan(&NetworkState::default(), &applied)
+        .unwrap_err()
+        .to_string();
+    assert_eq!(
+        e,
+        "link nkm21 was created by nodekeeper and this state removes it, but theirs.99 (not \
+         created by nodekeeper) is on it and the kernel would delete theirs.99 with it; keep \
+         nkm21 in links, or delete theirs.99 yourself first"
+    );
+
+    let mut d = bm_desired();
+    d.links[1].mac = Some("02:00:17:1b:08:99".into());
+    let e = plan(&d, &applied).unwrap_err().to_string();
+    assert!(
+        e.contains("this state re-creates it") && e.contains("leave nkm21 as it is"),
+        "{e}"
+    );
+
+    // Without the foreign VLAN both plans go through, and leave nothing behind.
+    applied.links.retain(|l| l.name != "theirs.99");
+    let p = plan(&NetworkState::default(), &applied).unwrap();
+    let after = simulate(applied, &p);
+    assert!(after.links.iter().all(|l| !l.owned()));
+}
