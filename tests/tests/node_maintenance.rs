@@ -369,6 +369,26 @@ struct Deletions {
     seen: Mutex<BTreeMap<String, Deletion>>,
     /// When a pod of an app was first seen Running on a node: (app, node) → time.
     running: Mutex<BTreeMap<(String, String), Instant>>,
+    /// Deletions another Kubernetes component made and said so in the pod's `DisruptionTarget`
+    /// condition (the taint manager when a loaded machine lets a kwok node's heartbeat lapse,
+    /// pod GC, preemption): key → that condition's reason. Not the controller's doing, so not in
+    /// `seen`; kept to be named when an assertion fails.
+    others: Mutex<BTreeMap<String, String>>,
+}
+
+/// The reason of a pod's `DisruptionTarget` condition when a component other than the Eviction
+/// API set it.
+fn disrupted_by_another(pod: &Pod) -> Option<String> {
+    let reason = pod
+        .status
+        .as_ref()?
+        .conditions
+        .as_ref()?
+        .iter()
+        .find(|c| c.type_ == "DisruptionTarget" && c.status == "True")?
+        .reason
+        .clone()?;
+    (reason != "EvictionByEvictionAPI").then_some(reason)
 }
 
 fn watch_deletions(client: &kube::Client, ns: &str) -> Arc<Deletions> {
@@ -395,8 +415,12 @@ fn watch_deletions(client: &kube::Client, ns: &str) -> Arc<Deletions> {
                     .or_insert_with(Instant::now);
             }
             if pod.metadata.deletion_timestamp.is_some() {
-                let mut seen = sink.seen.lock().unwrap();
                 let key = format!("{}@{}", pod.name_any(), pod.uid().unwrap_or_default());
+                if let Some(reason) = disrupted_by_another(&pod) {
+                    sink.others.lock().unwrap().insert(key, reason);
+                    continue;
+                }
+                let mut seen = sink.seen.lock().unwrap();
                 seen.entry(key).or_insert((
                     Instant::now(),
                     pod.metadata.deletion_grace_period_seconds,
@@ -644,8 +668,9 @@ async fn drain_in_order_behind_pdbs_and_restore_on_complete() -> anyhow::Result<
         let (front, back, db) = (when("front"), when("back"), when("db"));
         ensure!(
             front.len() == 2 && back.len() == 2 && db.len() == 1,
-            "evictions: {:?}",
-            seen.values().map(|v| &v.2).collect::<Vec<_>>()
+            "evictions: {:?}; deleted by other components: {:?}",
+            seen.values().map(|v| &v.2).collect::<Vec<_>>(),
+            deletions.others.lock().unwrap()
         );
         let last_front = front.iter().max().unwrap();
         ensure!(
