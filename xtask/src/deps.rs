@@ -46,6 +46,11 @@ pub const TEST: &[Requirement] = &[
         package: Some("prometheus"),
         why: "checks and unit-tests the chart's alert rules",
     },
+    Requirement {
+        command: "prometheus",
+        package: Some("prometheus"),
+        why: "scrapes a live controller and agent and answers the dashboard's queries",
+    },
     // The VM's kernel comes from `apt-get download` (no install) and is unpacked with `dpkg-deb`;
     // its initramfs is packed by our own cpio writer, so neither needs a package of its own.
 ];

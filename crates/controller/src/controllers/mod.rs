@@ -109,6 +109,7 @@ pub async fn start<C: Reconciler>(
     shutdown: CancellationToken,
 ) {
     let config = ControllerConfig::default().concurrency(ctx.concurrency().max(1));
+    let objects = metrics.objects.clone();
     let reconcile = move |obj: Arc<C::Object>, ctx: Arc<C>| {
         let span = tracing::info_span!(
             "reconcile",
@@ -127,6 +128,8 @@ pub async fn start<C: Reconciler>(
     };
     info!(controller = C::NAME, "controller starting");
     let mut controller = Controller::new(ctx.api(), ctx.watcher_config()).with_config(config);
+    // Status gauges from this controller's own cache, until it stops (metrics::ObjectStatus).
+    let _status_gauges = objects.track(controller.store());
     if let Some(trigger) = ctx.reconcile_all_on() {
         controller = controller.reconcile_all_on(trigger);
     }

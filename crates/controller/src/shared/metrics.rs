@@ -1,9 +1,12 @@
 //! The controller's Prometheus metrics: one struct and one sub-registry per subsystem (`sweep`,
 //! `conditions`, `tuning`, `controller`, `agents`, `reconcile`, `problems`, `cloud`), and only bounded
 //! label values (outcome classes, method and controller names, condition types and statuses —
-//! never node names, object names or error strings). The one exception to the `nodekeeper_`
+//! never node names or error strings). The one exception to the `nodekeeper_`
 //! prefix is node-problem-detector's `problem_counter` / `problem_gauge`, kept under NPD's names
-//! so that alert rules written for NPD keep working ([`ProblemTotals`]).
+//! so that alert rules written for NPD keep working ([`ProblemTotals`]). Object names appear
+//! only in the status gauges of the objects people create ([`ObjectStatus`]: NetworkTest,
+//! NodeMaintenance, NodeNetworkConfig), one series per object while it exists, as
+//! kube-state-metrics does, so that an alert can name the object to look at.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -16,6 +19,12 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
+
+use kube::runtime::reflector::Store;
+use nodekeeper_api::crd::common::{Condition, ConditionStatus};
+use nodekeeper_api::crd::network_test::Phase;
+use nodekeeper_api::crd::{NetworkTest, NodeMaintenance, NodeNetworkConfig};
+use nodekeeper_api::names::{CONDITION_PROGRESSING, REASON_PAUSED};
 
 pub use super::agent_client::CallOutcome;
 
@@ -119,13 +128,18 @@ impl Metrics {
         let totals = Arc::new(ProblemTotals::default());
         registry.register_collector(Box::new(Arc::clone(&totals)));
         let root = registry.sub_registry_with_prefix("nodekeeper");
+        let objects = ObjectStatus::default();
+        root.register_collector(Box::new(objects.clone()));
         Self {
             sweep: SweepMetrics::register(root.sub_registry_with_prefix("sweep")),
             conditions: ConditionMetrics::register(root.sub_registry_with_prefix("conditions")),
             tuning: TuningMetrics::register(root.sub_registry_with_prefix("tuning")),
             runtime: RuntimeMetrics::register(root.sub_registry_with_prefix("controller")),
             agents: AgentMetrics::register(root.sub_registry_with_prefix("agents")),
-            reconcile: ReconcileMetrics::register(root.sub_registry_with_prefix("reconcile")),
+            reconcile: ReconcileMetrics::register(
+                root.sub_registry_with_prefix("reconcile"),
+                objects,
+            ),
             problems: ProblemMetrics::register(root.sub_registry_with_prefix("problems"), totals),
             cloud: CloudMetrics::register(root.sub_registry_with_prefix("cloud")),
         }
@@ -428,12 +442,15 @@ pub struct ControllerLabels {
     pub controller: &'static str,
 }
 
-/// Reconciles of every watch-reconcile controller, labelled by controller name only.
+/// Reconciles of every watch-reconcile controller, labelled by controller name only, and the
+/// status gauges of the objects they cache.
 #[derive(Clone)]
 pub struct ReconcileMetrics {
     pub runs: Family<ControllerLabels, Counter>,
     pub failures: Family<ControllerLabels, Counter>,
     pub seconds: Family<ControllerLabels, Histogram>,
+    /// Each running controller's cache, read at scrape time ([`ObjectStatus::track`]).
+    pub objects: ObjectStatus,
 }
 
 impl Default for ReconcileMetrics {
@@ -444,13 +461,17 @@ impl Default for ReconcileMetrics {
             seconds: Family::new_with_constructor(|| {
                 Histogram::new(exponential_buckets(0.005, 2.0, 18))
             }),
+            objects: ObjectStatus::default(),
         }
     }
 }
 
 impl ReconcileMetrics {
-    fn register(reconcile: &mut Registry) -> Self {
-        let m = Self::default();
+    fn register(reconcile: &mut Registry, objects: ObjectStatus) -> Self {
+        let m = Self {
+            objects,
+            ..Self::default()
+        };
         reconcile.register("runs", "Reconciles started, by controller", m.runs.clone());
         reconcile.register(
             "failures",
@@ -469,10 +490,210 @@ impl ReconcileMetrics {
     pub fn record(&self, controller: &'static str, ok: bool, seconds: f64) {
         let labels = ControllerLabels { controller };
         self.runs.get_or_create(&labels).inc();
+        // The failures series exists from the first reconcile, at 0: `rate()` and `increase()`
+        // then count the first failure too, and the dashboard's panel has a series to show.
+        let failures = self.failures.get_or_create(&labels);
         if !ok {
-            self.failures.get_or_create(&labels).inc();
+            failures.inc();
         }
         self.seconds.get_or_create(&labels).observe(seconds);
+    }
+}
+
+/// The status gauges of the objects that people create and controllers report on, read at
+/// scrape time from each running controller's own cache (kube's reflector store): a series
+/// exists while its object does and while this replica runs its controller, so nothing is left
+/// behind when an object is deleted or leadership moves. One value per object:
+///
+/// - `nodekeeper_networktest_phase{namespace,name,phase}` 1 (the phase; `Pending` before the
+///   first status);
+/// - `nodekeeper_nodemaintenance_nodes{name,state}`: the status counts (`matched`, `cordoned`,
+///   `drained`, `blocked`, `failed`);
+/// - `nodekeeper_nodenetworkconfig_nodes{name,state}`: the status counts (`matched`,
+///   `attached`, `applied`, `failing`), and `nodekeeper_nodenetworkconfig_paused{name}` 1 while
+///   the rollout is paused (`Progressing=False`, reason `FailureThresholdReached`).
+#[derive(Clone, Default)]
+pub struct ObjectStatus {
+    sources: Arc<Mutex<Sources>>,
+}
+
+/// Reads one cache into the samples.
+type Source = Box<dyn Fn(&mut StatusSamples) + Send + Sync>;
+
+#[derive(Default)]
+struct Sources {
+    next: u64,
+    by_id: BTreeMap<u64, Source>,
+}
+
+impl std::fmt::Debug for ObjectStatus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let sources = self.sources.lock().unwrap_or_else(PoisonError::into_inner);
+        f.debug_struct("ObjectStatus")
+            .field("caches", &sources.by_id.len())
+            .finish()
+    }
+}
+
+/// A cache being read; dropping it (the controller stopped) removes its series.
+#[must_use = "the cache is read only while this is held"]
+pub struct Tracked {
+    id: u64,
+    sources: Arc<Mutex<Sources>>,
+}
+
+impl Drop for Tracked {
+    fn drop(&mut self) {
+        let mut sources = self.sources.lock().unwrap_or_else(PoisonError::into_inner);
+        sources.by_id.remove(&self.id);
+    }
+}
+
+impl ObjectStatus {
+    /// Reads `store` at every scrape until the returned guard is dropped. Kinds without status
+    /// gauges are accepted and add nothing, so every controller can be tracked the same way.
+    pub fn track<K>(&self, store: Store<K>) -> Tracked
+    where
+        K: kube::Resource<DynamicType = ()> + Clone + Send + Sync + 'static,
+    {
+        let source: Source = Box::new(move |out| {
+            for object in store.state() {
+                out.add(object.as_ref());
+            }
+        });
+        let mut sources = self.sources.lock().unwrap_or_else(PoisonError::into_inner);
+        let id = sources.next;
+        sources.next += 1;
+        sources.by_id.insert(id, source);
+        Tracked {
+            id,
+            sources: Arc::clone(&self.sources),
+        }
+    }
+
+    fn samples(&self) -> StatusSamples {
+        let sources = self.sources.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut out = StatusSamples::default();
+        for source in sources.by_id.values() {
+            source(&mut out);
+        }
+        out
+    }
+}
+
+/// One gauge sample: its labels and value.
+type Sample = (Vec<(&'static str, String)>, i64);
+
+/// One scrape's status samples, by family.
+#[derive(Debug, Default, PartialEq)]
+struct StatusSamples {
+    networktest_phase: Vec<Sample>,
+    maintenance_nodes: Vec<Sample>,
+    network_config_nodes: Vec<Sample>,
+    network_config_paused: Vec<Sample>,
+}
+
+impl StatusSamples {
+    fn add<K: std::any::Any>(&mut self, object: &K) {
+        let object = object as &dyn std::any::Any;
+        if let Some(test) = object.downcast_ref::<NetworkTest>() {
+            let phase = match test.status.as_ref().and_then(|s| s.phase) {
+                None | Some(Phase::Pending) => "Pending",
+                Some(Phase::Running) => "Running",
+                Some(Phase::Succeeded) => "Succeeded",
+                Some(Phase::Failed) => "Failed",
+            };
+            let labels = vec![
+                (
+                    "namespace",
+                    test.metadata.namespace.clone().unwrap_or_default(),
+                ),
+                ("name", test.metadata.name.clone().unwrap_or_default()),
+                ("phase", phase.to_owned()),
+            ];
+            self.networktest_phase.push((labels, 1));
+        } else if let Some(maintenance) = object.downcast_ref::<NodeMaintenance>() {
+            let name = maintenance.metadata.name.clone().unwrap_or_default();
+            let s = maintenance.status.clone().unwrap_or_default();
+            let counts = [
+                ("matched", s.matched),
+                ("cordoned", s.cordoned),
+                ("drained", s.drained),
+                ("blocked", s.blocked),
+                ("failed", s.failed),
+            ];
+            self.maintenance_nodes.extend(by_state(&name, counts));
+        } else if let Some(config) = object.downcast_ref::<NodeNetworkConfig>() {
+            let name = config.metadata.name.clone().unwrap_or_default();
+            let s = config.status.clone().unwrap_or_default();
+            let counts = [
+                ("matched", s.matched),
+                ("attached", s.attached),
+                ("applied", s.applied),
+                ("failing", s.failing),
+            ];
+            self.network_config_nodes.extend(by_state(&name, counts));
+            let value = i64::from(paused(&s.conditions));
+            self.network_config_paused
+                .push((vec![("name", name)], value));
+        }
+    }
+}
+
+/// One `{name, state}` sample per count.
+fn by_state<'a, const N: usize>(
+    name: &'a str,
+    counts: [(&'static str, u32); N],
+) -> impl Iterator<Item = Sample> + use<'a, N> {
+    counts.into_iter().map(move |(state, n)| {
+        let labels = vec![("name", name.to_owned()), ("state", state.to_owned())];
+        (labels, i64::from(n))
+    })
+}
+
+/// Whether a NodeNetworkConfig's conditions say its rollout is paused.
+fn paused(conditions: &[Condition]) -> bool {
+    conditions.iter().any(|c| {
+        c.type_ == CONDITION_PROGRESSING
+            && c.status == ConditionStatus::False
+            && c.reason == REASON_PAUSED
+    })
+}
+
+impl Collector for ObjectStatus {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let s = self.samples();
+        let families = [
+            (
+                "networktest_phase",
+                "1 for each NetworkTest, labelled with its phase (Pending, Running, Succeeded, Failed)",
+                &s.networktest_phase,
+            ),
+            (
+                "nodemaintenance_nodes",
+                "Nodes of each NodeMaintenance by state (matched, cordoned, drained, blocked, failed), from its status",
+                &s.maintenance_nodes,
+            ),
+            (
+                "nodenetworkconfig_nodes",
+                "Nodes of each NodeNetworkConfig by state (matched, attached, applied, failing), from its status",
+                &s.network_config_nodes,
+            ),
+            (
+                "nodenetworkconfig_paused",
+                "1 while a NodeNetworkConfig's rollout is paused at its failure threshold",
+                &s.network_config_paused,
+            ),
+        ];
+        for (name, help, samples) in families {
+            let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+            for (labels, value) in samples {
+                let labels: Vec<(&str, &str)> =
+                    labels.iter().map(|(k, v)| (*k, v.as_str())).collect();
+                family.encode_family(&labels)?.encode_gauge(value)?;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -668,6 +889,92 @@ impl Collector for ProblemTotals {
                 .encode_gauge(n)?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod object_tests {
+    use super::*;
+    use kube::runtime::reflector::store::Writer;
+    use kube::runtime::watcher::Event;
+
+    fn encode(registry: &Registry) -> String {
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, registry).unwrap();
+        text
+    }
+
+    #[test]
+    fn status_gauges_follow_the_cache_and_go_with_it() {
+        let mut registry = Registry::default();
+        let metrics = Metrics::new(&mut registry);
+        let mut tests = Writer::<NetworkTest>::default();
+        let mut configs = Writer::<NodeNetworkConfig>::default();
+        let mut maintenances = Writer::<NodeMaintenance>::default();
+        let failed: NetworkTest = serde_json::from_value(serde_json::json!({
+            "apiVersion": "nodekeeper.dev/v1alpha1", "kind": "NetworkTest",
+            "metadata": {"namespace": "team-a", "name": "mesh"},
+            "spec": {"kind": "icmp", "nodeSelector": {}, "targets": [{"address": "10.0.0.1"}]},
+            "status": {"phase": "Failed"},
+        }))
+        .unwrap();
+        let paused: NodeNetworkConfig = serde_json::from_value(serde_json::json!({
+            "apiVersion": "nodekeeper.dev/v1alpha1", "kind": "NodeNetworkConfig",
+            "metadata": {"name": "vnics"},
+            "spec": {"nodeSelector": {}},
+            "status": {"matched": 3, "applied": 1, "failing": 2, "conditions": [{
+                "type": "Progressing", "status": "False", "reason": REASON_PAUSED,
+                "message": "paused", "lastTransitionTime": "2026-01-01T00:00:00Z"}]},
+        }))
+        .unwrap();
+        let blocked: NodeMaintenance = serde_json::from_value(serde_json::json!({
+            "apiVersion": "nodekeeper.dev/v1alpha1", "kind": "NodeMaintenance",
+            "metadata": {"name": "kernel"},
+            "spec": {"nodeSelector": {"matchLabels": {"pool": "a"}}},
+            "status": {"matched": 2, "cordoned": 2, "blocked": 1},
+        }))
+        .unwrap();
+        tests.apply_watcher_event(&Event::Apply(failed.clone()));
+        configs.apply_watcher_event(&Event::Apply(paused));
+        maintenances.apply_watcher_event(&Event::Apply(blocked));
+        let objects = &metrics.reconcile.objects;
+        let guards = (
+            objects.track(tests.as_reader()),
+            objects.track(configs.as_reader()),
+            objects.track(maintenances.as_reader()),
+        );
+        let text = encode(&registry);
+        for line in [
+            "nodekeeper_networktest_phase{namespace=\"team-a\",name=\"mesh\",phase=\"Failed\"} 1\n",
+            "nodekeeper_nodenetworkconfig_paused{name=\"vnics\"} 1\n",
+            "nodekeeper_nodenetworkconfig_nodes{name=\"vnics\",state=\"failing\"} 2\n",
+            "nodekeeper_nodemaintenance_nodes{name=\"kernel\",state=\"blocked\"} 1\n",
+        ] {
+            assert!(text.contains(line), "{line} missing from\n{text}");
+        }
+        // Deleted: its series goes at the next scrape.
+        tests.apply_watcher_event(&Event::Delete(failed));
+        assert!(!encode(&registry).contains("phase=\"Failed\""));
+        // The controllers stop (leadership moved): nothing is left, the families stay declared.
+        drop(guards);
+        let text = encode(&registry);
+        assert!(!text.contains("name=\"vnics\""), "{text}");
+        assert!(
+            text.contains("# TYPE nodekeeper_nodenetworkconfig_paused gauge"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn reconcile_failures_start_at_zero() {
+        let mut registry = Registry::default();
+        let metrics = Metrics::new(&mut registry);
+        metrics.reconcile.record("networktest", true, 0.1);
+        let text = encode(&registry);
+        assert!(
+            text.contains("nodekeeper_reconcile_failures_total{controller=\"networktest\"} 0\n"),
+            "{text}"
+        );
     }
 }
 
