@@ -12,6 +12,12 @@
 //!   cordoned; with an unreadable record it is left as it is, and said so).
 //! - Nodes a NodeSet created are named, not deleted: delete the NodeSets first.
 //!
+//! nodekeeper's objects are the user's and stay (deleting the CRDs deletes them), but their
+//! finalizers would keep them, and the CRDs, from ever going without a controller: the finalizers
+//! of NodeMaintenances (whose nodes are restored above) and NodeDiagnostics (whose bundles lived on
+//! the controller's disk) are removed. A NodeNetworkConfig's finalizer is kept and named: it stands
+//! for VNICs still attached in OCI, which only the controller detaches (README, "Uninstall", step 1).
+//!
 //! In `--namespace`: the leader Lease (`--lease-name`) and the three certificate Secrets. A Lease
 //! that a running controller still renews stops the cleanup before anything is changed.
 //!
@@ -25,13 +31,15 @@ use std::time::Duration;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Node, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ManagedFieldsEntry;
-use kube::Api;
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams};
+use kube::{Api, ResourceExt as _};
+use nodekeeper_api::crd::{NodeDiagnostic, NodeMaintenance, NodeNetworkConfig};
 use nodekeeper_api::names;
 use serde_json::{Value, json};
 
 use crate::certs;
 use crate::conditions;
+use crate::controllers::node_maintenance::reconcile::FINALIZER as MAINTENANCE_FINALIZER;
 use crate::controllers::node_maintenance::record::{MAINTENANCE_TAINT, NodeRecord};
 
 /// Field managers whose names start with this are nodekeeper's.
@@ -270,18 +278,22 @@ pub struct Summary {
     pub uncordoned: usize,
     pub leases: usize,
     pub secrets: usize,
+    /// Finalizers removed from nodekeeper's objects.
+    pub finalizers: usize,
+    /// NodeNetworkConfig finalizers left (VNICs still attached).
+    pub kept_finalizers: usize,
 }
 
 impl Summary {
     /// Whether the run removed anything.
     pub fn changed_anything(&self) -> bool {
-        self.nodes_changed + self.leases + self.secrets > 0
+        self.nodes_changed + self.leases + self.secrets + self.finalizers > 0
     }
 }
 
 impl std::fmt::Display for Summary {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        if !self.changed_anything() {
+        if !self.changed_anything() && self.kept_finalizers == 0 {
             return write!(
                 f,
                 "cleanup done: nothing of nodekeeper's left ({} nodes checked)",
@@ -291,7 +303,8 @@ impl std::fmt::Display for Summary {
         write!(
             f,
             "cleanup done: {} of {} nodes changed ({} conditions, {} taints, {} labels, {} \
-             annotations removed; {} uncordoned); {} Lease and {} Secrets deleted",
+             annotations removed; {} uncordoned); {} finalizers removed; {} Lease and {} \
+             Secrets deleted",
             self.nodes_changed,
             self.nodes_seen,
             self.conditions,
@@ -299,9 +312,18 @@ impl std::fmt::Display for Summary {
             self.labels,
             self.annotations,
             self.uncordoned,
+            self.finalizers,
             self.leases,
             self.secrets
-        )
+        )?;
+        if self.kept_finalizers > 0 {
+            write!(
+                f,
+                "; {} NodeNetworkConfig finalizers kept (VNICs still attached)",
+                self.kept_finalizers
+            )?;
+        }
+        Ok(())
     }
 }
 
@@ -330,18 +352,16 @@ pub async fn run(client: &kube::Client, scope: &Scope) -> Result<Summary, Cleanu
     if let Some(lease) = &lease {
         refuse_if_held(lease, scope)?;
     }
+    let selector = scope.node_selector.as_deref().filter(|s| !s.is_empty());
     println!(
         "cleaning up nodekeeper: nodes {}, namespace {}",
-        scope
-            .node_selector
-            .as_deref()
-            .map_or("all".to_owned(), |s| format!("matching {s}")),
+        selector.map_or("all".to_owned(), |s| format!("matching {s}")),
         scope.namespace
     );
 
     let nodes: Api<Node> = Api::all(client.clone());
     let mut params = ListParams::default();
-    if let Some(selector) = &scope.node_selector {
+    if let Some(selector) = selector {
         params = params.labels(selector);
     }
     let list = nodes.list(&params).await.map_err(CleanupError::ListNodes)?;
@@ -349,6 +369,8 @@ pub async fn run(client: &kube::Client, scope: &Scope) -> Result<Summary, Cleanu
     for node in list.items {
         clean_node(&nodes, node, &mut summary).await?;
     }
+
+    release_objects(client, &mut summary).await?;
 
     if lease.is_some() {
         delete(&leases, "Lease", &scope.namespace, &scope.lease_name).await?;
@@ -379,6 +401,109 @@ pub async fn run(client: &kube::Client, scope: &Scope) -> Result<Summary, Cleanu
     }
     println!("{summary}");
     Ok(summary)
+}
+
+/// Removes the finalizers of NodeMaintenances and NodeDiagnostics, and names the
+/// NodeNetworkConfigs whose finalizer stays.
+async fn release_objects(client: &kube::Client, summary: &mut Summary) -> Result<(), CleanupError> {
+    let maintenances: Api<NodeMaintenance> = Api::all(client.clone());
+    let diagnostics: Api<NodeDiagnostic> = Api::all(client.clone());
+    let configs: Api<NodeNetworkConfig> = Api::all(client.clone());
+    for object in list_or_none(&maintenances, "NodeMaintenance").await? {
+        let api = maintenances.clone();
+        drop_finalizer(
+            &api,
+            &object,
+            MAINTENANCE_FINALIZER,
+            "NodeMaintenance",
+            summary,
+        )
+        .await?;
+    }
+    for object in list_or_none(&diagnostics, "NodeDiagnostic").await? {
+        let ns = object.namespace().unwrap_or_default();
+        let api: Api<NodeDiagnostic> = Api::namespaced(client.clone(), &ns);
+        drop_finalizer(
+            &api,
+            &object,
+            names::FINALIZER_DIAGNOSTIC_BUNDLES,
+            "NodeDiagnostic",
+            summary,
+        )
+        .await?;
+    }
+    for object in list_or_none(&configs, "NodeNetworkConfig").await? {
+        if object
+            .finalizers()
+            .iter()
+            .any(|f| f == names::FINALIZER_NODE_NETWORK_CONFIG)
+        {
+            println!(
+                "NodeNetworkConfig {}: finalizer {} kept: the VNICs it attached are still \
+                 attached; start the controller and delete it, then run the cleanup again",
+                object.name_any(),
+                names::FINALIZER_NODE_NETWORK_CONFIG
+            );
+            summary.kept_finalizers += 1;
+        }
+    }
+    Ok(())
+}
+
+/// Every object of `api`; none when its CRD is not installed.
+async fn list_or_none<K>(api: &Api<K>, what: &'static str) -> Result<Vec<K>, CleanupError>
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    match api.list(&ListParams::default()).await {
+        Ok(list) => Ok(list.items),
+        Err(kube::Error::Api(s)) if s.code == 404 => Ok(Vec::new()),
+        Err(source) => Err(CleanupError::Object {
+            action: "list",
+            what,
+            namespace: String::new(),
+            name: "*".into(),
+            source,
+        }),
+    }
+}
+
+/// Removes `finalizer` from `object` (a JSON patch conditional on its resourceVersion; a
+/// conflict leaves it for the next run, which the error says).
+async fn drop_finalizer<K>(
+    api: &Api<K>,
+    object: &K,
+    finalizer: &str,
+    what: &'static str,
+    summary: &mut Summary,
+) -> Result<(), CleanupError>
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    let finalizers = object.meta().finalizers.clone().unwrap_or_default();
+    if !finalizers.iter().any(|f| f == finalizer) {
+        return Ok(());
+    }
+    let kept: Vec<&String> = finalizers.iter().filter(|f| *f != finalizer).collect();
+    let ops = json!([
+        {"op": "replace", "path": "/metadata/resourceVersion",
+         "value": object.meta().resource_version.clone().unwrap_or_default()},
+        {"op": "replace", "path": "/metadata/finalizers", "value": kept},
+    ]);
+    let patch = Patch::<()>::Json(serde_json::from_value(ops).expect("a JSON patch"));
+    let name = object.meta().name.clone().unwrap_or_default();
+    api.patch(&name, &PatchParams::default(), &patch)
+        .await
+        .map_err(|source| CleanupError::Object {
+            action: "remove the finalizer of",
+            what,
+            namespace: object.meta().namespace.clone().unwrap_or_default(),
+            name: name.clone(),
+            source,
+        })?;
+    println!("{what} {name}: removed finalizer {finalizer}");
+    summary.finalizers += 1;
+    Ok(())
 }
 
 /// Refuses while a controller renews the Lease: it would re-create what the cleanup removes.
