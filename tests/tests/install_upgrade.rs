@@ -177,16 +177,19 @@ async fn an_upgrade_keeps_every_object_and_node_condition() -> anyhow::Result<()
         .remove(0);
     let port = free_port();
     let selector = format!("{GROUP}={group}");
-    let (mut controller, log) = start_as(
-        cluster(),
-        NAMESPACE,
-        ACCOUNT,
-        &selector,
-        port,
-        work.path(),
-        &[],
-    )
-    .await?;
+    // The same controller flags before and after the upgrade.
+    let start = || {
+        start_as(
+            cluster(),
+            NAMESPACE,
+            ACCOUNT,
+            &selector,
+            port,
+            work.path(),
+            &[],
+        )
+    };
+    let (mut controller, log) = start().await?;
     let tls = agent_tls(&client, NAMESPACE).await?;
     let _agent = start_agent(&node, SocketAddr::new(ips[0].into(), port), &tls).await?;
     wait_condition(&client, &node, "NodekeeperReachable", "True", None, TIMEOUT)
@@ -242,16 +245,7 @@ async fn an_upgrade_keeps_every_object_and_node_condition() -> anyhow::Result<()
     }
 
     // Today's controller, as today's ServiceAccount: the conditions stay as they were.
-    let (mut controller, log) = start_as(
-        cluster(),
-        NAMESPACE,
-        ACCOUNT,
-        &selector,
-        port,
-        work.path(),
-        &[],
-    )
-    .await?;
+    let (mut controller, log) = start().await?;
     log_line(&log, &["leading"], TIMEOUT).await?;
     // Several sweeps (5 s each) with the agent answering.
     tokio::time::sleep(Duration::from_secs(15)).await;

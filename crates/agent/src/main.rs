@@ -55,6 +55,7 @@ async fn signalled() {
 }
 
 /// `--cleanup`: revert the host, then exit (or wait for a signal with `--cleanup-hold`).
+#[allow(clippy::print_stdout)] // the cleanup's report is on stdout
 fn run_cleanup(args: CleanupArgs) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()

@@ -24,6 +24,8 @@
 //! Every write carries the resourceVersion it was computed from (a conflict re-reads, five times
 //! at most), so nothing written meanwhile by someone else is lost. A second run finds nothing and
 //! says so: the cleanup is idempotent.
+// What it did is its output, read by a person in the Job's log: plain lines on stdout.
+#![allow(clippy::print_stdout)]
 
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -66,9 +68,12 @@ pub enum CleanupError {
         duration_s: i64,
     },
     #[error("list nodes: {0}")]
-    ListNodes(#[source] kube::Error),
+    ListNodes(#[source] Box<kube::Error>),
     #[error("clean node {node}: {source}")]
-    CleanNode { node: String, source: kube::Error },
+    CleanNode {
+        node: String,
+        source: Box<kube::Error>,
+    },
     #[error("clean node {node}: it changed under the cleanup {ATTEMPTS} times; run it again")]
     KeepsChanging { node: String },
     #[error("{action} {what} {namespace}/{name}: {source}")]
@@ -77,7 +82,7 @@ pub enum CleanupError {
         what: &'static str,
         namespace: String,
         name: String,
-        source: kube::Error,
+        source: Box<kube::Error>,
     },
 }
 
@@ -347,7 +352,7 @@ pub async fn run(client: &kube::Client, scope: &Scope) -> Result<Summary, Cleanu
             what: "Lease",
             namespace: scope.namespace.clone(),
             name: scope.lease_name.clone(),
-            source,
+            source: Box::new(source),
         })?;
     if let Some(lease) = &lease {
         refuse_if_held(lease, scope)?;
@@ -364,7 +369,10 @@ pub async fn run(client: &kube::Client, scope: &Scope) -> Result<Summary, Cleanu
     if let Some(selector) = selector {
         params = params.labels(selector);
     }
-    let list = nodes.list(&params).await.map_err(CleanupError::ListNodes)?;
+    let list = nodes
+        .list(&params)
+        .await
+        .map_err(|e| CleanupError::ListNodes(Box::new(e)))?;
     summary.nodes_seen = list.items.len();
     for node in list.items {
         clean_node(&nodes, node, &mut summary).await?;
@@ -391,7 +399,7 @@ pub async fn run(client: &kube::Client, scope: &Scope) -> Result<Summary, Cleanu
                 what: "Secret",
                 namespace: scope.namespace.clone(),
                 name: name.to_owned(),
-                source,
+                source: Box::new(source),
             })?;
         if found.is_some() {
             delete(&secrets, "Secret", &scope.namespace, name).await?;
@@ -463,7 +471,7 @@ where
             what,
             namespace: String::new(),
             name: "*".into(),
-            source,
+            source: Box::new(source),
         }),
     }
 }
@@ -499,7 +507,7 @@ where
             what,
             namespace: object.meta().namespace.clone().unwrap_or_default(),
             name: name.clone(),
-            source,
+            source: Box::new(source),
         })?;
     println!("{what} {name}: removed finalizer {finalizer}");
     summary.finalizers += 1;
@@ -547,7 +555,7 @@ where
             what,
             namespace: namespace.to_owned(),
             name: name.to_owned(),
-            source,
+            source: Box::new(source),
         }),
     }
 }
@@ -565,7 +573,7 @@ async fn clean_node(
     let name = node.metadata.name.clone().unwrap_or_default();
     let failed = |source| CleanupError::CleanNode {
         node: name.clone(),
-        source,
+        source: Box::new(source),
     };
     let mut changed = false;
     for attempt in 0..ATTEMPTS {
