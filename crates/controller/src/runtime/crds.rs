@@ -13,7 +13,7 @@ use tracing::{info, warn};
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
 
 /// The command a user runs to install the CRDs.
-pub const INSTALL_HINT: &str = "kubectl apply --server-side -f deploy/crds/ (with Helm: `helm install` or `helm upgrade` installs the chart's crds/ directory)";
+pub const INSTALL_HINT: &str = "kubectl apply --server-side -f deploy/crds/ (the Helm chart's crds/ holds the same files; Helm installs them on `helm install` only)";
 
 /// The names (`<plural>.<group>`) of nodekeeper's CRDs that the API server does not serve.
 pub async fn missing(client: &kube::Client) -> Result<Vec<String>, kube::Error> {
