@@ -312,14 +312,19 @@ async fn cleanup_removes_what_nodekeeper_put_in_the_cluster_and_only_that() -> a
     let n = nodes.get(&agent_nodes[0]).await?;
     ensure!(condition_types(&n).contains(&"NodekeeperReachable".to_owned()));
 
-    // Stopped (the uninstall's first step), the controller releases its Lease.
-    controller.stop();
+    // Stopped the hard way (a replica killed, not releasing its Lease): the cleanup waits one
+    // lease duration, sees no renewal, and goes on.
+    controller.kill();
     for agent in &agents {
         agent.stop();
     }
     let (ok, out) = cleanup(&namespace, work.path()).await?;
     ensure!(ok, "cleanup failed:\n{out}");
     ensure!(out.contains("cleanup done:"), "{out}");
+    ensure!(
+        out.contains("waiting 15s to see whether a controller still renews it"),
+        "{out}"
+    );
     ensure!(
         out.contains(&format!("NodeMaintenance {nm}: removed finalizer")),
         "{out}"

@@ -19,7 +19,8 @@
 //! for VNICs still attached in OCI, which only the controller detaches (README, "Uninstall", step 1).
 //!
 //! In `--namespace`: the leader Lease (`--lease-name`) and the three certificate Secrets. A Lease
-//! that a running controller still renews stops the cleanup before anything is changed.
+//! that a running controller still renews stops the cleanup before anything is changed (one left
+//! by a killed controller is waited out, one lease duration at most).
 //!
 //! Every write carries the resourceVersion it was computed from (a conflict re-reads, five times
 //! at most), so nothing written meanwhile by someone else is lost. A second run finds nothing and
@@ -43,6 +44,7 @@ use crate::certs;
 use crate::conditions;
 use crate::controllers::node_maintenance::reconcile::FINALIZER as MAINTENANCE_FINALIZER;
 use crate::controllers::node_maintenance::record::{MAINTENANCE_TAINT, NodeRecord};
+use crate::runtime::leader::Record;
 
 /// Field managers whose names start with this are nodekeeper's.
 const MANAGER_PREFIX: &str = "nodekeeper-";
@@ -355,7 +357,7 @@ pub async fn run(client: &kube::Client, scope: &Scope) -> Result<Summary, Cleanu
             source: Box::new(source),
         })?;
     if let Some(lease) = &lease {
-        refuse_if_held(lease, scope)?;
+        refuse_if_held(&leases, lease, scope).await?;
     }
     let selector = scope.node_selector.as_deref().filter(|s| !s.is_empty());
     println!(
@@ -514,10 +516,17 @@ where
     Ok(())
 }
 
-/// Refuses while a controller renews the Lease: it would re-create what the cleanup removes.
-fn refuse_if_held(lease: &Lease, scope: &Scope) -> Result<(), CleanupError> {
+/// Refuses while a controller renews the Lease: it would re-create what the cleanup removes. A
+/// Lease still held and renewed less than its duration ago may be one a controller left when it
+/// was killed: it is read again after its duration, and only a changed record (a renewal, judged
+/// as the standby judges it, without comparing clocks) refuses.
+async fn refuse_if_held(
+    leases: &Api<Lease>,
+    lease: &Lease,
+    scope: &Scope,
+) -> Result<(), CleanupError> {
     let spec = lease.spec.clone().unwrap_or_default();
-    let holder = spec.holder_identity.unwrap_or_default();
+    let holder = spec.holder_identity.clone().unwrap_or_default();
     let Some(renewed) = spec.renew_time.map(|t| t.0) else {
         return Ok(());
     };
@@ -526,6 +535,30 @@ fn refuse_if_held(lease: &Lease, scope: &Scope) -> Result<(), CleanupError> {
         .duration_since(renewed)
         .as_secs();
     if holder.is_empty() || age_s > duration_s {
+        return Ok(());
+    }
+    println!(
+        "Lease {}/{} is held by {holder} (renewed {age_s}s ago); waiting {duration_s}s to see \
+         whether a controller still renews it",
+        scope.namespace, scope.lease_name
+    );
+    let wait = u64::try_from(duration_s).unwrap_or(0) + 1;
+    tokio::time::sleep(Duration::from_secs(wait)).await;
+    let again = leases
+        .get_opt(&scope.lease_name)
+        .await
+        .map_err(|source| CleanupError::Object {
+            action: "read",
+            what: "Lease",
+            namespace: scope.namespace.clone(),
+            name: scope.lease_name.clone(),
+            source: Box::new(source),
+        })?;
+    let renewed_since = again.as_ref().is_some_and(|a| {
+        let now = Record::of(a);
+        !now.holder.is_empty() && now != Record::of(lease)
+    });
+    if !renewed_since {
         return Ok(());
     }
     Err(CleanupError::ControllerRunning {
