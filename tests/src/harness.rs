@@ -53,6 +53,14 @@ impl ControlPlane {
             controlplane::remove_stale_test_clusters();
             ControlPlane::start(Options::new(format!("test-{}", std::process::id()), Lifetime::WithThisProcess))
                 .map_err(|e| format!("{e:#}"))
+        })
+        .as_ref()
+        .map_err(Clone::clone)
+        .and_then(|cp| {
+            // A controller waits for nodekeeper's CRDs before it starts: every test binary that
+            // runs one gets them installed once, whatever ran before it on this cluster.
+            static CRDS: OnceLock<Result<(), String>> = OnceLock::new();
+            CRDS.get_or_init(|| cp.install_crds_blocking()).clone().map(|()| cp)
         });
         match shared {
             Ok(cp) => cp,
@@ -84,6 +92,23 @@ impl ControlPlane {
             kubeconfig: cluster.kubeconfig.clone(),
             cluster: Some(cluster),
         })
+    }
+
+    /// [`install_crds`] from a thread of its own (this may be called inside a test's runtime).
+    fn install_crds_blocking(&self) -> Result<(), String> {
+        let kubeconfig = self.kubeconfig.clone();
+        std::thread::spawn(move || -> anyhow::Result<()> {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            runtime.block_on(async {
+                let client = controlplane::client_from_kubeconfig(&kubeconfig).await?;
+                install_crds(&client).await.map(|_| ())
+            })
+        })
+        .join()
+        .map_err(|_| "the CRD install thread panicked".to_owned())?
+        .map_err(|e| format!("install deploy/crds/ on the shared control plane: {e:#}"))
     }
 
     /// Path of the admin kubeconfig (user `nodekeeper-admin`, group `system:masters`).

@@ -24,7 +24,9 @@ use k8s_openapi::api::events::v1::Event;
 use kube::Api;
 use nodekeeper_e2e::controlplane::{Lifetime, Options};
 use nodekeeper_e2e::rig::{ControllerConfig, Output, Program};
-use nodekeeper_e2e::{ControlPlane, create_simulated_nodes, test_namespace, unique_name, wait_for};
+use nodekeeper_e2e::{
+    ControlPlane, create_simulated_nodes, install_crds, test_namespace, unique_name, wait_for,
+};
 use nodekeeper_model::tuning::Signal;
 
 #[test]
@@ -150,6 +152,8 @@ async fn kernel_log_problems_become_conditions_and_budgeted_events() -> anyhow::
     let cp = tokio::task::spawn_blocking(move || ControlPlane::start(options)).await??;
     let audit_log = cp.audit_log().context("audit enabled")?;
     let client = cp.client().await?;
+    // The controller waits for its CRDs before it starts.
+    install_crds(&client).await?;
     let ns = test_namespace(&client, "nk-npd").await?;
     let group = unique_name("npd");
     let labels: BTreeMap<String, String> =

@@ -49,6 +49,11 @@ pub struct Config {
     #[arg(long, env = "NODEKEEPER_TLS_RELOAD_INTERVAL", default_value = "30s", value_parser = parse_duration)]
     pub tls_reload_interval: Duration,
 
+    /// Revert what nodekeeper changed on this host and exit, instead of serving (the uninstall;
+    /// its own flags: `nodekeeper-agent --cleanup --help`).
+    #[arg(long, env = "NODEKEEPER_CLEANUP")]
+    pub cleanup: bool,
+
     /// Directory for the agent's state (the rules in force, repair history); survives restarts.
     #[arg(
         long,

@@ -21,6 +21,7 @@
 //! - [`agent`]: the state shared by every call, built once per process;
 //! - [`service`]: the gRPC service — proto conversions, and the one place errors become
 //!   `tonic::Status`;
+//! - [`cleanup`]: `--cleanup`, reverting what the agent changed on the host (uninstall);
 //! - this file: [`run`] and [`serve`] — the agent built once, its drift loop and problem
 //!   monitors under the shutdown token, and the server generations (one per set of TLS files).
 //!
@@ -28,6 +29,7 @@
 //! (the README's "Try it"); the crate README lists the flags and the plugin file format.
 
 pub mod agent;
+pub mod cleanup;
 pub mod collect;
 pub mod config;
 pub mod diag;

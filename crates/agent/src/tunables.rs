@@ -528,6 +528,50 @@ fn evaluate_rule(
     (status, true)
 }
 
+/// One sysctl key as nodekeeper's repairs left it, from the state file: what
+/// `nodekeeper-agent --cleanup` puts back.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Repair {
+    pub key: String,
+    /// The value found before the first repair whose value still stands.
+    pub original: String,
+    /// The value nodekeeper wrote last (as the kernel read it back).
+    pub written: String,
+}
+
+/// The repairs recorded in `state_dir`, one per key (the earliest repair's `previous` and the
+/// latest one's `written` when several rules repaired the same key); none without a state file.
+pub fn repairs(state_dir: &Path) -> Result<Vec<Repair>, String> {
+    let path = state_dir.join(STATE_FILE);
+    let bytes = match std::fs::read(&path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(format!("read {}: {e}", path.display())),
+        Ok(b) => b,
+    };
+    let state: StateFile = serde_json::from_slice(&bytes)
+        .map_err(|e| format!("{} is not nodekeeper's state file: {e}", path.display()))?;
+    let mut by_key: BTreeMap<&str, Vec<&RuleRuntime>> = BTreeMap::new();
+    for rule in &state.rules.rules {
+        if let Some(rt) = state.runtime.get(&rule.name)
+            && rt.written.is_some()
+            && rt.repaired_at_unix_ms > 0
+        {
+            by_key.entry(&rule.key).or_default().push(rt);
+        }
+    }
+    Ok(by_key
+        .into_iter()
+        .filter_map(|(key, mut rts)| {
+            rts.sort_by_key(|rt| rt.repaired_at_unix_ms);
+            Some(Repair {
+                key: key.to_owned(),
+                original: rts.first()?.previous.clone(),
+                written: rts.last()?.written.clone()?,
+            })
+        })
+        .collect())
+}
+
 /// Writes the state file atomically: a temporary file in the same directory, synced, renamed
 /// over the old one, then the directory synced so the rename survives a crash.
 fn write_state(

@@ -91,6 +91,12 @@ pub struct Cli {
     #[arg(long, env = "NODEKEEPER_LOG", default_value = "info")]
     pub log: String,
 
+    /// Remove what nodekeeper put in the cluster (its Node conditions, taint, labels and
+    /// annotations, its Lease and certificate Secrets) and exit; the uninstall Job runs this after
+    /// the controller is stopped (README, "Uninstall").
+    #[arg(long, env = "NODEKEEPER_CLEANUP")]
+    pub cleanup: bool,
+
     /// The controllers' own flags.
     #[command(flatten)]
     pub controllers: controllers::Config,

@@ -8,9 +8,12 @@
 //! `run` waits on (10 s at most) before returning.
 //!
 //! Files: [`cli`] (flags), [`logging`] (`--log-format`), [`signals`], [`leader`] (Lease and Pod
-//! label), [`pki`] (certificate renewal), [`http`] (the HTTP API and metrics).
+//! label), [`pki`] (certificate renewal), [`http`] (the HTTP API and metrics), [`crds`] (waiting
+//! for the CRDs at start), [`cleanup`] (`--cleanup`, the uninstall Job).
 
+pub mod cleanup;
 pub mod cli;
+pub mod crds;
 pub mod http;
 pub mod leader;
 pub mod logging;
@@ -53,6 +56,8 @@ pub enum Error {
     Certificates(#[from] certs::CertError),
     #[error(transparent)]
     Leadership(#[from] leader::LeaderError),
+    #[error("cleanup: {0}")]
+    Cleanup(#[from] cleanup::CleanupError),
 }
 
 /// How long `run` waits for its tasks to stop.
@@ -68,6 +73,15 @@ pub async fn run(cli: Cli) -> Result<(), Error> {
         .map_err(|e| Error::ConnectKube(kube::Error::InferConfig(e)))?;
     let cluster_url = kube_config.cluster_url.to_string();
     let client = kube::Client::try_from(kube_config).map_err(Error::ConnectKube)?;
+    if cli.cleanup {
+        let scope = cleanup::Scope {
+            namespace: cli.namespace.clone(),
+            lease_name: cli.lease_name.clone(),
+            node_selector: cli.node_selector.clone(),
+        };
+        cleanup::run(&client, &scope).await?;
+        return Ok(());
+    }
     // NetworkTests' `apiServer` target: the flag, else the address this process reaches the
     // API server at (in a Pod, the `kubernetes` Service), so the shipped example works on the
     // shipped Deployment.
@@ -141,6 +155,12 @@ pub async fn run(cli: Cli) -> Result<(), Error> {
         });
     }
 
+    // Without the CRDs every controller's watch would fail: wait for them (serving /healthz).
+    if !crds::wait_for_crds(&client, &shutdown).await {
+        tracker.close();
+        tracker.wait().await;
+        return Ok(());
+    }
     let pod = cli.pod_name.as_deref();
     leader::label_pod(&client, &cli.namespace, pod, false).await;
     let leases: Api<Lease> = Api::namespaced(client.clone(), &cli.namespace);
