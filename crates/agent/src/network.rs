@@ -86,7 +86,8 @@ pub enum NetworkError {
         path: PathBuf,
         source: std::io::Error,
     },
-    /// An apply cut short by a restart could not be undone yet; new applies wait for it.
+    /// An apply cut short by a restart could not be undone yet (tried again at every drift
+    /// check; a later apply that succeeds ends it too).
     #[error(
         "an apply of generation {generation:?} was cut short and returning the host to the state \
          before it failed: {error}"
@@ -326,7 +327,12 @@ impl NetworkManager {
         let mut state = self.lock.lock().await;
         let netconf = self.netconf().await?;
         let applied = async {
-            self.prepare(&mut state).await?;
+            if let Err(error) = self.prepare(&mut state).await {
+                // The host is still between an earlier state and the one an interrupted apply
+                // was making. Reaching this request's state ends that too, so it is tried; the
+                // journalled state stays the one to return to until some apply succeeds.
+                warn!(%error, generation = %req.generation, "applying the requested state over an interrupted apply");
+            }
             self.apply_journaled(&mut state, netconf, &new, &opts).await
         };
         let report = match applied.await {
@@ -485,9 +491,14 @@ impl NetworkManager {
         if opts.dry_run {
             return Ok(netconf.apply(&new.desired, opts).await?);
         }
+        // An entry left by an interrupted apply that could not be undone stays: the state
+        // before that apply is the one to return to, not the half-way state the host has now.
+        let inherited = state.journal.pending.is_some();
         let observed = netconf.observe().await?;
         // A plan that is empty or refused changes nothing: nothing to journal.
-        if nodekeeper_netconf::plan(&new.desired, &observed).is_ok_and(|p| !p.is_empty()) {
+        if !inherited
+            && nodekeeper_netconf::plan(&new.desired, &observed).is_ok_and(|p| !p.is_empty())
+        {
             state.journal.pending = Some(Pending {
                 generation: new.generation.clone(),
                 before: nodekeeper_netconf::restore_point(&new.desired, &observed),
@@ -505,13 +516,14 @@ impl NetworkManager {
                 state.journal.applied = Some(new.clone());
                 state.journal.pending = None;
             }
-            // Netconf undid its steps: the host is as it was.
-            Ok(r) if r.outcome == Outcome::RolledBack => state.journal.pending = None,
-            // Some steps could not be undone: the entry stays, and the next apply or drift
-            // check returns the host to the state before.
-            Ok(_) => {}
-            // Refused before any change.
-            Err(_) => state.journal.pending = None,
+            // Netconf undid its steps, or refused before any: the host is as it was.
+            Ok(r) if r.outcome == Outcome::RolledBack && !inherited => {
+                state.journal.pending = None;
+            }
+            Err(_) if !inherited => state.journal.pending = None,
+            // Some steps could not be undone (or the host was between states already): the
+            // entry stays, and the next apply or drift check returns the host to its state.
+            Ok(_) | Err(_) => {}
         }
         let after = (
             state.journal.applied.clone(),
@@ -1095,6 +1107,32 @@ mod tests {
                     .last_error
                     .contains("nothing was applied")
             );
+
+            // An interrupted apply whose earlier state the kernel now refuses (a macvlan with an
+            // MTU above its parent's, 9000): the return fails and says so, and a later apply that
+            // succeeds ends the interruption.
+            let dir = Path::new(&state_dir).join("refused");
+            std::fs::create_dir_all(&dir).unwrap();
+            let before = r#"{"links": [{"name": "nic0", "kind": "existing"},
+                {"name": "nkbig", "kind": "macvlan", "parent": "nic0", "mtu": 9500}]}"#;
+            std::fs::write(
+                dir.join(JOURNAL_FILE),
+                format!(r#"{{"applied": null, "pending": {{"generation": "uid-1/9", "before": {before}}}}}"#),
+            )
+            .unwrap();
+            let refused = agent_in(&dir.to_string_lossy(), None);
+            let m = refused.network();
+            m.restore().await;
+            let last = m.status().last_error;
+            assert!(
+                last.contains("\"uid-1/9\" was cut short and returning the host"),
+                "{last}"
+            );
+            let r = m.apply(request(&other, false)).await.unwrap();
+            assert_eq!(r.outcome, pb::ApplyOutcome::Applied as i32, "{}", r.message);
+            let kept = std::fs::read_to_string(dir.join(JOURNAL_FILE)).unwrap();
+            assert!(kept.contains("\"pending\":null"), "{kept}");
+            assert!(m.status().last_error.is_empty());
         });
     }
 
