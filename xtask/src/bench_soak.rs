@@ -176,27 +176,6 @@ fn slope_per_hour(samples: &[(f64, f64)]) -> f64 {
     if den == 0.0 { 0.0 } else { num / den * 3600.0 }
 }
 
-/// Nodes whose nodekeeper conditions say "reachable, tunables in bounds".
-async fn nodes_in_bounds(client: &kube::Client) -> anyhow::Result<usize> {
-    use k8s_openapi::api::core::v1::Node;
-    let api: kube::Api<Node> = kube::Api::all(client.clone());
-    let lp = kube::api::ListParams::default()
-        .labels(&format!("{}=fleet", crate::fleet_rig::GROUP_LABEL));
-    let true_ = |node: &Node, type_: &str| {
-        node.status
-            .as_ref()
-            .and_then(|s| s.conditions.as_ref())
-            .is_some_and(|c| c.iter().any(|c| c.type_ == type_ && c.status == "True"))
-    };
-    Ok(api
-        .list(&lp)
-        .await?
-        .items
-        .iter()
-        .filter(|n| true_(n, "NodekeeperReachable") && true_(n, "TunablesInBounds"))
-        .count())
-}
-
 /// One node out of bounds until `until`.
 struct Flap {
     node: usize,
@@ -224,7 +203,7 @@ async fn soak(args: SoakArgs, root: std::path::PathBuf, programs: Programs) -> a
         Duration::from_secs(600),
         || {
             let client = client.clone();
-            async move { Ok((nodes_in_bounds(&client).await? >= n).then_some(())) }
+            async move { Ok((crate::bench_fleet::nodes_as_expected(&client).await? >= n).then_some(())) }
         },
     )
     .await?;
@@ -304,7 +283,7 @@ async fn soak(args: SoakArgs, root: std::path::PathBuf, programs: Programs) -> a
         interval * 3 + Duration::from_secs(120),
         || {
             let client = client.clone();
-            async move { Ok((nodes_in_bounds(&client).await? >= n).then_some(())) }
+            async move { Ok((crate::bench_fleet::nodes_as_expected(&client).await? >= n).then_some(())) }
         },
     )
     .await?;
