@@ -18,6 +18,8 @@ use serde_json::json;
 
 use nodekeeper_e2e::wait_for;
 
+// Every node reachable with its tunables in bounds: the fleet bench's check.
+use crate::bench_fleet::nodes_as_expected as all_in_bounds;
 use crate::fleet_rig::{CONTROLLER_USER, Programs, Rig, RigConfig, audit_counts, proc_usage};
 
 /// `cargo xtask bench soak` arguments.
@@ -203,7 +205,7 @@ async fn soak(args: SoakArgs, root: std::path::PathBuf, programs: Programs) -> a
         Duration::from_secs(600),
         || {
             let client = client.clone();
-            async move { Ok((crate::bench_fleet::nodes_as_expected(&client).await? >= n).then_some(())) }
+            async move { Ok((all_in_bounds(&client).await? >= n).then_some(())) }
         },
     )
     .await?;
@@ -283,7 +285,7 @@ async fn soak(args: SoakArgs, root: std::path::PathBuf, programs: Programs) -> a
         interval * 3 + Duration::from_secs(120),
         || {
             let client = client.clone();
-            async move { Ok((crate::bench_fleet::nodes_as_expected(&client).await? >= n).then_some(())) }
+            async move { Ok((all_in_bounds(&client).await? >= n).then_some(())) }
         },
     )
     .await?;
