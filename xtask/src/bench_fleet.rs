@@ -61,7 +61,7 @@ pub fn run(args: FleetArgs) -> anyhow::Result<()> {
 }
 
 /// Nodes of the rig whose nodekeeper conditions say what the bench expects of a healthy fleet.
-async fn nodes_as_expected(client: &kube::Client) -> anyhow::Result<usize> {
+pub(crate) async fn nodes_as_expected(client: &kube::Client) -> anyhow::Result<usize> {
     use k8s_openapi::api::core::v1::Node;
     let api: kube::Api<Node> = kube::Api::all(client.clone());
     let lp = kube::api::ListParams::default()

@@ -7,6 +7,7 @@ mod bench_fleet;
 mod bench_netconf;
 mod bench_networktest;
 mod bench_nodeset;
+mod bench_soak;
 mod bench_vnic;
 mod benchmarks;
 mod cargo;
@@ -74,6 +75,8 @@ enum Bench {
     Vnic(bench_vnic::VnicArgs),
     /// A kwok NodeSet scaled 0 → N → 0 (drained): time, API writes and provider calls per node, RSS.
     Nodeset(bench_nodeset::NodesetArgs),
+    /// N kwok nodes with N real agents for M minutes, agents flapping at random: RSS over time, writes vs budget.
+    Soak(bench_soak::SoakArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -94,5 +97,6 @@ fn main() -> anyhow::Result<()> {
         Command::Bench(Bench::Drain(args)) => bench_drain::run(args),
         Command::Bench(Bench::Vnic(args)) => bench_vnic::run(args),
         Command::Bench(Bench::Nodeset(args)) => bench_nodeset::run(args),
+        Command::Bench(Bench::Soak(args)) => bench_soak::run(args),
     }
 }

@@ -77,7 +77,7 @@ impl Agent {
             },
             tunables: Mutex::new(Tunables::load(config.sysctl_root(), &config.state_dir)),
             cache: tokio::sync::Mutex::new(Cache::default()),
-            network: NetworkManager::new(config.imds_endpoint.clone()),
+            network: NetworkManager::new(config.imds_endpoint.clone(), &config.state_dir),
             problems: ProblemState::new_shared(),
         }
     }

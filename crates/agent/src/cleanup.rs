@@ -158,18 +158,22 @@ pub async fn run(args: &CleanupArgs) -> Result<Summary, CleanupError> {
         restore(&sysctl_root, &repair, &mut summary)?;
     }
 
-    let state = args.state_dir.join(STATE_FILE);
-    match std::fs::remove_file(&state) {
-        Ok(()) => {
-            println!("removed {}", state.display());
-            summary.state_removed = true;
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(source) => {
-            return Err(CleanupError::RemoveState {
-                path: state,
-                source,
-            });
+    // The rules record, and the network journal (the last applied state, which a later agent
+    // start would otherwise put back on the host).
+    for file in [STATE_FILE, crate::network::JOURNAL_FILE] {
+        let state = args.state_dir.join(file);
+        match std::fs::remove_file(&state) {
+            Ok(()) => {
+                println!("removed {}", state.display());
+                summary.state_removed = true;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(source) => {
+                return Err(CleanupError::RemoveState {
+                    path: state,
+                    source,
+                });
+            }
         }
     }
     println!("{summary}");

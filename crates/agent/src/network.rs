@@ -5,12 +5,24 @@
 //! and says which interfaces nodekeeper manages. One manager per agent, built with it; the drift
 //! loop is a task under the agent's shutdown token.
 //!
+//! An apply cut short (the agent killed or the node restarted between two netlink steps) must not
+//! leave the host between two states. Before the first step of every apply that changes
+//! something, the manager journals, in `<state-dir>/network.json`, what the host has of
+//! everything the apply can change ([`nodekeeper_netconf::restore_point`]); the same file keeps
+//! the last applied state. The journal entry is cleared when the apply ends (applied, or rolled
+//! back by netconf). An entry still there when the agent starts means the apply was cut short:
+//! the manager applies the journalled state before anything else, so the host ends in the state
+//! before the interrupted apply (never between), reports the interruption in `last_error`, and
+//! the controller, which sees the old generation applied, asks again. Returning is itself an
+//! idempotent apply, so an interrupted return is simply done again at the next start.
+//!
 //! Drift is found by a periodic re-plan (every `--drift-interval`): a non-empty plan against the
 //! last applied state means something outside nodekeeper changed what it owns (or what it
 //! configured on a NIC). A periodic check is chosen over netlink multicast events because it is
 //! bounded in cost (one dump of each object type per interval) and cannot miss an event when the
 //! socket buffer overflows.
 
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -20,6 +32,7 @@ use nodekeeper_netconf::{
     ApplyOptions, ApplyReport, Netconf, NetconfError, Outcome, PlanError, Target,
 };
 use nodekeeper_proto::agent::v1 as pb;
+use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -66,6 +79,20 @@ pub enum NetworkError {
     OciOptions(String),
     #[error("the OCI VNIC layout conflicts with desired_state_json: {0}")]
     LayoutConflict(String),
+    /// The journal that lets an interrupted apply be undone could not be written; nothing was
+    /// changed.
+    #[error("save the network journal {path}: {source}; nothing was applied (check --state-dir)")]
+    SaveJournal {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    /// An apply cut short by a restart could not be undone yet (tried again at every drift
+    /// check; a later apply that succeeds ends it too).
+    #[error(
+        "an apply of generation {generation:?} was cut short and returning the host to the state \
+         before it failed: {error}"
+    )]
+    Restore { generation: String, error: String },
 }
 
 impl From<NetconfError> for NetworkError {
@@ -81,10 +108,73 @@ impl From<NetconfError> for NetworkError {
     }
 }
 
+/// The last state applied in full; the drift loop re-converges to it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 struct Applied {
     desired: NetworkState,
     generation: String,
-    opts: ApplyOptions,
+    /// The request's post-apply check, as given (each parses as a [`Target`]).
+    check_targets: Vec<String>,
+    check_timeout_ms: u64,
+}
+
+impl Applied {
+    fn opts(&self) -> ApplyOptions {
+        ApplyOptions {
+            // Parsed when the request was accepted; a journal edited by hand loses a bad one.
+            check_targets: self
+                .check_targets
+                .iter()
+                .filter_map(|t| t.parse().ok())
+                .collect(),
+            check_timeout: Duration::from_millis(self.check_timeout_ms),
+            ..ApplyOptions::default()
+        }
+    }
+}
+
+/// An apply that began and has not ended: the host's state before it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+struct Pending {
+    generation: String,
+    before: NetworkState,
+}
+
+/// `<state-dir>/network.json`.
+#[derive(Debug, Default, PartialEq, Serialize, Deserialize)]
+struct Journal {
+    applied: Option<Applied>,
+    pending: Option<Pending>,
+}
+
+/// The journal's file name in `--state-dir`.
+pub const JOURNAL_FILE: &str = "network.json";
+
+/// What the manager's lock guards.
+#[derive(Default)]
+struct State {
+    /// The journal file has been read (on the first use after start).
+    loaded: bool,
+    journal: Journal,
+}
+
+/// Test hooks, read only by debug builds (tests run those); a release build compiles them out
+/// and ignores the variables. `NODEKEEPER_TEST_HOLD_APPLY_AFTER_STEPS=N` stops every apply after
+/// its N-th step and waits there forever, after writing N to the file
+/// `NODEKEEPER_TEST_HOLD_APPLY_MARKER` names, so that a test can kill the agent at exactly that
+/// point (tests/tests/fault_agent_restart.rs).
+#[cfg(debug_assertions)]
+fn test_hold() -> (Option<usize>, Option<PathBuf>) {
+    let steps = std::env::var("NODEKEEPER_TEST_HOLD_APPLY_AFTER_STEPS")
+        .ok()
+        .and_then(|v| v.parse().ok());
+    let marker = std::env::var_os("NODEKEEPER_TEST_HOLD_APPLY_MARKER").map(PathBuf::from);
+    (steps, marker)
+}
+
+#[cfg(not(debug_assertions))]
+fn test_hold() -> (Option<usize>, Option<PathBuf>) {
+    (None, None)
 }
 
 /// An `existing` link of the applied state: how nodekeeper finds the interface it configures.
@@ -100,8 +190,10 @@ pub struct NetworkManager {
     /// Connected on first use, in the namespace of the thread that first applies: an agent that
     /// never applies host networking (most of a simulated fleet) holds no netlink socket.
     netconf: tokio::sync::OnceCell<Netconf>,
-    /// Serialises applies and drift checks.
-    lock: tokio::sync::Mutex<Option<Applied>>,
+    /// Serialises applies, drift checks and the journal.
+    lock: tokio::sync::Mutex<State>,
+    /// `<state-dir>/network.json`.
+    journal_path: PathBuf,
     status: Mutex<NetworkStatus>,
     /// Counts changes of `status`, so that the agent knows when a cached report is out of date.
     changes: AtomicU64,
@@ -124,11 +216,13 @@ fn norm_mac(mac: &str) -> String {
 }
 
 impl NetworkManager {
-    /// A manager with nothing applied; `imds_endpoint` is `--imds-endpoint`.
-    pub fn new(imds_endpoint: Option<String>) -> Self {
+    /// A manager keeping its journal in `state_dir` (`--state-dir`; read on first use);
+    /// `imds_endpoint` is `--imds-endpoint`.
+    pub fn new(imds_endpoint: Option<String>, state_dir: &Path) -> Self {
         Self {
             netconf: tokio::sync::OnceCell::new(),
-            lock: tokio::sync::Mutex::new(None),
+            lock: tokio::sync::Mutex::new(State::default()),
+            journal_path: state_dir.join(JOURNAL_FILE),
             status: Mutex::new(NetworkStatus::default()),
             changes: AtomicU64::new(0),
             configured: Mutex::new(Vec::new()),
@@ -210,22 +304,40 @@ impl NetworkManager {
             .map(|t| t.parse::<Target>())
             .collect::<Result<Vec<_>, _>>()
             .map_err(NetworkError::CheckTarget)?;
+        let check_timeout_ms = if req.check_timeout_ms == 0 {
+            5000
+        } else {
+            u64::from(req.check_timeout_ms)
+        };
+        let (hold_after_steps, hold_marker) = test_hold();
         let opts = ApplyOptions {
             dry_run: req.dry_run,
             check_targets,
-            check_timeout: Duration::from_millis(if req.check_timeout_ms == 0 {
-                5000
-            } else {
-                u64::from(req.check_timeout_ms)
-            }),
+            check_timeout: Duration::from_millis(check_timeout_ms),
             fail_at_step: None,
+            hold_after_steps,
+            hold_marker,
         };
-        let mut applied = self.lock.lock().await;
+        let new = Applied {
+            desired: desired.clone(),
+            generation: req.generation.clone(),
+            check_targets: req.check_targets.clone(),
+            check_timeout_ms,
+        };
+        let mut state = self.lock.lock().await;
         let netconf = self.netconf().await?;
-        let report = match netconf.apply(&desired, &opts).await {
+        let applied = async {
+            if let Err(error) = self.prepare(&mut state).await {
+                // The host is still between an earlier state and the one an interrupted apply
+                // was making. Reaching this request's state ends that too, so it is tried; the
+                // journalled state stays the one to return to until some apply succeeds.
+                warn!(%error, generation = %req.generation, "applying the requested state over an interrupted apply");
+            }
+            self.apply_journaled(&mut state, netconf, &new, &opts).await
+        };
+        let report = match applied.await {
             Ok(r) => r,
             Err(e) => {
-                let e = NetworkError::from(e);
                 if !req.dry_run {
                     let msg = e.to_string();
                     self.publish(|s| s.last_error = msg);
@@ -236,23 +348,7 @@ impl NetworkManager {
         info!(generation = %req.generation, outcome = ?report.outcome, steps = report.plan.steps.len(), writes = report.writes, "apply network");
         if !req.dry_run {
             if report.outcome == Outcome::Applied {
-                *self
-                    .configured
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner) = desired
-                    .links
-                    .iter()
-                    .filter(|l| l.kind == LinkKind::Existing)
-                    .map(|l| Configured {
-                        name: l.name.clone(),
-                        mac: l.mac.as_deref().map(norm_mac),
-                    })
-                    .collect();
-                *applied = Some(Applied {
-                    desired: desired.clone(),
-                    generation: req.generation.clone(),
-                    opts,
-                });
+                self.show_applied(&new);
                 let generation = req.generation.clone();
                 self.publish(|s| {
                     *s = NetworkStatus {
@@ -272,10 +368,181 @@ impl NetworkManager {
         Ok(response(&report, &observed))
     }
 
+    /// The `existing` links of `applied`, for [`NetworkManager::configures`].
+    fn show_applied(&self, applied: &Applied) {
+        *self
+            .configured
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = applied
+            .desired
+            .links
+            .iter()
+            .filter(|l| l.kind == LinkKind::Existing)
+            .map(|l| Configured {
+                name: l.name.clone(),
+                mac: l.mac.as_deref().map(norm_mac),
+            })
+            .collect();
+    }
+
+    /// Writes the journal atomically (a synced temporary file renamed over the old one, then
+    /// the directory synced), so that a crash leaves the old journal or the new one.
+    fn save(&self, journal: &Journal) -> Result<(), NetworkError> {
+        let path = &self.journal_path;
+        let fail = |source| NetworkError::SaveJournal {
+            path: path.clone(),
+            source,
+        };
+        let dir = path.parent().unwrap_or(Path::new("."));
+        std::fs::create_dir_all(dir).map_err(fail)?;
+        let bytes = serde_json::to_vec(journal).map_err(|e| fail(std::io::Error::other(e)))?;
+        let tmp = path.with_extension("json.tmp");
+        {
+            use std::io::Write as _;
+            let mut f = std::fs::File::create(&tmp).map_err(fail)?;
+            f.write_all(&bytes).map_err(fail)?;
+            f.sync_all().map_err(fail)?;
+        }
+        std::fs::rename(&tmp, path).map_err(fail)?;
+        std::fs::File::open(dir)
+            .and_then(|d| d.sync_all())
+            .map_err(fail)
+    }
+
+    /// On the first use after start, reads the journal (the applied state the report then
+    /// shows, and the drift loop keeps); whenever an apply was cut short, returns the host to the
+    /// state before it. Called under the lock before every apply and drift check.
+    async fn prepare(&self, state: &mut State) -> Result<(), NetworkError> {
+        if !state.loaded {
+            state.loaded = true;
+            match std::fs::read(&self.journal_path) {
+                Ok(bytes) => match serde_json::from_slice::<Journal>(&bytes) {
+                    Ok(journal) => state.journal = journal,
+                    Err(error) => {
+                        // Not fatal: the controller applies its state again.
+                        let msg = format!(
+                            "the network journal {} is unreadable ({error}); nothing restored",
+                            self.journal_path.display()
+                        );
+                        warn!(%msg, "network journal");
+                        self.publish(|s| s.last_error = msg);
+                    }
+                },
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(error) => {
+                    warn!(%error, path = %self.journal_path.display(), "read the network journal")
+                }
+            }
+            if let Some(a) = state.journal.applied.clone() {
+                info!(generation = %a.generation, "network state applied before the restart");
+                self.show_applied(&a);
+                self.publish(|s| s.applied_generation = a.generation);
+            }
+        }
+        let Some(pending) = state.journal.pending.clone() else {
+            return Ok(());
+        };
+        let restore_failed = |error: String| NetworkError::Restore {
+            generation: pending.generation.clone(),
+            error,
+        };
+        let netconf = self.netconf().await?;
+        let report = match netconf
+            .apply(&pending.before, &ApplyOptions::default())
+            .await
+        {
+            Ok(report) => report,
+            // The state before cannot be planned on this host any more (an interface it
+            // names is gone): nothing can return to it, so the entry is dropped.
+            Err(NetconfError::Plan(e)) => {
+                state.journal.pending = None;
+                self.save(&state.journal)?;
+                return Err(restore_failed(format!(
+                    "the state before it cannot be planned any more ({e}); left as it is"
+                )));
+            }
+            Err(e) => return Err(restore_failed(e.to_string())),
+        };
+        if report.outcome != Outcome::Applied {
+            return Err(restore_failed(report.error.unwrap_or_default()));
+        }
+        state.journal.pending = None;
+        self.save(&state.journal)?;
+        warn!(generation = %pending.generation, steps = report.plan.steps.len(), "an apply was cut short by a restart; returned the host to the state before it");
+        let msg = format!(
+            "an apply of generation {:?} was cut short (the agent stopped midway); the host was \
+             returned to the state before it ({} steps undone)",
+            pending.generation,
+            report.plan.steps.len()
+        );
+        self.publish(|s| s.last_error = msg);
+        Ok(())
+    }
+
+    /// Applies `new` (a dry run only plans), journalling the state before it first when the
+    /// apply will change something; on success `new` becomes the applied state.
+    async fn apply_journaled(
+        &self,
+        state: &mut State,
+        netconf: &Netconf,
+        new: &Applied,
+        opts: &ApplyOptions,
+    ) -> Result<ApplyReport, NetworkError> {
+        if opts.dry_run {
+            return Ok(netconf.apply(&new.desired, opts).await?);
+        }
+        // An entry left by an interrupted apply that could not be undone stays: the state
+        // before that apply is the one to return to, not the half-way state the host has now.
+        let inherited = state.journal.pending.is_some();
+        let observed = netconf.observe().await?;
+        // A plan that is empty or refused changes nothing: nothing to journal.
+        if !inherited
+            && nodekeeper_netconf::plan(&new.desired, &observed).is_ok_and(|p| !p.is_empty())
+        {
+            state.journal.pending = Some(Pending {
+                generation: new.generation.clone(),
+                before: nodekeeper_netconf::restore_point(&new.desired, &observed),
+            });
+            if let Err(e) = self.save(&state.journal) {
+                state.journal.pending = None;
+                return Err(e);
+            }
+        }
+        let journalled = state.journal.pending.is_some();
+        let report = netconf.apply(&new.desired, opts).await;
+        let before = (state.journal.applied.clone(), journalled);
+        match &report {
+            Ok(r) if r.outcome == Outcome::Applied => {
+                state.journal.applied = Some(new.clone());
+                state.journal.pending = None;
+            }
+            // Netconf undid its steps, or refused before any: the host is as it was.
+            Ok(r) if r.outcome == Outcome::RolledBack && !inherited => {
+                state.journal.pending = None;
+            }
+            Err(_) if !inherited => state.journal.pending = None,
+            // Some steps could not be undone (or the host was between states already): the
+            // entry stays, and the next apply or drift check returns the host to its state.
+            Ok(_) | Err(_) => {}
+        }
+        let after = (
+            state.journal.applied.clone(),
+            state.journal.pending.is_some(),
+        );
+        if after != before
+            && let Err(error) = self.save(&state.journal)
+        {
+            // The host is as reported; only a restart before the next save would undo it.
+            warn!(%error, "network journal not updated after the apply");
+        }
+        Ok(report?)
+    }
+
     /// Re-plans the last applied state; on drift, records it and (if `reconverge`) applies again.
     pub async fn check_drift(&self, reconverge: bool) -> Result<Vec<String>, NetworkError> {
-        let applied = self.lock.lock().await;
-        let Some(a) = applied.as_ref() else {
+        let mut state = self.lock.lock().await;
+        self.prepare(&mut state).await?;
+        let Some(a) = state.journal.applied.clone() else {
             return Ok(Vec::new());
         };
         let netconf = self.netconf().await?;
@@ -290,7 +557,9 @@ impl NetworkManager {
             s.drift = lines;
         });
         if reconverge {
-            let report = netconf.apply(&a.desired, &a.opts).await?;
+            let report = self
+                .apply_journaled(&mut state, netconf, &a, &a.opts())
+                .await?;
             let ok = report.outcome == Outcome::Applied;
             let err = report.error.clone().unwrap_or_default();
             self.publish(|s| {
@@ -305,9 +574,23 @@ impl NetworkManager {
         Ok(drift)
     }
 
-    /// Checks for drift every `interval` until `shutdown` is cancelled. A check in progress
-    /// finishes first, so the host is never left half re-converged.
+    /// Reads the journal and, when an apply was cut short, returns the host to the state before
+    /// it: the first thing the drift loop does after the agent starts.
+    pub async fn restore(&self) {
+        let mut state = self.lock.lock().await;
+        if let Err(error) = self.prepare(&mut state).await {
+            warn!(%error, "network state not restored; trying again at the next drift check");
+            let msg = error.to_string();
+            self.publish(|s| s.last_error = msg);
+        }
+    }
+
+    /// Checks for drift every `interval` until `shutdown` is cancelled, after
+    /// [`NetworkManager::restore`]. A check in progress finishes first, so the host is never left
+    /// half re-converged.
     pub async fn drift_loop(&self, interval: Duration, shutdown: CancellationToken) {
+        // Not raced with shutdown: a return dropped midway would itself be cut short.
+        self.restore().await;
         let mut tick = tokio::time::interval(interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         tick.tick().await;
@@ -653,10 +936,10 @@ mod tests {
         }
     }
 
-    #[test]
-    fn apply_network_dry_run_apply_reapply_errors_and_drift() {
-        skip_unless_root!("needs root to create network namespaces");
-        let ns = netns("nk-test-agent");
+    /// A namespace with the NIC of [`DESIRED`]: `nic0` (its MAC), up, whose veth peer holds
+    /// the gateway 10.0.20.1 that the post-apply check pings.
+    fn nic0_netns(prefix: &str) -> Arc<Netns> {
+        let ns = netns(prefix);
         ip(
             &ns,
             &[
@@ -675,6 +958,13 @@ mod tests {
         ip(&ns, &["link", "set", "nic0", "up"]);
         ip(&ns, &["link", "set", "nic0p", "up"]);
         ip(&ns, &["addr", "add", "10.0.20.1/24", "dev", "nic0p"]);
+        ns
+    }
+
+    #[test]
+    fn apply_network_dry_run_apply_reapply_errors_and_drift() {
+        skip_unless_root!("needs root to create network namespaces");
+        let ns = nic0_netns("nk-test-agent");
         let state = tempfile::tempdir().unwrap();
         let name = Arc::clone(&ns);
         let state_dir = state.path().to_string_lossy().into_owned();
@@ -752,6 +1042,97 @@ mod tests {
             assert!(m.check_drift(true).await.unwrap().is_empty());
             let (_, report) = agent.report(0).await;
             assert!(report.unwrap().network.drifted);
+        });
+    }
+
+    /// The journal outlives the manager: a new one on the same `--state-dir` (a restarted
+    /// agent) knows the applied generation and keeps it (drift repaired); without a journal it
+    /// can write, an apply is refused and nothing changes. (An apply cut short by a kill is
+    /// tests/tests/fault_agent_restart.rs, with real processes.)
+    #[test]
+    fn the_journal_keeps_the_applied_state_and_an_apply_needs_it() {
+        skip_unless_root!("needs root to create network namespaces");
+        let ns = nic0_netns("nk-test-agent-journal");
+        let state = tempfile::tempdir().unwrap();
+        let name = Arc::clone(&ns);
+        let state_dir = state.path().to_string_lossy().into_owned();
+        ns.run(move || async move {
+            let first = agent_in(&state_dir, None);
+            let r = first
+                .network()
+                .apply(request(DESIRED, false))
+                .await
+                .unwrap();
+            assert_eq!(r.outcome, pb::ApplyOutcome::Applied as i32, "{}", r.message);
+            let kept = std::fs::read_to_string(Path::new(&state_dir).join(JOURNAL_FILE)).unwrap();
+            assert!(kept.contains("\"pending\":null"), "{kept}");
+            drop(first);
+
+            let again = agent_in(&state_dir, None);
+            let m = again.network();
+            m.restore().await;
+            let s = m.status();
+            assert_eq!(
+                (s.applied_generation.as_str(), s.last_error.as_str()),
+                ("uid-1/3", "")
+            );
+            ip(&name, &["route", "del", "default", "table", "101"]);
+            assert_eq!(m.check_drift(true).await.unwrap().len(), 1);
+            assert!(m.check_drift(true).await.unwrap().is_empty());
+
+            // A state directory that cannot hold the journal (a path under a regular file).
+            let file = Path::new(&state_dir).join("not-a-dir");
+            std::fs::write(&file, "").unwrap();
+            let stuck = agent_in(&file.join("state").to_string_lossy(), None);
+            let other = DESIRED.replace("10.0.20.33", "10.0.20.34");
+            let e = status_of(
+                stuck
+                    .network()
+                    .apply(request(&other, false))
+                    .await
+                    .unwrap_err(),
+            );
+            assert_eq!(e.code(), Code::Internal, "{}", e.message());
+            assert!(
+                e.message().contains("save the network journal")
+                    && e.message().contains("--state-dir"),
+                "{}",
+                e.message()
+            );
+            assert!(!ip(&name, &["addr", "show", "dev", "nic0"]).contains("10.0.20.34"));
+            assert!(
+                stuck
+                    .network()
+                    .status()
+                    .last_error
+                    .contains("nothing was applied")
+            );
+
+            // An interrupted apply whose earlier state the kernel now refuses (a macvlan with an
+            // MTU above its parent's, 9000): the return fails and says so, and a later apply that
+            // succeeds ends the interruption.
+            let dir = Path::new(&state_dir).join("refused");
+            std::fs::create_dir_all(&dir).unwrap();
+            let before = r#"{"links": [{"name": "nic0", "kind": "existing"},
+                {"name": "nkbig", "kind": "macvlan", "parent": "nic0", "mtu": 9500}]}"#;
+            std::fs::write(
+                dir.join(JOURNAL_FILE),
+                format!(r#"{{"applied": null, "pending": {{"generation": "uid-1/9", "before": {before}}}}}"#),
+            )
+            .unwrap();
+            let refused = agent_in(&dir.to_string_lossy(), None);
+            let m = refused.network();
+            m.restore().await;
+            let last = m.status().last_error;
+            assert!(
+                last.contains("\"uid-1/9\" was cut short and returning the host"),
+                "{last}"
+            );
+            let r = m.apply(request(&other, false)).await.unwrap();
+            assert_eq!(r.outcome, pb::ApplyOutcome::Applied as i32, "{}", r.message);
+            let kept = std::fs::read_to_string(dir.join(JOURNAL_FILE)).unwrap();
+            assert!(kept.contains("\"pending\":null"), "{kept}");
+            assert!(m.status().last_error.is_empty());
         });
     }
 

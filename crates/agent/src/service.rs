@@ -64,7 +64,9 @@ pub fn status(error: Error) -> Status {
                 Status::failed_precondition(message)
             }
             NetworkError::Metadata(_) => Status::unavailable(message),
-            NetworkError::Netlink(_) => Status::internal(message),
+            NetworkError::Netlink(_)
+            | NetworkError::SaveJournal { .. }
+            | NetworkError::Restore { .. } => Status::internal(message),
         },
         Error::RunProbes(_)
         | Error::ReadTls { .. }

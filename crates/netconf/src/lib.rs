@@ -50,6 +50,32 @@ pub struct ApplyOptions {
     /// Test hook: fail (without sending it) the step with this index, as a kernel error would.
     #[doc(hidden)]
     pub fail_at_step: Option<usize>,
+    /// Test hook: after this many steps (the plan's length: before the check), write the number
+    /// to `hold_marker` (when given) and wait forever, so that a test can kill the process at
+    /// exactly that point of the apply.
+    #[doc(hidden)]
+    pub hold_after_steps: Option<usize>,
+    #[doc(hidden)]
+    pub hold_marker: Option<std::path::PathBuf>,
+}
+
+impl ApplyOptions {
+    /// The hold of [`ApplyOptions::hold_after_steps`], when `done` steps are made.
+    async fn hold_if_asked(&self, done: usize) {
+        if self.hold_after_steps != Some(done) {
+            return;
+        }
+        tracing::warn!(
+            steps = done,
+            "test hook: holding the apply until the process is killed"
+        );
+        if let Some(marker) = &self.hold_marker
+            && let Err(error) = std::fs::write(marker, done.to_string())
+        {
+            tracing::warn!(%error, marker = %marker.display(), "test hook: write the hold marker");
+        }
+        std::future::pending::<()>().await;
+    }
 }
 
 /// How an apply ended.
@@ -132,6 +158,7 @@ impl Netconf {
         let mut done: Vec<&Step> = Vec::new();
         let mut failure = None;
         for (i, step) in plan.steps.iter().enumerate() {
+            opts.hold_if_asked(i).await;
             let result = if opts.fail_at_step == Some(i) {
                 Err(std::io::Error::other("injected failure"))
             } else {
@@ -147,6 +174,9 @@ impl Netconf {
                     break;
                 }
             }
+        }
+        if failure.is_none() {
+            opts.hold_if_asked(plan.steps.len()).await;
         }
         if failure.is_none() && !opts.check_targets.is_empty() {
             let timeout = if opts.check_timeout.is_zero() {
@@ -295,6 +325,40 @@ pub fn owned_state(desired: &NetworkState, obs: &Observed) -> NetworkState {
         });
     }
     out
+}
+
+/// What an apply of `desired` can change, as the host has it now: the state to return to when
+/// that apply is cut short (the agent journals it before the first step, and applies it after a
+/// restart that interrupted the apply). It is [`owned_state`], with every link that an owned
+/// address or route sits on declared (an existing link, by name, left as it is), so that it is
+/// itself a valid desired state. Applying it undoes any part of `desired` already applied:
+/// what nodekeeper created since is deleted, what it deleted is created again, and the links
+/// `desired` configures get their MTU and up/down state back. Applying it twice is the same as
+/// once, so an interruption of the return itself is undone by starting it again.
+pub fn restore_point(desired: &NetworkState, obs: &Observed) -> NetworkState {
+    use nodekeeper_model::network::LinkSpec;
+    let mut state = owned_state(desired, obs);
+    let named: Vec<String> = state
+        .addresses
+        .iter()
+        .map(|a| a.link.clone())
+        .chain(state.routes.iter().filter_map(|r| r.link.clone()))
+        .collect();
+    for name in named {
+        if !state.links.iter().any(|l| l.name == name) {
+            state.links.push(LinkSpec {
+                name,
+                kind: LinkKind::Existing,
+                mac: None,
+                parent: None,
+                vlan_id: None,
+                macvlan_mode: None,
+                mtu: None,
+                up: None,
+            });
+        }
+    }
+    state
 }
 
 fn o_mac_eq(observed: Option<&str>, want: &str) -> bool {
