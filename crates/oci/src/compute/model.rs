@@ -225,6 +225,17 @@ pub struct LaunchInstanceDetails {
     pub fault_domain: Option<String>,
 }
 
+/// A `Shape` as ListShapes reports it (the fields nodekeeper reads).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Shape {
+    pub shape: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub is_flexible: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_vnic_attachments: Option<u32>,
+}
+
 /// Filters of ListInstances beyond the compartment.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ListInstancesFilter {
