@@ -25,7 +25,7 @@ use kube::api::{ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::controller::Controller;
 use kube::runtime::{WatchStreamExt as _, watcher};
 use kube::{Api, ResourceExt as _};
-use nodekeeper_api::crd::{NodeClass, NodeMaintenance, NodeSet};
+use nodekeeper_api::crd::{NodeClass, NodeClassSpec, NodeMaintenance, NodeSet};
 use nodekeeper_api::names::LABEL_NODE_SET;
 use nodekeeper_controller::controllers::node_set::{
     self, Deletion, Machine, MachineRequest, Provider, ProviderError,
@@ -562,7 +562,11 @@ impl Provider for Failing {
         self.others.fetch_add(1, Ordering::SeqCst);
         Box::pin(async { Ok(None) })
     }
-    fn list<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<Vec<Machine>, ProviderError>> {
+    fn list<'a>(
+        &'a self,
+        _: &'a str,
+        _: &'a NodeClassSpec,
+    ) -> BoxFuture<'a, Result<Vec<Machine>, ProviderError>> {
         self.others.fetch_add(1, Ordering::SeqCst);
         Box::pin(async { Ok(Vec::new()) })
     }

@@ -317,17 +317,21 @@ pub async fn reconcile(set: Arc<NodeSet>, ctx: Arc<Context>) -> Result<Action, E
         .filter(|m| m.labels().get(LABEL_NODE_SET) == Some(&name))
         .filter_map(|m| Some((m.annotations().get(ANNOTATION_DRAINED_NODE)?.clone(), m)))
         .collect();
-    let (in_flight, deleting) = ctx.memory(&name, |mem| {
+    let (in_flight_names, deleting) = ctx.memory(&name, |mem| {
         let expiry = Duration::from_secs(120);
         mem.in_flight
             .retain(|n, at| !nodes.contains_key(n) && at.elapsed() < expiry);
         mem.deleting
             .retain(|n, at| nodes.contains_key(n) && at.elapsed() < expiry);
         (
-            u32::try_from(mem.in_flight.len()).unwrap_or(u32::MAX),
+            mem.in_flight.keys().cloned().collect::<HashSet<_>>(),
             mem.deleting.keys().cloned().collect::<HashSet<_>>(),
         )
     });
+    let in_flight = u32::try_from(in_flight_names.len()).unwrap_or(u32::MAX);
+    if !provider.machine_is_node() {
+        sweep_orphans(&ctx, &set, &provider, &class.spec, &nodes, &in_flight_names).await;
+    }
     let views: Vec<MachineView> = nodes
         .values()
         .map(|n| {
@@ -532,6 +536,67 @@ pub async fn reconcile(set: Arc<NodeSet>, ctx: Arc<Context>) -> Result<Action, E
     } else {
         requeue
     }))
+}
+
+/// Machines of the set at the provider without a Node (a crash between launch and record, or a
+/// Node deleted by hand) are deleted: no pod can be running there, and nothing else would ever
+/// remove them. Listed at most every [`super::ORPHAN_SWEEP`]; machines being created are left
+/// alone.
+async fn sweep_orphans(
+    ctx: &Context,
+    set: &NodeSet,
+    provider: &Arc<dyn Provider>,
+    class: &NodeClassSpec,
+    nodes: &BTreeMap<String, Arc<Node>>,
+    in_flight: &HashSet<String>,
+) {
+    let name = set.name_any();
+    let due = ctx.memory(&name, |mem| {
+        let due = mem
+            .last_list
+            .is_none_or(|t| t.elapsed() >= super::ORPHAN_SWEEP);
+        if due {
+            mem.last_list = Some(Instant::now());
+        }
+        due
+    });
+    if !due {
+        return;
+    }
+    ctx.calls.list.fetch_add(1, Ordering::Relaxed);
+    let machines = match provider.list(&name, class).await {
+        Ok(m) => m,
+        Err(error) => {
+            warn!(%error, nodeset = %name, "listing the provider's machines failed; next sweep retries");
+            return;
+        }
+    };
+    for m in machines {
+        if nodes.contains_key(&m.node_name) || in_flight.contains(&m.node_name) {
+            continue;
+        }
+        ctx.calls.delete.fetch_add(1, Ordering::Relaxed);
+        match provider.delete(&m).await {
+            Ok(_) => {
+                let message = format!(
+                    "machine {} ({}) of nodeset {name} has no Node (never recorded, or the Node was deleted); deleted it",
+                    m.node_name, m.provider_id
+                );
+                warn!(nodeset = %name, node = %m.node_name, provider_id = %m.provider_id, "deleted a machine without a Node");
+                publish(
+                    ctx,
+                    set,
+                    EventType::Warning,
+                    "OrphanMachineDeleted",
+                    message,
+                )
+                .await;
+            }
+            Err(error) => {
+                warn!(%error, nodeset = %name, node = %m.node_name, "deleting a machine without a Node failed; next sweep retries")
+            }
+        }
+    }
 }
 
 /// What to ask the provider for: the class's and the template's labels and taints on top of
