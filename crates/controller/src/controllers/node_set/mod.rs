@@ -78,6 +78,11 @@ pub struct Config {
     /// NodeSets reconciled at once.
     #[arg(long, env = "NODEKEEPER_NODESET_CONCURRENCY", default_value_t = 4)]
     pub nodeset_concurrency: u16,
+
+    /// Reconcile only the NodeSets matching this label selector (e.g. two controllers sharing
+    /// one API server, each with its own cloud); all NodeSets when unset.
+    #[arg(long, env = "NODEKEEPER_NODESET_SELECTOR")]
+    pub nodeset_selector: Option<String>,
 }
 
 impl Default for Config {
@@ -87,6 +92,7 @@ impl Default for Config {
             nodeset_max_replicas: 1000,
             nodeset_create_concurrency: 32,
             nodeset_concurrency: 4,
+            nodeset_selector: None,
         }
     }
 }
@@ -169,6 +175,8 @@ pub struct Context {
     pub max_replicas: u32,
     pub create_concurrency: usize,
     pub concurrency: u16,
+    /// Only NodeSets with these labels.
+    pub selector: Option<String>,
     /// How often a set that is moving is looked at again (the caches make this free).
     pub recheck: Duration,
     /// How often a converged set is looked at again.
@@ -217,6 +225,7 @@ impl Context {
             max_replicas: config.nodeset_max_replicas,
             create_concurrency: config.nodeset_create_concurrency.max(1),
             concurrency: config.nodeset_concurrency,
+            selector: config.nodeset_selector.clone(),
             recheck: Duration::from_secs(1),
             resync: Duration::from_secs(30),
             stores: OnceCell::new(),
@@ -435,6 +444,13 @@ impl Reconciler for Context {
 
     fn api(&self) -> Api<NodeSet> {
         Api::all(self.client.clone())
+    }
+
+    fn watcher_config(&self) -> watcher::Config {
+        match &self.selector {
+            Some(s) => watcher::Config::default().labels(s),
+            None => watcher::Config::default(),
+        }
     }
 
     fn concurrency(&self) -> u16 {

@@ -20,8 +20,8 @@ use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
 use k8s_openapi::api::core::v1::Node;
-use kube::api::{DeleteParams, PostParams};
 use kube::Api;
+use kube::api::{DeleteParams, PostParams};
 use nodekeeper_api::crd::node_class::{NodeClassSpec, OciTemplate};
 use nodekeeper_api::names::{LABEL_NODE_CLASS, LABEL_NODE_SET};
 use nodekeeper_oci::compute::{
