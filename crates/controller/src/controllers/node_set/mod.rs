@@ -126,6 +126,13 @@ pub struct SetMemory {
     pub last_list: Option<Instant>,
 }
 
+/// cluster-autoscaler's node-group minimum, as its Cluster API provider reads it from a
+/// scalable resource; on a NodeSet, a bound on `spec.replicas` (outside it the set is refused
+/// with `ReplicasOutOfBounds` and nothing is created or removed).
+pub const ANNOTATION_MIN_SIZE: &str = "cluster.x-k8s.io/cluster-api-autoscaler-node-group-min-size";
+/// cluster-autoscaler's node-group maximum (see [`ANNOTATION_MIN_SIZE`]).
+pub const ANNOTATION_MAX_SIZE: &str = "cluster.x-k8s.io/cluster-api-autoscaler-node-group-max-size";
+
 /// How often a set whose machines are not Node objects lists its provider for machines that
 /// lost their Node (a crash between launch and record): terminated, as no pod ever ran there.
 pub const ORPHAN_SWEEP: Duration = Duration::from_secs(60);

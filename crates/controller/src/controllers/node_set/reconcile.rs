@@ -251,8 +251,13 @@ pub async fn reconcile(set: Arc<NodeSet>, ctx: Arc<Context>) -> Result<Action, E
             ),
         ));
     }
+    let bounds = autoscaler_bounds(set.annotations(), set.spec.replicas);
+    let out_of_bounds = !bounds.is_empty();
+    errors.extend(bounds);
     if !errors.is_empty() {
-        let reason = if above_cap && errors.len() == 1 {
+        let reason = if out_of_bounds && errors.len() == 1 {
+            REASON_OUT_OF_BOUNDS
+        } else if above_cap && errors.len() == 1 {
             REASON_ABOVE_CAP
         } else {
             REASON_INVALID_SPEC
@@ -599,6 +604,58 @@ async fn sweep_orphans(
     }
 }
 
+/// Condition reason: `spec.replicas` is outside the autoscaler min/max annotations.
+pub const REASON_OUT_OF_BOUNDS: &str = "ReplicasOutOfBounds";
+
+/// Checks the cluster-autoscaler node-group bounds ([`super::ANNOTATION_MIN_SIZE`],
+/// [`super::ANNOTATION_MAX_SIZE`]) a set may carry: each a whole number, min ≤ max, and
+/// `replicas` within them. Each problem names the annotation or field and the fix.
+pub fn autoscaler_bounds(annotations: &BTreeMap<String, String>, replicas: u32) -> Vec<FieldError> {
+    let mut errors = Vec::new();
+    let mut read = |key: &str| -> Option<u32> {
+        let raw = annotations.get(key)?;
+        match raw.trim().parse::<u32>() {
+            Ok(v) => Some(v),
+            Err(_) => {
+                errors.push(FieldError::new(
+                    format!("metadata.annotations[{key}]"),
+                    format!("{raw:?} is not a whole number of nodes; write e.g. \"3\""),
+                ));
+                None
+            }
+        }
+    };
+    let min = read(super::ANNOTATION_MIN_SIZE);
+    let max = read(super::ANNOTATION_MAX_SIZE);
+    match (min, max) {
+        (Some(lo), Some(hi)) if lo > hi => errors.push(FieldError::new(
+            format!("metadata.annotations[{}]", super::ANNOTATION_MIN_SIZE),
+            format!("{lo} is above the max-size annotation {hi}; lower it or raise the max"),
+        )),
+        _ => {
+            if let Some(lo) = min.filter(|lo| replicas < *lo) {
+                errors.push(FieldError::new(
+                    "spec.replicas",
+                    format!(
+                        "{replicas} is below the min-size annotation {lo} ({}); scale to at least {lo} or lower the annotation",
+                        super::ANNOTATION_MIN_SIZE
+                    ),
+                ));
+            }
+            if let Some(hi) = max.filter(|hi| replicas > *hi) {
+                errors.push(FieldError::new(
+                    "spec.replicas",
+                    format!(
+                        "{replicas} is above the max-size annotation {hi} ({}); scale to at most {hi} or raise the annotation",
+                        super::ANNOTATION_MAX_SIZE
+                    ),
+                ));
+            }
+        }
+    }
+    errors
+}
+
 /// What to ask the provider for: the class's and the template's labels and taints on top of
 /// the set's own record.
 fn request(
@@ -754,6 +811,46 @@ mod tests {
         let mut t2 = t.clone();
         t2.labels.insert("tier".into(), "web".into());
         assert_ne!(a, template_hash(&class, &t2));
+    }
+
+    #[test]
+    fn autoscaler_bounds_are_read_and_checked() {
+        let a = |pairs: &[(&str, &str)]| -> BTreeMap<String, String> {
+            pairs
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect()
+        };
+        let (min, max) = (
+            super::super::ANNOTATION_MIN_SIZE,
+            super::super::ANNOTATION_MAX_SIZE,
+        );
+        assert!(autoscaler_bounds(&a(&[]), 7).is_empty());
+        assert!(autoscaler_bounds(&a(&[(min, "2"), (max, "10")]), 2).is_empty());
+        assert!(autoscaler_bounds(&a(&[(min, "2"), (max, "10")]), 10).is_empty());
+        let e = autoscaler_bounds(&a(&[(min, "2"), (max, "10")]), 11);
+        assert_eq!(e.len(), 1);
+        assert_eq!(e[0].field, "spec.replicas");
+        assert!(
+            e[0].message.contains("above the max-size annotation 10"),
+            "{}",
+            e[0].message
+        );
+        let e = autoscaler_bounds(&a(&[(min, "2")]), 1);
+        assert!(
+            e[0].message.contains("below the min-size annotation 2"),
+            "{}",
+            e[0].message
+        );
+        let e = autoscaler_bounds(&a(&[(min, "five")]), 1);
+        assert_eq!(e[0].field, format!("metadata.annotations[{min}]"));
+        let e = autoscaler_bounds(&a(&[(min, "5"), (max, "3")]), 4);
+        assert_eq!(e.len(), 1);
+        assert!(
+            e[0].message.contains("above the max-size annotation 3"),
+            "{}",
+            e[0].message
+        );
     }
 
     #[test]
