@@ -137,7 +137,7 @@ pub const ANNOTATION_MAX_SIZE: &str = "cluster.x-k8s.io/cluster-api-autoscaler-n
 /// lost their Node (a crash between launch and record): terminated, as no pod ever ran there.
 pub const ORPHAN_SWEEP: Duration = Duration::from_secs(60);
 /// Store changes within this window wake the sets once.
-pub const WAKE_COALESCE: Duration = Duration::from_millis(250);
+pub const WAKE_COALESCE: Duration = Duration::from_secs(1);
 
 /// The longest wait between create attempts of a failing provider.
 pub const MAX_BACKOFF: Duration = Duration::from_secs(300);
