@@ -522,7 +522,12 @@ async fn oci_bad_input_is_named_by_field_before_any_launch() -> anyhow::Result<(
     let _serial = SERIAL.lock().await;
     let rig = Rig::new("nset-oci-bad").await?;
     let client = &rig.client;
-    let cases: [(&str, Box<dyn FnOnce(&mut Value)>, &[&str]); 3] = [
+    type Case = (
+        &'static str,
+        Box<dyn FnOnce(&mut Value)>,
+        &'static [&'static str],
+    );
+    let cases: [Case; 3] = [
         (
             "shape",
             Box::new(|t: &mut Value| t["shape"] = json!("VM.Standard.Nope9")),

@@ -388,13 +388,16 @@ fn node_fingerprint(node: &Node) -> String {
     )
 }
 
+/// Where a store's changes wake the sets, and what of an object counts as a change.
+type Wake<K> = (tokio::sync::watch::Sender<u64>, fn(&K) -> String);
+
 /// A reflector store of `api`, fed by a watch that runs until `stop`; with `wake`, a change of
 /// an object's fingerprint (or its addition or removal) after the first list bumps the sender.
 fn reflect<K>(
     api: Api<K>,
     config: watcher::Config,
     trim: fn(&mut K),
-    wake: Option<(tokio::sync::watch::Sender<u64>, fn(&K) -> String)>,
+    wake: Option<Wake<K>>,
     stop: CancellationToken,
 ) -> Store<K>
 where

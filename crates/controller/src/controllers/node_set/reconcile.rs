@@ -520,21 +520,20 @@ pub async fn reconcile(set: Arc<NodeSet>, ctx: Arc<Context>) -> Result<Action, E
         set.meta().generation,
         &rfc3339(now),
     );
-    if write_status(&api, &name, set.status.as_ref(), &s).await? {
-        if let Outcome::Acting {
+    if write_status(&api, &name, set.status.as_ref(), &s).await?
+        && let Outcome::Acting {
             provider_error: Some(error),
             ..
         } = &outcome
-        {
-            publish(
-                &ctx,
-                &set,
-                EventType::Warning,
-                REASON_PROVIDER_FAILED,
-                error.clone(),
-            )
-            .await;
-        }
+    {
+        publish(
+            &ctx,
+            &set,
+            EventType::Warning,
+            REASON_PROVIDER_FAILED,
+            error.clone(),
+        )
+        .await;
     }
     Ok(Action::requeue(if converged {
         ctx.resync
