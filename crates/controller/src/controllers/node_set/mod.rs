@@ -124,6 +124,8 @@ pub struct SetMemory {
     pub last_error: Option<String>,
     /// When the provider was last listed for machines without a Node.
     pub last_list: Option<Instant>,
+    /// NodeMaintenances this process deleted, while the cache may still show them.
+    pub deleted_maintenances: HashMap<String, Instant>,
 }
 
 /// cluster-autoscaler's node-group minimum, as its Cluster API provider reads it from a

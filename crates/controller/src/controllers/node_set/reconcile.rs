@@ -360,11 +360,25 @@ pub async fn reconcile(set: Arc<NodeSet>, ctx: Arc<Context>) -> Result<Action, E
         .collect();
 
     let nm_api: Api<NodeMaintenance> = Api::all(ctx.client.clone());
-    // A drain whose node is gone has done its work.
-    for (node, nm) in &maintenances {
-        if !nodes.contains_key(node) {
-            delete_maintenance(&nm_api, &nm.name_any()).await?;
-        }
+    // A drain whose node is gone has done its work. Deleted once: the cache shows it until
+    // the watch delivers the deletion, and a delete per reconcile meanwhile is a wasted write.
+    let done: Vec<String> = ctx.memory(&name, |mem| {
+        mem.deleted_maintenances.retain(|m, at| {
+            at.elapsed() < Duration::from_secs(30)
+                && maintenances.values().any(|nm| nm.name_any() == *m)
+        });
+        maintenances
+            .iter()
+            .filter(|(node, _)| !nodes.contains_key(*node))
+            .map(|(_, nm)| nm.name_any())
+            .filter(|m| !mem.deleted_maintenances.contains_key(m))
+            .collect()
+    });
+    for m in done {
+        delete_maintenance(&nm_api, &m).await?;
+        ctx.memory(&name, |mem| {
+            mem.deleted_maintenances.insert(m, Instant::now())
+        });
     }
 
     let (max_total, min_ready) = set.spec.rollout_bounds();
