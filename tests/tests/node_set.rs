@@ -25,7 +25,7 @@ use kube::api::{ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::controller::Controller;
 use kube::runtime::{WatchStreamExt as _, watcher};
 use kube::{Api, ResourceExt as _};
-use nodekeeper_api::crd::{NodeClass, NodeMaintenance, NodeSet};
+use nodekeeper_api::crd::{NodeClass, NodeClassSpec, NodeMaintenance, NodeSet};
 use nodekeeper_api::names::LABEL_NODE_SET;
 use nodekeeper_controller::controllers::node_set::{
     self, Deletion, Machine, MachineRequest, Provider, ProviderError,
@@ -495,6 +495,42 @@ async fn bad_input_gets_a_condition_naming_the_field() -> anyhow::Result<()> {
     );
     ensure!(set_nodes(&client, &capped).await?.is_empty());
 
+    // Outside cluster-autoscaler's min/max annotations: named, nothing created; inside, it goes.
+    let bounded = unique_name("bounded");
+    let body = |replicas: u32| {
+        json!({
+            "apiVersion": "nodekeeper.dev/v1alpha1", "kind": "NodeSet",
+            "metadata": { "name": bounded, "annotations": {
+                "cluster.x-k8s.io/cluster-api-autoscaler-node-group-min-size": "1",
+                "cluster.x-k8s.io/cluster-api-autoscaler-node-group-max-size": "2",
+            } },
+            "spec": { "nodeClassName": class, "replicas": replicas },
+        })
+    };
+    sets.patch(
+        &bounded,
+        &PatchParams::apply("nodekeeper-e2e").force(),
+        &Patch::Apply(&body(3)),
+    )
+    .await?;
+    let (_, _, message) = wait_reason(bounded.clone(), "ReplicasOutOfBounds").await?;
+    ensure!(
+        message.contains("spec.replicas")
+            && message.contains("max-size annotation 2")
+            && message.contains("cluster-api-autoscaler-node-group-max-size"),
+        "{message}"
+    );
+    ensure!(set_nodes(&client, &bounded).await?.is_empty());
+    set_replicas(&client, &bounded, 2).await?;
+    wait_converged(&client, &bounded, 2).await?;
+    set_replicas(&client, &bounded, 0).await?;
+    let (_, _, message) = wait_reason(bounded.clone(), "ReplicasOutOfBounds").await?;
+    ensure!(message.contains("min-size annotation 1"), "{message}");
+    ensure!(
+        set_nodes(&client, &bounded).await?.len() == 2,
+        "a scale below the min-size annotation removed nodes"
+    );
+
     // Surge and unavailable both zero: refused by the API server, the message names the field.
     let error = apply_spec(
         &sets,
@@ -527,6 +563,10 @@ async fn bad_input_gets_a_condition_naming_the_field() -> anyhow::Result<()> {
         "{message}"
     );
     ensure!(set_nodes(&client, &bad).await?.is_empty());
+    // Leave nothing for the next test's controller (it has the default cap) to act on.
+    for name in [&capped, &bad] {
+        set_replicas(&client, name, 0).await?;
+    }
     let _ = ns;
     Ok(())
 }
@@ -562,7 +602,11 @@ impl Provider for Failing {
         self.others.fetch_add(1, Ordering::SeqCst);
         Box::pin(async { Ok(None) })
     }
-    fn list<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<Vec<Machine>, ProviderError>> {
+    fn list<'a>(
+        &'a self,
+        _: &'a str,
+        _: &'a NodeClassSpec,
+    ) -> BoxFuture<'a, Result<Vec<Machine>, ProviderError>> {
         self.others.fetch_add(1, Ordering::SeqCst);
         Box::pin(async { Ok(Vec::new()) })
     }

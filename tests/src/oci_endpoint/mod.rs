@@ -8,8 +8,9 @@
 //!   after a configurable delay; DetachVnic is a DELETE that goes DETACHING → DETACHED and deletes
 //!   the VNIC; a second attach or detach on an instance that is being modified gets 409;
 //! - VNIC counts are limited per shape (the primary VNIC counts); `nicIndex` is refused on VMs;
-//! - LaunchInstance (PROVISIONING → RUNNING), GetInstance, ListInstances (paginated, TERMINATED
-//!   ones stay listed), TerminateInstance (TERMINATING → TERMINATED);
+//! - LaunchInstance (PROVISIONING → RUNNING; its checks, ListShapes and images in
+//!   `instances.rs`), GetInstance, ListInstances (paginated, TERMINATED ones stay listed),
+//!   TerminateInstance (TERMINATING → TERMINATED);
 //! - `opc-retry-token` replays the first answer of a create; `opc-request-id` on every answer;
 //! - faults on demand: 429 bursts, 500s, and "Out of host capacity" per shape;
 //! - `GET /imds/<instance>/opc/v2/instance/` and `…/opc/v2/vnics/` answer like IMDS v2 (with
@@ -19,6 +20,7 @@
 //! State changes are computed from timestamps whenever something reads them, so there are no
 //! background tasks to leak; the server task ends when the [`OciEndpoint`] is dropped.
 
+mod instances;
 mod verify;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -33,6 +35,7 @@ use hyper::body::Bytes;
 use serde_json::{Value, json};
 use sha2::{Digest as _, Sha256};
 
+pub use instances::{InstanceView, MAX_METADATA_BYTES};
 pub use verify::MAX_SKEW;
 
 const API_PREFIX: &str = "/20160918";
@@ -227,6 +230,8 @@ struct State {
     service_account_tokens: Vec<String>,
     keys: verify::Keys,
     subnets: HashMap<String, Subnet>,
+    /// Boot images LaunchInstance accepts (`instances.rs`).
+    images: Vec<String>,
     instances: HashMap<String, InstanceRec>,
     attachments: HashMap<String, AttachmentRec>,
     /// Retry token → (SHA-256 of the body, status, answer).
@@ -608,6 +613,7 @@ impl OciEndpoint {
             service_account_tokens: Vec::new(),
             keys: verify::Keys::default(),
             subnets: HashMap::new(),
+            images: Vec::new(),
             instances: HashMap::new(),
             attachments: HashMap::new(),
             retry_tokens: HashMap::new(),
@@ -1079,7 +1085,8 @@ fn route(
                 None => not_found(&format!("vnic {id}")),
             }
         }
-        (Method::POST, ["instances"]) => create(s, body, retry_token, launch_instance),
+        (Method::POST, ["instances"]) => create(s, body, retry_token, instances::launch_instance),
+        (Method::GET, ["shapes"]) => instances::list_shapes(s, &q),
         (Method::GET, ["instances"]) => {
             let Some(compartment) = q.get("compartmentId") else {
                 return missing("compartmentId");
@@ -1390,55 +1397,6 @@ fn detach_vnic(s: &mut State, id: &str, now: Instant) -> Answer {
         a.detach_requested = Some(now);
     }
     no_content()
-}
-
-fn launch_instance(s: &mut State, details: &Value) -> Answer {
-    let now = Instant::now();
-    let field = |name: &str| {
-        details
-            .get(name)
-            .and_then(Value::as_str)
-            .map(str::to_string)
-    };
-    let Some(ad) = field("availabilityDomain") else {
-        return missing("availabilityDomain");
-    };
-    let Some(compartment) = field("compartmentId") else {
-        return missing("compartmentId");
-    };
-    let Some(shape) = field("shape") else {
-        return missing("shape");
-    };
-    let subnet = details
-        .get("createVnicDetails")
-        .and_then(|v| v.get("subnetId"))
-        .and_then(Value::as_str)
-        .map(str::to_string)
-        .or_else(|| field("subnetId"));
-    let Some(subnet) = subnet else {
-        return missing("createVnicDetails.subnetId");
-    };
-    if s.out_of_capacity.contains(&shape) {
-        return error(500, "InternalError", "Out of host capacity.");
-    }
-    let spec = InstanceSpec {
-        display_name: field("displayName").unwrap_or_else(|| "instance".into()),
-        shape,
-        compartment_id: compartment,
-        availability_domain: ad,
-        subnet_id: subnet,
-    };
-    let running_at = now + s.cfg.launch_delay;
-    let id = match s.create_instance(&spec, running_at) {
-        Ok(id) => id,
-        Err(a) => return a,
-    };
-    if let Some(i) = s.instances.get_mut(&id) {
-        i.freeform_tags = details.get("freeformTags").cloned().unwrap_or(json!({}));
-        i.metadata = details.get("metadata").cloned().unwrap_or(json!({}));
-    }
-    let i = &s.instances[&id];
-    ok(s.instance_json(i, now))
 }
 
 #[cfg(test)]

@@ -201,7 +201,11 @@ impl Controllers {
             shared,
             &config.node_network_config,
         ));
-        r.add(node_set::Context::new(shared, &config.node_set));
+        r.add(node_set::Context::new(
+            shared,
+            &config.node_set,
+            &config.node_network_config.cloud,
+        ));
     }
 }
 

@@ -1,6 +1,6 @@
-//! OCI Compute API client (API version 20160918): VNIC attachments, VNICs and instances, every
-//! request signed ([`crate::signer`]), retried on 429 and 5xx within a bounded budget
-//! ([`crate::retry`]), with one `opc-retry-token` per logical create so a retried POST never
+//! OCI Compute API client (API version 20160918): VNIC attachments, VNICs, instances and
+//! shapes, every request signed ([`crate::signer`]), retried on 429 and 5xx within a bounded
+//! budget ([`crate::retry`]), with one `opc-retry-token` per logical create so a retried POST never
 //! creates twice. Errors keep OCI's `code`, `message` and `opc-request-id`.
 //!
 //! Two answers are not faults and are never retried: LaunchInstance's 500 "Out of host capacity"
@@ -536,6 +536,26 @@ impl ComputeClient {
                 ("availabilityDomain", filter.availability_domain.as_deref()),
                 ("displayName", filter.display_name.as_deref()),
                 ("lifecycleState", state.as_deref()),
+            ],
+        )
+        .await
+    }
+
+    /// ListShapes, all pages: the shapes offered in a compartment, optionally in one
+    /// availability domain and for one image.
+    pub async fn list_shapes(
+        &self,
+        compartment_id: &str,
+        availability_domain: Option<&str>,
+        image_id: Option<&str>,
+    ) -> Result<Vec<Shape>, ComputeError> {
+        self.list_all(
+            "ListShapes",
+            "/shapes",
+            &[
+                ("compartmentId", Some(compartment_id)),
+                ("availabilityDomain", availability_domain),
+                ("imageId", image_id),
             ],
         )
         .await

@@ -183,7 +183,12 @@ pub struct Instance {
 pub struct ShapeConfig {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ocpus: Option<f32>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// OCI spells it `memoryInGBs`, which camelCase renaming would not produce.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        rename = "memoryInGBs"
+    )]
     pub memory_in_gbs: Option<f32>,
 }
 
@@ -223,6 +228,17 @@ pub struct LaunchInstanceDetails {
     pub freeform_tags: BTreeMap<String, String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fault_domain: Option<String>,
+}
+
+/// A `Shape` as ListShapes reports it (the fields nodekeeper reads).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Shape {
+    pub shape: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub is_flexible: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_vnic_attachments: Option<u32>,
 }
 
 /// Filters of ListInstances beyond the compartment.
@@ -316,5 +332,13 @@ mod tests {
             serde_json::json!({"sourceType":"image","imageId":"img"})
         );
         assert_eq!(v["shapeConfig"], serde_json::json!({"ocpus":2.0}));
+        let flex = ShapeConfig {
+            ocpus: Some(2.0),
+            memory_in_gbs: Some(16.0),
+        };
+        assert_eq!(
+            serde_json::to_value(&flex).unwrap(),
+            serde_json::json!({"ocpus":2.0,"memoryInGBs":16.0})
+        );
     }
 }

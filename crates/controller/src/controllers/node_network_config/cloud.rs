@@ -129,7 +129,7 @@ impl CloudAccess {
     }
 }
 
-fn auth(cfg: &CloudConfig) -> Result<Arc<dyn AuthProvider>, String> {
+pub(crate) fn auth(cfg: &CloudConfig) -> Result<Arc<dyn AuthProvider>, String> {
     let timeout = Duration::from_secs(10);
     match cfg.oci_auth {
         AuthKind::ApiKey => {

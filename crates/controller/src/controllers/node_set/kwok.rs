@@ -2,17 +2,15 @@
 //! lifecycles). Creating the machine is creating the Node, with the set's record on it; deleting
 //! it is deleting the Node.
 
-use std::collections::BTreeMap;
-
 use futures::future::BoxFuture;
 use k8s_openapi::api::core::v1::Node;
 use kube::api::{DeleteParams, ListParams, PostParams};
 use kube::{Api, ResourceExt as _};
-use nodekeeper_api::crd::node_set::ANNOTATION_TEMPLATE_HASH;
-use nodekeeper_api::names::{LABEL_NODE_CLASS, LABEL_NODE_SET};
+use nodekeeper_api::crd::node_class::NodeClassSpec;
+use nodekeeper_api::names::LABEL_NODE_SET;
 use serde_json::json;
 
-use super::provider::{Deletion, Machine, MachineRequest, Provider, ProviderError};
+use super::provider::{Deletion, Machine, MachineRequest, Provider, ProviderError, node_record};
 
 /// The label kwok must be started to manage (`--manage-nodes-with-label-selector`); kwok leaves
 /// nodes without it alone, so the provider puts it on every node it creates.
@@ -33,52 +31,35 @@ impl KwokProvider {
     }
 }
 
-/// The Node object for a request: labels (the set's, the class's, kwok's, hostname, os, arch),
-/// the template hash, the taints, `spec.providerID`, and the class's capacity as capacity and
-/// allocatable (kwok keeps what the Node is created with).
+/// The Node object for a request: the machine's record ([`node_record`]) plus kwok's label,
+/// hostname, os and arch labels, and the class's capacity as capacity and allocatable (kwok
+/// keeps what the Node is created with).
 pub fn node_object(request: &MachineRequest) -> serde_json::Value {
-    let mut labels = BTreeMap::from([
-        (
-            "kubernetes.io/hostname".to_owned(),
-            request.node_name.clone(),
-        ),
-        ("kubernetes.io/os".to_owned(), "linux".to_owned()),
-        ("kubernetes.io/arch".to_owned(), "amd64".to_owned()),
-        ("type".to_owned(), "kwok".to_owned()),
-    ]);
-    labels.extend(request.labels.clone());
-    labels.insert(KWOK_MANAGED_LABEL.to_owned(), "true".to_owned());
-    labels.insert(LABEL_NODE_SET.to_owned(), request.node_set.clone());
-    labels.insert(LABEL_NODE_CLASS.to_owned(), request.node_class.clone());
+    let mut node = node_record(
+        request,
+        &format!("{PROVIDER_ID_PREFIX}{}", request.node_name),
+    );
+    let labels = &mut node["metadata"]["labels"];
+    for (k, v) in [
+        ("kubernetes.io/os", "linux"),
+        ("kubernetes.io/arch", "amd64"),
+        ("type", "kwok"),
+    ] {
+        if labels.get(k).is_none() {
+            labels[k] = json!(v);
+        }
+    }
+    labels[KWOK_MANAGED_LABEL] = json!("true");
     let capacity = request
         .class
         .kwok
         .as_ref()
         .map(|k| k.capacity.clone())
         .unwrap_or_default();
-    let mut status = json!({});
     if !capacity.is_empty() {
-        status = json!({ "capacity": capacity, "allocatable": capacity });
+        node["status"] = json!({ "capacity": capacity, "allocatable": capacity });
     }
-    let taints: Vec<serde_json::Value> = request
-        .taints
-        .iter()
-        .map(|t| json!({ "key": t.key, "value": t.value, "effect": t.effect }))
-        .collect();
-    json!({
-        "apiVersion": "v1",
-        "kind": "Node",
-        "metadata": {
-            "name": request.node_name,
-            "labels": labels,
-            "annotations": { ANNOTATION_TEMPLATE_HASH: request.template_hash },
-        },
-        "spec": {
-            "providerID": format!("{PROVIDER_ID_PREFIX}{}", request.node_name),
-            "taints": taints,
-        },
-        "status": status,
-    })
+    node
 }
 
 fn machine_of(node: &Node) -> Option<Machine> {
@@ -182,7 +163,15 @@ impl Provider for KwokProvider {
         })
     }
 
-    fn list<'a>(&'a self, node_set: &'a str) -> BoxFuture<'a, Result<Vec<Machine>, ProviderError>> {
+    fn machine_is_node(&self) -> bool {
+        true
+    }
+
+    fn list<'a>(
+        &'a self,
+        node_set: &'a str,
+        _class: &'a NodeClassSpec,
+    ) -> BoxFuture<'a, Result<Vec<Machine>, ProviderError>> {
         Box::pin(async move {
             let params = ListParams::default().labels(&format!("{LABEL_NODE_SET}={node_set}"));
             self.nodes
@@ -200,8 +189,10 @@ impl Provider for KwokProvider {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use nodekeeper_api::crd::NodeClassSpec;
     use nodekeeper_api::crd::node_class::{KwokTemplate, Provider as Kind, Taint, TaintEffect};
+    use nodekeeper_api::crd::node_set::ANNOTATION_TEMPLATE_HASH;
+    use nodekeeper_api::names::LABEL_NODE_CLASS;
+    use std::collections::BTreeMap;
 
     #[test]
     fn the_node_carries_the_record() {

@@ -5,15 +5,21 @@
 //! functions), and writing the status on change (`status`). This file holds the [`Context`], its
 //! caches and the [`Config`] (flags).
 //!
-//! Caches, and why no extra watch triggers: the controller scaffold watches NodeSets only, so
-//! the Nodes of every set, the NodeMaintenances the sets created and the NodeClasses are kept in
-//! three reflector stores (Nodes and NodeMaintenances by the `nodekeeper.dev/nodeset` label, so
-//! only the sets' own objects; Nodes trimmed to what the plan reads). A reconcile reads only
-//! these stores, so while a set is moving it requeues itself every second at no API cost, and
-//! every 30 seconds once it has converged (so a node that turns NotReady shows in the status
-//! within 30 s; a spec change, including `kubectl scale`, wakes the set at once).
+//! Caches and wake-ups: the controller scaffold watches NodeSets, and the Nodes of every set,
+//! the NodeMaintenances the sets created and the NodeClasses are kept in three reflector stores
+//! (Nodes and NodeMaintenances by the `nodekeeper.dev/nodeset` label, so only the sets' own
+//! objects; Nodes trimmed to what the plan reads). A reconcile reads only these stores, so while
+//! a set is moving it requeues itself every second at no API cost, and every 30 seconds once it
+//! has converged. A change that matters in those stores (a node added or removed, its Ready or
+//! a nodekeeper condition turning, a drain's status moving) wakes every set at once, coalesced
+//! to one wake per [`WAKE_COALESCE`]; heartbeats alone wake nothing. A spec change, including
+//! `kubectl scale`, wakes the set through the NodeSet watch.
+//!
+//! Providers: `kwok` always; `oci` when the controller is given the cloud flags it shares with
+//! the NodeNetworkConfig controller (`--oci-endpoint` or `--oci-region`, and `--oci-auth`).
 
 pub mod kwok;
+pub mod oci;
 pub mod plan;
 pub mod provider;
 pub mod reconcile;
@@ -44,6 +50,7 @@ pub use provider::{
 pub use reconcile::{Error, error_policy, reconcile};
 
 use super::Reconciler;
+use super::node_network_config::CloudConfig;
 use crate::shared::Shared;
 
 /// The NodeSet controller's flags.
@@ -71,6 +78,11 @@ pub struct Config {
     /// NodeSets reconciled at once.
     #[arg(long, env = "NODEKEEPER_NODESET_CONCURRENCY", default_value_t = 4)]
     pub nodeset_concurrency: u16,
+
+    /// Reconcile only the NodeSets matching this label selector (e.g. two controllers sharing
+    /// one API server, each with its own cloud); all NodeSets when unset.
+    #[arg(long, env = "NODEKEEPER_NODESET_SELECTOR")]
+    pub nodeset_selector: Option<String>,
 }
 
 impl Default for Config {
@@ -80,6 +92,7 @@ impl Default for Config {
             nodeset_max_replicas: 1000,
             nodeset_create_concurrency: 32,
             nodeset_concurrency: 4,
+            nodeset_selector: None,
         }
     }
 }
@@ -109,7 +122,24 @@ pub struct SetMemory {
     pub retry_at: Option<Instant>,
     /// The provider's last error, until a create succeeds.
     pub last_error: Option<String>,
+    /// When the provider was last listed for machines without a Node.
+    pub last_list: Option<Instant>,
+    /// NodeMaintenances this process deleted, while the cache may still show them.
+    pub deleted_maintenances: HashMap<String, Instant>,
 }
+
+/// cluster-autoscaler's node-group minimum, as its Cluster API provider reads it from a
+/// scalable resource; on a NodeSet, a bound on `spec.replicas` (outside it the set is refused
+/// with `ReplicasOutOfBounds` and nothing is created or removed).
+pub const ANNOTATION_MIN_SIZE: &str = "cluster.x-k8s.io/cluster-api-autoscaler-node-group-min-size";
+/// cluster-autoscaler's node-group maximum (see [`ANNOTATION_MIN_SIZE`]).
+pub const ANNOTATION_MAX_SIZE: &str = "cluster.x-k8s.io/cluster-api-autoscaler-node-group-max-size";
+
+/// How often a set whose machines are not Node objects lists its provider for machines that
+/// lost their Node (a crash between launch and record): terminated, as no pod ever ran there.
+pub const ORPHAN_SWEEP: Duration = Duration::from_secs(60);
+/// Store changes within this window wake the sets once.
+pub const WAKE_COALESCE: Duration = Duration::from_secs(1);
 
 /// The longest wait between create attempts of a failing provider.
 pub const MAX_BACKOFF: Duration = Duration::from_secs(300);
@@ -146,12 +176,16 @@ pub struct Context {
     pub kwok: Arc<dyn Provider>,
     /// The provider of `provider: oci` classes, when this controller has one.
     pub oci: Option<Arc<dyn Provider>>,
+    /// Why there is no oci provider (the condition's words).
+    pub oci_unavailable: String,
     /// Every provider call, counted.
     pub calls: Arc<ProviderCalls>,
     pub join_timeout: Duration,
     pub max_replicas: u32,
     pub create_concurrency: usize,
     pub concurrency: u16,
+    /// Only NodeSets with these labels.
+    pub selector: Option<String>,
     /// How often a set that is moving is looked at again (the caches make this free).
     pub recheck: Duration,
     /// How often a converged set is looked at again.
@@ -160,12 +194,28 @@ pub struct Context {
     /// Stops the cache watches when the controller (and so this context) is dropped.
     stop: CancellationToken,
     memory: Mutex<HashMap<String, SetMemory>>,
+    /// Bumped by the store watches on a change that matters; wakes every set.
+    wake: tokio::sync::watch::Sender<u64>,
 }
 
 impl Context {
-    /// The controller's context in the running controller-manager.
-    pub fn new(shared: &Shared, config: &Config) -> Self {
-        Self::with_client(shared.client.clone(), shared.recorder(), config)
+    /// The controller's context in the running controller-manager; `cloud` (the flags shared
+    /// with the NodeNetworkConfig controller) gives the oci provider.
+    pub fn new(shared: &Shared, config: &Config, cloud: &CloudConfig) -> Self {
+        let mut ctx = Self::with_client(shared.client.clone(), shared.recorder(), config);
+        match oci_provider(&shared.client, cloud) {
+            Ok(Some(p)) => {
+                tracing::info!("nodeset: OCI access configured; provider oci available");
+                ctx.oci = Some(p);
+            }
+            Ok(None) => {}
+            Err(message) => {
+                tracing::error!(%message, "nodeset: OCI access misconfigured; provider oci unavailable");
+                ctx.oci_unavailable =
+                    format!("the controller's OCI access is misconfigured: {message}");
+            }
+        }
+        ctx
     }
 
     /// A context on `client` with the kwok provider (tests replace `kwok` with their own).
@@ -173,6 +223,10 @@ impl Context {
         Self {
             kwok: Arc::new(kwok::KwokProvider::new(client.clone())),
             oci: None,
+            oci_unavailable: "start it with --oci-endpoint or --oci-region \
+                (NODEKEEPER_OCI_ENDPOINT / NODEKEEPER_OCI_REGION) and credentials (--oci-auth), \
+                or use a NodeClass with spec.provider: kwok"
+                .into(),
             client,
             recorder,
             calls: Arc::default(),
@@ -180,11 +234,13 @@ impl Context {
             max_replicas: config.nodeset_max_replicas,
             create_concurrency: config.nodeset_create_concurrency.max(1),
             concurrency: config.nodeset_concurrency,
+            selector: config.nodeset_selector.clone(),
             recheck: Duration::from_secs(1),
             resync: Duration::from_secs(30),
             stores: OnceCell::new(),
             stop: CancellationToken::new(),
             memory: Mutex::default(),
+            wake: tokio::sync::watch::Sender::new(0),
         }
     }
 
@@ -192,8 +248,9 @@ impl Context {
     pub fn provider(&self, kind: ProviderKind) -> Result<Arc<dyn Provider>, ProviderError> {
         match kind {
             ProviderKind::Kwok => Ok(Arc::clone(&self.kwok)),
-            ProviderKind::Oci => self.oci.clone().ok_or(ProviderError::Unsupported {
+            ProviderKind::Oci => self.oci.clone().ok_or_else(|| ProviderError::Unsupported {
                 provider: "oci".into(),
+                why: self.oci_unavailable.clone(),
             }),
         }
     }
@@ -224,18 +281,25 @@ impl Context {
                         Api::all(self.client.clone()),
                         by_set.clone(),
                         trim_node,
+                        Some((self.wake.clone(), node_fingerprint as fn(&Node) -> String)),
                         self.stop.child_token(),
                     ),
                     maintenances: reflect(
                         Api::all(self.client.clone()),
                         by_set,
                         |nm: &mut NodeMaintenance| nm.managed_fields_mut().clear(),
+                        Some((
+                            self.wake.clone(),
+                            (|nm: &NodeMaintenance| format!("{:?}", nm.status))
+                                as fn(&NodeMaintenance) -> String,
+                        )),
                         self.stop.child_token(),
                     ),
                     classes: reflect(
                         Api::all(self.client.clone()),
                         watcher::Config::default(),
                         |c: &mut NodeClass| c.managed_fields_mut().clear(),
+                        None,
                         self.stop.child_token(),
                     ),
                 })
@@ -277,11 +341,65 @@ fn trim_node(node: &mut Node) {
     }
 }
 
-/// A reflector store of `api`, fed by a watch that runs until `stop`.
+/// The provider of `provider: oci` classes from the cloud flags: `None` without an endpoint or
+/// region. Its client retries briefly (3 attempts within 15 s): a reconcile must not wait the
+/// SDKs' two minutes, and the set's own backoff takes over.
+fn oci_provider(
+    client: &kube::Client,
+    cloud: &CloudConfig,
+) -> Result<Option<Arc<dyn Provider>>, String> {
+    use nodekeeper_oci::compute::{ComputeClient, ComputeConfig};
+    let endpoint = match (&cloud.oci_endpoint, &cloud.oci_region) {
+        (Some(e), _) => e.clone(),
+        (None, Some(r)) => ComputeConfig::for_region(r, &cloud.oci_realm_domain).endpoint,
+        (None, None) => return Ok(None),
+    };
+    let auth = super::node_network_config::cloud::auth(cloud)?;
+    let mut cfg = ComputeConfig::new(&endpoint);
+    cfg.retry = nodekeeper_oci::retry::RetryPolicy {
+        max_attempts: 3,
+        base: Duration::from_secs(1),
+        cap: Duration::from_secs(4),
+        max_elapsed: Duration::from_secs(15),
+    };
+    cfg.timeout = Duration::from_secs(20);
+    let compute = ComputeClient::new(cfg, auth).map_err(|e| e.to_string())?;
+    Ok(Some(Arc::new(oci::OciProvider::new(
+        compute,
+        client.clone(),
+    ))))
+}
+
+/// What of a Node matters to a set: its Ready status, nodekeeper's condition statuses and
+/// whether it is cordoned or being deleted (heartbeats change none of these).
+fn node_fingerprint(node: &Node) -> String {
+    let conditions: Vec<(&str, &str)> = node
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .map(|cs| {
+            cs.iter()
+                .map(|c| (c.type_.as_str(), c.status.as_str()))
+                .collect()
+        })
+        .unwrap_or_default();
+    format!(
+        "{conditions:?} {:?} {}",
+        node.spec.as_ref().and_then(|s| s.unschedulable),
+        node.metadata.deletion_timestamp.is_some()
+    )
+}
+
+/// Where a store's changes wake the sets, and what of an object counts as a change.
+type Wake<K> = (tokio::sync::watch::Sender<u64>, fn(&K) -> String);
+
+/// A reflector store of `api`, fed by a watch that runs until `stop`; with `wake`, a change of
+/// an object's fingerprint (or its addition or removal) after the first list bumps the sender.
 fn reflect<K>(
     api: Api<K>,
     config: watcher::Config,
     trim: fn(&mut K),
+    wake: Option<Wake<K>>,
     stop: CancellationToken,
 ) -> Store<K>
 where
@@ -294,11 +412,34 @@ where
         + 'static,
 {
     let (reader, writer) = reflector::store();
+    let mut seen: HashMap<String, String> = HashMap::new();
     let stream = watcher(api, config)
         .default_backoff()
         .modify(trim)
         .reflect(writer)
-        .for_each(|_| futures::future::ready(()));
+        .for_each(move |event| {
+            if let (Some((sender, fingerprint)), Ok(event)) = (&wake, event) {
+                let changed = match event {
+                    watcher::Event::InitApply(o) => {
+                        seen.insert(o.name_any(), fingerprint(&o));
+                        false
+                    }
+                    watcher::Event::Apply(o) => {
+                        let f = fingerprint(&o);
+                        seen.insert(o.name_any(), f.clone()).as_ref() != Some(&f)
+                    }
+                    watcher::Event::Delete(o) => {
+                        seen.remove(&o.name_any());
+                        true
+                    }
+                    watcher::Event::Init | watcher::Event::InitDone => false,
+                };
+                if changed {
+                    sender.send_modify(|n| *n = n.wrapping_add(1));
+                }
+            }
+            futures::future::ready(())
+        });
     tokio::spawn(async move {
         tokio::select! {
             () = stop.cancelled() => {}
@@ -317,8 +458,29 @@ impl Reconciler for Context {
         Api::all(self.client.clone())
     }
 
+    fn watcher_config(&self) -> watcher::Config {
+        match &self.selector {
+            Some(s) => watcher::Config::default().labels(s),
+            None => watcher::Config::default(),
+        }
+    }
+
     fn concurrency(&self) -> u16 {
         self.concurrency
+    }
+
+    fn reconcile_all_on(&self) -> Option<futures::stream::BoxStream<'static, ()>> {
+        let rx = self.wake.subscribe();
+        Some(
+            futures::stream::unfold(rx, |mut rx| async move {
+                rx.changed().await.ok()?;
+                // Let a burst (a scale-up's nodes joining) settle into one wake.
+                tokio::time::sleep(WAKE_COALESCE).await;
+                rx.borrow_and_update();
+                Some(((), rx))
+            })
+            .boxed(),
+        )
     }
 
     fn reconcile(

@@ -15,6 +15,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use futures::future::BoxFuture;
 use nodekeeper_api::crd::node_class::{NodeClassSpec, Taint};
+use nodekeeper_api::crd::node_set::ANNOTATION_TEMPLATE_HASH;
+use nodekeeper_api::names::{LABEL_NODE_CLASS, LABEL_NODE_SET};
+use serde_json::json;
 
 /// What the controller asks a provider for: one machine, and the Node it should become.
 #[derive(Clone, Debug, PartialEq)]
@@ -66,10 +69,8 @@ pub enum ProviderError {
     Get { id: String, message: String },
     #[error("list machines of nodeset {node_set}: {message}")]
     List { node_set: String, message: String },
-    #[error(
-        "provider {provider} is not available in this controller; use a NodeClass with spec.provider: kwok"
-    )]
-    Unsupported { provider: String },
+    #[error("provider {provider} is not available in this controller: {why}")]
+    Unsupported { provider: String, why: String },
 }
 
 /// A source of machines. Every call is idempotent: `create` of a machine that exists returns
@@ -90,8 +91,46 @@ pub trait Provider: Send + Sync {
         &'a self,
         provider_id: &'a str,
     ) -> BoxFuture<'a, Result<Option<Machine>, ProviderError>>;
-    /// Every machine tagged with `node_set`.
-    fn list<'a>(&'a self, node_set: &'a str) -> BoxFuture<'a, Result<Vec<Machine>, ProviderError>>;
+    /// Every live machine tagged with `node_set`, made from `class` (where to look).
+    fn list<'a>(
+        &'a self,
+        node_set: &'a str,
+        class: &'a NodeClassSpec,
+    ) -> BoxFuture<'a, Result<Vec<Machine>, ProviderError>>;
+    /// Whether a machine is its Node object (kwok): then no machine can exist without a Node,
+    /// and the controller never lists the provider to find machines that lost theirs.
+    fn machine_is_node(&self) -> bool {
+        false
+    }
+}
+
+/// The Node object that records a machine (the per-machine record, written once when the
+/// machine is made): the set's and class's labels and the request's own, the template hash,
+/// the taints, and `spec.providerID`. A provider adds what only it knows (kwok: its label and
+/// the capacity; a real machine's kubelet reports its own status when it takes the object over).
+pub fn node_record(request: &MachineRequest, provider_id: &str) -> serde_json::Value {
+    let mut labels = BTreeMap::from([(
+        "kubernetes.io/hostname".to_owned(),
+        request.node_name.clone(),
+    )]);
+    labels.extend(request.labels.clone());
+    labels.insert(LABEL_NODE_SET.to_owned(), request.node_set.clone());
+    labels.insert(LABEL_NODE_CLASS.to_owned(), request.node_class.clone());
+    let taints: Vec<serde_json::Value> = request
+        .taints
+        .iter()
+        .map(|t| json!({ "key": t.key, "value": t.value, "effect": t.effect }))
+        .collect();
+    json!({
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": request.node_name,
+            "labels": labels,
+            "annotations": { ANNOTATION_TEMPLATE_HASH: request.template_hash },
+        },
+        "spec": { "providerID": provider_id, "taints": taints },
+    })
 }
 
 /// Calls made to providers, by operation and result: read by tests and the benchmark, and

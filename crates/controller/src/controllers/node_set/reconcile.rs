@@ -251,8 +251,13 @@ pub async fn reconcile(set: Arc<NodeSet>, ctx: Arc<Context>) -> Result<Action, E
             ),
         ));
     }
+    let bounds = autoscaler_bounds(set.annotations(), set.spec.replicas);
+    let out_of_bounds = !bounds.is_empty();
+    errors.extend(bounds);
     if !errors.is_empty() {
-        let reason = if above_cap && errors.len() == 1 {
+        let reason = if out_of_bounds && errors.len() == 1 {
+            REASON_OUT_OF_BOUNDS
+        } else if above_cap && errors.len() == 1 {
             REASON_ABOVE_CAP
         } else {
             REASON_INVALID_SPEC
@@ -317,17 +322,21 @@ pub async fn reconcile(set: Arc<NodeSet>, ctx: Arc<Context>) -> Result<Action, E
         .filter(|m| m.labels().get(LABEL_NODE_SET) == Some(&name))
         .filter_map(|m| Some((m.annotations().get(ANNOTATION_DRAINED_NODE)?.clone(), m)))
         .collect();
-    let (in_flight, deleting) = ctx.memory(&name, |mem| {
+    let (in_flight_names, deleting) = ctx.memory(&name, |mem| {
         let expiry = Duration::from_secs(120);
         mem.in_flight
             .retain(|n, at| !nodes.contains_key(n) && at.elapsed() < expiry);
         mem.deleting
             .retain(|n, at| nodes.contains_key(n) && at.elapsed() < expiry);
         (
-            u32::try_from(mem.in_flight.len()).unwrap_or(u32::MAX),
+            mem.in_flight.keys().cloned().collect::<HashSet<_>>(),
             mem.deleting.keys().cloned().collect::<HashSet<_>>(),
         )
     });
+    let in_flight = u32::try_from(in_flight_names.len()).unwrap_or(u32::MAX);
+    if !provider.machine_is_node() {
+        sweep_orphans(&ctx, &set, &provider, &class.spec, &nodes, &in_flight_names).await;
+    }
     let views: Vec<MachineView> = nodes
         .values()
         .map(|n| {
@@ -351,11 +360,25 @@ pub async fn reconcile(set: Arc<NodeSet>, ctx: Arc<Context>) -> Result<Action, E
         .collect();
 
     let nm_api: Api<NodeMaintenance> = Api::all(ctx.client.clone());
-    // A drain whose node is gone has done its work.
-    for (node, nm) in &maintenances {
-        if !nodes.contains_key(node) {
-            delete_maintenance(&nm_api, &nm.name_any()).await?;
-        }
+    // A drain whose node is gone has done its work. Deleted once: the cache shows it until
+    // the watch delivers the deletion, and a delete per reconcile meanwhile is a wasted write.
+    let done: Vec<String> = ctx.memory(&name, |mem| {
+        mem.deleted_maintenances.retain(|m, at| {
+            at.elapsed() < Duration::from_secs(30)
+                && maintenances.values().any(|nm| nm.name_any() == *m)
+        });
+        maintenances
+            .iter()
+            .filter(|(node, _)| !nodes.contains_key(*node))
+            .map(|(_, nm)| nm.name_any())
+            .filter(|m| !mem.deleted_maintenances.contains_key(m))
+            .collect()
+    });
+    for m in done {
+        delete_maintenance(&nm_api, &m).await?;
+        ctx.memory(&name, |mem| {
+            mem.deleted_maintenances.insert(m, Instant::now())
+        });
     }
 
     let (max_total, min_ready) = set.spec.rollout_bounds();
@@ -511,27 +534,139 @@ pub async fn reconcile(set: Arc<NodeSet>, ctx: Arc<Context>) -> Result<Action, E
         set.meta().generation,
         &rfc3339(now),
     );
-    if write_status(&api, &name, set.status.as_ref(), &s).await? {
-        if let Outcome::Acting {
+    if write_status(&api, &name, set.status.as_ref(), &s).await?
+        && let Outcome::Acting {
             provider_error: Some(error),
             ..
         } = &outcome
-        {
-            publish(
-                &ctx,
-                &set,
-                EventType::Warning,
-                REASON_PROVIDER_FAILED,
-                error.clone(),
-            )
-            .await;
-        }
+    {
+        publish(
+            &ctx,
+            &set,
+            EventType::Warning,
+            REASON_PROVIDER_FAILED,
+            error.clone(),
+        )
+        .await;
     }
     Ok(Action::requeue(if converged {
         ctx.resync
     } else {
         requeue
     }))
+}
+
+/// Machines of the set at the provider without a Node (a crash between launch and record, or a
+/// Node deleted by hand) are deleted: no pod can be running there, and nothing else would ever
+/// remove them. Listed at most every [`super::ORPHAN_SWEEP`]; machines being created are left
+/// alone.
+async fn sweep_orphans(
+    ctx: &Context,
+    set: &NodeSet,
+    provider: &Arc<dyn Provider>,
+    class: &NodeClassSpec,
+    nodes: &BTreeMap<String, Arc<Node>>,
+    in_flight: &HashSet<String>,
+) {
+    let name = set.name_any();
+    let due = ctx.memory(&name, |mem| {
+        let due = mem
+            .last_list
+            .is_none_or(|t| t.elapsed() >= super::ORPHAN_SWEEP);
+        if due {
+            mem.last_list = Some(Instant::now());
+        }
+        due
+    });
+    if !due {
+        return;
+    }
+    ctx.calls.list.fetch_add(1, Ordering::Relaxed);
+    let machines = match provider.list(&name, class).await {
+        Ok(m) => m,
+        Err(error) => {
+            warn!(%error, nodeset = %name, "listing the provider's machines failed; next sweep retries");
+            return;
+        }
+    };
+    for m in machines {
+        if nodes.contains_key(&m.node_name) || in_flight.contains(&m.node_name) {
+            continue;
+        }
+        ctx.calls.delete.fetch_add(1, Ordering::Relaxed);
+        match provider.delete(&m).await {
+            Ok(_) => {
+                let message = format!(
+                    "machine {} ({}) of nodeset {name} has no Node (never recorded, or the Node was deleted); deleted it",
+                    m.node_name, m.provider_id
+                );
+                warn!(nodeset = %name, node = %m.node_name, provider_id = %m.provider_id, "deleted a machine without a Node");
+                publish(
+                    ctx,
+                    set,
+                    EventType::Warning,
+                    "OrphanMachineDeleted",
+                    message,
+                )
+                .await;
+            }
+            Err(error) => {
+                warn!(%error, nodeset = %name, node = %m.node_name, "deleting a machine without a Node failed; next sweep retries")
+            }
+        }
+    }
+}
+
+/// Condition reason: `spec.replicas` is outside the autoscaler min/max annotations.
+pub const REASON_OUT_OF_BOUNDS: &str = "ReplicasOutOfBounds";
+
+/// Checks the cluster-autoscaler node-group bounds ([`super::ANNOTATION_MIN_SIZE`],
+/// [`super::ANNOTATION_MAX_SIZE`]) a set may carry: each a whole number, min ≤ max, and
+/// `replicas` within them. Each problem names the annotation or field and the fix.
+pub fn autoscaler_bounds(annotations: &BTreeMap<String, String>, replicas: u32) -> Vec<FieldError> {
+    let mut errors = Vec::new();
+    let mut read = |key: &str| -> Option<u32> {
+        let raw = annotations.get(key)?;
+        match raw.trim().parse::<u32>() {
+            Ok(v) => Some(v),
+            Err(_) => {
+                errors.push(FieldError::new(
+                    format!("metadata.annotations[{key}]"),
+                    format!("{raw:?} is not a whole number of nodes; write e.g. \"3\""),
+                ));
+                None
+            }
+        }
+    };
+    let min = read(super::ANNOTATION_MIN_SIZE);
+    let max = read(super::ANNOTATION_MAX_SIZE);
+    match (min, max) {
+        (Some(lo), Some(hi)) if lo > hi => errors.push(FieldError::new(
+            format!("metadata.annotations[{}]", super::ANNOTATION_MIN_SIZE),
+            format!("{lo} is above the max-size annotation {hi}; lower it or raise the max"),
+        )),
+        _ => {
+            if let Some(lo) = min.filter(|lo| replicas < *lo) {
+                errors.push(FieldError::new(
+                    "spec.replicas",
+                    format!(
+                        "{replicas} is below the min-size annotation {lo} ({}); scale to at least {lo} or lower the annotation",
+                        super::ANNOTATION_MIN_SIZE
+                    ),
+                ));
+            }
+            if let Some(hi) = max.filter(|hi| replicas > *hi) {
+                errors.push(FieldError::new(
+                    "spec.replicas",
+                    format!(
+                        "{replicas} is above the max-size annotation {hi} ({}); scale to at most {hi} or raise the annotation",
+                        super::ANNOTATION_MAX_SIZE
+                    ),
+                ));
+            }
+        }
+    }
+    errors
 }
 
 /// What to ask the provider for: the class's and the template's labels and taints on top of
@@ -689,6 +824,46 @@ mod tests {
         let mut t2 = t.clone();
         t2.labels.insert("tier".into(), "web".into());
         assert_ne!(a, template_hash(&class, &t2));
+    }
+
+    #[test]
+    fn autoscaler_bounds_are_read_and_checked() {
+        let a = |pairs: &[(&str, &str)]| -> BTreeMap<String, String> {
+            pairs
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect()
+        };
+        let (min, max) = (
+            super::super::ANNOTATION_MIN_SIZE,
+            super::super::ANNOTATION_MAX_SIZE,
+        );
+        assert!(autoscaler_bounds(&a(&[]), 7).is_empty());
+        assert!(autoscaler_bounds(&a(&[(min, "2"), (max, "10")]), 2).is_empty());
+        assert!(autoscaler_bounds(&a(&[(min, "2"), (max, "10")]), 10).is_empty());
+        let e = autoscaler_bounds(&a(&[(min, "2"), (max, "10")]), 11);
+        assert_eq!(e.len(), 1);
+        assert_eq!(e[0].field, "spec.replicas");
+        assert!(
+            e[0].message.contains("above the max-size annotation 10"),
+            "{}",
+            e[0].message
+        );
+        let e = autoscaler_bounds(&a(&[(min, "2")]), 1);
+        assert!(
+            e[0].message.contains("below the min-size annotation 2"),
+            "{}",
+            e[0].message
+        );
+        let e = autoscaler_bounds(&a(&[(min, "five")]), 1);
+        assert_eq!(e[0].field, format!("metadata.annotations[{min}]"));
+        let e = autoscaler_bounds(&a(&[(min, "5"), (max, "3")]), 4);
+        assert_eq!(e.len(), 1);
+        assert!(
+            e[0].message.contains("above the max-size annotation 3"),
+            "{}",
+            e[0].message
+        );
     }
 
     #[test]

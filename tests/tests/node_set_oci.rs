@@ -1,0 +1,626 @@
+//! `NodeSet` with the oci provider, end to end: the real `nodekeeper-controller` process, given
+//! `--oci-endpoint` and an API key, launches and terminates instances at the local OCI endpoint
+//! (signatures checked; PROVISIONING → RUNNING, TERMINATING → TERMINATED after delays), and the
+//! test plays each instance's kubelet: once the endpoint reports an instance RUNNING, the Node
+//! recorded for it (`spec.providerID` = `oci://<its OCID>`) is handed to kwok, which makes it
+//! Ready — as a kubelet registering under that name takes the object over. A Node never becomes
+//! Ready before its instance runs.
+//!
+//! Shown: scale 0 → 3 → 1 with pods and a PodDisruptionBudget (the removed nodes drained first,
+//! their instances terminated, nothing lost, no extra launch); an unknown shape and OCIDs that
+//! name nothing get a condition naming the field, before any launch; "Out of host capacity"
+//! gets a condition naming the shape and a bounded number of LaunchInstance calls (counted at the
+//! endpoint), and the set recovers when capacity returns.
+//!
+//! Each test's controller reconciles only the NodeSets labelled for it
+//! (`NODEKEEPER_NODESET_SELECTOR`), so sets left by other tests on a shared API server are not
+//! touched. Run: `cargo xtask test -- -p nodekeeper-e2e --test node_set_oci`.
+
+mod controller_common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail, ensure};
+use base64::Engine as _;
+use controller_common::*;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::{ListParams, Patch, PatchParams, PostParams};
+use kube::{Api, ResourceExt as _};
+use nodekeeper_api::crd::{NodeClass, NodeMaintenance, NodeSet};
+use nodekeeper_api::names::LABEL_NODE_SET;
+use nodekeeper_e2e::oci_endpoint::{EndpointConfig, OciEndpoint, test_key_pem};
+use nodekeeper_e2e::{
+    ControlPlane, apply_spec, install_crds, test_namespace, unique_name, wait_for,
+};
+use nodekeeper_oci::auth::api_key_files;
+use nodekeeper_oci::signer::PrivateKey;
+use serde_json::{Value, json};
+use tokio::sync::Mutex;
+use tokio_util::sync::CancellationToken;
+
+const TIMEOUT: Duration = Duration::from_secs(180);
+const POOL: &str = "nodekeeper.dev/e2e-pool";
+const SHAPE: &str = "VM.Standard.E5.Flex";
+const COMPARTMENT: &str = "ocid1.compartment.oc1..nodesete2e";
+const AD: &str = "Uocm:PHX-AD-1";
+const TENANCY: &str = "ocid1.tenancy.oc1..nodesete2e";
+const USER: &str = "ocid1.user.oc1..nodesete2e";
+/// The label that names the sets of one test's controller.
+const OWNER: &str = "nodekeeper.dev/e2e-controller";
+/// The label kwok manages nodes by.
+const SIMULATED: &str = "nodekeeper.dev/simulated";
+
+#[test]
+#[ignore = "helper: re-executed by the tests in this file as a controller process; not a test by itself"]
+fn run_as_controller() {
+    run_as_controller_if_asked();
+}
+
+/// One test at a time (each has its own endpoint and controller; kept apart for clear logs).
+static SERIAL: Mutex<()> = Mutex::const_new(());
+
+/// The endpoint, its subnet and image, the controller acting on this test's sets, and the
+/// kubelet stand-in.
+struct Rig {
+    client: kube::Client,
+    ns: String,
+    endpoint: Arc<OciEndpoint>,
+    subnet: String,
+    image: String,
+    owner: String,
+    _credentials: tempfile::TempDir,
+    _controller: ControllerProcess,
+    stop: CancellationToken,
+}
+
+impl Drop for Rig {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+impl Rig {
+    async fn new(prefix: &str) -> anyhow::Result<Self> {
+        let client = ControlPlane::shared().client().await?;
+        install_crds(&client).await?;
+        let ns = test_namespace(&client, prefix).await?;
+        put_tuning(&client, &ns, &BTreeMap::new()).await?;
+        let endpoint = Arc::new(
+            OciEndpoint::start(EndpointConfig {
+                launch_delay: Duration::from_secs(2),
+                terminate_delay: Duration::from_secs(1),
+                ..Default::default()
+            })
+            .await?,
+        );
+        // An API key Secret as the controller mounts it, and the endpoint trusting that key.
+        let pem = test_key_pem()?;
+        let key = PrivateKey::from_pem(&pem)?;
+        let credentials = tempfile::tempdir()?;
+        for (file, content) in [
+            (api_key_files::TENANCY, TENANCY.to_owned()),
+            (api_key_files::USER, USER.to_owned()),
+            (api_key_files::FINGERPRINT, key.fingerprint().to_owned()),
+            (api_key_files::PRIVATE_KEY, pem),
+        ] {
+            std::fs::write(credentials.path().join(file), content)?;
+        }
+        endpoint.register_key(
+            &format!("{TENANCY}/{USER}/{}", key.fingerprint()),
+            &key.public_key_pem()?,
+        )?;
+        let subnet = endpoint.add_subnet("10.0.0.0/16")?;
+        let image = endpoint.add_image();
+        let owner = unique_name("oci");
+        let url = endpoint.url();
+        let dir = credentials.path().display().to_string();
+        let selector = format!("{OWNER}={owner}");
+        let controller = ControllerProcess::start(
+            &ns,
+            &unique_name("nset-oci"),
+            "nodekeeper.dev/no-such-label=none",
+            free_port(),
+            &[
+                ("NODEKEEPER_OCI_ENDPOINT", url.as_str()),
+                ("NODEKEEPER_OCI_AUTH", "api-key"),
+                ("NODEKEEPER_OCI_CREDENTIALS_DIR", dir.as_str()),
+                ("NODEKEEPER_NODESET_SELECTOR", selector.as_str()),
+            ],
+        )?;
+        let addr = controller.http;
+        wait_for("the controller to serve", TIMEOUT, || async move {
+            let (status, _) = http_get(addr, "/api/v1/summary").await?;
+            Ok((status == 200).then_some(()))
+        })
+        .await?;
+        let stop = CancellationToken::new();
+        tokio::spawn(kubelets(
+            client.clone(),
+            Arc::clone(&endpoint),
+            stop.clone(),
+        ));
+        Ok(Self {
+            client,
+            ns,
+            endpoint,
+            subnet,
+            image,
+            owner,
+            _credentials: credentials,
+            _controller: controller,
+            stop,
+        })
+    }
+
+    /// An oci NodeClass; `change` edits its `oci` template.
+    async fn class(
+        &self,
+        name: &str,
+        pool: &str,
+        change: impl FnOnce(&mut Value),
+    ) -> anyhow::Result<()> {
+        let mut oci = json!({
+            "compartmentId": COMPARTMENT,
+            "availabilityDomain": AD,
+            "shape": SHAPE,
+            "shapeConfig": { "ocpus": 2, "memoryInGBs": 16 },
+            "imageId": self.image,
+            "subnetId": self.subnet,
+            "metadata": {
+                "user_data": base64::engine::general_purpose::STANDARD.encode("#cloud-config\nruncmd: [true]\n"),
+                "ssh_authorized_keys": "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIE2e2e e2e",
+            },
+            "displayNamePrefix": "nk-",
+        });
+        change(&mut oci);
+        apply_spec(
+            &Api::<NodeClass>::all(self.client.clone()),
+            name,
+            json!({ "provider": "oci", "oci": oci, "labels": { POOL: pool } }),
+        )
+        .await
+    }
+
+    /// A NodeSet labelled for this test's controller.
+    async fn set(&self, name: &str, class: &str, replicas: u32) -> anyhow::Result<()> {
+        let body = json!({
+            "apiVersion": "nodekeeper.dev/v1alpha1", "kind": "NodeSet",
+            "metadata": { "name": name, "labels": { OWNER: self.owner } },
+            "spec": { "nodeClassName": class, "replicas": replicas, "scaleDown": { "drainTimeout": "2m" } },
+        });
+        Api::<NodeSet>::all(self.client.clone())
+            .patch(
+                name,
+                &PatchParams::apply("nodekeeper-e2e").force(),
+                &Patch::Apply(&body),
+            )
+            .await
+            .with_context(|| format!("apply nodeset {name}"))?;
+        Ok(())
+    }
+
+    /// LaunchInstance calls the endpoint answered, by status.
+    fn launches(&self) -> (usize, usize) {
+        let calls: Vec<u16> = self
+            .endpoint
+            .requests()
+            .iter()
+            .filter(|r| r.method == http::Method::POST && r.path == "/instances")
+            .map(|r| r.status)
+            .collect();
+        let ok = calls.iter().filter(|s| **s == 200).count();
+        (ok, calls.len() - ok)
+    }
+}
+
+/// The kubelets of the endpoint's instances: an instance RUNNING whose Node record exists (named
+/// by its `nodekeeper.dev/node` tag, naming it in `spec.providerID`) joins — the Node is given to
+/// kwok, which reports it Ready. Runs until `stop`.
+async fn kubelets(client: kube::Client, endpoint: Arc<OciEndpoint>, stop: CancellationToken) {
+    let nodes: Api<Node> = Api::all(client);
+    let mut joined = BTreeSet::new();
+    while !stop.is_cancelled() {
+        for i in endpoint.instances() {
+            if i.state != "RUNNING" || joined.contains(&i.id) {
+                continue;
+            }
+            let Some(name) = i.freeform_tags.get("nodekeeper.dev/node") else {
+                continue;
+            };
+            let Ok(Some(node)) = nodes.get_opt(name).await else {
+                continue;
+            };
+            let provider_id = node.spec.as_ref().and_then(|s| s.provider_id.clone());
+            if provider_id.as_deref() != Some(&format!("oci://{}", i.id)) {
+                continue;
+            }
+            let patch = json!({ "metadata": { "labels": { SIMULATED: "true" } } });
+            if nodes
+                .patch(name, &PatchParams::default(), &Patch::Merge(patch))
+                .await
+                .is_ok()
+            {
+                joined.insert(i.id.clone());
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+async fn set_replicas(client: &kube::Client, name: &str, replicas: u32) -> anyhow::Result<()> {
+    Api::<NodeSet>::all(client.clone())
+        .patch_scale(
+            name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "spec": { "replicas": replicas } })),
+        )
+        .await
+        .with_context(|| format!("scale nodeset {name} to {replicas}"))?;
+    Ok(())
+}
+
+async fn set_nodes(client: &kube::Client, set: &str) -> anyhow::Result<Vec<Node>> {
+    Ok(Api::<Node>::all(client.clone())
+        .list(&ListParams::default().labels(&format!("{LABEL_NODE_SET}={set}")))
+        .await?
+        .items)
+}
+
+fn ready(node: &Node) -> bool {
+    node.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
+fn set_condition(set: &NodeSet, type_: &str) -> Option<(String, String, String)> {
+    set.status
+        .as_ref()?
+        .conditions
+        .iter()
+        .find(|c| c.type_ == type_)
+        .map(|c| {
+            (
+                format!("{:?}", c.status),
+                c.reason.clone(),
+                c.message.clone(),
+            )
+        })
+}
+
+async fn wait_converged(client: &kube::Client, set: &str, n: u32) -> anyhow::Result<Vec<Node>> {
+    let api: Api<NodeSet> = Api::all(client.clone());
+    wait_for(
+        &format!("nodeset {set} at {n} Ready nodes"),
+        TIMEOUT,
+        || {
+            let api = api.clone();
+            async move {
+                let s = api.get(set).await?;
+                let st = s.status.clone().unwrap_or_default();
+                let nodes = set_nodes(client, set).await?;
+                let ok = st.replicas == n
+                    && st.ready_replicas == n
+                    && st.draining_replicas == 0
+                    && set_condition(&s, "Ready").is_some_and(|c| c.0 == "True")
+                    && nodes.len() == n as usize
+                    && nodes.iter().all(ready);
+                Ok(ok.then_some(nodes))
+            }
+        },
+    )
+    .await
+}
+
+async fn wait_refused(client: &kube::Client, set: &str) -> anyhow::Result<String> {
+    let api: Api<NodeSet> = Api::all(client.clone());
+    wait_for(
+        &format!("nodeset {set}: Ready=False ProviderFailed"),
+        TIMEOUT,
+        || {
+            let api = api.clone();
+            async move {
+                let s = api.get(set).await?;
+                Ok(set_condition(&s, "Ready")
+                    .filter(|c| c.0 == "False" && c.1 == "ProviderFailed")
+                    .map(|c| c.2))
+            }
+        },
+    )
+    .await
+}
+
+async fn running_pods(client: &kube::Client, ns: &str) -> anyhow::Result<BTreeMap<String, String>> {
+    let pods = Api::<Pod>::namespaced(client.clone(), ns)
+        .list(&ListParams::default())
+        .await?;
+    Ok(pods
+        .items
+        .iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_none())
+        .filter(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running"))
+        .filter_map(|p| Some((p.name_any(), p.spec.as_ref()?.node_name.clone()?)))
+        .collect())
+}
+
+#[tokio::test]
+async fn oci_scale_up_then_down_drains_and_terminates() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    let rig = Rig::new("nset-oci").await?;
+    let client = &rig.client;
+    let pool = unique_name("pool");
+    let class = unique_name("e5");
+    let set = unique_name("web");
+    rig.class(&class, &pool, |_| {}).await?;
+    rig.set(&set, &class, 0).await?;
+    wait_converged(client, &set, 0).await?;
+
+    // 0 → 3: three instances launched from the class, each recorded as a Node named by its tag,
+    // Ready only once its instance runs.
+    let started = Instant::now();
+    set_replicas(client, &set, 3).await?;
+    let nodes = wait_converged(client, &set, 3).await?;
+    eprintln!("0 → 3 Ready in {:?}", started.elapsed());
+    let instances = rig.endpoint.instances();
+    for n in &nodes {
+        let id = n
+            .spec
+            .as_ref()
+            .and_then(|s| s.provider_id.as_deref())
+            .and_then(|p| p.strip_prefix("oci://"))
+            .with_context(|| format!("node {} has no oci:// providerID", n.name_any()))?;
+        let i = instances.iter().find(|i| i.id == id).with_context(|| {
+            format!(
+                "node {} names {id}, which the endpoint never launched",
+                n.name_any()
+            )
+        })?;
+        ensure!(i.state == "RUNNING", "{i:?}");
+        ensure!(i.shape == SHAPE, "{i:?}");
+        ensure!(i.display_name == format!("nk-{}", n.name_any()), "{i:?}");
+        ensure!(i.freeform_tags.get(LABEL_NODE_SET) == Some(&set), "{i:?}");
+        ensure!(
+            i.metadata.get("nodekeeper_node_name") == Some(&n.name_any()),
+            "{i:?}"
+        );
+        ensure!(
+            i.metadata.contains_key("user_data") && i.metadata.contains_key("ssh_authorized_keys"),
+            "{i:?}"
+        );
+        ensure!(
+            n.labels().get(POOL) == Some(&pool),
+            "class label missing on {}",
+            n.name_any()
+        );
+    }
+    ensure!(
+        rig.launches() == (3, 0),
+        "launches (ok, refused): {:?}",
+        rig.launches()
+    );
+
+    // Three pods on the pool behind a budget of one unavailable.
+    let deploy: k8s_openapi::api::apps::v1::Deployment = serde_json::from_value(json!({
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": { "name": "web" },
+        "spec": {
+            "replicas": 3,
+            "selector": { "matchLabels": { "app": "web" } },
+            "template": {
+                "metadata": { "labels": { "app": "web" } },
+                "spec": {
+                    "nodeSelector": { POOL: pool },
+                    "terminationGracePeriodSeconds": 1,
+                    "containers": [{ "name": "c", "image": "registry.invalid/nothing:1" }],
+                },
+            },
+        },
+    }))?;
+    Api::namespaced(client.clone(), &rig.ns)
+        .create(&PostParams::default(), &deploy)
+        .await?;
+    let pdb: k8s_openapi::api::policy::v1::PodDisruptionBudget = serde_json::from_value(json!({
+        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+        "metadata": { "name": "web" },
+        "spec": { "selector": { "matchLabels": { "app": "web" } }, "maxUnavailable": 1 },
+    }))?;
+    Api::namespaced(client.clone(), &rig.ns)
+        .create(&PostParams::default(), &pdb)
+        .await?;
+    wait_for("3 running pods", TIMEOUT, || async {
+        Ok((running_pods(client, &rig.ns).await?.len() == 3).then_some(()))
+    })
+    .await?;
+
+    // 3 → 1: two nodes drained through NodeMaintenances, then their instances terminated and
+    // their Nodes deleted; the budget holds all along.
+    set_replicas(client, &set, 1).await?;
+    let nms: Api<NodeMaintenance> = Api::all(client.clone());
+    let mut fewest = usize::MAX;
+    let mut saw_maintenance = false;
+    let deadline = Instant::now() + TIMEOUT;
+    let survivor = loop {
+        fewest = fewest.min(running_pods(client, &rig.ns).await?.len());
+        saw_maintenance |= !nms
+            .list(&ListParams::default().labels(&format!("{LABEL_NODE_SET}={set}")))
+            .await?
+            .items
+            .is_empty();
+        let nodes = set_nodes(client, &set).await?;
+        let st = Api::<NodeSet>::all(client.clone())
+            .get(&set)
+            .await?
+            .status
+            .unwrap_or_default();
+        if nodes.len() == 1
+            && st.replicas == 1
+            && st.ready_replicas == 1
+            && st.draining_replicas == 0
+        {
+            break nodes[0].clone();
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "nodeset {set} did not reach 1 node: {} nodes, status {st:?}",
+                nodes.len()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    ensure!(saw_maintenance, "the scale-down created no NodeMaintenance");
+    ensure!(
+        fewest >= 2,
+        "the budget allows 1 unavailable, but only {fewest} pods ran at one point"
+    );
+    let kept = survivor
+        .spec
+        .as_ref()
+        .and_then(|s| s.provider_id.clone())
+        .unwrap_or_default();
+    let gone = wait_for("the removed instances to terminate", TIMEOUT, || async {
+        let all = rig.endpoint.instances();
+        let removed: Vec<_> = all
+            .iter()
+            .filter(|i| format!("oci://{}", i.id) != kept)
+            .collect();
+        Ok(
+            (removed.len() == 2 && removed.iter().all(|i| i.state == "TERMINATED"))
+                .then_some(removed.len()),
+        )
+    })
+    .await?;
+    ensure!(gone == 2);
+    let pods = wait_for("3 running pods on the survivor", TIMEOUT, || async {
+        let pods = running_pods(client, &rig.ns).await?;
+        Ok((pods.len() == 3).then_some(pods))
+    })
+    .await?;
+    ensure!(
+        pods.values().all(|n| *n == survivor.name_any()),
+        "pods outside the surviving node: {pods:?}"
+    );
+    // No instance beyond the three; no terminate was refused.
+    ensure!(
+        rig.launches() == (3, 0),
+        "launches (ok, refused): {:?}",
+        rig.launches()
+    );
+    let refused: Vec<_> = rig
+        .endpoint
+        .requests()
+        .into_iter()
+        .filter(|r| r.method == http::Method::DELETE && r.status >= 400)
+        .collect();
+    ensure!(refused.is_empty(), "refused terminations: {refused:?}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn oci_bad_input_is_named_by_field_before_any_launch() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    let rig = Rig::new("nset-oci-bad").await?;
+    let client = &rig.client;
+    type Case = (
+        &'static str,
+        Box<dyn FnOnce(&mut Value)>,
+        &'static [&'static str],
+    );
+    let cases: [Case; 3] = [
+        (
+            "shape",
+            Box::new(|t: &mut Value| t["shape"] = json!("VM.Standard.Nope9")),
+            &["spec.oci.shape", "VM.Standard.Nope9", SHAPE],
+        ),
+        (
+            "image",
+            Box::new(|t: &mut Value| t["imageId"] = json!("ocid1.image.oc1.phx.nosuchimage")),
+            &["spec.oci.imageId", "ocid1.image.oc1.phx.nosuchimage"],
+        ),
+        (
+            "subnet",
+            Box::new(|t: &mut Value| t["subnetId"] = json!("ocid1.subnet.oc1.phx.nosuchsubnet")),
+            &["spec.oci.subnetId", "ocid1.subnet.oc1.phx.nosuchsubnet"],
+        ),
+    ];
+    for (what, change, words) in cases {
+        let class = unique_name(what);
+        let set = unique_name(&format!("bad-{what}"));
+        rig.class(&class, &unique_name("pool"), change).await?;
+        rig.set(&set, &class, 2).await?;
+        let message = wait_refused(client, &set).await?;
+        for w in words {
+            ensure!(
+                message.contains(w),
+                "{what}: the condition does not say {w:?}: {message}"
+            );
+        }
+        ensure!(
+            set_nodes(client, &set).await?.is_empty(),
+            "{what}: nodes were recorded"
+        );
+        set_replicas(client, &set, 0).await?;
+    }
+    // The shape and image were refused before any launch; the subnet only LaunchInstance knows.
+    let (ok, refused) = rig.launches();
+    ensure!(
+        ok == 0 && refused >= 1,
+        "launches (ok, refused): {:?}",
+        (ok, refused)
+    );
+
+    // A malformed OCID never reaches the controller: the API server refuses it, naming the field.
+    let error = rig
+        .class(&unique_name("malformed"), "p", |t| {
+            t["subnetId"] = json!("subnet-123")
+        })
+        .await
+        .expect_err("a malformed subnet OCID must be refused");
+    ensure!(
+        format!("{error:#}").contains("spec.oci.subnetId"),
+        "{error:#}"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn oci_out_of_host_capacity_backs_off_then_recovers() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    let rig = Rig::new("nset-oci-cap").await?;
+    let client = &rig.client;
+    let class = unique_name("e5");
+    let set = unique_name("full");
+    rig.class(&class, &unique_name("pool"), |_| {}).await?;
+    rig.endpoint.set_out_of_capacity(SHAPE, true);
+    rig.set(&set, &class, 10).await?;
+    let started = Instant::now();
+    let message = wait_refused(client, &set).await?;
+    ensure!(
+        message.contains("spec.oci.shape")
+            && message.contains(SHAPE)
+            && message.contains(AD)
+            && message.contains("out of host capacity"),
+        "{message}"
+    );
+    tokio::time::sleep(Duration::from_secs(20).saturating_sub(started.elapsed())).await;
+    let (ok, refused) = rig.launches();
+    // Slow start (one launch per round) and the doubling backoff (2, 4, 8, 16 s): a handful of
+    // calls in 20 s for 10 missing machines, and the client never retried one.
+    eprintln!(
+        "{refused} LaunchInstance calls in 20 s for 10 missing machines, all out of capacity"
+    );
+    ensure!(
+        ok == 0 && (2..=6).contains(&refused),
+        "launches (ok, refused): {:?}",
+        (ok, refused)
+    );
+    ensure!(set_nodes(client, &set).await?.is_empty());
+
+    // Capacity returns: the next attempt after the backoff goes through, and the set fills.
+    rig.endpoint.set_out_of_capacity(SHAPE, false);
+    wait_converged(client, &set, 10).await?;
+    let (ok, _) = rig.launches();
+    ensure!(ok == 10, "{ok} instances launched for 10 replicas");
+    Ok(())
+}
