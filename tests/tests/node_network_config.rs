@@ -312,8 +312,10 @@ impl Rig {
             let port = loopback_proxy(&ns.entry(), upstream).await?;
             let imds = format!("http://127.0.0.1:{port}/imds/{instance}");
             let (tx, mut rx) = mpsc::unbounded_channel::<Call>();
+            // The agent's state dir (its network journal), one per simulated node.
+            let state_dir = tempfile::tempdir()?;
             ns.entry().spawn(move || async move {
-                let manager = NetworkManager::new(Some(imds));
+                let manager = NetworkManager::new(Some(imds), state_dir.path());
                 while let Some((request, reply)) = rx.recv().await {
                     let r = manager.apply(request).await.map_err(|e| e.to_string());
                     let _ = reply.send(r);
