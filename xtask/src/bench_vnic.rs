@@ -86,7 +86,7 @@ fn report(f: &Value, build: &str) -> String {
     let verdict = |ok: bool| if ok { "meets" } else { "misses" };
     format!(
         "## vnic\n\n\
-         `cargo xtask bench vnic --nodes {n}`: one NodeNetworkConfig, one VNIC on each of {n} kwok \
+         `cargo xtask bench vnic --nodes {n}{flag}`: one NodeNetworkConfig, one VNIC on each of {n} kwok \
          nodes, `maxUnavailable: 10%` ({batches} batches), the local OCI endpoint (every request \
          signature-checked, ATTACHING → ATTACHED after {delay} s), simulated agents (a VNIC is on \
          the host once ATTACHED), the reconciler polling every {poll} s with its first look at a new attachment after \
@@ -97,6 +97,7 @@ fn report(f: &Value, build: &str) -> String {
          | AttachVnic calls | {attach} for {n} nodes | one per node, never doubled |\n\
          | API writes per node | {writes:.2} ({total} in all: node conditions, status, finalizer) | ≤ {TARGET_API_WRITES} ({wv}) |\n\
          | CPU of the benchmark process | {cpu:.1} s | (controller, endpoint and simulated agents together) |\n",
+        flag = if build == "Debug" { " --debug" } else { "" },
         batches = num("batches"),
         delay = num("attach_delay_s"),
         poll = num("poll_s"),
