@@ -75,7 +75,11 @@ struct SimNode {
 /// apply answers Applied with those VNICs' links observed: no namespace, no netlink, so the
 /// controller is what is measured.
 enum TestAgents {
-    Netns(BTreeMap<IpAddr, mpsc::UnboundedSender<Call>>),
+    /// The node threads by address, and the `ApplyNetwork` calls counted per address.
+    Netns(
+        BTreeMap<IpAddr, mpsc::UnboundedSender<Call>>,
+        Arc<Mutex<BTreeMap<IpAddr, usize>>>,
+    ),
     Simulated {
         endpoint: Arc<OciEndpoint>,
         instances: BTreeMap<IpAddr, String>,
@@ -125,9 +129,12 @@ impl Agents for TestAgents {
                         .ok_or_else(|| call_error(endpoint, "no agent here".into()))?;
                     return Ok(simulated_apply(oci, instance));
                 }
-                TestAgents::Netns(by_address) => by_address
-                    .get(&endpoint.ip())
-                    .ok_or_else(|| call_error(endpoint, "no agent here".into()))?,
+                TestAgents::Netns(by_address, applies) => {
+                    *applies.lock().unwrap().entry(endpoint.ip()).or_default() += 1;
+                    by_address
+                        .get(&endpoint.ip())
+                        .ok_or_else(|| call_error(endpoint, "no agent here".into()))?
+                }
             };
             let (reply, rx) = oneshot::channel();
             tx.send((request, reply))
@@ -219,6 +226,11 @@ struct Rig {
     subnet: String,
     label: (String, String),
     stop: CancellationToken,
+    /// The controllers' first retry wait (long by default: a failing node stays failing for
+    /// the length of a test unless the test shortens it).
+    retry_backoff: Duration,
+    /// `ApplyNetwork` calls per node address.
+    applies: Arc<Mutex<BTreeMap<IpAddr, usize>>>,
 }
 
 impl Rig {
@@ -330,17 +342,20 @@ impl Rig {
                 broken: broken.get(i).copied().unwrap_or(false),
             }));
         }
+        let applies = Arc::new(Mutex::new(BTreeMap::new()));
         let stop = CancellationToken::new();
         tokio::spawn(hotplug(Arc::clone(&endpoint), nodes.clone(), stop.clone()));
         Ok(Rig {
             client,
             endpoint,
             compute,
-            agents: Arc::new(TestAgents::Netns(by_address)),
+            agents: Arc::new(TestAgents::Netns(by_address, Arc::clone(&applies))),
             nodes,
             subnet,
             label,
             stop,
+            retry_backoff: Duration::from_secs(300),
+            applies,
         })
     }
 
@@ -367,6 +382,8 @@ impl Rig {
                     resync: Duration::from_secs(2),
                     attach_timeout: Duration::from_secs(30),
                     apply_timeout: Duration::from_secs(30),
+                    retry_backoff: self.retry_backoff,
+                    retry_backoff_max: self.retry_backoff * 4,
                 },
             )
             .watching(&format!("{}={}", self.label.0, self.label.1)),
@@ -892,6 +909,237 @@ async fn refused_input_is_named_and_changes_nothing_on_the_host() -> anyhow::Res
     Ok(())
 }
 
+fn condition(status: &Value, type_: &str) -> Option<Value> {
+    status["conditions"]
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == type_)
+        .cloned()
+}
+
+/// The state OCI gives the attachment of VNIC `display_name` on `node`, if any.
+fn attachment_state(rig: &Rig, node: &SimNode, display_name: &str) -> Option<&'static str> {
+    rig.endpoint
+        .guest_vnics(&node.instance)
+        .into_iter()
+        .filter(|v| v.display_name.as_deref() == Some(display_name))
+        .map(|v| v.state)
+        .find(|s| *s != "DETACHED")
+        .or_else(|| {
+            rig.endpoint
+                .guest_vnics(&node.instance)
+                .into_iter()
+                .find(|v| v.display_name.as_deref() == Some(display_name))
+                .map(|v| v.state)
+        })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_node_leaving_is_cleaned_and_a_node_selected_twice_stays_with_the_older_object()
+-> anyhow::Result<()> {
+    skip_unless_root!("needs root to create network namespaces");
+    let rig = Rig::new("nncleave", &[VM, VM], &[false, false]).await?;
+    let api: Api<NodeNetworkConfig> = Api::all(rig.client.clone());
+    let (stop, handle) = rig.start_controller();
+    let spec = |vnic_name: &str| {
+        json!({
+            "nodeSelector": rig.selector(),
+            "ociVnics": {"attach": [vnic(vnic_name, &rig.subnet)]},
+            "rollout": {"maxUnavailable": 2},
+            "checkTargets": ["10.0.20.1"],
+            "checkTimeoutMs": 1500,
+        })
+    };
+    let older = unique_name("older");
+    apply_nnc(&api, &rig.label, &older, spec("pods-a")).await?;
+    wait_for("both nodes applied", TIMEOUT, || async {
+        let s = status_of(&api, &older).await?;
+        Ok((s["applied"] == 2).then_some(()))
+    })
+    .await?;
+
+    // A younger object selecting the same nodes leaves them alone and says why.
+    let younger = unique_name("younger");
+    apply_nnc(&api, &rig.label, &younger, spec("pods-y")).await?;
+    let status = wait_for(
+        "the younger object's Conflict condition",
+        TIMEOUT,
+        || async {
+            let s = status_of(&api, &younger).await?;
+            Ok(condition(&s, "Conflict").map(|_| s))
+        },
+    )
+    .await?;
+    let conflict = condition(&status, "Conflict").unwrap();
+    let message = conflict["message"].as_str().unwrap_or("");
+    assert_eq!(conflict["status"], "True", "{status:#}");
+    assert_eq!(conflict["reason"], "NodesSelectedByAnother", "{status:#}");
+    for word in [&older, &younger, &rig.nodes[0].name, &rig.nodes[1].name] {
+        assert!(message.contains(word.as_str()), "{word} missing: {message}");
+    }
+    assert_eq!(status["matched"], 0, "{status:#}");
+    assert!(condition(&status_of(&api, &older).await?, "Conflict").is_none());
+    assert_eq!(rig.attach_calls(), 2, "the younger object attached nothing");
+
+    // The second node leaves the selector: its host side goes, then its VNIC.
+    let leaving = &rig.nodes[1];
+    Api::<Node>::all(rig.client.clone())
+        .patch(
+            &leaving.name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"labels": {rig.label.0.clone(): null}}})),
+        )
+        .await?;
+    wait_for(
+        "pods-a detached from the node that left",
+        TIMEOUT,
+        || async {
+            Ok((attachment_state(&rig, leaving, "pods-a") == Some("DETACHED")).then_some(()))
+        },
+    )
+    .await?;
+    assert!(
+        nk_rules(&leaving.ns)?.is_empty(),
+        "{:?}",
+        nk_rules(&leaving.ns)?
+    );
+    assert!(
+        default_routes(&leaving.ns)?.is_empty(),
+        "{:?}",
+        default_routes(&leaving.ns)?
+    );
+    wait_for(
+        "the left node's NodeNetworkReady removed",
+        TIMEOUT,
+        || async {
+            Ok(node_ready(&rig.client, &leaving.name)
+                .await?
+                .is_none()
+                .then_some(()))
+        },
+    )
+    .await?;
+    let s = wait_for("the older object matching one node", TIMEOUT, || async {
+        let s = status_of(&api, &older).await?;
+        Ok((s["matched"] == 1 && s["applied"] == 1).then_some(s))
+    })
+    .await?;
+    assert_eq!(s["attached"], 1, "{s:#}");
+    // Only that node: the other keeps its VNIC and its host side.
+    let stays = &rig.nodes[0];
+    assert_eq!(attachment_state(&rig, stays, "pods-a"), Some("ATTACHED"));
+    let rules = nk_rules(&stays.ns)?;
+    assert!(rules.iter().any(|(_, _, t)| t == "101"), "{rules:?}");
+
+    // The older object goes: the younger takes the node over (and the conflict ends).
+    api.delete(&older, &DeleteParams::default()).await?;
+    let s = wait_for(
+        "the younger object applied on the first node",
+        TIMEOUT,
+        || async {
+            let s = status_of(&api, &younger).await?;
+            Ok((s["applied"] == 1).then_some(s))
+        },
+    )
+    .await?;
+    assert!(condition(&s, "Conflict").is_none(), "{s:#}");
+    assert_eq!(attachment_state(&rig, stays, "pods-a"), Some("DETACHED"));
+    assert_eq!(attachment_state(&rig, stays, "pods-y"), Some("ATTACHED"));
+    assert_eq!(rig.attach_calls(), 3);
+    api.delete(&younger, &DeleteParams::default()).await?;
+    wait_for("the younger object deleted", TIMEOUT, || async {
+        Ok(api.get_opt(&younger).await?.is_none().then_some(()))
+    })
+    .await?;
+    stop.cancel();
+    handle.await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_failed_node_is_retried_with_backoff_and_the_pause_holds() -> anyhow::Result<()> {
+    skip_unless_root!("needs root to create network namespaces");
+    let mut rig = Rig::new("nncretry", &[VM, VM], &[true, false]).await?;
+    rig.retry_backoff = Duration::from_secs(1); // then 2 s, then 4 s at most
+    let api: Api<NodeNetworkConfig> = Api::all(rig.client.clone());
+    let (stop, handle) = rig.start_controller();
+    let name = unique_name("retry");
+    apply_nnc(
+        &api,
+        &rig.label,
+        &name,
+        json!({
+            "nodeSelector": rig.selector(),
+            "ociVnics": {"attach": [vnic("pods-a", &rig.subnet)]},
+            "rollout": {"maxUnavailable": 1, "failureThreshold": 1},
+            "checkTargets": ["10.0.20.1"],
+            "checkTimeoutMs": 1000,
+        }),
+    )
+    .await?;
+    wait_for("the broken node failing", TIMEOUT, || async {
+        let s = status_of(&api, &name).await?;
+        Ok((s["failing"] == 1).then_some(()))
+    })
+    .await?;
+    let applies = || rig.applies.lock().unwrap().values().sum::<usize>();
+    let first = applies();
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let retries = applies() - first;
+    // Backoff 1 s, 2 s, 4 s (each try also spends ~1 s in the failing check): 2 or 3 tries in
+    // 8 s. Retrying at every pass (every 250 ms) would be about 30; never retrying, 0.
+    assert!((1..=5).contains(&retries), "{retries} retries in 8 s");
+    // The pause held all along: the second node never started.
+    let s = status_of(&api, &name).await?;
+    assert_eq!(
+        (s["applied"].as_u64(), s["failing"].as_u64()),
+        (Some(0), Some(1)),
+        "{s:#}"
+    );
+    assert_eq!(
+        condition(&s, "Progressing").unwrap()["reason"],
+        REASON_PAUSED,
+        "{s:#}"
+    );
+    assert_eq!(attachment_state(&rig, &rig.nodes[1], "pods-a"), None);
+
+    // Fix the broken node (its VNIC's router answers now): the next retry applies it, the
+    // pause lifts and the rollout goes on.
+    let broken = &rig.nodes[0];
+    let link = broken
+        .plugged
+        .lock()
+        .unwrap()
+        .values()
+        .find(|l| !l.is_empty())
+        .cloned()
+        .context("the broken node's VNIC interface")?;
+    broken
+        .ns
+        .ip(&["addr", "add", "10.0.20.1/24", "dev", &format!("{link}p")])?;
+    wait_for("both nodes applied", TIMEOUT, || async {
+        let s = status_of(&api, &name).await?;
+        Ok((s["applied"] == 2 && s["failing"] == 0).then_some(()))
+    })
+    .await?;
+    let ready = node_ready(&rig.client, &broken.name)
+        .await?
+        .context("NodeNetworkReady")?;
+    assert_eq!(
+        (ready.0.as_str(), ready.1.as_str()),
+        ("True", "NetworkConverged")
+    );
+    assert_eq!(rig.attach_calls(), 2, "a retry never attaches twice");
+    api.delete(&name, &DeleteParams::default()).await?;
+    wait_for("the object deleted", TIMEOUT, || async {
+        Ok(api.get_opt(&name).await?.is_none().then_some(()))
+    })
+    .await?;
+    stop.cancel();
+    handle.await?;
+    Ok(())
+}
+
 /// This process's CPU time (user + system), from `/proc/self/stat`.
 fn process_cpu_seconds() -> anyhow::Result<f64> {
     let stat = std::fs::read_to_string("/proc/self/stat")?;
@@ -1015,6 +1263,8 @@ async fn bench_vnic() -> anyhow::Result<()> {
                 resync: Duration::from_secs(5),
                 attach_timeout: Duration::from_secs(120),
                 apply_timeout: Duration::from_secs(30),
+                retry_backoff: Duration::from_secs(30),
+                retry_backoff_max: Duration::from_secs(600),
             },
         )
         .watching(&format!("{}={}", label.0, label.1)),

@@ -19,6 +19,10 @@ pub struct VnicArgs {
     /// Do not write BENCHMARKS.md.
     #[arg(long)]
     pub no_write: bool,
+    /// Build the benchmark (and so the controller it runs) without optimisation, as
+    /// `cargo test` does; the default is a release build, the controller as it ships.
+    #[arg(long)]
+    pub debug: bool,
 }
 
 /// The issue's targets when nothing fails.
@@ -39,9 +43,11 @@ pub fn run(args: VnicArgs) -> anyhow::Result<()> {
         .context("start the benchmark's control plane")?;
     let out = tempfile::NamedTempFile::new()?;
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+    let profile: &[&str] = if args.debug { &[] } else { &["--release"] };
     let status = crate::cargo::command(&cargo)
+        .arg("test")
+        .args(profile)
         .args([
-            "test",
             "-p",
             "nodekeeper-e2e",
             "--test",
@@ -64,7 +70,7 @@ pub fn run(args: VnicArgs) -> anyhow::Result<()> {
     }
     let figures: Value = serde_json::from_str(&std::fs::read_to_string(out.path())?)
         .context("read the benchmark's figures")?;
-    let section = report(&figures);
+    let section = report(&figures, if args.debug { "Debug" } else { "Release" });
     println!("{section}");
     if !args.no_write {
         crate::benchmarks::write_section(&root, "vnic", &section)?;
@@ -72,7 +78,7 @@ pub fn run(args: VnicArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn report(f: &Value) -> String {
+fn report(f: &Value, build: &str) -> String {
     let num = |k: &str| f[k].as_f64().unwrap_or(f64::NAN);
     let n = num("nodes");
     let calls = num("cloud_calls_per_node");
@@ -80,17 +86,18 @@ fn report(f: &Value) -> String {
     let verdict = |ok: bool| if ok { "meets" } else { "misses" };
     format!(
         "## vnic\n\n\
-         `cargo xtask bench vnic --nodes {n}`: one NodeNetworkConfig, one VNIC on each of {n} kwok \
+         `cargo xtask bench vnic --nodes {n}{flag}`: one NodeNetworkConfig, one VNIC on each of {n} kwok \
          nodes, `maxUnavailable: 10%` ({batches} batches), the local OCI endpoint (every request \
          signature-checked, ATTACHING → ATTACHED after {delay} s), simulated agents (a VNIC is on \
          the host once ATTACHED), the reconciler polling every {poll} s with its first look at a new attachment after \
-         `--nnc-attach-latency {delay}s` (then adapting). Debug build, 2-core shared machine.\n\n\
+         `--nnc-attach-latency {delay}s` (then adapting). {build} build, 2-core shared machine.\n\n\
          | figure | value | target |\n|---|---|---|\n\
          | time to all applied | {secs:.1} s | bound by attach latency × batches = {bound:.0} s |\n\
          | cloud calls per node | {calls:.2} ({ops}) | ≤ {TARGET_CLOUD_CALLS} ({cv}) |\n\
          | AttachVnic calls | {attach} for {n} nodes | one per node, never doubled |\n\
          | API writes per node | {writes:.2} ({total} in all: node conditions, status, finalizer) | ≤ {TARGET_API_WRITES} ({wv}) |\n\
          | CPU of the benchmark process | {cpu:.1} s | (controller, endpoint and simulated agents together) |\n",
+        flag = if build == "Debug" { " --debug" } else { "" },
         batches = num("batches"),
         delay = num("attach_delay_s"),
         poll = num("poll_s"),

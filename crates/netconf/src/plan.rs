@@ -592,8 +592,20 @@ pub fn plan(desired: &NetworkState, observed: &Observed) -> Result<Plan, PlanErr
             on_link: r.on_link,
         };
         let on_gone = r.oif.is_some_and(|i| gone.contains(&i));
-        if want_routes.contains(&def) && !on_gone {
-            kept_routes.push(def);
+        // A desired route without a link lets the kernel pick the outgoing link from the
+        // gateway, and the kernel reports the one it picked: compare without it, or such a
+        // route would never look present and be re-added on every apply.
+        let wanted = want_routes.iter().find(|w| {
+            **w == def
+                || (w.link.is_none()
+                    && **w
+                        == RouteDef {
+                            link: None,
+                            ..def.clone()
+                        })
+        });
+        if let Some(w) = wanted.filter(|_| !on_gone) {
+            kept_routes.push(w.clone());
         } else {
             steps.push(Step::DeleteRoute(def));
         }

@@ -487,6 +487,38 @@ fn drift_is_detected_and_reconverged() {
 }
 
 #[test]
+fn a_gateway_route_without_a_link_is_applied_once() {
+    skip_unless_root!("needs root to create network namespaces");
+    let ns = test_ns();
+    setup_nics(&ns);
+    // The kernel picks the outgoing link from the gateway and reports it; the second apply
+    // must see the route as present.
+    let mut d = desired();
+    d.routes.push(
+        serde_json::from_value(serde_json::json!({
+            "destination": "fd00:99::/64", "gateway": "fd00:10:30::1", "table": 102
+        }))
+        .unwrap(),
+    );
+    let (first, drift, second) = ns.run(move || async move {
+        let nc = Netconf::connect().unwrap();
+        let first = nc.apply(&d, &ApplyOptions::default()).await.unwrap();
+        let drift = nc.drift(&d).await.unwrap();
+        let second = nc.apply(&d, &ApplyOptions::default()).await.unwrap();
+        (first, drift, second)
+    });
+    assert_eq!(first.outcome, Outcome::Applied, "{:?}", first.error);
+    let t102 = ns.ip(&["-6", "route", "show", "table", "102"]).unwrap();
+    assert!(
+        t102.contains("fd00:99::/64 via fd00:10:30::1 dev nkm30 proto 176"),
+        "{t102}"
+    );
+    assert!(drift.is_empty(), "{drift:?}");
+    assert!(second.plan.is_empty(), "{:?}", second.plan);
+    assert_eq!(second.writes, 0);
+}
+
+#[test]
 #[allow(clippy::print_stdout)]
 fn vlan_goes_through_the_same_path_and_fails_cleanly_without_8021q() {
     skip_unless_root!("needs root to create network namespaces");

@@ -321,3 +321,49 @@ fn a_link_carrying_someone_elses_interface_is_never_deleted() {
     let after = simulate(applied, &p);
     assert!(after.links.iter().all(|l| !l.owned()));
 }
+
+#[test]
+fn a_route_without_a_link_matches_the_link_the_kernel_picked() {
+    // The kernel resolves a gateway route's outgoing link and reports it (oif): the planner
+    // must not read that as a different route and add it again on every apply.
+    let mut d = vm_desired();
+    d.addresses.push(
+        serde_json::from_value(serde_json::json!({"link": "vnic1", "cidr": "2001:db8:20::33/64"}))
+            .unwrap(),
+    );
+    d.routes.push(
+        serde_json::from_value(serde_json::json!({
+            "destination": "2001:db8:99::/64", "gateway": "2001:db8:20::1", "table": 101
+        }))
+        .unwrap(),
+    );
+    let p = plan(&d, &host()).unwrap();
+    assert!(
+        ops(&p).contains(
+            &"add-route 2001:db8:99::/64 via 2001:db8:20::1 table 101 metric 1024".to_string()
+        ),
+        "{:?}",
+        ops(&p)
+    );
+    let mut after = simulate(host(), &p);
+    for r in after
+        .routes
+        .iter_mut()
+        .filter(|r| r.destination == "2001:db8:99::/64".parse::<IpNet>().unwrap())
+    {
+        assert_eq!(r.oif, None, "the simulation keeps what the plan said");
+        r.oif = Some(3); // ens5, as the kernel reports it
+    }
+    assert_eq!(plan(&d, &after).unwrap(), Plan::default());
+
+    // A changed gateway is still a different route: replaced, not kept.
+    d.routes[1].gateway = Some("2001:db8:20::fe".into());
+    let again = ops(&plan(&d, &after).unwrap());
+    assert_eq!(
+        again,
+        vec![
+            "delete-route 2001:db8:99::/64 via 2001:db8:20::1 dev ens5 table 101 metric 1024",
+            "add-route 2001:db8:99::/64 via 2001:db8:20::fe table 101 metric 1024",
+        ]
+    );
+}

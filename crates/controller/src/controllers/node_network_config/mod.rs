@@ -11,7 +11,10 @@
 //!
 //! Nodes are read from a reflector of this controller's own (the shared fleet keeps no labels or
 //! provider IDs); a change of a node's labels is picked up at the next pass (at most
-//! `--nnc-resync-interval` later).
+//! `--nnc-resync-interval` later). A node that leaves the selector loses what the object put
+//! there (host side, then its VNICs). A node two objects select belongs to the older one (by
+//! creation time, then name); the younger leaves it alone and says so in its `Conflict`
+//! condition, naming both objects and the nodes.
 
 pub mod cloud;
 pub mod plan;
@@ -76,6 +79,14 @@ pub struct Config {
     /// Longest `ApplyNetwork` call (the post-apply check included).
     #[arg(long, env = "NODEKEEPER_NNC_APPLY_TIMEOUT", default_value = "90s", value_parser = duration)]
     pub nnc_apply_timeout: Duration,
+
+    /// Wait before a failed node is tried again; doubled after each further failure in a row.
+    #[arg(long, env = "NODEKEEPER_NNC_RETRY_BACKOFF", default_value = "30s", value_parser = duration)]
+    pub nnc_retry_backoff: Duration,
+
+    /// Longest wait between two tries of a failing node.
+    #[arg(long, env = "NODEKEEPER_NNC_RETRY_BACKOFF_MAX", default_value = "10m", value_parser = duration)]
+    pub nnc_retry_backoff_max: Duration,
 }
 
 fn duration(s: &str) -> Result<Duration, String> {
@@ -91,6 +102,9 @@ pub struct Settings {
     pub resync: Duration,
     pub attach_timeout: Duration,
     pub apply_timeout: Duration,
+    /// First and longest wait before a failed node is tried again.
+    pub retry_backoff: Duration,
+    pub retry_backoff_max: Duration,
 }
 
 impl Settings {
@@ -102,6 +116,8 @@ impl Settings {
             resync: c.nnc_resync_interval,
             attach_timeout: c.nnc_attach_timeout,
             apply_timeout: c.nnc_apply_timeout,
+            retry_backoff: c.nnc_retry_backoff,
+            retry_backoff_max: c.nnc_retry_backoff_max,
         }
     }
 }
@@ -115,6 +131,8 @@ impl Default for Settings {
             resync: Duration::from_secs(60),
             attach_timeout: Duration::from_secs(300),
             apply_timeout: Duration::from_secs(90),
+            retry_backoff: Duration::from_secs(30),
+            retry_backoff_max: Duration::from_secs(600),
         }
     }
 }

@@ -3,8 +3,11 @@
 //! waiting for the cloud (attach one VNIC at a time per instance, look at the attachment again
 //! on a later pass until ATTACHED, apply the host side through the agent, detach what the spec
 //! no longer lists after its host side is gone), write the node's `NodeNetworkReady` condition
-//! and the object's status when they change, and requeue. Deleting the object removes its host
-//! side and detaches the VNICs carrying its owner tag (finalizer), nothing else.
+//! and the object's status when they change, and requeue. A failed node is tried again after
+//! a backoff ([`retry_delay`]), still counted as failing until it succeeds. A node that leaves
+//! the selector (or is kept by an older object that also selects it) loses this object's host
+//! side, then its VNICs, as on deletion. Deleting the object removes its host side and detaches
+//! the VNICs carrying its owner tag (finalizer), nothing else.
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, SocketAddr};
@@ -13,7 +16,7 @@ use std::time::Instant;
 
 use futures::StreamExt as _;
 use k8s_openapi::api::core::v1::Node;
-use kube::api::{Api, Patch, PatchParams};
+use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::runtime::controller::Action;
 use kube::{Resource as _, ResourceExt as _};
 use nodekeeper_api::crd::node_network_config::{NodeNetworkConfigSpec, OciVnic};
@@ -31,8 +34,8 @@ use tracing::{info, warn};
 use super::Context;
 use super::cloud::{Cloud, CloudAccess, instance_id};
 use super::plan::{NodeFacts, plan_node};
-use super::rollout::{NodePhase, NodeState, next_batch};
-use super::status::{NodeReport, blocked_status, next_status};
+use super::rollout::{NodePhase, NodeState, next_batch, retry_delay};
+use super::status::{NodeReport, blocked_status, conflict_message, next_status};
 use crate::shared::AgentNode;
 
 #[derive(Debug, thiserror::Error)]
@@ -43,6 +46,8 @@ pub enum Error {
     UpdateFinalizer { object: String, source: kube::Error },
     #[error("nodenetworkconfig {object}: the Node cache did not fill within 30 s")]
     WaitNodes { object: String },
+    #[error("list nodenetworkconfigs (to find nodes another one selects): {source}")]
+    ListObjects { source: kube::Error },
 }
 
 /// Logs the failure and retries in 10 s.
@@ -98,6 +103,11 @@ pub(crate) struct NodeRun {
     /// When the attachment being waited for was requested, and when to look at it next.
     attach_requested: Option<Instant>,
     next_look: Option<Instant>,
+    /// Failures in a row on `target`, when the failed node is tried next, and whether that try
+    /// is under way (the node stays `Failed` meanwhile).
+    failures: u32,
+    retry_at: Option<Instant>,
+    retrying: bool,
 }
 
 impl NodeRun {
@@ -113,6 +123,43 @@ impl NodeRun {
             host_touched: false,
             attach_requested: None,
             next_look: None,
+            failures: 0,
+            retry_at: None,
+            retrying: false,
+        }
+    }
+
+    /// Whether the reconciler steps this node: it is rolling out, or a failed node being
+    /// tried again.
+    fn stepping(&self) -> bool {
+        self.phase == NodePhase::InProgress || self.retrying
+    }
+
+    /// A failed node whose backoff is over starts again from the observation, keeping its
+    /// `Failed` phase (and so its place against the threshold) until it succeeds.
+    fn retry_if_due(&mut self, now: Instant) -> bool {
+        let due = matches!(self.phase, NodePhase::Failed { .. })
+            && !self.retrying
+            && self.retry_at.is_some_and(|t| t <= now);
+        if due {
+            self.retrying = true;
+            self.work = Work::Observe;
+            self.started = now;
+            self.attach_requested = None;
+            self.next_look = None;
+        }
+        due
+    }
+
+    /// Books the end of a step that reached `Work::Done`: a failure sets the next try.
+    fn finished(&mut self, now: Instant, base: std::time::Duration, cap: std::time::Duration) {
+        self.retrying = false;
+        if matches!(self.phase, NodePhase::Failed { .. }) {
+            self.failures = self.failures.saturating_add(1);
+            self.retry_at = Some(now + retry_delay(self.failures, base, cap));
+        } else {
+            self.failures = 0;
+            self.retry_at = None;
         }
     }
 
@@ -129,10 +176,12 @@ impl NodeRun {
     }
 }
 
-/// One object's nodes.
+/// One object's nodes: those it selects, and those it no longer selects where what it put is
+/// being removed.
 #[derive(Debug, Default)]
 pub(crate) struct ObjectRun {
     nodes: BTreeMap<String, NodeRun>,
+    leaving: BTreeMap<String, NodeRun>,
 }
 
 /// What the reconciler reads of a Node.
@@ -201,7 +250,18 @@ pub async fn reconcile(obj: Arc<NodeNetworkConfig>, ctx: Arc<Context>) -> Result
     let spec = &obj.spec;
     let generation = obj.meta().generation;
     let previous = obj.status.clone().unwrap_or_default();
-    let nodes = selected(&ctx, spec);
+    let others: Vec<NodeNetworkConfig> = api
+        .list(&ListParams::default())
+        .await
+        .map_err(|source| Error::ListObjects { source })?
+        .items
+        .into_iter()
+        .filter(|o| o.uid() != obj.uid())
+        .collect();
+    let mut nodes = selected(&ctx, spec);
+    let claimed = claimed_by_older(&obj, &others, &nodes);
+    nodes.retain(|n| !claimed.contains_key(&n.name));
+    let conflict = conflict_message(&name, &claimed);
     let matched = u32::try_from(nodes.len()).unwrap_or(u32::MAX);
 
     // Objects that cannot be rolled out change nothing anywhere.
@@ -223,76 +283,95 @@ pub async fn reconcile(obj: Arc<NodeNetworkConfig>, ctx: Arc<Context>) -> Result
 
     let uid = obj.uid().unwrap_or_default();
     let target = format!("{uid}/{}", generation.unwrap_or(0));
-    let mut runs = take_runs(&ctx, &uid, &nodes, &target);
-
-    let states: Vec<NodeState> = runs
-        .values()
-        .map(|r| NodeState {
-            name: String::new(),
-            phase: r.phase.clone(),
-        })
-        .zip(runs.keys())
-        .map(|(mut s, n)| {
-            s.name = n.clone();
-            s
-        })
-        .collect();
-    let decision = next_batch(&states, &spec.rollout);
-    for n in &decision.start {
-        if let Some(r) = runs.get_mut(n) {
-            r.phase = NodePhase::InProgress;
-            r.started = Instant::now();
+    let (mut runs, mut leaving) = take_runs(&ctx, &uid, &nodes, &target);
+    let now_instant = Instant::now();
+    for (n, r) in runs.iter_mut() {
+        if r.retry_if_due(now_instant) {
+            info!(object = %name, node = %n, failures = r.failures, "retrying failed node");
         }
     }
 
-    // Step every node in progress, a bounded number at once.
+    // Step every node in progress, a bounded number at once. Nodes that finish free their
+    // place in the batch: the next ones start and take their first steps in the same pass
+    // (a few rounds at most), so a batch's end does not wait for the next poll.
     let by_name: HashMap<&str, &NodeInfo> = nodes.iter().map(|n| (n.name.as_str(), n)).collect();
     let owner = name.clone();
-    let stepping: Vec<(String, NodeRun)> = runs
-        .iter()
-        .filter(|(_, r)| r.phase == NodePhase::InProgress)
-        .map(|(n, r)| (n.clone(), r.clone()))
-        .collect();
-    let stepped: Vec<(String, NodeRun)> = futures::stream::iter(stepping)
-        .map(|(n, mut run)| {
-            let info = by_name.get(n.as_str()).map(|i| (*i).clone());
-            let ctx = Arc::clone(&ctx);
-            let owner = owner.clone();
-            async move {
-                if let Some(info) = info {
-                    step(&ctx, &owner, spec, &info, &mut run).await;
-                }
-                (n, run)
-            }
-        })
-        .buffer_unordered(ctx.settings.node_concurrency)
-        .collect()
-        .await;
     let mut finished = Vec::new();
-    for (n, run) in stepped {
-        if run.phase != NodePhase::InProgress {
-            ctx.metrics.calls_per_node.observe(f64::from(run.calls));
-            info!(object = %name, node = %n, phase = ?run.phase, cloud_calls = run.calls, "node finished");
-            finished.push(n.clone());
+    for round in 0..4 {
+        let decision = next_batch(&states_of(&runs), &spec.rollout);
+        if round > 0 && decision.start.is_empty() {
+            break;
         }
-        runs.insert(n, run);
+        for n in &decision.start {
+            if let Some(r) = runs.get_mut(n) {
+                r.phase = NodePhase::InProgress;
+                r.started = Instant::now();
+            }
+        }
+        let stepping: Vec<(String, NodeRun)> = if round == 0 {
+            runs.iter()
+                .filter(|(_, r)| r.stepping())
+                .map(|(n, r)| (n.clone(), r.clone()))
+                .collect()
+        } else {
+            decision
+                .start
+                .iter()
+                .filter_map(|n| runs.get(n).map(|r| (n.clone(), r.clone())))
+                .collect()
+        };
+        let stepped: Vec<(String, NodeRun)> = futures::stream::iter(stepping)
+            .map(|(n, mut run)| {
+                let info = by_name.get(n.as_str()).map(|i| (*i).clone());
+                let ctx = Arc::clone(&ctx);
+                let owner = owner.clone();
+                async move {
+                    if let Some(info) = info {
+                        step(&ctx, &owner, spec, &info, &mut run).await;
+                    }
+                    (n, run)
+                }
+            })
+            .buffer_unordered(ctx.settings.node_concurrency)
+            .collect()
+            .await;
+        let before = finished.len();
+        for (n, mut run) in stepped {
+            if run.work == Work::Done {
+                run.finished(
+                    Instant::now(),
+                    ctx.settings.retry_backoff,
+                    ctx.settings.retry_backoff_max,
+                );
+                ctx.metrics.calls_per_node.observe(f64::from(run.calls));
+                info!(object = %name, node = %n, phase = ?run.phase, cloud_calls = run.calls, failures = run.failures, "node finished");
+                finished.push(n.clone());
+            }
+            runs.insert(n, run);
+        }
+        if finished.len() == before {
+            break;
+        }
     }
 
-    // Node conditions of the nodes that finished, written only when they change.
-    for n in &finished {
-        if let (Some(info), Some(run)) = (by_name.get(n.as_str()), runs.get(n)) {
-            write_node_condition(&ctx, info, run).await;
-        }
+    // Nodes no longer selected: their host side, then this object's VNICs, go.
+    if !leaving.is_empty() {
+        leaving = leave(&ctx, &name, &others, leaving).await;
     }
 
-    let states: Vec<NodeState> = runs
-        .iter()
-        .map(|(n, r)| NodeState {
-            name: n.clone(),
-            phase: r.phase.clone(),
-        })
-        .collect();
-    let paused = next_batch(&states, &spec.rollout).paused;
+    // Node conditions of the nodes that finished, written only when they change, a bounded
+    // number at once (a batch of a large rollout finishes together).
+    futures::stream::iter(
+        finished
+            .iter()
+            .filter_map(|n| Some((*by_name.get(n.as_str())?, runs.get(n)?))),
+    )
+    .for_each_concurrent(ctx.settings.node_concurrency, |(info, run)| {
+        write_node_condition(&ctx, info, run)
+    })
+    .await;
+
+    let paused = next_batch(&states_of(&runs), &spec.rollout).paused;
     let reports: Vec<NodeReport<'_>> = runs
         .iter()
         .map(|(n, r)| NodeReport {
@@ -301,19 +380,152 @@ pub async fn reconcile(obj: Arc<NodeNetworkConfig>, ctx: Arc<Context>) -> Result
             phase: &r.phase,
         })
         .collect();
-    let status = next_status(&previous, &reports, paused.as_ref(), generation, &now());
-    let busy = runs.values().any(|r| {
-        r.phase == NodePhase::InProgress || (r.phase == NodePhase::Pending && paused.is_none())
-    });
-    put_runs(&ctx, &uid, runs);
+    let status = next_status(
+        &previous,
+        &reports,
+        paused.as_ref(),
+        conflict.as_deref(),
+        generation,
+        &now(),
+    );
+    let busy = !leaving.is_empty()
+        || runs
+            .values()
+            .any(|r| r.stepping() || (r.phase == NodePhase::Pending && paused.is_none()));
+    // A failed node waits for its retry: look again then (or at the resync, if sooner).
+    let next_retry = runs
+        .values()
+        .filter(|r| !r.retrying)
+        .filter_map(|r| r.retry_at)
+        .min()
+        .map(|t| t.saturating_duration_since(Instant::now()));
+    put_runs(&ctx, &uid, runs, leaving);
     if let Some(s) = status {
         write_status(&api, &name, &s).await?;
     }
-    Ok(Action::requeue(if busy {
+    let wait = if busy {
         ctx.settings.poll
     } else {
         ctx.settings.resync
-    }))
+    };
+    Ok(Action::requeue(
+        next_retry.map_or(wait, |r| wait.min(r.max(ctx.settings.poll))),
+    ))
+}
+
+/// The selected nodes that an older NodeNetworkConfig (created earlier; the lower name on a
+/// tie) also selects, each with that object's name: a node's agent holds one desired network
+/// state, so one object configures a node and the younger leaves it alone. An object being
+/// deleted keeps its nodes until its cleanup is done.
+fn claimed_by_older(
+    this: &NodeNetworkConfig,
+    others: &[NodeNetworkConfig],
+    nodes: &[NodeInfo],
+) -> BTreeMap<String, String> {
+    let age = |o: &NodeNetworkConfig| {
+        (
+            o.meta().creation_timestamp.as_ref().map(|t| t.0),
+            o.name_any(),
+        )
+    };
+    let mine = age(this);
+    let mut older: Vec<&NodeNetworkConfig> = others.iter().filter(|o| age(o) < mine).collect();
+    older.sort_by_key(|o| age(o));
+    nodes
+        .iter()
+        .filter_map(|n| {
+            older
+                .iter()
+                .find(|o| o.spec.node_selector.matches(&n.labels))
+                .map(|o| (n.name.clone(), o.name_any()))
+        })
+        .collect()
+}
+
+/// One cleanup step on each node that left the selector; returns those not done yet. The host
+/// side is left alone where another object selects the node now (its apply replaced ours: the
+/// agent holds one desired state); this object's VNICs are detached either way. A node that is
+/// done loses the `NodeNetworkReady` condition this controller wrote, unless another object
+/// configures it.
+async fn leave(
+    ctx: &Arc<Context>,
+    owner: &str,
+    others: &[NodeNetworkConfig],
+    leaving: BTreeMap<String, NodeRun>,
+) -> BTreeMap<String, NodeRun> {
+    let all: HashMap<String, NodeInfo> = ctx
+        .nodes
+        .store
+        .state()
+        .iter()
+        .map(|n| (n.name_any(), node_info(n)))
+        .collect();
+    let results: Vec<(String, NodeRun, bool)> = futures::stream::iter(leaving)
+        .map(|(node, mut run)| {
+            let info = all.get(&node).cloned();
+            let ctx = Arc::clone(ctx);
+            async move {
+                // A Node deleted meanwhile has nothing left to clean through its agent; its
+                // instance's VNICs go with the instance.
+                let Some(info) = info else {
+                    return (node, run, true);
+                };
+                let elsewhere = others
+                    .iter()
+                    .any(|o| o.spec.node_selector.matches(&info.labels));
+                if elsewhere {
+                    run.host_touched = false;
+                }
+                let done = cleanup_node(&ctx, owner, &info, &mut run).await;
+                if done {
+                    info!(object = %owner, node = %node, "node left the selector; cleaned");
+                    if !elsewhere {
+                        clear_node_condition(&ctx, &info).await;
+                    }
+                }
+                (node, run, done)
+            }
+        })
+        .buffer_unordered(ctx.settings.node_concurrency)
+        .collect()
+        .await;
+    results
+        .into_iter()
+        .filter(|(_, _, done)| !done)
+        .map(|(n, r, _)| (n, r))
+        .collect()
+}
+
+/// Drops the `NodeNetworkReady` condition this controller's field manager owns on the Node
+/// (an apply without it; a condition the node sweep also writes stays).
+async fn clear_node_condition(ctx: &Context, info: &NodeInfo) {
+    if info.ready.is_none() {
+        return;
+    }
+    let body = json!({
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": info.name},
+        "status": {"conditions": []},
+    });
+    let api: Api<Node> = Api::all(ctx.client.clone());
+    let params = PatchParams::apply(MANAGER_NODE_NETWORK_CONFIG).force();
+    if let Err(error) = api
+        .patch_status(&info.name, &params, &Patch::Apply(&body))
+        .await
+    {
+        warn!(%error, node = %info.name, "remove NodeNetworkReady failed");
+    }
+}
+
+/// The nodes' phases as the rollout arithmetic reads them.
+fn states_of(runs: &BTreeMap<String, NodeRun>) -> Vec<NodeState> {
+    runs.iter()
+        .map(|(n, r)| NodeState {
+            name: n.clone(),
+            phase: r.phase.clone(),
+        })
+        .collect()
 }
 
 fn attach_list(spec: &NodeNetworkConfigSpec) -> &[OciVnic] {
@@ -334,18 +546,46 @@ fn selected(ctx: &Context, spec: &NodeNetworkConfigSpec) -> Vec<NodeInfo> {
     nodes
 }
 
-/// This object's node runs for the selected nodes: kept when they are for `target`, reset
-/// otherwise; nodes no longer selected are dropped (their configuration stays until the object
-/// is deleted).
+/// This object's node runs for the selected nodes (kept when they are for `target`, reset
+/// otherwise), and the nodes it left: those it ran on and no longer selects, plus, after a
+/// restart, those whose `NodeNetworkReady` still names this object's host side.
 fn take_runs(
     ctx: &Context,
     uid: &str,
     nodes: &[NodeInfo],
     target: &str,
-) -> BTreeMap<String, NodeRun> {
+) -> (BTreeMap<String, NodeRun>, BTreeMap<String, NodeRun>) {
     let mut all = ctx.runs.lock().unwrap_or_else(PoisonError::into_inner);
-    let old = all.remove(uid).unwrap_or_default();
-    nodes
+    let mut old = all.remove(uid).unwrap_or_default();
+    drop(all);
+    let selected: std::collections::HashSet<&str> = nodes.iter().map(|n| n.name.as_str()).collect();
+    let mut leaving = std::mem::take(&mut old.leaving);
+    leaving.retain(|n, _| !selected.contains(n.as_str()));
+    for (n, r) in &old.nodes {
+        if !selected.contains(n.as_str()) {
+            leaving.entry(n.clone()).or_insert_with(|| r.clone());
+        }
+    }
+    let ours = format!("host networking at generation {uid}/");
+    for n in ctx.nodes.store.state() {
+        let info = node_info(&n);
+        if !selected.contains(info.name.as_str())
+            && !leaving.contains_key(&info.name)
+            && info
+                .ready
+                .as_ref()
+                .is_some_and(|(_, _, m, _)| m.starts_with(&ours))
+        {
+            leaving.insert(
+                info.name.clone(),
+                NodeRun {
+                    host_touched: true,
+                    ..NodeRun::new("")
+                },
+            );
+        }
+    }
+    let runs = nodes
         .iter()
         .map(|n| {
             let run = match old.nodes.get(&n.name) {
@@ -366,7 +606,8 @@ fn take_runs(
             };
             (n.name.clone(), run)
         })
-        .collect()
+        .collect();
+    (runs, leaving)
 }
 
 /// Whether the Node says this very generation is applied (the condition this controller writes
@@ -381,11 +622,16 @@ fn applied_per_node_condition(n: &NodeInfo, target: &str) -> bool {
         })
 }
 
-fn put_runs(ctx: &Context, uid: &str, nodes: BTreeMap<String, NodeRun>) {
+fn put_runs(
+    ctx: &Context,
+    uid: &str,
+    nodes: BTreeMap<String, NodeRun>,
+    leaving: BTreeMap<String, NodeRun>,
+) {
     ctx.runs
         .lock()
         .unwrap_or_else(PoisonError::into_inner)
-        .insert(uid.to_string(), super::reconcile::ObjectRun { nodes });
+        .insert(uid.to_string(), ObjectRun { nodes, leaving });
 }
 
 /// Moves one node on as far as it can go without waiting.
@@ -862,13 +1108,14 @@ async fn cleanup(
     }
     let name = obj.name_any();
     let uid = obj.uid().unwrap_or_default();
-    let mut runs = ctx
+    let object_run = ctx
         .runs
         .lock()
         .unwrap_or_else(PoisonError::into_inner)
         .remove(&uid)
-        .unwrap_or_default()
-        .nodes;
+        .unwrap_or_default();
+    let mut runs = object_run.nodes;
+    runs.extend(object_run.leaving);
     let mut nodes = selected(ctx, &obj.spec);
     let all: HashMap<String, NodeInfo> = ctx
         .nodes
@@ -913,7 +1160,7 @@ async fn cleanup(
             .filter(|(_, _, done)| !done)
             .map(|(n, r, _)| (n, r))
             .collect();
-        put_runs(ctx, &uid, keep);
+        put_runs(ctx, &uid, keep, BTreeMap::new());
         info!(object = %name, pending, "nodenetworkconfig cleanup in progress");
         return Ok(Action::requeue(ctx.settings.poll));
     }

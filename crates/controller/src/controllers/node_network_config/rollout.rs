@@ -1,6 +1,8 @@
 //! Which nodes a rollout starts next: at most `rollout.maxUnavailable` nodes changing or failing
 //! at once, and none once `rollout.failureThreshold` nodes are failing (the rollout pauses and
-//! names them).
+//! names them); and when a failing node is tried again ([`retry_delay`]).
+
+use std::time::Duration;
 
 use nodekeeper_api::crd::node_network_config::Rollout;
 
@@ -110,6 +112,18 @@ pub fn next_batch(nodes: &[NodeState], rollout: &Rollout) -> Decision {
     }
 }
 
+/// How long a node waits after its `failures`-th failure in a row before it is tried again:
+/// `base` doubled per further failure, at most `cap`. A node being retried keeps counting as
+/// failing (against `failureThreshold` and `maxUnavailable`) until it succeeds, so retries never
+/// widen a paused rollout; they only let a node that was failing for a passing reason (a 429
+/// burst, a subnet out of addresses, an agent restart) heal without a spec change.
+pub fn retry_delay(failures: u32, base: Duration, cap: Duration) -> Duration {
+    let doublings = failures.saturating_sub(1).min(20);
+    base.saturating_mul(1 << doublings)
+        .min(cap)
+        .max(base.min(cap))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -203,6 +217,21 @@ mod tests {
             }
         });
         assert!(next_batch(&fewer, &r).paused.is_none());
+    }
+
+    #[test]
+    fn retries_back_off_exponentially_up_to_the_cap() {
+        let s = Duration::from_secs;
+        let delays: Vec<Duration> = (1..=7).map(|f| retry_delay(f, s(30), s(600))).collect();
+        assert_eq!(
+            delays,
+            [s(30), s(60), s(120), s(240), s(480), s(600), s(600)]
+        );
+        // No overflow however long a node keeps failing; a zero count is the first failure.
+        assert_eq!(retry_delay(u32::MAX, s(30), s(600)), s(600));
+        assert_eq!(retry_delay(0, s(30), s(600)), s(30));
+        // A cap below the base wins.
+        assert_eq!(retry_delay(3, s(30), s(10)), s(10));
     }
 
     #[test]

@@ -1,6 +1,8 @@
 //! The NodeNetworkConfig status computed from the nodes' phases: counts, at most 50 failing
-//! nodes with their error (the rest counted), `Ready` and `Progressing` conditions; `None` when
-//! nothing changed, so the reconciler writes status on change only.
+//! nodes with their error (the rest counted), `Ready` and `Progressing` conditions, and a
+//! `Conflict` condition while an older object holds some of the selected nodes
+//! ([`conflict_message`]); `None` when nothing changed, so the reconciler writes status on
+//! change only.
 
 use nodekeeper_api::crd::node_network_config::{FailingNode, NodeNetworkConfigStatus};
 use nodekeeper_api::crd::{ConditionStatus, set_condition};
@@ -26,12 +28,58 @@ pub struct NodeReport<'a> {
     pub phase: &'a NodePhase,
 }
 
+/// `Conflict=True`: some selected nodes are left to an older NodeNetworkConfig. The condition is
+/// absent when there is no conflict.
+pub const CONDITION_CONFLICT: &str = "Conflict";
+/// `Conflict=True`'s reason.
+pub const REASON_SELECTED_BY_ANOTHER: &str = "NodesSelectedByAnother";
+/// Nodes named per other object in a conflict message; the rest are counted.
+pub const MAX_NAMED_IN_CONFLICT: usize = 10;
+
+/// The `Conflict` message of object `this` whose selector also picks `claimed` (node → the
+/// older object that keeps it); `None` when nothing is claimed.
+pub fn conflict_message(
+    this: &str,
+    claimed: &std::collections::BTreeMap<String, String>,
+) -> Option<String> {
+    let mut by_other: std::collections::BTreeMap<&str, Vec<&str>> = Default::default();
+    for (node, other) in claimed {
+        by_other.entry(other).or_default().push(node);
+    }
+    let parts: Vec<String> = by_other
+        .iter()
+        .map(|(other, nodes)| {
+            let more = nodes.len().saturating_sub(MAX_NAMED_IN_CONFLICT);
+            let tail = if more > 0 {
+                format!(" and {more} more")
+            } else {
+                String::new()
+            };
+            format!(
+                "{} node(s) selected by both nodenetworkconfig {this} and nodenetworkconfig \
+                 {other}, which is older and keeps them: {}{tail}",
+                nodes.len(),
+                nodes[..nodes.len().min(MAX_NAMED_IN_CONFLICT)].join(", ")
+            )
+        })
+        .collect();
+    (!parts.is_empty()).then(|| {
+        format!(
+            "{}; a node takes one NodeNetworkConfig: narrow spec.nodeSelector of {this} or of \
+             the other object (this object changes nothing on those nodes meanwhile)",
+            parts.join("; ")
+        )
+    })
+}
+
 /// The status for `nodes` on top of `previous`; `None` when it would be equal to `previous`.
-/// `now` (RFC 3339) is used only for conditions whose status changes.
+/// `now` (RFC 3339) is used only for conditions whose status changes. `conflict`: the
+/// [`conflict_message`], if any.
 pub fn next_status(
     previous: &NodeNetworkConfigStatus,
     nodes: &[NodeReport<'_>],
     paused: Option<&Paused>,
+    conflict: Option<&str>,
     generation: Option<i64>,
     now: &str,
 ) -> Option<NodeNetworkConfigStatus> {
@@ -105,6 +153,20 @@ pub fn next_status(
         generation,
         now,
     );
+    match conflict {
+        Some(message) => {
+            set_condition(
+                &mut next.conditions,
+                CONDITION_CONFLICT,
+                ConditionStatus::True,
+                REASON_SELECTED_BY_ANOTHER,
+                &truncate(message, MAX_ERROR_LEN),
+                generation,
+                now,
+            );
+        }
+        None => next.conditions.retain(|c| c.type_ != CONDITION_CONFLICT),
+    }
     (next != *previous).then_some(next)
 }
 
@@ -166,6 +228,56 @@ pub fn truncate(s: &str, max: usize) -> String {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_conflict_names_both_objects_and_the_nodes_and_goes_away() {
+        let claimed: std::collections::BTreeMap<String, String> = (0..12)
+            .map(|i| (format!("node-{i:02}"), "older".to_string()))
+            .chain([("node-x".to_string(), "oldest".to_string())])
+            .collect();
+        let m = conflict_message("younger", &claimed).unwrap();
+        assert!(
+            m.contains(
+                "12 node(s) selected by both nodenetworkconfig younger and nodenetworkconfig older"
+            ) && m.contains("node-00, node-01")
+                && m.contains("and 2 more")
+                && m.contains("nodenetworkconfig oldest, which is older and keeps them: node-x")
+                && m.contains("narrow spec.nodeSelector of younger"),
+            "{m}"
+        );
+        assert_eq!(conflict_message("younger", &Default::default()), None);
+        let all = phases(2, |_| NodePhase::Applied);
+        let s = next_status(
+            &Default::default(),
+            &reports(&all),
+            None,
+            Some(&m),
+            Some(1),
+            "t1",
+        )
+        .unwrap();
+        let c = s
+            .conditions
+            .iter()
+            .find(|c| c.type_ == CONDITION_CONFLICT)
+            .unwrap();
+        assert_eq!(
+            (c.reason.as_str(), c.message.as_str()),
+            (REASON_SELECTED_BY_ANOTHER, m.as_str())
+        );
+        // Resolved: the condition goes, which is a change to write.
+        let after = next_status(&s, &reports(&all), None, None, Some(1), "t2").unwrap();
+        assert!(
+            after
+                .conditions
+                .iter()
+                .all(|c| c.type_ != CONDITION_CONFLICT)
+        );
+        assert_eq!(
+            next_status(&after, &reports(&all), None, None, Some(1), "t3"),
+            None
+        );
+    }
+
     use super::*;
     use crate::controllers::node_network_config::rollout::{NodeState, next_batch};
     use nodekeeper_api::crd::IntOrPercent;
@@ -199,7 +311,15 @@ mod tests {
             1 => NodePhase::Applied,
             _ => NodePhase::Pending,
         });
-        let s = next_status(&Default::default(), &reports(&all), None, Some(3), "t1").unwrap();
+        let s = next_status(
+            &Default::default(),
+            &reports(&all),
+            None,
+            None,
+            Some(3),
+            "t1",
+        )
+        .unwrap();
         assert_eq!(
             (s.matched, s.attached, s.applied, s.failing),
             (120, 80, 40, 40)
@@ -211,7 +331,15 @@ mod tests {
                 NodePhase::Applied
             }
         });
-        let s = next_status(&Default::default(), &reports(&all), None, Some(3), "t1").unwrap();
+        let s = next_status(
+            &Default::default(),
+            &reports(&all),
+            None,
+            None,
+            Some(3),
+            "t1",
+        )
+        .unwrap();
         assert_eq!(s.failing, 70);
         assert_eq!(s.failing_nodes.len(), MAX_FAILING_LISTED);
         assert_eq!(s.omitted_failing, 20);
@@ -229,7 +357,15 @@ mod tests {
                 NodePhase::InProgress
             }
         });
-        let first = next_status(&Default::default(), &reports(&all), None, Some(1), "t1").unwrap();
+        let first = next_status(
+            &Default::default(),
+            &reports(&all),
+            None,
+            None,
+            Some(1),
+            "t1",
+        )
+        .unwrap();
         let progressing = first
             .conditions
             .iter()
@@ -238,7 +374,7 @@ mod tests {
         assert_eq!(progressing.status, ConditionStatus::True);
         // Same facts later: nothing to write, whatever the clock says.
         assert_eq!(
-            next_status(&first, &reports(&all), None, Some(1), "t2"),
+            next_status(&first, &reports(&all), None, None, Some(1), "t2"),
             None
         );
         // One more node applied: counts change, condition times stay.
@@ -249,7 +385,7 @@ mod tests {
                 NodePhase::InProgress
             }
         });
-        let second = next_status(&first, &reports(&more), None, Some(1), "t3").unwrap();
+        let second = next_status(&first, &reports(&more), None, None, Some(1), "t3").unwrap();
         assert_eq!(second.applied, 3);
         assert!(
             second
@@ -259,7 +395,7 @@ mod tests {
         );
         // All applied: Ready turns True at t4.
         let done = phases(4, |_| NodePhase::Applied);
-        let third = next_status(&second, &reports(&done), None, Some(1), "t4").unwrap();
+        let third = next_status(&second, &reports(&done), None, None, Some(1), "t4").unwrap();
         let ready = third
             .conditions
             .iter()
@@ -291,6 +427,7 @@ mod tests {
             &reports(&all),
             decision.paused.as_ref(),
             None,
+            None,
             "t",
         )
         .unwrap();
@@ -308,7 +445,7 @@ mod tests {
 
     #[test]
     fn no_matching_nodes_and_long_errors() {
-        let s = next_status(&Default::default(), &[], None, None, "t").unwrap();
+        let s = next_status(&Default::default(), &[], None, None, None, "t").unwrap();
         let ready = s.conditions.iter().find(|c| c.type_ == "Ready").unwrap();
         assert_eq!(ready.reason, REASON_NO_MATCHING_NODES);
         let long = NodePhase::Failed {
@@ -320,7 +457,7 @@ mod tests {
             attached: false,
             phase: &long,
         }];
-        let s = next_status(&Default::default(), &r, None, None, "t").unwrap();
+        let s = next_status(&Default::default(), &r, None, None, None, "t").unwrap();
         assert!(s.failing_nodes[0].error.len() <= MAX_ERROR_LEN);
         assert!(s.failing_nodes[0].error.ends_with('…'));
     }
