@@ -650,6 +650,41 @@ pub fn plan(desired: &NetworkState, observed: &Observed) -> Result<Plan, PlanErr
         steps.push(Step::DeleteLink(observed_link_def(o, observed)));
     }
 
+    // Link settings on existing (and kept owned) links, parents first and before any link is
+    // created: a macvlan or VLAN may not be larger than its parent, so a parent's MTU is raised
+    // before a child that needs it is created or raised (found by the fault campaign: A with
+    // eth0 1500 + mv1 1500, then B with eth0 1400 and no mv1, then A again failed with EINVAL).
+    let mut settings = Vec::new();
+    for l in &desired.links {
+        let k = kernel(&l.name);
+        if create.iter().any(|c| c.name == k) {
+            continue;
+        }
+        let Some(o) = observed.link_by_name(&k) else {
+            continue;
+        };
+        let up = match l.kind {
+            LinkKind::Existing => l.up,
+            _ => Some(l.up.unwrap_or(true)),
+        };
+        let mtu = l.mtu.filter(|m| *m != o.mtu);
+        let up = up.filter(|u| *u != o.up);
+        if mtu.is_some() || up.is_some() {
+            settings.push((
+                depth(o),
+                Step::SetLink {
+                    link: k,
+                    mtu,
+                    up,
+                    prev_mtu: o.mtu,
+                    prev_up: o.up,
+                },
+            ));
+        }
+    }
+    settings.sort_by_key(|(d, _)| *d);
+    steps.extend(settings.into_iter().map(|(_, s)| s));
+
     // Creations, parents first (desired order is kept among independent links).
     let mut placed: BTreeSet<String> = BTreeSet::new();
     let mut pending = create;
@@ -673,32 +708,6 @@ pub fn plan(desired: &NetworkState, observed: &Observed) -> Result<Plan, PlanErr
             break;
         }
         pending = rest;
-    }
-
-    // Link settings on existing (and kept owned) links.
-    for l in &desired.links {
-        let k = kernel(&l.name);
-        if placed.contains(&k) {
-            continue;
-        }
-        let Some(o) = observed.link_by_name(&k) else {
-            continue;
-        };
-        let up = match l.kind {
-            LinkKind::Existing => l.up,
-            _ => Some(l.up.unwrap_or(true)),
-        };
-        let mtu = l.mtu.filter(|m| *m != o.mtu);
-        let up = up.filter(|u| *u != o.up);
-        if mtu.is_some() || up.is_some() {
-            steps.push(Step::SetLink {
-                link: k,
-                mtu,
-                up,
-                prev_mtu: o.mtu,
-                prev_up: o.up,
-            });
-        }
     }
 
     for a in want_addrs {

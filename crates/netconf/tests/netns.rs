@@ -561,3 +561,42 @@ fn vlan_goes_through_the_same_path_and_fails_cleanly_without_8021q() {
         assert_eq!(dump(&ns), before);
     }
 }
+
+/// A state that raises a NIC's MTU and puts a macvlan of that MTU on it applies after a state
+/// that lowered the NIC and had no macvlan: the kernel refuses a macvlan larger than its parent,
+/// so the NIC is raised first (found by the agent fault campaign: A, then B, then A failed).
+#[test]
+fn a_macvlan_is_created_after_its_parent_mtu_is_raised() {
+    skip_unless_root!("needs root to create network namespaces");
+    let ns = test_ns();
+    setup_nics(&ns);
+    let a: NetworkState = serde_json::from_str(
+        r#"{"links": [
+              {"name": "nic1", "kind": "existing", "mtu": 1500},
+              {"name": "nkm40", "kind": "macvlan", "parent": "nic1", "mtu": 1500}
+           ]}"#,
+    )
+    .unwrap();
+    let b: NetworkState =
+        serde_json::from_str(r#"{"links": [{"name": "nic1", "kind": "existing", "mtu": 1400}]}"#)
+            .unwrap();
+    let outcomes = ns.run(move || async move {
+        let nc = Netconf::connect().unwrap();
+        let mut out = Vec::new();
+        for state in [&a, &b, &a] {
+            let r = nc.apply(state, &ApplyOptions::default()).await.unwrap();
+            out.push((r.outcome, r.error));
+        }
+        out
+    });
+    for (i, (outcome, error)) in outcomes.iter().enumerate() {
+        assert_eq!(*outcome, Outcome::Applied, "apply {i}: {error:?}");
+    }
+    let links = ns.ip(&["-o", "link", "show"]).unwrap();
+    assert!(
+        links
+            .lines()
+            .any(|l| l.contains("nkm40@nic1") && l.contains("mtu 1500")),
+        "{links}"
+    );
+}

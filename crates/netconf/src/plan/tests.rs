@@ -367,3 +367,26 @@ fn a_route_without_a_link_matches_the_link_the_kernel_picked() {
         ]
     );
 }
+
+/// A macvlan may not be larger than its parent: a parent's MTU is raised before a child is
+/// created on it (the kernel answers EINVAL otherwise), and settings go parents first.
+#[test]
+fn a_parents_mtu_is_raised_before_a_child_is_created_on_it() {
+    let mut obs = host();
+    obs.links[1].mtu = 1400;
+    let desired: NetworkState = serde_json::from_str(
+        r#"{"links": [
+              {"name": "mv1", "kind": "macvlan", "parent": "ens3", "mtu": 1500},
+              {"name": "ens3", "kind": "existing", "mtu": 1500}
+           ]}"#,
+    )
+    .unwrap();
+    let p = plan(&desired, &obs).unwrap();
+    assert_eq!(
+        ops(&p),
+        vec![
+            "set-link ens3 mtu 1500",
+            "create-link macvlan bridge on ens3 (mv1) mtu 1500 up",
+        ]
+    );
+}
