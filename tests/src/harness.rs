@@ -117,8 +117,9 @@ impl ControlPlane {
     }
 
     /// A new client for the admin user. Make one per test: a client is bound to the tokio
-    /// runtime it was created on, and each `#[tokio::test]` has its own. kube's automatic retry
-    /// of 429/503/504 is off, so a test sees e.g. a PDB-refused eviction at once.
+    /// runtime it was created on, and each `#[tokio::test]` has its own. It retries only what the
+    /// API server asks to be retried (`Retry-After`), so a test sees e.g. a PDB-refused eviction
+    /// at once.
     pub async fn client(&self) -> anyhow::Result<kube::Client> {
         controlplane::client_from_kubeconfig(&self.kubeconfig)
             .await

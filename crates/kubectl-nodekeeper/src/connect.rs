@@ -1,6 +1,11 @@
 //! A client from the kubeconfig the way kubectl picks it (`--kubeconfig`, else `$KUBECONFIG`,
-//! else `~/.kube/config`; `--context`), with kube's silent retries off and bounded timeouts so a
-//! dead API server fails in seconds with a line that says so.
+//! else `~/.kube/config`; `--context`), with bounded timeouts so a dead API server fails in
+//! seconds with a line that says so.
+//!
+//! kube's default retry (every 429/503/504, up to 15 times) is replaced by kubectl's rule
+//! ([`nodekeeper_api::client`]): only what the API server asks to be retried is retried. A 503
+//! from the Service proxy carries no `Retry-After`: it means the controller is not running, and
+//! is said at once.
 
 use std::time::Duration;
 
@@ -51,17 +56,15 @@ pub async fn connect(global: &Global) -> Result<Connection, Error> {
             .await
             .map_err(|e| load_error(chain(&e)))?,
     };
-    // kube retries 429/503/504 with backoff by default: a CLI should say what the server
-    // answered at once (a 503 from the service proxy means the controller is not running).
-    config.default_retry = false;
     config.connect_timeout = Some(CONNECT_TIMEOUT);
     config.read_timeout = Some(global.request_timeout);
     config.write_timeout = Some(global.request_timeout);
     let server = config.cluster_url.to_string();
-    let client = kube::Client::try_from(config).map_err(|e| Error::BuildClient {
-        server: server.clone(),
-        detail: chain(&e),
-    })?;
+    let client =
+        nodekeeper_api::client::server_asked_retry(config).map_err(|e| Error::BuildClient {
+            server: server.clone(),
+            detail: chain(&e),
+        })?;
     Ok(Connection {
         client,
         server: server.trim_end_matches('/').to_owned(),

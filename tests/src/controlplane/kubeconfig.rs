@@ -22,14 +22,15 @@ pub(super) fn kubeconfig_text(
     )
 }
 
-/// Builds a client from a kubeconfig file, without kube's automatic retries.
+/// Builds a client from a kubeconfig file, retrying only what the API server asks to be retried
+/// (kubectl's rule, [`nodekeeper_api::client`]) instead of kube's default retries.
 pub async fn client_from_kubeconfig(path: &Path) -> Result<kube::Client, Error> {
     let kubeconfig =
         kube::config::Kubeconfig::read_from(path).map_err(|source| Error::ReadKubeconfig {
             path: path.to_owned(),
             source,
         })?;
-    let mut config = kube::Config::from_custom_kubeconfig(
+    let config = kube::Config::from_custom_kubeconfig(
         kubeconfig,
         &kube::config::KubeConfigOptions::default(),
     )
@@ -39,7 +40,7 @@ pub async fn client_from_kubeconfig(path: &Path) -> Result<kube::Client, Error> 
         source,
     })?;
     // kube's default retry layer silently retries 429s with backoff for minutes — including an
-    // eviction refused by a PodDisruptionBudget. Tests must see what the API answered.
-    config.default_retry = false;
-    Ok(kube::Client::try_from(config)?)
+    // eviction refused by a PodDisruptionBudget. Tests must see what the API answered; only the
+    // server's own "retry after a second" (storage being (re)initialised) is waited out.
+    Ok(nodekeeper_api::client::server_asked_retry(config)?)
 }
