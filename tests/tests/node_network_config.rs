@@ -16,7 +16,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail, ensure};
 use futures::future::BoxFuture;
@@ -34,7 +34,7 @@ use nodekeeper_controller::controllers::node_network_config::{Context, Settings}
 use nodekeeper_controller::shared::agents::{AgentNode, Agents, Report, RulesOutcome};
 use nodekeeper_controller::shared::metrics::{CloudMetrics, ReconcileMetrics};
 use nodekeeper_e2e::oci_endpoint::{
-    EndpointConfig, Fault, InstanceSpec, OciEndpoint, test_key_pem,
+    EndpointConfig, Fault, InstanceSpec, OciEndpoint, Recorded, test_key_pem,
 };
 use nodekeeper_e2e::{ControlPlane, create_simulated_nodes, install_crds, unique_name, wait_for};
 use nodekeeper_oci::auth::{ApiKeyProvider, AuthProvider as _};
@@ -722,6 +722,40 @@ async fn two_vnics_on_three_nodes_rolled_out_rolled_back_detached_never_doubled(
         "{ready:?}"
     );
 
+    // The failed node leaves the selector while the controller is down (a restart forgets the
+    // rollout). Its VNICs are still this object's, and go: the restarted controller finds the
+    // node by the generation its condition names.
+    stop.cancel();
+    handle.await?;
+    Api::<Node>::all(rig.client.clone())
+        .patch(
+            &broken.name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"labels": {rig.label.0.clone(): null}}})),
+        )
+        .await?;
+    (stop, handle) = rig.start_controller();
+    wait_for(
+        "the failed node's VNICs detached after it left",
+        TIMEOUT,
+        || async {
+            let left = ["pods-a", "pods-b"].map(|v| attachment_state(&rig, broken, v));
+            Ok((left == [Some("DETACHED"); 2]).then_some(()))
+        },
+    )
+    .await?;
+    wait_for(
+        "the failed node's NodeNetworkReady removed",
+        TIMEOUT,
+        || async {
+            Ok(node_ready(&rig.client, &broken.name)
+                .await?
+                .is_none()
+                .then_some(()))
+        },
+    )
+    .await?;
+
     // Remove one VNIC: its host side goes, then it is detached.
     apply_nnc(
         &api,
@@ -1177,6 +1211,53 @@ async fn controller_writes(client: &kube::Client) -> anyhow::Result<f64> {
     Ok(total)
 }
 
+/// Where a rollout's time goes, batch by batch, from the endpoint's log: the AttachVnic calls
+/// in the order they came, cut into batches of `batch` nodes; each batch's GetVnicAttachment
+/// calls are those before the next batch's first attach. Per batch, seconds: when its first
+/// attach came (from `started`), how long its attaches took to all go out, from its last attach
+/// to its first look, to its last look (the last node seen ATTACHED), and from that last look
+/// to the next batch's first attach (apply on the host, the finished nodes' bookkeeping and the
+/// next nodes' ListVnicAttachments).
+fn batch_timeline(calls: &[Recorded], started: Instant, batch: usize) -> Vec<serde_json::Value> {
+    let secs = |t: Instant| t.saturating_duration_since(started).as_secs_f64();
+    let is = |r: &Recorded, op: &str| {
+        let collection = r.path.split('/').filter(|s| !s.is_empty()).count() == 1;
+        r.path.starts_with("/vnicAttachments")
+            && match op {
+                "attach" => r.method == Method::POST,
+                _ => r.method == Method::GET && !collection,
+            }
+    };
+    let attaches: Vec<_> = calls
+        .iter()
+        .filter(|r| is(r, "attach"))
+        .map(|r| r.at)
+        .collect();
+    let starts: Vec<_> = attaches.chunks(batch).map(|c| c[0]).collect();
+    attaches
+        .chunks(batch)
+        .enumerate()
+        .map(|(k, chunk)| {
+            let (first, last) = (chunk[0], chunk[chunk.len() - 1]);
+            let next = starts.get(k + 1).copied();
+            let looks: Vec<_> = calls
+                .iter()
+                .filter(|r| is(r, "look") && r.at >= first && next.is_none_or(|t| r.at < t))
+                .map(|r| r.at)
+                .collect();
+            let (first_look, last_look) = (looks.iter().min(), looks.iter().max());
+            json!({
+                "start_s": secs(first),
+                "attaching_s": (last - first).as_secs_f64(),
+                "to_first_look_s": first_look.map(|t| t.saturating_duration_since(last).as_secs_f64()),
+                "to_last_look_s": last_look.map(|t| t.saturating_duration_since(last).as_secs_f64()),
+                "to_next_batch_s": last_look.zip(next).map(|(l, n)| n.saturating_duration_since(*l).as_secs_f64()),
+                "looks": looks.len(),
+            })
+        })
+        .collect()
+}
+
 /// `cargo xtask bench vnic` runs this with `NODEKEEPER_BENCH_VNIC_NODES` (default 100) and
 /// reads the figures from the JSON file `NODEKEEPER_BENCH_OUT` names: N kwok nodes, one VNIC
 /// each, `maxUnavailable: 10%`, the local endpoint with a 1 s attach, simulated agents.
@@ -1280,7 +1361,7 @@ async fn bench_vnic() -> anyhow::Result<()> {
     let writes_before = controller_writes(&client).await?;
     let cpu_before = process_cpu_seconds()?;
     let requests_before = endpoint.requests().len();
-    let started = std::time::Instant::now();
+    let started = Instant::now();
     apply_nnc(
         &api,
         &label,
@@ -1322,6 +1403,7 @@ async fn bench_vnic() -> anyhow::Result<()> {
         *by_op.entry(op.to_string()).or_default() += 1;
     }
     let batches = (n as f64 / (n as f64 * 0.1).floor().max(1.0)).ceil();
+    let timeline = batch_timeline(calls, started, (n as f64 * 0.1).floor().max(1.0) as usize);
     let figures = json!({
         "nodes": n,
         "seconds": seconds,
@@ -1335,6 +1417,7 @@ async fn bench_vnic() -> anyhow::Result<()> {
         "api_writes_per_node": writes / n as f64,
         "api_writes": writes,
         "process_cpu_s": cpu,
+        "timeline": timeline,
     });
     if let Ok(path) = std::env::var("NODEKEEPER_BENCH_OUT") {
         std::fs::write(path, figures.to_string())?;

@@ -96,7 +96,12 @@ fn report(f: &Value, build: &str) -> String {
          | cloud calls per node | {calls:.2} ({ops}) | ≤ {TARGET_CLOUD_CALLS} ({cv}) |\n\
          | AttachVnic calls | {attach} for {n} nodes | one per node, never doubled |\n\
          | API writes per node | {writes:.2} ({total} in all: node conditions, status, finalizer) | ≤ {TARGET_API_WRITES} ({wv}) |\n\
-         | CPU of the benchmark process | {cpu:.1} s | (controller, endpoint and simulated agents together) |\n",
+         | CPU of the benchmark process | {cpu:.1} s | (controller, endpoint and simulated agents together) |\n\n\
+         Where the time goes, batch by batch (seconds, from the endpoint's log: a batch is the \
+         next {per_batch} AttachVnic calls; its looks are the GetVnicAttachment calls before the next batch's \
+         first attach):\n\n\
+         | batch | first attach at | attaches out in | last attach → first look | → last look | last look → next batch | looks |\n\
+         |---|---|---|---|---|---|---|\n{rows}",
         flag = if build == "Debug" { " --debug" } else { "" },
         batches = num("batches"),
         delay = num("attach_delay_s"),
@@ -109,5 +114,42 @@ fn report(f: &Value, build: &str) -> String {
         total = num("api_writes"),
         wv = verdict(writes <= TARGET_API_WRITES),
         cpu = num("process_cpu_s"),
+        per_batch = (n / num("batches")).ceil(),
+        rows = timeline_rows(&f["timeline"]),
     )
+}
+
+/// The per-batch rows of the timeline the benchmark measured, and a mean row.
+fn timeline_rows(timeline: &Value) -> String {
+    let batches = timeline.as_array().map(Vec::as_slice).unwrap_or_default();
+    let cell = |v: &Value| v.as_f64().map_or("–".to_owned(), |x| format!("{x:.2}"));
+    let mean = |key: &str| {
+        let xs: Vec<f64> = batches.iter().filter_map(|b| b[key].as_f64()).collect();
+        if xs.is_empty() {
+            "–".to_owned()
+        } else {
+            format!("{:.2}", xs.iter().sum::<f64>() / xs.len() as f64)
+        }
+    };
+    let mut rows = String::new();
+    for (k, b) in batches.iter().enumerate() {
+        rows += &format!(
+            "| {} | {} | {} | {} | {} | {} | {} |\n",
+            k + 1,
+            cell(&b["start_s"]),
+            cell(&b["attaching_s"]),
+            cell(&b["to_first_look_s"]),
+            cell(&b["to_last_look_s"]),
+            cell(&b["to_next_batch_s"]),
+            b["looks"]
+        );
+    }
+    rows += &format!(
+        "| mean | | {} | {} | {} | {} | |\n",
+        mean("attaching_s"),
+        mean("to_first_look_s"),
+        mean("to_last_look_s"),
+        mean("to_next_batch_s")
+    );
+    rows
 }

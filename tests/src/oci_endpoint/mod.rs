@@ -138,6 +138,8 @@ pub struct Recorded {
     pub retry_token: Option<String>,
     /// The verified keyId, when the signature verified.
     pub key_id: Option<String>,
+    /// When the endpoint answered it (for the benchmarks' timelines).
+    pub at: Instant,
 }
 
 #[derive(Clone, Debug)]
@@ -866,6 +868,7 @@ async fn handle(
                 status: a.status,
                 retry_token: None,
                 key_id: None,
+                at: Instant::now(),
             });
             a
         } else {
@@ -1032,6 +1035,7 @@ fn api(s: &mut State, method: &Method, uri: &Uri, headers: &HeaderMap, body: &[u
         status: answer.status,
         retry_token,
         key_id: verified.ok(),
+        at: Instant::now(),
     });
     answer
 }

@@ -566,15 +566,11 @@ fn take_runs(
             leaving.entry(n.clone()).or_insert_with(|| r.clone());
         }
     }
-    let ours = format!("host networking at generation {uid}/");
     for n in ctx.nodes.store.state() {
         let info = node_info(&n);
         if !selected.contains(info.name.as_str())
             && !leaving.contains_key(&info.name)
-            && info
-                .ready
-                .as_ref()
-                .is_some_and(|(_, _, m, _)| m.starts_with(&ours))
+            && touched_per_node_condition(&info, uid)
         {
             leaving.insert(
                 info.name.clone(),
@@ -612,13 +608,35 @@ fn take_runs(
 
 /// Whether the Node says this very generation is applied (the condition this controller writes
 /// names it): a restarted controller resumes there instead of rolling every node out again.
+/// How this controller's `NodeNetworkReady` messages begin: converged, and failed.
+const APPLIED_AT_GENERATION: &str = "host networking at generation ";
+const FAILED_AT_GENERATION: &str = "failed at generation ";
+
+/// Whether the Node's `NodeNetworkReady` was written for the object with this UID, at any
+/// generation, converged or failed: after a restart, such a node that is no longer selected
+/// is cleaned (its host side, then this object's VNICs). The node sweep's own
+/// `NetworkApplyFailed` (the agent's last error) names no object and does not count.
+fn touched_per_node_condition(n: &NodeInfo, uid: &str) -> bool {
+    n.ready.as_ref().is_some_and(|(_, reason, message, _)| {
+        let ours = |prefix: &str| {
+            message
+                .strip_prefix(prefix)
+                .and_then(|rest| rest.strip_prefix(uid))
+                .is_some_and(|rest| rest.starts_with('/'))
+        };
+        (reason == REASON_NETWORK_CONVERGED && ours(APPLIED_AT_GENERATION))
+            || ([REASON_NETWORK_APPLY_FAILED, REASON_VNIC_ATTACH_FAILED].contains(&reason.as_str())
+                && ours(FAILED_AT_GENERATION))
+    })
+}
+
 fn applied_per_node_condition(n: &NodeInfo, target: &str) -> bool {
     n.ready
         .as_ref()
         .is_some_and(|(status, reason, message, _)| {
             status == "True"
                 && reason == REASON_NETWORK_CONVERGED
-                && *message == format!("host networking at generation {target}")
+                && *message == format!("{APPLIED_AT_GENERATION}{target}")
         })
 }
 
@@ -991,14 +1009,20 @@ fn node_condition(run: &NodeRun) -> Option<(&'static str, &'static str, String)>
         NodePhase::Applied => Some((
             "True",
             REASON_NETWORK_CONVERGED,
-            format!("host networking at generation {}", run.target),
+            format!("{APPLIED_AT_GENERATION}{}", run.target),
         )),
-        NodePhase::Failed { error, .. } if run.host_touched => {
-            Some(("False", REASON_NETWORK_APPLY_FAILED, error.clone()))
-        }
-        NodePhase::Failed { error, .. } => {
-            Some(("False", REASON_VNIC_ATTACH_FAILED, error.clone()))
-        }
+        // A failure names the generation too, so that a restarted controller still knows this
+        // object touched the node (it may hold VNICs of ours) when the node leaves the selector.
+        NodePhase::Failed { error, .. } if run.host_touched => Some((
+            "False",
+            REASON_NETWORK_APPLY_FAILED,
+            format!("{FAILED_AT_GENERATION}{}: {error}", run.target),
+        )),
+        NodePhase::Failed { error, .. } => Some((
+            "False",
+            REASON_VNIC_ATTACH_FAILED,
+            format!("{FAILED_AT_GENERATION}{}: {error}", run.target),
+        )),
         _ => None,
     }
 }
@@ -1339,6 +1363,43 @@ mod tests {
         assert!(!applied_per_node_condition(
             &node("False", "host networking at generation uid/3"),
             "uid/3"
+        ));
+    }
+
+    #[test]
+    fn a_restart_cleans_a_leaving_node_this_object_touched_even_if_it_failed() {
+        let node = |reason: &str, message: &str| NodeInfo {
+            name: "n1".into(),
+            labels: BTreeMap::new(),
+            provider_id: None,
+            address: None,
+            ready: Some(("False".into(), reason.into(), message.into(), None)),
+        };
+        let mut run = NodeRun::new("uid/3");
+        run.fail("AttachVnic: 500".into(), false);
+        let (_, reason, message) = node_condition(&run).unwrap();
+        assert!(touched_per_node_condition(&node(reason, &message), "uid"));
+        run.host_touched = true;
+        run.fail("check 10.0.0.1 failed".into(), true);
+        let (_, reason, message) = node_condition(&run).unwrap();
+        assert!(touched_per_node_condition(&node(reason, &message), "uid"));
+        assert!(!touched_per_node_condition(&node(reason, &message), "ui"));
+        assert!(!touched_per_node_condition(
+            &node(reason, &message),
+            "other"
+        ));
+        // Converged at an older generation: ours as well.
+        assert!(touched_per_node_condition(
+            &node(
+                REASON_NETWORK_CONVERGED,
+                "host networking at generation uid/2"
+            ),
+            "uid"
+        ));
+        // The node sweep's failure (the agent's last error) names no object.
+        assert!(!touched_per_node_condition(
+            &node(REASON_NETWORK_APPLY_FAILED, "add-route failed"),
+            "uid"
         ));
     }
 
