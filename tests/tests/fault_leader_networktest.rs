@@ -40,8 +40,8 @@ fn run_as_controller() {
     run_as_controller_if_asked();
 }
 
-/// Lease timings for this test: a standby takes over at most lease duration + two retry
-/// periods after the last renewal it saw (`runtime/leader.rs`), 14 s here.
+/// Lease timings for this test: a standby takes over at most lease duration + two standby
+/// polls (1 s each) after the leader's last renewal (`runtime/leader.rs`), 12 s here.
 const LEASE: [(&str, &str); 3] = [
     ("NODEKEEPER_LEASE_DURATION", "10s"),
     ("NODEKEEPER_RENEW_DEADLINE", "7s"),

@@ -56,17 +56,21 @@ pub struct Cli {
     )]
     pub lease_name: String,
 
-    /// How long a Lease holder that stopped renewing keeps it.
-    #[arg(long, env = "NODEKEEPER_LEASE_DURATION", default_value = "15s", value_parser = duration)]
+    /// How long a Lease holder that stopped renewing keeps it. A standby takes over within
+    /// this + 2 s of the dead leader's last renewal (it reads the Lease every second): 14 s
+    /// with the defaults.
+    #[arg(long, env = "NODEKEEPER_LEASE_DURATION", default_value = "12s", value_parser = duration)]
     pub lease_duration: Duration,
 
-    /// The leader gives up if it could not renew for this long.
-    #[arg(long, env = "NODEKEEPER_RENEW_DEADLINE", default_value = "10s", value_parser = duration)]
+    /// The leader gives up (and stops writing) if it could not renew for this long; failed
+    /// renewals are retried every second until then. Keep it a few seconds below
+    /// --lease-duration: the gap is the old leader's time to stop before a standby may lead.
+    #[arg(long, env = "NODEKEEPER_RENEW_DEADLINE", default_value = "9s", value_parser = duration)]
     pub renew_deadline: Duration,
 
-    /// Interval of Lease renewals and acquisition attempts. Each renewal is an API write, so
-    /// this sets the controller's steady-state write rate: 5s is 0.2 writes/s (client-go's 2s
-    /// would be 0.5/s, measured in BENCHMARKS.md).
+    /// Interval of Lease renewals. Each renewal is an API write, so this sets the controller's
+    /// steady-state write rate: 5s is 0.2 writes/s (client-go's 2s would be 0.5/s, measured in
+    /// BENCHMARKS.md). Standbys only read the Lease, every second or this, if shorter.
     #[arg(long, env = "NODEKEEPER_RETRY_PERIOD", default_value = "5s", value_parser = duration)]
     pub retry_period: Duration,
 

@@ -6,9 +6,15 @@
 //!
 //! Expiry is judged by the *local* clock: a standby takes over when the Lease record has not
 //! changed for `leaseDurationSeconds` since it last saw it change (as client-go does), so clock
-//! skew between replicas does not matter. After the leader dies without releasing, the other
-//! replica therefore takes over within lease duration + two retry periods; a leader that shuts
-//! down cleanly releases the Lease and the other takes over within one retry period.
+//! skew between replicas does not matter.
+//!
+//! Only the leader writes (one renewal per retry period, the controller's steady write rate); a
+//! standby only reads the Lease, every [`STANDBY_POLL`] (or retry period, if shorter). After the
+//! leader dies without releasing, the standby therefore takes over within the lease duration +
+//! two standby polls of its last renewal ([`LeaderConfig::worst_case_takeover`]); a leader that
+//! shuts down cleanly releases the Lease and the standby takes over at its next poll. A renewal
+//! that failed is tried again after [`STANDBY_POLL`] rather than a whole retry period, so a
+//! short API server stall does not cost the leadership.
 //!
 //! The leader also labels its own Pod `nodekeeper.dev/leader=true` ([`label_pod`]) so that the
 //! Service routes the HTTP API to it.
@@ -23,6 +29,10 @@ use kube::api::{Patch, PatchParams, PostParams};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+/// How often a standby reads the Lease (a read, never a write), and how soon a failed renewal
+/// is tried again.
+pub const STANDBY_POLL: Duration = Duration::from_secs(1);
+
 /// Lease timing and identity.
 #[derive(Clone, Debug)]
 pub struct LeaderConfig {
@@ -31,6 +41,26 @@ pub struct LeaderConfig {
     pub lease_duration: Duration,
     pub renew_deadline: Duration,
     pub retry_period: Duration,
+}
+
+impl LeaderConfig {
+    /// How often a standby reads the Lease.
+    pub fn standby_poll(&self) -> Duration {
+        self.retry_period.min(STANDBY_POLL)
+    }
+
+    /// The longest a standby may take to hold the Lease after the leader's last renewal, when
+    /// the leader died without releasing it: it sees the renewal up to one poll late, waits a
+    /// whole lease duration from then, and notices the expiry up to one poll late.
+    pub fn worst_case_takeover(&self) -> Duration {
+        self.lease_duration + 2 * self.standby_poll()
+    }
+
+    /// How much sooner a leader that cannot renew gives up (at the renew deadline) than a
+    /// standby may take over (the lease duration after the last renewal): its time to stop.
+    pub fn safety_margin(&self) -> Duration {
+        self.lease_duration.saturating_sub(self.renew_deadline)
+    }
 }
 
 /// The parts of a Lease that say who holds it; any change counts as a renewal.
@@ -211,7 +241,7 @@ pub async fn acquire(
         }
         tokio::select! {
             () = cancel.cancelled() => return None,
-            () = tokio::time::sleep(config.retry_period) => {}
+            () = tokio::time::sleep(config.standby_poll()) => {}
         }
     }
 }
@@ -231,10 +261,16 @@ pub async fn hold(
         name: config.name.clone(),
         why,
     };
+    let mut failing = false;
     loop {
+        let wait = if failing {
+            config.standby_poll()
+        } else {
+            config.retry_period
+        };
         tokio::select! {
             () = cancel.cancelled() => return Ok(written),
-            () = tokio::time::sleep(config.retry_period) => {}
+            () = tokio::time::sleep(wait) => {}
         }
         // A renewal may not outlast the renew deadline. The client's own read timeout is minutes
         // (it serves watches too), and an API server that accepts the connection but never
@@ -255,9 +291,11 @@ pub async fn hold(
             Ok(Held::Ours(lease)) => {
                 written = *lease;
                 last_renew = Instant::now();
+                failing = false;
             }
             Ok(Held::By(holder)) => return Err(lost(format!("now held by {holder:?}"))),
             Err(error) => {
+                failing = true;
                 warn!(%error, lease = %config.name, "renewing the lease failed");
                 if last_renew.elapsed() > config.renew_deadline {
                     return Err(lost(format!(
@@ -371,6 +409,29 @@ mod tests {
         assert!(may_acquire(&record(""), now, now, "me"));
         assert!(may_acquire(&record("me"), now, now, "me"));
         assert!(!may_acquire(&record("other"), now, now, "me"));
+    }
+
+    #[test]
+    fn the_default_timings_take_over_within_15s_and_keep_a_margin() {
+        let cli = <crate::runtime::cli::Cli as clap::Parser>::parse_from(["nodekeeper-controller"]);
+        cli.check().unwrap();
+        let config = LeaderConfig {
+            name: "l".into(),
+            identity: "me".into(),
+            lease_duration: cli.lease_duration,
+            renew_deadline: cli.renew_deadline,
+            retry_period: cli.retry_period,
+        };
+        // The fault campaign's bound (issue #20): a leader killed mid-sweep is replaced
+        // within 15 s.
+        assert!(config.worst_case_takeover() <= Duration::from_secs(15));
+        // Between the leader giving up and the standby's earliest takeover: time for the
+        // leader to stop its controllers.
+        assert!(config.safety_margin() >= Duration::from_secs(3));
+        // A stalled renewal is tried again a few times before the renew deadline.
+        assert!(cli.renew_deadline - cli.retry_period >= 3 * config.standby_poll());
+        // The steady write rate stays at one renewal per 5 s (0.2 writes/s) or less.
+        assert!(cli.retry_period >= Duration::from_secs(5));
     }
 
     #[test]

@@ -230,6 +230,10 @@ pub async fn run(cli: Cli) -> Result<(), Error> {
     if let Err(error) = &result {
         error!(%error, "stopping: this replica no longer leads");
     }
+    // The controllers stop at once: a replica that lost the Lease must not write while the
+    // label patch below waits on a slow API server (the standby may lead
+    // `--lease-duration` − `--renew-deadline` after the give-up).
+    shutdown.cancel();
     // Off the Service first, then the Lease: the label never outlives the leadership, and the
     // standby (which labels itself once it holds the Lease) never shares it with this Pod.
     is_leader.store(false, Ordering::Relaxed);
@@ -238,7 +242,6 @@ pub async fn run(cli: Cli) -> Result<(), Error> {
     if let Ok(written) = &result {
         leader::release(&leases, &lease_config, written.clone()).await;
     }
-    shutdown.cancel();
     tracker.close();
     if tokio::time::timeout(STOP_GRACE, tracker.wait())
         .await
