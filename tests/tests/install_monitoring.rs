@@ -336,7 +336,9 @@ fn scrape_config(monitor: &Value, targets: &[PodTarget]) -> anyhow::Result<Value
 fn append_kmsg(path: &Path, seq: u64, message: &str) -> anyhow::Result<()> {
     // Stamped now, by the boot time the agent uses: it skips records stamped before it started.
     let boot = nodekeeper_agent::monitor::kmsg::boot_time()?;
-    let usec = std::time::SystemTime::now().duration_since(boot)?.as_micros();
+    let usec = std::time::SystemTime::now()
+        .duration_since(boot)?
+        .as_micros();
     let mut file = std::fs::OpenOptions::new().append(true).open(path)?;
     writeln!(file, "3,{seq},{usec},-;{message}")?;
     Ok(())
