@@ -24,6 +24,7 @@ fn chart_lints() {
     let flipped = [
         "--set=features.repair=true,createNamespace=true,agent.privileged=true",
         "--set=agent.hostMounts.kmsg=false,agent.hostMounts.journal=false,tuning.create=false",
+        "--set=agent.metrics.enabled=false,monitoring.podMonitor.enabled=true",
         "--set=ociCredentials.existingSecret=oci-api-key,images.agent.digest=sha256:0000000000000000000000000000000000000000000000000000000000000000",
     ];
     for set in flipped {
@@ -106,7 +107,7 @@ fn refused(args: &[&str]) -> String {
 #[test]
 fn schema_refuses_unknown_keys_and_wrong_types() {
     // (arguments, what the message must name)
-    let cases: [(&[&str], &[&str]); 7] = [
+    let cases: [(&[&str], &[&str]); 10] = [
         (&["--set", "controler.replicas=1"], &["controler"]),
         (&["--set", "agent.tolerance=x"], &["agent", "tolerance"]),
         (
@@ -123,6 +124,16 @@ fn schema_refuses_unknown_keys_and_wrong_types() {
         ),
         (&["--set", "controller.replicas=0"], &["replicas"]),
         (&["--set", "images.controller.digest=latest"], &["digest"]),
+        (
+            &["--set-string", "agent.metrics.port=9444"],
+            &["metrics", "port", "integer"],
+        ),
+        (&["--set", "agent.metrics.prot=9444"], &["metrics", "prot"]),
+        // The metrics listener on the gRPC port would fail to bind: refused before it ships.
+        (
+            &["--set", "agent.metrics.port=9443"],
+            &["agent.metrics.port", "agent.port"],
+        ),
     ];
     for (args, names) in cases {
         let message = refused(args);
@@ -176,6 +187,7 @@ fn values_reach_their_objects() {
             "resources": {"requests": {"cpu": "20m", "memory": "32Mi"}, "limits": {"memory": "128Mi"}},
             "hostMounts": {"kmsg": false, "journal": false},
             "port": 9555,
+            "metrics": {"port": 9556},
         },
         "commonLabels": {"team": "nodes"},
     });
@@ -207,6 +219,15 @@ fn values_reach_their_objects() {
     assert_eq!(
         env(container, "NODEKEEPER_LISTEN"),
         Some(json!("0.0.0.0:9555"))
+    );
+    // agent.metrics: /metrics on the node's address (the downward API's status.hostIP).
+    assert_eq!(
+        container["ports"][1],
+        json!({"name": "metrics", "containerPort": 9556, "protocol": "TCP"})
+    );
+    assert_eq!(
+        env(container, "NODEKEEPER_METRICS_LISTEN"),
+        Some(json!("$(NODE_IP):9556"))
     );
     // features.repair: /proc/sys writable at /host/sysctl, as the kustomize repair component.
     assert_eq!(
@@ -270,6 +291,41 @@ fn values_reach_their_objects() {
     // The binding follows the release namespace.
     let binding = find(&objects, "ClusterRoleBinding");
     assert_eq!(binding["subjects"][0]["namespace"], "kube-system");
+}
+
+/// `agent.metrics.enabled=false` serves no metrics: no listener, no port, no agent PodMonitor
+/// (the controller's stays).
+#[test]
+fn agent_metrics_turn_off() {
+    let objects = helm_template(
+        "nodekeeper",
+        &[
+            "--set",
+            "agent.metrics.enabled=false,monitoring.podMonitor.enabled=true",
+        ],
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let container = &find(&objects, "DaemonSet")["spec"]["template"]["spec"]["containers"][0];
+    let names = |list: &Value| -> Vec<String> {
+        list.as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["name"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    let env = names(&container["env"]);
+    assert!(
+        !env.contains(&"NODEKEEPER_METRICS_LISTEN".to_owned())
+            && !env.contains(&"NODE_IP".to_owned()),
+        "{env:?}"
+    );
+    assert_eq!(names(&container["ports"]), ["grpc"]);
+    let monitors: Vec<&Value> = objects
+        .iter()
+        .filter(|o| o["kind"] == "PodMonitor")
+        .map(|o| &o["metadata"]["name"])
+        .collect();
+    assert_eq!(monitors, [&json!("nodekeeper-controller")]);
 }
 
 /// One row of `deploy/oke/addon-configuration.yaml`.
@@ -557,8 +613,23 @@ fn monitoring_rules_pass_promtool_and_render() {
         .map(|r| r["alert"].as_str().unwrap())
         .collect();
     assert_eq!(rendered, alerts);
-    let monitor = find(&objects, "PodMonitor");
-    assert_eq!(monitor["spec"]["podMetricsEndpoints"][0]["port"], "http");
+    let monitors: Vec<(&Value, &Value)> = objects
+        .iter()
+        .filter(|o| o["kind"] == "PodMonitor")
+        .map(|o| {
+            (
+                &o["metadata"]["name"],
+                &o["spec"]["podMetricsEndpoints"][0]["port"],
+            )
+        })
+        .collect();
+    assert_eq!(
+        monitors,
+        [
+            (&json!("nodekeeper-controller"), &json!("http")),
+            (&json!("nodekeeper-agent"), &json!("metrics")),
+        ]
+    );
     let dashboard = objects
         .iter()
         .find(|o| o["metadata"]["name"] == "nodekeeper-dashboard")
@@ -569,6 +640,11 @@ fn monitoring_rules_pass_promtool_and_render() {
     assert!(panels.len() >= 8);
     for panel in panels {
         let expr = panel["targets"][0]["expr"].as_str().unwrap_or_default();
-        assert!(expr.contains("nodekeeper_"), "{}: {expr}", panel["title"]);
+        // nodekeeper's series, or node-problem-detector's under its own name (the agents').
+        assert!(
+            expr.contains("nodekeeper_") || expr.contains("problem_gauge"),
+            "{}: {expr}",
+            panel["title"]
+        );
     }
 }

@@ -1,10 +1,13 @@
 //! Observability that installs with nodekeeper, proven on real parts: `deploy/monitoring` (the
-//! kustomize copy) renders the same PodMonitor, PrometheusRule and dashboard ConfigMap as the
-//! chart's `monitoring.*` values; and a real Prometheus (Debian's `prometheus` package) scrapes a
-//! real controller and a real agent on 127.0.0.1, evaluates the chart's alert rules, and answers
-//! every query of the Grafana dashboard with data while the test creates the conditions they
-//! show (a failed NetworkTest, a NodeMaintenance whose drain a bare pod blocks, a
-//! NodeNetworkConfig rollout). `promtool check rules` / `test rules` run in install_chart.rs.
+//! kustomize copy) renders the same PodMonitors, PrometheusRule and dashboard ConfigMap as the
+//! chart's `monitoring.*` values; the agent DaemonSet of `deploy/agent` serves the port its
+//! PodMonitor scrapes; and a real Prometheus (Debian's `prometheus` package), with scrape jobs
+//! made from `deploy/monitoring`'s PodMonitors, scrapes a real controller and real agents on
+//! their nodes' 127.x addresses, evaluates the chart's alert rules, and answers every query of
+//! the Grafana dashboard with data while the test creates the conditions they show (a failed
+//! NetworkTest, a NodeMaintenance whose drain a bare pod blocks, a NodeNetworkConfig rollout, a
+//! hung task in one node's kernel log). `promtool check rules` / `test rules` run in
+//! install_chart.rs.
 //!
 //! Run: `cargo xtask test -- -p nodekeeper-e2e --test install_monitoring` (the live test needs
 //! the local control plane and `prometheus` on PATH; `cargo xtask test` installs it as root).
@@ -16,8 +19,9 @@ mod controller_common;
 mod install_common;
 
 use std::collections::BTreeMap;
+use std::io::Write as _;
 use std::net::{Ipv4Addr, SocketAddr};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{Context as _, ensure};
@@ -27,11 +31,12 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::Api;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use nodekeeper_api::crd::{NetworkTest, NodeMaintenance, NodeNetworkConfig};
-use nodekeeper_e2e::rig::{Output, Process, Program};
+use nodekeeper_e2e::rig::{AgentSetup, Output, Process, Program};
 use nodekeeper_e2e::{
     ControlPlane, apply_spec, create_simulated_nodes, install_crds, test_namespace, unique_name,
     wait_for,
 };
+use nodekeeper_testkit::free_port_on;
 use serde_json::{Value, json};
 
 const TIMEOUT: Duration = Duration::from_secs(90);
@@ -82,6 +87,7 @@ fn kustomize_copy_is_the_charts_monitoring() {
         base.keys().collect::<Vec<_>>(),
         [
             "ConfigMap/nodekeeper/nodekeeper-dashboard",
+            "PodMonitor/nodekeeper/nodekeeper-agent",
             "PodMonitor/nodekeeper/nodekeeper-controller",
             "PrometheusRule/nodekeeper/nodekeeper",
         ]
@@ -100,6 +106,82 @@ fn kustomize_copy_is_the_charts_monitoring() {
     )
     .unwrap();
     assert_eq!(base["PrometheusRule/nodekeeper/nodekeeper"]["spec"], rules);
+}
+
+/// The object of `kind` named `name` among `objects`.
+fn named<'a>(objects: &'a [Value], kind: &str, name: &str) -> &'a Value {
+    objects
+        .iter()
+        .find(|o| o["kind"] == kind && o["metadata"]["name"] == name)
+        .unwrap_or_else(|| panic!("no {kind} {name}"))
+}
+
+/// The agent DaemonSet of `deploy/` serves `/metrics` on the node's address and the port its
+/// PodMonitor names, in a form the agent's `--metrics-listen` accepts once the kubelet has put
+/// the node's address in; the chart renders the same (install_chart.rs compares them).
+#[test]
+fn the_agent_serves_the_port_its_podmonitor_scrapes() {
+    let install = kustomize(&repo().join("deploy")).unwrap();
+    let monitoring = kustomize(&repo().join("deploy/monitoring")).unwrap();
+    let agent = named(&install, "DaemonSet", "nodekeeper-agent");
+    let monitor = named(&monitoring, "PodMonitor", "nodekeeper-agent");
+    let template = &agent["spec"]["template"];
+    for (label, value) in monitor["spec"]["selector"]["matchLabels"]
+        .as_object()
+        .unwrap()
+    {
+        assert_eq!(
+            &template["metadata"]["labels"][label], value,
+            "the agent PodMonitor's selector misses the agent Pods"
+        );
+    }
+    let container = &template["spec"]["containers"][0];
+    let port_name = &monitor["spec"]["podMetricsEndpoints"][0]["port"];
+    let port = container["ports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| &p["name"] == port_name)
+        .unwrap_or_else(|| panic!("the agent container has no port {port_name}"))["containerPort"]
+        .as_u64()
+        .unwrap();
+    let env = container["env"].as_array().unwrap();
+    let position = |name: &str| env.iter().position(|e| e["name"] == name);
+    let node_ip = position("NODE_IP").expect("NODE_IP in the agent's env");
+    assert_eq!(
+        env[node_ip]["valueFrom"]["fieldRef"]["fieldPath"], "status.hostIP",
+        "the node's address, from the downward API"
+    );
+    let listen = position("NODEKEEPER_METRICS_LISTEN").expect("NODEKEEPER_METRICS_LISTEN");
+    // The kubelet expands `$(NODE_IP)` only from variables defined before it.
+    assert!(
+        node_ip < listen,
+        "NODE_IP must come before NODEKEEPER_METRICS_LISTEN"
+    );
+    let value = env[listen]["value"].as_str().unwrap();
+    assert_eq!(value, format!("$(NODE_IP):{port}"));
+    let grpc = container["ports"][0]["containerPort"].as_u64().unwrap();
+    assert_ne!(port, grpc, "the metrics port is the gRPC port");
+
+    // What the agent makes of it on a node whose address is 10.0.0.5.
+    use clap::Parser as _;
+    let dir = tempfile::tempdir().unwrap();
+    let setup = AgentSetup::new(
+        "node-a",
+        SocketAddr::from(([10, 0, 0, 5], grpc as u16)),
+        dir.path(),
+        dir.path(),
+    );
+    let mut args = setup.args();
+    args.push(format!(
+        "--metrics-listen={}",
+        value.replace("$(NODE_IP)", "10.0.0.5")
+    ));
+    let config = nodekeeper_agent::Config::try_parse_from(args).unwrap();
+    assert_eq!(
+        config.metrics_listen,
+        Some(SocketAddr::from(([10, 0, 0, 5], port as u16)))
+    );
 }
 
 /// A percent-encoded query string value.
@@ -123,17 +205,11 @@ struct Prometheus {
 }
 
 impl Prometheus {
-    /// Starts `prometheus` on 127.0.0.1 scraping `targets` (job → address) every second and
-    /// evaluating the chart's alert rules every second.
-    fn start(binary: PathBuf, targets: &[(&str, SocketAddr)]) -> anyhow::Result<Self> {
+    /// Starts `prometheus` on 127.0.0.1 with the scrape jobs `scrape`, scraping every second
+    /// and evaluating the chart's alert rules every second.
+    fn start(binary: PathBuf, scrape: Vec<Value>) -> anyhow::Result<Self> {
         let dir = tempfile::tempdir()?;
         let rules = chart_dir().join("files/prometheus-rules.yaml");
-        let scrape: Vec<Value> = targets
-            .iter()
-            .map(|(job, addr)| {
-                json!({"job_name": job, "static_configs": [{"targets": [addr.to_string()]}]})
-            })
-            .collect();
         let config = json!({
             "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
             "rule_files": [rules],
@@ -195,6 +271,79 @@ impl Prometheus {
     }
 }
 
+/// A Pod a PodMonitor would find: its address with the monitored port, its name and node's.
+struct PodTarget {
+    addr: SocketAddr,
+    pod: String,
+    node: String,
+}
+
+/// The scrape job the Prometheus Operator makes of `monitor`, with `targets` standing in for the
+/// Pods that Kubernetes service discovery would find (as the `__meta_kubernetes_*` labels it
+/// would give them): the endpoint's path, honorLabels and relabelings after the operator's own
+/// `namespace` and `pod` labels; the job named after the PodMonitor. The interval is the test's.
+fn scrape_config(monitor: &Value, targets: &[PodTarget]) -> anyhow::Result<Value> {
+    let name = monitor["metadata"]["name"].as_str().context("a name")?;
+    let endpoints = monitor["spec"]["podMetricsEndpoints"]
+        .as_array()
+        .context("podMetricsEndpoints")?;
+    ensure!(endpoints.len() == 1, "{name}: one endpoint expected");
+    let endpoint = &endpoints[0];
+    let mut relabel = vec![
+        json!({"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"}),
+        json!({"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"}),
+    ];
+    for rule in endpoint["relabelings"].as_array().into_iter().flatten() {
+        let mut out = serde_json::Map::new();
+        for (key, value) in rule.as_object().context("a relabeling")? {
+            match key.as_str() {
+                "sourceLabels" => out.insert("source_labels".into(), value.clone()),
+                "targetLabel" => out.insert("target_label".into(), value.clone()),
+                "action" => out.insert(
+                    "action".into(),
+                    value.as_str().unwrap_or_default().to_lowercase().into(),
+                ),
+                "separator" | "regex" | "replacement" | "modulus" => {
+                    out.insert(key.clone(), value.clone())
+                }
+                other => anyhow::bail!("{name}: relabeling field {other} not translated"),
+            };
+        }
+        relabel.push(Value::Object(out));
+    }
+    let namespace = &monitor["metadata"]["namespace"];
+    let static_configs: Vec<Value> = targets
+        .iter()
+        .map(|t| {
+            json!({"targets": [t.addr.to_string()], "labels": {
+                "__meta_kubernetes_namespace": namespace,
+                "__meta_kubernetes_pod_name": t.pod,
+                "__meta_kubernetes_pod_node_name": t.node,
+            }})
+        })
+        .collect();
+    Ok(json!({
+        "job_name": name,
+        "metrics_path": endpoint["path"],
+        "honor_labels": endpoint["honorLabels"].as_bool().unwrap_or(false),
+        "static_configs": static_configs,
+        "relabel_configs": relabel,
+    }))
+}
+
+/// Appends `message` to a file standing in for `/dev/kmsg`, as the kernel formats a record
+/// (`prio,seq,usec-since-boot,flags;message`).
+fn append_kmsg(path: &Path, seq: u64, message: &str) -> anyhow::Result<()> {
+    // Stamped now, by the boot time the agent uses: it skips records stamped before it started.
+    let boot = nodekeeper_agent::monitor::kmsg::boot_time()?;
+    let usec = std::time::SystemTime::now()
+        .duration_since(boot)?
+        .as_micros();
+    let mut file = std::fs::OpenOptions::new().append(true).open(path)?;
+    writeln!(file, "3,{seq},{usec},-;{message}")?;
+    Ok(())
+}
+
 /// Every query of the dashboard, with its panel's title.
 fn dashboard_queries() -> Vec<(String, String)> {
     let text = std::fs::read_to_string(repo().join("deploy/monitoring/dashboard.json")).unwrap();
@@ -219,7 +368,7 @@ fn value_of(series: &Value) -> f64 {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn prometheus_scrapes_controller_and_agent_and_every_dashboard_query_has_data()
+async fn prometheus_scrapes_controller_and_agents_and_every_dashboard_query_has_data()
 -> anyhow::Result<()> {
     let Some(prometheus) = which("prometheus") else {
         nodekeeper_testkit::skip!(
@@ -242,20 +391,33 @@ async fn prometheus_scrapes_controller_and_agent_and_every_dashboard_query_has_d
     )
     .await?;
 
-    // The controller and the nodes' agents, the first one serving its own /metrics.
+    // The controller and the nodes' agents, each serving its /metrics on its node's address
+    // as the DaemonSet does (a free port rather than 9444, which this machine may be using),
+    // reading its own file as the kernel log. No kubelet, runtime or journal here: those
+    // monitors are off, so the only problem condition is the one this test causes.
     let port = free_port();
     let controller = ControllerProcess::start(&ns, "monitoring-a", &selector, port, &[])?;
     let tls = agent_tls(&client, &ns).await?;
-    let agent_metrics = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port()));
+    let kmsg_dir = tempfile::tempdir()?;
     let mut agents = Vec::new();
+    let mut agent_targets = Vec::new();
     for (i, (node, ip)) in nodes.iter().zip(&ips).enumerate() {
-        let extra = if i == 0 {
-            vec![format!("--metrics-listen={agent_metrics}")]
-        } else {
-            Vec::new()
-        };
+        let metrics = SocketAddr::new((*ip).into(), free_port_on(*ip)?);
+        let kmsg = kmsg_dir.path().join(format!("kmsg{i}"));
+        std::fs::write(&kmsg, b"")?;
+        let extra = vec![
+            format!("--metrics-listen={metrics}"),
+            format!("--kmsg-path={}", kmsg.display()),
+            "--health-checks=false".to_owned(),
+            "--journal=false".to_owned(),
+        ];
         let addr = SocketAddr::new((*ip).into(), port);
         agents.push(start_agent_with(node, addr, &tls, &extra).await?);
+        agent_targets.push(PodTarget {
+            addr: metrics,
+            pod: format!("nodekeeper-agent-{i}"),
+            node: node.clone(),
+        });
     }
     for node in &nodes {
         wait_condition(
@@ -326,12 +488,38 @@ async fn prometheus_scrapes_controller_and_agent_and_every_dashboard_query_has_d
     })
     .await?;
 
-    // Prometheus scrapes both, evaluates the alerts, and answers the dashboard.
-    let mut prom = Prometheus::start(
-        prometheus,
-        &[("controller", controller.http), ("agent", agent_metrics)],
-    )?;
-    wait_for("both scrape targets up", TIMEOUT, || {
+    // Prometheus scrapes what deploy/monitoring's PodMonitors select (by their port's name),
+    // evaluates the alerts, and answers the dashboard.
+    let mut by_port: BTreeMap<&str, Vec<PodTarget>> = BTreeMap::new();
+    by_port.insert(
+        "http",
+        vec![PodTarget {
+            addr: controller.http,
+            pod: "nodekeeper-controller-0".into(),
+            node: String::new(),
+        }],
+    );
+    by_port.insert("metrics", agent_targets);
+    let mut scrape = Vec::new();
+    for monitor in kustomize(&repo().join("deploy/monitoring"))?
+        .iter()
+        .filter(|o| o["kind"] == "PodMonitor")
+    {
+        let port = monitor["spec"]["podMetricsEndpoints"][0]["port"]
+            .as_str()
+            .unwrap_or_default();
+        let targets = by_port
+            .remove(port)
+            .with_context(|| format!("no process here serves port {port} of {monitor}"))?;
+        scrape.push(scrape_config(monitor, &targets)?);
+    }
+    ensure!(
+        by_port.is_empty(),
+        "no PodMonitor scrapes {:?}",
+        by_port.keys()
+    );
+    let mut prom = Prometheus::start(prometheus, scrape)?;
+    wait_for("every scrape target up", TIMEOUT, || {
         let addr = prom.addr;
         async move {
             let (code, body) = http_get(addr, "/api/v1/targets").await?;
@@ -348,13 +536,61 @@ async fn prometheus_scrapes_controller_and_agent_and_every_dashboard_query_has_d
                     )
                 })
                 .collect();
-            Ok((health.len() == 2 && health.iter().all(|(_, h)| h == "up")).then_some(health))
+            Ok((health.len() == 3 && health.iter().all(|(_, h)| h == "up")).then_some(health))
         }
     })
     .await?;
-    // The agent's own series (node-problem-detector's names and its kernel log counter).
-    prom.wait_data("the agent", "nodekeeper_kmsg_lost_records{job=\"agent\"}")
+    // The agents' own series (node-problem-detector's names and the kernel log counter), each
+    // labelled with its node by the agent PodMonitor's relabeling.
+    for node in &nodes {
+        prom.wait_data(
+            "the agent's kernel log counter",
+            &format!("nodekeeper_kmsg_lost_records{{job=\"nodekeeper-agent\",node=\"{node}\"}}"),
+        )
         .await?;
+        prom.wait_data(
+            "the agent's healthy KernelDeadlock",
+            &format!(
+                "problem_gauge{{job=\"nodekeeper-agent\",node=\"{node}\",type=\"KernelDeadlock\",reason=\"KernelHasNoDeadlock\"}} == 0"
+            ),
+        )
+        .await?;
+    }
+    // A hung task in node 0's kernel log (the kernel's wording): its agent's gauge turns 1 and
+    // the NodekeeperNodeProblem alert, pending for its `for`, names node 0 and only node 0.
+    append_kmsg(
+        &kmsg_dir.path().join("kmsg0"),
+        1,
+        "INFO: task docker:2931 blocked for more than 120 seconds.",
+    )?;
+    prom.wait_data(
+        "node 0's KernelDeadlock",
+        &format!(
+            "problem_gauge{{job=\"nodekeeper-agent\",node=\"{}\",type=\"KernelDeadlock\",reason=\"DockerHung\"}} == 1",
+            nodes[0]
+        ),
+    )
+    .await?;
+    let alerts = prom
+        .wait_data(
+            "the NodekeeperNodeProblem alert",
+            "ALERTS{alertname=\"NodekeeperNodeProblem\"}",
+        )
+        .await?;
+    assert_eq!(alerts.len(), 1, "{alerts:?}");
+    assert_eq!(alerts[0]["metric"]["node"], nodes[0].as_str(), "{alerts:?}");
+    assert_eq!(alerts[0]["metric"]["type"], "KernelDeadlock", "{alerts:?}");
+    assert_eq!(alerts[0]["metric"]["reason"], "DockerHung", "{alerts:?}");
+    let quiet = prom
+        .query(&format!(
+            "problem_gauge{{job=\"nodekeeper-agent\",node=\"{}\",type=\"KernelDeadlock\"}}",
+            nodes[1]
+        ))
+        .await?;
+    assert!(
+        quiet.len() == 1 && value_of(&quiet[0]) == 0.0,
+        "node 1 has no problem: {quiet:?}"
+    );
 
     let queries = dashboard_queries();
     assert!(queries.len() >= 16, "{queries:?}");
@@ -423,7 +659,7 @@ async fn prometheus_scrapes_controller_and_agent_and_every_dashboard_query_has_d
     })
     .await?;
     prom.process.check_alive()?;
-    drop((prom, agents, controller));
+    drop((prom, agents, controller, kmsg_dir));
     Ok(())
 }
 
