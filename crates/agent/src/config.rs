@@ -188,8 +188,11 @@ pub struct Config {
     pub crictl: PathBuf,
 
     /// Address for `/metrics` (plain HTTP) with node-problem-detector's `problem_counter` and
-    /// `problem_gauge` (NPD serves them on 127.0.0.1:20257). Unset: not served.
-    #[arg(long, env = "NODEKEEPER_METRICS_LISTEN")]
+    /// `problem_gauge` (NPD serves them on 127.0.0.1:20257). Unset: not served. An IPv6
+    /// address may be written with or without brackets (`[fd00::5]:9444` or `fd00::5:9444`,
+    /// the last colon starts the port), so the DaemonSet's `$(NODE_IP):9444` works on IPv4
+    /// and IPv6 nodes alike.
+    #[arg(long, env = "NODEKEEPER_METRICS_LISTEN", value_parser = parse_listen)]
     pub metrics_listen: Option<SocketAddr>,
 
     /// Largest gRPC message accepted or sent, in bytes; larger requests are refused.
@@ -359,6 +362,24 @@ pub fn under_root(root: &Path, host_path: &Path) -> PathBuf {
     }
 }
 
+/// `ADDRESS:PORT`, where an IPv6 address may also come without brackets (from the downward
+/// API's `status.hostIP`, pasted before `:PORT`).
+fn parse_listen(s: &str) -> Result<SocketAddr, String> {
+    let s = s.trim();
+    if let Ok(address) = s.parse() {
+        return Ok(address);
+    }
+    let bad = || {
+        format!(
+            "{s:?} is not ADDRESS:PORT; write e.g. 10.0.0.5:9444, [fd00::5]:9444 or fd00::5:9444"
+        )
+    };
+    let (host, port) = s.rsplit_once(':').ok_or_else(bad)?;
+    let ip: std::net::Ipv6Addr = host.parse().map_err(|_| bad())?;
+    let port: u16 = port.parse().map_err(|_| bad())?;
+    Ok(SocketAddr::new(ip.into(), port))
+}
+
 fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
     let (number, unit) = s
@@ -378,6 +399,26 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_listen_address_takes_ipv6_with_or_without_brackets() {
+        let ok = |s: &str| parse_listen(s).unwrap().to_string();
+        assert_eq!(ok("10.0.0.5:9444"), "10.0.0.5:9444");
+        assert_eq!(ok("[fd00::5]:9444"), "[fd00::5]:9444");
+        assert_eq!(ok("fd00::5:9444"), "[fd00::5]:9444");
+        assert_eq!(ok("2001:db8::a:b:9444"), "[2001:db8::a:b]:9444");
+        for bad in [
+            "10.0.0.5",
+            "10.0.0.5:",
+            "fd00::5",
+            "host:9444",
+            "[fd00::5]:x",
+            "",
+        ] {
+            let e = parse_listen(bad).unwrap_err();
+            assert!(e.contains("ADDRESS:PORT"), "{bad}: {e}");
+        }
+    }
 
     fn base() -> Vec<&'static str> {
         vec![
