@@ -489,6 +489,7 @@ fn oke_addon_arguments_map_onto_the_chart_and_the_tuning_configmap() {
         ("sweepInterval", "2m"),
         ("ociCredentialsSecret", "oci-api-key"),
         ("agentPriorityClassName", "system-cluster-critical"),
+        ("agentMetricsPort", "9556"),
     ];
     let values = oke_values(&arguments).unwrap_or_else(|e| panic!("{e}"));
     let file = tempfile::NamedTempFile::new().unwrap();
@@ -522,6 +523,33 @@ fn oke_addon_arguments_map_onto_the_chart_and_the_tuning_configmap() {
         "1Gi"
     );
     assert_eq!(apod["priorityClassName"], "system-cluster-critical");
+    let container = &apod["containers"][0];
+    assert!(
+        container["ports"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|p| p["name"] == "metrics" && p["containerPort"] == 9556),
+        "{container:#}"
+    );
+    assert!(
+        container["env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e["name"] == "NODEKEEPER_METRICS_LISTEN" && e["value"] == "$(NODE_IP):9556"),
+        "{container:#}"
+    );
+    // Off: no listener, no port.
+    let off = oke_values(&[("agentMetricsEnabled", "false")]).unwrap();
+    std::fs::write(file.path(), serde_json::to_string(&off).unwrap()).unwrap();
+    let objects = helm_template("nodekeeper", &["-f", file.path().to_str().unwrap()])
+        .unwrap_or_else(|e| panic!("{e}"));
+    let text = serde_json::to_string(&find(&objects, "DaemonSet")).unwrap();
+    assert!(
+        !text.contains("METRICS_LISTEN") && !text.contains("9444"),
+        "{text}"
+    );
     assert_eq!(tuning["data"]["features.repair"], "true");
     assert_eq!(tuning["data"]["sweepInterval"], "2m");
     assert!(
