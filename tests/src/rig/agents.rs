@@ -90,6 +90,9 @@ pub struct AgentSetup {
     pub proc_root: Option<PathBuf>,
     /// Points `--nvidia-smi` at nothing, so no GPU collector runs.
     pub no_gpu: bool,
+    /// `--metrics-listen`: where it serves `/metrics` (as the DaemonSet's agents do); unset: not
+    /// served.
+    pub metrics_listen: Option<SocketAddr>,
 }
 
 impl AgentSetup {
@@ -103,6 +106,7 @@ impl AgentSetup {
             sysctl_root: dir.join("sysctl"),
             proc_root: None,
             no_gpu: true,
+            metrics_listen: None,
         }
     }
 
@@ -143,6 +147,9 @@ impl AgentSetup {
         }
         if self.no_gpu {
             args.push("--nvidia-smi=/nonexistent/nvidia-smi".to_owned());
+        }
+        if let Some(metrics) = self.metrics_listen {
+            args.push(format!("--metrics-listen={metrics}"));
         }
         args
     }

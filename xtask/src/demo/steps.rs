@@ -229,6 +229,8 @@ pub(super) async fn steps(args: &DemoArgs, bins: &Binaries, running: &mut Runnin
         let mut agent = AgentSetup::new(&node.name, listen, &tls_dir, &node.dir);
         // The agent finds no nvidia-smi on this machine by itself.
         agent.no_gpu = false;
+        // /metrics on the node's address, as the DaemonSet sets it up.
+        agent.metrics_listen = Some(SocketAddr::from((node.ip, AGENT_METRICS_PORT)));
         agent.create_dirs()?;
         for (key, value) in &sysctls {
             agent.write_sysctl(key, value)?;
@@ -380,6 +382,12 @@ pub(super) async fn steps(args: &DemoArgs, bins: &Binaries, running: &mut Runnin
         println!(
             "    controller: curl http://{http}/api/v1/summary  (/api/v1/nodes/<name>, /metrics)"
         );
+        if let Some(node) = sim.first() {
+            println!(
+                "    agents:     curl http://{}:{AGENT_METRICS_PORT}/metrics  (each node's address)",
+                node.ip
+            );
+        }
         println!("    press Ctrl-C to stop the agents and the controller");
         // Ctrl-C is how this mode ends, so it is a success here.
         let mut interrupted = std::pin::pin!(tokio::signal::ctrl_c());
@@ -466,6 +474,8 @@ fn fleet_selector() -> String {
     format!("{}=true,!{SERVICE_HOST_LABEL}", nodes::SIMULATED_LABEL)
 }
 
+/// The agents' `/metrics` port, the one `deploy/agent/daemonset.yaml` sets.
+const AGENT_METRICS_PORT: u16 = 9444;
 /// The NetworkTest the plugin runs: named as the example's.
 const MESH: &str = "mesh";
 
