@@ -23,7 +23,7 @@ use nodekeeper_e2e::rig::{
     AGENT_SECRET, AgentSetup, AgentTls, ControllerConfig, ControllerProcess, Output, Program,
     http_get,
 };
-use nodekeeper_testkit::net::{free_port_on, port_free_on_all};
+use nodekeeper_testkit::net::{free_port_on, port_free_on_all, port_is_free};
 use serde::Deserialize as _;
 use serde_json::{Value, json};
 
@@ -137,6 +137,11 @@ pub(super) async fn steps(args: &DemoArgs, bins: &Binaries, running: &mut Runnin
     let ips: Vec<Ipv4Addr> = sim.iter().map(|n| n.ip).collect();
     let agent_port = port_free_on_all(&ips, 9443)
         .context("found no port free on every simulated node address (127.1.x.y)")?;
+    // Their /metrics port: the DaemonSet's 9444 when free (another user's demo may hold it).
+    let metrics_port = std::iter::once(AGENT_METRICS_PORT)
+        .chain((0..20).filter_map(|_| free_port_on(ips[0]).ok()))
+        .find(|p| *p != agent_port && ips.iter().all(|ip| port_is_free(*ip, *p)))
+        .context("found no metrics port free on every simulated node address (127.1.x.y)")?;
     let controller_log = demo_dir.join("controller.log");
     step(3, "Starting nodekeeper-controller");
     let t = Instant::now();
@@ -230,7 +235,7 @@ pub(super) async fn steps(args: &DemoArgs, bins: &Binaries, running: &mut Runnin
         // The agent finds no nvidia-smi on this machine by itself.
         agent.no_gpu = false;
         // /metrics on the node's address, as the DaemonSet sets it up.
-        agent.metrics_listen = Some(SocketAddr::from((node.ip, AGENT_METRICS_PORT)));
+        agent.metrics_listen = Some(SocketAddr::from((node.ip, metrics_port)));
         agent.create_dirs()?;
         for (key, value) in &sysctls {
             agent.write_sysctl(key, value)?;
@@ -384,7 +389,7 @@ pub(super) async fn steps(args: &DemoArgs, bins: &Binaries, running: &mut Runnin
         );
         if let Some(node) = sim.first() {
             println!(
-                "    agents:     curl http://{}:{AGENT_METRICS_PORT}/metrics  (each node's address)",
+                "    agents:     curl http://{}:{metrics_port}/metrics  (each node's address)",
                 node.ip
             );
         }
@@ -474,7 +479,7 @@ fn fleet_selector() -> String {
     format!("{}=true,!{SERVICE_HOST_LABEL}", nodes::SIMULATED_LABEL)
 }
 
-/// The agents' `/metrics` port, the one `deploy/agent/daemonset.yaml` sets.
+/// The agents' `/metrics` port, the one `deploy/agent/daemonset.yaml` sets, when it is free.
 const AGENT_METRICS_PORT: u16 = 9444;
 /// The NetworkTest the plugin runs: named as the example's.
 const MESH: &str = "mesh";
