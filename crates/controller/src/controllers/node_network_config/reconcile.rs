@@ -399,6 +399,17 @@ pub async fn reconcile(obj: Arc<NodeNetworkConfig>, ctx: Arc<Context>) -> Result
         .filter_map(|r| r.retry_at)
         .min()
         .map(|t| t.saturating_duration_since(Instant::now()));
+    // A first look at a new attachment is due at its expected attach time: the pass comes
+    // then, not at the next poll (up to a poll interval later, for a whole batch).
+    let next_look = runs
+        .values()
+        .filter(|r| r.stepping())
+        .filter_map(|r| r.next_look)
+        .min()
+        .map(|t| {
+            t.saturating_duration_since(Instant::now())
+                .max(MIN_PASS_GAP)
+        });
     put_runs(&ctx, &uid, runs, leaving);
     if let Some(s) = status {
         write_status(&api, &name, &s).await?;
@@ -408,6 +419,7 @@ pub async fn reconcile(obj: Arc<NodeNetworkConfig>, ctx: Arc<Context>) -> Result
     } else {
         ctx.settings.resync
     };
+    let wait = next_look.map_or(wait, |look| wait.min(look));
     Ok(Action::requeue(
         next_retry.map_or(wait, |r| wait.min(r.max(ctx.settings.poll))),
     ))
@@ -608,6 +620,10 @@ fn take_runs(
 
 /// Whether the Node says this very generation is applied (the condition this controller writes
 /// names it): a restarted controller resumes there instead of rolling every node out again.
+/// The shortest requeue for a due first look: the looks of one batch, due a few milliseconds
+/// apart, are taken together in one pass.
+const MIN_PASS_GAP: std::time::Duration = std::time::Duration::from_millis(50);
+
 /// How this controller's `NodeNetworkReady` messages begin: converged, and failed.
 const APPLIED_AT_GENERATION: &str = "host networking at generation ";
 const FAILED_AT_GENERATION: &str = "failed at generation ";
