@@ -16,7 +16,8 @@
 //!    id: clap refuses two groups of the same name) and add it as a field of [`Config`] here
 //!    (flags `--<name>-…`, env `NODEKEEPER_<NAME>_…`).
 //! 2. Add `pub mod <name>;` below and ONE registration line in [`Controllers::start`]:
-//!    `r.add(<name>::Context::new(shared, &config.<name>));`
+//!    `r.add(<name>::Context::new(shared, &config.<name>));`, and its `NAME` to [`NAMES`] (what
+//!    `--controllers` accepts; a test checks the list against the controllers).
 //!
 //! Nothing else in the crate changes: the runtime calls [`Controllers::start`] once this replica
 //! leads, and stops everything through the token when it no longer does. (Outside the crate, a
@@ -56,6 +57,19 @@ use crate::shared::metrics::ReconcileMetrics;
 #[derive(Clone, Debug, clap::Args)]
 #[group(id = "controllers")]
 pub struct Config {
+    /// Which watch-reconcile controllers run, as kube-controller-manager's flag of the same
+    /// name: `*` (all, the default), names (`networktest,nodemaintenance`), or `*` with some
+    /// turned off (`*,-nodeset`). Names: networktest, nodemaintenance, nodediagnostic,
+    /// nodenetworkconfig, nodeset. The node sweep always runs. A controller that is off watches
+    /// nothing: its objects are left as they are.
+    #[arg(
+        id = "enabled_controllers",
+        long = "controllers",
+        env = "NODEKEEPER_CONTROLLERS",
+        value_delimiter = ',',
+        default_value = "*"
+    )]
+    pub enabled: Vec<String>,
     #[command(flatten)]
     pub networktest: networktest::Config,
     #[command(flatten)]
@@ -64,6 +78,38 @@ pub struct Config {
     pub node_network_config: node_network_config::Config,
     #[command(flatten)]
     pub node_set: node_set::Config,
+}
+
+/// The names `--controllers` takes, each a controller's [`Reconciler::NAME`].
+pub const NAMES: [&str; 5] = [
+    "networktest",
+    "nodemaintenance",
+    "nodediagnostic",
+    "nodenetworkconfig",
+    "nodeset",
+];
+
+impl Config {
+    /// Refuses an unknown name in `--controllers`, naming the known ones.
+    pub fn check(&self) -> Result<(), String> {
+        for item in &self.enabled {
+            let name = item.trim().trim_start_matches('-');
+            if name != "*" && !NAMES.contains(&name) {
+                return Err(format!(
+                    "--controllers: unknown controller {name:?}; the names are {}, or * for all",
+                    NAMES.join(", ")
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether `--controllers` turns on the controller `name`: named, or `*` and not `-name`.
+    pub fn runs(&self, name: &str) -> bool {
+        let items: Vec<&str> = self.enabled.iter().map(|i| i.trim()).collect();
+        let off = items.iter().any(|i| i.strip_prefix('-') == Some(name));
+        !off && items.iter().any(|i| *i == "*" || *i == name)
+    }
 }
 
 /// A watch-reconcile controller, implemented by its `Context`.
@@ -185,6 +231,7 @@ impl Controllers {
             shared,
             tracker,
             shutdown,
+            config,
         };
         r.add(networktest::Context::new(
             shared,
@@ -214,14 +261,66 @@ struct Registrar<'a> {
     shared: &'a Shared,
     tracker: &'a TaskTracker,
     shutdown: &'a CancellationToken,
+    config: &'a Config,
 }
 
 impl Registrar<'_> {
     fn add<C: Reconciler>(&self, ctx: C) {
+        if !self.config.runs(C::NAME) {
+            info!(controller = C::NAME, "controller off (--controllers)");
+            return;
+        }
         self.tracker.spawn(start(
             Arc::new(ctx),
             self.shared.metrics.reconcile.clone(),
             self.shutdown.child_token(),
         ));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(flag: &[&str]) -> Config {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            controllers: Config,
+        }
+        let args = std::iter::once("x").chain(flag.iter().copied());
+        <Cli as clap::Parser>::try_parse_from(args)
+            .unwrap()
+            .controllers
+    }
+
+    #[test]
+    fn controllers_are_picked_as_kube_controller_manager_picks_them() {
+        let all = config(&[]);
+        assert!(NAMES.iter().all(|n| all.runs(n)));
+        let some = config(&["--controllers=networktest,nodemaintenance"]);
+        assert!(some.runs("networktest") && some.runs("nodemaintenance"));
+        assert!(!some.runs("nodeset"));
+        let but = config(&["--controllers=*,-nodeset,-nodenetworkconfig"]);
+        assert!(but.runs("networktest") && !but.runs("nodeset") && !but.runs("nodenetworkconfig"));
+        for c in [&all, &some, &but] {
+            c.check().unwrap();
+        }
+        let e = config(&["--controllers=*,-nodesets"]).check().unwrap_err();
+        assert!(e.contains("\"nodesets\"") && e.contains("nodeset,"), "{e}");
+    }
+
+    #[test]
+    fn the_names_are_the_controllers_own() {
+        assert_eq!(
+            NAMES,
+            [
+                <networktest::Context as Reconciler>::NAME,
+                <node_maintenance::Context as Reconciler>::NAME,
+                <node_diagnostic::Context as Reconciler>::NAME,
+                <node_network_config::Context as Reconciler>::NAME,
+                <node_set::Context as Reconciler>::NAME,
+            ]
+        );
     }
 }

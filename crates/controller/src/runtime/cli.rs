@@ -115,8 +115,10 @@ impl Cli {
         })
     }
 
-    /// Checks the leadership timings: retry period < renew deadline < lease duration.
+    /// Checks the leadership timings (retry period < renew deadline < lease duration) and the
+    /// controllers' names.
     pub fn check(&self) -> Result<(), String> {
+        self.controllers.check()?;
         if self.renew_deadline >= self.lease_duration || self.retry_period >= self.renew_deadline {
             return Err(format!(
                 "need --retry-period ({:?}) < --renew-deadline ({:?}) < --lease-duration ({:?})",
