@@ -50,7 +50,6 @@ impl ControlPlane {
                     Err(format!("{KUBECONFIG_ENV}={} names no file: start a cluster with `cargo xtask cluster up` and set it to the path `cargo xtask cluster env` prints, or unset it", path.display()))
                 };
             }
-            controlplane::remove_stale_test_clusters();
             ControlPlane::start(Options::new(format!("test-{}", std::process::id()), Lifetime::WithThisProcess))
                 .map_err(|e| format!("{e:#}"))
         })

@@ -312,8 +312,15 @@ async fn cleanup_removes_what_nodekeeper_put_in_the_cluster_and_only_that() -> a
     let n = nodes.get(&agent_nodes[0]).await?;
     ensure!(condition_types(&n).contains(&"NodekeeperReachable".to_owned()));
 
-    // Stopped the hard way (a replica killed, not releasing its Lease): the cleanup waits one
-    // lease duration, sees no renewal, and goes on.
+    // Stopped the hard way (a replica killed, not releasing its Lease): the cleanup waits the
+    // duration the Lease itself declares, sees no renewal, and goes on.
+    let held = Api::<Lease>::namespaced(client.clone(), &namespace)
+        .get("nodekeeper-controller")
+        .await?;
+    let declared = held
+        .spec
+        .and_then(|s| s.lease_duration_seconds)
+        .context("the controller's Lease declares no leaseDurationSeconds")?;
     controller.kill();
     for agent in &agents {
         agent.stop();
@@ -322,7 +329,9 @@ async fn cleanup_removes_what_nodekeeper_put_in_the_cluster_and_only_that() -> a
     ensure!(ok, "cleanup failed:\n{out}");
     ensure!(out.contains("cleanup done:"), "{out}");
     ensure!(
-        out.contains("waiting 15s to see whether a controller still renews it"),
+        out.contains(&format!(
+            "waiting {declared}s to see whether a controller still renews it"
+        )),
         "{out}"
     );
     ensure!(

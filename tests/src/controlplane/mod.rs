@@ -197,6 +197,7 @@ pub fn simulated_node_ip(i: u32) -> Ipv4Addr {
 /// kube-controller-manager has created the `default` ServiceAccount and kube-scheduler is healthy.
 /// `progress` receives a line per step.
 pub async fn up(options: &Options, progress: &mut dyn FnMut(&str)) -> Result<Cluster, Error> {
+    remove_stale_scratch_clusters();
     let dir = state_dir(&options.name);
     let previous = read_state(&options.name).ok();
     if let Some(state) = &previous {
@@ -336,17 +337,28 @@ pub fn down(name: &str, purge: bool) -> Result<Vec<Component>, Error> {
     Ok(stopped)
 }
 
-/// Removes state directories of test clusters (`test-<pid>` and `test-<pid>-…`) whose process is gone.
-pub fn remove_stale_test_clusters() {
+/// The process that owns scratch cluster `name`: tests and benchmarks name their clusters
+/// `test-…` or `bench-…` with their pid as a `-`-separated part (`test-4242`, `test-4242-lease`,
+/// `test-install-4242`, `bench-drain-4242`). Clusters named otherwise (the demo's, `cargo xtask
+/// cluster up --name …`) belong to the user and have no owner here.
+fn scratch_owner(name: &str) -> Option<u32> {
+    let rest = name
+        .strip_prefix("test-")
+        .or_else(|| name.strip_prefix("bench-"))?;
+    rest.split('-').find_map(|part| part.parse::<u32>().ok())
+}
+
+/// Removes the state directories of scratch clusters (see [`scratch_owner`]) whose owning process
+/// is gone, stopping whatever recorded component still runs. Each run keeps its logs for a
+/// post-mortem until the next test or benchmark starts a cluster; without this, every run leaves
+/// its etcd data behind (hundreds of MiB for a benchmark).
+pub fn remove_stale_scratch_clusters() {
     let Ok(entries) = fs::read_dir(clusters_root()) else {
         return;
     };
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
-        let Some(pid) = name
-            .strip_prefix("test-")
-            .and_then(|p| p.split('-').next()?.parse::<u32>().ok())
-        else {
+        let Some(pid) = scratch_owner(&name) else {
             continue;
         };
         if !Path::new(&format!("/proc/{pid}")).exists() {
@@ -365,6 +377,19 @@ mod tests {
     use std::net::TcpListener;
 
     use super::*;
+
+    #[test]
+    fn scratch_clusters_are_owned_by_the_pid_in_their_name_and_user_clusters_by_no_one() {
+        assert_eq!(scratch_owner("test-4242"), Some(4242));
+        assert_eq!(scratch_owner("test-4242-lease"), Some(4242));
+        assert_eq!(scratch_owner("test-install-4242"), Some(4242));
+        assert_eq!(scratch_owner("test-suite-4242"), Some(4242));
+        assert_eq!(scratch_owner("bench-drain-4242"), Some(4242));
+        assert_eq!(scratch_owner("demo"), None);
+        assert_eq!(scratch_owner("test"), None);
+        assert_eq!(scratch_owner("test-mine"), None);
+        assert_eq!(scratch_owner("local-4242"), None);
+    }
 
     #[test]
     fn simulated_node_ips_are_distinct_loopback_addresses() {
