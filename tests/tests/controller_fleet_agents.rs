@@ -10,9 +10,11 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::Context as _;
+use futures::StreamExt as _;
 use nodekeeper_agent::service::AgentService;
 use nodekeeper_e2e::rig::{FLEET_ROLE, FleetNode, FleetSpec, ROLE_ENV, sysctl_path};
 use nodekeeper_proto::agent::v1 as pb;
@@ -21,7 +23,14 @@ use tonic::{Request, Response, Status};
 /// One agent per node, dispatched by the connection's local address.
 #[derive(Clone)]
 struct Fleet {
-    agents: Arc<HashMap<SocketAddr, AgentService>>,
+    agents: Arc<HashMap<SocketAddr, Hosted>>,
+}
+
+#[derive(Clone)]
+struct Hosted {
+    service: AgentService,
+    /// [`FleetSpec::outage_marker`]: while it exists, this agent is off the network.
+    outage: PathBuf,
 }
 
 impl Fleet {
@@ -29,10 +38,23 @@ impl Fleet {
         let local = request
             .local_addr()
             .ok_or_else(|| Status::internal("no local address"))?;
+        let hosted = self
+            .agents
+            .get(&local)
+            .ok_or_else(|| Status::not_found(format!("no agent on {local}")))?;
+        if hosted.outage.exists() {
+            return Err(Status::unavailable(format!(
+                "agent on {local} is in an outage"
+            )));
+        }
+        Ok(hosted.service.clone())
+    }
+
+    /// Whether a connection accepted on `local` may go on (its agent is not in an outage).
+    fn accepts(&self, local: SocketAddr) -> bool {
         self.agents
             .get(&local)
-            .cloned()
-            .ok_or_else(|| Status::not_found(format!("no agent on {local}")))
+            .is_none_or(|hosted| !hosted.outage.exists())
     }
 }
 
@@ -98,7 +120,10 @@ async fn host(spec: &FleetSpec, stop: tokio_util::sync::CancellationToken) -> an
         }
         agents.insert(
             addr,
-            AgentService::new(Arc::new(nodekeeper_agent::agent::Agent::new(&config))),
+            Hosted {
+                service: AgentService::new(Arc::new(nodekeeper_agent::agent::Agent::new(&config))),
+                outage: spec.outage_marker(i),
+            },
         );
         listeners.push(
             tokio::net::TcpListener::bind(addr)
@@ -106,16 +131,28 @@ async fn host(spec: &FleetSpec, stop: tokio_util::sync::CancellationToken) -> an
                 .with_context(|| format!("bind {addr}"))?,
         );
     }
+    let fleet = Fleet {
+        agents: Arc::new(agents),
+    };
+    // A connection to an agent in an outage is closed as soon as it is accepted.
+    let gate = fleet.clone();
     let incoming = futures::stream::select_all(
         listeners
             .into_iter()
             .map(tokio_stream::wrappers::TcpListenerStream::new),
-    );
+    )
+    .filter(move |conn| {
+        let open = match conn {
+            Ok(stream) => stream
+                .local_addr()
+                .map_or(true, |local| gate.accepts(local)),
+            Err(_) => true,
+        };
+        std::future::ready(open)
+    });
     let server = tonic::transport::Server::builder()
         .tls_config(tls.context("no nodes in the spec")?)?
-        .add_service(pb::node_agent_server::NodeAgentServer::new(Fleet {
-            agents: Arc::new(agents),
-        }))
+        .add_service(pb::node_agent_server::NodeAgentServer::new(fleet))
         .serve_with_incoming_shutdown(incoming, stop.cancelled_owned());
     tokio::spawn(server);
     Ok(())
@@ -185,6 +222,20 @@ async fn calls_reach_the_agent_of_the_address_called() -> anyhow::Result<()> {
         (3, 3),
         "later connections resume the session"
     );
+    // An outage takes exactly its agent off the network, and ends.
+    let down = SocketAddr::new(spec.nodes[1].ip.into(), port);
+    spec.set_outage(1, true)?;
+    let refused = reported_node(&tls, down).await;
+    assert!(
+        refused.is_err(),
+        "an agent in an outage answered: {refused:?}"
+    );
+    for i in [0, 2] {
+        let addr = SocketAddr::new(spec.nodes[i].ip.into(), port);
+        assert_eq!(reported_node(&tls, addr).await?, spec.nodes[i].name);
+    }
+    spec.set_outage(1, false)?;
+    assert_eq!(reported_node(&tls, down).await?, spec.nodes[1].name);
     stop.cancel();
     Ok(())
 }

@@ -1,10 +1,16 @@
 //! `cargo xtask bench soak --nodes N --minutes M`: the controller on the simulated fleet of
-//! [`crate::fleet_rig`] for M minutes while agents flap at random (seeded): a flap makes one
-//! node's agent report a tunable out of bounds for two to three sweep intervals, then back in
-//! bounds. Samples the controller's RSS over the run (a leak shows as a slope), counts its API
-//! writes in the audit log against the write budget, and checks that every flap is reflected
-//! exactly once: one successful Node condition patch when it starts and one when it ends, on that
-//! node only. Writes its section (`## soak`) in BENCHMARKS.md.
+//! [`crate::fleet_rig`] for M minutes while agents flap at random (seeded), two ways:
+//!
+//! - a *tunable flap* makes one node's agent report a tunable out of bounds for two to three
+//!   sweep intervals, then back in bounds (`TunablesInBounds` False, then True);
+//! - an *agent outage* takes one node's agent off the network (the agents host closes every
+//!   connection to it as soon as it is accepted) for longer than `staleAfter`, then brings it
+//!   back (`NodekeeperReachable` False, then True).
+//!
+//! Samples the controller's RSS over the run (a leak shows as a slope), counts its API writes in
+//! the audit log against the write budget, and checks that every flap is reflected exactly once:
+//! one successful Node condition patch when it starts and one when it ends, on that node only.
+//! Writes its section (`## soak`) in BENCHMARKS.md.
 //!
 //! The controller and the agents host are built and run in release. Every flap is a file write
 //! in the agents host's work directory; nothing leaves 127.0.0.0/8.
@@ -31,14 +37,21 @@ pub struct SoakArgs {
     /// Length of the soak, in minutes (the issue's figure is 30).
     #[arg(long, default_value_t = 30)]
     pub minutes: u64,
-    /// Flaps started per minute, each on a node picked at random.
+    /// Tunable flaps started per minute, each on a node picked at random.
     #[arg(long, default_value_t = 6)]
     pub flaps_per_minute: u32,
+    /// Agent outages started per minute, each on a node picked at random among those with no
+    /// flap or outage under way (0: none). An outage lasts the tuning's `staleAfter` (twice the
+    /// sweep interval in the soak) plus two to three sweep intervals, so that the controller both
+    /// gives the node up and sees it come back.
+    #[arg(long, default_value_t = 2)]
+    pub outages_per_minute: u32,
     /// Seed of the random choices (which node flaps, and for how long).
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
     /// The tuning's `sweepInterval` (every agent read at least this often). A flap lasts two to
-    /// three intervals, so that the sweep sees both of its edges.
+    /// three intervals, so that the sweep sees both of its edges. The soak's `staleAfter` is
+    /// twice this.
     #[arg(long, default_value = "60s", value_parser = parse_duration)]
     pub sweep_interval: Duration,
     /// How often the controller's RSS is sampled.
@@ -179,8 +192,17 @@ fn slope_per_hour(samples: &[(f64, f64)]) -> f64 {
 }
 
 /// One node out of bounds until `until`.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Kind {
+    /// A tunable out of bounds.
+    Tunable,
+    /// The agent off the network.
+    Outage,
+}
+
 struct Flap {
     node: usize,
+    kind: Kind,
     until: Instant,
 }
 
@@ -188,6 +210,7 @@ async fn soak(args: SoakArgs, root: std::path::PathBuf, programs: Programs) -> a
     let n = args.nodes;
     let say = |text: String| eprintln!("[bench soak] {text}");
     let interval = args.sweep_interval;
+    let stale_after = interval * 2;
     let rules =
         format!("tunables:\n  - name: somaxconn\n    key: {KEY}\n    atLeast: {IN_BOUNDS}\n");
     let config = RigConfig {
@@ -195,7 +218,8 @@ async fn soak(args: SoakArgs, root: std::path::PathBuf, programs: Programs) -> a
         nodes: n,
         port: args.port,
         tuning: json!({"sweepInterval": nodekeeper_model::tuning::format_duration(interval),
-            "staleAfter": "15m", "concurrency": "256", "callTimeout": "10s", "rules.yaml": rules}),
+            "staleAfter": nodekeeper_model::tuning::format_duration(stale_after),
+            "concurrency": "256", "callTimeout": "10s", "rules.yaml": rules}),
     };
     let rig = Rig::start(&config, &root, &programs, &say).await?;
     rig.first_sweep(Duration::from_secs(900)).await?;
@@ -218,61 +242,106 @@ async fn soak(args: SoakArgs, root: std::path::PathBuf, programs: Programs) -> a
     let (_, _, cpu0) = proc_usage(pid)?;
     let soak = Duration::from_secs(args.minutes * 60);
     let flap_gap = Duration::from_secs_f64(60.0 / f64::from(args.flaps_per_minute));
+    let outage_gap = (args.outages_per_minute > 0)
+        .then(|| Duration::from_secs_f64(60.0 / f64::from(args.outages_per_minute)));
     let mut rng = Rng(args.seed);
     let mut down: Vec<Flap> = Vec::new();
+    // Ended flaps per node, by kind.
     let mut flaps: BTreeMap<String, usize> = BTreeMap::new();
+    let mut outages: BTreeMap<String, usize> = BTreeMap::new();
     let mut samples: Vec<(f64, f64)> = Vec::new();
     let started = Instant::now();
     let mut next_flap = started;
+    let mut next_outage = started + outage_gap.unwrap_or_default() / 2;
     let mut next_sample = started;
     say(format!(
-        "soaking for {} min: a flap every {flap_gap:.0?} (seed {}), each lasting 2–3 sweep intervals of {interval:?}",
-        args.minutes, args.seed
+        "soaking for {} min: a tunable flap every {flap_gap:.0?}, each lasting 2–3 sweep intervals of {interval:?}; {} (seed {})",
+        args.minutes,
+        match outage_gap {
+            Some(gap) => format!(
+                "an agent outage every {gap:.0?}, each lasting staleAfter ({stale_after:?}) plus 2–3 sweep intervals"
+            ),
+            None => "no agent outages".to_owned(),
+        },
+        args.seed
     ));
     // Flaps start only within the soak; the last ones are let run to their end, so that every
     // flap has both edges.
     while started.elapsed() < soak || !down.is_empty() {
         let now = Instant::now();
+        let mut starting = Vec::new();
         if started.elapsed() < soak && now >= next_flap {
             next_flap += flap_gap;
-            // A node not already down; with every node down, this flap is skipped.
+            starting.push(Kind::Tunable);
+        }
+        if let Some(gap) = outage_gap
+            && started.elapsed() < soak
+            && now >= next_outage
+        {
+            next_outage += gap;
+            starting.push(Kind::Outage);
+        }
+        for kind in starting {
+            // A node with nothing under way; with every node busy, this flap is skipped.
             let free: Vec<usize> = (0..n)
                 .filter(|i| !down.iter().any(|f| f.node == *i))
                 .collect();
-            if !free.is_empty() {
-                let node = free[rng.below(free.len() as u64) as usize];
-                let hold = interval * 2 + interval.mul_f64(rng.below(1000) as f64 / 1000.0);
-                rig.agents
-                    .spec
-                    .agent(node)
-                    .write_sysctl(KEY, OUT_OF_BOUNDS)?;
-                down.push(Flap {
-                    node,
-                    until: now + hold,
-                });
+            if free.is_empty() {
+                continue;
             }
+            let node = free[rng.below(free.len() as u64) as usize];
+            let jitter = interval.mul_f64(rng.below(1000) as f64 / 1000.0);
+            let hold = match kind {
+                Kind::Tunable => {
+                    rig.agents
+                        .spec
+                        .agent(node)
+                        .write_sysctl(KEY, OUT_OF_BOUNDS)?;
+                    interval * 2 + jitter
+                }
+                Kind::Outage => {
+                    rig.agents.spec.set_outage(node, true)?;
+                    stale_after + interval * 2 + jitter
+                }
+            };
+            down.push(Flap {
+                node,
+                kind,
+                until: now + hold,
+            });
         }
         let mut ended = Vec::new();
         down.retain(|f| {
             let over = now >= f.until;
             if over {
-                ended.push(f.node);
+                ended.push((f.node, f.kind));
             }
             !over
         });
-        for node in ended {
-            rig.agents.spec.agent(node).write_sysctl(KEY, IN_BOUNDS)?;
-            *flaps.entry(rig.names[node].clone()).or_default() += 1;
+        for (node, kind) in ended {
+            let name = rig.names[node].clone();
+            match kind {
+                Kind::Tunable => {
+                    rig.agents.spec.agent(node).write_sysctl(KEY, IN_BOUNDS)?;
+                    *flaps.entry(name).or_default() += 1;
+                }
+                Kind::Outage => {
+                    rig.agents.spec.set_outage(node, false)?;
+                    *outages.entry(name).or_default() += 1;
+                }
+            }
         }
         if now >= next_sample {
             next_sample += args.sample_every;
             let rss = proc_usage(pid)?.0 as f64 / 1024.0;
             samples.push((started.elapsed().as_secs_f64(), rss));
             say(format!(
-                "{:>5.0} s: controller RSS {rss:.1} MiB, {} nodes down, {} flaps done",
+                "{:>5.0} s: controller RSS {rss:.1} MiB; under way: {} tunable flaps, {} agent outages; done: {} flaps, {} outages",
                 started.elapsed().as_secs_f64(),
-                down.len(),
-                flaps.values().sum::<usize>()
+                down.iter().filter(|f| f.kind == Kind::Tunable).count(),
+                down.iter().filter(|f| f.kind == Kind::Outage).count(),
+                flaps.values().sum::<usize>(),
+                outages.values().sum::<usize>()
             ));
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -298,15 +367,25 @@ async fn soak(args: SoakArgs, root: std::path::PathBuf, programs: Programs) -> a
     let patches = node_patches(&audit, audit_from)?;
     drop(rig);
 
-    // Every flap reflected once: two successful patches per flap, on the flapped nodes only.
+    // Every flap and outage reflected once: two successful patches each, on those nodes only.
     let flap_count: usize = flaps.values().sum();
+    let outage_count: usize = outages.values().sum();
     let mut wrong: Vec<String> = Vec::new();
-    let nodes: BTreeSet<&String> = flaps.keys().chain(patches.keys()).collect();
+    let nodes: BTreeSet<&String> = flaps
+        .keys()
+        .chain(outages.keys())
+        .chain(patches.keys())
+        .collect();
     for node in nodes {
-        let want = 2 * flaps.get(node).copied().unwrap_or(0);
+        let (f, o) = (
+            flaps.get(node).copied().unwrap_or(0),
+            outages.get(node).copied().unwrap_or(0),
+        );
         let got = patches.get(node).map_or(0, |p| p.0);
-        if got != want {
-            wrong.push(format!("{node}: {got} patches for {} flaps", want / 2));
+        if got != 2 * (f + o) {
+            wrong.push(format!(
+                "{node}: {got} patches for {f} tunable flaps and {o} agent outages"
+            ));
         }
     }
     let failed: usize = patches.values().map(|p| p.1).sum();
@@ -339,10 +418,11 @@ async fn soak(args: SoakArgs, root: std::path::PathBuf, programs: Programs) -> a
         .unwrap_or(0);
     let mut report = String::new();
     report.push_str(&format!(
-        "### N = {n}, {} min\n\nCommand: `cargo xtask bench soak --nodes {n} --minutes {} --flaps-per-minute {} --seed {} --sweep-interval {}{}`; controller built in {}, agents host in {}; machine: {host_cpus} cores shared with the control plane, kwok, all {n} agents{}.\n\n",
+        "### N = {n}, {} min\n\nCommand: `cargo xtask bench soak --nodes {n} --minutes {} --flaps-per-minute {} --outages-per-minute {} --seed {} --sweep-interval {}{}`; staleAfter {}; controller built in {}, agents host in {}; machine: {host_cpus} cores shared with the control plane, kwok, all {n} agents{}.\n\n",
         args.minutes,
         args.minutes,
         args.flaps_per_minute,
+        args.outages_per_minute,
         args.seed,
         nodekeeper_model::tuning::format_duration(interval),
         if args.debug_builds {
@@ -352,6 +432,7 @@ async fn soak(args: SoakArgs, root: std::path::PathBuf, programs: Programs) -> a
         } else {
             ""
         },
+        nodekeeper_model::tuning::format_duration(stale_after),
         if args.debug_builds { "the dev profile (unoptimised: RSS and CPU are a debug build's)" } else { "release" },
         if args.debug_builds || args.agents_debug { "the dev profile" } else { "release" },
         if args.minutes < 30 {
@@ -380,15 +461,19 @@ async fn soak(args: SoakArgs, root: std::path::PathBuf, programs: Programs) -> a
         (cpu1 - cpu0) / total_secs
     ));
     report.push_str(&format!(
-        "| flaps (a tunable out of bounds for 2–3 sweep intervals, then back) | {flap_count} on {} nodes |\n",
+        "| tunable flaps (a tunable out of bounds for 2–3 sweep intervals, then back) | {flap_count} on {} nodes |\n",
         flaps.len()
     ));
     report.push_str(&format!(
-        "| condition patches (successful / failed) | {ok_patches} / {failed}; expected {} (two per flap) |\n",
-        2 * flap_count
+        "| agent outages (connections to the agent cut for staleAfter + 2–3 sweep intervals, then answered) | {outage_count} on {} nodes |\n",
+        outages.len()
     ));
     report.push_str(&format!(
-        "| every flap reflected once (one patch per edge, flapped nodes only) | **{}**{} |\n",
+        "| condition patches (successful / failed) | {ok_patches} / {failed}; expected {} (two per flap or outage) |\n",
+        2 * (flap_count + outage_count)
+    ));
+    report.push_str(&format!(
+        "| every flap and outage reflected once (one patch per edge, on those nodes only) | **{}**{} |\n",
         if wrong.is_empty() { "yes" } else { "NO" },
         if wrong.is_empty() {
             String::new()
@@ -437,4 +522,4 @@ async fn soak(args: SoakArgs, root: std::path::PathBuf, programs: Programs) -> a
 }
 
 /// The `## soak` section's opening, written when BENCHMARKS.md has no such section yet.
-const INTRO: &str = "## soak\n\nThe controller on N kwok nodes with N real agents (the fleet rig) for a fixed time while agents flap at random (seeded): each flap puts one node's tunable out of bounds for two to three sweep intervals and back. Looked for: controller RSS flat over time (no leak), API writes within the budget of DESIGN.md (≤ 1 write/s on average at 10,000 nodes), every flap reflected exactly once (one Node condition patch per edge, on that node only). The issue asks for 1,000 nodes for 30 minutes.\n";
+const INTRO: &str = "## soak\n\nThe controller on N kwok nodes with N real agents (the fleet rig) for a fixed time while agents flap at random (seeded): a tunable flap puts one node's tunable out of bounds for two to three sweep intervals and back; an agent outage (runs from the outage change on) cuts every connection to one node's agent for longer than staleAfter, then lets it answer again. Looked for: controller RSS flat over time (no leak), API writes within the budget of DESIGN.md (≤ 1 write/s on average at 10,000 nodes), every flap reflected exactly once (one Node condition patch per edge, on that node only). The issue asks for 1,000 nodes for 30 minutes.\n";

@@ -206,6 +206,34 @@ impl FleetSpec {
         )
     }
 
+    /// The file whose presence takes node `i`'s agent off the network: while it exists, the
+    /// agents host closes every connection to that agent's address as soon as it is accepted
+    /// (the client sees its TLS handshake cut, as when an agent is wedged or being replaced) and
+    /// refuses any call already under way. The soak's agent outages.
+    pub fn outage_marker(&self, i: usize) -> PathBuf {
+        self.dir.join(format!("n{i}")).join("outage")
+    }
+
+    /// Takes node `i`'s agent off the network (`down`) or brings it back.
+    pub fn set_outage(&self, i: usize, down: bool) -> anyhow::Result<()> {
+        let marker = self.outage_marker(i);
+        if down {
+            std::fs::write(&marker, b"")
+        } else {
+            match std::fs::remove_file(&marker) {
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+                other => other,
+            }
+        }
+        .with_context(|| {
+            format!(
+                "{} {}",
+                if down { "write" } else { "remove" },
+                marker.display()
+            )
+        })
+    }
+
     /// Read from the file named by `NODEKEEPER_FLEET_SPEC` (in the agents host).
     pub fn from_env() -> anyhow::Result<FleetSpec> {
         let path =
