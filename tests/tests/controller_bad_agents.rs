@@ -116,6 +116,20 @@ async fn serve_fake(
     Ok(())
 }
 
+/// Accepts every connection on `addr` and closes it at once, until `stop`.
+async fn close_every_connection(addr: SocketAddr, stop: CancellationToken) -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                () = stop.cancelled() => return,
+                accepted = listener.accept() => drop(accepted),
+            }
+        }
+    });
+    Ok(())
+}
+
 /// A CA and agent certificate that the controller does not trust (same server name).
 fn foreign_agent_tls() -> (String, String, String) {
     let (ca_cert, ca_key) = nodekeeper_controller::certs::generate_ca().unwrap();
@@ -136,9 +150,11 @@ async fn bad_agents_and_nodes_are_named_counted_and_never_stall_the_sweep() -> a
     let labels: BTreeMap<String, String> =
         [("nodekeeper.dev/e2e-group".to_string(), group.clone())].into();
     let selector = format!("nodekeeper.dev/e2e-group={group}");
-    let ips = loopback_ips(4);
-    // 0: healthy agent, 1: foreign certificate, 2: wrong node, 3: huge reply.
-    let nodes = create_simulated_nodes(&client, "nk-bad", 4, &labels, &ips).await?;
+    let ips = loopback_ips(6);
+    // 0: healthy agent, 1: foreign certificate, 2: wrong node, 3: huge reply, 4: an agent that
+    // does not trust the controller's certificate, 5: something that takes every connection and
+    // closes it at once (a wedged agent; the soak's agent outage).
+    let nodes = create_simulated_nodes(&client, "nk-bad", 6, &labels, &ips).await?;
     // A Node without any address (not managed by kwok: no simulated label).
     let bare = unique_name("nk-bad-noip");
     let bare_node: Node = serde_json::from_value(serde_json::json!({
@@ -185,6 +201,14 @@ async fn bad_agents_and_nodes_are_named_counted_and_never_stall_the_sweep() -> a
         stop.clone(),
     )
     .await?;
+    let distrusting = (tls.0.clone(), tls.1.clone(), foreign_agent_tls().2);
+    let _distrusting = start_agent(
+        &nodes[4],
+        SocketAddr::new(ips[4].into(), port),
+        &distrusting,
+    )
+    .await?;
+    close_every_connection(SocketAddr::new(ips[5].into(), port), stop.clone()).await?;
 
     let t = Duration::from_secs(90);
     wait_condition(
@@ -223,6 +247,49 @@ async fn bad_agents_and_nodes_are_named_counted_and_never_stall_the_sweep() -> a
         t,
     )
     .await?;
+    wait_condition(
+        &client,
+        &nodes[4],
+        "NodekeeperReachable",
+        "False",
+        Some("AgentCertificateRejected"),
+        t,
+    )
+    .await?;
+    // A closed connection is no certificate rejection (it was reported as one before).
+    wait_condition(
+        &client,
+        &nodes[5],
+        "NodekeeperReachable",
+        "False",
+        Some("AgentUnreachable"),
+        t,
+    )
+    .await?;
+    // A failing agent's condition is written once, not at every failed call, even when its
+    // calls fail in more than one way (node 4: an alert, then a closed connection): the time of
+    // the last write stays put over three sweep intervals.
+    let written_at = |node: Node| {
+        node.status
+            .and_then(|s| s.conditions)
+            .unwrap_or_default()
+            .into_iter()
+            .find(|c| c.type_ == "NodekeeperReachable")
+            .map(|c| (c.reason, c.last_heartbeat_time))
+    };
+    let nodes_api: Api<Node> = Api::all(client.clone());
+    let mut before = Vec::new();
+    for node in &nodes[1..] {
+        before.push(written_at(nodes_api.get(node).await?));
+    }
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    for (node, was) in nodes[1..].iter().zip(before) {
+        assert_eq!(
+            written_at(nodes_api.get(node).await?),
+            was,
+            "{node}: its condition was rewritten while its agent kept failing"
+        );
+    }
     // None of the bad answers produced a report-based condition (no TunablesInBounds).
     let api: Api<Node> = Api::all(client.clone());
     for node in &nodes[1..] {

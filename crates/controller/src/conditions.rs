@@ -145,6 +145,43 @@ pub enum FailureClass {
     InvalidReply,
 }
 
+impl FailureClass {
+    /// How much a class says about the agent: a certificate rejection names its cause, an
+    /// invalid reply shows a live but wrong peer, "no answer" shows nothing.
+    fn specificity(self) -> u8 {
+        match self {
+            FailureClass::Unreachable => 0,
+            FailureClass::InvalidReply => 1,
+            FailureClass::Certificate => 2,
+        }
+    }
+
+    fn of_reason(reason: &str) -> Option<FailureClass> {
+        match reason {
+            reason::AGENT_UNREACHABLE => Some(FailureClass::Unreachable),
+            reason::AGENT_CERTIFICATE_REJECTED => Some(FailureClass::Certificate),
+            reason::AGENT_REPLY_INVALID => Some(FailureClass::InvalidReply),
+            _ => None,
+        }
+    }
+}
+
+/// The class a stale node's condition names, given the class of the latest failed call and the
+/// conditions written: the most specific class seen since the agent last answered. One broken
+/// agent often fails in more than one way (an agent that distrusts our certificate answers the
+/// handshake with an alert on one call and a closed connection on the next); naming the latest
+/// would rewrite the Node at every call, and hide the telling failure behind a vague one.
+pub fn stale_class(latest: FailureClass, written: &[Written]) -> FailureClass {
+    let shown = written
+        .iter()
+        .find(|w| w.condition.type_ == REACHABLE && w.condition.status == Status::False)
+        .and_then(|w| FailureClass::of_reason(&w.condition.reason));
+    match shown {
+        Some(shown) if shown.specificity() > latest.specificity() => shown,
+        _ => latest,
+    }
+}
+
 /// What the controller knows about one node's agent at one moment.
 #[derive(Clone, Copy, Debug)]
 pub enum Observation<'a> {
@@ -941,6 +978,38 @@ mod tests {
         assert_eq!(
             types.into_iter().collect::<Vec<_>>(),
             ["KernelDeadlock", "NodekeeperReachable"]
+        );
+    }
+
+    #[test]
+    fn a_stale_node_keeps_the_most_specific_failure_until_it_answers() {
+        let config = TuningConfig::default();
+        let stale = |class| Observation::Stale {
+            address: "127.1.0.9:9443",
+            class,
+            stale_after: Duration::from_secs(900),
+        };
+        // An agent that distrusts us: an alert on one call, a closed connection on the next.
+        let first = desired_conditions(stale(FailureClass::Certificate), &config, &[]).unwrap();
+        let shown = written(&first);
+        let class = stale_class(FailureClass::Unreachable, &shown);
+        assert_eq!(class, FailureClass::Certificate);
+        let again = desired_conditions(stale(class), &config, &shown).unwrap();
+        assert!(!changed(&shown, &again), "rewritten: {again:?}");
+        // A more telling failure replaces a vague one at once.
+        let vague =
+            written(&desired_conditions(stale(FailureClass::Unreachable), &config, &[]).unwrap());
+        assert_eq!(
+            stale_class(FailureClass::InvalidReply, &vague),
+            FailureClass::InvalidReply
+        );
+        // Once the agent answered (Reachable True), the next outage starts afresh.
+        let view = NodeView::default();
+        let answered =
+            written(&desired_conditions(Observation::Fresh(&view), &config, &shown).unwrap());
+        assert_eq!(
+            stale_class(FailureClass::Unreachable, &answered),
+            FailureClass::Unreachable
         );
     }
 

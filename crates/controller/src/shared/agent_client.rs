@@ -374,13 +374,7 @@ impl AgentConnection {
         use futures::StreamExt as _;
         let (endpoint, timeout) = (self.endpoint, self.limits.timeout);
         let stream = finish(endpoint, timeout, self.client.collect_diagnostics(request)).await?;
-        Ok(stream.map(move |item| {
-            item.map_err(|status| CallError {
-                outcome: classify_status(&status),
-                endpoint,
-                detail: format!("{:?}: {}", status.code(), status.message()),
-            })
-        }))
+        Ok(stream.map(move |item| item.map_err(|status| status_failure(endpoint, &status))))
     }
 }
 
@@ -396,14 +390,22 @@ async fn finish<T>(
             detail: format!("no answer within {timeout:?}"),
         }),
         Ok(Ok(response)) => Ok(response.into_inner()),
-        Ok(Err(status)) => {
-            let detail = format!("{:?}: {}", status.code(), status.message());
-            Err(CallError {
-                outcome: classify_status(&status),
-                endpoint,
-                detail,
-            })
-        }
+        Ok(Err(status)) => Err(status_failure(endpoint, &status)),
+    }
+}
+
+/// A failed call from its status, the status's causes included: a connection the agent closed
+/// after a TLS alert ends as a bare `Unknown: transport error` or `Cancelled` status, and only
+/// the cause says that the agent refused our certificate.
+fn status_failure(endpoint: SocketAddr, status: &tonic::Status) -> CallError {
+    let mut detail = format!("{:?}: {}", status.code(), status.message());
+    if let Some(cause) = std::error::Error::source(status) {
+        detail.push_str(&format!(": {}", chain(cause)));
+    }
+    CallError {
+        outcome: classify_status(status, &detail),
+        endpoint,
+        detail,
     }
 }
 
@@ -428,12 +430,24 @@ fn chain(error: &dyn std::error::Error) -> String {
 
 /// Classifies a connection failure from its full text (tonic and rustls do not expose typed
 /// causes through the transport error).
+///
+/// A peer that closes the connection without a word during the handshake (`tls handshake eof`,
+/// a reset) is a connection failure, not a certificate rejection: that is what an agent that is
+/// wedged, restarting or behind a dropping firewall looks like, and calling it
+/// `AgentCertificateRejected` sends the operator to the wrong place (and a node whose failures
+/// alternate between a reset and an EOF would have its condition rewritten at every call). A
+/// rejection says so: a certificate error on our side, or a TLS alert from the agent.
 pub fn classify_transport(text: &str) -> CallOutcome {
     let t = text.to_ascii_lowercase();
+    let peer_closed = t.contains("handshake eof")
+        || t.contains("unexpected eof")
+        || t.contains("connection reset")
+        || t.contains("broken pipe");
     if t.contains("certificate")
         || t.contains("unknownissuer")
         || t.contains("notvalidforname")
-        || t.contains("handshake")
+        || t.contains("alert")
+        || (t.contains("handshake") && !peer_closed)
     {
         CallOutcome::Tls
     } else if t.contains("corrupt message")
@@ -450,9 +464,19 @@ pub fn classify_transport(text: &str) -> CallOutcome {
     }
 }
 
-fn classify_status(status: &tonic::Status) -> CallOutcome {
+fn classify_status(status: &tonic::Status, detail: &str) -> CallOutcome {
     use tonic::Code;
     let message = status.message().to_ascii_lowercase();
+    let causes = detail.to_ascii_lowercase();
+    // tonic reports a broken connection as Unknown, Cancelled or Unavailable with the transport
+    // error as its cause: the connection's fate, not the agent's answer.
+    if matches!(
+        status.code(),
+        Code::Unknown | Code::Cancelled | Code::Unavailable
+    ) && causes.contains("transport error")
+    {
+        return classify_transport(&causes);
+    }
     if message.contains("message length too large")
         || message.contains("too large")
         || status.code() == Code::ResourceExhausted
@@ -494,33 +518,84 @@ mod tests {
             classify_transport("transport error: Connection refused (os error 111)"),
             CallOutcome::Connect
         );
+        // An agent that takes the connection and closes it mid-handshake is not reachable; it
+        // rejected no certificate.
+        assert_eq!(
+            classify_transport("transport error: tls handshake eof: tls handshake eof"),
+            CallOutcome::Connect
+        );
+        assert_eq!(
+            classify_transport(
+                "transport error: Connection reset by peer (os error 104): Connection reset by peer (os error 104)"
+            ),
+            CallOutcome::Connect
+        );
+        // An agent that does not trust our certificate says so with an alert.
+        assert_eq!(
+            classify_transport("transport error: received fatal alert: UnknownCA"),
+            CallOutcome::Tls
+        );
+        assert_eq!(
+            classify_transport("transport error: received fatal alert: CertificateRequired"),
+            CallOutcome::Tls
+        );
         assert_eq!(
             classify_transport("operation timed out"),
             CallOutcome::Timeout
         );
     }
 
+    fn classify_status_alone(status: &tonic::Status) -> CallOutcome {
+        classify_status(
+            status,
+            &format!("{:?}: {}", status.code(), status.message()),
+        )
+    }
+
     #[test]
     fn classifies_statuses() {
         assert_eq!(
-            classify_status(&tonic::Status::out_of_range(
+            classify_status_alone(&tonic::Status::out_of_range(
                 "Error, decoded message length too large: found 9000000 bytes, the limit is: 4194304 bytes"
             )),
             CallOutcome::TooLarge
         );
         assert_eq!(
-            classify_status(&tonic::Status::internal(
+            classify_status_alone(&tonic::Status::internal(
                 "failed to decode Protobuf message"
             )),
             CallOutcome::InvalidReply
         );
         assert_eq!(
-            classify_status(&tonic::Status::deadline_exceeded("x")),
+            classify_status_alone(&tonic::Status::deadline_exceeded("x")),
             CallOutcome::Timeout
         );
         assert_eq!(
-            classify_status(&tonic::Status::invalid_argument("rule a: bad")),
+            classify_status_alone(&tonic::Status::invalid_argument("rule a: bad")),
             CallOutcome::Status
+        );
+        // What an agent that distrusts our certificate produces, call after call (seen in
+        // tests/tests/controller_bad_agents.rs): an alert, or just the closed connection.
+        let alert = tonic::Status::unknown("transport error");
+        assert_eq!(
+            classify_status(
+                &alert,
+                "Unknown: transport error: transport error: connection error: received fatal alert: DecryptError"
+            ),
+            CallOutcome::Tls
+        );
+        let closed = tonic::Status::cancelled("operation was canceled");
+        assert_eq!(
+            classify_status(
+                &closed,
+                "Cancelled: operation was canceled: transport error: operation was canceled: connection closed"
+            ),
+            CallOutcome::Connect
+        );
+        // A real answer with code Unknown (no transport error) is still a bad reply.
+        assert_eq!(
+            classify_status_alone(&tonic::Status::unknown("panic in handler")),
+            CallOutcome::InvalidReply
         );
     }
 }

@@ -161,7 +161,7 @@ async fn poll(ctx: &Arc<Context>, writers: &Writers, job: Job) {
                     warn!(node = %job.name, %error, stale_after = %tuning::format_duration(tuning.config.stale_after), "agent is stale");
                 }
                 entry.stale = stale;
-                let class = error.class();
+                let class = conditions::stale_class(error.class(), &entry.written);
                 if entry.last_failure.is_none() {
                     // Visible at once in the summary, the gauge and the log; the Node condition
                     // waits for staleAfter so that one missed call does not flip it (README,
