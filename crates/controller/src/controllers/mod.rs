@@ -61,8 +61,8 @@ pub struct Config {
     /// Which watch-reconcile controllers run, as kube-controller-manager's flag of the same
     /// name: `*` (all, the default), names (`networktest,nodemaintenance`), or `*` with some
     /// turned off (`*,-nodeset`). Names: networktest, nodemaintenance, nodediagnostic,
-    /// nodenetworkconfig, nodeset, kubenode. The node sweep always runs. A controller that is off watches
-    /// nothing: its objects are left as they are.
+    /// nodenetworkconfig, nodeset, kubenode. The node sweep always runs. A controller that is
+    /// off watches nothing: its objects are left as they are.
     #[arg(
         id = "enabled_controllers",
         long = "controllers",

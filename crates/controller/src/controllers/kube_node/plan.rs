@@ -66,26 +66,45 @@ pub fn step(s: &NodeState<'_>) -> Step {
     }
 }
 
-/// Where a removal stands, from the node's NodeMaintenance (if one exists).
+/// The node's NodeMaintenance as a removal sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Drain {
+    /// There is none.
+    Absent,
+    /// It is being deleted (its own finalizer restores the node first).
+    Going,
+    /// It is there; where the node's drain stands.
+    Present(Leaving),
+}
+
+/// Where a removal stands.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Removal {
     /// No drain yet: create the NodeMaintenance.
     StartDrain,
-    /// Draining: look again soon.
+    /// Draining, or the NodeMaintenance is going: look again soon.
     Wait,
     /// The drain failed or was refused: say so, and wait for someone to act.
     Stuck(String),
-    /// Drained: delete the machine.
+    /// Drained: delete the machine, then the NodeMaintenance.
     DeleteMachine,
+    /// The machine and the NodeMaintenance are gone: remove the finalizer. Only then — the
+    /// NodeMaintenance's own clean-up writes on the Node, and a server-side apply on a Node
+    /// already gone would create it again.
+    Release,
 }
 
-/// The removal step for a node whose drain is `drain`.
-pub fn removal(drain: Option<Leaving>) -> Removal {
+/// The removal step for a node whose drain is `drain`; `cleaned` says this process deleted the
+/// machine and the NodeMaintenance (after a restart it is not known: the drain is done again,
+/// quickly, as the node is empty, and the machine's deletion is idempotent).
+pub fn removal(drain: Drain, cleaned: bool) -> Removal {
     match drain {
-        None => Removal::StartDrain,
-        Some(Leaving::Drained) => Removal::DeleteMachine,
-        Some(Leaving::Stuck(m)) => Removal::Stuck(m),
-        Some(Leaving::No | Leaving::Draining | Leaving::Deleting) => Removal::Wait,
+        Drain::Absent if cleaned => Removal::Release,
+        Drain::Absent => Removal::StartDrain,
+        Drain::Going => Removal::Wait,
+        Drain::Present(Leaving::Drained) => Removal::DeleteMachine,
+        Drain::Present(Leaving::Stuck(m)) => Removal::Stuck(m),
+        Drain::Present(Leaving::No | Leaving::Draining | Leaving::Deleting) => Removal::Wait,
     }
 }
 
@@ -177,12 +196,21 @@ mod tests {
         // The annotation removed meanwhile: the finalizer still gets its removal.
         let d = NodeState { class: None, ..d };
         assert_eq!(step(&d), Step::Remove);
-        assert_eq!(removal(None), Removal::StartDrain);
-        assert_eq!(removal(Some(Leaving::Draining)), Removal::Wait);
-        assert_eq!(removal(Some(Leaving::Drained)), Removal::DeleteMachine);
+        assert_eq!(removal(Drain::Absent, false), Removal::StartDrain);
         assert_eq!(
-            removal(Some(Leaving::Stuck("timed out".into()))),
+            removal(Drain::Present(Leaving::Draining), false),
+            Removal::Wait
+        );
+        assert_eq!(
+            removal(Drain::Present(Leaving::Drained), false),
+            Removal::DeleteMachine
+        );
+        assert_eq!(
+            removal(Drain::Present(Leaving::Stuck("timed out".into())), false),
             Removal::Stuck("timed out".into())
         );
+        // The finalizer goes only once the NodeMaintenance is gone.
+        assert_eq!(removal(Drain::Going, true), Removal::Wait);
+        assert_eq!(removal(Drain::Absent, true), Removal::Release);
     }
 }

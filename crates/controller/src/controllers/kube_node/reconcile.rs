@@ -14,7 +14,7 @@ use k8s_openapi::api::core::v1::Node;
 use kube::api::{Patch, PatchParams};
 use kube::runtime::controller::Action;
 use kube::runtime::events::EventType;
-use kube::{Api, ResourceExt as _};
+use kube::{Api, Resource as _, ResourceExt as _};
 use nodekeeper_api::crd::node_class::NodeClassSpec;
 use nodekeeper_api::crd::node_set::ScaleDown;
 use nodekeeper_api::crd::{NodeClass, NodeMaintenance};
@@ -25,7 +25,7 @@ use serde_json::json;
 use tracing::{info, warn};
 
 use super::Context;
-use super::plan::{self, NodeState, Removal, Step};
+use super::plan::{self, Drain, NodeState, Removal, Step};
 use crate::controllers::node_set::reconcile::{
     DrainOrder, delete_maintenance, leaving_of, publish_event, start_drain,
 };
@@ -387,7 +387,15 @@ async fn remove(
             name: nm_name.clone(),
             source,
         })?;
-    match plan::removal(nm.as_ref().map(|nm| leaving_of(nm, &name))) {
+    let drain = match &nm {
+        None => Drain::Absent,
+        Some(nm) if nm.meta().deletion_timestamp.is_some() => Drain::Going,
+        Some(nm) => Drain::Present(leaving_of(nm, &name)),
+    };
+    let cleaned = ctx
+        .memory
+        .with(&name, |m| m.deleted_maintenances.contains_key(&nm_name));
+    match plan::removal(drain, cleaned) {
         Removal::StartDrain => {
             let defaults = ScaleDown::default();
             let order = DrainOrder {
@@ -458,7 +466,14 @@ async fn remove(
                 format!("machine {provider_id} deleted after the drain"),
             )
             .await;
-            delete_maintenance(&nm_api, &plan::maintenance_name(&name)).await?;
+            delete_maintenance(&nm_api, &nm_name).await?;
+            ctx.memory.with(&name, |m| {
+                m.deleted_maintenances
+                    .insert(nm_name, std::time::Instant::now())
+            });
+            Ok(Action::requeue(RECHECK))
+        }
+        Removal::Release => {
             remove_finalizer(nodes, node).await?;
             ctx.memory.forget(&name);
             info!(node = %name, provider_id, "machine deleted; node released");
