@@ -33,12 +33,10 @@ use nodekeeper_controller::controllers::kube_node;
 use nodekeeper_controller::controllers::node_set::{
     self, Deletion, Machine, MachineRequest, Provider, ProviderError,
 };
-use nodekeeper_e2e::oci_endpoint::{EndpointConfig, OciEndpoint, test_key_pem};
+use nodekeeper_e2e::oci_endpoint::{EndpointConfig, OciEndpoint};
 use nodekeeper_e2e::{
     ControlPlane, apply_spec, install_crds, test_namespace, unique_name, wait_for,
 };
-use nodekeeper_oci::auth::api_key_files;
-use nodekeeper_oci::signer::PrivateKey;
 use serde_json::json;
 use tokio::sync::Mutex;
 use tokio_util::sync::CancellationToken;
@@ -159,27 +157,20 @@ impl Rig {
             Ok((status == 200).then_some(()))
         })
         .await?;
-        let recorder = kube::runtime::events::Recorder::new(
-            client.clone(),
-            kube::runtime::events::Reporter {
-                controller: "nodekeeper-e2e-kubenode".into(),
-                instance: None,
-            },
-        );
-        let mut ctx = kube_node::Context::with_client(client.clone(), recorder);
-        setup(&mut ctx);
-        let stop = CancellationToken::new();
-        tokio::spawn(nodekeeper_controller::controllers::start(
-            Arc::new(ctx),
-            nodekeeper_controller::shared::metrics::ReconcileMetrics::default(),
-            stop.clone(),
-        ));
+        let stop = start_kube_node(&client, setup);
         Ok(Self {
             client,
             ns,
             _maintenance: maintenance,
             stop,
         })
+    }
+
+    /// Stops the kube-node controller and starts a fresh one (nothing remembered), as after a
+    /// restart.
+    fn restart_kube_node(&mut self, setup: impl FnOnce(&mut kube_node::Context)) {
+        self.stop.cancel();
+        self.stop = start_kube_node(&self.client, setup);
     }
 
     fn nodes(&self) -> Api<Node> {
@@ -250,6 +241,30 @@ async fn node_events(client: &kube::Client, name: &str) -> anyhow::Result<Vec<(S
         .collect())
 }
 
+/// Starts a kube-node controller in this process, `setup` giving it its providers; it runs until
+/// the returned token is cancelled.
+fn start_kube_node(
+    client: &kube::Client,
+    setup: impl FnOnce(&mut kube_node::Context),
+) -> CancellationToken {
+    let recorder = kube::runtime::events::Recorder::new(
+        client.clone(),
+        kube::runtime::events::Reporter {
+            controller: "nodekeeper-e2e-kubenode".into(),
+            instance: None,
+        },
+    );
+    let mut ctx = kube_node::Context::with_client(client.clone(), recorder);
+    setup(&mut ctx);
+    let stop = CancellationToken::new();
+    tokio::spawn(nodekeeper_controller::controllers::start(
+        Arc::new(ctx),
+        nodekeeper_controller::shared::metrics::ReconcileMetrics::default(),
+        stop.clone(),
+    ));
+    stop
+}
+
 fn ready(node: &Node) -> bool {
     node.status
         .as_ref()
@@ -311,9 +326,18 @@ async fn running_on(client: &kube::Client, ns: &str, node: &str) -> anyhow::Resu
         .map(|p| p.name_any()))
 }
 
-/// Deletes `node` and follows its removal: its NodeMaintenance appears, the pod `pod` (if any)
-/// is evicted, the Node goes, and the NodeMaintenance goes too.
-async fn delete_and_follow(rig: &Rig, node: &str, pod: Option<&str>) -> anyhow::Result<()> {
+/// What the kube-node controller is given when it is restarted.
+type Setup = Box<dyn FnOnce(&mut kube_node::Context)>;
+
+/// Deletes `node` and follows its removal: its NodeMaintenance appears (then, with `restart`,
+/// the kube-node controller is restarted), the pod `pod` (if any) is evicted, the Node goes, and
+/// the NodeMaintenance goes too.
+async fn delete_and_follow(
+    rig: &mut Rig,
+    node: &str,
+    pod: Option<&str>,
+    restart: Option<Setup>,
+) -> anyhow::Result<()> {
     let nms: Api<NodeMaintenance> = Api::all(rig.client.clone());
     let nm = format!("kubenode-drain-{node}");
     rig.nodes().delete(node, &DeleteParams::default()).await?;
@@ -326,6 +350,9 @@ async fn delete_and_follow(rig: &Rig, node: &str, pod: Option<&str>) -> anyhow::
         "{:?}",
         maintenance.spec
     );
+    if let Some(setup) = restart {
+        rig.restart_kube_node(setup);
+    }
     if let Some(pod) = pod {
         let pods: Api<Pod> = Api::namespaced(rig.client.clone(), &rig.ns);
         wait_for(&format!("pod {pod} to be evicted"), TIMEOUT, || async {
@@ -347,7 +374,7 @@ async fn a_kwok_node_created_by_hand_gets_its_machine_and_is_drained_on_deletion
     let client = ControlPlane::shared().client().await?;
     let kwok = Counting::new(Arc::new(node_set::kwok::KwokProvider::new(client)));
     let counted = Arc::clone(&kwok);
-    let rig = Rig::new("kubenode-kwok", move |ctx| {
+    let mut rig = Rig::new("kubenode-kwok", move |ctx| {
         ctx.kwok = counted as Arc<dyn Provider>;
     })
     .await?;
@@ -392,7 +419,10 @@ async fn a_kwok_node_created_by_hand_gets_its_machine_and_is_drained_on_deletion
     })
     .await?;
 
-    delete_and_follow(&rig, &name, Some(&pod)).await?;
+    // The controller restarts mid-drain: the new one finds the drain and finishes it.
+    let counted = Arc::clone(&kwok);
+    let restart: Setup = Box::new(move |ctx| ctx.kwok = counted as Arc<dyn Provider>);
+    delete_and_follow(&mut rig, &name, Some(&pod), Some(restart)).await?;
     // One create (the adoption); kwok's machine is the Node, so no delete call; no lists.
     tokio::time::sleep(Duration::from_secs(3)).await;
     let counts = kwok.counts();
@@ -415,21 +445,7 @@ async fn an_oci_node_created_by_hand_launches_one_instance_and_terminates_it_on_
         .await?,
     );
     let (tenancy, user) = ("ocid1.tenancy.oc1..kubenode", "ocid1.user.oc1..kubenode");
-    let pem = test_key_pem()?;
-    let key = PrivateKey::from_pem(&pem)?;
-    let credentials = tempfile::tempdir()?;
-    for (file, content) in [
-        (api_key_files::TENANCY, tenancy.to_owned()),
-        (api_key_files::USER, user.to_owned()),
-        (api_key_files::FINGERPRINT, key.fingerprint().to_owned()),
-        (api_key_files::PRIVATE_KEY, pem),
-    ] {
-        std::fs::write(credentials.path().join(file), content)?;
-    }
-    endpoint.register_key(
-        &format!("{tenancy}/{user}/{}", key.fingerprint()),
-        &key.public_key_pem()?,
-    )?;
+    let credentials = api_key_for(&endpoint, tenancy, user)?;
     let subnet = endpoint.add_subnet("10.0.0.0/16")?;
     let image = endpoint.add_image();
     // The controller's cloud flags, as its command line gives them.
@@ -449,7 +465,7 @@ async fn an_oci_node_created_by_hand_launches_one_instance_and_terminates_it_on_
         .context("the flags give an oci provider")?;
     let oci = Counting::new(oci);
     let counted = Arc::clone(&oci);
-    let rig = Rig::new("kubenode-oci", move |ctx| {
+    let mut rig = Rig::new("kubenode-oci", move |ctx| {
         ctx.oci = Some(counted as Arc<dyn Provider>);
     })
     .await?;
@@ -519,7 +535,7 @@ async fn an_oci_node_created_by_hand_launches_one_instance_and_terminates_it_on_
         .await?;
     rig.wait_ready(&name).await?;
 
-    delete_and_follow(&rig, &name, None).await?;
+    delete_and_follow(&mut rig, &name, None, None).await?;
     let state = endpoint
         .instances()
         .iter()
