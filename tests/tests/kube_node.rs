@@ -5,7 +5,8 @@
 //! evicted by the drain) and with oci against the local OCI endpoint (exactly one LaunchInstance
 //! with the class's template, the providerID naming that instance; the deletion terminates it
 //! once), and bad input: a missing NodeClass gets a Warning Event naming the annotation, no
-//! provider call and no finalizer, and the Node can still be deleted.
+//! provider call and no finalizer, and the Node can still be deleted; a Node created with a
+//! providerID already gets a Warning and no machine.
 //!
 //! The kube-node controller runs in this process with its providers wrapped in call counters;
 //! the NodeMaintenance controller that drains is the real `nodekeeper-controller` process
@@ -583,21 +584,7 @@ async fn a_node_naming_a_missing_class_gets_a_warning_and_nothing_else() -> anyh
     let missing = unique_name("no-such-class");
     let name = unique_name("node1");
     rig.create_node(&name, &missing).await?;
-    let events: Api<k8s_openapi::api::events::v1::Event> =
-        Api::namespaced(rig.client.clone(), "default");
-    let note = wait_for("a Warning Event on the node", TIMEOUT, || async {
-        let list = events.list(&ListParams::default()).await?;
-        Ok(list
-            .items
-            .into_iter()
-            .find(|e| {
-                e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name.as_str())
-                    && e.type_.as_deref() == Some("Warning")
-                    && e.reason.as_deref() == Some("NodeClassNotFound")
-            })
-            .and_then(|e| e.note))
-    })
-    .await?;
+    let note = warning(&rig.client, &name, "NodeClassNotFound").await?;
     ensure!(
         note.contains(ANNOTATION_NODE_CLASS)
             && note.contains(&missing)
@@ -614,5 +601,53 @@ async fn a_node_naming_a_missing_class_gets_a_warning_and_nothing_else() -> anyh
     // Nothing holds the Node: it goes at once.
     rig.nodes().delete(&name, &DeleteParams::default()).await?;
     rig.wait_gone(&name).await?;
+
+    // A Node created with a providerID names its machine already: nothing is made for it.
+    let class = unique_name("kwok");
+    apply_spec(
+        &Api::<NodeClass>::all(rig.client.clone()),
+        &class,
+        json!({ "provider": "kwok", "kwok": {} }),
+    )
+    .await?;
+    let named = unique_name("node2");
+    let node: Node = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Node",
+        "metadata": { "name": named, "annotations": { ANNOTATION_NODE_CLASS: class } },
+        "spec": { "providerID": "kwok://elsewhere" },
+    }))?;
+    rig.nodes().create(&PostParams::default(), &node).await?;
+    let note = warning(&rig.client, &named, "MachineAlreadyNamed").await?;
+    ensure!(
+        note.contains("spec.providerID") && note.contains(ANNOTATION_NODE_CLASS),
+        "{note}"
+    );
+    ensure!(kwok.counts() == (0, 0, 0), "{:?}", kwok.counts());
+    ensure!(rig.nodes().get(&named).await?.finalizers().is_empty());
+    rig.nodes().delete(&named, &DeleteParams::default()).await?;
+    rig.wait_gone(&named).await?;
     Ok(())
+}
+
+/// Waits for a Warning Event with `reason` on Node `name`; returns its note.
+async fn warning(client: &kube::Client, name: &str, reason: &str) -> anyhow::Result<String> {
+    wait_for(
+        &format!("a {reason} Warning on node {name}"),
+        TIMEOUT,
+        || async {
+            let events: Api<k8s_openapi::api::events::v1::Event> =
+                Api::namespaced(client.clone(), "default");
+            let list = events.list(&ListParams::default()).await?;
+            Ok(list
+                .items
+                .into_iter()
+                .find(|e| {
+                    e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name)
+                        && e.type_.as_deref() == Some("Warning")
+                        && e.reason.as_deref() == Some(reason)
+                })
+                .and_then(|e| e.note))
+        },
+    )
+    .await
 }

@@ -85,11 +85,33 @@ async fn publish(ctx: &Context, node: &Node, type_: EventType, reason: &str, not
     publish_event(&ctx.recorder, node, type_, reason, note).await;
 }
 
+/// A Warning Event, published once per message for a Node (the Node's status updates wake its
+/// reconcile again and again; the same warning is not written each time).
+async fn warn_once(ctx: &Context, node: &Node, reason: &str, note: String) {
+    let name = node.name_any();
+    let new = ctx.memory.with(&name, |m| {
+        let new = m.last_error.as_deref() != Some(note.as_str());
+        m.last_error = Some(note.clone());
+        new
+    });
+    if new {
+        publish(ctx, node, EventType::Warning, reason, note).await;
+    }
+}
+
 pub async fn reconcile(obj: Arc<super::NodeMeta>, ctx: Arc<Context>) -> Result<Action, Error> {
     let name = obj.name_any();
-    if plan::settled(&state(&obj.metadata, None)) {
+    let seen = state(&obj.metadata, None);
+    if plan::settled(&seen) {
         ctx.memory.forget(&name);
         return Ok(Action::await_change());
+    }
+    // A Node's status updates wake it too: while its machine's creation backs off, not even
+    // the Node is read.
+    if !seen.deleting
+        && let Some(wait) = ctx.memory.with(&name, |m| m.backoff_left())
+    {
+        return Ok(Action::requeue(wait));
     }
     let nodes: Api<Node> = Api::all(ctx.client.clone());
     let Some(node) = nodes
@@ -112,14 +134,7 @@ pub async fn reconcile(obj: Arc<super::NodeMeta>, ctx: Arc<Context>) -> Result<A
                 "node {name}: metadata.annotations[{ANNOTATION_NODE_CLASS}] asks for a machine, but spec.providerID is {} already; nothing is created. Create the Node without spec.providerID, or remove the annotation",
                 provider_id.unwrap_or_default()
             );
-            publish(
-                &ctx,
-                &node,
-                EventType::Warning,
-                REASON_FOREIGN_MACHINE,
-                note,
-            )
-            .await;
+            warn_once(&ctx, &node, REASON_FOREIGN_MACHINE, note).await;
             Ok(Action::await_change())
         }
         Step::Make | Step::Record => make(&ctx, &nodes, &node, s.class.unwrap_or_default()).await,
@@ -142,9 +157,6 @@ async fn make(
     class_name: &str,
 ) -> Result<Action, Error> {
     let name = node.name_any();
-    if let Some(wait) = ctx.memory.with(&name, |m| m.backoff_left()) {
-        return Ok(Action::requeue(wait));
-    }
     let classes: Api<NodeClass> = Api::all(ctx.client.clone());
     let class = classes
         .get_opt(class_name)
@@ -428,7 +440,7 @@ async fn remove(
             let note = format!(
                 "node {name}: {message}; the machine stays until the drain finishes. Free the blocking pods, or remove the finalizer {FINALIZER_MACHINE} to delete the Node without deleting its machine"
             );
-            publish(ctx, node, EventType::Warning, REASON_DRAIN_STUCK, note).await;
+            warn_once(ctx, node, REASON_DRAIN_STUCK, note).await;
             Ok(Action::requeue(Duration::from_secs(30)))
         }
         Removal::DeleteMachine => {
