@@ -30,12 +30,10 @@ use kube::api::{ListParams, Patch, PatchParams, PostParams};
 use kube::{Api, ResourceExt as _};
 use nodekeeper_api::crd::{NodeClass, NodeMaintenance, NodeSet};
 use nodekeeper_api::names::LABEL_NODE_SET;
-use nodekeeper_e2e::oci_endpoint::{EndpointConfig, OciEndpoint, test_key_pem};
+use nodekeeper_e2e::oci_endpoint::{EndpointConfig, OciEndpoint};
 use nodekeeper_e2e::{
     ControlPlane, apply_spec, install_crds, test_namespace, unique_name, wait_for,
 };
-use nodekeeper_oci::auth::api_key_files;
-use nodekeeper_oci::signer::PrivateKey;
 use serde_json::{Value, json};
 use tokio::sync::Mutex;
 use tokio_util::sync::CancellationToken;
@@ -96,21 +94,7 @@ impl Rig {
             .await?,
         );
         // An API key Secret as the controller mounts it, and the endpoint trusting that key.
-        let pem = test_key_pem()?;
-        let key = PrivateKey::from_pem(&pem)?;
-        let credentials = tempfile::tempdir()?;
-        for (file, content) in [
-            (api_key_files::TENANCY, TENANCY.to_owned()),
-            (api_key_files::USER, USER.to_owned()),
-            (api_key_files::FINGERPRINT, key.fingerprint().to_owned()),
-            (api_key_files::PRIVATE_KEY, pem),
-        ] {
-            std::fs::write(credentials.path().join(file), content)?;
-        }
-        endpoint.register_key(
-            &format!("{TENANCY}/{USER}/{}", key.fingerprint()),
-            &key.public_key_pem()?,
-        )?;
+        let credentials = api_key_for(&endpoint, TENANCY, USER)?;
         let subnet = endpoint.add_subnet("10.0.0.0/16")?;
         let image = endpoint.add_image();
         let owner = unique_name("oci");

@@ -20,6 +20,8 @@ pub const MANAGER_NODE_MAINTENANCE: &str = "nodekeeper-nodemaintenance";
 pub const MANAGER_NODE_SET: &str = "nodekeeper-nodeset";
 /// Field manager of the NodeDiagnostic controller.
 pub const MANAGER_NODE_DIAGNOSTIC: &str = "nodekeeper-nodediagnostic";
+/// Field manager of the kube-node controller (a machine for a Node a user created).
+pub const MANAGER_KUBE_NODE: &str = "nodekeeper-kubenode";
 /// Field manager of the node-condition writer (health, tunables, reachability).
 pub const MANAGER_NODE_CONDITIONS: &str = "nodekeeper-nodeconditions";
 
@@ -27,6 +29,13 @@ pub const MANAGER_NODE_CONDITIONS: &str = "nodekeeper-nodeconditions";
 
 /// Finalizer on a NodeDiagnostic: its bundles on the controller's disk are deleted first.
 pub const FINALIZER_DIAGNOSTIC_BUNDLES: &str = "nodekeeper.dev/diagnostic-bundles";
+
+/// Annotation on a Node a user creates: the NodeClass its machine is made from (the kube-node
+/// way: `kubectl create -f node.yaml`; deleting the Node drains it and deletes the machine).
+pub const ANNOTATION_NODE_CLASS: &str = "nodekeeper.dev/node-class";
+/// Finalizer on a Node with [`ANNOTATION_NODE_CLASS`]: its machine is deleted (after a drain)
+/// before the Node object goes.
+pub const FINALIZER_MACHINE: &str = "nodekeeper.dev/machine";
 
 /// Label on a Node created by a NodeSet: the NodeSet's name.
 pub const LABEL_NODE_SET: &str = "nodekeeper.dev/nodeset";

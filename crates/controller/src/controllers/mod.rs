@@ -29,6 +29,7 @@
 //! agent read on a jittered interval, conditions written on change), fed by the fleet's Node
 //! watch in [`crate::shared::fleet`]. It is started from the same place, as its own task.
 
+pub mod kube_node;
 pub mod networktest;
 pub mod node_diagnostic;
 pub mod node_maintenance;
@@ -60,8 +61,8 @@ pub struct Config {
     /// Which watch-reconcile controllers run, as kube-controller-manager's flag of the same
     /// name: `*` (all, the default), names (`networktest,nodemaintenance`), or `*` with some
     /// turned off (`*,-nodeset`). Names: networktest, nodemaintenance, nodediagnostic,
-    /// nodenetworkconfig, nodeset. The node sweep always runs. A controller that is off watches
-    /// nothing: its objects are left as they are.
+    /// nodenetworkconfig, nodeset, kubenode. The node sweep always runs. A controller that is
+    /// off watches nothing: its objects are left as they are.
     #[arg(
         id = "enabled_controllers",
         long = "controllers",
@@ -81,12 +82,13 @@ pub struct Config {
 }
 
 /// The names `--controllers` takes, each a controller's [`Reconciler::NAME`].
-pub const NAMES: [&str; 5] = [
+pub const NAMES: [&str; 6] = [
     "networktest",
     "nodemaintenance",
     "nodediagnostic",
     "nodenetworkconfig",
     "nodeset",
+    "kubenode",
 ];
 
 impl Config {
@@ -253,6 +255,10 @@ impl Controllers {
             &config.node_set,
             &config.node_network_config.cloud,
         ));
+        r.add(kube_node::Context::new(
+            shared,
+            &config.node_network_config.cloud,
+        ));
     }
 }
 
@@ -320,6 +326,7 @@ mod tests {
                 <node_diagnostic::Context as Reconciler>::NAME,
                 <node_network_config::Context as Reconciler>::NAME,
                 <node_set::Context as Reconciler>::NAME,
+                <kube_node::Context as Reconciler>::NAME,
             ]
         );
     }

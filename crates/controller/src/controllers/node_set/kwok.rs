@@ -1,10 +1,11 @@
 //! The kwok provider: a machine is a Node object that kwok simulates (heartbeats, pod
 //! lifecycles). Creating the machine is creating the Node, with the set's record on it; deleting
-//! it is deleting the Node.
+//! it is deleting the Node. A Node a user created (kube-node, [`MachineRequest::adopts_node`])
+//! is adopted instead: kwok's label, the class's capacity and the providerID are written on it.
 
 use futures::future::BoxFuture;
 use k8s_openapi::api::core::v1::Node;
-use kube::api::{DeleteParams, ListParams, PostParams};
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Api, ResourceExt as _};
 use nodekeeper_api::crd::node_class::NodeClassSpec;
 use nodekeeper_api::names::LABEL_NODE_SET;
@@ -31,6 +32,23 @@ impl KwokProvider {
     }
 }
 
+/// Labels kwok's nodes carry (where the Node has none of its own).
+const KWOK_LABELS: [(&str, &str); 3] = [
+    ("kubernetes.io/os", "linux"),
+    ("kubernetes.io/arch", "amd64"),
+    ("type", "kwok"),
+];
+
+/// The class's capacity (kwok keeps what the Node is given as capacity and allocatable).
+fn capacity(request: &MachineRequest) -> std::collections::BTreeMap<String, String> {
+    request
+        .class
+        .kwok
+        .as_ref()
+        .map(|k| k.capacity.clone())
+        .unwrap_or_default()
+}
+
 /// The Node object for a request: the machine's record ([`node_record`]) plus kwok's label,
 /// hostname, os and arch labels, and the class's capacity as capacity and allocatable (kwok
 /// keeps what the Node is created with).
@@ -40,26 +58,101 @@ pub fn node_object(request: &MachineRequest) -> serde_json::Value {
         &format!("{PROVIDER_ID_PREFIX}{}", request.node_name),
     );
     let labels = &mut node["metadata"]["labels"];
-    for (k, v) in [
-        ("kubernetes.io/os", "linux"),
-        ("kubernetes.io/arch", "amd64"),
-        ("type", "kwok"),
-    ] {
+    for (k, v) in KWOK_LABELS {
         if labels.get(k).is_none() {
             labels[k] = json!(v);
         }
     }
     labels[KWOK_MANAGED_LABEL] = json!("true");
-    let capacity = request
-        .class
-        .kwok
-        .as_ref()
-        .map(|k| k.capacity.clone())
-        .unwrap_or_default();
+    let capacity = capacity(request);
     if !capacity.is_empty() {
         node["status"] = json!({ "capacity": capacity, "allocatable": capacity });
     }
     node
+}
+
+/// Field manager of the kwok provider's adoption writes (kept apart from the controllers' own
+/// server-side apply sets, so neither removes what the other wrote).
+pub const MANAGER_KWOK_ADOPT: &str = "nodekeeper-kwok";
+
+/// What adopting an existing Node writes: kwok's label, the os/arch/type labels kwok's nodes
+/// carry and the hostname label, each only where the Node has none, and the providerID
+/// (metadata and spec); the class's capacity as capacity and allocatable (status), if any.
+pub fn adopt_patches(
+    request: &MachineRequest,
+    existing: &std::collections::BTreeMap<String, String>,
+) -> (serde_json::Value, Option<serde_json::Value>) {
+    let mut labels = serde_json::Map::new();
+    let hostname = ("kubernetes.io/hostname", request.node_name.as_str());
+    for (k, v) in std::iter::once(hostname).chain(KWOK_LABELS) {
+        if !existing.contains_key(k) {
+            labels.insert(k.to_owned(), json!(v));
+        }
+    }
+    labels.insert(KWOK_MANAGED_LABEL.to_owned(), json!("true"));
+    let node = json!({
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": { "name": request.node_name, "labels": labels },
+        "spec": { "providerID": format!("{PROVIDER_ID_PREFIX}{}", request.node_name) },
+    });
+    let capacity = capacity(request);
+    let status = (!capacity.is_empty()).then(|| {
+        json!({
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": { "name": request.node_name },
+            "status": { "capacity": capacity, "allocatable": capacity },
+        })
+    });
+    (node, status)
+}
+
+impl KwokProvider {
+    /// Makes an existing Node (a user created it) kwok's machine: capacity first, then the
+    /// label kwok manages nodes by (kwok starts running it) and the providerID. Idempotent; a
+    /// Node that names another machine is refused.
+    async fn adopt(&self, request: &MachineRequest) -> Result<Machine, ProviderError> {
+        let failed = |message: String| ProviderError::Create {
+            node: request.node_name.clone(),
+            message,
+        };
+        let own_id = format!("{PROVIDER_ID_PREFIX}{}", request.node_name);
+        let node = self
+            .nodes
+            .get_opt(&request.node_name)
+            .await
+            .map_err(|e| failed(e.to_string()))?
+            .ok_or_else(|| failed(format!("node {} does not exist", request.node_name)))?;
+        let current = node.spec.as_ref().and_then(|s| s.provider_id.clone());
+        if current.as_ref().is_some_and(|id| *id != own_id) {
+            return Err(failed(format!(
+                "node {} has spec.providerID {}; it is another machine",
+                request.node_name,
+                current.unwrap_or_default()
+            )));
+        }
+        let managed = node.labels().get(KWOK_MANAGED_LABEL).map(String::as_str) == Some("true");
+        if current.is_none() || !managed {
+            let params = PatchParams::apply(MANAGER_KWOK_ADOPT).force();
+            let (meta, status) = adopt_patches(request, node.labels());
+            if let Some(status) = status {
+                self.nodes
+                    .patch_status(&request.node_name, &params, &Patch::Apply(&status))
+                    .await
+                    .map_err(|e| failed(e.to_string()))?;
+            }
+            self.nodes
+                .patch(&request.node_name, &params, &Patch::Apply(&meta))
+                .await
+                .map_err(|e| failed(e.to_string()))?;
+        }
+        Ok(Machine {
+            node_name: request.node_name.clone(),
+            provider_id: own_id,
+            node_set: None,
+        })
+    }
 }
 
 fn machine_of(node: &Node) -> Option<Machine> {
@@ -89,6 +182,9 @@ impl Provider for KwokProvider {
         request: &'a MachineRequest,
     ) -> BoxFuture<'a, Result<Machine, ProviderError>> {
         Box::pin(async move {
+            if request.adopts_node() {
+                return self.adopt(request).await;
+            }
             let failed = |message: String| ProviderError::Create {
                 node: request.node_name.clone(),
                 message,
@@ -229,5 +325,21 @@ mod tests {
         let m = machine_of(&node).unwrap();
         assert_eq!(m.node_set.as_deref(), Some("pool"));
         assert_eq!(name_of(&m.provider_id), "pool-abcde");
+
+        // Adopting a user's Node keeps the labels it has and adds kwok's and the capacity.
+        let adopting = MachineRequest {
+            node_set: String::new(),
+            ..request
+        };
+        assert!(adopting.adopts_node());
+        let existing = BTreeMap::from([("kubernetes.io/arch".to_owned(), "arm64".to_owned())]);
+        let (meta, status) = adopt_patches(&adopting, &existing);
+        let labels = &meta["metadata"]["labels"];
+        assert_eq!(labels[KWOK_MANAGED_LABEL], "true");
+        assert_eq!(labels["kubernetes.io/hostname"], "pool-abcde");
+        assert!(labels.get("kubernetes.io/arch").is_none());
+        assert!(labels.get(LABEL_NODE_SET).is_none());
+        assert_eq!(meta["spec"]["providerID"], "kwok://pool-abcde");
+        assert_eq!(status.unwrap()["status"]["allocatable"]["cpu"], "8");
     }
 }

@@ -128,6 +128,27 @@ pub struct SetMemory {
     pub deleted_maintenances: HashMap<String, Instant>,
 }
 
+/// This process's [`SetMemory`] per name: per NodeSet here, per Node in the kube-node
+/// controller.
+#[derive(Debug, Default)]
+pub struct Memories(Mutex<HashMap<String, SetMemory>>);
+
+impl Memories {
+    /// Runs `f` on the memory of `name` (a fresh one the first time).
+    pub fn with<T>(&self, name: &str, f: impl FnOnce(&mut SetMemory) -> T) -> T {
+        let mut all = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        f(all.entry(name.to_owned()).or_default())
+    }
+
+    /// Forgets `name`.
+    pub fn forget(&self, name: &str) {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(name);
+    }
+}
+
 /// cluster-autoscaler's node-group minimum, as its Cluster API provider reads it from a
 /// scalable resource; on a NodeSet, a bound on `spec.replicas` (outside it the set is refused
 /// with `ReplicasOutOfBounds` and nothing is created or removed).
@@ -193,7 +214,7 @@ pub struct Context {
     stores: OnceCell<Arc<Stores>>,
     /// Stops the cache watches when the controller (and so this context) is dropped.
     stop: CancellationToken,
-    memory: Mutex<HashMap<String, SetMemory>>,
+    memory: Memories,
     /// Bumped by the store watches on a change that matters; wakes every set.
     wake: tokio::sync::watch::Sender<u64>,
 }
@@ -223,10 +244,7 @@ impl Context {
         Self {
             kwok: Arc::new(kwok::KwokProvider::new(client.clone())),
             oci: None,
-            oci_unavailable: "start it with --oci-endpoint or --oci-region \
-                (NODEKEEPER_OCI_ENDPOINT / NODEKEEPER_OCI_REGION) and credentials (--oci-auth), \
-                or use a NodeClass with spec.provider: kwok"
-                .into(),
+            oci_unavailable: provider::OCI_NOT_CONFIGURED.into(),
             client,
             recorder,
             calls: Arc::default(),
@@ -239,34 +257,24 @@ impl Context {
             resync: Duration::from_secs(30),
             stores: OnceCell::new(),
             stop: CancellationToken::new(),
-            memory: Mutex::default(),
+            memory: Memories::default(),
             wake: tokio::sync::watch::Sender::new(0),
         }
     }
 
     /// The provider for a class's `spec.provider`.
     pub fn provider(&self, kind: ProviderKind) -> Result<Arc<dyn Provider>, ProviderError> {
-        match kind {
-            ProviderKind::Kwok => Ok(Arc::clone(&self.kwok)),
-            ProviderKind::Oci => self.oci.clone().ok_or_else(|| ProviderError::Unsupported {
-                provider: "oci".into(),
-                why: self.oci_unavailable.clone(),
-            }),
-        }
+        provider::pick(kind, &self.kwok, self.oci.as_ref(), &self.oci_unavailable)
     }
 
     /// Runs `f` on this process's memory of set `name`.
     pub fn memory<T>(&self, name: &str, f: impl FnOnce(&mut SetMemory) -> T) -> T {
-        let mut all = self.memory.lock().unwrap_or_else(PoisonError::into_inner);
-        f(all.entry(name.to_owned()).or_default())
+        self.memory.with(name, f)
     }
 
     /// Forgets a set (deleted).
     pub fn forget(&self, name: &str) {
-        self.memory
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(name);
+        self.memory.forget(name);
     }
 
     /// The caches, started on first use; waits (bounded) until each has listed once, so a
@@ -344,7 +352,7 @@ fn trim_node(node: &mut Node) {
 /// The provider of `provider: oci` classes from the cloud flags: `None` without an endpoint or
 /// region. Its client retries briefly (3 attempts within 15 s): a reconcile must not wait the
 /// SDKs' two minutes, and the set's own backoff takes over.
-fn oci_provider(
+pub fn oci_provider(
     client: &kube::Client,
     cloud: &CloudConfig,
 ) -> Result<Option<Arc<dyn Provider>>, String> {

@@ -12,7 +12,8 @@
 //! says which. "Out of host capacity" is a capacity answer: one call, an error naming the shape
 //! and availability domain, and the NodeSet's backoff — never a retry loop (the client does not
 //! retry it). Deleting terminates the instance (idempotent: a 404 or TERMINATED instance is gone)
-//! and deletes its Node object.
+//! and deletes its Node object. For a Node a user created ([`MachineRequest::adopts_node`]) no
+//! record is written: the Node is there, and its caller writes the providerID.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Mutex, PoisonError};
@@ -230,6 +231,14 @@ impl Provider for OciProvider {
                 .map_err(|e| failed(field_of_error(t, &e)))?;
             let provider_id = format!("{PROVIDER_ID_PREFIX}{}", instance.id);
             info!(node = %request.node_name, instance = %instance.id, nodeset = %request.node_set, "launched instance");
+            if request.adopts_node() {
+                // The Node exists (a user created it); its caller records the providerID.
+                return Ok(Machine {
+                    node_name: request.node_name.clone(),
+                    provider_id,
+                    node_set: None,
+                });
+            }
             let node: Node = serde_json::from_value(node_record(request, &provider_id))
                 .map_err(|e| failed(e.to_string()))?;
             let recorded = match self.nodes.create(&PostParams::default(), &node).await {

@@ -11,6 +11,7 @@
 //! information the Node and the provider's own list cannot give back after a restart.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use futures::future::BoxFuture;
@@ -24,7 +25,9 @@ use serde_json::json;
 pub struct MachineRequest {
     /// The Node's name (also the machine's name at the provider).
     pub node_name: String,
-    /// The NodeSet it belongs to (the provider's tag).
+    /// The NodeSet it belongs to (the provider's tag). Empty for a single Node a user created
+    /// (the kube-node controller): that Node exists already, so the provider adopts it rather
+    /// than writing the record ([`MachineRequest::adopts_node`]).
     pub node_set: String,
     /// The NodeClass it is made from.
     pub node_class: String,
@@ -36,6 +39,15 @@ pub struct MachineRequest {
     pub taints: Vec<Taint>,
     /// The class's template.
     pub class: NodeClassSpec,
+}
+
+impl MachineRequest {
+    /// Whether the Node exists already (a user created it) and the machine is made for it:
+    /// the provider writes no Node record (kwok adopts the Node as its machine; a real
+    /// machine's kubelet takes it over when it joins).
+    pub fn adopts_node(&self) -> bool {
+        self.node_set.is_empty()
+    }
 }
 
 /// A machine as the provider reports it.
@@ -103,6 +115,29 @@ pub trait Provider: Send + Sync {
         false
     }
 }
+
+/// The provider of a class's `spec.provider`: `kwok`, or `oci` when the controller has one
+/// (`why` says why not).
+pub fn pick(
+    kind: nodekeeper_api::crd::node_class::Provider,
+    kwok: &Arc<dyn Provider>,
+    oci: Option<&Arc<dyn Provider>>,
+    why: &str,
+) -> Result<Arc<dyn Provider>, ProviderError> {
+    use nodekeeper_api::crd::node_class::Provider as Kind;
+    match kind {
+        Kind::Kwok => Ok(Arc::clone(kwok)),
+        Kind::Oci => oci.cloned().ok_or_else(|| ProviderError::Unsupported {
+            provider: "oci".into(),
+            why: why.to_owned(),
+        }),
+    }
+}
+
+/// Why a controller has no oci provider when it was given no cloud flags.
+pub const OCI_NOT_CONFIGURED: &str = "start it with --oci-endpoint or --oci-region \
+    (NODEKEEPER_OCI_ENDPOINT / NODEKEEPER_OCI_REGION) and credentials (--oci-auth), \
+    or use a NodeClass with spec.provider: kwok";
 
 /// The Node object that records a machine (the per-machine record, written once when the
 /// machine is made): the set's and class's labels and the request's own, the template hash,

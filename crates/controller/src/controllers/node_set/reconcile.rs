@@ -104,7 +104,7 @@ fn health_of(node: &Node) -> Health {
 }
 
 /// Where a node's drain stands, from its NodeMaintenance's status.
-fn leaving_of(nm: &NodeMaintenance, node: &str) -> Leaving {
+pub fn leaving_of(nm: &NodeMaintenance, node: &str) -> Leaving {
     let Some(s) = &nm.status else {
         return Leaving::Draining;
     };
@@ -161,6 +161,17 @@ fn machine_of(node: &Node) -> Machine {
 }
 
 async fn publish(ctx: &Context, set: &NodeSet, type_: EventType, reason: &str, note: String) {
+    publish_event(&ctx.recorder, set, type_, reason, note).await;
+}
+
+/// Publishes an Event about `obj` (the reason is its action too); a failure is logged.
+pub async fn publish_event<K: kube::Resource<DynamicType = ()>>(
+    recorder: &kube::runtime::events::Recorder,
+    obj: &K,
+    type_: EventType,
+    reason: &str,
+    note: String,
+) {
     let event = Event {
         type_,
         reason: reason.into(),
@@ -168,8 +179,8 @@ async fn publish(ctx: &Context, set: &NodeSet, type_: EventType, reason: &str, n
         action: reason.into(),
         secondary: None,
     };
-    if let Err(error) = ctx.recorder.publish(&event, &set.object_ref(&())).await {
-        warn!(%error, nodeset = %set.name_any(), reason, "publishing an event failed");
+    if let Err(error) = recorder.publish(&event, &obj.object_ref(&())).await {
+        warn!(%error, kind = %K::kind(&()), object = %obj.meta().name.as_deref().unwrap_or_default(), reason, "publishing an event failed");
     }
 }
 
@@ -751,6 +762,25 @@ async fn create_one(
     (request.node_name, result)
 }
 
+/// A drain of one node through a NodeMaintenance in stage Drain, as the NodeSet and kube-node
+/// controllers start it.
+pub struct DrainOrder {
+    /// The NodeMaintenance's name.
+    pub name: String,
+    /// The node drained (the `nodekeeper.dev/nodeset-node` annotation, how it is found again).
+    pub node: String,
+    /// The node's `kubernetes.io/hostname` label: the selector picks exactly that node.
+    pub hostname: String,
+    /// Labels the NodeMaintenance carries (how its controller's cache finds it).
+    pub labels: BTreeMap<String, String>,
+    /// Its owner reference (it goes with its owner).
+    pub owner: serde_json::Value,
+    pub drain_timeout: String,
+    pub on_timeout: nodekeeper_api::crd::node_maintenance::OnTimeout,
+    /// The maintenance's `spec.reason`.
+    pub reason: String,
+}
+
 /// Starts the drain of `node`: a NodeMaintenance in stage Drain selecting exactly that node,
 /// with the set's drain timeout and on-timeout action, owned by the set.
 async fn create_maintenance(
@@ -758,31 +788,49 @@ async fn create_maintenance(
     set: &NodeSet,
     node: &str,
 ) -> Result<(), Error> {
-    let name = maintenance_name(node);
-    let body = serde_json::json!({
-        "apiVersion": API_VERSION,
-        "kind": "NodeMaintenance",
-        "metadata": {
-            "name": name,
-            "labels": { LABEL_NODE_SET: set.name_any() },
-            "annotations": { ANNOTATION_DRAINED_NODE: node },
-            "ownerReferences": [{
+    start_drain(
+        api,
+        &DrainOrder {
+            name: maintenance_name(node),
+            node: node.to_owned(),
+            hostname: node.to_owned(),
+            labels: BTreeMap::from([(LABEL_NODE_SET.to_owned(), set.name_any())]),
+            owner: serde_json::json!({
                 "apiVersion": API_VERSION,
                 "kind": "NodeSet",
                 "name": set.name_any(),
                 "uid": set.uid().unwrap_or_default(),
                 "controller": true,
-            }],
+            }),
+            drain_timeout: set.spec.scale_down.drain_timeout.clone(),
+            on_timeout: set.spec.scale_down.on_timeout,
+            reason: format!("nodeset {}: node {node} leaves the set", set.name_any()),
+        },
+    )
+    .await
+}
+
+/// Creates the NodeMaintenance of a [`DrainOrder`] (one that exists already is left as it is).
+pub async fn start_drain(api: &Api<NodeMaintenance>, order: &DrainOrder) -> Result<(), Error> {
+    let name = order.name.clone();
+    let body = serde_json::json!({
+        "apiVersion": API_VERSION,
+        "kind": "NodeMaintenance",
+        "metadata": {
+            "name": name,
+            "labels": order.labels,
+            "annotations": { ANNOTATION_DRAINED_NODE: order.node },
+            "ownerReferences": [order.owner],
         },
         "spec": {
-            "nodeSelector": { "matchLabels": { "kubernetes.io/hostname": node } },
+            "nodeSelector": { "matchLabels": { "kubernetes.io/hostname": order.hostname } },
             "stage": "Drain",
-            "drainTimeout": set.spec.scale_down.drain_timeout,
-            "onTimeout": set.spec.scale_down.on_timeout,
-            // The selection is one node the set chose by name; in a small cluster it can be
-            // every node, which the maintenance would otherwise refuse.
+            "drainTimeout": order.drain_timeout,
+            "onTimeout": order.on_timeout,
+            // The selection is one node chosen by name; in a small cluster it can be every
+            // node, which the maintenance would otherwise refuse.
             "allowBroadSelection": true,
-            "reason": format!("nodeset {}: node {node} leaves the set", set.name_any()),
+            "reason": order.reason,
         },
     });
     let nm: NodeMaintenance =
@@ -797,7 +845,8 @@ async fn create_maintenance(
     }
 }
 
-async fn delete_maintenance(api: &Api<NodeMaintenance>, name: &str) -> Result<(), Error> {
+/// Deletes a NodeMaintenance (one that is gone already is fine).
+pub async fn delete_maintenance(api: &Api<NodeMaintenance>, name: &str) -> Result<(), Error> {
     match api.delete(name, &DeleteParams::default()).await {
         Ok(_) => Ok(()),
         Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),

@@ -1,0 +1,210 @@
+//! The kube-node controller: a Node a user creates (`kubectl create -f node.yaml`) with the
+//! `nodekeeper.dev/node-class` annotation gets a machine from that NodeClass — the Node comes
+//! first, the machine joins later and its kubelet takes the object over — and deleting such a
+//! Node drains it through a NodeMaintenance, then deletes the machine (`reconcile`; the steps are
+//! plain functions in `plan`). This file holds the [`Context`] and the Node watch.
+//!
+//! The watch: Nodes have no server-side annotation selector and there may be 10,000 of them, so
+//! the controller watches Node metadata only ([`NodeMeta`]: the API server sends
+//! `PartialObjectMetadata`) and keeps of each only the few fields it reads (a few hundred bytes
+//! a Node, about 3 MB at 10,000). A Node without the annotation or the finalizer, or whose
+//! machine is recorded, is settled from that cache alone; only a Node with work to do is read in
+//! full.
+
+pub mod plan;
+pub mod reconcile;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use std::borrow::Cow;
+
+use k8s_openapi::ClusterResourceScope;
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::Api;
+use kube::Resource;
+use kube::core::PartialObjectMeta;
+use kube::runtime::controller::Action;
+use kube::runtime::events::Recorder;
+use nodekeeper_api::names::{ANNOTATION_NODE_CLASS, LABEL_NODE_CLASS, LABEL_NODE_SET};
+use serde::Deserialize;
+
+pub use reconcile::{Error, error_policy, reconcile};
+
+use super::Reconciler;
+use super::node_network_config::CloudConfig;
+use super::node_set::{Memories, Provider, ProviderCalls, ProviderError, provider};
+use crate::shared::Shared;
+
+/// What the reconciler needs.
+pub struct Context {
+    pub client: kube::Client,
+    pub recorder: Recorder,
+    /// The provider of `provider: kwok` classes.
+    pub kwok: Arc<dyn Provider>,
+    /// The provider of `provider: oci` classes, when this controller has one.
+    pub oci: Option<Arc<dyn Provider>>,
+    /// Why there is no oci provider (the Event's words).
+    pub oci_unavailable: String,
+    /// Every provider call, counted.
+    pub calls: Arc<ProviderCalls>,
+    /// Nodes reconciled at once.
+    pub concurrency: u16,
+    /// Per node: the failures and the backoff of its machine's creation (lost on restart: the
+    /// Node itself says how far it got).
+    pub memory: Memories,
+}
+
+impl Context {
+    /// The controller's context in the running controller-manager; `cloud` (the flags shared
+    /// with the NodeNetworkConfig and NodeSet controllers) gives the oci provider.
+    pub fn new(shared: &Shared, cloud: &CloudConfig) -> Self {
+        let mut ctx = Self::with_client(shared.client.clone(), shared.recorder());
+        match super::node_set::oci_provider(&shared.client, cloud) {
+            Ok(Some(p)) => ctx.oci = Some(p),
+            Ok(None) => {}
+            Err(message) => {
+                ctx.oci_unavailable =
+                    format!("the controller's OCI access is misconfigured: {message}");
+            }
+        }
+        ctx
+    }
+
+    /// A context on `client` with the kwok provider only (tests add their own).
+    pub fn with_client(client: kube::Client, recorder: Recorder) -> Self {
+        Self {
+            kwok: Arc::new(super::node_set::kwok::KwokProvider::new(client.clone())),
+            oci: None,
+            oci_unavailable: provider::OCI_NOT_CONFIGURED.into(),
+            client,
+            recorder,
+            calls: Arc::default(),
+            concurrency: 8,
+            memory: Memories::default(),
+        }
+    }
+
+    /// The provider of a class's `spec.provider`.
+    pub fn provider(
+        &self,
+        kind: nodekeeper_api::crd::node_class::Provider,
+    ) -> Result<Arc<dyn Provider>, ProviderError> {
+        provider::pick(kind, &self.kwok, self.oci.as_ref(), &self.oci_unavailable)
+    }
+}
+
+/// A Node as this controller caches it: metadata only (the watch asks the API server for
+/// `PartialObjectMetadata`), trimmed while it is read to the annotation, the set and class
+/// labels, finalizers, deletion timestamp and identity — a few hundred bytes a Node.
+#[derive(Clone, Debug, Default)]
+pub struct NodeMeta {
+    pub metadata: ObjectMeta,
+}
+
+impl Resource for NodeMeta {
+    type DynamicType = ();
+    type Scope = ClusterResourceScope;
+
+    fn kind(_: &()) -> Cow<'_, str> {
+        Node::kind(&())
+    }
+    fn group(_: &()) -> Cow<'_, str> {
+        Node::group(&())
+    }
+    fn version(_: &()) -> Cow<'_, str> {
+        Node::version(&())
+    }
+    fn plural(_: &()) -> Cow<'_, str> {
+        Node::plural(&())
+    }
+    fn meta(&self) -> &ObjectMeta {
+        &self.metadata
+    }
+    fn meta_mut(&mut self) -> &mut ObjectMeta {
+        &mut self.metadata
+    }
+    fn metadata_api() -> bool {
+        true
+    }
+}
+
+impl<'de> Deserialize<'de> for NodeMeta {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let mut metadata = PartialObjectMeta::<Node>::deserialize(d)?.metadata;
+        trim(&mut metadata);
+        Ok(Self { metadata })
+    }
+}
+
+/// Keeps of a Node's metadata what the controller reads.
+fn trim(m: &mut ObjectMeta) {
+    m.managed_fields = None;
+    m.owner_references = None;
+    let keep = |map: &mut Option<BTreeMap<String, String>>, keys: &[&str]| {
+        if let Some(map) = map.as_mut() {
+            map.retain(|k, _| keys.contains(&k.as_str()));
+        }
+    };
+    keep(&mut m.annotations, &[ANNOTATION_NODE_CLASS]);
+    keep(&mut m.labels, &[LABEL_NODE_CLASS, LABEL_NODE_SET]);
+}
+
+impl Reconciler for Context {
+    type Object = NodeMeta;
+    type Error = Error;
+    const NAME: &'static str = "kubenode";
+
+    /// Every Node's metadata: Nodes have no server-side annotation selector; the reconcile of a
+    /// Node without the annotation or the finalizer ends at once, reading nothing.
+    fn api(&self) -> Api<NodeMeta> {
+        Api::all(self.client.clone())
+    }
+
+    fn concurrency(&self) -> u16 {
+        self.concurrency
+    }
+
+    fn reconcile(
+        obj: Arc<NodeMeta>,
+        ctx: Arc<Self>,
+    ) -> impl Future<Output = Result<Action, Error>> + Send + 'static {
+        reconcile(obj, ctx)
+    }
+
+    fn error_policy(obj: Arc<NodeMeta>, error: &Error, ctx: Arc<Self>) -> Action {
+        error_policy(obj, error, ctx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kube::ResourceExt as _;
+    use nodekeeper_api::names::FINALIZER_MACHINE;
+
+    #[test]
+    fn the_cache_keeps_a_few_fields_of_the_metadata() {
+        let body = serde_json::json!({
+            "kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1",
+            "metadata": {
+                "name": "n1", "resourceVersion": "7", "uid": "u1",
+                "finalizers": [FINALIZER_MACHINE],
+                "annotations": { ANNOTATION_NODE_CLASS: "small", "big": "x".repeat(4096) },
+                "labels": { LABEL_NODE_CLASS: "small", "kubernetes.io/hostname": "n1" },
+                "managedFields": [{ "manager": "kubelet", "operation": "Update" }],
+            },
+        });
+        let n: NodeMeta = serde_json::from_value(body).unwrap();
+        assert_eq!(n.name_any(), "n1");
+        assert_eq!(n.resource_version().as_deref(), Some("7"));
+        assert_eq!(n.annotations().len(), 1);
+        assert_eq!(n.labels().len(), 1);
+        assert!(n.metadata.managed_fields.is_none());
+        assert_eq!(n.finalizers(), [FINALIZER_MACHINE]);
+        assert!(NodeMeta::metadata_api());
+        assert_eq!(NodeMeta::url_path(&(), None), "/api/v1/nodes");
+        assert_eq!(NodeMeta::kind(&()), "Node");
+    }
+}

@@ -1,0 +1,535 @@
+//! One kube-node reconcile: settle from the cached metadata when nothing is to be done;
+//! otherwise read the Node and take the next step — make its machine (finalizer first, the
+//! provider's create, then one write recording the providerID and the class's labels), or, once
+//! it is deleted, drain it through a NodeMaintenance, delete the machine until it is gone, delete
+//! the NodeMaintenance and remove the finalizer. Everything is rebuilt from the Node and its
+//! NodeMaintenance, so a restart at any point resumes without a second machine.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Node;
+use kube::api::{Patch, PatchParams};
+use kube::runtime::controller::Action;
+use kube::runtime::events::EventType;
+use kube::{Api, Resource as _, ResourceExt as _};
+use nodekeeper_api::crd::node_class::NodeClassSpec;
+use nodekeeper_api::crd::node_set::ScaleDown;
+use nodekeeper_api::crd::{NodeClass, NodeMaintenance};
+use nodekeeper_api::names::{
+    ANNOTATION_NODE_CLASS, FINALIZER_MACHINE, LABEL_NODE_CLASS, LABEL_NODE_SET, MANAGER_KUBE_NODE,
+};
+use serde_json::json;
+use tracing::{info, warn};
+
+use super::Context;
+use super::plan::{self, Drain, NodeState, Removal, Step};
+use crate::controllers::node_set::reconcile::{
+    DrainOrder, delete_maintenance, leaving_of, publish_event, start_drain,
+};
+use crate::controllers::node_set::{Deletion, Machine, MachineRequest, Provider, kwok, oci};
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("read node {name}: {source}")]
+    ReadNode { name: String, source: kube::Error },
+    #[error("read nodeclass {name}: {source}")]
+    ReadClass { name: String, source: kube::Error },
+    #[error("write node {name}: {source}")]
+    WriteNode { name: String, source: kube::Error },
+    #[error("read nodemaintenance {name}: {source}")]
+    ReadMaintenance { name: String, source: kube::Error },
+    #[error(transparent)]
+    Drain(#[from] crate::controllers::node_set::Error),
+}
+
+pub fn error_policy(node: Arc<super::NodeMeta>, error: &Error, _ctx: Arc<Context>) -> Action {
+    warn!(%error, node = %node.name_any(), "kubenode reconcile failed; retrying");
+    Action::requeue(Duration::from_secs(5))
+}
+
+/// Event reasons on the Node.
+pub const REASON_NODE_CLASS_NOT_FOUND: &str = "NodeClassNotFound";
+pub const REASON_PROVIDER_FAILED: &str = "ProviderFailed";
+pub const REASON_FOREIGN_MACHINE: &str = "MachineAlreadyNamed";
+pub const REASON_DRAIN_STUCK: &str = "DrainStuck";
+pub const REASON_MACHINE_CREATED: &str = "MachineCreated";
+pub const REASON_MACHINE_DELETED: &str = "MachineDeleted";
+
+/// How often a draining node or a machine being deleted is looked at again (no watch wakes it).
+const RECHECK: Duration = Duration::from_secs(2);
+
+fn state<'a>(meta: &'a kube::api::ObjectMeta, provider_id: Option<&'a str>) -> NodeState<'a> {
+    let class = meta
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(ANNOTATION_NODE_CLASS))
+        .map(String::as_str);
+    let label = |k: &str| meta.labels.as_ref().and_then(|l| l.get(k));
+    NodeState {
+        class,
+        in_set: label(LABEL_NODE_SET).is_some(),
+        finalizer: meta
+            .finalizers
+            .as_ref()
+            .is_some_and(|f| f.iter().any(|f| f == FINALIZER_MACHINE)),
+        deleting: meta.deletion_timestamp.is_some(),
+        recorded: class.is_some() && label(LABEL_NODE_CLASS).map(String::as_str) == class,
+        provider_id,
+    }
+}
+
+async fn publish(ctx: &Context, node: &Node, type_: EventType, reason: &str, note: String) {
+    publish_event(&ctx.recorder, node, type_, reason, note).await;
+}
+
+/// A Warning Event, published once per message for a Node (the Node's status updates wake its
+/// reconcile again and again; the same warning is not written each time).
+async fn warn_once(ctx: &Context, node: &Node, reason: &str, note: String) {
+    let name = node.name_any();
+    let new = ctx.memory.with(&name, |m| {
+        let new = m.last_error.as_deref() != Some(note.as_str());
+        m.last_error = Some(note.clone());
+        new
+    });
+    if new {
+        publish(ctx, node, EventType::Warning, reason, note).await;
+    }
+}
+
+pub async fn reconcile(obj: Arc<super::NodeMeta>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let name = obj.name_any();
+    let seen = state(&obj.metadata, None);
+    if plan::settled(&seen) {
+        ctx.memory.forget(&name);
+        return Ok(Action::await_change());
+    }
+    // A Node's status updates wake it too: while its machine's creation backs off, not even
+    // the Node is read.
+    if !seen.deleting
+        && let Some(wait) = ctx.memory.with(&name, |m| m.backoff_left())
+    {
+        return Ok(Action::requeue(wait));
+    }
+    let nodes: Api<Node> = Api::all(ctx.client.clone());
+    let Some(node) = nodes
+        .get_opt(&name)
+        .await
+        .map_err(|source| Error::ReadNode {
+            name: name.clone(),
+            source,
+        })?
+    else {
+        ctx.memory.forget(&name);
+        return Ok(Action::await_change());
+    };
+    let provider_id = node.spec.as_ref().and_then(|s| s.provider_id.as_deref());
+    let s = state(&node.metadata, provider_id);
+    match plan::step(&s) {
+        Step::Nothing => Ok(Action::await_change()),
+        Step::Foreign => {
+            let note = format!(
+                "node {name}: metadata.annotations[{ANNOTATION_NODE_CLASS}] asks for a machine, but spec.providerID is {} already; nothing is created. Create the Node without spec.providerID, or remove the annotation",
+                provider_id.unwrap_or_default()
+            );
+            warn_once(&ctx, &node, REASON_FOREIGN_MACHINE, note).await;
+            Ok(Action::await_change())
+        }
+        Step::Make | Step::Record => make(&ctx, &nodes, &node, s.class.unwrap_or_default()).await,
+        Step::Release => {
+            info!(node = %name, "node deleted before it had a machine; releasing it");
+            remove_finalizer(&nodes, &node).await?;
+            ctx.memory.forget(&name);
+            Ok(Action::await_change())
+        }
+        Step::Remove => remove(&ctx, &nodes, &node, provider_id.unwrap_or_default()).await,
+    }
+}
+
+/// Gets the Node its machine: the class, the finalizer, the provider's create (an OCI machine
+/// made before a restart is found by its tag first), then the record.
+async fn make(
+    ctx: &Context,
+    nodes: &Api<Node>,
+    node: &Node,
+    class_name: &str,
+) -> Result<Action, Error> {
+    let name = node.name_any();
+    let classes: Api<NodeClass> = Api::all(ctx.client.clone());
+    let class = classes
+        .get_opt(class_name)
+        .await
+        .map_err(|source| Error::ReadClass {
+            name: class_name.to_owned(),
+            source,
+        })?;
+    let Some(class) = class else {
+        let note = format!(
+            "node {name}: metadata.annotations[{ANNOTATION_NODE_CLASS}]: NodeClass {class_name:?} does not exist; create it, or name an existing NodeClass. No machine is made until then"
+        );
+        return Ok(refuse(ctx, node, REASON_NODE_CLASS_NOT_FOUND, note).await);
+    };
+    let provider = match ctx.provider(class.spec.provider) {
+        Ok(p) => p,
+        Err(error) => {
+            let note = format!(
+                "node {name}: metadata.annotations[{ANNOTATION_NODE_CLASS}]: NodeClass {class_name}: {error}"
+            );
+            return Ok(refuse(ctx, node, REASON_PROVIDER_FAILED, note).await);
+        }
+    };
+
+    // The finalizer first: from here on, deleting the Node deletes the machine.
+    let mut provider_id = node.spec.as_ref().and_then(|s| s.provider_id.clone());
+    if provider_id.is_none() {
+        apply(
+            nodes,
+            &name,
+            json!({ "metadata": { "name": name, "finalizers": [FINALIZER_MACHINE] } }),
+        )
+        .await?;
+        let request = request(&name, class_name, &class.spec);
+        let machine = match find_made(ctx, &provider, &request).await {
+            Some(m) => Ok(m),
+            None => provider.create(&request).await,
+        };
+        match machine {
+            Ok(m) => {
+                ctx.calls.create_ok.fetch_add(1, Ordering::Relaxed);
+                info!(node = %name, provider_id = %m.provider_id, provider = provider.kind(), "machine made for node");
+                publish(
+                    ctx,
+                    node,
+                    EventType::Normal,
+                    REASON_MACHINE_CREATED,
+                    format!("machine {} from NodeClass {class_name}", m.provider_id),
+                )
+                .await;
+                provider_id = Some(m.provider_id);
+            }
+            Err(error) => {
+                ctx.calls.create_failed.fetch_add(1, Ordering::Relaxed);
+                let note = format!(
+                    "node {name}: NodeClass {class_name}: provider {}: {error}",
+                    provider.kind()
+                );
+                return Ok(refuse(ctx, node, REASON_PROVIDER_FAILED, note).await);
+            }
+        }
+    }
+    let provider_id = provider_id.unwrap_or_default();
+    apply(
+        nodes,
+        &name,
+        record(node, class_name, &class.spec, &provider_id),
+    )
+    .await?;
+    ctx.memory.forget(&name);
+    Ok(Action::await_change())
+}
+
+/// An OCI machine launched for this Node before a restart (the Node's record not yet written)
+/// is the Node's machine; kwok's machine is the Node itself, so there is nothing to look for.
+async fn find_made(
+    ctx: &Context,
+    provider: &Arc<dyn Provider>,
+    request: &MachineRequest,
+) -> Option<Machine> {
+    if provider.machine_is_node() {
+        return None;
+    }
+    ctx.calls.list.fetch_add(1, Ordering::Relaxed);
+    match provider.list(&request.node_set, &request.class).await {
+        Ok(machines) => machines
+            .into_iter()
+            .find(|m| m.node_name == request.node_name),
+        Err(error) => {
+            warn!(%error, node = %request.node_name, "listing machines failed; creating");
+            None
+        }
+    }
+}
+
+/// Warns on the Node and backs off (2 s, 4 s, … up to five minutes): nothing is made meanwhile.
+async fn refuse(ctx: &Context, node: &Node, reason: &str, note: String) -> Action {
+    let name = node.name_any();
+    warn!(node = %name, reason, %note, "no machine for node; backing off");
+    publish(ctx, node, EventType::Warning, reason, note.clone()).await;
+    ctx.memory.with(&name, |m| m.fail(note));
+    Action::requeue(
+        ctx.memory
+            .with(&name, |m| m.backoff_left())
+            .unwrap_or(RECHECK),
+    )
+}
+
+/// What the provider is asked for: a machine named after the Node, with no NodeSet (the Node
+/// exists: the provider adopts it rather than writing a record).
+fn request(node: &str, class_name: &str, class: &NodeClassSpec) -> MachineRequest {
+    MachineRequest {
+        node_name: node.to_owned(),
+        node_set: String::new(),
+        node_class: class_name.to_owned(),
+        template_hash: String::new(),
+        labels: class.labels.clone(),
+        taints: class.taints.clone(),
+        class: class.clone(),
+    }
+}
+
+/// The record, as this controller's whole server-side apply set: the finalizer, the class's
+/// labels and the class label, the hostname label a drain selects by (when the Node has none),
+/// the providerID, and the class's taints added to the Node's own.
+pub fn record(
+    node: &Node,
+    class_name: &str,
+    class: &NodeClassSpec,
+    provider_id: &str,
+) -> serde_json::Value {
+    let mut labels: BTreeMap<String, String> = class.labels.clone();
+    labels.insert(LABEL_NODE_CLASS.to_owned(), class_name.to_owned());
+    if !node.labels().contains_key("kubernetes.io/hostname") {
+        labels.insert("kubernetes.io/hostname".to_owned(), node.name_any());
+    }
+    let mut spec = json!({ "providerID": provider_id });
+    if !class.taints.is_empty() {
+        let mut taints: Vec<serde_json::Value> = node
+            .spec
+            .as_ref()
+            .and_then(|s| s.taints.as_ref())
+            .map(|ts| {
+                ts.iter()
+                    .map(|t| json!({ "key": t.key, "value": t.value, "effect": t.effect }))
+                    .collect()
+            })
+            .unwrap_or_default();
+        for t in &class.taints {
+            let t = json!({ "key": t.key, "value": t.value, "effect": t.effect });
+            if !taints
+                .iter()
+                .any(|o| o["key"] == t["key"] && o["effect"] == t["effect"])
+            {
+                taints.push(t);
+            }
+        }
+        spec["taints"] = json!(taints);
+    }
+    json!({
+        "metadata": { "name": node.name_any(), "finalizers": [FINALIZER_MACHINE], "labels": labels },
+        "spec": spec,
+    })
+}
+
+/// Server-side apply of this controller's set on the Node.
+async fn apply(nodes: &Api<Node>, name: &str, mut body: serde_json::Value) -> Result<(), Error> {
+    body["apiVersion"] = json!("v1");
+    body["kind"] = json!("Node");
+    nodes
+        .patch(
+            name,
+            &PatchParams::apply(MANAGER_KUBE_NODE).force(),
+            &Patch::Apply(&body),
+        )
+        .await
+        .map(|_| ())
+        .map_err(|source| Error::WriteNode {
+            name: name.to_owned(),
+            source,
+        })
+}
+
+/// Removes the finalizer with a JSON patch that first tests it is where it was read (a
+/// server-side apply without it would also drop the record's fields this controller owns).
+async fn remove_finalizer(nodes: &Api<Node>, node: &Node) -> Result<(), Error> {
+    let name = node.name_any();
+    let Some(i) = node
+        .finalizers()
+        .iter()
+        .position(|f| f == FINALIZER_MACHINE)
+    else {
+        return Ok(());
+    };
+    let path = format!("/metadata/finalizers/{i}");
+    let ops = json!([
+        { "op": "test", "path": path, "value": FINALIZER_MACHINE },
+        { "op": "remove", "path": path },
+    ]);
+    let patch = Patch::<()>::Json(serde_json::from_value(ops).map_err(|e| Error::WriteNode {
+        name: name.clone(),
+        source: kube::Error::SerdeError(e),
+    })?);
+    let params = PatchParams {
+        field_manager: Some(MANAGER_KUBE_NODE.to_owned()),
+        ..PatchParams::default()
+    };
+    match nodes.patch(&name, &params, &patch).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
+        Err(source) => Err(Error::WriteNode { name, source }),
+    }
+}
+
+/// The provider a machine's providerID names (no class needed: it may be gone by now).
+fn provider_of(ctx: &Context, provider_id: &str) -> Option<Arc<dyn Provider>> {
+    if provider_id.starts_with(kwok::PROVIDER_ID_PREFIX) {
+        Some(Arc::clone(&ctx.kwok))
+    } else if provider_id.starts_with(oci::PROVIDER_ID_PREFIX) {
+        ctx.oci.clone()
+    } else {
+        None
+    }
+}
+
+/// A deleted Node with a machine: drain, delete the machine until gone, clean up.
+async fn remove(
+    ctx: &Context,
+    nodes: &Api<Node>,
+    node: &Node,
+    provider_id: &str,
+) -> Result<Action, Error> {
+    let name = node.name_any();
+    let nm_api: Api<NodeMaintenance> = Api::all(ctx.client.clone());
+    let nm_name = plan::maintenance_name(&name);
+    let nm = nm_api
+        .get_opt(&nm_name)
+        .await
+        .map_err(|source| Error::ReadMaintenance {
+            name: nm_name.clone(),
+            source,
+        })?;
+    let drain = match &nm {
+        None => Drain::Absent,
+        Some(nm) if nm.meta().deletion_timestamp.is_some() => Drain::Going,
+        Some(nm) => Drain::Present(leaving_of(nm, &name)),
+    };
+    let cleaned = ctx
+        .memory
+        .with(&name, |m| m.deleted_maintenances.contains_key(&nm_name));
+    match plan::removal(drain, cleaned) {
+        Removal::StartDrain => {
+            let defaults = ScaleDown::default();
+            let order = DrainOrder {
+                name: nm_name,
+                node: name.clone(),
+                hostname: node
+                    .labels()
+                    .get("kubernetes.io/hostname")
+                    .cloned()
+                    .unwrap_or_else(|| name.clone()),
+                labels: BTreeMap::new(),
+                owner: json!({
+                    "apiVersion": "v1",
+                    "kind": "Node",
+                    "name": name,
+                    "uid": node.uid().unwrap_or_default(),
+                }),
+                drain_timeout: defaults.drain_timeout,
+                on_timeout: defaults.on_timeout,
+                reason: format!(
+                    "kubenode: node {name} was deleted; its machine goes after the drain"
+                ),
+            };
+            start_drain(&nm_api, &order).await?;
+            info!(node = %name, "node deleted; draining it before its machine goes");
+            Ok(Action::requeue(RECHECK))
+        }
+        Removal::Wait => Ok(Action::requeue(RECHECK)),
+        Removal::Stuck(message) => {
+            let note = format!(
+                "node {name}: {message}; the machine stays until the drain finishes. Free the blocking pods, or remove the finalizer {FINALIZER_MACHINE} to delete the Node without deleting its machine"
+            );
+            warn_once(ctx, node, REASON_DRAIN_STUCK, note).await;
+            Ok(Action::requeue(Duration::from_secs(30)))
+        }
+        Removal::DeleteMachine => {
+            match provider_of(ctx, provider_id) {
+                // The Node is the machine: deleting it is what is under way.
+                Some(p) if p.machine_is_node() => {}
+                Some(p) => {
+                    ctx.calls.delete.fetch_add(1, Ordering::Relaxed);
+                    let machine = Machine {
+                        node_name: name.clone(),
+                        provider_id: provider_id.to_owned(),
+                        node_set: None,
+                    };
+                    match p.delete(&machine).await {
+                        Ok(Deletion::Gone) => {}
+                        Ok(Deletion::InProgress) => return Ok(Action::requeue(RECHECK)),
+                        Err(error) => {
+                            warn!(%error, node = %name, "deleting the machine failed; retrying");
+                            return Ok(Action::requeue(Duration::from_secs(10)));
+                        }
+                    }
+                }
+                None => {
+                    let note = format!(
+                        "node {name}: no provider of this controller owns spec.providerID {provider_id}; the Node goes, the machine is not deleted"
+                    );
+                    publish(ctx, node, EventType::Warning, REASON_PROVIDER_FAILED, note).await;
+                }
+            }
+            publish(
+                ctx,
+                node,
+                EventType::Normal,
+                REASON_MACHINE_DELETED,
+                format!("machine {provider_id} deleted after the drain"),
+            )
+            .await;
+            delete_maintenance(&nm_api, &nm_name).await?;
+            ctx.memory.with(&name, |m| {
+                m.deleted_maintenances
+                    .insert(nm_name, std::time::Instant::now())
+            });
+            Ok(Action::requeue(RECHECK))
+        }
+        Removal::Release => {
+            remove_finalizer(nodes, node).await?;
+            ctx.memory.forget(&name);
+            info!(node = %name, provider_id, "machine deleted; node released");
+            Ok(Action::await_change())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_record_adds_the_class_and_keeps_the_nodes_own() {
+        let node: Node = serde_json::from_value(json!({
+            "metadata": { "name": "n1", "labels": { "kubernetes.io/hostname": "h1" } },
+            "spec": { "taints": [{ "key": "mine", "effect": "NoSchedule" }] },
+        }))
+        .unwrap();
+        let class: NodeClassSpec = serde_json::from_value(json!({
+            "provider": "kwok", "kwok": {},
+            "labels": { "pool": "a" },
+            "taints": [{ "key": "gpu", "effect": "NoSchedule" }, { "key": "mine", "effect": "NoSchedule" }],
+        }))
+        .unwrap();
+        let r = record(&node, "small", &class, "kwok://n1");
+        assert_eq!(r["metadata"]["finalizers"][0], FINALIZER_MACHINE);
+        assert_eq!(r["metadata"]["labels"][LABEL_NODE_CLASS], "small");
+        assert_eq!(r["metadata"]["labels"]["pool"], "a");
+        assert!(
+            r["metadata"]["labels"]
+                .get("kubernetes.io/hostname")
+                .is_none()
+        );
+        assert_eq!(r["spec"]["providerID"], "kwok://n1");
+        let taints = r["spec"]["taints"].as_array().unwrap();
+        assert_eq!(taints.len(), 2, "{taints:?}");
+        let bare: Node = serde_json::from_value(json!({ "metadata": { "name": "n2" } })).unwrap();
+        let plain: NodeClassSpec =
+            serde_json::from_value(json!({ "provider": "kwok", "kwok": {} })).unwrap();
+        let r = record(&bare, "small", &plain, "kwok://n2");
+        assert_eq!(r["metadata"]["labels"]["kubernetes.io/hostname"], "n2");
+        assert!(r["spec"].get("taints").is_none());
+        let req = request("n2", "small", &plain);
+        assert!(req.adopts_node());
+    }
+}
