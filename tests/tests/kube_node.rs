@@ -277,42 +277,6 @@ fn provider_id(node: &Node) -> Option<&str> {
     node.spec.as_ref()?.provider_id.as_deref()
 }
 
-/// One pod (a Deployment of 1) on the pool's nodes, behind a budget allowing 1 disruption.
-async fn one_pod_behind_a_budget(
-    client: &kube::Client,
-    ns: &str,
-    pool: &str,
-) -> anyhow::Result<()> {
-    let deploy: k8s_openapi::api::apps::v1::Deployment = serde_json::from_value(json!({
-        "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": { "name": "web" },
-        "spec": {
-            "replicas": 1,
-            "selector": { "matchLabels": { "app": "web" } },
-            "template": {
-                "metadata": { "labels": { "app": "web" } },
-                "spec": {
-                    "nodeSelector": { POOL: pool },
-                    "terminationGracePeriodSeconds": 1,
-                    "containers": [{ "name": "c", "image": "registry.invalid/nothing:1" }],
-                },
-            },
-        },
-    }))?;
-    Api::namespaced(client.clone(), ns)
-        .create(&PostParams::default(), &deploy)
-        .await?;
-    let pdb: k8s_openapi::api::policy::v1::PodDisruptionBudget = serde_json::from_value(json!({
-        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
-        "metadata": { "name": "web" },
-        "spec": { "selector": { "matchLabels": { "app": "web" } }, "maxUnavailable": 1 },
-    }))?;
-    Api::namespaced(client.clone(), ns)
-        .create(&PostParams::default(), &pdb)
-        .await?;
-    Ok(())
-}
-
 /// The running pod on `node`, if any.
 async fn running_on(client: &kube::Client, ns: &str, node: &str) -> anyhow::Result<Option<String>> {
     let pods = Api::<Pod>::namespaced(client.clone(), ns)
@@ -414,7 +378,8 @@ async fn a_kwok_node_created_by_hand_gets_its_machine_and_is_drained_on_deletion
         "{capacity:?}"
     );
 
-    one_pod_behind_a_budget(&rig.client, &rig.ns, &pool).await?;
+    // One pod on the pool, behind a budget allowing one disruption.
+    controller_common::pods_behind_a_budget(&rig.client, &rig.ns, (POOL, &pool), 1, 1).await?;
     let pod = wait_for("the pod to run on the node", TIMEOUT, || {
         running_on(&rig.client, &rig.ns, &name)
     })

@@ -21,7 +21,7 @@ use controller_common::*;
 use futures::StreamExt as _;
 use futures::future::BoxFuture;
 use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::api::{ListParams, Patch, PatchParams, PostParams};
+use kube::api::{ListParams, Patch, PatchParams};
 use kube::runtime::controller::Controller;
 use kube::runtime::{WatchStreamExt as _, watcher};
 use kube::{Api, ResourceExt as _};
@@ -251,33 +251,7 @@ async fn scale_0_to_20_to_5_drains_behind_a_pdb_and_loses_nothing() -> anyhow::R
     .await?;
 
     // 20 pods on the pool, at most 2 unavailable.
-    let deploy: k8s_openapi::api::apps::v1::Deployment = serde_json::from_value(json!({
-        "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": { "name": "web" },
-        "spec": {
-            "replicas": 20,
-            "selector": { "matchLabels": { "app": "web" } },
-            "template": {
-                "metadata": { "labels": { "app": "web" } },
-                "spec": {
-                    "nodeSelector": { POOL: pool },
-                    "terminationGracePeriodSeconds": 1,
-                    "containers": [{ "name": "c", "image": "registry.invalid/nothing:1" }],
-                },
-            },
-        },
-    }))?;
-    Api::namespaced(client.clone(), &ns)
-        .create(&PostParams::default(), &deploy)
-        .await?;
-    let pdb: k8s_openapi::api::policy::v1::PodDisruptionBudget = serde_json::from_value(json!({
-        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
-        "metadata": { "name": "web" },
-        "spec": { "selector": { "matchLabels": { "app": "web" } }, "maxUnavailable": 2 },
-    }))?;
-    Api::namespaced(client.clone(), &ns)
-        .create(&PostParams::default(), &pdb)
-        .await?;
+    controller_common::pods_behind_a_budget(&client, &ns, (POOL, &pool), 20, 2).await?;
     wait_for("20 running pods", TIMEOUT, || async {
         Ok((running_pods(&client, &ns).await?.len() == 20).then_some(()))
     })

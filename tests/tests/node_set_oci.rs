@@ -26,7 +26,7 @@ use anyhow::{Context as _, bail, ensure};
 use base64::Engine as _;
 use controller_common::*;
 use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::api::{ListParams, Patch, PatchParams, PostParams};
+use kube::api::{ListParams, Patch, PatchParams};
 use kube::{Api, ResourceExt as _};
 use nodekeeper_api::crd::{NodeClass, NodeMaintenance, NodeSet};
 use nodekeeper_api::names::LABEL_NODE_SET;
@@ -386,33 +386,7 @@ async fn oci_scale_up_then_down_drains_and_terminates() -> anyhow::Result<()> {
     );
 
     // Three pods on the pool behind a budget of one unavailable.
-    let deploy: k8s_openapi::api::apps::v1::Deployment = serde_json::from_value(json!({
-        "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": { "name": "web" },
-        "spec": {
-            "replicas": 3,
-            "selector": { "matchLabels": { "app": "web" } },
-            "template": {
-                "metadata": { "labels": { "app": "web" } },
-                "spec": {
-                    "nodeSelector": { POOL: pool },
-                    "terminationGracePeriodSeconds": 1,
-                    "containers": [{ "name": "c", "image": "registry.invalid/nothing:1" }],
-                },
-            },
-        },
-    }))?;
-    Api::namespaced(client.clone(), &rig.ns)
-        .create(&PostParams::default(), &deploy)
-        .await?;
-    let pdb: k8s_openapi::api::policy::v1::PodDisruptionBudget = serde_json::from_value(json!({
-        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
-        "metadata": { "name": "web" },
-        "spec": { "selector": { "matchLabels": { "app": "web" } }, "maxUnavailable": 1 },
-    }))?;
-    Api::namespaced(client.clone(), &rig.ns)
-        .create(&PostParams::default(), &pdb)
-        .await?;
+    controller_common::pods_behind_a_budget(client, &rig.ns, (POOL, &pool), 3, 1).await?;
     wait_for("3 running pods", TIMEOUT, || async {
         Ok((running_pods(client, &rig.ns).await?.len() == 3).then_some(()))
     })

@@ -299,3 +299,47 @@ pub fn api_key_for(
     )?;
     Ok(credentials)
 }
+
+/// A Deployment `web` of `replicas` pods on the nodes labelled `selector` (`(key, value)`) in
+/// `ns`, behind a PodDisruptionBudget allowing `max_unavailable`: what a drain must respect. The
+/// pods never pull an image (kwok runs them).
+#[allow(dead_code)]
+pub async fn pods_behind_a_budget(
+    client: &kube::Client,
+    ns: &str,
+    selector: (&str, &str),
+    replicas: i32,
+    max_unavailable: i32,
+) -> anyhow::Result<()> {
+    use k8s_openapi::api::apps::v1::Deployment;
+    use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+    use kube::api::PostParams;
+    let deploy: Deployment = serde_json::from_value(serde_json::json!({
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": { "name": "web" },
+        "spec": {
+            "replicas": replicas,
+            "selector": { "matchLabels": { "app": "web" } },
+            "template": {
+                "metadata": { "labels": { "app": "web" } },
+                "spec": {
+                    "nodeSelector": { selector.0: selector.1 },
+                    "terminationGracePeriodSeconds": 1,
+                    "containers": [{ "name": "c", "image": "registry.invalid/nothing:1" }],
+                },
+            },
+        },
+    }))?;
+    Api::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &deploy)
+        .await?;
+    let pdb: PodDisruptionBudget = serde_json::from_value(serde_json::json!({
+        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+        "metadata": { "name": "web" },
+        "spec": { "selector": { "matchLabels": { "app": "web" } }, "maxUnavailable": max_unavailable },
+    }))?;
+    Api::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &pdb)
+        .await?;
+    Ok(())
+}
