@@ -1504,3 +1504,66 @@ async fn an_eviction_for_a_pod_that_is_gone_spares_its_same_named_replacement() 
     ensure!(gone, "the evicted pod is deleted or terminating");
     Ok(())
 }
+
+/// What the controllers' Node applies rely on, checked on the real kube-apiserver: a
+/// server-side apply to a Node that does not exist creates it, even with a resourceVersion (so a
+/// hold released on a Node deleted meanwhile would bring back an empty Node), while the same
+/// apply carrying the deleted Node's uid is refused with 409 and creates nothing. Every apply to
+/// the main resource of an existing object in the controllers carries the uid it read.
+#[tokio::test]
+async fn an_apply_with_the_uid_of_a_deleted_node_creates_nothing() -> anyhow::Result<()> {
+    let client = ControlPlane::shared().client().await?;
+    let nodes: Api<Node> = Api::all(client.clone());
+    let name = unique_name("nm-uid");
+    let node: Node = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Node", "metadata": { "name": name },
+    }))?;
+    let created = nodes.create(&PostParams::default(), &node).await?;
+    let (uid, version) = (created.uid(), created.resource_version());
+    nodes.delete(&name, &DeleteParams::default()).await?;
+    wait_for("the node gone", TIMEOUT, || async {
+        Ok(nodes.get_opt(&name).await?.is_none().then_some(()))
+    })
+    .await?;
+    let params = PatchParams::apply("nodekeeper-e2e").force();
+    let hold = |guard: serde_json::Value| {
+        let mut metadata =
+            json!({ "name": name, "labels": { "nodekeeper.dev/maintained": "true" } });
+        for (k, v) in guard.as_object().into_iter().flatten() {
+            metadata[k] = v.clone();
+        }
+        json!({ "apiVersion": "v1", "kind": "Node", "metadata": metadata })
+    };
+
+    let refused = nodes
+        .patch(
+            &name,
+            &params,
+            &Patch::Apply(hold(json!({ "uid": uid, "resourceVersion": version }))),
+        )
+        .await;
+    match refused {
+        Err(kube::Error::Api(s)) if s.code == 409 => {}
+        other => bail!("an apply with the deleted node's uid was not refused with 409: {other:?}"),
+    }
+    ensure!(
+        nodes.get_opt(&name).await?.is_none(),
+        "the refused apply created {name}"
+    );
+
+    // Without the uid the same apply makes a new Node: the danger the uid guards against.
+    nodes
+        .patch(
+            &name,
+            &params,
+            &Patch::Apply(hold(json!({ "resourceVersion": version }))),
+        )
+        .await
+        .context("an unguarded apply to a missing node")?;
+    ensure!(
+        nodes.get_opt(&name).await?.is_some(),
+        "an apply without uid no longer creates a missing node: the guard may be dropped"
+    );
+    nodes.delete(&name, &DeleteParams::default()).await?;
+    Ok(())
+}

@@ -186,7 +186,7 @@ async fn make(
     if provider_id.is_none() {
         apply(
             nodes,
-            &name,
+            node,
             json!({ "metadata": { "name": name, "finalizers": [FINALIZER_MACHINE] } }),
         )
         .await?;
@@ -222,7 +222,7 @@ async fn make(
     let provider_id = provider_id.unwrap_or_default();
     apply(
         nodes,
-        &name,
+        node,
         record(node, class_name, &class.spec, &provider_id),
     )
     .await?;
@@ -322,10 +322,15 @@ pub fn record(
     })
 }
 
-/// Server-side apply of this controller's set on the Node.
-async fn apply(nodes: &Api<Node>, name: &str, mut body: serde_json::Value) -> Result<(), Error> {
+/// Server-side apply of this controller's set on the Node, on that Node only: the uid makes the
+/// apply fail (409) rather than create a new Node of the same name when this one was deleted
+/// meanwhile (an apply creates what does not exist, resourceVersion or not).
+async fn apply(nodes: &Api<Node>, node: &Node, mut body: serde_json::Value) -> Result<(), Error> {
+    let name = node.name_any();
+    let name = name.as_str();
     body["apiVersion"] = json!("v1");
     body["kind"] = json!("Node");
+    body["metadata"]["uid"] = json!(node.uid());
     nodes
         .patch(
             name,

@@ -169,7 +169,7 @@ pub async fn reconcile(nm: Arc<NodeMaintenance>, ctx: Arc<Context>) -> Result<Ac
                 )
                 .await;
             }
-            set_finalizer(&api, &name, false).await?;
+            set_finalizer(&api, &nm, false).await?;
         }
         ctx.cache.know(&name, false);
         ctx.forget_status(&uid);
@@ -215,7 +215,7 @@ pub async fn reconcile(nm: Arc<NodeMaintenance>, ctx: Arc<Context>) -> Result<Ac
     if matches!(stage, Stage::Cordon | Stage::Drain)
         && !nm.finalizers().iter().any(|f| f == FINALIZER)
     {
-        set_finalizer(&api, &name, true).await?;
+        set_finalizer(&api, &nm, true).await?;
     }
 
     // The selected nodes and every node this maintenance holds, from the cache.
@@ -492,8 +492,11 @@ async fn write_node_once(
         // removes a list this manager came to own.
         // The resourceVersion read makes the apply conditional: two writers of one node
         // cannot lose each other's hold or taint (the loser reads again and retries).
+        // The uid keeps the apply on this Node: an apply to a Node deleted meanwhile would
+        // otherwise create a new, empty one (the resourceVersion does not stop a create).
         let mut metadata = serde_json::json!({
             "name": node_name,
+            "uid": seen.node.uid(),
             "resourceVersion": seen.node.resource_version(),
         });
         if let Some(r) = &record {
@@ -1229,13 +1232,21 @@ async fn write_status(
     })
 }
 
-/// Adds or removes the finalizer (server-side apply of this manager's one list entry).
-async fn set_finalizer(api: &Api<NodeMaintenance>, name: &str, present: bool) -> Result<(), Error> {
+/// Adds or removes the finalizer (server-side apply of this manager's one list entry) on this
+/// object only: with its uid, an apply to an object deleted meanwhile is refused (409) instead of
+/// trying to create a new one.
+async fn set_finalizer(
+    api: &Api<NodeMaintenance>,
+    nm: &NodeMaintenance,
+    present: bool,
+) -> Result<(), Error> {
+    let name = nm.name_any();
+    let name = name.as_str();
     let finalizers: Vec<&str> = if present { vec![FINALIZER] } else { vec![] };
     let body = serde_json::json!({
         "apiVersion": API_VERSION,
         "kind": "NodeMaintenance",
-        "metadata": { "name": name, "finalizers": finalizers },
+        "metadata": { "name": name, "uid": nm.uid(), "finalizers": finalizers },
     });
     match api
         .patch(
@@ -1246,7 +1257,9 @@ async fn set_finalizer(api: &Api<NodeMaintenance>, name: &str, present: bool) ->
         .await
     {
         Ok(_) => Ok(()),
-        Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
+        // Gone (404), or gone and made again under the same name (409, uid mismatch): nothing
+        // of this object is left to finalize.
+        Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => Ok(()),
         Err(source) => Err(Error::WriteFinalizer {
             name: name.to_owned(),
             source,

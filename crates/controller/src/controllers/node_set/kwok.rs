@@ -135,7 +135,10 @@ impl KwokProvider {
         let managed = node.labels().get(KWOK_MANAGED_LABEL).map(String::as_str) == Some("true");
         if current.is_none() || !managed {
             let params = PatchParams::apply(MANAGER_KWOK_ADOPT).force();
-            let (meta, status) = adopt_patches(request, node.labels());
+            let (mut meta, status) = adopt_patches(request, node.labels());
+            // On this Node only: without the uid, an apply to a Node deleted meanwhile would
+            // create a new one.
+            meta["metadata"]["uid"] = json!(node.uid());
             if let Some(status) = status {
                 self.nodes
                     .patch_status(&request.node_name, &params, &Patch::Apply(&status))
