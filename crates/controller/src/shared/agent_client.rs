@@ -409,20 +409,27 @@ fn status_failure(endpoint: SocketAddr, status: &tonic::Status) -> CallError {
     }
 }
 
-/// The error and all its sources on one line.
+/// The error and all its sources on one line, each cause once: wrappers that print their cause
+/// in their own text (hyper's and io's do) would otherwise show it twice.
 fn chain(error: &dyn std::error::Error) -> String {
     let mut text = error.to_string();
+    let mut push = |text: &mut String, part: String| {
+        if !text.ends_with(&part) {
+            text.push_str(": ");
+            text.push_str(&part);
+        }
+    };
     let mut source = error.source();
     while let Some(e) = source {
         // io::Error hides a custom inner error from `source()`; show it.
         if let Some(io) = e.downcast_ref::<std::io::Error>()
             && let Some(inner) = io.get_ref()
         {
-            text.push_str(&format!(": {inner}"));
+            push(&mut text, inner.to_string());
             source = inner.source();
             continue;
         }
-        text.push_str(&format!(": {e}"));
+        push(&mut text, e.to_string());
         source = e.source();
     }
     text
@@ -501,6 +508,27 @@ fn classify_status(status: &tonic::Status, detail: &str) -> CallOutcome {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_cause_its_wrapper_already_prints_is_shown_once() {
+        #[derive(Debug)]
+        struct Wrapper(std::io::Error);
+        impl std::fmt::Display for Wrapper {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                write!(f, "transport error: {}", self.0)
+            }
+        }
+        impl std::error::Error for Wrapper {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                Some(&self.0)
+            }
+        }
+        let io = std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "tls handshake eof");
+        assert_eq!(chain(&Wrapper(io)), "transport error: tls handshake eof");
+        let refused = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
+        let text = chain(&refused);
+        assert_eq!(text.matches("refused").count(), 1, "{text}");
+    }
 
     #[test]
     fn classifies_transport_failures() {
