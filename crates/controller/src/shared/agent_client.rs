@@ -413,7 +413,7 @@ fn status_failure(endpoint: SocketAddr, status: &tonic::Status) -> CallError {
 /// in their own text (hyper's and io's do) would otherwise show it twice.
 fn chain(error: &dyn std::error::Error) -> String {
     let mut text = error.to_string();
-    let mut push = |text: &mut String, part: String| {
+    let push = |text: &mut String, part: String| {
         if !text.ends_with(&part) {
             text.push_str(": ");
             text.push_str(&part);
