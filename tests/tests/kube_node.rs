@@ -16,6 +16,7 @@
 //! Run: `cargo xtask test -- -p nodekeeper-e2e --test kube_node`.
 
 mod controller_common;
+mod oci_common;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -411,7 +412,7 @@ async fn an_oci_node_created_by_hand_launches_one_instance_and_terminates_it_on_
         .await?,
     );
     let (tenancy, user) = ("ocid1.tenancy.oc1..kubenode", "ocid1.user.oc1..kubenode");
-    let credentials = api_key_for(&endpoint, tenancy, user)?;
+    let credentials = oci_common::api_key_for(&endpoint, tenancy, user)?;
     let subnet = endpoint.add_subnet("10.0.0.0/16")?;
     let image = endpoint.add_image();
     // The controller's cloud flags, as its command line gives them.

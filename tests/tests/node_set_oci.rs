@@ -17,6 +17,7 @@
 //! touched. Run: `cargo xtask test -- -p nodekeeper-e2e --test node_set_oci`.
 
 mod controller_common;
+mod oci_common;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -94,7 +95,7 @@ impl Rig {
             .await?,
         );
         // An API key Secret as the controller mounts it, and the endpoint trusting that key.
-        let credentials = api_key_for(&endpoint, TENANCY, USER)?;
+        let credentials = oci_common::api_key_for(&endpoint, TENANCY, USER)?;
         let subnet = endpoint.add_subnet("10.0.0.0/16")?;
         let image = endpoint.add_image();
         let owner = unique_name("oci");

@@ -274,32 +274,6 @@ fn frozen_proc(dir: &Path) -> anyhow::Result<PathBuf> {
     Ok(root)
 }
 
-/// An API key as the controller mounts it (the tenancy, user, fingerprint and private key files
-/// in a temporary directory, for `--oci-credentials-dir`), trusted by `endpoint`.
-pub fn api_key_for(
-    endpoint: &nodekeeper_e2e::oci_endpoint::OciEndpoint,
-    tenancy: &str,
-    user: &str,
-) -> anyhow::Result<tempfile::TempDir> {
-    use nodekeeper_oci::auth::api_key_files;
-    let pem = nodekeeper_e2e::oci_endpoint::test_key_pem()?;
-    let key = nodekeeper_oci::signer::PrivateKey::from_pem(&pem)?;
-    let credentials = tempfile::tempdir()?;
-    for (file, content) in [
-        (api_key_files::TENANCY, tenancy.to_owned()),
-        (api_key_files::USER, user.to_owned()),
-        (api_key_files::FINGERPRINT, key.fingerprint().to_owned()),
-        (api_key_files::PRIVATE_KEY, pem),
-    ] {
-        std::fs::write(credentials.path().join(file), content)?;
-    }
-    endpoint.register_key(
-        &format!("{tenancy}/{user}/{}", key.fingerprint()),
-        &key.public_key_pem()?,
-    )?;
-    Ok(credentials)
-}
-
 /// A Deployment `web` of `replicas` pods on the nodes labelled `selector` (`(key, value)`) in
 /// `ns`, behind a PodDisruptionBudget allowing `max_unavailable`: what a drain must respect. The
 /// pods never pull an image (kwok runs them).
