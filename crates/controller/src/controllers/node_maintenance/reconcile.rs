@@ -219,15 +219,15 @@ pub async fn reconcile(nm: Arc<NodeMaintenance>, ctx: Arc<Context>) -> Result<Ac
     }
 
     // The selected nodes and every node this maintenance holds, from the cache.
-    let all_nodes = ctx.cache.nodes();
     let selector = &nm.spec.node_selector;
     let mut matched = 0u32;
     let mut cluster_draining = 0usize;
     let mut control_plane = 0u32;
     let mut selected_control_plane = 0u32;
-    let total_nodes = u32::try_from(all_nodes.len()).unwrap_or(u32::MAX);
+    let mut total = 0usize;
     let mut seen: BTreeMap<String, Seen> = BTreeMap::new();
-    for cached in all_nodes {
+    ctx.cache.scan_nodes(|cached| {
+        total += 1;
         let selected = selector.matches(cached.node.labels());
         let cp = cached.node.labels().contains_key(CONTROL_PLANE_LABEL);
         control_plane += u32::from(cp);
@@ -241,9 +241,10 @@ pub async fn reconcile(nm: Arc<NodeMaintenance>, ctx: Arc<Context>) -> Result<Ac
             .as_ref()
             .is_some_and(|r| r.hold(&name).is_some());
         if selected || holds {
-            seen.insert(cached.node.name_any(), Seen::of(cached, selected));
+            seen.insert(cached.node.name_any(), Seen::of(cached.clone(), selected));
         }
-    }
+    });
+    let total_nodes = u32::try_from(total).unwrap_or(u32::MAX);
     let holding = seen
         .values()
         .any(|s| s.record.as_ref().is_some_and(|r| r.hold(&name).is_some()));
