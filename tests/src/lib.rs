@@ -33,6 +33,9 @@
 //!   `system:kube-controller-manager` / their service accounts, the scheduler as
 //!   `system:kube-scheduler`.
 //!
+//! [`install`] installs `deploy/` as a user does (`kubectl kustomize`, server-side apply, a
+//! ServiceAccount's kubeconfig), for the install tests and the demo.
+//!
 //! [`rig`] starts a `nodekeeper-controller` and agents against a control plane, the one way the
 //! controller e2e tests, `cargo xtask bench fleet|networktest` and `cargo xtask demo` do it. The
 //! kube-free test helpers (network namespaces, the skip-unless-root check, free ports, loopback
@@ -44,6 +47,7 @@
 pub mod controlplane;
 pub mod gotool;
 mod harness;
+pub mod install;
 pub mod oci_endpoint;
 pub mod rig;
 

@@ -74,6 +74,32 @@ fn default_values_render_the_kustomize_base() {
     }
 }
 
+/// `cargo xtask demo` names the file each installed object comes from: every object
+/// `kubectl kustomize deploy/` renders has one, and it is the file that holds that object.
+#[test]
+fn every_rendered_object_has_its_file() {
+    let deploy = repo().join("deploy");
+    let rendered = kustomize(&deploy).expect("kubectl kustomize deploy/");
+    let origins = nodekeeper_e2e::install::origins(&deploy, &repo()).expect("read deploy/'s files");
+    assert!(
+        rendered.len() >= 8,
+        "deploy/ rendered only {} objects",
+        rendered.len()
+    );
+    for object in &rendered {
+        let key = install_common::key(object);
+        let file = origins
+            .get(&key)
+            .unwrap_or_else(|| panic!("{key}: no file under deploy/ holds it ({origins:?})"));
+        let text = std::fs::read_to_string(repo().join(file)).unwrap();
+        let found = documents(&text)
+            .unwrap()
+            .iter()
+            .any(|o| install_common::key(o) == key);
+        assert!(found, "{key} is not in {}", file.display());
+    }
+}
+
 /// The chart's `crds/` is `deploy/crds/` (a link), so `helm install` installs the generated CRDs.
 #[test]
 fn chart_crds_are_the_generated_ones() {

@@ -65,6 +65,22 @@ pub const DEMO: &[Requirement] = &[
     SETPRIV,
 ];
 
+/// What `cargo xtask image --smoke` needs: podman, and runc for hosts whose cgroups are mounted
+/// in hybrid mode (v1 controllers beside a v2 `unified` tree), which Debian's default runtime
+/// crun refuses ("cgroups in hybrid mode not supported").
+pub const IMAGE_SMOKE: &[Requirement] = &[
+    Requirement {
+        command: "podman",
+        package: Some("podman"),
+        why: "loads and runs the images",
+    },
+    Requirement {
+        command: "runc",
+        package: Some("runc"),
+        why: "runs containers where crun refuses the host's hybrid cgroups",
+    },
+];
+
 /// The control plane's processes are started through `setpriv --pdeathsig` so they die with the
 /// process that started them.
 const SETPRIV: Requirement = Requirement {

@@ -91,6 +91,7 @@ pub fn run(args: ImageArgs) -> anyhow::Result<()> {
             image.unpacked_bytes as f64 / 1048576.0,
         );
         if args.smoke {
+            crate::deps::ensure(crate::deps::IMAGE_SMOKE)?;
             smoke(component, &path, &format!("{name}:{}", args.tag))?;
         }
     }
@@ -115,12 +116,60 @@ fn podman(args: &[&str]) -> anyhow::Result<String> {
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
+/// Whether this host mounts cgroups in hybrid mode: v1 controllers under a tmpfs
+/// `/sys/fs/cgroup` with a cgroup2 tree at `/sys/fs/cgroup/unified` (crun refuses that).
+fn cgroups_hybrid() -> bool {
+    let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+    let fs_at = |dir: &str| {
+        mounts
+            .lines()
+            .filter_map(|l| {
+                let mut f = l.split_whitespace();
+                let (_, at, fs) = (f.next()?, f.next()?, f.next()?);
+                (at == dir).then(|| fs.to_owned())
+            })
+            .last()
+    };
+    fs_at("/sys/fs/cgroup").as_deref() != Some("cgroup2")
+        && fs_at("/sys/fs/cgroup/unified").as_deref() == Some("cgroup2")
+}
+
+/// `podman run` with what this host needs around the image's own arguments: runc where the
+/// cgroups are hybrid, and open-file and process limits at or below our own hard limits —
+/// podman's defaults (1,048,576 open files; the host's process limit) are above what a
+/// sandboxed root may set, and the runtime then fails before the image starts
+/// (`setrlimit RLIMIT_NOFILE: Operation not permitted`). The agent needs far fewer of either.
+fn podman_run(args: &[&str]) -> anyhow::Result<String> {
+    let limits = std::fs::read_to_string("/proc/self/limits").unwrap_or_default();
+    let nofile = hard_limit(&limits, "Max open files").min(16_384);
+    let nproc = hard_limit(&limits, "Max processes").min(4_096);
+    let nofile = format!("nofile={nofile}:{nofile}");
+    let nproc = format!("nproc={nproc}:{nproc}");
+    let mut all: Vec<&str> = Vec::new();
+    if cgroups_hybrid() {
+        all.extend(["--runtime", "runc"]);
+    }
+    all.extend(["run", "--ulimit", &nofile, "--ulimit", &nproc]);
+    all.extend_from_slice(args);
+    podman(&all)
+}
+
+/// The hard limit on the `/proc/self/limits` line named `name` (1024 when unreadable;
+/// "unlimited" as u64::MAX).
+fn hard_limit(limits: &str, name: &str) -> u64 {
+    limits
+        .lines()
+        .find_map(|l| l.strip_prefix(name))
+        .and_then(|rest| rest.split_whitespace().nth(1))
+        .map_or(1024, |v| v.parse().unwrap_or(u64::MAX))
+}
+
 /// Loads `archive` into podman and runs it (see `--smoke`).
 #[allow(clippy::print_stdout)]
 fn smoke(component: &str, archive: &Path, reference: &str) -> anyhow::Result<()> {
     let loaded = podman(&["load", "-q", "-i", &archive.to_string_lossy()])?;
     let image = format!("localhost/{reference}");
-    let version = podman(&["run", "--rm", "--network=host", &image, "--version"])?;
+    let version = podman_run(&["--rm", "--network=host", &image, "--version"])?;
     println!("  podman: {} → {}", loaded.trim(), version.trim());
     if component != "agent" {
         return Ok(());
@@ -141,8 +190,7 @@ fn smoke(component: &str, archive: &Path, reference: &str) -> anyhow::Result<()>
     let mount = format!("{}:/etc/nodekeeper/tls:ro", dir.path().display());
     let state = format!("{}:/var/lib/nodekeeper", dir.path().join("state").display());
     let listen = format!("NODEKEEPER_LISTEN=127.0.0.1:{port}");
-    podman(&[
-        "run",
+    podman_run(&[
         "-d",
         "--name",
         &name,
@@ -509,6 +557,18 @@ fn pack(files: &BTreeMap<String, File>, config: &Config, reference: &str) -> any
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hard_limits_are_read_from_proc_self_limits() {
+        let limits = "Limit                     Soft Limit           Hard Limit           Units\n\
+                      Max processes             96364                96364                processes\n\
+                      Max open files            20000                40000                files\n\
+                      Max locked memory         unlimited            unlimited            bytes\n";
+        assert_eq!(hard_limit(limits, "Max open files"), 40_000);
+        assert_eq!(hard_limit(limits, "Max processes"), 96_364);
+        assert_eq!(hard_limit(limits, "Max locked memory"), u64::MAX);
+        assert_eq!(hard_limit(limits, "Max nice priority"), 1024);
+    }
 
     /// A context with a fake binary of `content` beside the real passwd/group files.
     fn context(dir: &Path, content: &[u8]) -> Context {

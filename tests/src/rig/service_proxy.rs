@@ -4,8 +4,11 @@
 //! The service proxy only dials addresses that belong to a Pod and refuses loopback ones, so: a
 //! veth pair puts 10.254.x.y (the "Pod IP") in a network namespace created here, a listener bound
 //! there forwards to the controller's 127.0.0.1 port, a kwok node with that InternalIP holds a
-//! hostNetwork Pod (so kwok gives the Pod that IP), and a selector-less Service
-//! `nodekeeper-controller` (port `http`) with hand-written Endpoints names the Pod. No traffic
+//! hostNetwork Pod (so kwok gives the Pod that IP; its container port `http` is the forwarder's).
+//! Where Service `nodekeeper-controller` is already installed (from `deploy/`, selecting the
+//! leader's Pod), that Service finds the Pod once the controller, started with
+//! `--pod-name` [`CONTROLLER_POD`], labels it leader; otherwise a selector-less Service of that
+//! name (port `http`) with hand-written Endpoints names the Pod. No traffic
 //! leaves 127.0.0.0/8 or that namespace; dropping the [`ExposedController`] removes the namespace
 //! (and with it the veth pair) and stops the forwarder.
 
@@ -28,6 +31,13 @@ use crate::{create_simulated_nodes, wait_for};
 /// `--node-selector` is the simulated-node label can exclude it with `!` this label.
 pub const SERVICE_HOST_LABEL: &str = "nodekeeper.dev/e2e-role";
 
+/// The stand-in Pod's name: what the controller's `--pod-name` must be for the installed
+/// Service (which selects the leader's Pod) to reach it.
+pub const CONTROLLER_POD: &str = "nodekeeper-controller-0";
+
+/// The Service the plugin reaches the controller through.
+const SERVICE: &str = "nodekeeper-controller";
+
 fn ip(args: &[&str]) -> anyhow::Result<()> {
     let out = Command::new("ip").args(args).output().context("run ip")?;
     if !out.status.success() {
@@ -46,6 +56,8 @@ pub struct ExposedController {
     forwarder: tokio::task::JoinHandle<()>,
     /// The simulated node that holds the stand-in Pod.
     pub host_node: String,
+    /// Whether an installed Service (with a selector) leads to the Pod rather than one made here.
+    pub installed_service: bool,
 }
 
 impl Drop for ExposedController {
@@ -72,6 +84,7 @@ pub async fn expose_controller(
         netns: netns.clone(),
         forwarder: tokio::spawn(async {}),
         host_node: String::new(),
+        installed_service: false,
     };
     ip(&["-n", &netns, "link", "set", "lo", "up"])?;
     ip(&[
@@ -119,13 +132,14 @@ pub async fn expose_controller(
         [(SERVICE_HOST_LABEL.to_owned(), "service-host".to_owned())].into();
     let host = create_simulated_nodes(client, "nk-plugin-svc", 1, &labels, &[pod_ip]).await?;
     exposed.host_node = host[0].clone();
-    let pod_name = "nodekeeper-controller-0";
+    let pod_name = CONTROLLER_POD;
     let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
     let pod: Pod = serde_json::from_value(json!({
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {"name": pod_name, "labels": {"app.kubernetes.io/name": "nodekeeper-controller"}},
         "spec": {"nodeName": host[0], "hostNetwork": true,
-                 "containers": [{"name": "controller", "image": "nodekeeper-controller:test"}]},
+                 "containers": [{"name": "controller", "image": "nodekeeper-controller:test",
+                                 "ports": [{"name": "http", "containerPort": port}]}]},
     }))?;
     pods.create(&PostParams::default(), &pod).await?;
     wait_for("the controller Pod's IP", Duration::from_secs(90), || {
@@ -138,12 +152,21 @@ pub async fn expose_controller(
     })
     .await?;
     let services: Api<Service> = Api::namespaced(client.clone(), namespace);
+    if services
+        .get_opt(SERVICE)
+        .await
+        .with_context(|| format!("read Service {namespace}/{SERVICE}"))?
+        .is_some()
+    {
+        exposed.installed_service = true;
+        return Ok(exposed);
+    }
     services
         .create(
             &PostParams::default(),
             &serde_json::from_value(json!({
                 "apiVersion": "v1", "kind": "Service",
-                "metadata": {"name": "nodekeeper-controller"},
+                "metadata": {"name": SERVICE},
                 "spec": {"ports": [{"name": "http", "port": 8080, "targetPort": port}]},
             }))?,
         )
@@ -154,7 +177,7 @@ pub async fn expose_controller(
             &PostParams::default(),
             &serde_json::from_value(json!({
                 "apiVersion": "v1", "kind": "Endpoints",
-                "metadata": {"name": "nodekeeper-controller"},
+                "metadata": {"name": SERVICE},
                 "subsets": [{
                     "addresses": [{"ip": pod_ip.to_string(),
                                    "targetRef": {"kind": "Pod", "namespace": namespace, "name": pod_name}}],

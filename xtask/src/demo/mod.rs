@@ -1,7 +1,9 @@
 //! `cargo xtask demo`: nodekeeper end to end on this machine — a local control plane with
-//! simulated (kwok) nodes, one real `nodekeeper-agent` process per node listening on the node's
-//! loopback InternalIP, the real `nodekeeper-controller`, the fleet status and Node conditions
-//! the controller produces, and a network test across the fleet. As root, what the controller
+//! simulated (kwok) nodes and nodekeeper installed from `deploy/` (CRDs, `kubectl apply -k`),
+//! one real `nodekeeper-agent` process per node listening on the node's loopback InternalIP, the
+//! real `nodekeeper-controller` acting as the ServiceAccount `deploy/` created (kwok runs no
+//! containers, so the Deployment's and DaemonSet's work is done by these processes), the fleet
+//! status and Node conditions the controller produces, and a network test across the fleet. As root, what the controller
 //! knows is shown by the built `kubectl nodekeeper` plugin, which reaches the controller as it
 //! would in a cluster: through the API server's service proxy (a network namespace stands in for
 //! the controller Pod's network, `nodekeeper_e2e::rig::service_proxy`); otherwise the demo reads
@@ -33,9 +35,6 @@ use nodekeeper_e2e::rig::service_proxy::ExposedController;
 
 use crate::deps;
 
-/// The control plane's name: its state (and the demo's files) live in
-/// `${XDG_CACHE_HOME:-~/.cache}/nodekeeper/clusters/demo/`.
-const CLUSTER: &str = "demo";
 /// Where the controller runs and the demo's objects go.
 const NAMESPACE: &str = "nodekeeper";
 /// The NetworkTest the demo runs.
@@ -50,6 +49,12 @@ const MAX_NODES: u32 = 100;
 
 #[derive(Args)]
 pub struct DemoArgs {
+    /// The local control plane's name: its state and the demo's logs go in
+    /// `${XDG_CACHE_HOME:-~/.cache}/nodekeeper/clusters/<name>/`. Another name runs a second demo
+    /// beside one kept with --keep.
+    #[arg(long, env = "NODEKEEPER_DEMO_NAME", default_value = "demo",
+          value_parser = cluster_name)]
+    name: String,
     /// Simulated nodes, each with its own `nodekeeper-agent` process on 127.1.x.y.
     #[arg(long, env = "NODEKEEPER_DEMO_NODES", default_value_t = 3,
           value_parser = clap::value_parser!(u32).range(1..=i64::from(MAX_NODES)))]
@@ -66,6 +71,20 @@ pub struct DemoArgs {
     /// seconds.
     #[arg(long, env = "NODEKEEPER_DEMO_TIMEOUT", default_value_t = 90)]
     timeout: u64,
+}
+
+/// A control plane name: it becomes a directory and part of process names.
+fn cluster_name(s: &str) -> Result<String, String> {
+    let ok = !s.is_empty()
+        && s.len() <= 40
+        && s.chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+        && !s.starts_with('-');
+    if ok {
+        Ok(s.to_owned())
+    } else {
+        Err("use 1–40 lowercase letters, digits and '-', not starting with '-'".into())
+    }
 }
 
 /// Runs the demo. A failure is one `error: …` line and exit status 1.

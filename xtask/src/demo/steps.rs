@@ -1,8 +1,9 @@
-//! The demo's six steps: a fresh control plane with the demo's namespace and tuning, the
-//! controller (exposed through the API server's service proxy when root), one agent process per
-//! simulated node and their Nodes, the controller's view of them, and a network test across them
-//! — each started through the rig of `nodekeeper_e2e::rig` and awaited with a deadline that also
-//! fails when a child exits. What the controller knows is shown by `kubectl nodekeeper` where it
+//! The demo's six steps: a fresh control plane with nodekeeper installed from `deploy/` and the
+//! demo's tuning, the controller acting as the ServiceAccount `deploy/` created (exposed through
+//! the API server's service proxy when root), one agent process per simulated node and their
+//! Nodes, the controller's view of them, and a network test across them — each started through
+//! the rig of `nodekeeper_e2e::rig` and awaited with a deadline that also fails when a child
+//! exits. What the controller knows is shown by `kubectl nodekeeper` where it
 //! can reach the controller, else read from the controller's HTTP API directly.
 
 use std::collections::BTreeMap;
@@ -12,25 +13,27 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail};
-use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Node};
+use k8s_openapi::api::core::v1::{ConfigMap, Node};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::Api;
 use kube::api::{ListParams, Patch, PatchParams};
 use nodekeeper_api::crd::NetworkTest;
 use nodekeeper_api::crd::network_test::Phase;
 use nodekeeper_e2e::controlplane::{self, Lifetime, Options, nodes};
-use nodekeeper_e2e::rig::service_proxy::{SERVICE_HOST_LABEL, expose_controller};
+use nodekeeper_e2e::install;
+use nodekeeper_e2e::rig::service_proxy::{CONTROLLER_POD, SERVICE_HOST_LABEL, expose_controller};
 use nodekeeper_e2e::rig::{
     AGENT_SECRET, AgentSetup, AgentTls, ControllerConfig, ControllerProcess, Output, Program,
     http_get,
 };
 use nodekeeper_testkit::net::{free_port_on, port_free_on_all, port_is_free};
 use serde::Deserialize as _;
-use serde_json::{Value, json};
+use serde_json::Value;
 
 use super::print::{print_conditions, print_network_test, print_nodes, print_pairs, print_summary};
 use super::{
-    Binaries, CLUSTER, DEMO_SWEEP_INTERVAL, DemoArgs, FIELD_MANAGER, NAMESPACE,
-    NETWORK_TEST_EXAMPLE, Running, step,
+    Binaries, DEMO_SWEEP_INTERVAL, DemoArgs, FIELD_MANAGER, NAMESPACE, NETWORK_TEST_EXAMPLE,
+    Running, step,
 };
 
 /// One simulated node: its name, address, and the agent's files.
@@ -42,34 +45,35 @@ struct SimNode {
 
 pub(super) async fn steps(args: &DemoArgs, bins: &Binaries, running: &mut Running) -> Result<()> {
     let timeout = Duration::from_secs(args.timeout);
+    let cluster_name = args.name.as_str();
 
     // 2. The control plane.
     step(
         2,
         &format!(
-            "Starting the local control plane `{CLUSTER}` (etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kwok)"
+            "Starting the local control plane `{cluster_name}` (etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kwok)"
         ),
     );
-    let state = controlplane::read_state(CLUSTER).ok();
+    let state = controlplane::read_state(cluster_name).ok();
     if let Some(api) = state
         .iter()
         .flat_map(|s| &s.components)
         .find(|c| c.name == "kube-apiserver" && c.is_running())
     {
         bail!(
-            "the `{CLUSTER}` control plane is still running (kube-apiserver pid {}, left by `cargo xtask demo --keep`?): stop it with `cargo xtask cluster down --name {CLUSTER}` and retry",
+            "the `{cluster_name}` control plane is still running (kube-apiserver pid {}, left by `cargo xtask demo --keep`?): stop it with `cargo xtask cluster down --name {cluster_name}` and retry, or give this demo another --name",
             api.pid
         );
     }
     // A fresh cluster every time: no Nodes, Secrets or NetworkTests left from an earlier run.
-    controlplane::down(CLUSTER, true).context("remove the previous demo cluster's state")?;
+    controlplane::down(cluster_name, true).context("remove the previous demo cluster's state")?;
     let lifetime = if args.keep {
         Lifetime::Detached
     } else {
         Lifetime::WithThisProcess
     };
     let t = Instant::now();
-    let cluster = controlplane::up(&Options::new(CLUSTER, lifetime), &mut |line| {
+    let cluster = controlplane::up(&Options::new(cluster_name, lifetime), &mut |line| {
         println!("    {line}")
     })
     .await
@@ -86,19 +90,17 @@ pub(super) async fn steps(args: &DemoArgs, bins: &Binaries, running: &mut Runnin
     );
     if args.keep {
         println!(
-            "    --keep: it stays up after the demo; use it with `export KUBECONFIG={}`, stop it with `cargo xtask cluster down --name {CLUSTER}`",
+            "    --keep: it stays up after the demo; use it with `export KUBECONFIG={}`, stop it with `cargo xtask cluster down --name {cluster_name}`",
             kubeconfig.display()
         );
     }
     let client = controlplane::client_from_kubeconfig(&kubeconfig).await?;
     let crds = nodekeeper_e2e::install_crds(&client).await?;
-    println!("    CRDs installed from deploy/crds/: {}", crds.join(", "));
-    apply(
-        &Api::<Namespace>::all(client.clone()),
-        NAMESPACE,
-        &json!({ "apiVersion": "v1", "kind": "Namespace", "metadata": { "name": NAMESPACE } }),
-    )
-    .await?;
+    println!(
+        "    `kubectl apply --server-side -f deploy/crds/`: {}",
+        crds.join(", ")
+    );
+    let account = install_deploy(&client).await?;
     let mut tuning = read_example("tuning-configmap.yaml")?;
     tuning["metadata"]["namespace"] = NAMESPACE.into();
     tuning["data"]["sweepInterval"] = DEMO_SWEEP_INTERVAL.into();
@@ -116,7 +118,7 @@ pub(super) async fn steps(args: &DemoArgs, bins: &Binaries, running: &mut Runnin
     )
     .await?;
     println!(
-        "    namespace {NAMESPACE}; ConfigMap {NAMESPACE}/{tuning_name} from deploy/examples/tuning-configmap.yaml (sweepInterval {DEMO_SWEEP_INTERVAL} instead of 5m, so the demo need not wait; features.repair on, as the agents' sysctls are their own files)"
+        "    ConfigMap {NAMESPACE}/{tuning_name} from deploy/examples/tuning-configmap.yaml (sweepInterval {DEMO_SWEEP_INTERVAL} instead of 5m, so the demo need not wait; features.repair on, as the agents' sysctls are their own files)"
     );
 
     // 3. The controller.
@@ -145,26 +147,66 @@ pub(super) async fn steps(args: &DemoArgs, bins: &Binaries, running: &mut Runnin
     let controller_log = demo_dir.join("controller.log");
     step(3, "Starting nodekeeper-controller");
     let t = Instant::now();
+    // The controller acts as the ServiceAccount deploy/ made, with a token from the
+    // TokenRequest API (what its Pod's projected token is), so it has exactly deploy/'s RBAC.
+    let controller_kubeconfig = demo_dir.join("controller.kubeconfig");
+    install::service_account_kubeconfig(
+        &client,
+        &kubeconfig,
+        NAMESPACE,
+        &account,
+        CONTROLLER_TOKEN_LIFETIME,
+        &controller_kubeconfig,
+    )
+    .await?;
+    // For `apiServer: true` targets (deploy/examples/networktest-apiserver.yaml).
+    let mut env = vec![(
+        "NODEKEEPER_API_SERVER_ADDRESS".to_owned(),
+        format!("127.0.0.1:{apiserver_port}"),
+    )];
+    // The plugin reaches the controller only through the API server's service proxy, which
+    // dials Pod addresses and never loopback ones: as root, a network namespace stands in for
+    // the controller Pod's network, and the Service deploy/ installed selects that Pod once the
+    // controller, given the Pod's name as in the Deployment, labels it leader.
+    let plugin = if nix::unistd::geteuid().is_root() {
+        let exposed = expose_controller(&client, NAMESPACE, http)
+            .await
+            .context("expose the controller through the service proxy")?;
+        env.push(("NODEKEEPER_POD_NAME".into(), CONTROLLER_POD.into()));
+        println!(
+            "    Pod {NAMESPACE}/{CONTROLLER_POD} stands in for the Deployment's Pod: its address is a network namespace with a veth pair (10.254.x.y/30) that forwards to the controller, so Service {NAMESPACE}/nodekeeper-controller from deploy/ leads `kubectl nodekeeper` to it through the API server's service proxy, as in a cluster"
+        );
+        if !exposed.installed_service {
+            bail!("Service {NAMESPACE}/nodekeeper-controller was not installed from deploy/");
+        }
+        running.exposed = Some(exposed);
+        Some(Plugin {
+            binary: bins.plugin.clone(),
+            kubeconfig: kubeconfig.clone(),
+        })
+    } else {
+        println!(
+            "    not root: no network namespace for the service proxy to reach the controller through, so the demo reads the controller's HTTP API directly instead of running `kubectl nodekeeper`"
+        );
+        None
+    };
     let config = ControllerConfig {
-        kubeconfig: kubeconfig.clone(),
+        kubeconfig: controller_kubeconfig.clone(),
         namespace: NAMESPACE.into(),
         identity: "demo-controller".into(),
         http,
         agent_port,
-        // Not the node that holds the controller's stand-in Pod (below): it has no agent.
+        // Not the node that holds the controller's stand-in Pod: it has no agent.
         node_selector: fleet_selector(),
         log: None,
-        // For `apiServer: true` targets (deploy/examples/networktest-apiserver.yaml).
-        env: vec![(
-            "NODEKEEPER_API_SERVER_ADDRESS".into(),
-            format!("127.0.0.1:{apiserver_port}"),
-        )],
+        env,
         output: Output::Log(controller_log.clone()),
     };
     let controller = ControllerProcess::spawn(&Program::Binary(bins.controller.clone()), &config)?;
     println!(
-        "    pid {}  HTTP API http://{http}  agents on port {agent_port}  log {}",
+        "    pid {}  as ServiceAccount {NAMESPACE}/{account} (kubeconfig {})  HTTP API http://{http}  agents on port {agent_port}  log {}",
         controller.pid(),
+        controller_kubeconfig.display(),
         controller_log.display()
     );
     running.children.push(controller.process);
@@ -194,27 +236,19 @@ pub(super) async fn steps(args: &DemoArgs, bins: &Binaries, running: &mut Runnin
         t.elapsed().as_secs_f64(),
         tls_dir.display()
     );
-    // The plugin reaches the controller only through the API server's service proxy, which
-    // dials Pod addresses and never loopback ones: as root, a network namespace stands in for
-    // the controller Pod's network.
-    let plugin = if nix::unistd::geteuid().is_root() {
-        let exposed = expose_controller(&client, NAMESPACE, http)
-            .await
-            .context("expose the controller through the service proxy")?;
+    if plugin.is_some() {
+        wait_until(
+            running,
+            &format!("Service {NAMESPACE}/nodekeeper-controller to select the leader's Pod (EndpointSlice)"),
+            timeout,
+            &controller_log,
+            move || async move { service_has_endpoint(client_ref).await },
+        )
+        .await?;
         println!(
-            "    Service {NAMESPACE}/nodekeeper-controller (port http) leads to it through a network namespace with a veth pair (10.254.x.y/30) standing in for its Pod's network, so `kubectl nodekeeper` reaches it through the API server's service proxy, as in a cluster"
+            "    Service {NAMESPACE}/nodekeeper-controller selects Pod {CONTROLLER_POD} (labelled nodekeeper.dev/leader=true by the controller)"
         );
-        running.exposed = Some(exposed);
-        Some(Plugin {
-            binary: bins.plugin.clone(),
-            kubeconfig: kubeconfig.clone(),
-        })
-    } else {
-        println!(
-            "    not root: no network namespace for the service proxy to reach the controller through, so the demo reads the controller's HTTP API directly instead of running `kubectl nodekeeper`"
-        );
-        None
-    };
+    }
 
     // 4. The agents, then the Nodes they stand for: the controller finds every agent already
     // listening when it first sees the Node.
@@ -380,7 +414,10 @@ pub(super) async fn steps(args: &DemoArgs, bins: &Binaries, running: &mut Runnin
             kubectl.display()
         );
         if args.keep {
-            println!("    stop the control plane: cargo xtask cluster down --name {CLUSTER}");
+            println!(
+                "    stop the control plane: cargo xtask cluster down --name {}",
+                args.name
+            );
         }
     }
     if args.wait {
@@ -404,6 +441,78 @@ pub(super) async fn steps(args: &DemoArgs, bins: &Binaries, running: &mut Runnin
         }
     }
     Ok(())
+}
+
+/// How long the controller's ServiceAccount token lasts: longer than a `--wait` demo is likely to
+/// be explored (a Pod's projected token is renewed by the kubelet; here nothing renews it).
+const CONTROLLER_TOKEN_LIFETIME: Duration = Duration::from_secs(24 * 3600);
+
+/// `kubectl apply -k deploy/` as the admin, printing each object and the file it comes from.
+/// One change, said on screen: the controller Deployment gets 0 replicas, as kwok's Pods would
+/// run nothing (the controller runs as a process of the demo instead, as the Deployment's
+/// ServiceAccount). Returns that ServiceAccount's name.
+async fn install_deploy(client: &kube::Client) -> Result<String> {
+    let repo = install::repo();
+    let deploy = repo.join("deploy");
+    let mut objects = install::kustomize(&deploy)?;
+    let origins = install::origins(&deploy, &repo)?;
+    let mut account = None;
+    for object in &mut objects {
+        if object["kind"] == "Deployment" && object["metadata"]["name"] == "nodekeeper-controller" {
+            if object["metadata"]["namespace"] != NAMESPACE {
+                bail!(
+                    "deploy/ installs the controller into namespace {}, the demo expects {NAMESPACE}",
+                    object["metadata"]["namespace"]
+                );
+            }
+            account = object["spec"]["template"]["spec"]["serviceAccountName"]
+                .as_str()
+                .map(str::to_owned);
+            object["spec"]["replicas"] = 0.into();
+        }
+    }
+    let account = account
+        .context("deploy/ has no Deployment nodekeeper-controller with a serviceAccountName")?;
+    install::apply_all(client, &objects, FIELD_MANAGER).await?;
+    println!(
+        "    `kubectl apply -k deploy/` ({} objects, rendered by the control plane's kubectl):",
+        objects.len()
+    );
+    for object in &objects {
+        let kind = object["kind"].as_str().unwrap_or("?");
+        let name = object["metadata"]["name"].as_str().unwrap_or("?");
+        let shown = match object["metadata"]["namespace"].as_str() {
+            Some(ns) => format!("{kind} {ns}/{name}"),
+            None => format!("{kind} {name}"),
+        };
+        let from = origins
+            .get(&install::key(object))
+            .map_or_else(|| "kustomize".to_owned(), |p| p.display().to_string());
+        let note = match kind {
+            "Deployment" => {
+                "  (replicas 0 here: kwok runs no containers; the controller runs as a process below, as this ServiceAccount)"
+            }
+            "DaemonSet" => {
+                "  (kwok shows one of its Pods Running on each simulated node but runs nothing; the agent processes of step 4 stand in)"
+            }
+            _ => "",
+        };
+        println!("      {shown:<58} from {from}{note}");
+    }
+    Ok(account)
+}
+
+/// Whether Service nodekeeper-controller's EndpointSlices hold a ready address.
+async fn service_has_endpoint(client: &kube::Client) -> Result<bool> {
+    let slices = Api::<EndpointSlice>::namespaced(client.clone(), NAMESPACE)
+        .list(&ListParams::default().labels("kubernetes.io/service-name=nodekeeper-controller"))
+        .await
+        .context("list the controller Service's EndpointSlices")?;
+    Ok(slices
+        .items
+        .iter()
+        .flat_map(|s| s.endpoints.iter().flatten())
+        .any(|e| e.conditions.as_ref().and_then(|c| c.ready).unwrap_or(false)))
 }
 
 /// Step 6 without the plugin: applies `deploy/examples/networktest-mesh.yaml`, waits for it and
