@@ -1211,6 +1211,18 @@ async fn controller_writes(client: &kube::Client) -> anyhow::Result<f64> {
     Ok(total)
 }
 
+/// The kube-apiserver's own CPU seconds (its `process_cpu_seconds_total`): it shares the
+/// machine's cores with the controller in the benchmark.
+async fn apiserver_cpu_seconds(client: &kube::Client) -> anyhow::Result<f64> {
+    let text = client
+        .request_text(http::Request::get("/metrics").body(Vec::new())?)
+        .await?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("process_cpu_seconds_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .context("process_cpu_seconds_total in the apiserver's /metrics")
+}
+
 /// Where a rollout's time goes, batch by batch, from the endpoint's log: the AttachVnic calls
 /// in the order they came, cut into batches of `batch` nodes; each batch's GetVnicAttachment
 /// calls are those before the next batch's first attach. Per batch, seconds: when its first
@@ -1268,6 +1280,14 @@ async fn bench_vnic() -> anyhow::Result<()> {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(100);
+    // The controller's own log, when asked for (`NODEKEEPER_LOG=nodekeeper_controller=debug`
+    // shows where each reconcile pass spends its time).
+    if std::env::var_os("NODEKEEPER_LOG").is_some() {
+        use clap::Parser as _;
+        nodekeeper_controller::runtime::logging::init(&nodekeeper_controller::Cli::parse_from([
+            "bench_vnic",
+        ]));
+    }
     let attach_delay = Duration::from_secs(1);
     let poll = Duration::from_millis(250);
     let cp = ControlPlane::shared();
@@ -1281,6 +1301,25 @@ async fn bench_vnic() -> anyhow::Result<()> {
         .await?,
     );
     let key = PrivateKey::from_pem(&test_key_pem()?)?;
+    // What one request signature costs the controller (every cloud call carries one).
+    let signing = Instant::now();
+    for i in 0..200u32 {
+        key.sign_base64(format!("date: {i}\n(request-target): get /vnicAttachments/x").as_bytes())?;
+    }
+    let signature_ms = signing.elapsed().as_secs_f64() * 1000.0 / 200.0;
+    // The same with the `rsa` crate, which signed them before (the comparison BENCHMARKS.md
+    // keeps).
+    let signature_rsa_crate_ms = {
+        use rsa::pkcs8::DecodePrivateKey as _;
+        use sha2::Digest as _;
+        let slow = rsa::RsaPrivateKey::from_pkcs8_pem(&test_key_pem()?)?;
+        let signing = Instant::now();
+        for i in 0..50u32 {
+            let digest = sha2::Sha256::digest(format!("date: {i}").as_bytes());
+            slow.sign(rsa::Pkcs1v15Sign::new::<sha2::Sha256>(), &digest)?;
+        }
+        signing.elapsed().as_secs_f64() * 1000.0 / 50.0
+    };
     let auth = ApiKeyProvider::new("ocid1.tenancy.oc1..t", "ocid1.user.oc1..u", key.clone());
     endpoint.register_key(&auth.credentials().await?.key_id, &key.public_key_pem()?)?;
     let compute = ComputeClient::new(ComputeConfig::new(endpoint.url()), Arc::new(auth))?;
@@ -1360,6 +1399,7 @@ async fn bench_vnic() -> anyhow::Result<()> {
     let name = unique_name("bench-vnic");
     let writes_before = controller_writes(&client).await?;
     let cpu_before = process_cpu_seconds()?;
+    let apiserver_cpu_before = apiserver_cpu_seconds(&client).await?;
     let requests_before = endpoint.requests().len();
     let started = Instant::now();
     apply_nnc(
@@ -1383,6 +1423,7 @@ async fn bench_vnic() -> anyhow::Result<()> {
     // Let the last status write land before counting.
     tokio::time::sleep(Duration::from_secs(2)).await;
     let cpu = process_cpu_seconds()? - cpu_before;
+    let apiserver_cpu = apiserver_cpu_seconds(&client).await? - apiserver_cpu_before;
     let writes = controller_writes(&client).await? - writes_before;
     let requests = endpoint.requests();
     let calls = &requests[requests_before..];
@@ -1417,6 +1458,9 @@ async fn bench_vnic() -> anyhow::Result<()> {
         "api_writes_per_node": writes / n as f64,
         "api_writes": writes,
         "process_cpu_s": cpu,
+        "signature_ms": signature_ms,
+        "signature_rsa_crate_ms": signature_rsa_crate_ms,
+        "apiserver_cpu_s": apiserver_cpu,
         "timeline": timeline,
     });
     if let Ok(path) = std::env::var("NODEKEEPER_BENCH_OUT") {

@@ -29,7 +29,7 @@ use nodekeeper_api::names::{
 use nodekeeper_oci::compute::{ComputeError, VnicAttachmentState};
 use nodekeeper_proto::agent::v1 as pb;
 use serde_json::json;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use super::Context;
 use super::cloud::{Cloud, CloudAccess, instance_id};
@@ -224,6 +224,7 @@ fn now() -> String {
 }
 
 pub async fn reconcile(obj: Arc<NodeNetworkConfig>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let began = Instant::now();
     let name = obj.name_any();
     let api: Api<NodeNetworkConfig> = Api::all(ctx.client.clone());
     if tokio::time::timeout(
@@ -297,6 +298,8 @@ pub async fn reconcile(obj: Arc<NodeNetworkConfig>, ctx: Arc<Context>) -> Result
     let by_name: HashMap<&str, &NodeInfo> = nodes.iter().map(|n| (n.name.as_str(), n)).collect();
     let owner = name.clone();
     let mut finished = Vec::new();
+    let pass_started = Instant::now();
+    let (mut stepped_count, mut started_count) = (0, 0);
     for round in 0..4 {
         let decision = next_batch(&states_of(&runs), &spec.rollout);
         if round > 0 && decision.start.is_empty() {
@@ -308,6 +311,7 @@ pub async fn reconcile(obj: Arc<NodeNetworkConfig>, ctx: Arc<Context>) -> Result
                 r.started = Instant::now();
             }
         }
+        started_count += decision.start.len();
         let stepping: Vec<(String, NodeRun)> = if round == 0 {
             runs.iter()
                 .filter(|(_, r)| r.stepping())
@@ -336,6 +340,7 @@ pub async fn reconcile(obj: Arc<NodeNetworkConfig>, ctx: Arc<Context>) -> Result
             .collect()
             .await;
         let before = finished.len();
+        stepped_count += stepped.len();
         for (n, mut run) in stepped {
             if run.work == Work::Done {
                 run.finished(
@@ -359,6 +364,7 @@ pub async fn reconcile(obj: Arc<NodeNetworkConfig>, ctx: Arc<Context>) -> Result
         leaving = leave(&ctx, &name, &others, leaving).await;
     }
 
+    let steps_took = pass_started.elapsed();
     // Node conditions of the nodes that finished, written only when they change, a bounded
     // number at once (a batch of a large rollout finishes together).
     futures::stream::iter(
@@ -370,6 +376,7 @@ pub async fn reconcile(obj: Arc<NodeNetworkConfig>, ctx: Arc<Context>) -> Result
         write_node_condition(&ctx, info, run)
     })
     .await;
+    let conditions_took = pass_started.elapsed() - steps_took;
 
     let paused = next_batch(&states_of(&runs), &spec.rollout).paused;
     let reports: Vec<NodeReport<'_>> = runs
@@ -411,9 +418,23 @@ pub async fn reconcile(obj: Arc<NodeNetworkConfig>, ctx: Arc<Context>) -> Result
                 .max(MIN_PASS_GAP)
         });
     put_runs(&ctx, &uid, runs, leaving);
+    let wrote_status = status.is_some();
     if let Some(s) = status {
         write_status(&api, &name, &s).await?;
     }
+    // Where a pass's time goes (the benchmark reads these with NODEKEEPER_LOG=…=debug).
+    debug!(
+        object = %name,
+        prelude_ms = (pass_started - began).as_millis() as u64,
+        stepped = stepped_count,
+        started = started_count,
+        finished = finished.len(),
+        steps_ms = steps_took.as_millis() as u64,
+        conditions_ms = conditions_took.as_millis() as u64,
+        wrote_status,
+        pass_ms = began.elapsed().as_millis() as u64,
+        "nodenetworkconfig pass"
+    );
     let wait = if busy {
         ctx.settings.poll
     } else {
