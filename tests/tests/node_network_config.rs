@@ -1397,9 +1397,15 @@ async fn bench_vnic() -> anyhow::Result<()> {
     ));
     let api: Api<NodeNetworkConfig> = Api::all(client.clone());
     let name = unique_name("bench-vnic");
+    // What the apiserver spends with no rollout (kwok's heartbeats and leases for the nodes,
+    // the other controllers), over a few seconds before it starts.
+    let idle = Duration::from_secs(5);
+    let apiserver_idle_before = apiserver_cpu_seconds(&client).await?;
+    tokio::time::sleep(idle).await;
+    let apiserver_cpu_before = apiserver_cpu_seconds(&client).await?;
+    let apiserver_idle_per_s = (apiserver_cpu_before - apiserver_idle_before) / idle.as_secs_f64();
     let writes_before = controller_writes(&client).await?;
     let cpu_before = process_cpu_seconds()?;
-    let apiserver_cpu_before = apiserver_cpu_seconds(&client).await?;
     let requests_before = endpoint.requests().len();
     let started = Instant::now();
     apply_nnc(
@@ -1461,6 +1467,7 @@ async fn bench_vnic() -> anyhow::Result<()> {
         "signature_ms": signature_ms,
         "signature_rsa_crate_ms": signature_rsa_crate_ms,
         "apiserver_cpu_s": apiserver_cpu,
+        "apiserver_idle_cpu_per_s": apiserver_idle_per_s,
         "timeline": timeline,
     });
     if let Ok(path) = std::env::var("NODEKEEPER_BENCH_OUT") {

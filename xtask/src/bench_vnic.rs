@@ -97,7 +97,7 @@ fn report(f: &Value, build: &str) -> String {
          | AttachVnic calls | {attach} for {n} nodes | one per node, never doubled |\n\
          | API writes per node | {writes:.2} ({total} in all: node conditions, status, finalizer) | ≤ {TARGET_API_WRITES} ({wv}) |\n\
          | CPU of the benchmark process | {cpu:.1} s | (controller, endpoint and simulated agents together) |\n\
-         | CPU of kube-apiserver | {api_cpu:.1} s | (same 2 cores) |\n\
+         | CPU of kube-apiserver | {api_cpu:.1} s | (same 2 cores; {api_idle:.2} s per second before the rollout, with no rollout) |\n\
          | one request signature (RSA-2048, ring) | {sig:.2} ms | ({calls_all:.0} signed calls; the `rsa` crate, which signed them before: {sig_rsa:.2} ms) |\n\n\
          Where the time goes, batch by batch (seconds, from the endpoint's log: a batch is the \
          next {per_batch} AttachVnic calls; its looks are the GetVnicAttachment calls before the next batch's \
@@ -117,6 +117,7 @@ fn report(f: &Value, build: &str) -> String {
         wv = verdict(writes <= TARGET_API_WRITES),
         cpu = num("process_cpu_s"),
         api_cpu = num("apiserver_cpu_s"),
+        api_idle = num("apiserver_idle_cpu_per_s"),
         sig = num("signature_ms"),
         sig_rsa = num("signature_rsa_crate_ms"),
         calls_all = calls * n,

@@ -22,8 +22,8 @@ use http::header::{HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Uri};
 use md5::Md5;
 use rsa::pkcs1::DecodeRsaPrivateKey as _;
-use rsa::pkcs8::{DecodePrivateKey as _, EncodePublicKey as _, LineEnding};
 use rsa::pkcs8::EncodePrivateKey as _;
+use rsa::pkcs8::{DecodePrivateKey as _, EncodePublicKey as _, LineEnding};
 use rsa::{Pkcs1v15Sign, RsaPrivateKey};
 use sha2::{Digest as _, Sha256};
 

@@ -215,8 +215,15 @@ pub struct Cloud {
     /// How long ATTACHING → ATTACHED takes here: the first look at a new attachment waits this
     /// long, so that it usually finds it ATTACHED (one GetVnicAttachment per VNIC instead of one
     /// per poll). Starts at `--nnc-attach-latency` and follows what the first looks find.
-    attach_latency: Mutex<Duration>,
+    attach_latency: Mutex<AttachLatency>,
     pub metrics: CloudMetrics,
+}
+
+/// The first-look wait, and the longest wait that still found an attachment ATTACHING.
+#[derive(Clone, Copy, Debug)]
+struct AttachLatency {
+    guess: Duration,
+    too_early: Option<Duration>,
 }
 
 fn state_of(s: VnicAttachmentState) -> AttachmentState {
@@ -237,7 +244,10 @@ impl Cloud {
             locks: InstanceLocks::new(),
             instances: Mutex::default(),
             vnics: Mutex::default(),
-            attach_latency: Mutex::new(Duration::from_secs(10)),
+            attach_latency: Mutex::new(AttachLatency {
+                guess: Duration::from_secs(10),
+                too_early: None,
+            }),
             metrics,
         }
     }
@@ -395,36 +405,41 @@ impl Cloud {
 
     /// Sets the first guess of the attach time (`--nnc-attach-latency`).
     pub fn with_attach_latency(self, guess: Duration) -> Self {
-        *self
-            .attach_latency
+        self.attach_latency
             .lock()
-            .unwrap_or_else(PoisonError::into_inner) = guess;
+            .unwrap_or_else(PoisonError::into_inner)
+            .guess = guess;
         self
     }
 
     /// How long to wait before the first look at a new attachment.
     pub fn expected_attach_latency(&self) -> Duration {
-        *self
-            .attach_latency
+        self.attach_latency
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
+            .guess
     }
 
     /// What the first look at an attachment requested `took` ago found: ATTACHED means the wait
     /// may shrink a little (probing for a faster cloud), still ATTACHING means it was too short.
     /// Both follow `took` rather than the current guess, so a batch of nodes looking at once
-    /// moves the guess once, not once per node.
+    /// moves the guess once, not once per node. The probe never goes back below 1.05 × the
+    /// longest wait that was too short: once a rollout has found the cloud's attach time, its
+    /// first looks stop costing a second call every few batches (a faster cloud is found again
+    /// after a restart).
     pub fn observe_first_look(&self, attached: bool, took: Duration) {
         let mut l = self
             .attach_latency
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        *l = if attached {
-            took.mul_f64(0.95).min(*l)
+        let guess = if attached {
+            let probe = took.mul_f64(0.95).min(l.guess);
+            l.too_early.map_or(probe, |t| probe.max(t.mul_f64(1.05)))
         } else {
-            took.mul_f64(1.2).max(*l)
-        }
-        .clamp(Duration::from_millis(100), Duration::from_secs(300));
+            l.too_early = Some(l.too_early.map_or(took, |t| t.max(took)));
+            took.mul_f64(1.2).max(l.guess)
+        };
+        l.guess = guess.clamp(Duration::from_millis(100), Duration::from_secs(300));
     }
 
     /// GetVnicAttachment.
@@ -529,6 +544,16 @@ mod tests {
             cloud.observe_first_look(false, s(10));
         }
         assert_eq!(cloud.expected_attach_latency(), s(12));
+        // Found ATTACHED again and again: the probe goes down, but not below 1.05 × the 10 s
+        // that were too short, so it never finds a batch too early again.
+        for _ in 0..20 {
+            let wait = cloud.expected_attach_latency();
+            cloud.observe_first_look(true, wait);
+        }
+        assert_eq!(
+            cloud.expected_attach_latency(),
+            Duration::from_millis(10_500)
+        );
     }
 
     #[test]

@@ -57,7 +57,8 @@ pub struct Config {
     pub nnc_concurrency: u16,
 
     /// How soon a rollout in progress is looked at again (attachments waiting for ATTACHED,
-    /// nodes waiting for their turn).
+    /// nodes waiting for their turn); also how long one pass goes on taking the first looks
+    /// that fall due, before it writes the status.
     #[arg(long, env = "NODEKEEPER_NNC_POLL_INTERVAL", default_value = "2s", value_parser = duration)]
     pub nnc_poll_interval: Duration,
 
