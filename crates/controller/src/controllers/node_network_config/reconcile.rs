@@ -295,9 +295,10 @@ pub async fn reconcile(obj: Arc<NodeNetworkConfig>, ctx: Arc<Context>) -> Result
 
     // Step every node in progress, a bounded number at once, each as soon as it can move: a
     // node that finishes writes its Node condition and frees its place at once (the next node
-    // starts in the same pass, at most `MAX_START_DEPTH` starts deep), and a first look that
-    // falls due before the pass's end (a poll interval after its start) is taken then, in this
-    // pass. So one node's cycle never waits for the slowest node of its pass, nor for a poll.
+    // starts in the same pass, at most `MAX_START_DEPTH` starts deep), and a look that falls
+    // due while the pass goes on (other nodes under way, or before its end, a poll interval
+    // after its start) is taken then. So one node's cycle never waits for the slowest node of
+    // its pass, nor for a poll.
     let by_name: HashMap<&str, &NodeInfo> = nodes.iter().map(|n| (n.name.as_str(), n)).collect();
     let owner = name.clone();
     let pass_started = Instant::now();
@@ -336,6 +337,9 @@ pub async fn reconcile(obj: Arc<NodeNetworkConfig>, ctx: Arc<Context>) -> Result
         let due = waiting.iter().map(|(t, ..)| *t).min();
         let done = match (in_flight.is_empty(), due) {
             (true, None) => break,
+            // Nothing under way: wait for the next look only if it falls due before the
+            // pass's end; the others are the next pass's.
+            (true, Some(t)) if t > deadline => break,
             (true, Some(t)) => {
                 tokio::time::sleep_until(t.into()).await;
                 None
@@ -373,9 +377,9 @@ pub async fn reconcile(obj: Arc<NodeNetworkConfig>, ctx: Arc<Context>) -> Result
             }
             continue;
         }
-        // A new attachment's first look, due before the pass ends: taken in this pass. (A
-        // look that found it still ATTACHING clears `next_look`: the next pass looks again.)
-        if let Some(t) = run.next_look.filter(|t| *t <= deadline) {
+        // A look at an attachment, taken when it falls due if the pass is still going on
+        // then (other nodes under way, or before the pass's end).
+        if let Some(t) = run.next_look {
             waiting.push((t, n.clone(), depth));
         }
         runs.insert(n, run);
@@ -791,11 +795,12 @@ async fn step(
                         );
                     }
                     _ => {
-                        // Too early: later looks follow the poll interval.
+                        // Too early: later looks follow the poll interval (in this pass, if
+                        // it is still going on then).
                         if let Some(t) = run.attach_requested.take() {
                             cloud.observe_first_look(false, t.elapsed());
                         }
-                        run.next_look = None;
+                        run.next_look = Some(Instant::now() + ctx.settings.poll);
                         return;
                     }
                 }
