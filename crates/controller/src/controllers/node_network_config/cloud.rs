@@ -219,11 +219,11 @@ pub struct Cloud {
     pub metrics: CloudMetrics,
 }
 
-/// The first-look wait, and the longest wait that still found an attachment ATTACHING.
+/// The first-look wait, and the first guess it never goes below.
 #[derive(Clone, Copy, Debug)]
 struct AttachLatency {
     guess: Duration,
-    too_early: Option<Duration>,
+    floor: Duration,
 }
 
 fn state_of(s: VnicAttachmentState) -> AttachmentState {
@@ -246,7 +246,7 @@ impl Cloud {
             vnics: Mutex::default(),
             attach_latency: Mutex::new(AttachLatency {
                 guess: Duration::from_secs(10),
-                too_early: None,
+                floor: Duration::from_secs(10),
             }),
             metrics,
         }
@@ -405,10 +405,13 @@ impl Cloud {
 
     /// Sets the first guess of the attach time (`--nnc-attach-latency`).
     pub fn with_attach_latency(self, guess: Duration) -> Self {
-        self.attach_latency
+        *self
+            .attach_latency
             .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .guess = guess;
+            .unwrap_or_else(PoisonError::into_inner) = AttachLatency {
+            guess,
+            floor: guess,
+        };
         self
     }
 
@@ -420,23 +423,20 @@ impl Cloud {
             .guess
     }
 
-    /// What the first look at an attachment requested `took` ago found: ATTACHED means the wait
-    /// may shrink a little (probing for a faster cloud), still ATTACHING means it was too short.
-    /// Both follow `took` rather than the current guess, so a batch of nodes looking at once
-    /// moves the guess once, not once per node. The probe never goes back below 1.05 × the
-    /// longest wait that was too short: once a rollout has found the cloud's attach time, its
-    /// first looks stop costing a second call every few batches (a faster cloud is found again
-    /// after a restart).
+    /// What the first look at an attachment requested `took` ago found: still ATTACHING means
+    /// the wait was too short (it becomes 1.2 × `took`); ATTACHED lets a raised wait come back
+    /// down (0.95 × `took`), but never below the first guess (`--nnc-attach-latency`): a probe
+    /// below it would cost a second GetVnicAttachment for every node attached meanwhile each
+    /// time it fails. Both follow `took` rather than the current guess, so a batch of nodes
+    /// looking at once moves the guess once, not once per node.
     pub fn observe_first_look(&self, attached: bool, took: Duration) {
         let mut l = self
             .attach_latency
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
         let guess = if attached {
-            let probe = took.mul_f64(0.95).min(l.guess);
-            l.too_early.map_or(probe, |t| probe.max(t.mul_f64(1.05)))
+            took.mul_f64(0.95).min(l.guess).max(l.floor)
         } else {
-            l.too_early = Some(l.too_early.map_or(took, |t| t.max(took)));
             took.mul_f64(1.2).max(l.guess)
         };
         l.guess = guess.clamp(Duration::from_millis(100), Duration::from_secs(300));
@@ -531,29 +531,32 @@ mod tests {
         )
         .with_attach_latency(Duration::from_secs(10));
         let s = Duration::from_secs;
-        // Ten nodes of a batch find their attachment ATTACHED after 10.2 s: the guess moves once.
-        for _ in 0..10 {
-            cloud.observe_first_look(true, Duration::from_millis(10_200));
+        // Found ATTACHED at the first guess, again and again: the wait stays (no probe below
+        // the flag, which would cost second looks).
+        for _ in 0..20 {
+            let wait = cloud.expected_attach_latency();
+            cloud.observe_first_look(true, wait);
         }
-        assert_eq!(
-            cloud.expected_attach_latency(),
-            Duration::from_millis(9_690)
-        );
+        assert_eq!(cloud.expected_attach_latency(), s(10));
         // Too early for ten nodes: raised once, to 1.2 × what they waited.
         for _ in 0..10 {
             cloud.observe_first_look(false, s(10));
         }
         assert_eq!(cloud.expected_attach_latency(), s(12));
-        // Found ATTACHED again and again: the probe goes down, but not below 1.05 × the 10 s
-        // that were too short, so it never finds a batch too early again.
+        // Ten nodes of a batch then find theirs ATTACHED after 12.2 s: it comes down once.
+        for _ in 0..10 {
+            cloud.observe_first_look(true, Duration::from_millis(12_200));
+        }
+        assert_eq!(
+            cloud.expected_attach_latency(),
+            Duration::from_millis(11_590)
+        );
+        // And back to the first guess, not below it.
         for _ in 0..20 {
             let wait = cloud.expected_attach_latency();
             cloud.observe_first_look(true, wait);
         }
-        assert_eq!(
-            cloud.expected_attach_latency(),
-            Duration::from_millis(10_500)
-        );
+        assert_eq!(cloud.expected_attach_latency(), s(10));
     }
 
     #[test]
