@@ -90,7 +90,7 @@ fn report(f: &Value, build: &str) -> String {
          nodes, `maxUnavailable: 10%` ({batches} batches), the local OCI endpoint (every request \
          signature-checked, ATTACHING → ATTACHED after {delay} s), simulated agents (a VNIC is on \
          the host once ATTACHED), the reconciler polling every {poll} s with its first look at a new attachment after \
-         `--nnc-attach-latency {delay}s` (then adapting). {build} build, 2-core shared machine.\n\n\
+         `--nnc-attach-latency {delay}s` (longer after looks that find it still ATTACHING, never shorter). {build} build, 2-core shared machine.\n\n\
          | figure | value | target |\n|---|---|---|\n\
          | time to all applied | {secs:.1} s | bound by attach latency × batches = {bound:.0} s |\n\
          | cloud calls per node | {calls:.2} ({ops}) | ≤ {TARGET_CLOUD_CALLS} ({cv}) |\n\
