@@ -83,6 +83,8 @@ enum TestAgents {
     Simulated {
         endpoint: Arc<OciEndpoint>,
         instances: BTreeMap<IpAddr, String>,
+        /// Agents that answer only after this long (an apply that takes its time).
+        slow: BTreeMap<IpAddr, Duration>,
     },
 }
 
@@ -123,10 +125,14 @@ impl Agents for TestAgents {
                 TestAgents::Simulated {
                     endpoint: oci,
                     instances,
+                    slow,
                 } => {
                     let instance = instances
                         .get(&endpoint.ip())
                         .ok_or_else(|| call_error(endpoint, "no agent here".into()))?;
+                    if let Some(delay) = slow.get(&endpoint.ip()) {
+                        tokio::time::sleep(*delay).await;
+                    }
                     return Ok(simulated_apply(oci, instance));
                 }
                 TestAgents::Netns(by_address, applies) => {
@@ -1211,6 +1217,18 @@ async fn controller_writes(client: &kube::Client) -> anyhow::Result<f64> {
     Ok(total)
 }
 
+/// The kube-apiserver's own CPU seconds (its `process_cpu_seconds_total`): it shares the
+/// machine's cores with the controller in the benchmark.
+async fn apiserver_cpu_seconds(client: &kube::Client) -> anyhow::Result<f64> {
+    let text = client
+        .request_text(http::Request::get("/metrics").body(Vec::new())?)
+        .await?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("process_cpu_seconds_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .context("process_cpu_seconds_total in the apiserver's /metrics")
+}
+
 /// Where a rollout's time goes, batch by batch, from the endpoint's log: the AttachVnic calls
 /// in the order they came, cut into batches of `batch` nodes; each batch's GetVnicAttachment
 /// calls are those before the next batch's first attach. Per batch, seconds: when its first
@@ -1258,43 +1276,58 @@ fn batch_timeline(calls: &[Recorded], started: Instant, batch: usize) -> Vec<ser
         .collect()
 }
 
-/// `cargo xtask bench vnic` runs this with `NODEKEEPER_BENCH_VNIC_NODES` (default 100) and
-/// reads the figures from the JSON file `NODEKEEPER_BENCH_OUT` names: N kwok nodes, one VNIC
-/// each, `maxUnavailable: 10%`, the local endpoint with a 1 s attach, simulated agents.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[ignore = "benchmark: cargo xtask bench vnic"]
-async fn bench_vnic() -> anyhow::Result<()> {
-    let n: usize = std::env::var("NODEKEEPER_BENCH_VNIC_NODES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(100);
-    let attach_delay = Duration::from_secs(1);
-    let poll = Duration::from_millis(250);
-    let cp = ControlPlane::shared();
-    let client = cp.client().await?;
-    install_crds(&client).await?;
-    let endpoint = Arc::new(
-        OciEndpoint::start(EndpointConfig {
-            attach_delay,
-            ..Default::default()
-        })
-        .await?,
-    );
-    let key = PrivateKey::from_pem(&test_key_pem()?)?;
+/// A rollout of simulated nodes (no namespaces, no netlink): `n` kwok nodes labelled with a
+/// fresh label, an instance each on `endpoint`, the simulated agents (those named in `slow`
+/// answer ApplyNetwork only after that long, by index in creation order), and the controller running with `settings`.
+struct SimRollout {
+    client: kube::Client,
+    endpoint: Arc<OciEndpoint>,
+    /// The subnet to attach the VNICs in.
+    pods: String,
+    label: (String, String),
+    names: Vec<String>,
+    stop: CancellationToken,
+    handle: tokio::task::JoinHandle<()>,
+}
+
+/// The settings of the simulated rollouts; callers change what they measure.
+fn sim_settings() -> Settings {
+    Settings {
+        node_concurrency: 8,
+        object_concurrency: 2,
+        poll: Duration::from_millis(250),
+        resync: Duration::from_secs(5),
+        attach_timeout: Duration::from_secs(120),
+        apply_timeout: Duration::from_secs(30),
+        retry_backoff: Duration::from_secs(30),
+        retry_backoff_max: Duration::from_secs(600),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn sim_rollout(
+    client: &kube::Client,
+    endpoint: Arc<OciEndpoint>,
+    key: &PrivateKey,
+    prefix: &str,
+    n: usize,
+    attach_latency: Duration,
+    settings: Settings,
+    slow: &BTreeMap<usize, Duration>,
+) -> anyhow::Result<SimRollout> {
+    let client = client.clone();
     let auth = ApiKeyProvider::new("ocid1.tenancy.oc1..t", "ocid1.user.oc1..u", key.clone());
     endpoint.register_key(&auth.credentials().await?.key_id, &key.public_key_pem()?)?;
     let compute = ComputeClient::new(ComputeConfig::new(endpoint.url()), Arc::new(auth))?;
     let primary = endpoint.add_subnet("10.0.0.0/16")?;
     let pods = endpoint.add_subnet("10.1.0.0/16")?;
-    let label = (
-        "nodekeeper.dev/bench-vnic".to_string(),
-        unique_name("bench"),
-    );
+    let label = ("nodekeeper.dev/sim-vnic".to_string(), unique_name(prefix));
     let names =
-        create_simulated_nodes(&client, "bvnic", n, &BTreeMap::from([label.clone()]), &[]).await?;
+        create_simulated_nodes(&client, prefix, n, &BTreeMap::from([label.clone()]), &[]).await?;
     let node_api: Api<Node> = Api::all(client.clone());
     let mut instances = BTreeMap::new();
-    for name in &names {
+    let mut slow_ips = BTreeMap::new();
+    for (i, name) in names.iter().enumerate() {
         let instance = endpoint.add_instance(&InstanceSpec {
             display_name: name.clone(),
             shape: VM.into(),
@@ -1322,10 +1355,14 @@ async fn bench_vnic() -> anyhow::Result<()> {
             .address
             .parse()?;
         instances.insert(ip, instance);
+        if let Some(delay) = slow.get(&i) {
+            slow_ips.insert(ip, *delay);
+        }
     }
     let agents: Arc<dyn Agents> = Arc::new(TestAgents::Simulated {
         endpoint: Arc::clone(&endpoint),
         instances,
+        slow: slow_ips,
     });
     let ctx = Arc::new(
         Context::with(
@@ -1334,19 +1371,10 @@ async fn bench_vnic() -> anyhow::Result<()> {
             9443,
             CloudAccess::On(Arc::new(
                 Cloud::new(compute, Some(COMPARTMENT.into()), CloudMetrics::default())
-                    .with_attach_latency(attach_delay),
+                    .with_attach_latency(attach_latency),
             )),
             CloudMetrics::default(),
-            Settings {
-                node_concurrency: 64,
-                object_concurrency: 2,
-                poll,
-                resync: Duration::from_secs(5),
-                attach_timeout: Duration::from_secs(120),
-                apply_timeout: Duration::from_secs(30),
-                retry_backoff: Duration::from_secs(30),
-                retry_backoff_max: Duration::from_secs(600),
-            },
+            settings,
         )
         .watching(&format!("{}={}", label.0, label.1)),
     );
@@ -1356,8 +1384,200 @@ async fn bench_vnic() -> anyhow::Result<()> {
         ReconcileMetrics::default(),
         stop.clone(),
     ));
+    Ok(SimRollout {
+        client,
+        endpoint,
+        pods,
+        label,
+        names,
+        stop,
+        handle,
+    })
+}
+
+/// A node that finishes frees its place at once: with `maxUnavailable: 2`, the first node's
+/// successor is attached, looked at, applied and shown Ready on its Node while the second
+/// node's agent is still applying (it answers after 6 s), not after it, as when a pass waited
+/// for every node it stepped before starting the next ones and looking again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_finished_node_starts_the_next_while_a_slow_one_still_applies() -> anyhow::Result<()> {
+    let cp = ControlPlane::shared();
+    let client = cp.client().await?;
+    install_crds(&client).await?;
+    let attach_delay = Duration::from_millis(300);
+    let endpoint = Arc::new(
+        OciEndpoint::start(EndpointConfig {
+            attach_delay,
+            ..Default::default()
+        })
+        .await?,
+    );
+    let key = PrivateKey::from_pem(&test_key_pem()?)?;
+    let slow_apply = Duration::from_secs(6);
+    // Nodes start in name order; the second one's agent is slow, the third waits its turn.
+    let rig = sim_rollout(
+        &client,
+        endpoint,
+        &key,
+        "vslow",
+        3,
+        attach_delay * 2,
+        sim_settings(),
+        &BTreeMap::from([(1, slow_apply)]),
+    )
+    .await?;
+    let mut names = rig.names.clone();
+    names.sort();
+    ensure!(
+        names == rig.names,
+        "nodes {:?} are not created in name order",
+        rig.names
+    );
+    let (slow_name, next) = (names[1].clone(), names[2].clone());
+    let api: Api<NodeNetworkConfig> = Api::all(rig.client.clone());
+    let name = unique_name("vslow");
+    let started = Instant::now();
+    apply_nnc(
+        &api,
+        &rig.label,
+        &name,
+        json!({
+            "nodeSelector": {"matchLabels": {rig.label.0.clone(): rig.label.1.clone()}},
+            "ociVnics": {"attach": [vnic("pods", &rig.pods)]},
+            "rollout": {"maxUnavailable": 2, "failureThreshold": 1},
+        }),
+    )
+    .await?;
+    let nodes: Api<Node> = Api::all(rig.client.clone());
+    let ready = |node: Node| {
+        node.status
+            .and_then(|s| s.conditions)
+            .unwrap_or_default()
+            .into_iter()
+            .find(|c| c.type_ == NODE_CONDITION_NETWORK_READY)
+            .map(|c| c.status)
+    };
+    wait_for(
+        &format!("{next} NodeNetworkReady=True"),
+        Duration::from_secs(30),
+        || async { Ok((ready(nodes.get(&next).await?).as_deref() == Some("True")).then_some(())) },
+    )
+    .await?;
+    let waited = started.elapsed();
+    let slow_state = ready(nodes.get(&slow_name).await?);
+    ensure!(
+        slow_state.as_deref() != Some("True"),
+        "{next} became Ready after {waited:?}, only once the slow node {slow_name} was \
+         ({slow_state:?}): it waited for the slow apply"
+    );
+    ensure!(
+        waited < slow_apply,
+        "{next} took {waited:?}, longer than the slow node's apply ({slow_apply:?})"
+    );
+    wait_for("every node applied", Duration::from_secs(60), || async {
+        let s = status_of(&api, &name).await?;
+        Ok((s["applied"].as_u64() == Some(3)).then_some(()))
+    })
+    .await?;
+    let attaches = rig
+        .endpoint
+        .requests()
+        .iter()
+        .filter(|r| r.method == Method::POST && r.path.starts_with("/vnicAttachments"))
+        .count();
+    ensure!(attaches == 3, "{attaches} AttachVnic calls for 3 nodes");
+    api.delete(&name, &DeleteParams::default()).await?;
+    wait_for("the object gone", Duration::from_secs(60), || async {
+        Ok(api.get_opt(&name).await?.is_none().then_some(()))
+    })
+    .await?;
+    rig.stop.cancel();
+    rig.handle.await?;
+    Ok(())
+}
+
+/// `cargo xtask bench vnic` runs this with `NODEKEEPER_BENCH_VNIC_NODES` (default 100) and
+/// reads the figures from the JSON file `NODEKEEPER_BENCH_OUT` names: N kwok nodes, one VNIC
+/// each, `maxUnavailable: 10%`, the local endpoint with a 1 s attach, simulated agents.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "benchmark: cargo xtask bench vnic"]
+async fn bench_vnic() -> anyhow::Result<()> {
+    let n: usize = std::env::var("NODEKEEPER_BENCH_VNIC_NODES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(100);
+    // The controller's own log, when asked for (`NODEKEEPER_LOG=nodekeeper_controller=debug`
+    // shows where each reconcile pass spends its time).
+    if std::env::var_os("NODEKEEPER_LOG").is_some() {
+        use clap::Parser as _;
+        nodekeeper_controller::runtime::logging::init(&nodekeeper_controller::Cli::parse_from([
+            "bench_vnic",
+        ]));
+    }
+    let attach_delay = Duration::from_secs(1);
+    let poll = Duration::from_millis(250);
+    let cp = ControlPlane::shared();
+    let client = cp.client().await?;
+    install_crds(&client).await?;
+    let endpoint = Arc::new(
+        OciEndpoint::start(EndpointConfig {
+            attach_delay,
+            ..Default::default()
+        })
+        .await?,
+    );
+    let key = PrivateKey::from_pem(&test_key_pem()?)?;
+    // What one request signature costs the controller (every cloud call carries one).
+    let signing = Instant::now();
+    for i in 0..200u32 {
+        key.sign_base64(format!("date: {i}\n(request-target): get /vnicAttachments/x").as_bytes())?;
+    }
+    let signature_ms = signing.elapsed().as_secs_f64() * 1000.0 / 200.0;
+    // The same with the `rsa` crate, which signed them before (the comparison BENCHMARKS.md
+    // keeps).
+    let signature_rsa_crate_ms = {
+        use rsa::pkcs8::DecodePrivateKey as _;
+        use sha2::Digest as _;
+        let slow = rsa::RsaPrivateKey::from_pkcs8_pem(&test_key_pem()?)?;
+        let signing = Instant::now();
+        for i in 0..50u32 {
+            let digest = sha2::Sha256::digest(format!("date: {i}").as_bytes());
+            slow.sign(rsa::Pkcs1v15Sign::new::<sha2::Sha256>(), &digest)?;
+        }
+        signing.elapsed().as_secs_f64() * 1000.0 / 50.0
+    };
+    let SimRollout {
+        client,
+        endpoint,
+        pods,
+        label,
+        stop,
+        handle,
+        ..
+    } = sim_rollout(
+        &client,
+        endpoint,
+        &key,
+        "bvnic",
+        n,
+        attach_delay,
+        Settings {
+            node_concurrency: 64,
+            poll,
+            ..sim_settings()
+        },
+        &BTreeMap::new(),
+    )
+    .await?;
     let api: Api<NodeNetworkConfig> = Api::all(client.clone());
     let name = unique_name("bench-vnic");
+    // What the apiserver spends with no rollout (kwok's heartbeats and leases for the nodes,
+    // the other controllers), over a few seconds before it starts.
+    let idle = Duration::from_secs(5);
+    let apiserver_idle_before = apiserver_cpu_seconds(&client).await?;
+    tokio::time::sleep(idle).await;
+    let apiserver_cpu_before = apiserver_cpu_seconds(&client).await?;
+    let apiserver_idle_per_s = (apiserver_cpu_before - apiserver_idle_before) / idle.as_secs_f64();
     let writes_before = controller_writes(&client).await?;
     let cpu_before = process_cpu_seconds()?;
     let requests_before = endpoint.requests().len();
@@ -1383,6 +1603,7 @@ async fn bench_vnic() -> anyhow::Result<()> {
     // Let the last status write land before counting.
     tokio::time::sleep(Duration::from_secs(2)).await;
     let cpu = process_cpu_seconds()? - cpu_before;
+    let apiserver_cpu = apiserver_cpu_seconds(&client).await? - apiserver_cpu_before;
     let writes = controller_writes(&client).await? - writes_before;
     let requests = endpoint.requests();
     let calls = &requests[requests_before..];
@@ -1417,6 +1638,10 @@ async fn bench_vnic() -> anyhow::Result<()> {
         "api_writes_per_node": writes / n as f64,
         "api_writes": writes,
         "process_cpu_s": cpu,
+        "signature_ms": signature_ms,
+        "signature_rsa_crate_ms": signature_rsa_crate_ms,
+        "apiserver_cpu_s": apiserver_cpu,
+        "apiserver_idle_cpu_per_s": apiserver_idle_per_s,
         "timeline": timeline,
     });
     if let Ok(path) = std::env::var("NODEKEEPER_BENCH_OUT") {

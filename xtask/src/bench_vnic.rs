@@ -90,13 +90,15 @@ fn report(f: &Value, build: &str) -> String {
          nodes, `maxUnavailable: 10%` ({batches} batches), the local OCI endpoint (every request \
          signature-checked, ATTACHING → ATTACHED after {delay} s), simulated agents (a VNIC is on \
          the host once ATTACHED), the reconciler polling every {poll} s with its first look at a new attachment after \
-         `--nnc-attach-latency {delay}s` (then adapting). {build} build, 2-core shared machine.\n\n\
+         `--nnc-attach-latency {delay}s` (longer after looks that find it still ATTACHING, never shorter). {build} build, 2-core shared machine.\n\n\
          | figure | value | target |\n|---|---|---|\n\
          | time to all applied | {secs:.1} s | bound by attach latency × batches = {bound:.0} s |\n\
          | cloud calls per node | {calls:.2} ({ops}) | ≤ {TARGET_CLOUD_CALLS} ({cv}) |\n\
          | AttachVnic calls | {attach} for {n} nodes | one per node, never doubled |\n\
          | API writes per node | {writes:.2} ({total} in all: node conditions, status, finalizer) | ≤ {TARGET_API_WRITES} ({wv}) |\n\
-         | CPU of the benchmark process | {cpu:.1} s | (controller, endpoint and simulated agents together) |\n\n\
+         | CPU of the benchmark process | {cpu:.1} s | (controller, endpoint and simulated agents together) |\n\
+         | CPU of kube-apiserver | {api_cpu:.1} s | (same 2 cores; {api_idle:.2} s per second before the rollout, with no rollout) |\n\
+         | one request signature (RSA-2048, ring) | {sig:.2} ms | ({calls_all:.0} signed calls; the `rsa` crate, which signed them before: {sig_rsa:.2} ms) |\n\n\
          Where the time goes, batch by batch (seconds, from the endpoint's log: a batch is the \
          next {per_batch} AttachVnic calls; its looks are the GetVnicAttachment calls before the next batch's \
          first attach):\n\n\
@@ -114,6 +116,11 @@ fn report(f: &Value, build: &str) -> String {
         total = num("api_writes"),
         wv = verdict(writes <= TARGET_API_WRITES),
         cpu = num("process_cpu_s"),
+        api_cpu = num("apiserver_cpu_s"),
+        api_idle = num("apiserver_idle_cpu_per_s"),
+        sig = num("signature_ms"),
+        sig_rsa = num("signature_rsa_crate_ms"),
+        calls_all = calls * n,
         per_batch = (n / num("batches")).ceil(),
         rows = timeline_rows(&f["timeline"]),
     )

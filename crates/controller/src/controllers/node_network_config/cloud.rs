@@ -215,8 +215,15 @@ pub struct Cloud {
     /// How long ATTACHING → ATTACHED takes here: the first look at a new attachment waits this
     /// long, so that it usually finds it ATTACHED (one GetVnicAttachment per VNIC instead of one
     /// per poll). Starts at `--nnc-attach-latency` and follows what the first looks find.
-    attach_latency: Mutex<Duration>,
+    attach_latency: Mutex<AttachLatency>,
     pub metrics: CloudMetrics,
+}
+
+/// The first-look wait, and the first guess it never goes below.
+#[derive(Clone, Copy, Debug)]
+struct AttachLatency {
+    guess: Duration,
+    floor: Duration,
 }
 
 fn state_of(s: VnicAttachmentState) -> AttachmentState {
@@ -237,7 +244,10 @@ impl Cloud {
             locks: InstanceLocks::new(),
             instances: Mutex::default(),
             vnics: Mutex::default(),
-            attach_latency: Mutex::new(Duration::from_secs(10)),
+            attach_latency: Mutex::new(AttachLatency {
+                guess: Duration::from_secs(10),
+                floor: Duration::from_secs(10),
+            }),
             metrics,
         }
     }
@@ -398,33 +408,38 @@ impl Cloud {
         *self
             .attach_latency
             .lock()
-            .unwrap_or_else(PoisonError::into_inner) = guess;
+            .unwrap_or_else(PoisonError::into_inner) = AttachLatency {
+            guess,
+            floor: guess,
+        };
         self
     }
 
     /// How long to wait before the first look at a new attachment.
     pub fn expected_attach_latency(&self) -> Duration {
-        *self
-            .attach_latency
+        self.attach_latency
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
+            .guess
     }
 
-    /// What the first look at an attachment requested `took` ago found: ATTACHED means the wait
-    /// may shrink a little (probing for a faster cloud), still ATTACHING means it was too short.
-    /// Both follow `took` rather than the current guess, so a batch of nodes looking at once
-    /// moves the guess once, not once per node.
+    /// What the first look at an attachment requested `took` ago found: still ATTACHING means
+    /// the wait was too short (it becomes 1.2 × `took`); ATTACHED lets a raised wait come back
+    /// down (0.95 × `took`), but never below the first guess (`--nnc-attach-latency`): a probe
+    /// below it would cost a second GetVnicAttachment for every node attached meanwhile each
+    /// time it fails. Both follow `took` rather than the current guess, so a batch of nodes
+    /// looking at once moves the guess once, not once per node.
     pub fn observe_first_look(&self, attached: bool, took: Duration) {
         let mut l = self
             .attach_latency
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        *l = if attached {
-            took.mul_f64(0.95).min(*l)
+        let guess = if attached {
+            took.mul_f64(0.95).min(l.guess).max(l.floor)
         } else {
-            took.mul_f64(1.2).max(*l)
-        }
-        .clamp(Duration::from_millis(100), Duration::from_secs(300));
+            took.mul_f64(1.2).max(l.guess)
+        };
+        l.guess = guess.clamp(Duration::from_millis(100), Duration::from_secs(300));
     }
 
     /// GetVnicAttachment.
@@ -516,19 +531,32 @@ mod tests {
         )
         .with_attach_latency(Duration::from_secs(10));
         let s = Duration::from_secs;
-        // Ten nodes of a batch find their attachment ATTACHED after 10.2 s: the guess moves once.
-        for _ in 0..10 {
-            cloud.observe_first_look(true, Duration::from_millis(10_200));
+        // Found ATTACHED at the first guess, again and again: the wait stays (no probe below
+        // the flag, which would cost second looks).
+        for _ in 0..20 {
+            let wait = cloud.expected_attach_latency();
+            cloud.observe_first_look(true, wait);
         }
-        assert_eq!(
-            cloud.expected_attach_latency(),
-            Duration::from_millis(9_690)
-        );
+        assert_eq!(cloud.expected_attach_latency(), s(10));
         // Too early for ten nodes: raised once, to 1.2 × what they waited.
         for _ in 0..10 {
             cloud.observe_first_look(false, s(10));
         }
         assert_eq!(cloud.expected_attach_latency(), s(12));
+        // Ten nodes of a batch then find theirs ATTACHED after 12.2 s: it comes down once.
+        for _ in 0..10 {
+            cloud.observe_first_look(true, Duration::from_millis(12_200));
+        }
+        assert_eq!(
+            cloud.expected_attach_latency(),
+            Duration::from_millis(11_590)
+        );
+        // And back to the first guess, not below it.
+        for _ in 0..20 {
+            let wait = cloud.expected_attach_latency();
+            cloud.observe_first_look(true, wait);
+        }
+        assert_eq!(cloud.expected_attach_latency(), s(10));
     }
 
     #[test]

@@ -57,7 +57,8 @@ pub struct Config {
     pub nnc_concurrency: u16,
 
     /// How soon a rollout in progress is looked at again (attachments waiting for ATTACHED,
-    /// nodes waiting for their turn).
+    /// nodes waiting for their turn); also how long one pass goes on taking the first looks
+    /// that fall due, before it writes the status.
     #[arg(long, env = "NODEKEEPER_NNC_POLL_INTERVAL", default_value = "2s", value_parser = duration)]
     pub nnc_poll_interval: Duration,
 
@@ -70,9 +71,9 @@ pub struct Config {
     #[arg(long, env = "NODEKEEPER_NNC_ATTACH_TIMEOUT", default_value = "5m", value_parser = duration)]
     pub nnc_attach_timeout: Duration,
 
-    /// First guess of how long OCI takes from AttachVnic to ATTACHED: the first look at a new
-    /// attachment waits this long (then the guess follows what the looks find), so a VNIC
-    /// usually costs one GetVnicAttachment.
+    /// How long OCI takes from AttachVnic to ATTACHED, at least: the first look at a new
+    /// attachment waits this long (longer after looks that found attachments still ATTACHING,
+    /// never shorter), so a VNIC usually costs one GetVnicAttachment.
     #[arg(long, env = "NODEKEEPER_NNC_ATTACH_LATENCY", default_value = "10s", value_parser = duration)]
     pub nnc_attach_latency: Duration,
 

@@ -9,12 +9,13 @@
 //! side, then its VNICs, as on deletion. Deleting the object removes its host side and detaches
 //! the VNICs carrying its owner tag (finalizer), nothing else.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, PoisonError};
 use std::time::Instant;
 
 use futures::StreamExt as _;
+use futures::stream::FuturesUnordered;
 use k8s_openapi::api::core::v1::Node;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::runtime::controller::Action;
@@ -29,7 +30,7 @@ use nodekeeper_api::names::{
 use nodekeeper_oci::compute::{ComputeError, VnicAttachmentState};
 use nodekeeper_proto::agent::v1 as pb;
 use serde_json::json;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use super::Context;
 use super::cloud::{Cloud, CloudAccess, instance_id};
@@ -224,6 +225,7 @@ fn now() -> String {
 }
 
 pub async fn reconcile(obj: Arc<NodeNetworkConfig>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let began = Instant::now();
     let name = obj.name_any();
     let api: Api<NodeNetworkConfig> = Api::all(ctx.client.clone());
     if tokio::time::timeout(
@@ -291,85 +293,104 @@ pub async fn reconcile(obj: Arc<NodeNetworkConfig>, ctx: Arc<Context>) -> Result
         }
     }
 
-    // Step every node in progress, a bounded number at once. Nodes that finish free their
-    // place in the batch: the next ones start and take their first steps in the same pass
-    // (a few rounds at most), so a batch's end does not wait for the next poll.
+    // Step every node in progress, a bounded number at once, each as soon as it can move: a
+    // node that finishes writes its Node condition and frees its place at once (the next node
+    // starts in the same pass, at most `MAX_START_DEPTH` starts deep), and a look that falls
+    // due while the pass goes on (other nodes under way, or before its end, a poll interval
+    // after its start) is taken then. So one node's cycle never waits for the slowest node of
+    // its pass, nor for a poll.
     let by_name: HashMap<&str, &NodeInfo> = nodes.iter().map(|n| (n.name.as_str(), n)).collect();
     let owner = name.clone();
+    let pass_started = Instant::now();
+    let deadline = pass_started + ctx.settings.poll;
     let mut finished = Vec::new();
-    for round in 0..4 {
-        let decision = next_batch(&states_of(&runs), &spec.rollout);
-        if round > 0 && decision.start.is_empty() {
-            break;
-        }
-        for n in &decision.start {
-            if let Some(r) = runs.get_mut(n) {
-                r.phase = NodePhase::InProgress;
-                r.started = Instant::now();
-            }
-        }
-        let stepping: Vec<(String, NodeRun)> = if round == 0 {
-            runs.iter()
-                .filter(|(_, r)| r.stepping())
-                .map(|(n, r)| (n.clone(), r.clone()))
-                .collect()
-        } else {
-            decision
-                .start
-                .iter()
-                .filter_map(|n| runs.get(n).map(|r| (n.clone(), r.clone())))
-                .collect()
-        };
-        let stepped: Vec<(String, NodeRun)> = futures::stream::iter(stepping)
-            .map(|(n, mut run)| {
-                let info = by_name.get(n.as_str()).map(|i| (*i).clone());
-                let ctx = Arc::clone(&ctx);
-                let owner = owner.clone();
-                async move {
-                    if let Some(info) = info {
-                        step(&ctx, &owner, spec, &info, &mut run).await;
-                    }
-                    (n, run)
+    let (mut stepped_count, mut started_count) = (0, 0);
+    started_count += start_next(&mut runs, spec, &mut VecDeque::new(), 0);
+    // (node, how many starts deep): to step now, and to step when their look falls due.
+    let mut ready: VecDeque<(String, u32)> = runs
+        .iter()
+        .filter(|(_, r)| r.stepping())
+        .map(|(n, _)| (n.clone(), 0))
+        .collect();
+    let mut waiting: Vec<(Instant, String, u32)> = Vec::new();
+    let mut in_flight = FuturesUnordered::new();
+    loop {
+        while in_flight.len() < ctx.settings.node_concurrency {
+            let Some((n, depth)) = ready.pop_front() else {
+                break;
+            };
+            let (Some(run), Some(info)) = (runs.get(&n).cloned(), by_name.get(n.as_str())) else {
+                continue;
+            };
+            let info = (*info).clone();
+            let ctx = Arc::clone(&ctx);
+            let owner = owner.clone();
+            in_flight.push(async move {
+                let mut run = run;
+                step(&ctx, &owner, spec, &info, &mut run).await;
+                if run.work == Work::Done {
+                    write_node_condition(&ctx, &info, &run).await;
                 }
-            })
-            .buffer_unordered(ctx.settings.node_concurrency)
-            .collect()
-            .await;
-        let before = finished.len();
-        for (n, mut run) in stepped {
-            if run.work == Work::Done {
-                run.finished(
-                    Instant::now(),
-                    ctx.settings.retry_backoff,
-                    ctx.settings.retry_backoff_max,
-                );
-                ctx.metrics.calls_per_node.observe(f64::from(run.calls));
-                info!(object = %name, node = %n, phase = ?run.phase, cloud_calls = run.calls, failures = run.failures, "node finished");
-                finished.push(n.clone());
+                (n, depth, run)
+            });
+        }
+        let due = waiting.iter().map(|(t, ..)| *t).min();
+        let done = match (in_flight.is_empty(), due) {
+            (true, None) => break,
+            // Nothing under way: wait for the next look only if it falls due before the
+            // pass's end; the others are the next pass's.
+            (true, Some(t)) if t > deadline => break,
+            (true, Some(t)) => {
+                tokio::time::sleep_until(t.into()).await;
+                None
             }
+            (false, None) => in_flight.next().await,
+            (false, Some(t)) => tokio::select! {
+                done = in_flight.next() => done,
+                () = tokio::time::sleep_until(t.into()) => None,
+            },
+        };
+        let now = Instant::now();
+        waiting.retain(|(t, n, depth)| {
+            let keep = *t > now;
+            if !keep {
+                ready.push_back((n.clone(), *depth));
+            }
+            keep
+        });
+        let Some((n, depth, mut run)) = done else {
+            continue;
+        };
+        stepped_count += 1;
+        if run.work == Work::Done {
+            run.finished(
+                now,
+                ctx.settings.retry_backoff,
+                ctx.settings.retry_backoff_max,
+            );
+            ctx.metrics.calls_per_node.observe(f64::from(run.calls));
+            info!(object = %name, node = %n, phase = ?run.phase, cloud_calls = run.calls, failures = run.failures, "node finished");
+            finished.push(n.clone());
             runs.insert(n, run);
+            if depth < MAX_START_DEPTH {
+                started_count += start_next(&mut runs, spec, &mut ready, depth + 1);
+            }
+            continue;
         }
-        if finished.len() == before {
-            break;
+        // A look at an attachment, taken when it falls due if the pass is still going on
+        // then (other nodes under way, or before the pass's end).
+        if let Some(t) = run.next_look {
+            waiting.push((t, n.clone(), depth));
         }
+        runs.insert(n, run);
     }
+    drop(in_flight);
+    let steps_took = pass_started.elapsed();
 
     // Nodes no longer selected: their host side, then this object's VNICs, go.
     if !leaving.is_empty() {
         leaving = leave(&ctx, &name, &others, leaving).await;
     }
-
-    // Node conditions of the nodes that finished, written only when they change, a bounded
-    // number at once (a batch of a large rollout finishes together).
-    futures::stream::iter(
-        finished
-            .iter()
-            .filter_map(|n| Some((*by_name.get(n.as_str())?, runs.get(n)?))),
-    )
-    .for_each_concurrent(ctx.settings.node_concurrency, |(info, run)| {
-        write_node_condition(&ctx, info, run)
-    })
-    .await;
 
     let paused = next_batch(&states_of(&runs), &spec.rollout).paused;
     let reports: Vec<NodeReport<'_>> = runs
@@ -411,9 +432,22 @@ pub async fn reconcile(obj: Arc<NodeNetworkConfig>, ctx: Arc<Context>) -> Result
                 .max(MIN_PASS_GAP)
         });
     put_runs(&ctx, &uid, runs, leaving);
+    let wrote_status = status.is_some();
     if let Some(s) = status {
         write_status(&api, &name, &s).await?;
     }
+    // Where a pass's time goes (the benchmark reads these with NODEKEEPER_LOG=…=debug).
+    debug!(
+        object = %name,
+        prelude_ms = (pass_started - began).as_millis() as u64,
+        stepped = stepped_count,
+        started = started_count,
+        finished = finished.len(),
+        steps_ms = steps_took.as_millis() as u64,
+        wrote_status,
+        pass_ms = began.elapsed().as_millis() as u64,
+        "nodenetworkconfig pass"
+    );
     let wait = if busy {
         ctx.settings.poll
     } else {
@@ -528,6 +562,30 @@ async fn clear_node_condition(ctx: &Context, info: &NodeInfo) {
     {
         warn!(%error, node = %info.name, "remove NodeNetworkReady failed");
     }
+}
+
+/// How many starts deep a pass goes: a node that finishes starts the next, which may finish at
+/// once (nothing to attach) and start another, and so on; past this depth the rest wait for
+/// the next pass, so that a pass (and its status write) stays short.
+const MAX_START_DEPTH: u32 = 3;
+
+/// Starts the nodes the rollout lets start now (marks them in progress) and queues them to be
+/// stepped at `depth`; returns how many.
+fn start_next(
+    runs: &mut BTreeMap<String, NodeRun>,
+    spec: &NodeNetworkConfigSpec,
+    ready: &mut VecDeque<(String, u32)>,
+    depth: u32,
+) -> usize {
+    let decision = next_batch(&states_of(runs), &spec.rollout);
+    for n in &decision.start {
+        if let Some(r) = runs.get_mut(n) {
+            r.phase = NodePhase::InProgress;
+            r.started = Instant::now();
+            ready.push_back((n.clone(), depth));
+        }
+    }
+    decision.start.len()
 }
 
 /// The nodes' phases as the rollout arithmetic reads them.
@@ -737,11 +795,12 @@ async fn step(
                         );
                     }
                     _ => {
-                        // Too early: later looks follow the poll interval.
+                        // Too early: later looks follow the poll interval (in this pass, if
+                        // it is still going on then).
                         if let Some(t) = run.attach_requested.take() {
                             cloud.observe_first_look(false, t.elapsed());
                         }
-                        run.next_look = None;
+                        run.next_look = Some(Instant::now() + ctx.settings.poll);
                         return;
                     }
                 }
