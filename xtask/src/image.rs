@@ -121,14 +121,12 @@ fn podman(args: &[&str]) -> anyhow::Result<String> {
 fn cgroups_hybrid() -> bool {
     let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
     let fs_at = |dir: &str| {
-        mounts
-            .lines()
-            .filter_map(|l| {
-                let mut f = l.split_whitespace();
-                let (_, at, fs) = (f.next()?, f.next()?, f.next()?);
-                (at == dir).then(|| fs.to_owned())
-            })
-            .last()
+        // The last mount at a path is the one in effect.
+        mounts.lines().rev().find_map(|l| {
+            let mut f = l.split_whitespace();
+            let (_, at, fs) = (f.next()?, f.next()?, f.next()?);
+            (at == dir).then(|| fs.to_owned())
+        })
     };
     fs_at("/sys/fs/cgroup").as_deref() != Some("cgroup2")
         && fs_at("/sys/fs/cgroup/unified").as_deref() == Some("cgroup2")
