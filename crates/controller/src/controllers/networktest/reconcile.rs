@@ -15,7 +15,7 @@ use kube::{Resource as _, ResourceExt as _};
 use nodekeeper_api::crd::NetworkTest;
 use nodekeeper_api::names::{API_VERSION, MANAGER_NETWORK_TEST};
 use nodekeeper_model::address_policy::Cidr;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use super::aggregate::aggregate;
 use super::plan::{self, SourceNode, SpecError};
@@ -34,8 +34,20 @@ pub enum Error {
     DeleteExpired { test: String, source: kube::Error },
 }
 
-/// Logs the failure and retries in 30 s.
+impl Error {
+    /// Whether the NetworkTest was deleted while its status was being written (the status
+    /// subresource answers 404): nothing is left to retry.
+    pub fn test_is_gone(&self) -> bool {
+        matches!(self, Error::WriteStatus { source: kube::Error::Api(s), .. } if s.code == 404)
+    }
+}
+
+/// Logs the failure and retries in 30 s; a test deleted meanwhile is left alone.
 pub fn error_policy(nt: Arc<NetworkTest>, error: &Error, _ctx: Arc<Context>) -> Action {
+    if error.test_is_gone() {
+        debug!(test = %nt.name_any(), "networktest deleted while its status was written; nothing to retry");
+        return Action::await_change();
+    }
     warn!(%error, test = %nt.name_any(), "networktest reconcile failed; retrying in 30s");
     Action::requeue(Duration::from_secs(30))
 }
@@ -234,4 +246,33 @@ pub async fn reconcile(nt: Arc<NetworkTest>, ctx: Arc<Context>) -> Result<Action
     Ok(Action::requeue(Duration::from_secs(
         u64::try_from(ttl).unwrap_or(0),
     )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn api_error(code: u16) -> kube::Error {
+        kube::Error::Api(
+            kube::core::Status::failure("m", "r")
+                .with_code(code)
+                .boxed(),
+        )
+    }
+
+    #[test]
+    fn only_a_status_write_answered_404_means_the_test_is_gone() {
+        let write = |code| Error::WriteStatus {
+            test: "ns/t".into(),
+            source: api_error(code),
+        };
+        assert!(write(404).test_is_gone());
+        assert!(!write(409).test_is_gone());
+        assert!(!write(500).test_is_gone());
+        let list = Error::ListNodes {
+            test: "ns/t".into(),
+            source: api_error(404),
+        };
+        assert!(!list.test_is_gone());
+    }
 }
