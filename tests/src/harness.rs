@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
-use k8s_openapi::api::core::v1::{Namespace, ServiceAccount};
+use k8s_openapi::api::core::v1::{Namespace, Node, ServiceAccount};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::Api;
 use kube::api::{Patch, PatchParams, PostParams};
@@ -357,11 +357,25 @@ pub async fn apply_spec<K>(api: &Api<K>, name: &str, spec: serde_json::Value) ->
 where
     K: kube::Resource<DynamicType = ()> + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
 {
+    apply_labelled_spec(api, name, &BTreeMap::new(), spec).await
+}
+
+/// [`apply_spec`] with `labels` on the object (a test's controller that watches only objects
+/// with its label then leaves other tests' objects in the shared API server alone).
+pub async fn apply_labelled_spec<K>(
+    api: &Api<K>,
+    name: &str,
+    labels: &BTreeMap<String, String>,
+    spec: serde_json::Value,
+) -> anyhow::Result<()>
+where
+    K: kube::Resource<DynamicType = ()> + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
     let kind = K::kind(&());
     let body = json!({
         "apiVersion": K::api_version(&()),
         "kind": kind,
-        "metadata": { "name": name },
+        "metadata": { "name": name, "labels": labels },
         "spec": spec,
     });
     api.patch(
@@ -372,4 +386,28 @@ where
     .await
     .with_context(|| format!("apply {} {name}", kind.to_lowercase()))?;
     Ok(())
+}
+
+/// Node `node`'s condition `type_` as `(status, reason, message)`, `None` while it has none.
+pub async fn node_condition(
+    client: &kube::Client,
+    node: &str,
+    type_: &str,
+) -> anyhow::Result<Option<(String, String, String)>> {
+    let n = Api::<Node>::all(client.clone())
+        .get(node)
+        .await
+        .with_context(|| format!("get node {node}"))?;
+    Ok(n.status
+        .and_then(|s| s.conditions)
+        .unwrap_or_default()
+        .into_iter()
+        .find(|c| c.type_ == type_)
+        .map(|c| {
+            (
+                c.status,
+                c.reason.unwrap_or_default(),
+                c.message.unwrap_or_default(),
+            )
+        }))
 }

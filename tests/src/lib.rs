@@ -53,6 +53,6 @@ pub mod rig;
 
 pub use controlplane::{Lifetime, Options};
 pub use harness::{
-    ControlPlane, FIELD_MANAGER, KUBECONFIG_ENV, apply_spec, crds_dir, create_simulated_nodes,
-    install_crds, test_namespace, unique_name, wait_for,
+    ControlPlane, FIELD_MANAGER, KUBECONFIG_ENV, apply_labelled_spec, apply_spec, crds_dir,
+    create_simulated_nodes, install_crds, node_condition, test_namespace, unique_name, wait_for,
 };

@@ -10,8 +10,8 @@
 //! attachment is ATTACHED, a veth with the VNIC's MAC appears in the node's namespace (its peer
 //! carries the subnet's router address), and it disappears once DETACHED.
 //!
-//! Not covered: the bare-metal variant (macvlan + VLAN under the qemu VM; this kernel has no
-//! 802.1Q), which the agent's own qemu test covers for the host side.
+//! The bare-metal variant (macvlan + 802.1Q VLAN, which this kernel lacks) runs with its host
+//! side in a qemu VM: `node_network_config_bare_metal.rs`.
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};

@@ -28,3 +28,71 @@ pub fn api_key_for(
     )?;
     Ok(credentials)
 }
+
+/// The local OCI endpoint started with `cfg`, trusting the test API key, and a Compute client
+/// signing with that key (5 s per call; the client's default retries).
+#[allow(dead_code)]
+pub async fn endpoint_and_compute(
+    cfg: nodekeeper_e2e::oci_endpoint::EndpointConfig,
+) -> anyhow::Result<(
+    std::sync::Arc<nodekeeper_e2e::oci_endpoint::OciEndpoint>,
+    nodekeeper_oci::compute::ComputeClient,
+)> {
+    use nodekeeper_oci::auth::AuthProvider as _;
+    let endpoint =
+        std::sync::Arc::new(nodekeeper_e2e::oci_endpoint::OciEndpoint::start(cfg).await?);
+    let key = nodekeeper_oci::signer::PrivateKey::from_pem(
+        &nodekeeper_e2e::oci_endpoint::test_key_pem()?,
+    )?;
+    let auth = nodekeeper_oci::auth::ApiKeyProvider::new(
+        "ocid1.tenancy.oc1..t",
+        "ocid1.user.oc1..u",
+        key.clone(),
+    );
+    endpoint.register_key(&auth.credentials().await?.key_id, &key.public_key_pem()?)?;
+    let mut config = nodekeeper_oci::compute::ComputeConfig::new(endpoint.url());
+    config.timeout = std::time::Duration::from_secs(5);
+    let compute = nodekeeper_oci::compute::ComputeClient::new(config, std::sync::Arc::new(auth))?;
+    Ok((endpoint, compute))
+}
+
+/// The NodeNetworkConfig reconciler as the controller-manager runs it (its own caches), for the
+/// objects labelled `label` only, attaching through `compute` in `compartment`; cancel the
+/// token and await the handle to stop it.
+#[allow(dead_code)]
+pub fn start_nnc_controller(
+    client: &kube::Client,
+    agents: std::sync::Arc<dyn nodekeeper_controller::shared::agents::Agents>,
+    agent_port: u16,
+    compute: nodekeeper_oci::compute::ComputeClient,
+    compartment: &str,
+    settings: nodekeeper_controller::controllers::node_network_config::Settings,
+    label: &(String, String),
+) -> (
+    tokio_util::sync::CancellationToken,
+    tokio::task::JoinHandle<()>,
+) {
+    use nodekeeper_controller::controllers::node_network_config::Context;
+    use nodekeeper_controller::controllers::node_network_config::cloud::{Cloud, CloudAccess};
+    use nodekeeper_controller::shared::metrics::{CloudMetrics, ReconcileMetrics};
+    let cloud = Cloud::new(compute, Some(compartment.into()), CloudMetrics::default())
+        .with_attach_latency(std::time::Duration::from_millis(500));
+    let ctx = std::sync::Arc::new(
+        Context::with(
+            client.clone(),
+            agents,
+            agent_port,
+            CloudAccess::On(std::sync::Arc::new(cloud)),
+            CloudMetrics::default(),
+            settings,
+        )
+        .watching(&format!("{}={}", label.0, label.1)),
+    );
+    let token = tokio_util::sync::CancellationToken::new();
+    let handle = tokio::spawn(nodekeeper_controller::controllers::start(
+        ctx,
+        ReconcileMetrics::default(),
+        token.clone(),
+    ));
+    (token, handle)
+}

@@ -22,8 +22,31 @@ pub const KERNEL_METAPACKAGE: &str = "linux-image-amd64";
 
 /// Modules the VLAN tests need in the guest; their dependencies are found from the modules'
 /// own `.modinfo` sections. `dummy` and `veth` stand in for the physical NIC, `macvlan` carries
-/// the VNIC's MAC, `8021q` is the point of the exercise.
-pub const WANTED_MODULES: &[&str] = &["8021q", "macvlan", "dummy", "veth"];
+/// the VNIC's MAC, `8021q` is the point of the exercise; `virtio_pci` and `virtio_net` drive the
+/// PCI NICs of a VM started with [`VmOptions::nics`] (physical NICs with a PCI address, and the
+/// user-mode network the host reaches the guest through).
+pub const WANTED_MODULES: &[&str] = &[
+    "8021q",
+    "macvlan",
+    "dummy",
+    "veth",
+    "virtio_pci",
+    "virtio_net",
+];
+
+/// Written next to `modules.load`: the [`WANTED_MODULES`] a cached kernel was unpacked for, so a
+/// cache made for a shorter list is unpacked again instead of booting without a module.
+const WANTED_FILE: &str = "modules.wanted";
+
+fn wanted_line() -> String {
+    WANTED_MODULES.join(" ")
+}
+
+/// Whether `dir` holds a kernel unpacked for today's [`WANTED_MODULES`].
+fn unpacked_for_wanted(dir: &Path) -> bool {
+    dir.join("modules.load").is_file()
+        && fs::read_to_string(dir.join(WANTED_FILE)).is_ok_and(|w| w.trim() == wanted_line())
+}
 
 /// Printed by `/init` after the guest program exits; the host looks for it on the console.
 pub const VERDICT_PREFIX: &str = "NODEKEEPER-VM-VERDICT:";
@@ -99,7 +122,7 @@ pub fn prepare_kernel(refresh: bool) -> Result<Kernel> {
     }
     let package = resolve_kernel_package(&cache)?;
     let dir = cache.join(&package);
-    if dir.join("modules.load").is_file() {
+    if unpacked_for_wanted(&dir) {
         fs::write(cache.join("current"), &package)?;
         return load_kernel(&dir, &package);
     }
@@ -114,7 +137,7 @@ fn cached_kernel(cache: &Path) -> Result<Option<Kernel>> {
     };
     let package = package.trim().to_owned();
     let dir = cache.join(&package);
-    if !dir.join("modules.load").is_file() {
+    if !unpacked_for_wanted(&dir) {
         return Ok(None);
     }
     load_kernel(&dir, &package).map(Some)
@@ -275,10 +298,11 @@ fn unpack_kernel(cache: &Path, package: &str) -> Result<()> {
             load.push('\n');
         }
         fs::write(staged.join("modules.load"), load)?;
+        fs::write(staged.join(WANTED_FILE), wanted_line())?;
         // Another run may have finished the same kernel meanwhile; its copy is as good as ours,
         // and replacing it could pull files from under a VM that is booting from it.
         let dest = cache.join(package);
-        if !dest.join("modules.load").is_file() {
+        if !unpacked_for_wanted(&dest) {
             if dest.exists() {
                 fs::remove_dir_all(&dest)?;
             }
@@ -703,6 +727,17 @@ fn program_file_name(program: &GuestProgram) -> String {
 
 /// Writes the initramfs for one run: busybox, the kernel's modules, `program` with its libraries.
 pub fn build_initramfs(kernel: &Kernel, program: &GuestProgram, out: &Path) -> Result<()> {
+    build_initramfs_with(kernel, program, &[], out)
+}
+
+/// [`build_initramfs`] plus `extra` host binaries, each at `/guest/<file name>` with its
+/// libraries (e.g. iproute2's `ip`, which busybox's applet does not replace: it has no `-j`).
+pub fn build_initramfs_with(
+    kernel: &Kernel,
+    program: &GuestProgram,
+    extra: &[PathBuf],
+    out: &Path,
+) -> Result<()> {
     let busybox =
         find_busybox().ok_or_else(|| anyhow!("busybox is not installed; fix: {BUSYBOX_FIX}"))?;
     let mut cpio = Cpio::new(io::BufWriter::with_capacity(
@@ -743,6 +778,18 @@ pub fn build_initramfs(kernel: &Kernel, program: &GuestProgram, out: &Path) -> R
         &program.binary,
     )?;
     libs.extend(shared_libraries(&program.binary)?);
+    for binary in extra {
+        let name = binary
+            .file_name()
+            .and_then(|n| n.to_str())
+            .ok_or_else(|| anyhow!("bad extra binary path {}", binary.display()))?;
+        ensure!(
+            name != program_file_name(program),
+            "extra binary {name} has the guest program's name"
+        );
+        cpio.file(&format!("guest/{name}"), 0o755, binary)?;
+        libs.extend(shared_libraries(binary)?);
+    }
     let mut seen = BTreeSet::new();
     let mut library_dirs = Vec::new();
     for lib in libs {
@@ -816,6 +863,92 @@ pub fn kvm_usable() -> bool {
             .is_ok()
 }
 
+/// A NIC of the guest: a virtio-net PCI device (so the guest sees a physical NIC with a PCI
+/// address) with a fixed MAC, on the bus in the order given.
+#[derive(Debug, Clone)]
+pub struct Nic {
+    pub mac: String,
+    pub backend: NicBackend,
+}
+
+/// What a [`Nic`] is plugged into.
+#[derive(Debug, Clone)]
+pub enum NicBackend {
+    /// Nothing: the NIC exists, links up, and nothing answers on its wire.
+    Unplugged,
+    /// qemu's user-mode network (slirp, guest `10.0.2.15`, gateway `10.0.2.2`) with `restrict=on`:
+    /// the guest reaches nothing outside the VM but the `guestfwd` targets, and the host reaches
+    /// the guest only through the `hostfwd` ports, which listen on 127.0.0.1.
+    User {
+        /// `(host port on 127.0.0.1, guest TCP port)`.
+        hostfwd: Vec<(u16, u16)>,
+        /// `(guest address, guest port, host port on 127.0.0.1)`: a guest connection to the
+        /// address is piped to the host's loopback port (through busybox `nc`, one per
+        /// connection).
+        guestfwd: Vec<(std::net::Ipv4Addr, u16, u16)>,
+    },
+}
+
+/// How a VM is started beyond its kernel and program.
+#[derive(Debug, Clone)]
+pub struct VmOptions {
+    /// Guest memory; the initramfs (the program included) is unpacked into it.
+    pub memory_mib: u32,
+    /// The guest's NICs, in PCI order; none by default.
+    pub nics: Vec<Nic>,
+    /// More host binaries copied to `/guest/` ([`build_initramfs_with`]).
+    pub extra_binaries: Vec<PathBuf>,
+}
+
+impl Default for VmOptions {
+    fn default() -> Self {
+        Self {
+            memory_mib: 512,
+            nics: Vec::new(),
+            extra_binaries: Vec::new(),
+        }
+    }
+}
+
+/// The qemu arguments for `nics` (always `-nic none` first, so qemu adds no default NIC).
+pub fn nic_args(nics: &[Nic], busybox: &Path) -> Vec<String> {
+    let mut args = vec!["-nic".to_owned(), "none".to_owned()];
+    for (i, nic) in nics.iter().enumerate() {
+        // No option ROM: iPXE would only slow the boot down.
+        let mut device = format!("virtio-net-pci,romfile=,mac={}", nic.mac);
+        if let NicBackend::User { hostfwd, guestfwd } = &nic.backend {
+            let mut netdev = format!("user,id=nk{i},restrict=on");
+            for (host, guest) in hostfwd {
+                netdev.push_str(&format!(",hostfwd=tcp:127.0.0.1:{host}-:{guest}"));
+            }
+            for (addr, port, host) in guestfwd {
+                netdev.push_str(&format!(
+                    ",guestfwd=tcp:{addr}:{port}-cmd:{} nc 127.0.0.1 {host}",
+                    busybox.display()
+                ));
+            }
+            args.extend(["-netdev".to_owned(), netdev]);
+            device.push_str(&format!(",netdev=nk{i}"));
+        }
+        args.extend(["-device".to_owned(), device]);
+    }
+    args
+}
+
+/// A qemu process running a guest; dropping it kills qemu (by its PID, through the child
+/// handle) and removes its scratch files.
+pub struct RunningVm {
+    child: std::process::Child,
+    lines: mpsc::Receiver<String>,
+    reader: Option<std::thread::JoinHandle<()>>,
+    errors: Option<std::thread::JoinHandle<String>>,
+    started: Instant,
+    kvm: bool,
+    console: String,
+    /// Removed on drop (the initramfs of [`start_in_vm`]).
+    scratch: Option<PathBuf>,
+}
+
 /// Boots `kernel` with `initramfs` under qemu without any network device, streams the serial
 /// console, and kills qemu (by its PID, through the child handle) if no verdict arrives in time.
 pub fn boot(
@@ -824,14 +957,28 @@ pub fn boot(
     timeout: Duration,
     echo: bool,
 ) -> Result<BootOutcome> {
+    start(kernel, initramfs, &VmOptions::default(), echo)?.wait(timeout)
+}
+
+/// Starts qemu with `kernel`, `initramfs` and `opts` and returns at once; the console is read
+/// in the background (and echoed to stderr as `[guest] …` when `echo`).
+pub fn start(kernel: &Kernel, initramfs: &Path, opts: &VmOptions, echo: bool) -> Result<RunningVm> {
     let kvm = kvm_usable();
+    let busybox =
+        find_busybox().ok_or_else(|| anyhow!("busybox is not installed; fix: {BUSYBOX_FIX}"))?;
     let mut cmd = Command::new("qemu-system-x86_64");
-    cmd.args(["-nographic", "-no-reboot", "-m", "512", "-nic", "none"])
-        .arg("-kernel")
-        .arg(&kernel.vmlinuz)
-        .arg("-initrd")
-        .arg(initramfs)
-        .args(["-append", "console=ttyS0 panic=-1 quiet"]);
+    cmd.args([
+        "-nographic",
+        "-no-reboot",
+        "-m",
+        &opts.memory_mib.to_string(),
+    ])
+    .args(nic_args(&opts.nics, &busybox))
+    .arg("-kernel")
+    .arg(&kernel.vmlinuz)
+    .arg("-initrd")
+    .arg(initramfs)
+    .args(["-append", "console=ttyS0 panic=-1 quiet"]);
     // With KVM, TCG stays as the fallback should KVM refuse to start: qemu tries them in order.
     if kvm {
         cmd.args(["-accel", "kvm", "-accel", "tcg", "-cpu", "max"]);
@@ -847,96 +994,165 @@ pub fn boot(
         .with_context(|| format!("start qemu-system-x86_64 (fix: {QEMU_FIX})"))?;
     let stdout = child.stdout.take().ok_or_else(|| anyhow!("qemu stdout"))?;
     let mut stderr = child.stderr.take().ok_or_else(|| anyhow!("qemu stderr"))?;
-    let (tx, rx) = mpsc::channel::<String>();
+    let (tx, lines) = mpsc::channel::<String>();
     let reader = std::thread::spawn(move || {
         for line in BufReader::new(stdout).split(b'\n') {
             let Ok(line) = line else { break };
             let line = String::from_utf8_lossy(&line)
                 .trim_end_matches(['\r', '\n'])
                 .to_owned();
+            if echo {
+                eprintln!("[guest] {line}");
+            }
             if tx.send(line).is_err() {
                 break;
             }
         }
     });
-    let err_reader = std::thread::spawn(move || {
+    let errors = std::thread::spawn(move || {
         let mut text = String::new();
         let _ = stderr.read_to_string(&mut text);
         text
     });
+    Ok(RunningVm {
+        child,
+        lines,
+        reader: Some(reader),
+        errors: Some(errors),
+        started,
+        kvm,
+        console: String::new(),
+        scratch: None,
+    })
+}
 
-    let deadline = started + timeout;
-    let mut console = String::new();
-    let mut verdict = None;
-    let mut boot_to_verdict = timeout;
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match rx.recv_timeout(left) {
-            Ok(line) => {
-                if echo {
-                    eprintln!("[guest] {line}");
+impl RunningVm {
+    /// Everything the guest wrote to its console so far.
+    pub fn console(&mut self) -> &str {
+        while let Ok(line) = self.lines.try_recv() {
+            self.console.push_str(&line);
+            self.console.push('\n');
+        }
+        &self.console
+    }
+
+    /// Whether qemu still runs.
+    pub fn running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// Waits for the guest's verdict until `timeout` after qemu started, then for qemu to
+    /// power off (killing it after a grace period, or at once on timeout).
+    pub fn wait(mut self, timeout: Duration) -> Result<BootOutcome> {
+        let deadline = self.started + timeout;
+        let mut verdict = None;
+        let mut boot_to_verdict = timeout;
+        // Lines read before (by `console`) may hold the verdict already.
+        if let Some(rest) = self.console.lines().find_map(|l| {
+            l.find(VERDICT_PREFIX)
+                .map(|i| &l[i + VERDICT_PREFIX.len()..])
+        }) {
+            verdict = Some(rest.trim().to_owned());
+            boot_to_verdict = self.started.elapsed();
+        }
+        while verdict.is_none() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) => {
+                    self.console.push_str(&line);
+                    self.console.push('\n');
+                    if let Some(rest) = line
+                        .find(VERDICT_PREFIX)
+                        .map(|i| &line[i + VERDICT_PREFIX.len()..])
+                    {
+                        verdict = Some(rest.trim().to_owned());
+                        boot_to_verdict = self.started.elapsed();
+                    }
                 }
-                console.push_str(&line);
-                console.push('\n');
-                if let Some(rest) = line
-                    .find(VERDICT_PREFIX)
-                    .map(|i| &line[i + VERDICT_PREFIX.len()..])
-                {
-                    verdict = Some(rest.trim().to_owned());
-                    boot_to_verdict = started.elapsed();
+                Err(mpsc::RecvTimeoutError::Timeout) => break,
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    boot_to_verdict = self.started.elapsed();
                     break;
                 }
             }
-            Err(mpsc::RecvTimeoutError::Timeout) => break,
-            Err(mpsc::RecvTimeoutError::Disconnected) => {
-                boot_to_verdict = started.elapsed();
+        }
+        // After the verdict the guest powers off by itself; give it a moment, then stop it for sure.
+        let grace = Instant::now() + Duration::from_secs(10);
+        loop {
+            if self.child.try_wait()?.is_some() {
                 break;
             }
+            if Instant::now() >= grace || verdict.is_none() && Instant::now() >= deadline {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        // Collect what the guest wrote after the verdict (its power-off messages).
+        while let Ok(line) = self.lines.recv_timeout(Duration::from_millis(200)) {
+            self.console.push_str(&line);
+            self.console.push('\n');
+        }
+        if let Some(reader) = self.reader.take() {
+            let _ = reader.join();
+        }
+        let qemu_errors = self
+            .errors
+            .take()
+            .and_then(|e| e.join().ok())
+            .unwrap_or_default();
+        let mut console = std::mem::take(&mut self.console);
+        if verdict.is_none() && !qemu_errors.trim().is_empty() {
+            console.push_str("--- qemu stderr ---\n");
+            console.push_str(&qemu_errors);
+        }
+        Ok(BootOutcome {
+            verdict,
+            console,
+            boot_to_verdict,
+            kvm: self.kvm,
+        })
+    }
+}
+
+impl Drop for RunningVm {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+        if let Some(dir) = self.scratch.take() {
+            let _ = fs::remove_dir_all(dir);
         }
     }
-    // After the verdict the guest powers off by itself; give it a moment, then stop it for sure.
-    let grace = Instant::now() + Duration::from_secs(10);
-    loop {
-        if child.try_wait()?.is_some() {
-            break;
-        }
-        if Instant::now() >= grace || verdict.is_none() && Instant::now() >= deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    // Collect what the guest wrote after the verdict (its power-off messages).
-    while let Ok(line) = rx.recv_timeout(Duration::from_millis(200)) {
-        console.push_str(&line);
-        console.push('\n');
-    }
-    let _ = reader.join();
-    let qemu_errors = err_reader.join().unwrap_or_default();
-    if verdict.is_none() && !qemu_errors.trim().is_empty() {
-        console.push_str("--- qemu stderr ---\n");
-        console.push_str(&qemu_errors);
-    }
-    Ok(BootOutcome {
-        verdict,
-        console,
-        boot_to_verdict,
-        kvm,
-    })
 }
 
 /// Prepares the kernel, builds a fresh initramfs around `program`, boots it, and removes the
 /// initramfs again.
 pub fn run_in_vm(program: &GuestProgram, timeout: Duration, echo: bool) -> Result<BootOutcome> {
+    start_in_vm(program, &VmOptions::default(), echo)?.wait(timeout)
+}
+
+/// Prepares the kernel, builds a fresh initramfs around `program` (and `opts.extra_binaries`)
+/// and starts the VM with `opts`, returning while it runs; the initramfs goes with the VM.
+pub fn start_in_vm(program: &GuestProgram, opts: &VmOptions, echo: bool) -> Result<RunningVm> {
     let kernel = prepare_kernel(false)?;
     let cache = cache_dir()?;
     let work = scratch_dir(&cache, "run")?;
     let initramfs = work.join("initramfs.cpio");
-    let result = build_initramfs(&kernel, program, &initramfs)
-        .and_then(|()| boot(&kernel, &initramfs, timeout, echo));
-    let _ = fs::remove_dir_all(&work);
-    result
+    let result = build_initramfs_with(&kernel, program, &opts.extra_binaries, &initramfs)
+        .and_then(|()| start(&kernel, &initramfs, opts, echo));
+    match result {
+        Ok(mut vm) => {
+            vm.scratch = Some(work);
+            Ok(vm)
+        }
+        Err(e) => {
+            let _ = fs::remove_dir_all(&work);
+            Err(e)
+        }
+    }
 }
 
 /// Last `n` lines of the console, for error messages.
@@ -1025,6 +1241,39 @@ mod tests {
         assert!(script.contains(r"'/guest/x' 'a b' 'it'\''s'"));
         assert!(script.contains(&format!("echo \"{VERDICT_PREFIX} exit $rc\"")));
         assert!(script.contains(&format!("export {GUEST_ENV}=1")));
+    }
+
+    #[test]
+    fn nics_are_virtio_pci_with_their_macs_and_user_net_is_restricted_to_loopback() {
+        let nics = [
+            Nic {
+                mac: "02:00:17:00:00:01".into(),
+                backend: NicBackend::User {
+                    hostfwd: vec![(40001, 9443)],
+                    guestfwd: vec![([10, 0, 2, 100].into(), 80, 40002)],
+                },
+            },
+            Nic {
+                mac: "02:00:17:00:00:02".into(),
+                backend: NicBackend::Unplugged,
+            },
+        ];
+        let args = nic_args(&nics, Path::new("/bin/busybox"));
+        assert_eq!(
+            args,
+            [
+                "-nic",
+                "none",
+                "-netdev",
+                "user,id=nk0,restrict=on,hostfwd=tcp:127.0.0.1:40001-:9443,\
+                 guestfwd=tcp:10.0.2.100:80-cmd:/bin/busybox nc 127.0.0.1 40002",
+                "-device",
+                "virtio-net-pci,romfile=,mac=02:00:17:00:00:01,netdev=nk0",
+                "-device",
+                "virtio-net-pci,romfile=,mac=02:00:17:00:00:02",
+            ]
+        );
+        assert_eq!(nic_args(&[], Path::new("/bin/busybox")), ["-nic", "none"]);
     }
 
     #[test]

@@ -1,0 +1,926 @@
+//! `NodeNetworkConfig` end to end on a bare-metal node whose host is a qemu VM: this machine's
+//! kernel has no 802.1Q, so the node's host side runs under Debian's kernel (the launcher
+//! `crates/netconf/tests/vm/mod.rs`, shared with the agent's VLAN test and `cargo xtask vm`).
+//!
+//! The parts are real: the kube-apiserver (CRDs from `deploy/crds/`), a kwok Node whose
+//! `spec.providerID` names a bare-metal instance of the local OCI endpoint (signatures checked,
+//! attach asynchronous, `nicIndex` honoured, a `vlanTag` per VNIC), the NodeNetworkConfig
+//! reconciler calling the agent over mutual-TLS gRPC through the controller's own `MtlsAgents`,
+//! and in the VM the agent's real `run` (gRPC server, IMDS client, netlink apply). This test
+//! binary is the guest program: started with the launcher's guest variable set, it brings the
+//! NICs up and runs the agent ([`guest`]).
+//!
+//! The VM's two NICs are virtio PCI devices, so the agent numbers them as physical NICs 0 and 1
+//! (by PCI address) the way it numbers a bare-metal host's. NIC 0 carries the primary VNIC's
+//! MAC and qemu's user-mode network with `restrict=on`: the host reaches the agent through a
+//! `hostfwd` on 127.0.0.1, the guest reaches the endpoint's IMDS for its instance only through a
+//! `guestfwd` to 127.0.0.1 (`http://10.0.2.100/imds/<instance>`); nothing leaves the machine.
+//! NIC 1 is plugged into nothing. The guest's state is read back with iproute2's `ip -j`
+//! (copied into the initramfs) and `/proc/net/vlan/config`, over a second `hostfwd` port that
+//! answers read-only queries (and `fix-mtu`, below).
+//!
+//! The scenario: 2 VNICs, one per physical NIC. NIC 1 boots with MTU 1500, so the first apply
+//! fails at the second macvlan (MTU 9000), is rolled back in the guest and reported; once the NIC
+//! is fixed the controller's retry converges: macvlan with the VNIC's MAC on NIC `nicIndex`,
+//! 802.1Q VLAN `vlanTag` on it, address, default route in the VNIC's table and its `from` rule,
+//! `NodeNetworkReady` True. Removing one VNIC from the spec removes its host side in the guest
+//! and detaches it; deleting the object removes the rest.
+//!
+//! Not covered here: a reachability check through the VLAN (nothing answers on the VMs' wires;
+//! `crates/netconf/tests/vlan_vm.rs` checks tagged frames against a router namespace).
+
+mod oci_common;
+#[path = "../../crates/netconf/tests/vm/mod.rs"]
+mod vm;
+
+use std::collections::BTreeMap;
+use std::io::{BufReader, Read as _, Write as _};
+use std::net::{Ipv4Addr, SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail, ensure};
+use k8s_openapi::api::core::v1::Node;
+use kube::Api;
+use kube::api::{DeleteParams, Patch, PatchParams};
+use nodekeeper_api::crd::NodeNetworkConfig;
+use nodekeeper_api::names::NODE_CONDITION_NETWORK_READY;
+use nodekeeper_controller::certs::{self, Leaf};
+use nodekeeper_controller::controllers::node_network_config::Settings;
+use nodekeeper_controller::shared::agents::{Agents, MtlsAgents};
+use nodekeeper_controller::shared::fleet::{Fleet, node_facts};
+use nodekeeper_controller::shared::metrics::AgentMetrics;
+use nodekeeper_e2e::oci_endpoint::{EndpointConfig, InstanceSpec, OciEndpoint};
+use nodekeeper_e2e::{
+    ControlPlane, apply_labelled_spec, create_simulated_nodes, install_crds, node_condition,
+    unique_name, wait_for,
+};
+use nodekeeper_oci::compute::ComputeClient;
+use nodekeeper_oci::{ImdsClient, ImdsConfig};
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+
+/// The test's own name, which the guest run selects with `--exact`.
+const TEST_NAME: &str = "bare_metal_node_in_a_vm_gets_vlan_vnics_and_loses_them_again";
+
+const COMPARTMENT: &str = "ocid1.compartment.oc1..localtest";
+const AD: &str = "Uocm:PHX-AD-1";
+const BM: &str = "BM.Standard.E5.192";
+
+/// Physical NIC 1's MAC (NIC 0 carries the primary VNIC's, which the endpoint chooses).
+const NIC1_MAC: &str = "02:00:17:ff:00:01";
+/// The agent's gRPC port and the query port inside the guest.
+const GUEST_AGENT_PORT: u16 = 9443;
+const GUEST_QUERY_PORT: u16 = 9444;
+/// Where the guest finds its metadata service (a `guestfwd` to the endpoint on 127.0.0.1).
+const GUEST_IMDS: (Ipv4Addr, u16) = (Ipv4Addr::new(10, 0, 2, 100), 80);
+/// qemu user networking's guest address (its DHCP's first one; the guest sets it itself).
+const GUEST_ADDRESS: &str = "10.0.2.15/24";
+
+/// Printed by the guest once the agent stopped cleanly; the host requires it besides exit 0.
+const GUEST_OK: &str = "NODEKEEPER-BM-GUEST-OK";
+
+/// Boot under TCG on a busy 2-core machine with a ~60 MB program to unpack, until the agent
+/// answers; generous, as every wait here (each ends as soon as its condition holds).
+const BOOT_TIMEOUT: Duration = Duration::from_secs(180);
+const TIMEOUT: Duration = Duration::from_secs(90);
+
+/// The guest's environment: what the host tells the guest program.
+mod env {
+    pub const NODE: &str = "NK_BM_NODE";
+    pub const IMDS: &str = "NK_BM_IMDS";
+    pub const PRIMARY_MAC: &str = "NK_BM_PRIMARY_MAC";
+    pub const TLS_CERT: &str = "NK_BM_TLS_CERT";
+    pub const TLS_KEY: &str = "NK_BM_TLS_KEY";
+    pub const CLIENT_CA: &str = "NK_BM_CLIENT_CA";
+}
+
+#[test]
+fn bare_metal_node_in_a_vm_gets_vlan_vnics_and_loses_them_again() -> anyhow::Result<()> {
+    if std::env::var_os(vm::GUEST_ENV).is_some() {
+        return guest::run();
+    }
+    nodekeeper_testkit::skip_unless_root!("needs root (qemu, apt-get download of the kernel)");
+    if let Some(reason) = vm::missing_host_tool() {
+        nodekeeper_testkit::skip!(reason);
+    }
+    if let Err(e) = vm::prepare_kernel(false) {
+        nodekeeper_testkit::skip!(format!(
+            "the VM kernel cannot be prepared ({e:#}); `cargo xtask vm` as root fetches it"
+        ));
+    }
+    let ip = which_ip().context("iproute2's ip (apt-get install -y iproute2)")?;
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(4)
+        .enable_all()
+        .build()?
+        .block_on(host(ip))
+}
+
+/// `ip` from iproute2, copied into the guest (busybox's has no `-j`).
+fn which_ip() -> Option<PathBuf> {
+    ["/usr/sbin/ip", "/sbin/ip", "/usr/bin/ip", "/bin/ip"]
+        .iter()
+        .map(PathBuf::from)
+        .find(|p| p.is_file())
+}
+
+/// The VM and the way into it.
+struct Guest {
+    vm: Option<vm::RunningVm>,
+    query: SocketAddr,
+}
+
+impl Guest {
+    /// Runs a read-only query in the guest (`ip …` or `vlan`) and returns its output.
+    fn query(&self, line: &str) -> anyhow::Result<String> {
+        let mut stream = TcpStream::connect_timeout(&self.query, Duration::from_secs(5))?;
+        stream.set_read_timeout(Some(Duration::from_secs(20)))?;
+        stream.write_all(format!("{line}\n").as_bytes())?;
+        let mut out = String::new();
+        stream.read_to_string(&mut out)?;
+        match out.strip_prefix("ERROR ") {
+            Some(e) => bail!("guest query {line:?}: {e}"),
+            None => out
+                .strip_prefix("OK\n")
+                .map(str::to_string)
+                .with_context(|| format!("guest query {line:?}: no answer ({out:?})")),
+        }
+    }
+
+    fn ip_json(&self, args: &str) -> anyhow::Result<Vec<Value>> {
+        let out = self.query(&format!("ip -j {args}"))?;
+        let text = if out.trim().is_empty() { "[]" } else { &out };
+        serde_json::from_str(text).with_context(|| format!("parse `ip -j {args}`: {out}"))
+    }
+
+    /// The console so far, for error messages.
+    fn console_tail(&mut self) -> String {
+        match self.vm.as_mut() {
+            Some(vm) => vm::console_tail(vm.console(), 60),
+            None => String::new(),
+        }
+    }
+}
+
+/// What the guest shows of one VNIC's host side (the names are the agent's, by `vlanTag`).
+#[derive(Debug, PartialEq)]
+struct HostSide {
+    macvlan_mac: String,
+    macvlan_parent: String,
+    vlan_id: u64,
+    vlan_parent: String,
+    addresses: Vec<String>,
+    /// `(table, gateway)` of default routes on the VLAN link outside the main table.
+    default_routes: Vec<(String, String)>,
+    /// Tables of the rules `from` the VNIC's address.
+    rule_tables: Vec<String>,
+    /// The VLAN's line in `/proc/net/vlan/config`.
+    proc_vlan: String,
+}
+
+fn host_side(guest: &Guest, tag: u16, private_ip: Ipv4Addr) -> anyhow::Result<Option<HostSide>> {
+    let links = guest.ip_json("-d link show")?;
+    let find = |name: &str| links.iter().find(|l| l["ifname"] == name).cloned();
+    let (Some(mv), Some(vl)) = (find(&format!("nkm{tag}")), find(&format!("nkv{tag}"))) else {
+        return Ok(None);
+    };
+    ensure!(
+        mv["linkinfo"]["info_kind"] == "macvlan",
+        "nkm{tag} is no macvlan: {mv}"
+    );
+    ensure!(
+        vl["linkinfo"]["info_kind"] == "vlan",
+        "nkv{tag} is no VLAN: {vl}"
+    );
+    ensure!(
+        vl["linkinfo"]["info_data"]["protocol"] == "802.1Q",
+        "nkv{tag} is not 802.1Q: {vl}"
+    );
+    let vlan = format!("nkv{tag}");
+    let addresses = guest
+        .ip_json(&format!("addr show dev {vlan}"))?
+        .iter()
+        .flat_map(|l| l["addr_info"].as_array().cloned().unwrap_or_default())
+        .filter(|a| a["family"] == "inet")
+        .map(|a| format!("{}/{}", a["local"].as_str().unwrap_or(""), a["prefixlen"]))
+        .collect();
+    let default_routes = guest
+        .ip_json("route show table all")?
+        .iter()
+        .filter(|r| r["dst"] == "default" && r["dev"] == vlan.as_str())
+        .map(|r| {
+            (
+                r["table"].as_str().unwrap_or("main").to_string(),
+                r["gateway"].as_str().unwrap_or("").to_string(),
+            )
+        })
+        .collect();
+    let rule_tables = guest
+        .ip_json("rule show")?
+        .iter()
+        .filter(|r| r["src"] == private_ip.to_string().as_str())
+        .map(|r| r["table"].as_str().unwrap_or("").to_string())
+        .collect();
+    let proc_vlan = guest
+        .query("vlan")?
+        .lines()
+        .find(|l| l.split('|').next().map(str::trim) == Some(vlan.as_str()))
+        .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
+        .unwrap_or_default();
+    Ok(Some(HostSide {
+        macvlan_mac: mv["address"].as_str().unwrap_or("").to_string(),
+        macvlan_parent: mv["link"].as_str().unwrap_or("").to_string(),
+        vlan_id: vl["linkinfo"]["info_data"]["id"].as_u64().unwrap_or(0),
+        vlan_parent: vl["link"].as_str().unwrap_or("").to_string(),
+        addresses,
+        default_routes,
+        rule_tables,
+        proc_vlan,
+    }))
+}
+
+/// nodekeeper's links (`nkm*`, `nkv*`) and rules (priorities 20000–20999) in the guest.
+fn nodekeeper_state(guest: &Guest) -> anyhow::Result<Vec<String>> {
+    let links = guest
+        .ip_json("link show")?
+        .into_iter()
+        .filter_map(|l| l["ifname"].as_str().map(str::to_string))
+        .filter(|n| n.starts_with("nkm") || n.starts_with("nkv"));
+    let rules = guest
+        .ip_json("rule show")?
+        .into_iter()
+        .filter(|r| {
+            r["priority"]
+                .as_u64()
+                .is_some_and(|p| (20000..21000).contains(&p))
+        })
+        .map(|r| r.to_string());
+    Ok(links.chain(rules).collect())
+}
+
+/// Waits for the object's status to satisfy `done`; on timeout the error shows the status and
+/// the node's `NodeNetworkReady`.
+async fn wait_status(
+    api: &Api<NodeNetworkConfig>,
+    name: &str,
+    client: &kube::Client,
+    node: &str,
+    what: &str,
+    done: impl Fn(&Value) -> bool,
+) -> anyhow::Result<Value> {
+    let status = || async {
+        anyhow::Ok(serde_json::to_value(
+            api.get(name).await?.status.unwrap_or_default(),
+        )?)
+    };
+    let waited = wait_for(what, TIMEOUT, || async {
+        let st = status().await?;
+        Ok(done(&st).then_some(st))
+    })
+    .await;
+    match waited {
+        Ok(st) => Ok(st),
+        Err(e) => {
+            let st = status().await?;
+            let ready = node_ready(client, node).await?;
+            bail!("{e:#}; status {st:#}; NodeNetworkReady {ready:?}")
+        }
+    }
+}
+
+/// The guest's interface with `mac`.
+fn interface_with_mac(guest: &Guest, mac: &str) -> anyhow::Result<String> {
+    guest
+        .ip_json("link show")?
+        .iter()
+        .find(|l| l["address"].as_str().map(str::to_lowercase) == Some(mac.to_lowercase()))
+        .and_then(|l| l["ifname"].as_str().map(str::to_string))
+        .with_context(|| format!("no guest interface has MAC {mac}"))
+}
+
+async fn node_ready(
+    client: &kube::Client,
+    node: &str,
+) -> anyhow::Result<Option<(String, String, String)>> {
+    node_condition(client, node, NODE_CONDITION_NETWORK_READY).await
+}
+
+/// Checks the node's `NodeNetworkReady` status and reason; returns its message.
+async fn network_ready_is(
+    client: &kube::Client,
+    node: &str,
+    status: &str,
+    reason: &str,
+) -> anyhow::Result<String> {
+    let ready = node_ready(client, node)
+        .await?
+        .context("no NodeNetworkReady")?;
+    ensure!(
+        (ready.0.as_str(), ready.1.as_str()) == (status, reason),
+        "NodeNetworkReady {ready:?}, wanted {status} {reason}"
+    );
+    Ok(ready.2)
+}
+
+async fn host(ip: PathBuf) -> anyhow::Result<()> {
+    let cp = ControlPlane::shared();
+    let client = cp.client().await?;
+    install_crds(&client).await?;
+    let (endpoint, compute) = oci_common::endpoint_and_compute(EndpointConfig {
+        attach_delay: Duration::from_millis(800),
+        detach_delay: Duration::from_millis(300),
+        ..Default::default()
+    })
+    .await?;
+    let primary_subnet = endpoint.add_subnet("10.0.10.0/24")?;
+    let subnet_a = endpoint.add_subnet("10.0.20.0/24")?;
+    let subnet_b = endpoint.add_subnet("10.0.30.0/24")?;
+
+    // The node: its agent is reached on 127.0.0.1 at the VM's hostfwd port.
+    let label = (
+        "nodekeeper.dev/e2e-nnc-bm".to_string(),
+        unique_name("nncbm"),
+    );
+    let names = create_simulated_nodes(
+        &client,
+        "nncbm",
+        1,
+        &BTreeMap::from([label.clone()]),
+        &[Ipv4Addr::LOCALHOST],
+    )
+    .await?;
+    let node = names[0].clone();
+    let instance = endpoint.add_instance(&InstanceSpec {
+        display_name: node.clone(),
+        shape: BM.into(),
+        compartment_id: COMPARTMENT.into(),
+        availability_domain: AD.into(),
+        subnet_id: primary_subnet,
+    })?;
+    let node_api: Api<Node> = Api::all(client.clone());
+    let node_obj = node_api
+        .patch(
+            &node,
+            &PatchParams::default(),
+            &Patch::Merge(json!({
+                "metadata": {"labels": {"node.kubernetes.io/instance-type": BM}},
+                "spec": {"providerID": format!("oci://{instance}")},
+            })),
+        )
+        .await
+        .with_context(|| format!("set providerID of {node}"))?;
+    let primary_mac = endpoint
+        .guest_vnics(&instance)
+        .into_iter()
+        .find(|v| v.primary)
+        .context("primary vnic")?
+        .mac;
+
+    // mTLS: the agent's server certificate and the controller's client one, from one CA.
+    let (ca, ca_key) = certs::generate_ca()?;
+    let agent_pem = certs::issue(Leaf::Agent, &ca, &ca_key)?;
+    let controller_pem = certs::issue(Leaf::Controller, &ca, &ca_key)?;
+
+    // The guest program: this binary without its debug info (less to unpack under TCG).
+    let scratch = tempfile::tempdir()?;
+    let program = scratch.path().join("nk-bm-guest");
+    let exe = std::env::current_exe()?;
+    let status = std::process::Command::new("objcopy")
+        .arg("--strip-debug")
+        .arg(&exe)
+        .arg(&program)
+        .status()
+        .context("run objcopy (binutils)")?;
+    ensure!(status.success(), "objcopy --strip-debug {}", exe.display());
+    let endpoint_port = endpoint
+        .url()
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse::<u16>().ok())
+        .context("endpoint port")?;
+    let agent_port = nodekeeper_testkit::free_port();
+    let query_port = nodekeeper_testkit::free_port();
+    let imds = format!("http://{}:{}/imds/{instance}", GUEST_IMDS.0, GUEST_IMDS.1);
+    let guest_program = vm::GuestProgram {
+        binary: program,
+        args: vec![
+            TEST_NAME.into(),
+            "--exact".into(),
+            "--nocapture".into(),
+            "--test-threads=1".into(),
+        ],
+        env: vec![
+            ("RUST_BACKTRACE".into(), "0".into()),
+            (env::NODE.into(), node.clone()),
+            (env::IMDS.into(), imds),
+            (env::PRIMARY_MAC.into(), primary_mac.clone()),
+            (env::TLS_CERT.into(), agent_pem.cert.clone()),
+            (env::TLS_KEY.into(), agent_pem.key.clone()),
+            (env::CLIENT_CA.into(), ca.clone()),
+        ],
+    };
+    let opts = vm::VmOptions {
+        memory_mib: 1024,
+        nics: vec![
+            vm::Nic {
+                mac: primary_mac.clone(),
+                backend: vm::NicBackend::User {
+                    hostfwd: vec![
+                        (agent_port, GUEST_AGENT_PORT),
+                        (query_port, GUEST_QUERY_PORT),
+                    ],
+                    guestfwd: vec![(GUEST_IMDS.0, GUEST_IMDS.1, endpoint_port)],
+                },
+            },
+            vm::Nic {
+                mac: NIC1_MAC.into(),
+                backend: vm::NicBackend::Unplugged,
+            },
+        ],
+        extra_binaries: vec![ip],
+    };
+    let echo = std::env::var_os("NODEKEEPER_VM_ECHO").is_some();
+    let started = Instant::now();
+    let mut guest = Guest {
+        vm: Some(vm::start_in_vm(&guest_program, &opts, echo)?),
+        query: SocketAddr::from((Ipv4Addr::LOCALHOST, query_port)),
+    };
+
+    let result = scenario(
+        &client,
+        &endpoint,
+        compute,
+        &mut guest,
+        Scenario {
+            node: &node,
+            node_obj: &node_obj,
+            instance: &instance,
+            label: &label,
+            subnets: [&subnet_a, &subnet_b],
+            agent_port,
+            controller_pem,
+            primary_mac: &primary_mac,
+            started,
+        },
+    )
+    .await;
+    if let Err(e) = result {
+        let tail = guest.console_tail();
+        bail!("{e:#}\n--- guest console ---\n{tail}");
+    }
+
+    // The agent stops on request; the guest then reports its verdict and powers off.
+    guest.query("stop")?;
+    let outcome = guest
+        .vm
+        .take()
+        .context("vm")?
+        .wait(started.elapsed() + Duration::from_secs(60))?;
+    let tail = vm::console_tail(&outcome.console, 60);
+    ensure!(
+        outcome.exit_code() == Some(0) && outcome.console.contains(GUEST_OK),
+        "guest verdict {:?}; console:\n{tail}",
+        outcome.verdict
+    );
+    eprintln!(
+        "vm: whole run {:.1} s ({})",
+        outcome.boot_to_verdict.as_secs_f64(),
+        if outcome.kvm { "kvm" } else { "tcg" }
+    );
+    Ok(())
+}
+
+struct Scenario<'a> {
+    node: &'a str,
+    node_obj: &'a Node,
+    instance: &'a str,
+    label: &'a (String, String),
+    subnets: [&'a String; 2],
+    agent_port: u16,
+    controller_pem: certs::Pem,
+    primary_mac: &'a str,
+    started: Instant,
+}
+
+async fn scenario(
+    client: &kube::Client,
+    endpoint: &Arc<OciEndpoint>,
+    compute: ComputeClient,
+    guest: &mut Guest,
+    s: Scenario<'_>,
+) -> anyhow::Result<()> {
+    // The guest is up once its query port and its agent answer.
+    let boot_deadline = s.started + BOOT_TIMEOUT;
+    let nics = loop {
+        if let Some(vm) = guest.vm.as_mut()
+            && !vm.running()
+        {
+            bail!("the VM stopped before its agent answered");
+        }
+        if let (Ok(nic0), Ok(nic1)) = (
+            interface_with_mac(guest, s.primary_mac),
+            interface_with_mac(guest, NIC1_MAC),
+        ) {
+            break [nic0, nic1];
+        }
+        ensure!(
+            Instant::now() < boot_deadline,
+            "the guest did not answer within {BOOT_TIMEOUT:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    eprintln!(
+        "vm: guest answers after {:.1} s; physical NICs {nics:?}",
+        s.started.elapsed().as_secs_f64()
+    );
+
+    // The controller's own agents service: mutual TLS to the node's InternalIP (127.0.0.1) at
+    // the agent port (the VM's hostfwd).
+    let fleet = Arc::new(Fleet::default());
+    ensure!(
+        fleet.observe(node_facts(s.node_obj), Instant::now()),
+        "node {} has no InternalIP",
+        s.node
+    );
+    let mtls = MtlsAgents::new(fleet, 4 << 20, AgentMetrics::default());
+    mtls.set_tls(&s.controller_pem);
+    let agents: Arc<dyn Agents> = Arc::new(mtls);
+    let (stop, handle) = oci_common::start_nnc_controller(
+        client,
+        agents,
+        s.agent_port,
+        compute,
+        COMPARTMENT,
+        Settings {
+            node_concurrency: 4,
+            object_concurrency: 2,
+            poll: Duration::from_millis(250),
+            resync: Duration::from_secs(2),
+            attach_timeout: Duration::from_secs(30),
+            // An apply under TCG emulation takes its time.
+            apply_timeout: Duration::from_secs(60),
+            // The failed first apply is retried after 2 s.
+            retry_backoff: Duration::from_secs(2),
+            retry_backoff_max: Duration::from_secs(8),
+        },
+        s.label,
+    );
+    let result = rollout(client, endpoint, guest, &s, &nics).await;
+    stop.cancel();
+    handle.await?;
+    result
+}
+
+async fn rollout(
+    client: &kube::Client,
+    endpoint: &Arc<OciEndpoint>,
+    guest: &Guest,
+    s: &Scenario<'_>,
+    nics: &[String; 2],
+) -> anyhow::Result<()> {
+    let api: Api<NodeNetworkConfig> = Api::all(client.clone());
+    let name = unique_name("bmvnics");
+    let labels = BTreeMap::from([s.label.clone()]);
+    let selector = json!({"matchLabels": {s.label.0.clone(): s.label.1.clone()}});
+    let vnic = |display: &str, subnet: &str, nic: u32| json!({"displayName": display, "subnetId": subnet, "nicIndex": nic});
+    let spec = |vnics: Vec<Value>| {
+        json!({
+            "nodeSelector": selector,
+            "ociVnics": {"attach": vnics},
+            "rollout": {"maxUnavailable": 1, "failureThreshold": 1},
+        })
+    };
+    // One VNIC on each physical NIC. NIC 1 came up with MTU 1500, below the layout's 9000: the
+    // apply fails at pods-b's macvlan and is rolled back (pods-a's macvlan, made a step before,
+    // goes again), and the node is reported failing.
+    apply_labelled_spec(
+        &api,
+        &name,
+        &labels,
+        spec(vec![
+            vnic("pods-a", s.subnets[0], 0),
+            vnic("pods-b", s.subnets[1], 1),
+        ]),
+    )
+    .await?;
+    let status = wait_status(&api, &name, client, s.node, "the node failing", |st| {
+        st["failing"] == 1
+    })
+    .await?;
+    let failing = &status["failingNodes"][0];
+    assert_eq!(failing["node"], s.node, "{status:#}");
+    assert_eq!(failing["rolledBack"], true, "{status:#}");
+    let error = failing["error"].as_str().unwrap_or("");
+    assert!(
+        error.contains("macvlan") && error.contains(&nics[1]) && error.contains("mtu 9000"),
+        "{status:#}"
+    );
+    let message = network_ready_is(client, s.node, "False", "NetworkApplyFailed").await?;
+    assert!(message.contains(error), "{message}");
+    let ours = nodekeeper_state(guest)?;
+    ensure!(ours.is_empty(), "left after the rollback: {ours:?}");
+
+    // The host's NIC is fixed: the controller's retry (after its backoff) converges.
+    guest.query("fix-mtu")?;
+    let status = wait_status(&api, &name, client, s.node, "the node applied", |st| {
+        st["applied"] == 1
+    })
+    .await?;
+    assert_eq!(status["matched"], 1, "{status:#}");
+    assert_eq!(status["attached"], 1, "{status:#}");
+    assert_eq!(status["failing"], 0, "{status:#}");
+    network_ready_is(client, s.node, "True", "NetworkConverged").await?;
+
+    // What OCI says the VNICs are (vlanTag, nicIndex), as the instance's metadata service has it.
+    let imds = ImdsClient::new(ImdsConfig::new(endpoint.imds_url(s.instance)))?;
+    let vnics = imds.vnics().await?;
+    let by_name = |display: &str| {
+        let v = endpoint
+            .guest_vnics(s.instance)
+            .into_iter()
+            .find(|v| v.display_name.as_deref() == Some(display) && v.state == "ATTACHED")
+            .with_context(|| format!("{display} attached"))?;
+        let m = vnics
+            .iter()
+            .find(|m| m.mac_addr == v.mac)
+            .with_context(|| format!("{display} ({}) in IMDS", v.mac))?
+            .clone();
+        anyhow::Ok((v, m))
+    };
+    let mut tables = Vec::new();
+    for (display, nic) in [("pods-a", 0u32), ("pods-b", 1)] {
+        let (v, m) = by_name(display)?;
+        assert_eq!(m.nic_index, Some(nic), "{display}: {m:?}");
+        let tag = m.vlan_tag;
+        let side = host_side(guest, tag, v.private_ip)?
+            .with_context(|| format!("{display}: no nkm{tag}/nkv{tag} in the guest"))?;
+        eprintln!("{display} (vlanTag {tag}, nicIndex {nic}) in the guest: {side:?}");
+        let router = v.router.to_string();
+        let table = side
+            .default_routes
+            .first()
+            .map(|(t, _)| t.clone())
+            .unwrap_or_default();
+        assert_eq!(
+            side,
+            HostSide {
+                macvlan_mac: v.mac.clone(),
+                macvlan_parent: nics[nic as usize].clone(),
+                vlan_id: u64::from(tag),
+                vlan_parent: format!("nkm{tag}"),
+                addresses: vec![format!("{}/{}", v.private_ip, v.prefix)],
+                default_routes: vec![(table.clone(), router)],
+                rule_tables: vec![table.clone()],
+                proc_vlan: format!("nkv{tag} | {tag} | nkm{tag}"),
+            },
+            "{display}"
+        );
+        ensure!(
+            table != "main" && !table.is_empty(),
+            "{display}: default route in {table:?}"
+        );
+        tables.push(table);
+    }
+    ensure!(
+        tables[0] != tables[1],
+        "one table for both VNICs: {tables:?}"
+    );
+
+    // Remove pods-b: its host side goes in the guest, then it is detached.
+    let (b, b_meta) = by_name("pods-b")?;
+    let (a, a_meta) = by_name("pods-a")?;
+    let a_before = host_side(guest, a_meta.vlan_tag, a.private_ip)?;
+    apply_labelled_spec(
+        &api,
+        &name,
+        &labels,
+        spec(vec![vnic("pods-a", s.subnets[0], 0)]),
+    )
+    .await?;
+    wait_for("pods-b detached", TIMEOUT, || async {
+        let now = endpoint
+            .guest_vnics(s.instance)
+            .into_iter()
+            .find(|v| v.attachment_id == b.attachment_id);
+        Ok(now.filter(|v| v.state == "DETACHED").map(|_| ()))
+    })
+    .await?;
+    ensure!(
+        host_side(guest, b_meta.vlan_tag, b.private_ip)?.is_none(),
+        "pods-b's macvlan/VLAN are left in the guest"
+    );
+    let rules = guest.ip_json("rule show")?;
+    ensure!(
+        !rules
+            .iter()
+            .any(|r| r["src"] == b.private_ip.to_string().as_str()),
+        "pods-b's rule is left: {rules:?}"
+    );
+    ensure!(
+        guest
+            .query("vlan")?
+            .lines()
+            .all(|l| !l.contains(&format!("nkv{}", b_meta.vlan_tag))),
+        "pods-b's VLAN is left in /proc/net/vlan/config"
+    );
+    assert_eq!(
+        host_side(guest, a_meta.vlan_tag, a.private_ip)?,
+        a_before,
+        "pods-a is untouched"
+    );
+    wait_status(
+        &api,
+        &name,
+        client,
+        s.node,
+        "the node applied with one VNIC",
+        |st| st["applied"] == 1 && st["observedGeneration"] == 2,
+    )
+    .await?;
+    network_ready_is(client, s.node, "True", "NetworkConverged").await?;
+
+    // Deleting the object removes what it made: pods-a's host side, then its attachment.
+    api.delete(&name, &DeleteParams::default()).await?;
+    wait_for("the object gone after its cleanup", TIMEOUT, || async {
+        Ok(api.get_opt(&name).await?.is_none().then_some(()))
+    })
+    .await?;
+    let live: Vec<_> = endpoint
+        .guest_vnics(s.instance)
+        .into_iter()
+        .filter(|v| !matches!(v.state, "DETACHED" | "DETACHING"))
+        .collect();
+    ensure!(live.len() == 1 && live[0].primary, "{live:?}");
+    let left = nodekeeper_state(guest)?;
+    ensure!(left.is_empty(), "left in the guest: {left:?}");
+    ensure!(
+        host_side(guest, a_meta.vlan_tag, a.private_ip)?.is_none(),
+        "pods-a's host side is left"
+    );
+    // The primary NIC kept its address throughout (the agent never touches it).
+    let nic0 = guest.ip_json(&format!("addr show dev {}", nics[0]))?;
+    ensure!(
+        nic0.iter()
+            .flat_map(|l| l["addr_info"].as_array().cloned().unwrap_or_default())
+            .any(
+                |a| format!("{}/{}", a["local"].as_str().unwrap_or(""), a["prefixlen"])
+                    == GUEST_ADDRESS
+            ),
+        "{nic0:?}"
+    );
+    Ok(())
+}
+
+/// The half that runs inside the VM (as its `/init`'s program, root, alone on the machine).
+mod guest {
+    use super::*;
+
+    use std::io::BufRead as _;
+    use std::net::TcpListener;
+    use std::process::Command;
+
+    const IP: &str = "/guest/ip";
+
+    fn required(name: &str) -> anyhow::Result<String> {
+        std::env::var(name).with_context(|| format!("{name} is not set in the guest"))
+    }
+
+    fn ip(args: &[&str]) -> anyhow::Result<String> {
+        let out = Command::new(IP).args(args).output().context("run ip")?;
+        ensure!(
+            out.status.success(),
+            "ip {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// The PCI NICs (those with a `device` link), by MAC.
+    fn pci_nics() -> anyhow::Result<BTreeMap<String, String>> {
+        let mut nics = BTreeMap::new();
+        for entry in std::fs::read_dir("/sys/class/net")? {
+            let path = entry?.path();
+            if path.join("device").exists() {
+                let mac = std::fs::read_to_string(path.join("address"))?;
+                let name = path.file_name().unwrap_or_default().to_string_lossy();
+                nics.insert(mac.trim().to_lowercase(), name.into_owned());
+            }
+        }
+        Ok(nics)
+    }
+
+    pub fn run() -> anyhow::Result<()> {
+        // The agent's log on the console (what its own `main` sets up).
+        {
+            use clap::Parser as _;
+            nodekeeper_controller::runtime::logging::init(&nodekeeper_controller::Cli::parse_from(
+                ["nk-bm-guest", "--log-format=plain"],
+            ));
+        }
+        // IPv6 duplicate address detection would change address flags between two reads.
+        for knob in ["all", "default"] {
+            std::fs::write(format!("/proc/sys/net/ipv6/conf/{knob}/accept_dad"), "0")?;
+        }
+        // The NICs come up as a bare-metal host's do at boot, NIC 0 with OCI's MTU 9000 and
+        // NIC 1 misconfigured with 1500 (a macvlan cannot have a larger MTU than its NIC: the
+        // first apply fails until `fix-mtu`); NIC 0 gets user networking's address (no default
+        // route: nothing but the forwarded addresses is reachable anyway).
+        let nics = pci_nics()?;
+        let primary = required(env::PRIMARY_MAC)?.to_lowercase();
+        let nic0 = nics
+            .get(&primary)
+            .with_context(|| format!("no NIC with the primary MAC {primary}: {nics:?}"))?;
+        for (mac, name) in &nics {
+            let mtu = if *mac == primary { "9000" } else { "1500" };
+            ip(&["link", "set", name, "mtu", mtu, "up"])?;
+        }
+        ip(&["addr", "add", GUEST_ADDRESS, "dev", nic0])?;
+        eprintln!("guest: NICs {nics:?} up, {nic0} has {GUEST_ADDRESS}");
+
+        let tls = Path::new("/tmp/tls");
+        std::fs::create_dir_all(tls)?;
+        for (file, var) in [
+            ("tls.crt", env::TLS_CERT),
+            ("tls.key", env::TLS_KEY),
+            ("ca.crt", env::CLIENT_CA),
+        ] {
+            std::fs::write(tls.join(file), required(var)?)?;
+        }
+        let shutdown = CancellationToken::new();
+        let listener = TcpListener::bind((Ipv4Addr::UNSPECIFIED, GUEST_QUERY_PORT))?;
+        let stop = shutdown.clone();
+        std::thread::spawn(move || {
+            for stream in listener.incoming().flatten() {
+                answer(stream, &stop);
+            }
+        });
+
+        use clap::Parser as _;
+        let file = |f: &str| tls.join(f).display().to_string();
+        let config = nodekeeper_agent::Config::parse_from([
+            "nodekeeper-agent".to_string(),
+            format!("--listen=0.0.0.0:{GUEST_AGENT_PORT}"),
+            format!("--node-name={}", required(env::NODE)?),
+            format!("--tls-cert={}", file("tls.crt")),
+            format!("--tls-key={}", file("tls.key")),
+            format!("--client-ca={}", file("ca.crt")),
+            "--state-dir=/tmp/nodekeeper".into(),
+            format!("--imds-endpoint={}", required(env::IMDS)?),
+            "--nvidia-smi=/nonexistent/nvidia-smi".into(),
+            "--nvml-library=none".into(),
+            "--health-checks=false".into(),
+            "--kernel-monitor=false".into(),
+            "--journal=false".into(),
+            // No drift re-convergence: what the guest shows is the applies' doing.
+            "--drift-interval=60m".into(),
+            "--log-format=plain".into(),
+        ]);
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        runtime
+            .block_on(nodekeeper_agent::run(config, shutdown))
+            .context("the agent")?;
+        eprintln!("{GUEST_OK}");
+        Ok(())
+    }
+
+    /// One query: `stop`, `fix-mtu` (every NIC to MTU 9000), `vlan` (`/proc/net/vlan/config`)
+    /// or `ip -j …` with a `show` verb (read-only); the answer is `OK\n<output>` or
+    /// `ERROR <why>`.
+    fn answer(stream: std::net::TcpStream, stop: &CancellationToken) {
+        let mut line = String::new();
+        let mut reader = BufReader::new(&stream);
+        if reader.read_line(&mut line).is_err() {
+            return;
+        }
+        let words: Vec<&str> = line.split_whitespace().collect();
+        let result = match words.as_slice() {
+            ["stop"] => {
+                stop.cancel();
+                Ok(String::new())
+            }
+            ["vlan"] => std::fs::read_to_string("/proc/net/vlan/config").map_err(|e| e.into()),
+            ["fix-mtu"] => pci_nics().and_then(|nics| {
+                for name in nics.values() {
+                    ip(&["link", "set", name, "mtu", "9000"])?;
+                }
+                Ok(String::new())
+            }),
+            ["ip", "-j", rest @ ..] if rest.contains(&"show") => {
+                let mut args = vec!["-j"];
+                args.extend_from_slice(rest);
+                ip(&args)
+            }
+            _ => Err(anyhow::anyhow!("unknown query {line:?}")),
+        };
+        let reply = match result {
+            Ok(out) => format!("OK\n{out}"),
+            Err(e) => format!("ERROR {e:#}"),
+        };
+        let _ = (&stream).write_all(reply.as_bytes());
+    }
+}
