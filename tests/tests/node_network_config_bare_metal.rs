@@ -750,6 +750,16 @@ async fn rollout(
     .await?;
     network_ready_is(client, s.node, "True", "NetworkConverged").await?;
 
+    // Two attaches in all: the failed apply and its retry attached nothing again.
+    let attaches = endpoint
+        .requests()
+        .iter()
+        .filter(|r| {
+            r.method == http::Method::POST && r.path == "/vnicAttachments" && r.status == 200
+        })
+        .count();
+    assert_eq!(attaches, 2, "AttachVnic calls");
+
     // Deleting the object removes what it made: pods-a's host side, then its attachment.
     api.delete(&name, &DeleteParams::default()).await?;
     wait_for("the object gone after its cleanup", TIMEOUT, || async {

@@ -1,8 +1,11 @@
 //! Boots a Debian kernel under qemu with a throw-away initramfs holding one host binary, for the
 //! tests this machine's kernel cannot host (802.1Q VLANs). Shared by `cargo xtask vm` (through
-//! `#[path]`) and `crates/netconf/tests/vlan_vm.rs`, so there is exactly one implementation.
+//! `#[path]`), `crates/netconf/tests/vlan_vm.rs` and
+//! `tests/tests/node_network_config_bare_metal.rs`, so there is exactly one implementation.
+//! [`run_in_vm`] boots a VM without a network and waits for its verdict; [`start_in_vm`] returns
+//! while it runs, with virtio NICs and loopback-only forwards ([`VmOptions`]) when asked.
 //!
-//! Only `std` and `anyhow` are used here because both including crates have them.
+//! Only `std` and `anyhow` are used here because every including crate has them.
 
 // Each including crate uses a different subset of these functions.
 #![allow(dead_code)]
