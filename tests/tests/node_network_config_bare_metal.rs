@@ -10,24 +10,27 @@
 //! binary is the guest program: started with the launcher's guest variable set, it brings the
 //! NICs up and runs the agent ([`guest`]).
 //!
-//! The VM's two NICs are virtio PCI devices, so the agent numbers them as physical NICs 0 and 1
-//! (by PCI address) the way it numbers a bare-metal host's. NIC 0 carries the primary VNIC's
+//! The VM's NICs are virtio PCI devices; the agent sees two of them (the third goes into a
+//! namespace, below) and numbers them physical NICs 0 and 1 by PCI address, the way it numbers a
+//! bare-metal host's. NIC 0 carries the primary VNIC's
 //! MAC and qemu's user-mode network with `restrict=on`: the host reaches the agent through a
 //! `hostfwd` on 127.0.0.1, the guest reaches the endpoint's IMDS for its instance only through a
 //! `guestfwd` to 127.0.0.1 (`http://10.0.2.100/imds/<instance>`); nothing leaves the machine.
-//! NIC 1 is plugged into nothing. The guest's state is read back with iproute2's `ip -j`
-//! (copied into the initramfs) and `/proc/net/vlan/config`, over a second `hostfwd` port that
-//! answers read-only queries (and `fix-mtu`, below).
+//! NIC 1 shares a qemu hub with a third NIC that the guest moves into a namespace of its own:
+//! OCI's virtual router, which gives every VNIC on NIC 1 (as the metadata service lists them) a
+//! namespace with VLAN `vlanTag` on that wire and the subnet router's address, so the agent's
+//! post-apply check (an ICMP echo to pods-b's router) is answered only through the right 802.1Q
+//! tag. The guest's state is read back with iproute2's `ip -j` (copied into the initramfs) and
+//! `/proc/net/vlan/config`, over a second `hostfwd` port that answers read-only queries (and
+//! `fix-mtu`, below).
 //!
 //! The scenario: 2 VNICs, one per physical NIC. NIC 1 boots with MTU 1500, so the first apply
 //! fails at the second macvlan (MTU 9000), is rolled back in the guest and reported; once the NIC
 //! is fixed the controller's retry converges: macvlan with the VNIC's MAC on NIC `nicIndex`,
 //! 802.1Q VLAN `vlanTag` on it, address, default route in the VNIC's table and its `from` rule,
-//! `NodeNetworkReady` True. Removing one VNIC from the spec removes its host side in the guest
-//! and detaches it; deleting the object removes the rest.
-//!
-//! Not covered here: a reachability check through the VLAN (nothing answers on the VMs' wires;
-//! `crates/netconf/tests/vlan_vm.rs` checks tagged frames against a router namespace).
+//! the check answered through the VLAN, `NodeNetworkReady` True, no attach doubled. Removing one
+//! VNIC from the spec removes its host side in the guest and detaches it; deleting the object
+//! removes the rest.
 
 mod oci_common;
 #[path = "../../crates/netconf/tests/vm/mod.rs"]
@@ -70,6 +73,9 @@ const BM: &str = "BM.Standard.E5.192";
 
 /// Physical NIC 1's MAC (NIC 0 carries the primary VNIC's, which the endpoint chooses).
 const NIC1_MAC: &str = "02:00:17:ff:00:01";
+/// The NIC on NIC 1's wire (a qemu hub) that the guest moves into a namespace of its own: the
+/// virtual router's side, where a VLAN per VNIC answers as the VNIC's subnet router.
+const WIRE_MAC: &str = "02:00:17:ff:00:02";
 /// The agent's gRPC port and the query port inside the guest.
 const GUEST_AGENT_PORT: u16 = 9443;
 const GUEST_QUERY_PORT: u16 = 9444;
@@ -77,6 +83,8 @@ const GUEST_QUERY_PORT: u16 = 9444;
 const GUEST_IMDS: (Ipv4Addr, u16) = (Ipv4Addr::new(10, 0, 2, 100), 80);
 /// qemu user networking's guest address (its DHCP's first one; the guest sets it itself).
 const GUEST_ADDRESS: &str = "10.0.2.15/24";
+/// pods-b's subnet router (the endpoint's subnets have theirs at the first address).
+const ROUTER_B: &str = "10.0.30.1";
 
 /// Printed by the guest once the agent stopped cleanly; the host requires it besides exit 0.
 const GUEST_OK: &str = "NODEKEEPER-BM-GUEST-OK";
@@ -445,7 +453,11 @@ async fn host(ip: PathBuf) -> anyhow::Result<()> {
             },
             vm::Nic {
                 mac: NIC1_MAC.into(),
-                backend: vm::NicBackend::Unplugged,
+                backend: vm::NicBackend::Hub(1),
+            },
+            vm::Nic {
+                mac: WIRE_MAC.into(),
+                backend: vm::NicBackend::Hub(1),
             },
         ],
         extra_binaries: vec![ip],
@@ -594,11 +606,15 @@ async fn rollout(
     let labels = BTreeMap::from([s.label.clone()]);
     let selector = json!({"matchLabels": {s.label.0.clone(): s.label.1.clone()}});
     let vnic = |display: &str, subnet: &str, nic: u32| json!({"displayName": display, "subnetId": subnet, "nicIndex": nic});
-    let spec = |vnics: Vec<Value>| {
+    // The post-apply check pings pods-b's subnet router, which answers only through VLAN
+    // `vlanTag` on NIC 1's wire.
+    let spec = |vnics: Vec<Value>, check: &[&str]| {
         json!({
             "nodeSelector": selector,
             "ociVnics": {"attach": vnics},
             "rollout": {"maxUnavailable": 1, "failureThreshold": 1},
+            "checkTargets": check,
+            "checkTimeoutMs": 5000,
         })
     };
     // One VNIC on each physical NIC. NIC 1 came up with MTU 1500, below the layout's 9000: the
@@ -608,10 +624,13 @@ async fn rollout(
         &api,
         &name,
         &labels,
-        spec(vec![
-            vnic("pods-a", s.subnets[0], 0),
-            vnic("pods-b", s.subnets[1], 1),
-        ]),
+        spec(
+            vec![
+                vnic("pods-a", s.subnets[0], 0),
+                vnic("pods-b", s.subnets[1], 1),
+            ],
+            &[ROUTER_B],
+        ),
     )
     .await?;
     let status = wait_status(&api, &name, client, s.node, "the node failing", |st| {
@@ -696,6 +715,15 @@ async fn rollout(
         tables[0] != tables[1],
         "one table for both VNICs: {tables:?}"
     );
+    // The check's echo requests reached the router through pods-b's VLAN (nothing else on the
+    // wire can reach it).
+    let tag = by_name("pods-b")?.1.vlan_tag;
+    let router = guest.ip_json(&format!("-s -n r{tag} link show v{tag}"))?;
+    let received = router[0]["stats64"]["rx"]["packets"].as_u64().unwrap_or(0);
+    ensure!(
+        received > 0,
+        "the router on VLAN {tag} got nothing: {router:?}"
+    );
 
     // Remove pods-b: its host side goes in the guest, then it is detached.
     let (b, b_meta) = by_name("pods-b")?;
@@ -705,7 +733,7 @@ async fn rollout(
         &api,
         &name,
         &labels,
-        spec(vec![vnic("pods-a", s.subnets[0], 0)]),
+        spec(vec![vnic("pods-a", s.subnets[0], 0)], &[]),
     )
     .await?;
     wait_for("pods-b detached", TIMEOUT, || async {
@@ -847,6 +875,12 @@ mod guest {
         // NIC 1 misconfigured with 1500 (a macvlan cannot have a larger MTU than its NIC: the
         // first apply fails until `fix-mtu`); NIC 0 gets user networking's address (no default
         // route: nothing but the forwarded addresses is reachable anyway).
+        let wire = pci_nics()?
+            .remove(WIRE_MAC)
+            .with_context(|| format!("no NIC with MAC {WIRE_MAC}"))?;
+        ip(&["netns", "add", "wire"])?;
+        ip(&["link", "set", &wire, "netns", "wire"])?;
+        ip(&["-n", "wire", "link", "set", &wire, "mtu", "9000", "up"])?;
         let nics = pci_nics()?;
         let primary = required(env::PRIMARY_MAC)?.to_lowercase();
         let nic0 = nics
@@ -877,6 +911,13 @@ mod guest {
             std::fs::write(tls.join(file), required(var)?)?;
         }
         let shutdown = CancellationToken::new();
+        let imds = required(env::IMDS)?;
+        let stop = shutdown.clone();
+        std::thread::spawn(move || {
+            if let Err(e) = virtual_router(&imds, &wire, &stop) {
+                eprintln!("guest: virtual router: {e:#}");
+            }
+        });
         // Queries are answered once the agent listens, so the host's first answer means the
         // agent can be called.
         let stop = shutdown.clone();
@@ -925,6 +966,40 @@ mod guest {
             .block_on(nodekeeper_agent::run(config, shutdown))
             .context("the agent")?;
         eprintln!("{GUEST_OK}");
+        Ok(())
+    }
+
+    /// OCI's virtual router on NIC 1's wire: for every VNIC on physical NIC 1 the metadata
+    /// service shows, a namespace `r<vlanTag>` holding VLAN `v<vlanTag>` of the wire NIC with the
+    /// subnet router's address, so the router answers only frames tagged with the VNIC's VLAN.
+    fn virtual_router(imds: &str, wire: &str, stop: &CancellationToken) -> anyhow::Result<()> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let client = ImdsClient::new(ImdsConfig::new(imds))?;
+        let mut done = std::collections::BTreeSet::new();
+        while !stop.is_cancelled() {
+            let vnics = runtime.block_on(client.vnics()).unwrap_or_default();
+            for v in vnics.iter().filter(|v| v.nic_index == Some(1)) {
+                let Some(v4) = &v.ipv4 else { continue };
+                if !done.insert(v.vlan_tag) {
+                    continue;
+                }
+                let tag = v.vlan_tag.to_string();
+                let (ns, vlan) = (format!("r{tag}"), format!("v{tag}"));
+                let router = format!("{}/{}", v4.virtual_router_ip, v4.subnet.prefix_len());
+                ip(&["netns", "add", &ns])?;
+                ip(&[
+                    "-n", "wire", "link", "add", "link", wire, "name", &vlan, "type", "vlan", "id",
+                    &tag,
+                ])?;
+                ip(&["-n", "wire", "link", "set", &vlan, "netns", &ns])?;
+                ip(&["-n", &ns, "addr", "add", &router, "dev", &vlan])?;
+                ip(&["-n", &ns, "link", "set", &vlan, "up"])?;
+                eprintln!("guest: virtual router {router} on VLAN {tag}");
+            }
+            std::thread::sleep(Duration::from_millis(300));
+        }
         Ok(())
     }
 

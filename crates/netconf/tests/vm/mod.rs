@@ -877,8 +877,9 @@ pub struct Nic {
 /// What a [`Nic`] is plugged into.
 #[derive(Debug, Clone)]
 pub enum NicBackend {
-    /// Nothing: the NIC exists, links up, and nothing answers on its wire.
-    Unplugged,
+    /// qemu's hub `n`: every NIC on the same hub shares one Ethernet wire (e.g. a physical NIC
+    /// and, moved into a network namespace, what answers on its wire), and nothing else.
+    Hub(u32),
     /// qemu's user-mode network (slirp, guest `10.0.2.15`, gateway `10.0.2.2`) with `restrict=on`:
     /// the guest reaches nothing outside the VM but the `guestfwd` targets, and the host reaches
     /// the guest only through the `hostfwd` ports, which listen on 127.0.0.1.
@@ -919,21 +920,24 @@ pub fn nic_args(nics: &[Nic], busybox: &Path) -> Vec<String> {
     for (i, nic) in nics.iter().enumerate() {
         // No option ROM: iPXE would only slow the boot down.
         let mut device = format!("virtio-net-pci,romfile=,mac={}", nic.mac);
-        if let NicBackend::User { hostfwd, guestfwd } = &nic.backend {
-            let mut netdev = format!("user,id=nk{i},restrict=on");
-            for (host, guest) in hostfwd {
-                netdev.push_str(&format!(",hostfwd=tcp:127.0.0.1:{host}-:{guest}"));
+        let netdev = match &nic.backend {
+            NicBackend::Hub(hub) => format!("hubport,id=nk{i},hubid={hub}"),
+            NicBackend::User { hostfwd, guestfwd } => {
+                let mut netdev = format!("user,id=nk{i},restrict=on");
+                for (host, guest) in hostfwd {
+                    netdev.push_str(&format!(",hostfwd=tcp:127.0.0.1:{host}-:{guest}"));
+                }
+                for (addr, port, host) in guestfwd {
+                    netdev.push_str(&format!(
+                        ",guestfwd=tcp:{addr}:{port}-cmd:{} nc 127.0.0.1 {host}",
+                        busybox.display()
+                    ));
+                }
+                netdev
             }
-            for (addr, port, host) in guestfwd {
-                netdev.push_str(&format!(
-                    ",guestfwd=tcp:{addr}:{port}-cmd:{} nc 127.0.0.1 {host}",
-                    busybox.display()
-                ));
-            }
-            args.extend(["-netdev".to_owned(), netdev]);
-            device.push_str(&format!(",netdev=nk{i}"));
-        }
-        args.extend(["-device".to_owned(), device]);
+        };
+        device.push_str(&format!(",netdev=nk{i}"));
+        args.extend(["-netdev".to_owned(), netdev, "-device".to_owned(), device]);
     }
     args
 }
@@ -1258,7 +1262,7 @@ mod tests {
             },
             Nic {
                 mac: "02:00:17:00:00:02".into(),
-                backend: NicBackend::Unplugged,
+                backend: NicBackend::Hub(1),
             },
         ];
         let args = nic_args(&nics, Path::new("/bin/busybox"));
@@ -1272,8 +1276,10 @@ mod tests {
                  guestfwd=tcp:10.0.2.100:80-cmd:/bin/busybox nc 127.0.0.1 40002",
                 "-device",
                 "virtio-net-pci,romfile=,mac=02:00:17:00:00:01,netdev=nk0",
+                "-netdev",
+                "hubport,id=nk1,hubid=1",
                 "-device",
-                "virtio-net-pci,romfile=,mac=02:00:17:00:00:02",
+                "virtio-net-pci,romfile=,mac=02:00:17:00:00:02,netdev=nk1",
             ]
         );
         assert_eq!(nic_args(&[], Path::new("/bin/busybox")), ["-nic", "none"]);
