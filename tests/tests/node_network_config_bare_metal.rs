@@ -89,8 +89,8 @@ const ROUTER_B: &str = "10.0.30.1";
 /// Printed by the guest once the agent stopped cleanly; the host requires it besides exit 0.
 const GUEST_OK: &str = "NODEKEEPER-BM-GUEST-OK";
 
-/// Boot under TCG on a busy 2-core machine with a ~75 MB program to unpack, until the agent
-/// answers; generous, as every wait here (each ends as soon as its condition holds).
+/// From qemu's start until the agent answers: TCG on a busy 2-core machine, a ~75 MB program to
+/// unpack (19 s when idle). Generous like every wait here: each ends once its condition holds.
 const BOOT_TIMEOUT: Duration = Duration::from_secs(180);
 const TIMEOUT: Duration = Duration::from_secs(90);
 
@@ -143,7 +143,7 @@ struct Guest {
 }
 
 impl Guest {
-    /// Runs a read-only query in the guest (`ip …` or `vlan`) and returns its output.
+    /// Runs one query in the guest ([`guest`]'s `answer` lists them) and returns its output.
     fn query(&self, line: &str) -> anyhow::Result<String> {
         let mut stream = TcpStream::connect_timeout(&self.query, Duration::from_secs(5))?;
         stream.set_read_timeout(Some(Duration::from_secs(20)))?;
