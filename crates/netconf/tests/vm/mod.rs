@@ -1286,6 +1286,20 @@ mod tests {
     }
 
     #[test]
+    fn a_kernel_cached_for_other_modules_is_not_used() {
+        let dir = std::env::temp_dir().join(format!("nk-vm-wanted-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        fs::write(dir.join("modules.load"), "8021q.ko\n").unwrap();
+        // A cache from before the list grew has no record of it.
+        assert!(!unpacked_for_wanted(&dir));
+        fs::write(dir.join(WANTED_FILE), "8021q macvlan dummy veth").unwrap();
+        assert!(!unpacked_for_wanted(&dir));
+        fs::write(dir.join(WANTED_FILE), wanted_line()).unwrap();
+        assert!(unpacked_for_wanted(&dir));
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
     fn elf_section_rejects_non_elf() {
         assert!(elf_section(b"not an elf at all", ".modinfo").is_err());
     }
