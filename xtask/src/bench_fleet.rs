@@ -43,6 +43,15 @@ pub struct FleetArgs {
     /// machine; the agents then answer more slowly, which can only lengthen the sweep).
     #[arg(long)]
     pub agents_debug: bool,
+    /// Record every allocation of the measured controller (the one started after the fresh
+    /// sweep, whose restart sweep and window are reported) with heaptrack's preload library
+    /// (Debian package `heaptrack`), writing the raw trace to this file. Build with
+    /// `CARGO_PROFILE_RELEASE_STRIP=none` for function names, then read the peak and, from a
+    /// copy taken during the window, the live heap:
+    /// `heaptrack_interpret < FILE | gzip > FILE.gz && heaptrack_print FILE.gz`.
+    /// The RSS figures of such a run include the profiler's own memory.
+    #[arg(long, value_name = "FILE")]
+    pub heap_profile: Option<std::path::PathBuf>,
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -91,6 +100,7 @@ async fn bench(args: FleetArgs, root: PathBuf, programs: Programs) -> anyhow::Re
         port: args.port,
         tuning: json!({"sweepInterval": "5m", "staleAfter": "15m", "concurrency": "256",
             "callTimeout": "10s", "rules.yaml": rules}),
+        heap_profile: args.heap_profile.clone(),
     };
     let mut rig = Rig::start(&config, &root, &programs, &say).await?;
     say("waiting for the first sweep of a fresh fleet (it writes every node's conditions)".into());

@@ -90,6 +90,7 @@ async fn bench(args: NetworkTestArgs, root: PathBuf, programs: Programs) -> anyh
         port: args.port,
         tuning: json!({"sweepInterval": "5m", "staleAfter": "15m", "concurrency": "256",
             "callTimeout": "10s"}),
+        heap_profile: None,
     };
     let rig = Rig::start(&config, &root, &programs, &say).await?;
     // Measure on a settled controller: its first sweep (every agent read once) is over.

@@ -220,6 +220,7 @@ async fn soak(args: SoakArgs, root: std::path::PathBuf, programs: Programs) -> a
         tuning: json!({"sweepInterval": nodekeeper_model::tuning::format_duration(interval),
             "staleAfter": nodekeeper_model::tuning::format_duration(stale_after),
             "concurrency": "256", "callTimeout": "10s", "rules.yaml": rules}),
+        heap_profile: None,
     };
     let rig = Rig::start(&config, &root, &programs, &say).await?;
     rig.first_sweep(Duration::from_secs(900)).await?;

@@ -40,7 +40,13 @@ pub struct RigConfig {
     pub port: u16,
     /// The tuning ConfigMap's data.
     pub tuning: serde_json::Value,
+    /// Run the measured controller under heaptrack's preload library, writing its raw trace
+    /// here (see `bench fleet --heap-profile`).
+    pub heap_profile: Option<PathBuf>,
 }
+
+/// Where Debian's `heaptrack` package puts the library that records every allocation.
+const HEAPTRACK_PRELOAD: &str = "/usr/lib/heaptrack/libheaptrack_preload.so";
 
 /// The built programs: the release controller and the agents host.
 pub struct Programs {
@@ -208,6 +214,20 @@ impl Rig {
             Duration::from_secs(600),
         )?;
         pki_maker.stop();
+        let mut launch = launch;
+        if let Some(trace) = &config.heap_profile {
+            if !Path::new(HEAPTRACK_PRELOAD).exists() {
+                bail!("--heap-profile needs {HEAPTRACK_PRELOAD}; fix: apt-get install heaptrack");
+            }
+            launch
+                .1
+                .env
+                .push(("LD_PRELOAD".into(), HEAPTRACK_PRELOAD.into()));
+            launch
+                .1
+                .env
+                .push(("DUMP_HEAPTRACK_OUTPUT".into(), trace.display().to_string()));
+        }
         let controller = ControllerProcess::spawn(&launch.0, &launch.1)?;
         say(format!("{n} agents listening; controller started"));
         Ok(Rig {

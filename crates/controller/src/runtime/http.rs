@@ -20,6 +20,7 @@ use tokio::sync::watch;
 use crate::conditions::Written;
 use crate::shared::metrics::SweepMetrics;
 use crate::shared::{Fleet, TuningState};
+use crate::view::StoredReport;
 
 /// What the HTTP API reads.
 pub struct Context {
@@ -151,7 +152,7 @@ async fn node(State(ctx): State<Arc<Context>>, Path(name): Path<String>) -> Resp
             "rulesRefused": entry.rules_refusal,
             "lastFailure": entry.last_failure.as_ref().map(|(outcome, detail)| json!({ "outcome": format!("{outcome:?}"), "detail": detail })),
             "conditions": written_json(&entry.written),
-            "report": entry.report.as_deref(),
+            "report": entry.report.as_ref().map(StoredReport::view),
         })
     };
     axum::Json(body).into_response()

@@ -28,8 +28,8 @@ use prometheus_client::encoding::EncodeLabelValue;
 pub use crate::certs::AGENT_SERVER_NAME;
 use crate::conditions::FailureClass;
 
-/// Sessions kept for resumption: one per agent address, oldest dropped first. At ~1 KiB each
-/// this bounds the store near 64 MiB at the largest fleets; an agent whose session was dropped
+/// Agents whose session is kept for resumption (one entry per agent address, the one met
+/// longest ago dropped first; see [`super::tls_sessions`]). An agent whose session was dropped
 /// costs one full handshake.
 const RESUMPTION_SESSIONS: usize = 65_536;
 
@@ -93,7 +93,9 @@ fn client_config(ca_pem: &str, cert_pem: &str, key_pem: &str) -> Result<ClientCo
         .with_client_auth_cert(chain, key)
         .map_err(|e| format!("client certificate: {e}"))?;
     config.alpn_protocols = vec![b"h2".to_vec()];
-    config.resumption = rustls::client::Resumption::in_memory_sessions(RESUMPTION_SESSIONS);
+    config.resumption = rustls::client::Resumption::store(Arc::new(
+        super::tls_sessions::SessionStore::new(RESUMPTION_SESSIONS),
+    ));
     Ok(config)
 }
 

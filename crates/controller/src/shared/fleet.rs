@@ -26,7 +26,7 @@ use super::agent_client::CallOutcome;
 use super::metrics::{ReasonLabels, SkipReason, SweepMetrics};
 use crate::conditions::{Condition, OWNED_TYPES, Status, Written};
 use crate::schedule::NodeSchedule;
-use crate::view::NodeView;
+use crate::view::StoredReport;
 
 /// What the controller keeps of one Node object.
 #[derive(Clone, Debug, PartialEq)]
@@ -89,7 +89,8 @@ pub struct NodeEntry {
     pub resource_version: u64,
     pub written: Vec<Written>,
     pub schedule: NodeSchedule,
-    pub report: Option<Arc<NodeView>>,
+    /// The last report read, kept encoded (see [`StoredReport`]).
+    pub report: Option<StoredReport>,
     /// The last failure's class and text (for the HTTP API and logs), cleared on success.
     pub last_failure: Option<(CallOutcome, String)>,
     /// The rules revision this agent refused on its merits (INVALID_ARGUMENT) and why; that
@@ -308,7 +309,7 @@ impl Fleet {
                 *s.conditions.entry(key).or_default() += 1;
             }
             if let Some(report) = &entry.report {
-                for t in &report.tunables {
+                for t in &report.view().tunables {
                     if matches!(
                         t.verdict,
                         crate::view::Verdict::Warning | crate::view::Verdict::Critical
@@ -362,7 +363,7 @@ pub async fn watch_nodes(
     metrics: SweepMetrics,
     cancel: CancellationToken,
 ) {
-    let mut config = watcher::Config::default();
+    let mut config = super::node_watch_config();
     if let Some(selector) = selector {
         config = config.labels(&selector);
     }

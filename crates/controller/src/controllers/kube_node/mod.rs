@@ -27,6 +27,7 @@ use kube::Resource;
 use kube::core::PartialObjectMeta;
 use kube::runtime::controller::Action;
 use kube::runtime::events::Recorder;
+use kube::runtime::watcher;
 use nodekeeper_api::names::{ANNOTATION_NODE_CLASS, LABEL_NODE_CLASS, LABEL_NODE_SET};
 use serde::Deserialize;
 
@@ -160,6 +161,10 @@ impl Reconciler for Context {
     /// Node without the annotation or the finalizer ends at once, reading nothing.
     fn api(&self) -> Api<NodeMeta> {
         Api::all(self.client.clone())
+    }
+
+    fn watcher_config(&self) -> watcher::Config {
+        crate::shared::node_watch_config()
     }
 
     fn concurrency(&self) -> u16 {

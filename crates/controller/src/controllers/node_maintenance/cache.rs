@@ -50,18 +50,25 @@ const ALL: u8 = NODES | PODS | BUDGETS;
 #[error("wait for the node, pod and PodDisruptionBudget watches to list (after {0:?})")]
 pub struct NotReady(Duration);
 
+/// Pods per page when the Pod watch lists (a decoded Pod with its managedFields is several KiB;
+/// see `Cache::triggers`).
+const POD_LIST_PAGE: u32 = 250;
+
 /// One Node, trimmed: name, labels, resourceVersion, nodekeeper's maintenance annotation,
 /// `spec.unschedulable` and taints, and the maintenance conditions; with its record parsed.
+/// The Node is behind an `Arc`: a `Node` is over a kilobyte inline, and the cache's map (one
+/// entry per node of the cluster) and each reconcile's view of the nodes it holds would
+/// otherwise carry that much per node on top of the trimmed content.
 #[derive(Clone, Debug)]
 pub struct CachedNode {
-    pub node: Node,
+    pub node: std::sync::Arc<Node>,
     pub record: Option<NodeRecord>,
     rv: u64,
 }
 
 impl CachedNode {
     fn new(node: Node) -> Self {
-        let node = trim_node(node);
+        let node = std::sync::Arc::new(trim_node(node));
         let record = NodeRecord::parse(
             node.annotations()
                 .get(ANNOTATION_MAINTENANCE)
@@ -116,9 +123,9 @@ pub fn trim_node(node: Node) -> Node {
         }),
         status: status.map(|s| NodeStatus {
             conditions: s.conditions.map(|cs| {
-                cs.into_iter()
-                    .filter(|c| MAINTENANCE_CONDITIONS.contains(&c.type_.as_str()))
-                    .collect()
+                crate::shared::filter_exact(cs, |c| {
+                    MAINTENANCE_CONDITIONS.contains(&c.type_.as_str())
+                })
             }),
             ..NodeStatus::default()
         }),
@@ -607,20 +614,34 @@ impl Cache {
     /// an unstable feature); there are few, and a reconcile with nothing to do reads only this
     /// cache and writes nothing, while the event that concerns none is dropped here.
     pub fn triggers(self: &Arc<Self>, client: &kube::Client) -> BoxStream<'static, ()> {
-        // From the API server's watch cache: no quorum read of every pod at each (re)list.
-        let config = watcher::Config::default().any_semantic();
+        // Nodes and Pods are listed in pages, at the most recent resourceVersion. A list at
+        // resourceVersion 0 (`any_semantic`) is answered from the API server's watch cache,
+        // which ignores the page size (kubernetes/kubernetes#96182): every Pod of the cluster
+        // (hundreds of thousands at 10,000 nodes) would arrive in one response and be decoded
+        // at once, a peak of gigabytes in this process at each (re)list. A consistent list costs
+        // the API server more, once per start or expired watch; PodDisruptionBudgets are few
+        // and stay on the cache.
         let c = Arc::clone(self);
-        let nodes = watcher::watcher(Api::<Node>::all(client.clone()), config.clone())
-            .default_backoff()
-            .map(move |e| c.on_node(e));
+        let nodes = watcher::watcher(
+            Api::<Node>::all(client.clone()),
+            crate::shared::node_watch_config(),
+        )
+        .default_backoff()
+        .map(move |e| c.on_node(e));
         let c = Arc::clone(self);
-        let pods = watcher::watcher(Api::<Pod>::all(client.clone()), config.clone())
-            .default_backoff()
-            .map(move |e| c.on_pod(e));
+        let pods = watcher::watcher(
+            Api::<Pod>::all(client.clone()),
+            watcher::Config::default().page_size(POD_LIST_PAGE),
+        )
+        .default_backoff()
+        .map(move |e| c.on_pod(e));
         let c = Arc::clone(self);
-        let budgets = watcher::watcher(Api::<PodDisruptionBudget>::all(client.clone()), config)
-            .default_backoff()
-            .map(move |e| c.on_budget(e));
+        let budgets = watcher::watcher(
+            Api::<PodDisruptionBudget>::all(client.clone()),
+            watcher::Config::default().any_semantic(),
+        )
+        .default_backoff()
+        .map(move |e| c.on_budget(e));
         futures::stream::select_all([nodes.boxed(), pods.boxed(), budgets.boxed()])
             .filter_map(|names| std::future::ready((!names.is_empty()).then_some(())))
             .boxed()

@@ -77,7 +77,7 @@ fn rfc3339(unix: i64) -> String {
 
 /// One node as read this time.
 struct Seen {
-    node: Node,
+    node: std::sync::Arc<Node>,
     selected: bool,
     record: Option<NodeRecord>,
 }
@@ -420,7 +420,7 @@ async fn write_node(
                 let fresh = nodes_api.get(&node_name).await.map_err(err)?;
                 ctx.cache.wrote_node(fresh.clone());
                 seen.record = record_of(&fresh);
-                seen.node = super::cache::trim_node(fresh);
+                seen.node = std::sync::Arc::new(super::cache::trim_node(fresh));
             }
             Err(kube::Error::Api(s)) if s.code == 404 => return Ok(false),
             Err(source) => return Err(err(source)),
@@ -519,7 +519,7 @@ async fn write_node_once(
             .patch(&node_name, &params, &Patch::Apply(&body))
             .await?;
         ctx.cache.wrote_node(written.clone());
-        seen.node = super::cache::trim_node(written);
+        seen.node = std::sync::Arc::new(super::cache::trim_node(written));
         info!(maintenance = %name, node = %node_name, unschedulable = want_unschedulable, holders = record.as_ref().map_or(0, |r| r.holders.len()), "node hold written");
     }
     // From here on the node as written is what later writes compare against.
@@ -565,7 +565,7 @@ async fn write_node_once(
             .patch_status(&node_name, &params, &Patch::Apply(&body))
             .await?;
         ctx.cache.wrote_node(written.clone());
-        seen.node = super::cache::trim_node(written);
+        seen.node = std::sync::Arc::new(super::cache::trim_node(written));
     }
     Ok(uncordoned)
 }

@@ -138,35 +138,89 @@ impl Default for Settings {
     }
 }
 
-/// The Nodes as this controller sees them: a reflector store fed by its own watch, which ends
-/// when the context is dropped.
+/// The Nodes as this controller sees them: a reflector store fed by its own watch, started by
+/// the first reconcile (a cluster without NodeNetworkConfigs pays nothing for it) and ended when
+/// the context is dropped. Each Node is trimmed as it arrives to what a reconcile reads
+/// ([`trim_node`]): at 10,000 nodes a whole Node (images, node info, every condition with its
+/// message) would cost tens of MiB.
 pub struct NodeCache {
-    pub store: Store<Node>,
-    task: tokio::task::JoinHandle<()>,
+    client: kube::Client,
+    started: std::sync::OnceLock<(Store<Node>, tokio::task::AbortHandle)>,
 }
 
 impl NodeCache {
-    /// Starts the Node watch (managedFields dropped from the cache).
-    pub fn start(client: kube::Client) -> Self {
-        let (store, writer) = reflector::store();
-        let stream = watcher(Api::<Node>::all(client), watcher::Config::default())
+    pub fn new(client: kube::Client) -> Self {
+        Self {
+            client,
+            started: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// The store, its watch started on the first call (it may still be listing).
+    pub fn store(&self) -> &Store<Node> {
+        let (store, _) = self.started.get_or_init(|| {
+            let (store, writer) = reflector::store();
+            let stream = watcher(
+                Api::<Node>::all(self.client.clone()),
+                crate::shared::node_watch_config(),
+            )
             .default_backoff()
-            .modify(|n| {
-                n.metadata.managed_fields = None;
-                n.metadata.annotations = None;
-            })
+            .modify(trim_node)
             .reflect(writer)
             .applied_objects();
-        let task = tokio::spawn(async move {
-            stream.for_each(|_| futures::future::ready(())).await;
+            let task = tokio::spawn(async move {
+                stream.for_each(|_| futures::future::ready(())).await;
+            });
+            (store, task.abort_handle())
         });
-        Self { store, task }
+        store
     }
 }
 
 impl Drop for NodeCache {
     fn drop(&mut self) {
-        self.task.abort();
+        if let Some((_, task)) = self.started.get() {
+            task.abort();
+        }
+    }
+}
+
+/// Keeps of a Node what `reconcile::node_info` reads: name, labels, the provider ID, the
+/// InternalIP and this controller's `NodeNetworkReady` condition.
+pub(crate) fn trim_node(node: &mut Node) {
+    let meta = std::mem::take(&mut node.metadata);
+    node.metadata = kube::api::ObjectMeta {
+        name: meta.name,
+        resource_version: meta.resource_version,
+        uid: meta.uid,
+        labels: meta.labels,
+        ..Default::default()
+    };
+    if let Some(spec) = node.spec.as_mut() {
+        *spec = k8s_openapi::api::core::v1::NodeSpec {
+            provider_id: spec.provider_id.take(),
+            ..Default::default()
+        };
+    }
+    if let Some(status) = node.status.as_mut() {
+        let addresses = status.addresses.take().map(|a| {
+            let mut first = true;
+            crate::shared::filter_exact(a, |a| {
+                let keep = first && a.type_ == "InternalIP";
+                first &= !keep;
+                keep
+            })
+        });
+        let conditions = status.conditions.take().map(|cs| {
+            crate::shared::filter_exact(cs, |c| {
+                c.type_ == nodekeeper_api::names::NODE_CONDITION_NETWORK_READY
+            })
+        });
+        *status = k8s_openapi::api::core::v1::NodeStatus {
+            addresses,
+            conditions,
+            ..Default::default()
+        };
     }
 }
 
@@ -229,7 +283,7 @@ impl Context {
         settings: Settings,
     ) -> Self {
         Self {
-            nodes: NodeCache::start(client.clone()),
+            nodes: NodeCache::new(client.clone()),
             client,
             agents,
             agent_port,

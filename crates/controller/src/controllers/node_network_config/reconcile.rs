@@ -230,7 +230,7 @@ pub async fn reconcile(obj: Arc<NodeNetworkConfig>, ctx: Arc<Context>) -> Result
     let api: Api<NodeNetworkConfig> = Api::all(ctx.client.clone());
     if tokio::time::timeout(
         std::time::Duration::from_secs(30),
-        ctx.nodes.store.wait_until_ready(),
+        ctx.nodes.store().wait_until_ready(),
     )
     .await
     .is_err()
@@ -501,7 +501,7 @@ async fn leave(
 ) -> BTreeMap<String, NodeRun> {
     let all: HashMap<String, NodeInfo> = ctx
         .nodes
-        .store
+        .store()
         .state()
         .iter()
         .map(|n| (n.name_any(), node_info(n)))
@@ -606,7 +606,7 @@ fn attach_list(spec: &NodeNetworkConfigSpec) -> &[OciVnic] {
 fn selected(ctx: &Context, spec: &NodeNetworkConfigSpec) -> Vec<NodeInfo> {
     let mut nodes: Vec<NodeInfo> = ctx
         .nodes
-        .store
+        .store()
         .state()
         .iter()
         .filter(|n| spec.node_selector.matches(n.labels()))
@@ -636,7 +636,7 @@ fn take_runs(
             leaving.entry(n.clone()).or_insert_with(|| r.clone());
         }
     }
-    for n in ctx.nodes.store.state() {
+    for n in ctx.nodes.store().state() {
         let info = node_info(&n);
         if !selected.contains(info.name.as_str())
             && !leaving.contains_key(&info.name)
@@ -1218,7 +1218,7 @@ async fn cleanup(
     let mut nodes = selected(ctx, &obj.spec);
     let all: HashMap<String, NodeInfo> = ctx
         .nodes
-        .store
+        .store()
         .state()
         .iter()
         .map(|n| (n.name_any(), node_info(n)))

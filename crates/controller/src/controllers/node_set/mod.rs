@@ -287,7 +287,7 @@ impl Context {
                 Arc::new(Stores {
                     nodes: reflect(
                         Api::all(self.client.clone()),
-                        by_set.clone(),
+                        crate::shared::node_watch_config().labels(LABEL_NODE_SET),
                         trim_node,
                         Some((self.wake.clone(), node_fingerprint as fn(&Node) -> String)),
                         self.stop.child_token(),
@@ -338,11 +338,9 @@ fn trim_node(node: &mut Node) {
     if let Some(status) = node.status.as_mut() {
         // Ready, and nodekeeper's own conditions (which a set's repair may name).
         let ready = status.conditions.take().map(|cs| {
-            cs.into_iter()
-                .filter(|c| {
-                    c.type_ == "Ready" || crate::conditions::OWNED_TYPES.contains(&c.type_.as_str())
-                })
-                .collect()
+            crate::shared::filter_exact(cs, |c| {
+                c.type_ == "Ready" || crate::conditions::OWNED_TYPES.contains(&c.type_.as_str())
+            })
         });
         *status = Default::default();
         status.conditions = ready;

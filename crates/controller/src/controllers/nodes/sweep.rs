@@ -29,7 +29,7 @@ use crate::shared::metrics::{
     EventLabels, EventResult, OutcomeLabels, PatchLabels, PatchResult, ResultLabels, WriteResult,
 };
 use crate::shared::writers::Writers;
-use crate::view::NodeView;
+use crate::view::{NodeView, StoredReport};
 
 /// How often the sweep looks for due nodes. Due times are spread over the interval, so a tick
 /// of one second only bounds how late a read may start.
@@ -126,6 +126,9 @@ async fn poll(ctx: &Arc<Context>, writers: &Writers, job: Job) {
     let config = &tuning.config;
     let unit: f64 = rand::random();
     let mut fresh_view: Option<Arc<NodeView>> = None;
+    // The report the conditions are judged on: this read's, or the stored one when the agent
+    // answered "unchanged".
+    let mut judged: Option<Arc<NodeView>> = None;
     // Decide under the lock, write without it.
     let write = {
         let mut nodes = ctx.fleet.lock();
@@ -137,9 +140,12 @@ async fn poll(ctx: &Arc<Context>, writers: &Writers, job: Job) {
                 entry.schedule.succeeded(now, interval, unit);
                 if let Some(view) = view {
                     let view = Arc::new(view);
-                    fresh_view = Some(Arc::clone(&view));
-                    entry.report = Some(view);
+                    entry.report = Some(StoredReport::of(&view));
+                    fresh_view = Some(view);
                 }
+                judged = fresh_view
+                    .clone()
+                    .or_else(|| entry.report.as_ref().map(|r| Arc::new(r.view())));
                 ctx.metrics
                     .nodes_refusing_rules
                     .inc_by(entry.note_rules(rules_news));
@@ -149,7 +155,7 @@ async fn poll(ctx: &Arc<Context>, writers: &Writers, job: Job) {
                 }
                 entry.stale = false;
                 entry.last_failure = None;
-                entry.report.as_deref().and_then(|view| {
+                judged.as_deref().and_then(|view| {
                     conditions::desired_conditions(Observation::Fresh(view), config, &entry.written)
                 })
             }
@@ -186,8 +192,7 @@ async fn poll(ctx: &Arc<Context>, writers: &Writers, job: Job) {
             }
         };
         // Types the agent's own rules declare: their turning True is already in its counts.
-        let agent_types: Vec<String> = entry
-            .report
+        let agent_types: Vec<String> = judged
             .as_deref()
             .map(|r| {
                 r.problems
