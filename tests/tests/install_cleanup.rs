@@ -147,11 +147,17 @@ struct NodeState {
     unschedulable: bool,
 }
 
+/// A node's state as far as an install or cleanup may change it. The legacy
+/// `beta.kubernetes.io/{os,arch}` labels are left out: kube-controller-manager's node lifecycle
+/// controller copies them from the stable labels whenever it gets to a node, which on a loaded
+/// machine can fall between the two snapshots (seen in CI).
 fn state(node: &Node) -> NodeState {
     let spec = node.spec.clone().unwrap_or_default();
+    let mut labels = node.metadata.labels.clone().unwrap_or_default();
+    labels.retain(|k, _| !k.starts_with("beta.kubernetes.io/"));
     NodeState {
         conditions: condition_types(node).into_iter().collect(),
-        labels: node.metadata.labels.clone().unwrap_or_default(),
+        labels,
         taints: spec
             .taints
             .unwrap_or_default()
