@@ -374,6 +374,11 @@ struct Deletions {
     /// pod GC, preemption): key → that condition's reason. Not the controller's doing, so not in
     /// `seen`; kept to be named when an assertion fails.
     others: Mutex<BTreeMap<String, String>>,
+    /// Keys in `seen` whose pod went through the Eviction API (its `DisruptionTarget` condition
+    /// says `EvictionByEvictionAPI`), as the controller's drain evicts. A pod deleted with no
+    /// condition at all is in `seen` but not here: the controller's force-delete, or another
+    /// component that does not say so (the StatefulSet controller replacing a pod).
+    evicted: Mutex<std::collections::BTreeSet<String>>,
 }
 
 /// The reason of a pod's `DisruptionTarget` condition when a component other than the Eviction
@@ -389,6 +394,20 @@ fn disrupted_by_another(pod: &Pod) -> Option<String> {
         .reason
         .clone()?;
     (reason != "EvictionByEvictionAPI").then_some(reason)
+}
+
+/// Whether the pod's deletion came through the Eviction API.
+fn evicted_by_the_api(pod: &Pod) -> bool {
+    pod.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|cs| {
+            cs.iter().any(|c| {
+                c.type_ == "DisruptionTarget"
+                    && c.status == "True"
+                    && c.reason.as_deref() == Some("EvictionByEvictionAPI")
+            })
+        })
 }
 
 fn watch_deletions(client: &kube::Client, ns: &str) -> Arc<Deletions> {
@@ -419,6 +438,9 @@ fn watch_deletions(client: &kube::Client, ns: &str) -> Arc<Deletions> {
                 if let Some(reason) = disrupted_by_another(&pod) {
                     sink.others.lock().unwrap().insert(key, reason);
                     continue;
+                }
+                if evicted_by_the_api(&pod) {
+                    sink.evicted.lock().unwrap().insert(key.clone());
                 }
                 let mut seen = sink.seen.lock().unwrap();
                 seen.entry(key).or_insert((
@@ -659,17 +681,26 @@ async fn drain_in_order_behind_pdbs_and_restore_on_complete() -> anyhow::Result<
     .with_context(|| format!("the StatefulSet pod moved to the spare node: {pods_now:?}"))?;
     {
         let seen = deletions.seen.lock().unwrap();
+        let evicted = deletions.evicted.lock().unwrap();
+        // The drain evicts; a deletion without the Eviction API's condition is not the
+        // drain's (the StatefulSet controller may replace db-0 more than once on kwok).
         let when = |app: &str| {
-            seen.values()
-                .filter(|(_, _, a)| a == app)
-                .map(|(t, _, _)| *t)
+            seen.iter()
+                .filter(|(k, (_, _, a))| a == app && evicted.contains(*k))
+                .map(|(_, (t, _, _))| *t)
                 .collect::<Vec<_>>()
         };
         let (front, back, db) = (when("front"), when("back"), when("db"));
         ensure!(
             front.len() == 2 && back.len() == 2 && db.len() == 1,
-            "evictions: {:?}; deleted by other components: {:?}",
-            seen.values().map(|v| &v.2).collect::<Vec<_>>(),
+            "evictions: {:?}; deleted without the Eviction API: {:?}; by other components: {:?}",
+            seen.iter()
+                .filter(|(k, _)| evicted.contains(*k))
+                .map(|(_, v)| &v.2)
+                .collect::<Vec<_>>(),
+            seen.keys()
+                .filter(|k| !evicted.contains(*k))
+                .collect::<Vec<_>>(),
             deletions.others.lock().unwrap()
         );
         let last_front = front.iter().max().unwrap();
