@@ -542,19 +542,7 @@ async fn node_ready(
     client: &kube::Client,
     node: &str,
 ) -> anyhow::Result<Option<(String, String, String)>> {
-    let n = Api::<Node>::all(client.clone()).get(node).await?;
-    Ok(n.status
-        .and_then(|s| s.conditions)
-        .unwrap_or_default()
-        .into_iter()
-        .find(|c| c.type_ == NODE_CONDITION_NETWORK_READY)
-        .map(|c| {
-            (
-                c.status,
-                c.reason.unwrap_or_default(),
-                c.message.unwrap_or_default(),
-            )
-        }))
+    nodekeeper_e2e::node_condition(client, node, NODE_CONDITION_NETWORK_READY).await
 }
 
 /// Server-side applies NodeNetworkConfig `name` with `spec`, labelled `label` so that only this
@@ -565,20 +553,8 @@ async fn apply_nnc(
     name: &str,
     spec: Value,
 ) -> anyhow::Result<()> {
-    let body = json!({
-        "apiVersion": "nodekeeper.dev/v1alpha1",
-        "kind": "NodeNetworkConfig",
-        "metadata": {"name": name, "labels": {label.0.clone(): label.1.clone()}},
-        "spec": spec,
-    });
-    api.patch(
-        name,
-        &PatchParams::apply("nodekeeper-e2e"),
-        &Patch::Apply(&body),
-    )
-    .await
-    .with_context(|| format!("apply nodenetworkconfig {name}"))?;
-    Ok(())
+    let labels = BTreeMap::from([label.clone()]);
+    nodekeeper_e2e::apply_labelled_spec(api, name, &labels, spec).await
 }
 
 fn vnic(name: &str, subnet: &str) -> Value {
