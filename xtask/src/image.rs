@@ -142,8 +142,33 @@ fn smoke(root: &Path, out: &Path, components: &[String]) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// What the musl build needs from Debian: a C compiler for musl (ring's C and assembly).
+const BUILD_REQUIREMENTS: &[crate::deps::Requirement] = &[crate::deps::Requirement {
+    command: "musl-gcc",
+    package: Some("musl-tools"),
+    why: "compiles ring's C and assembly for the musl target",
+}];
+
+/// Fails with the fix unless the Rust toolchain has the standard library for [`TARGET`].
+fn check_rust_target() -> anyhow::Result<()> {
+    let out = std::process::Command::new("rustc")
+        .args(["--print", "sysroot"])
+        .output()
+        .context("run rustc --print sysroot")?;
+    let sysroot = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+    if !sysroot.join("lib/rustlib").join(TARGET).is_dir() {
+        bail!(
+            "the Rust toolchain at {} has no standard library for {TARGET}: run `rustup target add {TARGET}`",
+            sysroot.display()
+        );
+    }
+    Ok(())
+}
+
 /// `cargo build --release --target x86_64-unknown-linux-musl` of the components' binaries.
 fn build_static(root: &Path, components: &[String]) -> anyhow::Result<Vec<PathBuf>> {
+    crate::deps::ensure(BUILD_REQUIREMENTS)?;
+    check_rust_target()?;
     let mut args = vec!["build", "--release", "--target", TARGET];
     let packages: Vec<String> = components
         .iter()
