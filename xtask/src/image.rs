@@ -169,29 +169,39 @@ fn check_rust_target() -> anyhow::Result<()> {
 fn build_static(root: &Path, components: &[String]) -> anyhow::Result<Vec<PathBuf>> {
     crate::deps::ensure(BUILD_REQUIREMENTS)?;
     check_rust_target()?;
-    let mut args = vec!["build", "--release", "--target", TARGET];
-    let packages: Vec<String> = components
+    // Both binaries in one cargo run, whichever images are asked for: cargo unifies the
+    // features of the packages it builds together, so the agent built alone links other
+    // dependency builds than the agent built beside the controller (a different binary, and a
+    // second set of musl artifacts in the target directory). Built together, `cargo xtask image
+    // agent` and `cargo xtask image` give the same agent image, and their dependencies are
+    // built once.
+    let [agent, controller] = COMPONENTS.map(|c| format!("nodekeeper-{c}"));
+    let args = [
+        "build",
+        "--release",
+        "--target",
+        TARGET,
+        "-p",
+        &agent,
+        "--bin",
+        &agent,
+        "-p",
+        &controller,
+        "--bin",
+        &controller,
+    ];
+    let built = crate::cargo::build_executables(root, &args, [agent.as_str(), controller.as_str()])
+        .with_context(|| format!("build {agent} and {controller} for {TARGET}"))?;
+    let found = components
         .iter()
-        .map(|c| format!("nodekeeper-{c}"))
+        .map(|c| {
+            let i = COMPONENTS
+                .iter()
+                .position(|k| k == c)
+                .expect("checked by build_all");
+            built[i].clone()
+        })
         .collect();
-    for p in &packages {
-        args.extend(["-p", p.as_str(), "--bin", p.as_str()]);
-    }
-    // One cargo run for both binaries: their shared dependencies are built once.
-    let context = || {
-        format!(
-            "build {packages:?} for {TARGET} (`rustup target add {TARGET}` and Debian's musl-tools provide the toolchain)"
-        )
-    };
-    let found = match &packages[..] {
-        [a] => crate::cargo::build_executables(root, &args, [a.as_str()])
-            .with_context(context)?
-            .to_vec(),
-        [a, b] => crate::cargo::build_executables(root, &args, [a.as_str(), b.as_str()])
-            .with_context(context)?
-            .to_vec(),
-        _ => bail!("build one or two of {COMPONENTS:?}, not {packages:?}"),
-    };
     Ok(found)
 }
 
