@@ -1490,7 +1490,13 @@ async fn bench_vnic() -> anyhow::Result<()> {
             "bench_vnic",
         ]));
     }
-    let attach_delay = Duration::from_secs(1);
+    // The simulated ATTACHING → ATTACHED time (`cargo xtask bench vnic --attach-latency`).
+    let attach_delay = Duration::from_millis(
+        std::env::var("NODEKEEPER_BENCH_VNIC_ATTACH_MS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(1000),
+    );
     let poll = Duration::from_millis(250);
     let cp = ControlPlane::shared();
     let client = cp.client().await?;
