@@ -31,6 +31,10 @@
 //! the check answered through the VLAN, `NodeNetworkReady` True, no attach doubled. Removing one
 //! VNIC from the spec removes its host side in the guest and detaches it; deleting the object
 //! removes the rest.
+//!
+//! The second test selects this node and two VM-shape nodes (network namespaces of this
+//! machine, each running the agent's real server) with one object, and restarts the controller
+//! mid-rollout ([`mixed`]).
 
 mod oci_common;
 #[path = "../../crates/netconf/tests/vm/mod.rs"]
@@ -978,6 +982,19 @@ async fn mixed(
     result
 }
 
+/// `(display name, state)` of every secondary VNIC attachment `instance` ever had.
+fn secondary_attachments(
+    endpoint: &OciEndpoint,
+    instance: &str,
+) -> Vec<(Option<String>, &'static str)> {
+    endpoint
+        .guest_vnics(instance)
+        .into_iter()
+        .filter(|v| !v.primary)
+        .map(|v| (v.display_name, v.state))
+        .collect()
+}
+
 /// What [`mixed`]'s steps share.
 struct Mixed<'a> {
     client: &'a kube::Client,
@@ -1044,17 +1061,9 @@ async fn mixed_rollout(m: &Mixed<'_>, compute: ComputeClient) -> anyhow::Result<
     .await?;
     stop.cancel();
     handle.await?;
-    let at_restart: Vec<(String, Vec<(Option<String>, &str)>)> = all
+    let at_restart: Vec<_> = all
         .iter()
-        .map(|(node, instance)| {
-            let vnics = endpoint
-                .guest_vnics(instance)
-                .into_iter()
-                .filter(|v| !v.primary)
-                .map(|v| (v.display_name, v.state))
-                .collect();
-            (node.clone(), vnics)
-        })
+        .map(|(node, instance)| (node.clone(), secondary_attachments(endpoint, instance)))
         .collect();
     eprintln!(
         "controller restarted once {first} converged, after {} AttachVnic calls; attachments \
@@ -1107,12 +1116,7 @@ async fn mixed_converged(m: &Mixed<'_>, name: &str) -> anyhow::Result<()> {
     // Never doubled, the restart included: 2 VNICs × 3 nodes, each display name once per node.
     assert_eq!(attach_calls(endpoint), 6, "AttachVnic calls");
     for (node, instance) in all {
-        let mut vnics: Vec<(Option<String>, &str)> = endpoint
-            .guest_vnics(instance)
-            .into_iter()
-            .filter(|v| !v.primary)
-            .map(|v| (v.display_name, v.state))
-            .collect();
+        let mut vnics = secondary_attachments(endpoint, instance);
         vnics.sort();
         assert_eq!(
             vnics,
