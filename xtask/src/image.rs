@@ -149,20 +149,33 @@ const BUILD_REQUIREMENTS: &[crate::deps::Requirement] = &[crate::deps::Requireme
     why: "compiles ring's C and assembly for the musl target",
 }];
 
-/// Fails with the fix unless the Rust toolchain has the standard library for [`TARGET`].
+/// Makes sure the Rust toolchain has the standard library for [`TARGET`]: adds it with rustup
+/// when the toolchain is rustup's (a fresh machine, CI), and fails with the fix otherwise.
 fn check_rust_target() -> anyhow::Result<()> {
-    let out = std::process::Command::new("rustc")
-        .args(["--print", "sysroot"])
-        .output()
-        .context("run rustc --print sysroot")?;
-    let sysroot = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
-    if !sysroot.join("lib/rustlib").join(TARGET).is_dir() {
-        bail!(
-            "the Rust toolchain at {} has no standard library for {TARGET}: run `rustup target add {TARGET}`",
-            sysroot.display()
-        );
+    let has_target = || -> anyhow::Result<(bool, PathBuf)> {
+        let out = std::process::Command::new("rustc")
+            .args(["--print", "sysroot"])
+            .output()
+            .context("run rustc --print sysroot")?;
+        let sysroot = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+        Ok((sysroot.join("lib/rustlib").join(TARGET).is_dir(), sysroot))
+    };
+    let (present, sysroot) = has_target()?;
+    if present {
+        return Ok(());
     }
-    Ok(())
+    eprintln!("xtask: the Rust toolchain has no standard library for {TARGET}; running `rustup target add {TARGET}`");
+    let added = std::process::Command::new("rustup")
+        .args(["target", "add", TARGET])
+        .status()
+        .is_ok_and(|s| s.success());
+    if added && has_target()?.0 {
+        return Ok(());
+    }
+    bail!(
+        "the Rust toolchain at {} has no standard library for {TARGET} and `rustup target add {TARGET}` did not add it: install the target for this toolchain",
+        sysroot.display()
+    )
 }
 
 /// `cargo build --release --target x86_64-unknown-linux-musl` of the components' binaries.
