@@ -133,7 +133,9 @@ pub async fn reconcile(nm: Arc<NodeMaintenance>, ctx: Arc<Context>) -> Result<Ac
     let api: Api<NodeMaintenance> = Api::all(client.clone());
     let nodes_api: Api<Node> = Api::all(client.clone());
     // Nothing is decided on a cache that has not listed yet (an empty pod list would read as
-    // "drained").
+    // "drained"). The caches run only while a maintenance exists: this one may be seen here
+    // before their own watch of the maintenances shows it.
+    ctx.cache.want();
     ctx.cache
         .wait_ready(CACHE_WAIT)
         .await
