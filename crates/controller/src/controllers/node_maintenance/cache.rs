@@ -809,10 +809,12 @@ impl Cache {
     /// that concerns none is dropped here.
     pub fn triggers(self: &Arc<Self>, client: &kube::Client) -> BoxStream<'static, ()> {
         let c = Arc::clone(self);
-        // Metadata only: whether a maintenance exists is all this watch is for.
+        // Metadata only: whether a maintenance exists is all this watch is for. A consistent
+        // list (there are few maintenances): one from the API server's watch cache can be older
+        // than the cache's window and fail the watch that follows, right after the CRD came.
         let maintenances = watcher::watcher(
             Api::<PartialObjectMeta<NodeMaintenance>>::all(client.clone()),
-            watcher::Config::default().any_semantic(),
+            watcher::Config::default(),
         )
         .default_backoff()
         .map(move |e| c.on_maintenance(e))
