@@ -19,13 +19,13 @@
 //! memories are short-lived: the watch event replaces them, and they expire on their own if the
 //! event never comes.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt as _;
 use futures::stream::BoxStream;
-use k8s_openapi::api::core::v1::{Node, NodeSpec, NodeStatus, Pod};
+use k8s_openapi::api::core::v1::{Node, NodeCondition, Pod, Taint};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::api::{Api, ObjectMeta, PartialObjectMeta};
 use kube::runtime::WatchStreamExt as _;
@@ -69,36 +69,94 @@ pub struct NotReady(Duration);
 /// see `Cache::triggers`).
 const POD_LIST_PAGE: u32 = 250;
 
-/// One Node, trimmed: name, labels, resourceVersion, nodekeeper's maintenance annotation,
-/// `spec.unschedulable` and taints, and the maintenance conditions; with its record parsed.
-/// The Node is behind an `Arc`: a `Node` is over a kilobyte inline, and the cache's map (one
-/// entry per node of the cluster) and each reconcile's view of the nodes it holds would
-/// otherwise carry that much per node on top of the trimmed content.
+/// One Node as the reconciler reads it: name, uid, resourceVersion, labels,
+/// `spec.unschedulable` and taints, and the maintenance conditions; nodekeeper's maintenance
+/// annotation is kept parsed, in [`CachedNode::record`]. A struct of its own rather than a
+/// trimmed `Node`: a `Node` is over a kilobyte inline however little it holds, once per node of
+/// the cluster while a maintenance exists.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct NodeFacts {
+    pub name: String,
+    pub uid: Option<String>,
+    pub resource_version: Option<String>,
+    pub labels: BTreeMap<String, String>,
+    pub unschedulable: bool,
+    pub taints: Vec<Taint>,
+    /// Only the maintenance conditions (`MAINTENANCE_CONDITIONS`).
+    pub conditions: Vec<NodeCondition>,
+}
+
+impl NodeFacts {
+    /// What the reconciler reads of `node`; the rest (images, addresses, other annotations and
+    /// conditions, managedFields) is dropped.
+    pub fn of(node: Node) -> Self {
+        let Node {
+            metadata,
+            spec,
+            status,
+        } = node;
+        let spec = spec.unwrap_or_default();
+        // A decoded list may keep spare room; these live as long as the cache.
+        let mut taints = spec.taints.unwrap_or_default();
+        taints.shrink_to_fit();
+        let conditions = status.and_then(|s| s.conditions).unwrap_or_default();
+        Self {
+            name: metadata.name.unwrap_or_default(),
+            uid: metadata.uid,
+            resource_version: metadata.resource_version,
+            labels: metadata.labels.unwrap_or_default(),
+            unschedulable: spec.unschedulable.unwrap_or(false),
+            taints,
+            conditions: crate::shared::filter_exact(conditions, |c| {
+                MAINTENANCE_CONDITIONS.contains(&c.type_.as_str())
+            }),
+        }
+    }
+}
+
+/// One Node with its record parsed. The facts are behind an `Arc`: each reconcile's view of
+/// the nodes it holds shares them with the cache.
 #[derive(Clone, Debug)]
 pub struct CachedNode {
-    pub node: std::sync::Arc<Node>,
+    pub node: Arc<NodeFacts>,
     pub record: Option<NodeRecord>,
     rv: u64,
 }
 
 impl CachedNode {
     fn new(node: Node) -> Self {
-        let node = std::sync::Arc::new(trim_node(node));
         let record = NodeRecord::parse(
             node.annotations()
                 .get(ANNOTATION_MAINTENANCE)
                 .map(String::as_str),
         );
         let rv = resource_version(node.meta());
-        Self { node, record, rv }
+        Self {
+            node: Arc::new(NodeFacts::of(node)),
+            record,
+            rv,
+        }
     }
 
     /// The same as far as the controller cares (the resourceVersion aside).
     fn same(&self, other: &CachedNode) -> bool {
-        let m = |n: &Node| (n.labels().clone(), n.annotations().clone());
-        m(&self.node) == m(&other.node)
-            && self.node.spec == other.node.spec
-            && self.node.status == other.node.status
+        let (a, b) = (&*self.node, &*other.node);
+        self.record == other.record
+            && (
+                &a.name,
+                &a.uid,
+                &a.labels,
+                a.unschedulable,
+                &a.taints,
+                &a.conditions,
+            ) == (
+                &b.name,
+                &b.uid,
+                &b.labels,
+                b.unschedulable,
+                &b.taints,
+                &b.conditions,
+            )
     }
 }
 
@@ -107,44 +165,6 @@ fn resource_version(meta: &ObjectMeta) -> u64 {
         .as_deref()
         .and_then(|v| v.parse().ok())
         .unwrap_or(0)
-}
-
-/// Keeps what the reconciler reads of a Node and drops the rest (images, addresses, other
-/// annotations and conditions, managedFields).
-pub fn trim_node(node: Node) -> Node {
-    let Node {
-        metadata,
-        spec,
-        status,
-    } = node;
-    let annotations = metadata.annotations.map(|a| {
-        a.into_iter()
-            .filter(|(k, _)| k == ANNOTATION_MAINTENANCE)
-            .collect()
-    });
-    Node {
-        metadata: ObjectMeta {
-            name: metadata.name,
-            uid: metadata.uid,
-            resource_version: metadata.resource_version,
-            labels: metadata.labels,
-            annotations,
-            ..ObjectMeta::default()
-        },
-        spec: spec.map(|s| NodeSpec {
-            unschedulable: s.unschedulable,
-            taints: s.taints,
-            ..NodeSpec::default()
-        }),
-        status: status.map(|s| NodeStatus {
-            conditions: s.conditions.map(|cs| {
-                crate::shared::filter_exact(cs, |c| {
-                    MAINTENANCE_CONDITIONS.contains(&c.type_.as_str())
-                })
-            }),
-            ..NodeStatus::default()
-        }),
-    }
 }
 
 /// One scheduled Pod as the plan sees it, with what eviction and deletion need.
@@ -260,7 +280,7 @@ impl State {
 
     /// Stores a node unless what is stored is newer; returns the maintenances to wake.
     fn put_node(&mut self, new: CachedNode) -> Vec<String> {
-        let name = new.node.name_any();
+        let name = new.node.name.clone();
         let old = self.nodes.get(&name);
         if old.is_some_and(|o| o.rv > new.rv) {
             return Vec::new();
@@ -271,7 +291,7 @@ impl State {
             Some(o) => {
                 wake.extend(Self::holders(Some(o)));
                 wake.extend(Self::holders(Some(&new)));
-                if o.node.labels() != new.node.labels() {
+                if o.node.labels != new.node.labels {
                     wake.extend(self.known.iter().cloned());
                 }
             }
@@ -646,7 +666,7 @@ impl Cache {
             Event::InitApply(node) => {
                 let c = CachedNode::new(node);
                 if let Some(buffer) = s.nodes_init.as_mut() {
-                    buffer.insert(c.node.name_any(), c);
+                    buffer.insert(c.node.name.clone(), c);
                 }
                 Vec::new()
             }
@@ -966,13 +986,13 @@ mod tests {
         assert!(cache.pods_on("n1")[0].facts.terminating);
         assert_eq!(cache.on_pod(Ok(Event::Delete(pod("a", "n1", "u1")))), ["m"]);
         assert!(cache.pods_on("n1").is_empty());
-        // Trimmed: only the maintenance annotation is kept.
+        // The maintenance annotation is kept, parsed.
         let n1 = &cache
             .nodes()
             .into_iter()
-            .find(|n| n.node.name_any() == "n1")
+            .find(|n| n.node.name == "n1")
             .unwrap();
-        assert_eq!(n1.node.annotations().len(), 1);
+        assert!(n1.record.is_some());
         assert_eq!(cache.held_nodes().len(), 1);
     }
 
