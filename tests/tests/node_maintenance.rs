@@ -1628,7 +1628,6 @@ async fn cluster_counts(client: &kube::Client) -> anyhow::Result<(f64, f64)> {
         .await?
         .items
         .len();
-    #[allow(clippy::cast_precision_loss)]
     Ok((nodes as f64, pods as f64))
 }
 

@@ -316,10 +316,10 @@ impl State {
             self.evicted.remove(uid);
         }
         let before = self.pod_node.insert(key.clone(), node.clone());
-        if let Some(before) = before.filter(|b| *b != node) {
-            if let Some(m) = self.pods.get_mut(&before) {
-                m.remove(&key);
-            }
+        if let Some(before) = before.filter(|b| *b != node)
+            && let Some(m) = self.pods.get_mut(&before)
+        {
+            m.remove(&key);
         }
         let slot = self.pods.entry(node.clone()).or_default();
         if slot.get(&key) == Some(&pod) {
