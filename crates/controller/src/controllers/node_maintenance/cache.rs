@@ -1137,4 +1137,15 @@ mod tests {
         assert_eq!(cache.step(false), Step::Start);
         assert!(matches!(cache.step(true), Step::Keep(Some(_))));
     }
+
+    #[test]
+    fn node_facts_are_a_fraction_of_a_node() {
+        // Per node of the cluster while a maintenance exists: the inline part alone, before
+        // the labels and strings both keep.
+        let (facts, node) = (size_of::<NodeFacts>(), size_of::<Node>());
+        assert!(
+            facts * 4 < node,
+            "NodeFacts {facts} bytes, Node {node} bytes"
+        );
+    }
 }
