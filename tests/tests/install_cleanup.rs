@@ -8,14 +8,23 @@
 //! finds nothing. And a controller started before the CRDs exist waits with one log line naming
 //! them and the command that installs them, then starts when they appear.
 //!
+//! The same uninstall once more as a user's cluster runs it: the Job of `cleanup-job.yaml` as a
+//! container of the controller image (the archive `cargo xtask test` builds), started by podman
+//! from the Job's Pod template the way a kubelet starts it — its ServiceAccount's token from the
+//! TokenRequest API with the cluster CA and namespace mounted where a Pod has them,
+//! `KUBERNETES_SERVICE_HOST/PORT` set, the Job's user, read-only root and dropped capabilities —
+//! leaves the nodes as they were, as that ServiceAccount and with no 403.
+//!
 //! The host half (`nodekeeper-agent --cleanup`) is tested in a network namespace in
 //! `crates/agent/src/cleanup.rs`.
 //!
-//! Run: `cargo xtask test -- -p nodekeeper-e2e --test install_cleanup`.
+//! Run: `cargo xtask test -- -p nodekeeper-e2e --test install_cleanup` (it builds the images
+//! first; the container test needs root and is skipped otherwise).
 
 mod controller_common;
 mod install_common;
 mod lifecycle_common;
+mod podman_common;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
@@ -117,15 +126,30 @@ async fn cleanup(namespace: &str, work: &Path) -> anyhow::Result<(bool, String)>
     Ok((status.success(), std::fs::read_to_string(&log)?))
 }
 
-/// Requests by `username` that the API server refused with 403, from the audit log.
-fn refused(username: &str) -> anyhow::Result<Vec<String>> {
+/// Requests by `username` from the audit log: (response code, `verb requestURI`).
+fn audited(username: &str) -> anyhow::Result<Vec<(u64, String)>> {
     let path = cluster().audit_log().context("no audit log")?;
     let text = std::fs::read_to_string(path)?;
     Ok(text
         .lines()
         .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .filter(|e| e["user"]["username"] == username && e["responseStatus"]["code"] == 403)
-        .map(|e| format!("{} {}", e["verb"], e["requestURI"]))
+        .filter(|e| e["user"]["username"] == username)
+        .map(|e| {
+            let code = e["responseStatus"]["code"].as_u64().unwrap_or_default();
+            let verb = e["verb"].as_str().unwrap_or_default();
+            (
+                code,
+                format!("{verb} {}", e["requestURI"].as_str().unwrap_or_default()),
+            )
+        })
+        .collect())
+}
+
+/// Requests by `username` that the API server refused with 403, from the audit log.
+fn refused(username: &str) -> anyhow::Result<Vec<String>> {
+    Ok(audited(username)?
+        .into_iter()
+        .filter_map(|(code, request)| (code == 403).then_some(request))
         .collect())
 }
 
@@ -208,9 +232,27 @@ async fn add_foreign(nodes: &Api<Node>, node: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn cleanup_removes_what_nodekeeper_put_in_the_cluster_and_only_that() -> anyhow::Result<()> {
-    let _serial = SERIAL.lock().await;
+/// What a test installed and made nodekeeper do, to be cleaned up.
+struct Installed {
+    client: kube::Client,
+    namespace: String,
+    agent_nodes: Vec<String>,
+    pool_node: String,
+    /// Every node's state before nodekeeper touched it.
+    before: BTreeMap<String, NodeState>,
+    /// The NodeMaintenance that cordoned the pool node.
+    nm: String,
+    controller: nodekeeper_e2e::rig::ControllerProcess,
+    agents: Vec<controller_common::AgentHandle>,
+    work: tempfile::TempDir,
+}
+
+/// Installs the chart into a namespace of its own (not the default) with the cleanup's
+/// ServiceAccount and RBAC, and lets nodekeeper leave its marks: the sweep's conditions on two
+/// nodes with agents, a NodeMaintenance's cordon (taint, label, annotations, condition) on a
+/// third, the leader Lease and the certificate Secrets. Someone else's condition, taint and
+/// label sit beside them.
+async fn install_and_use() -> anyhow::Result<Installed> {
     let client = cluster().client().await?;
     install_crds(&client).await?;
     // Another namespace than the default, for the install and the uninstall.
@@ -253,7 +295,7 @@ async fn cleanup_removes_what_nodekeeper_put_in_the_cluster_and_only_that() -> a
     }
 
     let port = free_port();
-    let (mut controller, log) = start_as(
+    let (controller, log) = start_as(
         cluster(),
         &namespace,
         CONTROLLER_ACCOUNT,
@@ -304,58 +346,37 @@ async fn cleanup_removes_what_nodekeeper_put_in_the_cluster_and_only_that() -> a
     })
     .await?;
 
-    // While the controller runs, the cleanup refuses and changes nothing.
-    let (ok, out) = cleanup(&namespace, work.path()).await?;
-    ensure!(
-        !ok,
-        "the cleanup ran while the controller held its Lease:\n{out}"
-    );
-    ensure!(
-        out.contains("still holds Lease")
-            && out.contains("scale deployment/nodekeeper-controller --replicas=0"),
-        "{out}"
-    );
-    let n = nodes.get(&agent_nodes[0]).await?;
-    ensure!(condition_types(&n).contains(&"NodekeeperReachable".to_owned()));
+    Ok(Installed {
+        client,
+        namespace,
+        agent_nodes,
+        pool_node,
+        before,
+        nm,
+        controller,
+        agents,
+        work,
+    })
+}
 
-    // Stopped the hard way (a replica killed, not releasing its Lease): the cleanup waits the
-    // duration the Lease itself declares, sees no renewal, and goes on.
-    let held = Api::<Lease>::namespaced(client.clone(), &namespace)
-        .get("nodekeeper-controller")
-        .await?;
-    let declared = held
-        .spec
-        .and_then(|s| s.lease_duration_seconds)
-        .context("the controller's Lease declares no leaseDurationSeconds")?;
-    controller.kill();
-    for agent in &agents {
-        agent.stop();
-    }
-    let (ok, out) = cleanup(&namespace, work.path()).await?;
-    ensure!(ok, "cleanup failed:\n{out}");
-    ensure!(out.contains("cleanup done:"), "{out}");
-    ensure!(
-        out.contains(&format!(
-            "waiting {declared}s to see whether a controller still renews it"
-        )),
-        "{out}"
-    );
-    ensure!(
-        out.contains(&format!("NodeMaintenance {nm}: removed finalizer")),
-        "{out}"
-    );
-    let left = maintenances.get(&nm).await?;
-    ensure!(
-        left.metadata.finalizers.unwrap_or_default().is_empty(),
-        "the NodeMaintenance keeps a finalizer no controller will remove"
-    );
-    eprintln!("{out}");
-
+/// Asserts that every node is as it was before nodekeeper and that its Lease and Secrets are
+/// gone, while someone else's marks and the install's own objects stay.
+async fn assert_clean(installed: &Installed) -> anyhow::Result<()> {
+    let Installed {
+        client,
+        namespace,
+        agent_nodes,
+        pool_node,
+        before,
+        ..
+    } = installed;
+    let nodes: Api<Node> = Api::all(client.clone());
+    let tuning: Api<ConfigMap> = Api::namespaced(client.clone(), namespace);
     // Every node is as it was before nodekeeper: the same condition types, labels, taints and
     // cordon state, and no nodekeeper annotation.
     // (The node lifecycle controller takes its `node.kubernetes.io/unschedulable` taint off an
     // uncordoned node a moment later, hence the wait.)
-    for name in agent_nodes.iter().chain([&pool_node]) {
+    for name in agent_nodes.iter().chain([pool_node]) {
         let was = &before[name.as_str()];
         let matched = wait_for(&format!("{name} as before nodekeeper"), TIMEOUT, || {
             let nodes = nodes.clone();
@@ -372,7 +393,7 @@ async fn cleanup_removes_what_nodekeeper_put_in_the_cluster_and_only_that() -> a
             anyhow::bail!("{name}: before nodekeeper {was:#?}, after the cleanup {now:#?}");
         }
     }
-    for name in [&agent_nodes[0], &pool_node] {
+    for name in [&agent_nodes[0], pool_node] {
         let n = nodes.get(name).await?;
         ensure!(
             condition_types(&n).contains(&"SomeoneElsesCheck".to_owned()),
@@ -387,14 +408,14 @@ async fn cleanup_removes_what_nodekeeper_put_in_the_cluster_and_only_that() -> a
             "{name} lost someone else's label"
         );
     }
-    let pool_now = nodes.get(&pool_node).await?;
+    let pool_now = nodes.get(pool_node).await?;
     ensure!(
         pool_now.spec.as_ref().and_then(|s| s.unschedulable) != Some(true),
         "the pool node was schedulable before nodekeeper cordoned it, and is still cordoned"
     );
-    let leases: Api<Lease> = Api::namespaced(client.clone(), &namespace);
+    let leases: Api<Lease> = Api::namespaced(client.clone(), namespace);
     ensure!(leases.list(&ListParams::default()).await?.items.is_empty());
-    let secrets: Api<Secret> = Api::namespaced(client.clone(), &namespace);
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), namespace);
     for name in [
         "nodekeeper-ca",
         "nodekeeper-agent-tls",
@@ -405,8 +426,83 @@ async fn cleanup_removes_what_nodekeeper_put_in_the_cluster_and_only_that() -> a
     // What the install put there is `kubectl delete -k deploy/`'s (or Helm's), not the cleanup's.
     ensure!(tuning.get_opt("nodekeeper-tuning").await?.is_some());
 
+    Ok(())
+}
+
+/// The nodekeeper-specific lines of a finished cleanup's output: it is done, and it removed the
+/// NodeMaintenance's finalizer.
+async fn assert_cleanup_done(installed: &Installed, ok: bool, out: &str) -> anyhow::Result<()> {
+    ensure!(ok, "cleanup failed:\n{out}");
+    ensure!(out.contains("cleanup done:"), "{out}");
+    ensure!(
+        out.contains(&format!(
+            "NodeMaintenance {}: removed finalizer",
+            installed.nm
+        )),
+        "{out}"
+    );
+    let maintenances: Api<NodeMaintenance> = Api::all(installed.client.clone());
+    let left = maintenances.get(&installed.nm).await?;
+    ensure!(
+        left.metadata.finalizers.unwrap_or_default().is_empty(),
+        "the NodeMaintenance keeps a finalizer no controller will remove"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cleanup_removes_what_nodekeeper_put_in_the_cluster_and_only_that() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    let mut installed = install_and_use().await?;
+    let (client, namespace, work) = (
+        installed.client.clone(),
+        installed.namespace.clone(),
+        installed.work.path().to_owned(),
+    );
+    let nodes: Api<Node> = Api::all(client.clone());
+    let maintenances: Api<NodeMaintenance> = Api::all(client.clone());
+    let nm = installed.nm.clone();
+
+    // While the controller runs, the cleanup refuses and changes nothing.
+    let (ok, out) = cleanup(&namespace, &work).await?;
+    ensure!(
+        !ok,
+        "the cleanup ran while the controller held its Lease:\n{out}"
+    );
+    ensure!(
+        out.contains("still holds Lease")
+            && out.contains("scale deployment/nodekeeper-controller --replicas=0"),
+        "{out}"
+    );
+    let n = nodes.get(&installed.agent_nodes[0]).await?;
+    ensure!(condition_types(&n).contains(&"NodekeeperReachable".to_owned()));
+
+    // Stopped the hard way (a replica killed, not releasing its Lease): the cleanup waits the
+    // duration the Lease itself declares, sees no renewal, and goes on.
+    let held = Api::<Lease>::namespaced(client.clone(), &namespace)
+        .get("nodekeeper-controller")
+        .await?;
+    let declared = held
+        .spec
+        .and_then(|s| s.lease_duration_seconds)
+        .context("the controller's Lease declares no leaseDurationSeconds")?;
+    installed.controller.kill();
+    for agent in &installed.agents {
+        agent.stop();
+    }
+    let (ok, out) = cleanup(&namespace, &work).await?;
+    assert_cleanup_done(&installed, ok, &out).await?;
+    ensure!(
+        out.contains(&format!(
+            "waiting {declared}s to see whether a controller still renews it"
+        )),
+        "{out}"
+    );
+    eprintln!("{out}");
+    assert_clean(&installed).await?;
+
     // Idempotent.
-    let (ok, again) = cleanup(&namespace, work.path()).await?;
+    let (ok, again) = cleanup(&namespace, &work).await?;
     ensure!(
         ok && again.contains("nothing of nodekeeper's left"),
         "{again}"
@@ -419,6 +515,86 @@ async fn cleanup_removes_what_nodekeeper_put_in_the_cluster_and_only_that() -> a
         "refused to the cleanup account: {denied:#?}"
     );
     maintenances.delete(&nm, &DeleteParams::default()).await?;
+    Ok(())
+}
+
+/// `deploy/uninstall/cleanup-job.yaml`'s Job in `installed.namespace`, run as a kubelet runs
+/// its Pod: the controller image, the Pod template's args, env, user and security context, its
+/// ServiceAccount's projected token. The Pod network's `kubernetes` Service is the API server's
+/// loopback address here, so the container shares the host's network. (succeeded, its log).
+async fn cleanup_in_container(installed: &Installed) -> anyhow::Result<(bool, String)> {
+    let image = podman_common::load("controller")?;
+    let job = cleanup_manifest(&installed.namespace)?
+        .into_iter()
+        .find(|o| o["kind"] == "Job")
+        .context("no Job in deploy/uninstall/cleanup-job.yaml")?;
+    let pod = job["spec"]["template"]["spec"].clone();
+    podman_common::ensure_image(&pod, "nodekeeper-controller")?;
+    let account = pod["serviceAccountName"]
+        .as_str()
+        .context("the Job's Pod names no ServiceAccount")?;
+    let token = installed.work.path().join(unique_name("serviceaccount"));
+    podman_common::service_account_volume(&installed.client, &installed.namespace, account, &token)
+        .await?;
+    let run = podman_common::PodRun {
+        pod: &pod,
+        image: &image,
+        fields: BTreeMap::from([("metadata.namespace", installed.namespace.clone())]),
+        volumes: BTreeMap::new(),
+        env_overrides: BTreeMap::new(),
+        network: Some("host".into()),
+        service_account: Some((token, podman_common::api_server(cluster().kubeconfig())?)),
+    };
+    let container = run.start("nk-cleanup-job")?;
+    let waited = tokio::time::timeout(
+        TIMEOUT,
+        tokio::task::spawn_blocking(move || (container.wait(), container)),
+    )
+    .await
+    .context("the cleanup Job's container did not finish")?;
+    let (code, container) = waited?;
+    Ok((code? == 0, container.logs()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_uninstall_job_runs_from_the_controller_image_as_its_service_account()
+-> anyhow::Result<()> {
+    nodekeeper_testkit::skip_unless_root!("needs root: podman runs the controller image");
+    // Before the install: without the image this test fails at once.
+    podman_common::archive("controller")?;
+    let _serial = SERIAL.lock().await;
+    let mut installed = install_and_use().await?;
+    // The uninstall's order (README, "Uninstall"): the controller scaled to 0, the agents gone.
+    installed.controller.stop();
+    for agent in &installed.agents {
+        agent.stop();
+    }
+    let (ok, out) = cleanup_in_container(&installed).await?;
+    eprintln!("{out}");
+    assert_cleanup_done(&installed, ok, &out).await?;
+    assert_clean(&installed).await?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let user = format!(
+        "system:serviceaccount:{}:{CLEANUP_ACCOUNT}",
+        installed.namespace
+    );
+    let denied = refused(&user)?;
+    ensure!(
+        denied.is_empty(),
+        "refused to the cleanup account: {denied:#?}"
+    );
+    // It acted as that ServiceAccount: the audit log has its writes.
+    let acted = audited(&user)?;
+    ensure!(
+        acted
+            .iter()
+            .any(|(code, r)| *code == 200 && r.starts_with("delete ") && r.contains("/leases/")),
+        "the audit log has no Lease deletion by {user}: {acted:#?}"
+    );
+    let maintenances: Api<NodeMaintenance> = Api::all(installed.client.clone());
+    maintenances
+        .delete(&installed.nm, &DeleteParams::default())
+        .await?;
     Ok(())
 }
 

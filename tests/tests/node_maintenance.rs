@@ -1237,15 +1237,28 @@ async fn leader_handover_mid_drain_evicts_each_pod_once_and_forgets_no_node() ->
         &[],
     )
     .await?;
-    // Four pods on the two nodes; their budget lets one go at a time.
-    create(&client, &ns, deployment("slow", 4, &pool, json!({}))).await?;
+    // Four pods, two on each node (left to the scheduler, 3 + 1 happens, and the first eviction
+    // can then drain a node outright); their budget lets one go at a time. Cordoned nodes leave
+    // the spread (`nodeTaintsPolicy: Honor`), so the replacements may all go to the spare node.
+    let mut slow = deployment("slow", 4, &pool, json!({}));
+    slow["spec"]["template"]["spec"]["topologySpreadConstraints"] = json!([{
+        "maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "DoNotSchedule",
+        "nodeTaintsPolicy": "Honor",
+        "labelSelector": { "matchLabels": { "app": "slow" } },
+    }]);
+    create(&client, &ns, slow).await?;
     create(
         &client,
         &ns,
         pdb("slow-pdb", "slow", json!({ "maxUnavailable": 1 })),
     )
     .await?;
-    let originals: BTreeSet<String> = wait_running(&client, &ns, 4).await?.into_keys().collect();
+    let placed = wait_running(&client, &ns, 4).await?;
+    for n in &nodes {
+        let on = placed.values().filter(|p| *p == n).count();
+        ensure!(on == 2, "{on} pods on {n}, want 2 a node: {placed:?}");
+    }
+    let originals: BTreeSet<String> = placed.into_keys().collect();
     let deletions = watch_deletions(&client, &ns);
     let name = unique_name("handover");
     apply_nm(

@@ -13,7 +13,9 @@
 //! The bare-metal variant (macvlan + 802.1Q VLAN, which this kernel lacks) runs with its host
 //! side in a qemu VM: `node_network_config_bare_metal.rs`.
 
-use std::collections::{BTreeMap, HashMap};
+mod oci_common;
+
+use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -33,16 +35,17 @@ use nodekeeper_controller::controllers::node_network_config::cloud::{Cloud, Clou
 use nodekeeper_controller::controllers::node_network_config::{Context, Settings};
 use nodekeeper_controller::shared::agents::{AgentNode, Agents, Report, RulesOutcome};
 use nodekeeper_controller::shared::metrics::{CloudMetrics, ReconcileMetrics};
-use nodekeeper_e2e::oci_endpoint::{
-    EndpointConfig, Fault, InstanceSpec, OciEndpoint, Recorded, test_key_pem,
-};
+use nodekeeper_e2e::oci_endpoint::{EndpointConfig, Fault, OciEndpoint, Recorded, test_key_pem};
 use nodekeeper_e2e::{ControlPlane, create_simulated_nodes, install_crds, unique_name, wait_for};
 use nodekeeper_oci::auth::{ApiKeyProvider, AuthProvider as _};
 use nodekeeper_oci::compute::{ComputeClient, ComputeConfig};
 use nodekeeper_oci::retry::RetryPolicy;
 use nodekeeper_oci::signer::PrivateKey;
 use nodekeeper_proto::agent::v1 as pb;
-use nodekeeper_testkit::{Netns, NetnsEntry, skip_unless_root};
+use nodekeeper_testkit::{Netns, skip_unless_root};
+use oci_common::netns::{
+    SimNode, addresses_of, default_routes, hotplug, ip_json, netns_host, nk_rules,
+};
 use serde_json::{Value, json};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
@@ -57,17 +60,6 @@ type Call = (
     pb::ApplyNetworkRequest,
     oneshot::Sender<Result<pb::ApplyNetworkResponse, String>>,
 );
-
-/// One simulated node: its namespace, instance, and the thread running its agent's manager.
-struct SimNode {
-    name: String,
-    instance: String,
-    ns: Arc<Netns>,
-    /// Hot-plugged VNIC interfaces: attachment id → link name.
-    plugged: Mutex<HashMap<String, String>>,
-    /// Its VNICs' peers get no router address: the post-apply check fails here.
-    broken: bool,
-}
 
 /// The agents of these tests: `ApplyNetwork` goes either to the node's manager thread (inside
 /// its namespace), or, for the benchmark, to a simulation where a VNIC is "on the host" once the
@@ -199,29 +191,6 @@ impl Agents for TestAgents {
     }
 }
 
-/// Forwards connections made to a loopback port inside `entry`'s namespace to `upstream` on the
-/// host's loopback (sockets keep the namespace they were created in): the node's way to its
-/// metadata service. Returns the port inside.
-async fn loopback_proxy(entry: &NetnsEntry, upstream: SocketAddr) -> anyhow::Result<u16> {
-    let listener = entry
-        .spawn_blocking(|| std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0)))
-        .join()
-        .map_err(|_| anyhow::anyhow!("bind thread panicked"))??;
-    listener.set_nonblocking(true)?;
-    let port = listener.local_addr()?.port();
-    let listener = tokio::net::TcpListener::from_std(listener)?;
-    tokio::spawn(async move {
-        while let Ok((mut inside, _)) = listener.accept().await {
-            tokio::spawn(async move {
-                if let Ok(mut outside) = tokio::net::TcpStream::connect(upstream).await {
-                    let _ = tokio::io::copy_bidirectional(&mut inside, &mut outside).await;
-                }
-            });
-        }
-    });
-    Ok(port)
-}
-
 /// Everything one test needs.
 struct Rig {
     client: kube::Client,
@@ -281,54 +250,19 @@ impl Rig {
             &ips,
         )
         .await?;
-        let node_api: Api<Node> = Api::all(client.clone());
-        let upstream: SocketAddr = endpoint.url().trim_start_matches("http://").parse()?;
         let mut nodes = Vec::new();
         let mut by_address = BTreeMap::new();
         for (i, name) in names.iter().enumerate() {
-            let instance = endpoint.add_instance(&InstanceSpec {
-                display_name: name.clone(),
-                shape: shapes[i].into(),
-                compartment_id: COMPARTMENT.into(),
-                availability_domain: AD.into(),
-                subnet_id: primary_subnet.clone(),
-            })?;
-            node_api
-                .patch(
-                    name,
-                    &PatchParams::default(),
-                    &Patch::Merge(json!({
-                        "metadata": {"labels": {"node.kubernetes.io/instance-type": shapes[i]}},
-                        "spec": {"providerID": format!("oci://{instance}")},
-                    })),
-                )
-                .await
-                .with_context(|| format!("set providerID of {name}"))?;
-            let ns = Arc::new(Netns::with_loopback(&format!("nknnc{i}"))?);
-            // The primary VNIC's interface, never touched.
-            let primary = endpoint
-                .guest_vnics(&instance)
-                .into_iter()
-                .find(|v| v.primary)
-                .context("primary vnic")?;
-            ns.ip(&[
-                "link",
-                "add",
-                "ens3",
-                "address",
-                &primary.mac,
-                "type",
-                "veth",
-                "peer",
-                "name",
-                "ens3p",
-            ])?;
-            ns.address_up(
-                "ens3",
-                &format!("{}/{}", primary.private_ip, primary.prefix),
-            )?;
-            let port = loopback_proxy(&ns.entry(), upstream).await?;
-            let imds = format!("http://127.0.0.1:{port}/imds/{instance}");
+            let (instance, _) = oci_common::instance_for_node(
+                &client,
+                &endpoint,
+                name,
+                shapes[i],
+                (COMPARTMENT, AD),
+                &primary_subnet,
+            )
+            .await?;
+            let (ns, imds) = netns_host(&endpoint, &format!("nknnc{i}"), &instance).await?;
             let (tx, mut rx) = mpsc::unbounded_channel::<Call>();
             // The agent's state dir (its network journal), one per simulated node.
             let state_dir = tempfile::tempdir()?;
@@ -340,13 +274,8 @@ impl Rig {
                 }
             });
             by_address.insert(IpAddr::V4(ips[i]), tx);
-            nodes.push(Arc::new(SimNode {
-                name: name.clone(),
-                instance,
-                ns,
-                plugged: Mutex::default(),
-                broken: broken.get(i).copied().unwrap_or(false),
-            }));
+            let broken = broken.get(i).copied().unwrap_or(false);
+            nodes.push(Arc::new(SimNode::new(name, &instance, ns, broken)));
         }
         let applies = Arc::new(Mutex::new(BTreeMap::new()));
         let stop = CancellationToken::new();
@@ -422,63 +351,6 @@ impl Drop for Rig {
     }
 }
 
-/// Makes ATTACHED VNICs appear as interfaces in their node's namespace and DETACHED ones vanish.
-async fn hotplug(endpoint: Arc<OciEndpoint>, nodes: Vec<Arc<SimNode>>, stop: CancellationToken) {
-    let mut n = 0;
-    while !stop.is_cancelled() {
-        for node in &nodes {
-            for v in endpoint.guest_vnics(&node.instance) {
-                if v.primary {
-                    continue;
-                }
-                let mut plugged = node.plugged.lock().unwrap();
-                let present = plugged.get(&v.attachment_id).cloned();
-                match (v.state, present) {
-                    ("ATTACHED", None) => {
-                        n += 1;
-                        let link = format!("ens{}", 4 + n);
-                        let peer = format!("{link}p");
-                        let ok = node
-                            .ns
-                            .ip(&[
-                                "link", "add", &link, "address", &v.mac, "type", "veth", "peer",
-                                "name", &peer,
-                            ])
-                            .and_then(|_| node.ns.ip(&["link", "set", &peer, "up", "mtu", "9000"]));
-                        if ok.is_ok() && !node.broken {
-                            let _ = node.ns.ip(&[
-                                "addr",
-                                "add",
-                                &format!("{}/{}", v.router, v.prefix),
-                                "dev",
-                                &peer,
-                            ]);
-                        }
-                        plugged.insert(v.attachment_id.clone(), link);
-                    }
-                    ("DETACHED", Some(link)) if !link.is_empty() => {
-                        let _ = node.ns.ip(&["link", "del", &link]);
-                        plugged.insert(v.attachment_id.clone(), String::new());
-                    }
-                    _ => {}
-                }
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
-fn ip_json(ns: &Netns, args: &[&str]) -> anyhow::Result<Vec<Value>> {
-    let mut all = vec!["-j"];
-    all.extend_from_slice(args);
-    let out = ns.ip(&all)?;
-    Ok(serde_json::from_str(if out.trim().is_empty() {
-        "[]"
-    } else {
-        &out
-    })?)
-}
-
 /// The host state a refused object must leave alone.
 fn host_snapshot(ns: &Netns) -> anyhow::Result<Value> {
     Ok(json!({
@@ -486,51 +358,6 @@ fn host_snapshot(ns: &Netns) -> anyhow::Result<Value> {
         "route": ip_json(ns, &["route", "show", "table", "all"])?,
         "rule": ip_json(ns, &["rule", "show"])?,
     }))
-}
-
-/// Addresses of the link with `mac`.
-fn addresses_of(ns: &Netns, mac: &str) -> anyhow::Result<Vec<String>> {
-    let links = ip_json(ns, &["addr", "show"])?;
-    Ok(links
-        .iter()
-        .filter(|l| l["address"].as_str() == Some(mac))
-        .flat_map(|l| l["addr_info"].as_array().cloned().unwrap_or_default())
-        .filter(|a| a["family"] == "inet")
-        .map(|a| format!("{}/{}", a["local"].as_str().unwrap_or(""), a["prefixlen"]))
-        .collect())
-}
-
-/// `(table, gateway)` of default routes outside the main table.
-fn default_routes(ns: &Netns) -> anyhow::Result<Vec<(u64, String)>> {
-    Ok(ip_json(ns, &["route", "show", "table", "all"])?
-        .iter()
-        .filter(|r| r["dst"] == "default")
-        .filter_map(|r| {
-            Some((
-                r["table"].as_str()?.parse().ok()?,
-                r["gateway"].as_str()?.to_string(),
-            ))
-        })
-        .collect())
-}
-
-/// `(priority, from, table)` of rules in nodekeeper's range.
-fn nk_rules(ns: &Netns) -> anyhow::Result<Vec<(u64, String, String)>> {
-    Ok(ip_json(ns, &["rule", "show"])?
-        .iter()
-        .filter(|r| {
-            r["priority"]
-                .as_u64()
-                .is_some_and(|p| (20000..21000).contains(&p))
-        })
-        .map(|r| {
-            (
-                r["priority"].as_u64().unwrap_or(0),
-                r["src"].as_str().unwrap_or("").to_string(),
-                r["table"].as_str().unwrap_or("").to_string(),
-            )
-        })
-        .collect())
 }
 
 async fn status_of(api: &Api<NodeNetworkConfig>, name: &str) -> anyhow::Result<Value> {
@@ -1300,27 +1127,18 @@ async fn sim_rollout(
     let label = ("nodekeeper.dev/sim-vnic".to_string(), unique_name(prefix));
     let names =
         create_simulated_nodes(&client, prefix, n, &BTreeMap::from([label.clone()]), &[]).await?;
-    let node_api: Api<Node> = Api::all(client.clone());
     let mut instances = BTreeMap::new();
     let mut slow_ips = BTreeMap::new();
     for (i, name) in names.iter().enumerate() {
-        let instance = endpoint.add_instance(&InstanceSpec {
-            display_name: name.clone(),
-            shape: VM.into(),
-            compartment_id: COMPARTMENT.into(),
-            availability_domain: AD.into(),
-            subnet_id: primary.clone(),
-        })?;
-        let node = node_api
-            .patch(
-                name,
-                &PatchParams::default(),
-                &Patch::Merge(json!({
-                    "metadata": {"labels": {"node.kubernetes.io/instance-type": VM}},
-                    "spec": {"providerID": format!("oci://{instance}")},
-                })),
-            )
-            .await?;
+        let (instance, node) = oci_common::instance_for_node(
+            &client,
+            &endpoint,
+            name,
+            VM,
+            (COMPARTMENT, AD),
+            &primary,
+        )
+        .await?;
         let ip: IpAddr = node
             .status
             .and_then(|s| s.addresses)
@@ -1490,7 +1308,13 @@ async fn bench_vnic() -> anyhow::Result<()> {
             "bench_vnic",
         ]));
     }
-    let attach_delay = Duration::from_secs(1);
+    // The simulated ATTACHING → ATTACHED time (`cargo xtask bench vnic --attach-latency`).
+    let attach_delay = Duration::from_millis(
+        std::env::var("NODEKEEPER_BENCH_VNIC_ATTACH_MS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(1000),
+    );
     let poll = Duration::from_millis(250);
     let cp = ControlPlane::shared();
     let client = cp.client().await?;

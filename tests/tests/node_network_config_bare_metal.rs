@@ -31,6 +31,10 @@
 //! the check answered through the VLAN, `NodeNetworkReady` True, no attach doubled. Removing one
 //! VNIC from the spec removes its host side in the guest and detaches it; deleting the object
 //! removes the rest.
+//!
+//! The second test selects this node and two VM-shape nodes (network namespaces of this
+//! machine, each running the agent's real server) with one object, and restarts the controller
+//! mid-rollout ([`mixed`]).
 
 mod oci_common;
 #[path = "../../crates/netconf/tests/vm/mod.rs"]
@@ -46,7 +50,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, bail, ensure};
 use k8s_openapi::api::core::v1::Node;
 use kube::Api;
-use kube::api::{DeleteParams, Patch, PatchParams};
+use kube::api::DeleteParams;
 use nodekeeper_api::crd::NodeNetworkConfig;
 use nodekeeper_api::names::NODE_CONDITION_NETWORK_READY;
 use nodekeeper_controller::certs::{self, Leaf};
@@ -54,22 +58,27 @@ use nodekeeper_controller::controllers::node_network_config::Settings;
 use nodekeeper_controller::shared::agents::{Agents, MtlsAgents};
 use nodekeeper_controller::shared::fleet::{Fleet, node_facts};
 use nodekeeper_controller::shared::metrics::AgentMetrics;
-use nodekeeper_e2e::oci_endpoint::{EndpointConfig, InstanceSpec, OciEndpoint};
+use nodekeeper_e2e::oci_endpoint::{EndpointConfig, GuestVnic, OciEndpoint};
 use nodekeeper_e2e::{
     ControlPlane, apply_labelled_spec, create_simulated_nodes, install_crds, node_condition,
     unique_name, wait_for,
 };
 use nodekeeper_oci::compute::ComputeClient;
-use nodekeeper_oci::{ImdsClient, ImdsConfig};
+use nodekeeper_oci::{ImdsClient, ImdsConfig, Vnic};
+use oci_common::netns::{SimNode, addresses_of, default_routes, hotplug, netns_host, nk_rules};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
-/// The test's own name, which the guest run selects with `--exact`.
+/// The tests' own names, which the guest run selects with `--exact`.
 const TEST_NAME: &str = "bare_metal_node_in_a_vm_gets_vlan_vnics_and_loses_them_again";
+const MIXED_TEST_NAME: &str =
+    "one_config_over_vm_and_bare_metal_nodes_survives_a_controller_restart";
 
 const COMPARTMENT: &str = "ocid1.compartment.oc1..localtest";
 const AD: &str = "Uocm:PHX-AD-1";
 const BM: &str = "BM.Standard.E5.192";
+/// The VM shape of [`mixed`]'s namespace nodes (4 VNICs in the endpoint's limits).
+const VM: &str = "VM.Standard2.4";
 
 /// Physical NIC 1's MAC (NIC 0 carries the primary VNIC's, which the endpoint chooses).
 const NIC1_MAC: &str = "02:00:17:ff:00:01";
@@ -108,6 +117,27 @@ mod env {
 
 #[test]
 fn bare_metal_node_in_a_vm_gets_vlan_vnics_and_loses_them_again() -> anyhow::Result<()> {
+    run_test(TEST_NAME, Scene::BareMetal)
+}
+
+/// One NodeNetworkConfig over 3 nodes of both shapes (see [`mixed`]).
+#[test]
+fn one_config_over_vm_and_bare_metal_nodes_survives_a_controller_restart() -> anyhow::Result<()> {
+    run_test(MIXED_TEST_NAME, Scene::Mixed)
+}
+
+/// Which scenario the host side of a test runs once the guest is up.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Scene {
+    /// The bare-metal node alone: [`rollout`].
+    BareMetal,
+    /// The bare-metal node and two VM-shape network-namespace nodes under one object: [`mixed`].
+    Mixed,
+}
+
+/// The guest's program when started as one (the same for both tests), else the host's side of
+/// test `name`.
+fn run_test(name: &'static str, scene: Scene) -> anyhow::Result<()> {
     if std::env::var_os(vm::GUEST_ENV).is_some() {
         return guest::run();
     }
@@ -125,7 +155,7 @@ fn bare_metal_node_in_a_vm_gets_vlan_vnics_and_loses_them_again() -> anyhow::Res
         .worker_threads(4)
         .enable_all()
         .build()?
-        .block_on(host(ip))
+        .block_on(host(ip, name, scene))
 }
 
 /// `ip` from iproute2, copied into the guest (busybox's has no `-j`).
@@ -334,7 +364,7 @@ async fn network_ready_is(
     Ok(ready.2)
 }
 
-async fn host(ip: PathBuf) -> anyhow::Result<()> {
+async fn host(ip: PathBuf, test_name: &'static str, scene: Scene) -> anyhow::Result<()> {
     let cp = ControlPlane::shared();
     let client = cp.client().await?;
     install_crds(&client).await?;
@@ -362,25 +392,15 @@ async fn host(ip: PathBuf) -> anyhow::Result<()> {
     )
     .await?;
     let node = names[0].clone();
-    let instance = endpoint.add_instance(&InstanceSpec {
-        display_name: node.clone(),
-        shape: BM.into(),
-        compartment_id: COMPARTMENT.into(),
-        availability_domain: AD.into(),
-        subnet_id: primary_subnet,
-    })?;
-    let node_api: Api<Node> = Api::all(client.clone());
-    let node_obj = node_api
-        .patch(
-            &node,
-            &PatchParams::default(),
-            &Patch::Merge(json!({
-                "metadata": {"labels": {"node.kubernetes.io/instance-type": BM}},
-                "spec": {"providerID": format!("oci://{instance}")},
-            })),
-        )
-        .await
-        .with_context(|| format!("set providerID of {node}"))?;
+    let (instance, node_obj) = oci_common::instance_for_node(
+        &client,
+        &endpoint,
+        &node,
+        BM,
+        (COMPARTMENT, AD),
+        &primary_subnet,
+    )
+    .await?;
     let primary_mac = endpoint
         .guest_vnics(&instance)
         .into_iter()
@@ -422,7 +442,7 @@ async fn host(ip: PathBuf) -> anyhow::Result<()> {
     let guest_program = vm::GuestProgram {
         binary: program,
         args: vec![
-            TEST_NAME.into(),
+            test_name.into(),
             "--exact".into(),
             "--nocapture".into(),
             "--test-threads=1".into(),
@@ -469,24 +489,21 @@ async fn host(ip: PathBuf) -> anyhow::Result<()> {
         query: SocketAddr::from((Ipv4Addr::LOCALHOST, query_port)),
     };
 
-    let result = scenario(
-        &client,
-        &endpoint,
-        compute,
-        &mut guest,
-        Scenario {
-            node: &node,
-            node_obj: &node_obj,
-            instance: &instance,
-            label: &label,
-            subnets: [&subnet_a, &subnet_b],
-            agent_port,
-            controller_pem,
-            primary_mac: &primary_mac,
-            started,
-        },
-    )
-    .await;
+    let s = Scenario {
+        node: &node,
+        node_obj: &node_obj,
+        instance: &instance,
+        label: &label,
+        primary_subnet: &primary_subnet,
+        subnets: [&subnet_a, &subnet_b],
+        agent_port,
+        controller_pem,
+        agent_pem,
+        ca,
+        primary_mac: &primary_mac,
+        started,
+    };
+    let result = scenario(&client, &endpoint, compute, &mut guest, s, scene).await;
     if let Err(e) = result {
         let tail = guest.console_tail();
         bail!("{e:#}\n--- guest console ---\n{tail}");
@@ -518,21 +535,20 @@ struct Scenario<'a> {
     node_obj: &'a Node,
     instance: &'a str,
     label: &'a (String, String),
+    primary_subnet: &'a str,
     subnets: [&'a String; 2],
     agent_port: u16,
     controller_pem: certs::Pem,
+    /// The agents' server certificate and their CA (the guest's; the network-namespace nodes of
+    /// [`mixed`] present the same).
+    agent_pem: certs::Pem,
+    ca: String,
     primary_mac: &'a str,
     started: Instant,
 }
 
-async fn scenario(
-    client: &kube::Client,
-    endpoint: &Arc<OciEndpoint>,
-    compute: ComputeClient,
-    guest: &mut Guest,
-    s: Scenario<'_>,
-) -> anyhow::Result<()> {
-    // The guest is up once its query port and its agent answer.
+/// Waits until the guest answers; returns its physical NICs 0 and 1 (interface names).
+async fn guest_up(guest: &mut Guest, s: &Scenario<'_>) -> anyhow::Result<[String; 2]> {
     let boot_deadline = s.started + BOOT_TIMEOUT;
     let nics = loop {
         if let Some(vm) = guest.vm.as_mut()
@@ -556,42 +572,145 @@ async fn scenario(
         "vm: guest answers after {:.1} s; physical NICs {nics:?}",
         s.started.elapsed().as_secs_f64()
     );
+    Ok(nics)
+}
 
-    // The controller's own agents service: mutual TLS to the node's InternalIP (127.0.0.1) at
-    // the agent port (the VM's hostfwd).
+/// The controller's own agents service: mutual TLS to each node's InternalIP at the agent
+/// port (the VM's hostfwd on 127.0.0.1; a listener of a namespace node's agent), new each time
+/// (a restarted controller starts with nothing).
+fn mtls_agents(nodes: &[&Node], controller_pem: &certs::Pem) -> anyhow::Result<Arc<dyn Agents>> {
     let fleet = Arc::new(Fleet::default());
-    ensure!(
-        fleet.observe(node_facts(s.node_obj), Instant::now()),
-        "node {} has no InternalIP",
-        s.node
-    );
+    for node in nodes {
+        ensure!(
+            fleet.observe(node_facts(node), Instant::now()),
+            "node {:?} has no InternalIP",
+            node.metadata.name
+        );
+    }
     let mtls = MtlsAgents::new(fleet, 4 << 20, AgentMetrics::default());
-    mtls.set_tls(&s.controller_pem);
-    let agents: Arc<dyn Agents> = Arc::new(mtls);
+    mtls.set_tls(controller_pem);
+    Ok(Arc::new(mtls))
+}
+
+/// The reconciler's settings in these tests.
+fn settings() -> Settings {
+    Settings {
+        node_concurrency: 4,
+        object_concurrency: 2,
+        poll: Duration::from_millis(250),
+        resync: Duration::from_secs(2),
+        attach_timeout: Duration::from_secs(30),
+        // An apply under TCG emulation takes its time.
+        apply_timeout: Duration::from_secs(60),
+        // A failed apply is retried after 2 s.
+        retry_backoff: Duration::from_secs(2),
+        retry_backoff_max: Duration::from_secs(8),
+    }
+}
+
+async fn scenario(
+    client: &kube::Client,
+    endpoint: &Arc<OciEndpoint>,
+    compute: ComputeClient,
+    guest: &mut Guest,
+    s: Scenario<'_>,
+    scene: Scene,
+) -> anyhow::Result<()> {
+    let nics = guest_up(guest, &s).await?;
+    if scene == Scene::Mixed {
+        return mixed(client, endpoint, compute, guest, &s, &nics).await;
+    }
+    let agents = mtls_agents(&[s.node_obj], &s.controller_pem)?;
     let (stop, handle) = oci_common::start_nnc_controller(
         client,
         agents,
         s.agent_port,
         compute,
         COMPARTMENT,
-        Settings {
-            node_concurrency: 4,
-            object_concurrency: 2,
-            poll: Duration::from_millis(250),
-            resync: Duration::from_secs(2),
-            attach_timeout: Duration::from_secs(30),
-            // An apply under TCG emulation takes its time.
-            apply_timeout: Duration::from_secs(60),
-            // The failed first apply is retried after 2 s.
-            retry_backoff: Duration::from_secs(2),
-            retry_backoff_max: Duration::from_secs(8),
-        },
+        settings(),
         s.label,
     );
     let result = rollout(client, endpoint, guest, &s, &nics).await;
     stop.cancel();
     handle.await?;
     result
+}
+
+/// VNIC `display` of `instance` as attached at the endpoint, and as the instance's metadata
+/// service lists it (`vlanTag`, `nicIndex`).
+async fn vnic_seen(
+    endpoint: &OciEndpoint,
+    instance: &str,
+    display: &str,
+) -> anyhow::Result<(GuestVnic, Vnic)> {
+    let v = endpoint
+        .guest_vnics(instance)
+        .into_iter()
+        .find(|v| v.display_name.as_deref() == Some(display) && v.state == "ATTACHED")
+        .with_context(|| format!("{display} attached"))?;
+    let m = ImdsClient::new(ImdsConfig::new(endpoint.imds_url(instance)))?
+        .vnics()
+        .await?
+        .into_iter()
+        .find(|m| m.mac_addr == v.mac)
+        .with_context(|| format!("{display} ({}) in IMDS", v.mac))?;
+    Ok((v, m))
+}
+
+/// Checks VNIC `display`'s host side in the guest, read back with `ip -j`: on physical NIC
+/// `nic` (as OCI placed it), a macvlan with the VNIC's MAC, 802.1Q VLAN `vlanTag` on it with the
+/// VNIC's address, a default route to the subnet router in a table of its own and the `from`
+/// rule to that table. Returns the table.
+async fn guest_has_vnic(
+    guest: &Guest,
+    endpoint: &OciEndpoint,
+    instance: &str,
+    nics: &[String; 2],
+    display: &str,
+    nic: u32,
+) -> anyhow::Result<String> {
+    let (v, m) = vnic_seen(endpoint, instance, display).await?;
+    assert_eq!(m.nic_index, Some(nic), "{display}: {m:?}");
+    let tag = m.vlan_tag;
+    let side = host_side(guest, tag, v.private_ip)?
+        .with_context(|| format!("{display}: no nkm{tag}/nkv{tag} in the guest"))?;
+    eprintln!("{display} (vlanTag {tag}, nicIndex {nic}) in the guest: {side:?}");
+    let router = v.router.to_string();
+    let table = side
+        .default_routes
+        .first()
+        .map(|(t, _)| t.clone())
+        .unwrap_or_default();
+    assert_eq!(
+        side,
+        HostSide {
+            macvlan_mac: v.mac.clone(),
+            macvlan_parent: nics[nic as usize].clone(),
+            vlan_id: u64::from(tag),
+            vlan_parent: format!("nkm{tag}"),
+            addresses: vec![format!("{}/{}", v.private_ip, v.prefix)],
+            default_routes: vec![(table.clone(), router)],
+            rule_tables: vec![table.clone()],
+            proc_vlan: format!("nkv{tag} | {tag} | nkm{tag}"),
+        },
+        "{display}"
+    );
+    ensure!(
+        table != "main" && !table.is_empty(),
+        "{display}: default route in {table:?}"
+    );
+    Ok(table)
+}
+
+/// AttachVnic calls the endpoint answered with success.
+fn attach_calls(endpoint: &OciEndpoint) -> usize {
+    endpoint
+        .requests()
+        .iter()
+        .filter(|r| {
+            r.method == http::Method::POST && r.path == "/vnicAttachments" && r.status == 200
+        })
+        .count()
 }
 
 async fn rollout(
@@ -661,63 +780,18 @@ async fn rollout(
     assert_eq!(status["failing"], 0, "{status:#}");
     network_ready_is(client, s.node, "True", "NetworkConverged").await?;
 
-    // What OCI says the VNICs are (vlanTag, nicIndex), as the instance's metadata service has it.
-    let imds = ImdsClient::new(ImdsConfig::new(endpoint.imds_url(s.instance)))?;
-    let vnics = imds.vnics().await?;
-    let by_name = |display: &str| {
-        let v = endpoint
-            .guest_vnics(s.instance)
-            .into_iter()
-            .find(|v| v.display_name.as_deref() == Some(display) && v.state == "ATTACHED")
-            .with_context(|| format!("{display} attached"))?;
-        let m = vnics
-            .iter()
-            .find(|m| m.mac_addr == v.mac)
-            .with_context(|| format!("{display} ({}) in IMDS", v.mac))?
-            .clone();
-        anyhow::Ok((v, m))
-    };
-    let mut tables = Vec::new();
-    for (display, nic) in [("pods-a", 0u32), ("pods-b", 1)] {
-        let (v, m) = by_name(display)?;
-        assert_eq!(m.nic_index, Some(nic), "{display}: {m:?}");
-        let tag = m.vlan_tag;
-        let side = host_side(guest, tag, v.private_ip)?
-            .with_context(|| format!("{display}: no nkm{tag}/nkv{tag} in the guest"))?;
-        eprintln!("{display} (vlanTag {tag}, nicIndex {nic}) in the guest: {side:?}");
-        let router = v.router.to_string();
-        let table = side
-            .default_routes
-            .first()
-            .map(|(t, _)| t.clone())
-            .unwrap_or_default();
-        assert_eq!(
-            side,
-            HostSide {
-                macvlan_mac: v.mac.clone(),
-                macvlan_parent: nics[nic as usize].clone(),
-                vlan_id: u64::from(tag),
-                vlan_parent: format!("nkm{tag}"),
-                addresses: vec![format!("{}/{}", v.private_ip, v.prefix)],
-                default_routes: vec![(table.clone(), router)],
-                rule_tables: vec![table.clone()],
-                proc_vlan: format!("nkv{tag} | {tag} | nkm{tag}"),
-            },
-            "{display}"
-        );
-        ensure!(
-            table != "main" && !table.is_empty(),
-            "{display}: default route in {table:?}"
-        );
-        tables.push(table);
-    }
+    let tables = [
+        guest_has_vnic(guest, endpoint, s.instance, nics, "pods-a", 0).await?,
+        guest_has_vnic(guest, endpoint, s.instance, nics, "pods-b", 1).await?,
+    ];
     ensure!(
         tables[0] != tables[1],
         "one table for both VNICs: {tables:?}"
     );
+    let by_name = |display: &'static str| vnic_seen(endpoint, s.instance, display);
     // The check's echo requests reached the router through pods-b's VLAN (nothing else on the
     // wire can reach it).
-    let tag = by_name("pods-b")?.1.vlan_tag;
+    let tag = by_name("pods-b").await?.1.vlan_tag;
     let router = guest.ip_json(&format!("-s -n r{tag} link show v{tag}"))?;
     let received = router[0]["stats64"]["rx"]["packets"].as_u64().unwrap_or(0);
     ensure!(
@@ -726,8 +800,8 @@ async fn rollout(
     );
 
     // Remove pods-b: its host side goes in the guest, then it is detached.
-    let (b, b_meta) = by_name("pods-b")?;
-    let (a, a_meta) = by_name("pods-a")?;
+    let (b, b_meta) = by_name("pods-b").await?;
+    let (a, a_meta) = by_name("pods-a").await?;
     let a_before = host_side(guest, a_meta.vlan_tag, a.private_ip)?;
     apply_labelled_spec(
         &api,
@@ -779,14 +853,7 @@ async fn rollout(
     network_ready_is(client, s.node, "True", "NetworkConverged").await?;
 
     // Two attaches in all: the failed apply and its retry attached nothing again.
-    let attaches = endpoint
-        .requests()
-        .iter()
-        .filter(|r| {
-            r.method == http::Method::POST && r.path == "/vnicAttachments" && r.status == 200
-        })
-        .count();
-    assert_eq!(attaches, 2, "AttachVnic calls");
+    assert_eq!(attach_calls(endpoint), 2, "AttachVnic calls");
 
     // Deleting the object removes what it made: pods-a's host side, then its attachment.
     api.delete(&name, &DeleteParams::default()).await?;
@@ -818,6 +885,352 @@ async fn rollout(
         "{nic0:?}"
     );
     Ok(())
+}
+
+/// One NodeNetworkConfig whose selector picks both shapes: the bare-metal node in the VM and two
+/// VM-shape nodes (network namespaces of this machine, each with the agent's real server over
+/// mutual TLS and its own metadata answer), rolled out one node at a time with the controller
+/// restarted after the first node converged and before the last one started; every VNIC is
+/// attached exactly once, all three nodes converge, and their host side is read back with
+/// `ip -j`.
+///
+/// The spec is one object valid for both shapes. `ociVnics.attach` applies to every selected
+/// node and `nicIndex` is refused on VM shapes (a per-node error naming the field), so the
+/// VNICs leave it unset; OCI then attaches to physical NIC 0 (AttachVnic's `nicIndex` "defaults
+/// to 0", `shared/oci/compute-api.md`), and the guest must show both VNICs' macvlan and VLAN on
+/// NIC 0. There is no post-apply check target: NIC 0 is qemu's user network, with no subnet
+/// router on its wire (the single-shape test pings one through a VLAN on NIC 1).
+async fn mixed(
+    client: &kube::Client,
+    endpoint: &Arc<OciEndpoint>,
+    compute: ComputeClient,
+    guest: &Guest,
+    s: &Scenario<'_>,
+    nics: &[String; 2],
+) -> anyhow::Result<()> {
+    let labels = BTreeMap::from([s.label.clone()]);
+    let ips: Vec<Ipv4Addr> = (0..2u8)
+        .map(|i| Ipv4Addr::new(127, 92, rand::random::<u8>(), 10 + i))
+        .collect();
+    let names = create_simulated_nodes(client, "nncmx", 2, &labels, &ips).await?;
+    let stop_agents = CancellationToken::new();
+    let _stop_agents_on_drop = stop_agents.clone().drop_guard();
+    let scratch = tempfile::tempdir()?;
+    let mut vm_nodes = Vec::new();
+    let mut node_objs = vec![s.node_obj.clone()];
+    let mut agents = Vec::new();
+    for (i, name) in names.iter().enumerate() {
+        let (instance, node_obj) = oci_common::instance_for_node(
+            client,
+            endpoint,
+            name,
+            VM,
+            (COMPARTMENT, AD),
+            s.primary_subnet,
+        )
+        .await?;
+        let (ns, imds) = netns_host(endpoint, &format!("nkmx{i}"), &instance).await?;
+        let dir = scratch.path().join(name);
+        agent_files(&dir, &s.agent_pem.cert, &s.agent_pem.key, &s.ca)?;
+        let config = agent_config("127.0.0.1:9443", name, &dir, &imds);
+        // The listener is bound here, outside the namespace, at the Node's InternalIP and the
+        // agent port (where the controller calls); everything else the agent opens (netlink,
+        // its metadata service) is inside, where it runs.
+        let listener = std::net::TcpListener::bind((ips[i], s.agent_port))
+            .with_context(|| format!("bind {}:{}", ips[i], s.agent_port))?;
+        listener.set_nonblocking(true)?;
+        let stop = stop_agents.child_token();
+        agents.push(ns.entry().spawn(move || async move {
+            let listener = tokio::net::TcpListener::from_std(listener)?;
+            anyhow::Ok(nodekeeper_agent::serve(config, listener, stop).await?)
+        }));
+        vm_nodes.push(Arc::new(SimNode::new(name, &instance, ns, false)));
+        node_objs.push(node_obj);
+    }
+    tokio::spawn(hotplug(
+        Arc::clone(endpoint),
+        vm_nodes.clone(),
+        stop_agents.clone(),
+    ));
+    let mut all = vec![(s.node.to_string(), s.instance.to_string())];
+    all.extend(
+        vm_nodes
+            .iter()
+            .map(|n| (n.name.clone(), n.instance.clone())),
+    );
+    let m = Mixed {
+        client,
+        endpoint,
+        guest,
+        s,
+        nics,
+        vm_nodes,
+        node_objs,
+        all,
+    };
+    let result = mixed_rollout(&m, compute).await;
+    stop_agents.cancel();
+    for agent in agents {
+        let stopped = tokio::task::spawn_blocking(move || agent.join()).await?;
+        match stopped {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) if result.is_ok() => bail!("a namespace node's agent: {e:#}"),
+            Ok(Err(_)) => {}
+            Err(_) => bail!("a namespace node's agent panicked"),
+        }
+    }
+    result
+}
+
+/// `(display name, state)` of every secondary VNIC attachment `instance` ever had.
+fn secondary_attachments(
+    endpoint: &OciEndpoint,
+    instance: &str,
+) -> Vec<(Option<String>, &'static str)> {
+    endpoint
+        .guest_vnics(instance)
+        .into_iter()
+        .filter(|v| !v.primary)
+        .map(|v| (v.display_name, v.state))
+        .collect()
+}
+
+/// What [`mixed`]'s steps share.
+struct Mixed<'a> {
+    client: &'a kube::Client,
+    endpoint: &'a Arc<OciEndpoint>,
+    guest: &'a Guest,
+    s: &'a Scenario<'a>,
+    nics: &'a [String; 2],
+    vm_nodes: Vec<Arc<SimNode>>,
+    node_objs: Vec<Node>,
+    /// `(node, instance)` of all three, the bare-metal one first.
+    all: Vec<(String, String)>,
+}
+
+async fn mixed_rollout(m: &Mixed<'_>, compute: ComputeClient) -> anyhow::Result<()> {
+    let &Mixed {
+        client,
+        endpoint,
+        s,
+        ref all,
+        ..
+    } = m;
+    let api: Api<NodeNetworkConfig> = Api::all(client.clone());
+    let name = unique_name("mxvnics");
+    let labels = BTreeMap::from([s.label.clone()]);
+    let node_refs: Vec<&Node> = m.node_objs.iter().collect();
+    let start = || {
+        anyhow::Ok(oci_common::start_nnc_controller(
+            client,
+            mtls_agents(&node_refs, &s.controller_pem)?,
+            s.agent_port,
+            compute.clone(),
+            COMPARTMENT,
+            settings(),
+            s.label,
+        ))
+    };
+    let (stop, handle) = start()?;
+    let vnic = |display: &str, subnet: &str| json!({"displayName": display, "subnetId": subnet});
+    apply_labelled_spec(
+        &api,
+        &name,
+        &labels,
+        json!({
+            "nodeSelector": {"matchLabels": {s.label.0.clone(): s.label.1.clone()}},
+            "ociVnics": {"attach": [vnic("pods-a", s.subnets[0]), vnic("pods-b", s.subnets[1])]},
+            "rollout": {"maxUnavailable": 1},
+        }),
+    )
+    .await?;
+
+    // Restart once the first node is converged: with one node at a time, the second is then
+    // attaching or applying and the third has not started.
+    let first = wait_for("the first node converged", TIMEOUT, || async {
+        for (node, _) in all.iter() {
+            if node_ready(client, node)
+                .await?
+                .is_some_and(|r| r.0 == "True")
+            {
+                return Ok(Some(node.clone()));
+            }
+        }
+        Ok(None)
+    })
+    .await?;
+    stop.cancel();
+    handle.await?;
+    let at_restart: Vec<_> = all
+        .iter()
+        .map(|(node, instance)| (node.clone(), secondary_attachments(endpoint, instance)))
+        .collect();
+    eprintln!(
+        "controller restarted once {first} converged, after {} AttachVnic calls; attachments \
+         then: {at_restart:?}",
+        attach_calls(endpoint)
+    );
+    ensure!(
+        at_restart.iter().any(|(_, v)| v.is_empty())
+            && at_restart.iter().any(|(_, v)| v.len() == 2),
+        "the restart did not land mid-rollout (some node attached, some not): {at_restart:?}"
+    );
+    let (stop, handle) = start()?;
+    let result = mixed_converged(m, &name).await;
+    stop.cancel();
+    handle.await?;
+    result
+}
+
+/// After the restart: all three converge with every VNIC attached once, their host side as
+/// `ip -j` shows it; then deleting the object removes it all.
+async fn mixed_converged(m: &Mixed<'_>, name: &str) -> anyhow::Result<()> {
+    let &Mixed {
+        client,
+        endpoint,
+        guest,
+        s,
+        nics,
+        ref vm_nodes,
+        ref all,
+        ..
+    } = m;
+    let api: Api<NodeNetworkConfig> = Api::all(client.clone());
+    let status = wait_status(
+        &api,
+        name,
+        client,
+        s.node,
+        "all three nodes applied",
+        |st| st["applied"] == 3,
+    )
+    .await?;
+    for field in ["matched", "attached"] {
+        assert_eq!(status[field], 3, "{field}: {status:#}");
+    }
+    assert_eq!(status["failing"], 0, "{status:#}");
+    for (node, _) in all {
+        network_ready_is(client, node, "True", "NetworkConverged").await?;
+    }
+
+    // Never doubled, the restart included: 2 VNICs × 3 nodes, each display name once per node.
+    assert_eq!(attach_calls(endpoint), 6, "AttachVnic calls");
+    for (node, instance) in all {
+        let mut vnics = secondary_attachments(endpoint, instance);
+        vnics.sort();
+        assert_eq!(
+            vnics,
+            [
+                (Some("pods-a".to_string()), "ATTACHED"),
+                (Some("pods-b".to_string()), "ATTACHED")
+            ],
+            "{node}"
+        );
+    }
+
+    // The VM-shape nodes: the hot-plugged NIC with the VNIC's MAC has its address, a default
+    // route to the subnet router in a table of its own, and the `from` rule to that table.
+    for n in vm_nodes {
+        let routes = default_routes(&n.ns)?;
+        let rules = nk_rules(&n.ns)?;
+        let mut tables = std::collections::BTreeSet::new();
+        for display in ["pods-a", "pods-b"] {
+            let (v, _) = vnic_seen(endpoint, &n.instance, display).await?;
+            assert_eq!(
+                addresses_of(&n.ns, &v.mac)?,
+                [format!("{}/{}", v.private_ip, v.prefix)],
+                "{} {display}",
+                n.name
+            );
+            let router = v.router.to_string();
+            let table = routes
+                .iter()
+                .find(|(_, gateway)| *gateway == router)
+                .map(|(t, _)| *t)
+                .with_context(|| {
+                    format!("{} {display}: no route via {router}: {routes:?}", n.name)
+                })?;
+            ensure!(
+                rules.iter().any(
+                    |(_, from, t)| *from == v.private_ip.to_string() && *t == table.to_string()
+                ),
+                "{} {display}: no rule from {} to table {table}: {rules:?}",
+                n.name,
+                v.private_ip
+            );
+            tables.insert(table);
+        }
+        ensure!(tables.len() == 2, "{}: tables {tables:?}", n.name);
+    }
+    // The bare-metal node: both VNICs on physical NIC 0 (OCI's default), each its own VLAN.
+    let tables = [
+        guest_has_vnic(guest, endpoint, s.instance, nics, "pods-a", 0).await?,
+        guest_has_vnic(guest, endpoint, s.instance, nics, "pods-b", 0).await?,
+    ];
+    ensure!(
+        tables[0] != tables[1],
+        "one table for both VNICs: {tables:?}"
+    );
+
+    // Deleting the object removes what it made on all three, then detaches.
+    api.delete(name, &DeleteParams::default()).await?;
+    wait_for("the object gone after its cleanup", TIMEOUT, || async {
+        Ok(api.get_opt(name).await?.is_none().then_some(()))
+    })
+    .await?;
+    for (node, instance) in all {
+        let live: Vec<_> = endpoint
+            .guest_vnics(instance)
+            .into_iter()
+            .filter(|v| !matches!(v.state, "DETACHED" | "DETACHING"))
+            .collect();
+        ensure!(live.len() == 1 && live[0].primary, "{node}: {live:?}");
+    }
+    for n in vm_nodes {
+        let (routes, rules) = (default_routes(&n.ns)?, nk_rules(&n.ns)?);
+        ensure!(
+            routes.is_empty() && rules.is_empty(),
+            "{}: left {routes:?} {rules:?}",
+            n.name
+        );
+    }
+    let left = nodekeeper_state(guest)?;
+    ensure!(left.is_empty(), "left in the guest: {left:?}");
+    Ok(())
+}
+
+/// An agent's TLS files (server certificate and key, the controllers' CA) in `dir`.
+fn agent_files(dir: &Path, cert: &str, key: &str, ca: &str) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    for (file, pem) in [("tls.crt", cert), ("tls.key", key), ("ca.crt", ca)] {
+        std::fs::write(dir.join(file), pem)?;
+    }
+    Ok(())
+}
+
+/// The agent's flags in these tests: its server, name, TLS files and state in `dir`
+/// ([`agent_files`]) and its metadata service; no monitors or GPU probes, and no drift
+/// re-convergence (what a test reads back is the applies' doing).
+fn agent_config(listen: &str, node: &str, dir: &Path, imds: &str) -> nodekeeper_agent::Config {
+    use clap::Parser as _;
+    let file = |f: &str| dir.join(f).display().to_string();
+    nodekeeper_agent::Config::parse_from([
+        "nodekeeper-agent".to_string(),
+        format!("--listen={listen}"),
+        format!("--node-name={node}"),
+        format!("--tls-cert={}", file("tls.crt")),
+        format!("--tls-key={}", file("tls.key")),
+        format!("--client-ca={}", file("ca.crt")),
+        format!("--state-dir={}", file("state")),
+        format!("--imds-endpoint={imds}"),
+        "--nvidia-smi=/nonexistent/nvidia-smi".into(),
+        "--nvml-library=none".into(),
+        "--health-checks=false".into(),
+        "--kernel-monitor=false".into(),
+        "--journal=false".into(),
+        "--drift-interval=60m".into(),
+        "--log-format=plain".into(),
+    ])
 }
 
 /// The half that runs inside the VM (as its `/init`'s program, root, alone on the machine).
@@ -901,15 +1314,13 @@ mod guest {
             "the guest reached {direct} past the forwards"
         );
 
-        let tls = Path::new("/tmp/tls");
-        std::fs::create_dir_all(tls)?;
-        for (file, var) in [
-            ("tls.crt", env::TLS_CERT),
-            ("tls.key", env::TLS_KEY),
-            ("ca.crt", env::CLIENT_CA),
-        ] {
-            std::fs::write(tls.join(file), required(var)?)?;
-        }
+        let dir = Path::new("/tmp/nodekeeper");
+        agent_files(
+            dir,
+            &required(env::TLS_CERT)?,
+            &required(env::TLS_KEY)?,
+            &required(env::CLIENT_CA)?,
+        )?;
         let shutdown = CancellationToken::new();
         let imds = required(env::IMDS)?;
         let stop = shutdown.clone();
@@ -939,26 +1350,12 @@ mod guest {
             }
         });
 
-        use clap::Parser as _;
-        let file = |f: &str| tls.join(f).display().to_string();
-        let config = nodekeeper_agent::Config::parse_from([
-            "nodekeeper-agent".to_string(),
-            format!("--listen=0.0.0.0:{GUEST_AGENT_PORT}"),
-            format!("--node-name={}", required(env::NODE)?),
-            format!("--tls-cert={}", file("tls.crt")),
-            format!("--tls-key={}", file("tls.key")),
-            format!("--client-ca={}", file("ca.crt")),
-            "--state-dir=/tmp/nodekeeper".into(),
-            format!("--imds-endpoint={}", required(env::IMDS)?),
-            "--nvidia-smi=/nonexistent/nvidia-smi".into(),
-            "--nvml-library=none".into(),
-            "--health-checks=false".into(),
-            "--kernel-monitor=false".into(),
-            "--journal=false".into(),
-            // No drift re-convergence: what the guest shows is the applies' doing.
-            "--drift-interval=60m".into(),
-            "--log-format=plain".into(),
-        ]);
+        let config = agent_config(
+            &format!("0.0.0.0:{GUEST_AGENT_PORT}"),
+            &required(env::NODE)?,
+            dir,
+            &required(env::IMDS)?,
+        );
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;

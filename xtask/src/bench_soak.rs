@@ -211,8 +211,10 @@ async fn soak(args: SoakArgs, root: std::path::PathBuf, programs: Programs) -> a
     let say = |text: String| eprintln!("[bench soak] {text}");
     let interval = args.sweep_interval;
     let stale_after = interval * 2;
-    let rules =
-        format!("tunables:\n  - name: somaxconn\n    key: {KEY}\n    atLeast: {IN_BOUNDS}\n");
+    let rules = format!(
+        "tunables:\n  - name: somaxconn\n    key: {KEY}\n    atLeast: {IN_BOUNDS}\n{}",
+        crate::fleet_rig::HOST_NEUTRAL_THRESHOLDS
+    );
     let config = RigConfig {
         what: "soak",
         nodes: n,

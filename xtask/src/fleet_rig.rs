@@ -31,6 +31,15 @@ pub const NAMESPACE: &str = "nodekeeper";
 pub const GROUP_LABEL: &str = "nodekeeper.dev/bench";
 pub const CONTROLLER_USER: &str = "system:serviceaccount:nodekeeper:nodekeeper-controller";
 
+/// Indicator thresholds for the rig's rules (`rules.yaml`, after its tunables) that no real
+/// disk reaches. Every simulated agent reads the one real host's filesystems, whose usage moves
+/// with whatever else runs on the machine: crossing the default threshold flips the disk
+/// condition of every simulated node at once (seen: 1,000 patches during the 1 % flip of
+/// `bench fleet`, each a correct report of the shared disk, none the flip's). The benchmarks
+/// measure the write path, so the only changes they see must be the ones they make.
+pub const HOST_NEUTRAL_THRESHOLDS: &str =
+    "thresholds:\n  - indicator: disk.*\n    warning: 101\n    critical: 102\n";
+
 /// What a rig is made of.
 #[derive(Clone, Debug)]
 pub struct RigConfig {
@@ -188,7 +197,12 @@ impl Rig {
                 http,
                 agent_port: config.port,
                 node_selector: format!("{GROUP_LABEL}=fleet"),
-                log: Some("warn".into()),
+                // `NODEKEEPER_BENCH_CONTROLLER_LOG` (a NODEKEEPER_LOG filter) shows more, e.g.
+                // `warn,nodekeeper_controller::controllers::nodes=info` for every condition patch.
+                log: Some(
+                    std::env::var("NODEKEEPER_BENCH_CONTROLLER_LOG")
+                        .unwrap_or_else(|_| "warn".into()),
+                ),
                 env: Vec::new(),
                 output: Output::Stderr,
             },
@@ -443,4 +457,22 @@ pub async fn controller_kubeconfig(
     });
     std::fs::write(out, serde_yaml::to_string(&config)?)?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::HOST_NEUTRAL_THRESHOLDS;
+
+    #[test]
+    fn host_neutral_thresholds_are_rules_the_controller_accepts() {
+        let rules = format!(
+            "tunables:\n  - name: somaxconn\n    key: net.core.somaxconn\n    atLeast: 4096\n{HOST_NEUTRAL_THRESHOLDS}"
+        );
+        let data = [("rules.yaml".to_owned(), rules)].into_iter().collect();
+        let config = nodekeeper_model::tuning::parse(&data).expect("the rig's rules parse");
+        let disk = &config.rules.thresholds[0];
+        assert_eq!(disk.indicator, "disk.*");
+        // Above any percentage a disk can report.
+        assert!(disk.warning > 100.0 && disk.critical > disk.warning);
+    }
 }

@@ -40,35 +40,64 @@ pub struct ImageArgs {
     /// Use this directory's `nodekeeper-agent` / `nodekeeper-controller` instead of building.
     #[arg(long, env = "NODEKEEPER_IMAGE_BINARIES")]
     binaries: Option<PathBuf>,
-    /// Then load each archive into podman and run it: `--version` for both, and the agent
-    /// serving on 127.0.0.1 with host networking until its port accepts a connection.
+    /// Then run the suite's image tests on them (`tests/tests/images.rs`): podman loads each
+    /// archive and runs it `--version`, and the agent as its DaemonSet says (host network,
+    /// read-only root, its capabilities) until a controller certificate gets a report over
+    /// mutual TLS on 127.0.0.1. Needs root; installs Debian's podman and runc when missing.
     #[arg(long, env = "NODEKEEPER_IMAGE_SMOKE")]
     smoke: bool,
 }
+
+/// The images, in the order `cargo xtask image` builds them.
+pub const COMPONENTS: [&str; 2] = ["agent", "controller"];
+
+/// The variable naming the directory of built archives (`<component>.oci.tar`) that the image
+/// tests (`tests/tests/images.rs`, `tests/tests/install_cleanup.rs`) load into podman.
+pub const TEST_IMAGES_ENV: &str = "NODEKEEPER_TEST_IMAGES";
 
 // The archives' paths and digests are this command's output.
 #[allow(clippy::print_stdout)]
 pub fn run(args: ImageArgs) -> anyhow::Result<()> {
     let root = crate::codegen::repo_root();
     let components: Vec<String> = if args.components.is_empty() {
-        vec!["agent".into(), "controller".into()]
+        COMPONENTS.iter().map(|c| (*c).to_owned()).collect()
     } else {
         args.components.clone()
     };
-    for c in &components {
-        if c != "agent" && c != "controller" {
+    let out = root.join(&args.out);
+    for image in build_all(&components, &out, &args.tag, args.binaries.as_deref())? {
+        println!("{image}");
+    }
+    if args.smoke {
+        crate::deps::ensure(crate::deps::IMAGE_SMOKE)?;
+        smoke(&root, &out, &components)?;
+    }
+    Ok(())
+}
+
+/// Builds `components`' binaries (or takes them from `binaries`) and writes
+/// `<out>/<component>.oci.tar`, tagged `nodekeeper-<component>:<tag>`; one line per image.
+pub fn build_all(
+    components: &[String],
+    out: &Path,
+    tag: &str,
+    binaries: Option<&Path>,
+) -> anyhow::Result<Vec<String>> {
+    let root = crate::codegen::repo_root();
+    for c in components {
+        if !COMPONENTS.contains(&c.as_str()) {
             bail!("unknown image `{c}`: choose agent or controller");
         }
     }
-    let binaries: Vec<PathBuf> = match &args.binaries {
+    let binaries: Vec<PathBuf> = match binaries {
         Some(dir) => components
             .iter()
             .map(|c| dir.join(format!("nodekeeper-{c}")))
             .collect(),
-        None => build_static(&root, &components)?,
+        None => build_static(&root, components)?,
     };
-    let out = root.join(&args.out);
-    std::fs::create_dir_all(&out).with_context(|| format!("create {}", out.display()))?;
+    std::fs::create_dir_all(out).with_context(|| format!("create {}", out.display()))?;
+    let mut lines = Vec::new();
     for (component, binary) in components.iter().zip(&binaries) {
         check_static(binary)?;
         let name = format!("nodekeeper-{component}");
@@ -79,178 +108,113 @@ pub fn run(args: ImageArgs) -> anyhow::Result<()> {
             dir: root.join("deploy/images"),
             overrides: BTreeMap::from([(name.clone(), binary.clone())]),
         };
-        let image = build(&containerfile, &context, &format!("{name}:{}", args.tag))?;
+        let image = build(&containerfile, &context, &format!("{name}:{tag}"))?;
         let path = out.join(format!("{component}.oci.tar"));
         std::fs::write(&path, &image.archive)
             .with_context(|| format!("write {}", path.display()))?;
-        println!(
+        lines.push(format!(
             "{name}: {} (manifest {}; layer {:.1} MiB compressed, {:.1} MiB unpacked)",
             path.display(),
             image.manifest_digest,
             image.layer_bytes as f64 / 1048576.0,
             image.unpacked_bytes as f64 / 1048576.0,
-        );
-        if args.smoke {
-            crate::deps::ensure(crate::deps::IMAGE_SMOKE)?;
-            smoke(component, &path, &format!("{name}:{}", args.tag))?;
-        }
+        ));
+    }
+    Ok(lines)
+}
+
+/// `--smoke`: the image tests of the suite (`tests/tests/images.rs`: podman loads the archives
+/// and runs them as their manifests say) against the archives just built. The tests, not this
+/// command, hold the podman code, so the suite and this command run the same thing.
+fn smoke(root: &Path, out: &Path, components: &[String]) -> anyhow::Result<()> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+    let mut command = crate::cargo::command(&cargo);
+    command
+        .current_dir(root)
+        .args(["test", "-p", "nodekeeper-e2e", "--test", "images", "--"]);
+    // Only the chosen images' tests (their names start with the component).
+    command.args(components);
+    command.env(TEST_IMAGES_ENV, out);
+    let status = command.status().context("run the image tests")?;
+    if !status.success() {
+        bail!("the image smoke test failed; see its output above");
     }
     Ok(())
 }
 
-/// Runs `podman args…`, failing with its output.
-fn podman(args: &[&str]) -> anyhow::Result<String> {
-    let out = std::process::Command::new("podman")
-        .args(args)
-        .output()
-        .context("run podman (Debian's `podman` package)")?;
-    if !out.status.success() {
-        bail!(
-            "podman {} failed ({}): {}{}",
-            args.join(" "),
-            out.status,
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-}
+/// What the musl build needs from Debian: a C compiler for musl (ring's C and assembly).
+const BUILD_REQUIREMENTS: &[crate::deps::Requirement] = &[crate::deps::Requirement {
+    command: "musl-gcc",
+    package: Some("musl-tools"),
+    why: "compiles ring's C and assembly for the musl target",
+}];
 
-/// Whether this host mounts cgroups in hybrid mode: v1 controllers under a tmpfs
-/// `/sys/fs/cgroup` with a cgroup2 tree at `/sys/fs/cgroup/unified` (crun refuses that).
-fn cgroups_hybrid() -> bool {
-    let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
-    let fs_at = |dir: &str| {
-        // The last mount at a path is the one in effect.
-        mounts.lines().rev().find_map(|l| {
-            let mut f = l.split_whitespace();
-            let (_, at, fs) = (f.next()?, f.next()?, f.next()?);
-            (at == dir).then(|| fs.to_owned())
-        })
+/// Makes sure the Rust toolchain has the standard library for [`TARGET`]: adds it with rustup
+/// when the toolchain is rustup's (a fresh machine, CI), and fails with the fix otherwise.
+fn check_rust_target() -> anyhow::Result<()> {
+    let has_target = || -> anyhow::Result<(bool, PathBuf)> {
+        let out = std::process::Command::new("rustc")
+            .args(["--print", "sysroot"])
+            .output()
+            .context("run rustc --print sysroot")?;
+        let sysroot = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+        Ok((sysroot.join("lib/rustlib").join(TARGET).is_dir(), sysroot))
     };
-    fs_at("/sys/fs/cgroup").as_deref() != Some("cgroup2")
-        && fs_at("/sys/fs/cgroup/unified").as_deref() == Some("cgroup2")
-}
-
-/// `podman run` with what this host needs around the image's own arguments: runc where the
-/// cgroups are hybrid, and open-file and process limits at or below our own hard limits —
-/// podman's defaults (1,048,576 open files; the host's process limit) are above what a
-/// sandboxed root may set, and the runtime then fails before the image starts
-/// (`setrlimit RLIMIT_NOFILE: Operation not permitted`). The agent needs far fewer of either.
-fn podman_run(args: &[&str]) -> anyhow::Result<String> {
-    let limits = std::fs::read_to_string("/proc/self/limits").unwrap_or_default();
-    let nofile = hard_limit(&limits, "Max open files").min(16_384);
-    let nproc = hard_limit(&limits, "Max processes").min(4_096);
-    let nofile = format!("nofile={nofile}:{nofile}");
-    let nproc = format!("nproc={nproc}:{nproc}");
-    let mut all: Vec<&str> = Vec::new();
-    if cgroups_hybrid() {
-        all.extend(["--runtime", "runc"]);
-    }
-    all.extend(["run", "--ulimit", &nofile, "--ulimit", &nproc]);
-    all.extend_from_slice(args);
-    podman(&all)
-}
-
-/// The hard limit on the `/proc/self/limits` line named `name` (1024 when unreadable;
-/// "unlimited" as u64::MAX).
-fn hard_limit(limits: &str, name: &str) -> u64 {
-    limits
-        .lines()
-        .find_map(|l| l.strip_prefix(name))
-        .and_then(|rest| rest.split_whitespace().nth(1))
-        .map_or(1024, |v| v.parse().unwrap_or(u64::MAX))
-}
-
-/// Loads `archive` into podman and runs it (see `--smoke`).
-#[allow(clippy::print_stdout)]
-fn smoke(component: &str, archive: &Path, reference: &str) -> anyhow::Result<()> {
-    let loaded = podman(&["load", "-q", "-i", &archive.to_string_lossy()])?;
-    let image = format!("localhost/{reference}");
-    let version = podman_run(&["--rm", "--network=host", &image, "--version"])?;
-    println!("  podman: {} → {}", loaded.trim(), version.trim());
-    if component != "agent" {
+    let (present, sysroot) = has_target()?;
+    if present {
         return Ok(());
     }
-    // The agent for real: mutual TLS with a throwaway CA, host network, read-only root, only
-    // the DaemonSet's capabilities, serving until its port accepts (the kubelet's liveness check).
-    let dir = tempfile::tempdir()?;
-    let key = rcgen::KeyPair::generate()?;
-    let mut params = rcgen::CertificateParams::new(vec!["agent.nodekeeper.internal".to_owned()])?;
-    params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-    let cert = params.self_signed(&key)?;
-    std::fs::write(dir.path().join("tls.crt"), cert.pem())?;
-    std::fs::write(dir.path().join("ca.crt"), cert.pem())?;
-    std::fs::write(dir.path().join("tls.key"), key.serialize_pem())?;
-    std::fs::create_dir(dir.path().join("state"))?;
-    let port = nodekeeper_testkit::free_port();
-    let name = format!("nodekeeper-smoke-{}", std::process::id());
-    let mount = format!("{}:/etc/nodekeeper/tls:ro", dir.path().display());
-    let state = format!("{}:/var/lib/nodekeeper", dir.path().join("state").display());
-    let listen = format!("NODEKEEPER_LISTEN=127.0.0.1:{port}");
-    podman_run(&[
-        "-d",
-        "--name",
-        &name,
-        "--network=host",
-        "--read-only",
-        "--cap-drop=ALL",
-        "--cap-add=NET_ADMIN,NET_RAW",
-        "-v",
-        &mount,
-        "-v",
-        &state,
-        "-e",
-        "NODEKEEPER_NODE_NAME=smoke",
-        "-e",
-        &listen,
-        "-e",
-        "NODEKEEPER_TLS_CERT=/etc/nodekeeper/tls/tls.crt",
-        "-e",
-        "NODEKEEPER_TLS_KEY=/etc/nodekeeper/tls/tls.key",
-        "-e",
-        "NODEKEEPER_CLIENT_CA=/etc/nodekeeper/tls/ca.crt",
-        "-e",
-        "NODEKEEPER_STATE_DIR=/var/lib/nodekeeper",
-        "-e",
-        "NODEKEEPER_KERNEL_MONITOR=false",
-        &image,
-    ])?;
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    let result = loop {
-        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-            break Ok(());
-        }
-        if std::time::Instant::now() > deadline {
-            let logs = podman(&["logs", &name]).unwrap_or_default();
-            break Err(anyhow::anyhow!(
-                "the agent container never listened on 127.0.0.1:{port}; its log:\n{logs}"
-            ));
-        }
-        std::thread::sleep(std::time::Duration::from_millis(200));
-    };
-    let _ = podman(&["rm", "-f", &name]);
-    result?;
-    println!("  podman: the agent served mutual TLS on 127.0.0.1:{port} with host networking");
-    Ok(())
+    eprintln!("xtask: the Rust toolchain has no standard library for {TARGET}; running `rustup target add {TARGET}`");
+    let added = std::process::Command::new("rustup")
+        .args(["target", "add", TARGET])
+        .status()
+        .is_ok_and(|s| s.success());
+    if added && has_target()?.0 {
+        return Ok(());
+    }
+    bail!(
+        "the Rust toolchain at {} has no standard library for {TARGET} and `rustup target add {TARGET}` did not add it: install the target for this toolchain",
+        sysroot.display()
+    )
 }
 
 /// `cargo build --release --target x86_64-unknown-linux-musl` of the components' binaries.
 fn build_static(root: &Path, components: &[String]) -> anyhow::Result<Vec<PathBuf>> {
-    let mut args = vec!["build", "--release", "--target", TARGET];
-    let packages: Vec<String> = components
+    crate::deps::ensure(BUILD_REQUIREMENTS)?;
+    check_rust_target()?;
+    // Both binaries in one cargo run, whichever images are asked for: cargo unifies the
+    // features of the packages it builds together, so the agent built alone links other
+    // dependency builds than the agent built beside the controller (a different binary, and a
+    // second set of musl artifacts in the target directory). Built together, `cargo xtask image
+    // agent` and `cargo xtask image` give the same agent image, and their dependencies are
+    // built once.
+    let [agent, controller] = COMPONENTS.map(|c| format!("nodekeeper-{c}"));
+    let args = [
+        "build",
+        "--release",
+        "--target",
+        TARGET,
+        "-p",
+        &agent,
+        "--bin",
+        &agent,
+        "-p",
+        &controller,
+        "--bin",
+        &controller,
+    ];
+    let built = crate::cargo::build_executables(root, &args, [agent.as_str(), controller.as_str()])
+        .with_context(|| format!("build {agent} and {controller} for {TARGET}"))?;
+    let found = components
         .iter()
-        .map(|c| format!("nodekeeper-{c}"))
+        .map(|c| {
+            let i = COMPONENTS
+                .iter()
+                .position(|k| k == c)
+                .expect("checked by build_all");
+            built[i].clone()
+        })
         .collect();
-    for p in &packages {
-        args.extend(["-p", p.as_str(), "--bin", p.as_str()]);
-    }
-    let mut found = Vec::new();
-    for p in &packages {
-        let [path] = crate::cargo::build_executables(root, &args, [p.as_str()])
-            .with_context(|| format!("build {p} for {TARGET} (`rustup target add {TARGET}` and Debian's musl-tools provide the toolchain)"))?;
-        found.push(path);
-    }
     Ok(found)
 }
 
@@ -555,18 +519,6 @@ fn pack(files: &BTreeMap<String, File>, config: &Config, reference: &str) -> any
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn hard_limits_are_read_from_proc_self_limits() {
-        let limits = "Limit                     Soft Limit           Hard Limit           Units\n\
-                      Max processes             96364                96364                processes\n\
-                      Max open files            20000                40000                files\n\
-                      Max locked memory         unlimited            unlimited            bytes\n";
-        assert_eq!(hard_limit(limits, "Max open files"), 40_000);
-        assert_eq!(hard_limit(limits, "Max processes"), 96_364);
-        assert_eq!(hard_limit(limits, "Max locked memory"), u64::MAX);
-        assert_eq!(hard_limit(limits, "Max nice priority"), 1024);
-    }
 
     /// A context with a fake binary of `content` beside the real passwd/group files.
     fn context(dir: &Path, content: &[u8]) -> Context {

@@ -2,6 +2,8 @@
 //! from `controller_common` because that module is also compiled into the kubectl plugin's tests,
 //! which do not link the OCI crate.
 
+pub mod netns;
+
 /// An API key as the controller mounts it (the tenancy, user, fingerprint and private key files
 /// in a temporary directory, for `--oci-credentials-dir`), trusted by `endpoint`.
 #[allow(dead_code)]
@@ -95,4 +97,40 @@ pub fn start_nnc_controller(
         token.clone(),
     ));
     (token, handle)
+}
+
+/// Gives the kwok Node `node` an instance of `shape` at the endpoint, the way the cloud provider
+/// would: its `spec.providerID` and its instance-type label. Returns the instance's OCID and the
+/// patched Node.
+#[allow(dead_code)]
+pub async fn instance_for_node(
+    client: &kube::Client,
+    endpoint: &nodekeeper_e2e::oci_endpoint::OciEndpoint,
+    node: &str,
+    shape: &str,
+    placement: (&str, &str),
+    primary_subnet: &str,
+) -> anyhow::Result<(String, k8s_openapi::api::core::v1::Node)> {
+    use anyhow::Context as _;
+    let (compartment, availability_domain) = placement;
+    let instance = endpoint.add_instance(&nodekeeper_e2e::oci_endpoint::InstanceSpec {
+        display_name: node.into(),
+        shape: shape.into(),
+        compartment_id: compartment.into(),
+        availability_domain: availability_domain.into(),
+        subnet_id: primary_subnet.into(),
+    })?;
+    let api: kube::Api<k8s_openapi::api::core::v1::Node> = kube::Api::all(client.clone());
+    let patched = api
+        .patch(
+            node,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(serde_json::json!({
+                "metadata": {"labels": {"node.kubernetes.io/instance-type": shape}},
+                "spec": {"providerID": format!("oci://{instance}")},
+            })),
+        )
+        .await
+        .with_context(|| format!("set providerID of {node}"))?;
+    Ok((instance, patched))
 }
