@@ -1611,3 +1611,201 @@ async fn an_apply_with_the_uid_of_a_deleted_node_creates_nothing() -> anyhow::Re
     nodes.delete(&name, &DeleteParams::default()).await?;
     Ok(())
 }
+
+/// The controller's NodeMaintenance caches (`nodekeeper_maintenance_cached_{nodes,pods}` on its
+/// /metrics) as the number of Nodes and of scheduled Pods in the cluster.
+async fn cached(http: std::net::SocketAddr) -> anyhow::Result<(f64, f64)> {
+    let (status, text) = http_get(http, "/metrics").await?;
+    ensure!(status == 200, "GET /metrics: {status}");
+    for name in [
+        "nodekeeper_maintenance_cached_nodes",
+        "nodekeeper_maintenance_cached_pods",
+    ] {
+        ensure!(text.contains(name), "{name} on /metrics");
+    }
+    Ok((
+        sum_metric(&text, "nodekeeper_maintenance_cached_nodes", &[]),
+        sum_metric(&text, "nodekeeper_maintenance_cached_pods", &[]),
+    ))
+}
+
+/// Nodes and scheduled Pods in the cluster, as the API server has them.
+async fn cluster_counts(client: &kube::Client) -> anyhow::Result<(f64, f64)> {
+    let nodes = Api::<Node>::all(client.clone())
+        .list_metadata(&ListParams::default())
+        .await?
+        .items
+        .len();
+    let pods = Api::<Pod>::all(client.clone())
+        .list(&ListParams::default().fields("spec.nodeName!="))
+        .await?
+        .items
+        .len();
+    Ok((nodes as f64, pods as f64))
+}
+
+/// The Node, Pod and PodDisruptionBudget caches cost the controller memory only while a
+/// NodeMaintenance exists: none before the first, filled (every Node, every scheduled Pod) once
+/// one is applied, kept for `NODEKEEPER_MAINTENANCE_CACHE_GRACE` after the last is deleted,
+/// then dropped; and a maintenance after that drains correctly from caches listed again.
+/// A private control plane: the gauges count every Node and Pod of the cluster, and the shared
+/// one may hold other tests' maintenances.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn caches_run_only_while_a_maintenance_exists() -> anyhow::Result<()> {
+    const GRACE: Duration = Duration::from_secs(8);
+    let _serial = SERIAL.lock().await;
+    let options = nodekeeper_e2e::controlplane::Options::new(
+        format!("test-{}-nm-lazy", std::process::id()),
+        nodekeeper_e2e::controlplane::Lifetime::WithThisProcess,
+    );
+    let cp = tokio::task::spawn_blocking(move || ControlPlane::start(options)).await??;
+    let client = cp.client().await?;
+    install_crds(&client).await?;
+    let ns = test_namespace(&client, "nk-maint-lazy").await?;
+    put_tuning(&client, &ns, &BTreeMap::new()).await?;
+    let http = std::net::SocketAddr::from((std::net::Ipv4Addr::LOCALHOST, free_port()));
+    let config = nodekeeper_e2e::rig::ControllerConfig {
+        kubeconfig: cp.kubeconfig().to_owned(),
+        namespace: ns.clone(),
+        identity: unique_name("nm-lazy"),
+        http,
+        agent_port: free_port(),
+        node_selector: "nodekeeper.dev/no-such-label=none".into(),
+        log: Some("info,kube=warn".into()),
+        env: [(
+            "NODEKEEPER_MAINTENANCE_CACHE_GRACE".to_owned(),
+            format!("{}s", GRACE.as_secs()),
+        )]
+        .into(),
+        output: nodekeeper_e2e::rig::Output::Stderr,
+    };
+    let _controller = ControllerProcess::spawn(
+        &nodekeeper_e2e::rig::Program::this_test_binary(HELPER, "controller")?,
+        &config,
+    )?;
+
+    // Two pool nodes, each in a group of its own, and one node outside both; two pods.
+    let pool = unique_name("pool");
+    let (g1, g2) = (unique_name("g1"), unique_name("g2"));
+    let a = create_simulated_nodes(
+        &client,
+        "nk-lazy-a",
+        1,
+        &labels(&[(GROUP, &g1), (POOL, &pool)]),
+        &[],
+    )
+    .await?
+    .remove(0);
+    let b = create_simulated_nodes(
+        &client,
+        "nk-lazy-b",
+        1,
+        &labels(&[(GROUP, &g2), (POOL, &pool)]),
+        &[],
+    )
+    .await?
+    .remove(0);
+    create_simulated_nodes(&client, "nk-lazy-other", 1, &BTreeMap::new(), &[]).await?;
+    create(&client, &ns, deployment("web", 2, &pool, json!({}))).await?;
+    wait_running(&client, &ns, 2).await?;
+
+    // Leading, tuning read, nodes and pods in the cluster: and no cache.
+    wait_for("the controller to lead", TIMEOUT, || async move {
+        Ok((metric(http, "nodekeeper_controller_is_leader", &[]).await? == 1.0).then_some(()))
+    })
+    .await?;
+    wait_for(
+        "the controller to load the tuning ConfigMap",
+        TIMEOUT,
+        || async move {
+            let (status, body) = http_get(http, "/api/v1/summary").await?;
+            Ok((status == 200 && body.contains("resourceVersion")).then_some(()))
+        },
+    )
+    .await?;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    ensure!(
+        cached(http).await? == (0.0, 0.0),
+        "no NodeMaintenance: nothing cached"
+    );
+
+    // A maintenance: the caches list every node and scheduled pod, and its drain works.
+    let api: Api<NodeMaintenance> = Api::all(client.clone());
+    let first = unique_name("lazy-first");
+    apply_nm(
+        &client,
+        &first,
+        json!({ "nodeSelector": { "matchLabels": { GROUP: g1 } }, "stage": "Drain" }),
+    )
+    .await?;
+    let client_ref = &client;
+    wait_for(
+        "every node and scheduled pod cached",
+        TIMEOUT,
+        || async move {
+            let (cached, cluster) = (cached(http).await?, cluster_counts(client_ref).await?);
+            Ok((cached == cluster && cached.0 >= 3.0).then_some(()))
+        },
+    )
+    .await?;
+    wait_nm(&client, &first, "node a drained", |nm| {
+        node_phase(nm, &a) == Some(NodePhase::Drained)
+    })
+    .await?;
+    let on_b = wait_for("both pods running on node b", TIMEOUT, || async {
+        let pods = running_pods(&client, &ns).await?;
+        Ok((pods.len() == 2 && pods.values().all(|n| *n == b)).then_some(pods))
+    })
+    .await?;
+
+    // Deleted: the caches stay for the grace period, then hold nothing.
+    api.delete(&first, &DeleteParams::default()).await?;
+    wait_for("the first maintenance gone", TIMEOUT, || async {
+        Ok(api.get_opt(&first).await?.is_none().then_some(()))
+    })
+    .await?;
+    let gone = Instant::now();
+    let (nodes, _) = cached(http).await?;
+    ensure!(
+        nodes >= 3.0 || gone.elapsed() >= GRACE,
+        "the caches are kept within the grace period ({nodes} nodes cached)"
+    );
+    wait_for("the caches released", TIMEOUT, || async move {
+        Ok((cached(http).await? == (0.0, 0.0)).then_some(()))
+    })
+    .await?;
+    ensure!(
+        gone.elapsed() + Duration::from_secs(2) >= GRACE,
+        "released after the grace period ({GRACE:?}), not {:?} after the deletion",
+        gone.elapsed()
+    );
+
+    // A maintenance after that: listed again, and node b's pods are evicted (to node a, no
+    // longer held).
+    let second = unique_name("lazy-second");
+    apply_nm(
+        &client,
+        &second,
+        json!({ "nodeSelector": { "matchLabels": { GROUP: g2 } }, "stage": "Drain" }),
+    )
+    .await?;
+    wait_nm(&client, &second, "node b drained", |nm| {
+        node_phase(nm, &b) == Some(NodePhase::Drained)
+    })
+    .await?;
+    let now = wait_for("both pods running again, on node a", TIMEOUT, || async {
+        let pods = running_pods(&client, &ns).await?;
+        Ok((pods.len() == 2 && pods.values().all(|n| *n == a)).then_some(pods))
+    })
+    .await?;
+    ensure!(
+        on_b.keys().all(|p| !now.contains_key(p)),
+        "node b's pods were evicted: before {on_b:?}, now {now:?}"
+    );
+    let (cached_now, cluster) = (cached(http).await?, cluster_counts(&client).await?);
+    ensure!(
+        cached_now.0 == cluster.0,
+        "the caches run again: {cached_now:?} cached, {cluster:?} in the cluster"
+    );
+    Ok(())
+}

@@ -74,6 +74,8 @@ pub struct Config {
     #[command(flatten)]
     pub networktest: networktest::Config,
     #[command(flatten)]
+    pub node_maintenance: node_maintenance::Config,
+    #[command(flatten)]
     pub node_diagnostic: node_diagnostic::Config,
     #[command(flatten)]
     pub node_network_config: node_network_config::Config,
@@ -240,7 +242,10 @@ impl Controllers {
             &config.networktest,
             &self.networktest_results,
         ));
-        r.add(node_maintenance::Context::new(shared));
+        r.add(node_maintenance::Context::new(
+            shared,
+            &config.node_maintenance,
+        ));
         r.add(node_diagnostic::Context::new(
             shared,
             &config.node_diagnostic,

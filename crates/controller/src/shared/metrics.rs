@@ -120,6 +120,7 @@ pub struct Metrics {
     pub reconcile: ReconcileMetrics,
     pub problems: ProblemMetrics,
     pub cloud: CloudMetrics,
+    pub maintenance: MaintenanceMetrics,
 }
 
 impl Metrics {
@@ -142,6 +143,7 @@ impl Metrics {
             ),
             problems: ProblemMetrics::register(root.sub_registry_with_prefix("problems"), totals),
             cloud: CloudMetrics::register(root.sub_registry_with_prefix("cloud")),
+            maintenance: MaintenanceMetrics::register(root.sub_registry_with_prefix("maintenance")),
         }
     }
 }
@@ -285,6 +287,31 @@ impl TuningMetrics {
             "invalid_keys",
             "Invalid keys found in tuning ConfigMaps",
             m.invalid_keys.clone(),
+        );
+        m
+    }
+}
+
+/// The NodeMaintenance controller's cache, which holds objects only while a NodeMaintenance
+/// exists (`controllers::node_maintenance::cache`).
+#[derive(Clone, Debug, Default)]
+pub struct MaintenanceMetrics {
+    pub cached_nodes: Gauge,
+    pub cached_pods: Gauge,
+}
+
+impl MaintenanceMetrics {
+    fn register(maintenance: &mut Registry) -> Self {
+        let m = Self::default();
+        maintenance.register(
+            "cached_nodes",
+            "Nodes in the NodeMaintenance controller's cache (0 while no NodeMaintenance exists)",
+            m.cached_nodes.clone(),
+        );
+        maintenance.register(
+            "cached_pods",
+            "Scheduled pods in the NodeMaintenance controller's cache (0 while no NodeMaintenance exists)",
+            m.cached_pods.clone(),
         );
         m
     }

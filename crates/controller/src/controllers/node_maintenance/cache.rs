@@ -5,33 +5,42 @@
 //! that care: a pod on a node one of them drains changed or left, a budget allows a disruption
 //! again, a held node changed, a node's labels changed (a selector may pick it now).
 //!
+//! The three watches run only while some NodeMaintenance exists, or existed less than a grace
+//! period ago: a cluster has one only now and then, and between maintenances a copy of every
+//! Node and every scheduled Pod would be the controller's largest cost per node (and per pod)
+//! for nothing. Which maintenances exist comes from a watch of their metadata rather than from
+//! the reconciles: a maintenance deleted without a finalizer is never reconciled again, so the
+//! reconciles alone could not tell when the last one went. When the grace period has passed
+//! with none, the watches stop and their maps are dropped; the next maintenance lists again.
+//!
 //! It also remembers what this replica did that the watches have not shown yet — pods it
 //! evicted, budget allowances it spent — so that a reconcile running before the watch event
 //! neither evicts a pod twice nor sends an eviction its budget would refuse (429). Those
 //! memories are short-lived: the watch event replaces them, and they expire on their own if the
 //! event never comes.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt as _;
 use futures::stream::BoxStream;
-use k8s_openapi::api::core::v1::{Node, NodeSpec, NodeStatus, Pod};
+use k8s_openapi::api::core::v1::{Node, NodeCondition, Pod, Taint};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
-use kube::api::{Api, ObjectMeta};
+use kube::api::{Api, ObjectMeta, PartialObjectMeta};
 use kube::runtime::WatchStreamExt as _;
 use kube::runtime::watcher::{self, Event};
 use kube::{Resource as _, ResourceExt as _};
-use nodekeeper_api::crd::LabelSelector;
+use nodekeeper_api::crd::{LabelSelector, NodeMaintenance};
 use nodekeeper_api::names::ANNOTATION_MAINTENANCE;
-use tokio::sync::watch;
-use tracing::warn;
+use tokio::sync::{Notify, watch};
+use tracing::{info, warn};
 
 use super::eviction::Budget;
 use super::plan::PodFacts;
 use super::reconcile::{MAINTENANCE_CONDITIONS, pod_facts};
 use super::record::{HoldPhase, NodeRecord};
+use crate::shared::metrics::MaintenanceMetrics;
 
 /// How long an eviction this replica sent counts the pod as terminating when the pod watch has
 /// not said so yet.
@@ -39,6 +48,12 @@ const EVICTED_MEMORY: Duration = Duration::from_secs(60);
 /// How long a budget allowance this replica spent counts when the budget watch shows no newer
 /// status (an eviction that was accepted always moves the budget's status on).
 const SPENT_MEMORY: Duration = Duration::from_secs(10);
+
+/// How long the node, pod and budget watches keep running after the last NodeMaintenance is
+/// gone (`--maintenance-cache-grace`): a `kubectl delete` and apply again, or the next
+/// maintenance of a rollout, finds them listed instead of listing every Pod of the cluster
+/// again.
+pub const DEFAULT_GRACE: Duration = Duration::from_secs(300);
 
 const NODES: u8 = 1;
 const PODS: u8 = 2;
@@ -54,36 +69,94 @@ pub struct NotReady(Duration);
 /// see `Cache::triggers`).
 const POD_LIST_PAGE: u32 = 250;
 
-/// One Node, trimmed: name, labels, resourceVersion, nodekeeper's maintenance annotation,
-/// `spec.unschedulable` and taints, and the maintenance conditions; with its record parsed.
-/// The Node is behind an `Arc`: a `Node` is over a kilobyte inline, and the cache's map (one
-/// entry per node of the cluster) and each reconcile's view of the nodes it holds would
-/// otherwise carry that much per node on top of the trimmed content.
+/// One Node as the reconciler reads it: name, uid, resourceVersion, labels,
+/// `spec.unschedulable` and taints, and the maintenance conditions; nodekeeper's maintenance
+/// annotation is kept parsed, in [`CachedNode::record`]. A struct of its own rather than a
+/// trimmed `Node`: a `Node` is over a kilobyte inline however little it holds, once per node of
+/// the cluster while a maintenance exists.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct NodeFacts {
+    pub name: String,
+    pub uid: Option<String>,
+    pub resource_version: Option<String>,
+    pub labels: BTreeMap<String, String>,
+    pub unschedulable: bool,
+    pub taints: Vec<Taint>,
+    /// Only the maintenance conditions (`MAINTENANCE_CONDITIONS`).
+    pub conditions: Vec<NodeCondition>,
+}
+
+impl NodeFacts {
+    /// What the reconciler reads of `node`; the rest (images, addresses, other annotations and
+    /// conditions, managedFields) is dropped.
+    pub fn of(node: Node) -> Self {
+        let Node {
+            metadata,
+            spec,
+            status,
+        } = node;
+        let spec = spec.unwrap_or_default();
+        // A decoded list may keep spare room; these live as long as the cache.
+        let mut taints = spec.taints.unwrap_or_default();
+        taints.shrink_to_fit();
+        let conditions = status.and_then(|s| s.conditions).unwrap_or_default();
+        Self {
+            name: metadata.name.unwrap_or_default(),
+            uid: metadata.uid,
+            resource_version: metadata.resource_version,
+            labels: metadata.labels.unwrap_or_default(),
+            unschedulable: spec.unschedulable.unwrap_or(false),
+            taints,
+            conditions: crate::shared::filter_exact(conditions, |c| {
+                MAINTENANCE_CONDITIONS.contains(&c.type_.as_str())
+            }),
+        }
+    }
+}
+
+/// One Node with its record parsed. The facts are behind an `Arc`: each reconcile's view of
+/// the nodes it holds shares them with the cache.
 #[derive(Clone, Debug)]
 pub struct CachedNode {
-    pub node: std::sync::Arc<Node>,
+    pub node: Arc<NodeFacts>,
     pub record: Option<NodeRecord>,
     rv: u64,
 }
 
 impl CachedNode {
     fn new(node: Node) -> Self {
-        let node = std::sync::Arc::new(trim_node(node));
         let record = NodeRecord::parse(
             node.annotations()
                 .get(ANNOTATION_MAINTENANCE)
                 .map(String::as_str),
         );
         let rv = resource_version(node.meta());
-        Self { node, record, rv }
+        Self {
+            node: Arc::new(NodeFacts::of(node)),
+            record,
+            rv,
+        }
     }
 
     /// The same as far as the controller cares (the resourceVersion aside).
     fn same(&self, other: &CachedNode) -> bool {
-        let m = |n: &Node| (n.labels().clone(), n.annotations().clone());
-        m(&self.node) == m(&other.node)
-            && self.node.spec == other.node.spec
-            && self.node.status == other.node.status
+        let (a, b) = (&*self.node, &*other.node);
+        self.record == other.record
+            && (
+                &a.name,
+                &a.uid,
+                &a.labels,
+                a.unschedulable,
+                &a.taints,
+                &a.conditions,
+            ) == (
+                &b.name,
+                &b.uid,
+                &b.labels,
+                b.unschedulable,
+                &b.taints,
+                &b.conditions,
+            )
     }
 }
 
@@ -92,44 +165,6 @@ fn resource_version(meta: &ObjectMeta) -> u64 {
         .as_deref()
         .and_then(|v| v.parse().ok())
         .unwrap_or(0)
-}
-
-/// Keeps what the reconciler reads of a Node and drops the rest (images, addresses, other
-/// annotations and conditions, managedFields).
-pub fn trim_node(node: Node) -> Node {
-    let Node {
-        metadata,
-        spec,
-        status,
-    } = node;
-    let annotations = metadata.annotations.map(|a| {
-        a.into_iter()
-            .filter(|(k, _)| k == ANNOTATION_MAINTENANCE)
-            .collect()
-    });
-    Node {
-        metadata: ObjectMeta {
-            name: metadata.name,
-            uid: metadata.uid,
-            resource_version: metadata.resource_version,
-            labels: metadata.labels,
-            annotations,
-            ..ObjectMeta::default()
-        },
-        spec: spec.map(|s| NodeSpec {
-            unschedulable: s.unschedulable,
-            taints: s.taints,
-            ..NodeSpec::default()
-        }),
-        status: status.map(|s| NodeStatus {
-            conditions: s.conditions.map(|cs| {
-                crate::shared::filter_exact(cs, |c| {
-                    MAINTENANCE_CONDITIONS.contains(&c.type_.as_str())
-                })
-            }),
-            ..NodeStatus::default()
-        }),
-    }
 }
 
 /// One scheduled Pod as the plan sees it, with what eviction and deletion need.
@@ -201,6 +236,13 @@ struct State {
     evicted: HashMap<String, Instant>,
     /// Maintenances this replica has reconciled (woken when any node's labels change).
     known: BTreeSet<String>,
+    /// The NodeMaintenances that exist, from their metadata watch: while there is one, the
+    /// other watches run.
+    maintenances: BTreeSet<String>,
+    maintenances_init: Option<BTreeSet<String>>,
+    /// When the last maintenance went, or a reconcile last asked for the watches: they run
+    /// until the grace period has passed since.
+    wanted_at: Option<Instant>,
     nodes_init: Option<HashMap<String, CachedNode>>,
     pods_init: Option<Vec<(String, PodKey, CachedPod)>>,
     budgets_init: Option<HashMap<PodKey, CachedBudget>>,
@@ -238,7 +280,7 @@ impl State {
 
     /// Stores a node unless what is stored is newer; returns the maintenances to wake.
     fn put_node(&mut self, new: CachedNode) -> Vec<String> {
-        let name = new.node.name_any();
+        let name = new.node.name.clone();
         let old = self.nodes.get(&name);
         if old.is_some_and(|o| o.rv > new.rv) {
             return Vec::new();
@@ -249,7 +291,7 @@ impl State {
             Some(o) => {
                 wake.extend(Self::holders(Some(o)));
                 wake.extend(Self::holders(Some(&new)));
-                if o.node.labels() != new.node.labels() {
+                if o.node.labels != new.node.labels {
                     wake.extend(self.known.iter().cloned());
                 }
             }
@@ -274,10 +316,10 @@ impl State {
             self.evicted.remove(uid);
         }
         let before = self.pod_node.insert(key.clone(), node.clone());
-        if let Some(before) = before.filter(|b| *b != node) {
-            if let Some(m) = self.pods.get_mut(&before) {
-                m.remove(&key);
-            }
+        if let Some(before) = before.filter(|b| *b != node)
+            && let Some(m) = self.pods.get_mut(&before)
+        {
+            m.remove(&key);
         }
         let slot = self.pods.entry(node.clone()).or_default();
         if slot.get(&key) == Some(&pod) {
@@ -322,28 +364,164 @@ impl State {
     }
 }
 
+/// What the trigger stream does with the node, pod and budget watches.
+#[derive(Debug, PartialEq, Eq)]
+enum Step {
+    Start,
+    Stop,
+    /// As they are, until this moment (when they may have to stop) or the next event.
+    Keep(Option<Instant>),
+}
+
+/// The watches are wanted while a maintenance exists and for `grace` after they were last
+/// wanted.
+fn step(
+    running: bool,
+    maintenances: usize,
+    wanted_at: Option<Instant>,
+    grace: Duration,
+    now: Instant,
+) -> Step {
+    let until = wanted_at.map(|at| at + grace).filter(|until| now < *until);
+    let wanted = maintenances > 0 || until.is_some();
+    match (running, wanted) {
+        (false, true) => Step::Start,
+        (true, false) => Step::Stop,
+        (true, true) if maintenances == 0 => Step::Keep(until),
+        _ => Step::Keep(None),
+    }
+}
+
 /// The watches' state, shared by the trigger stream (which feeds it) and the reconciles.
 pub struct Cache {
     state: Mutex<State>,
     ready: watch::Sender<u8>,
+    /// Wakes the trigger stream when a reconcile asks for the watches ([`Cache::want`]).
+    wanted: Notify,
+    grace: Duration,
+    gauges: MaintenanceMetrics,
 }
 
 impl Default for Cache {
     fn default() -> Self {
-        Self {
-            state: Mutex::default(),
-            ready: watch::Sender::new(0),
-        }
+        Self::new(DEFAULT_GRACE, MaintenanceMetrics::default())
     }
 }
 
 impl Cache {
+    /// An empty cache whose watches stop `grace` after the last maintenance went.
+    pub fn new(grace: Duration, gauges: MaintenanceMetrics) -> Self {
+        Self {
+            state: Mutex::default(),
+            ready: watch::Sender::new(0),
+            wanted: Notify::new(),
+            grace,
+            gauges,
+        }
+    }
+
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn set_ready(&self, bit: u8) {
-        self.ready.send_modify(|r| *r |= bit);
+    /// Marks one watch as listed; called with the state locked, whose counts it logs once the
+    /// last of the three has listed.
+    fn set_ready(&self, bit: u8, s: &State) {
+        let mut filled = false;
+        self.ready.send_modify(|r| {
+            filled = *r != ALL && *r | bit == ALL;
+            *r |= bit;
+        });
+        if filled {
+            info!(
+                nodes = s.nodes.len(),
+                pods = s.pod_node.len(),
+                budgets = s.budgets.len(),
+                "nodemaintenance: node, pod and PodDisruptionBudget caches listed"
+            );
+        }
+    }
+
+    fn set_gauges(&self) {
+        let s = self.lock();
+        let count = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
+        self.gauges.cached_nodes.set(count(s.nodes.len()));
+        self.gauges.cached_pods.set(count(s.pod_node.len()));
+    }
+
+    /// A reconcile needs the watches: they start if they were stopped, and run for at least
+    /// the grace period from now (a reconcile may come before the metadata watch has shown its
+    /// maintenance).
+    pub fn want(&self) {
+        self.lock().wanted_at = Some(Instant::now());
+        self.wanted.notify_one();
+    }
+
+    /// What the trigger stream does next with the watches.
+    fn step(&self, running: bool) -> Step {
+        let s = self.lock();
+        step(
+            running,
+            s.maintenances.len(),
+            s.wanted_at,
+            self.grace,
+            Instant::now(),
+        )
+    }
+
+    /// Forgets everything the stopped watches had brought, releasing the maps' memory (new,
+    /// empty maps replace them: a cleared map keeps its capacity), and the counts it held.
+    fn release(&self) -> (usize, usize) {
+        self.ready.send_replace(0);
+        let mut s = self.lock();
+        let counts = (s.nodes.len(), s.pod_node.len());
+        *s = State {
+            maintenances: std::mem::take(&mut s.maintenances),
+            maintenances_init: s.maintenances_init.take(),
+            wanted_at: s.wanted_at,
+            ..State::default()
+        };
+        drop(s);
+        self.set_gauges();
+        counts
+    }
+
+    /// Keeps the set of NodeMaintenances that exist.
+    fn on_maintenance(
+        &self,
+        event: Result<Event<PartialObjectMeta<NodeMaintenance>>, watcher::Error>,
+    ) {
+        let event = match event {
+            Ok(e) => e,
+            Err(error) => {
+                warn!(%error, "nodemaintenance: NodeMaintenance metadata watch failed; it restarts");
+                return;
+            }
+        };
+        let mut s = self.lock();
+        let before = s.maintenances.len();
+        match event {
+            Event::Init => s.maintenances_init = Some(BTreeSet::new()),
+            Event::InitApply(m) => {
+                if let Some(buffer) = s.maintenances_init.as_mut() {
+                    buffer.insert(m.name_any());
+                }
+            }
+            Event::InitDone => {
+                if let Some(buffer) = s.maintenances_init.take() {
+                    s.maintenances = buffer;
+                }
+            }
+            Event::Apply(m) => {
+                s.maintenances.insert(m.name_any());
+            }
+            Event::Delete(m) => {
+                s.maintenances.remove(&m.name_any());
+            }
+        }
+        if before > 0 && s.maintenances.is_empty() {
+            s.wanted_at = Some(Instant::now());
+        }
     }
 
     /// Waits until every watch has listed once.
@@ -488,7 +666,7 @@ impl Cache {
             Event::InitApply(node) => {
                 let c = CachedNode::new(node);
                 if let Some(buffer) = s.nodes_init.as_mut() {
-                    buffer.insert(c.node.name_any(), c);
+                    buffer.insert(c.node.name.clone(), c);
                 }
                 Vec::new()
             }
@@ -501,7 +679,7 @@ impl Cache {
                         .collect();
                     s.nodes = buffer;
                 }
-                self.set_ready(NODES);
+                self.set_ready(NODES, &s);
                 s.known.iter().cloned().collect()
             }
             Event::Apply(node) => s.put_node(CachedNode::new(node)),
@@ -547,7 +725,7 @@ impl Cache {
                         s.pods.entry(n).or_default().insert(k, p);
                     }
                 }
-                self.set_ready(PODS);
+                self.set_ready(PODS, &s);
                 s.known.iter().cloned().collect()
             }
             Event::Apply(pod) => match node(&pod) {
@@ -591,7 +769,7 @@ impl Cache {
                 if let Some(buffer) = s.budgets_init.take() {
                     s.budgets = buffer;
                 }
-                self.set_ready(BUDGETS);
+                self.set_ready(BUDGETS, &s);
                 s.known.iter().cloned().collect()
             }
             Event::Apply(pdb) => match cached(&pdb) {
@@ -608,12 +786,9 @@ impl Cache {
         }
     }
 
-    /// The three watches, feeding this cache, as one stream with an item each time some
-    /// maintenance should look again. They run while the controller polls the stream, i.e.
-    /// while this replica leads. The item wakes every maintenance (kube's per-object trigger is
-    /// an unstable feature); there are few, and a reconcile with nothing to do reads only this
-    /// cache and writes nothing, while the event that concerns none is dropped here.
-    pub fn triggers(self: &Arc<Self>, client: &kube::Client) -> BoxStream<'static, ()> {
+    /// The node, pod and budget watches, feeding this cache, as one stream of the
+    /// maintenances each event wakes.
+    fn watches(self: &Arc<Self>, client: &kube::Client) -> BoxStream<'static, Vec<String>> {
         // Nodes and Pods are listed in pages, at the most recent resourceVersion. A list at
         // resourceVersion 0 (`any_semantic`) is answered from the API server's watch cache,
         // which ignores the page size (kubernetes/kubernetes#96182): every Pod of the cluster
@@ -642,9 +817,106 @@ impl Cache {
         )
         .default_backoff()
         .map(move |e| c.on_budget(e));
-        futures::stream::select_all([nodes.boxed(), pods.boxed(), budgets.boxed()])
-            .filter_map(|names| std::future::ready((!names.is_empty()).then_some(())))
-            .boxed()
+        futures::stream::select_all([nodes.boxed(), pods.boxed(), budgets.boxed()]).boxed()
+    }
+
+    /// The watches feeding this cache as one stream with an item each time some maintenance
+    /// should look again. They run while the controller polls the stream, i.e. while this
+    /// replica leads: the NodeMaintenance metadata watch always, the node, pod and budget
+    /// watches while a maintenance exists (and for the grace period after). The item wakes
+    /// every maintenance (kube's per-object trigger is an unstable feature); there are few, and
+    /// a reconcile with nothing to do reads only this cache and writes nothing, while the event
+    /// that concerns none is dropped here.
+    pub fn triggers(self: &Arc<Self>, client: &kube::Client) -> BoxStream<'static, ()> {
+        let c = Arc::clone(self);
+        // Metadata only: whether a maintenance exists is all this watch is for. A consistent
+        // list (there are few maintenances): one from the API server's watch cache can be older
+        // than the cache's window and fail the watch that follows, right after the CRD came.
+        let maintenances = watcher::watcher(
+            Api::<PartialObjectMeta<NodeMaintenance>>::all(client.clone()),
+            watcher::Config::default(),
+        )
+        .default_backoff()
+        .map(move |e| c.on_maintenance(e))
+        .boxed();
+        let driver = Driver {
+            cache: Arc::clone(self),
+            client: client.clone(),
+            maintenances,
+            watches: None,
+        };
+        futures::stream::unfold(driver, Driver::next).boxed()
+    }
+}
+
+/// The state of [`Cache::triggers`]' stream: the watches it runs now.
+struct Driver {
+    cache: Arc<Cache>,
+    client: kube::Client,
+    maintenances: BoxStream<'static, ()>,
+    /// The node, pod and budget watches, while they run. Dropping the stream ends them.
+    watches: Option<BoxStream<'static, Vec<String>>>,
+}
+
+impl Driver {
+    /// Runs the watches until one wakes some maintenance; starts and stops the node, pod and
+    /// budget watches on the way as the maintenances come and go.
+    async fn next(mut self) -> Option<((), Self)> {
+        loop {
+            let until = match self.cache.step(self.watches.is_some()) {
+                Step::Start => {
+                    info!(
+                        "nodemaintenance: a NodeMaintenance exists; starting the node, pod and PodDisruptionBudget caches"
+                    );
+                    self.watches = Some(self.cache.watches(&self.client));
+                    continue;
+                }
+                Step::Stop => {
+                    self.watches = None;
+                    let (nodes, pods) = self.cache.release();
+                    info!(
+                        nodes,
+                        pods,
+                        grace = ?self.cache.grace,
+                        "nodemaintenance: no NodeMaintenance for the grace period; stopped the node, pod and PodDisruptionBudget caches and released them"
+                    );
+                    continue;
+                }
+                Step::Keep(until) => until,
+            };
+            let Self {
+                cache,
+                maintenances,
+                watches,
+                ..
+            } = &mut self;
+            let woken = async {
+                match watches.as_mut() {
+                    Some(w) => w.next().await,
+                    None => std::future::pending().await,
+                }
+            };
+            let stop = async {
+                match until {
+                    Some(at) => tokio::time::sleep_until(at.into()).await,
+                    None => std::future::pending().await,
+                }
+            };
+            // `None` when a watch stream ended (watcher streams never do; this one ends with
+            // them), else whether some maintenance is woken.
+            let wake = tokio::select! {
+                event = maintenances.next() => event.map(|()| false),
+                names = woken => names.map(|n| !n.is_empty()),
+                () = cache.wanted.notified() => Some(false),
+                () = stop => Some(false),
+            };
+            if self.watches.is_some() {
+                self.cache.set_gauges();
+            }
+            if wake? {
+                return Some(((), self));
+            }
+        }
     }
 }
 
@@ -714,13 +986,13 @@ mod tests {
         assert!(cache.pods_on("n1")[0].facts.terminating);
         assert_eq!(cache.on_pod(Ok(Event::Delete(pod("a", "n1", "u1")))), ["m"]);
         assert!(cache.pods_on("n1").is_empty());
-        // Trimmed: only the maintenance annotation is kept.
+        // The maintenance annotation is kept, parsed.
         let n1 = &cache
             .nodes()
             .into_iter()
-            .find(|n| n.node.name_any() == "n1")
+            .find(|n| n.node.name == "n1")
             .unwrap();
-        assert_eq!(n1.node.annotations().len(), 1);
+        assert!(n1.record.is_some());
         assert_eq!(cache.held_nodes().len(), 1);
     }
 
@@ -771,5 +1043,109 @@ mod tests {
         cache.on_budget(Ok(Event::InitDone));
         assert!(cache.wait_ready(Duration::from_millis(10)).await.is_ok());
         assert_eq!(cache.pods_on("n1").len(), 1);
+    }
+
+    #[test]
+    fn the_watches_run_while_a_maintenance_exists_and_for_the_grace_after() {
+        let grace = Duration::from_secs(300);
+        let t0 = Instant::now();
+        let later = |s: u64| t0 + Duration::from_secs(s);
+        // A cluster that never had a maintenance: nothing runs.
+        assert_eq!(step(false, 0, None, grace, t0), Step::Keep(None));
+        // One appears (or a reconcile asked): start, and keep while one exists.
+        assert_eq!(step(false, 1, None, grace, t0), Step::Start);
+        assert_eq!(step(false, 0, Some(t0), grace, t0), Step::Start);
+        assert_eq!(step(true, 2, Some(t0), grace, later(900)), Step::Keep(None));
+        // The last went at t0: kept until the grace period has passed, then stopped.
+        assert_eq!(
+            step(true, 0, Some(t0), grace, later(10)),
+            Step::Keep(Some(later(300)))
+        );
+        assert_eq!(step(true, 0, Some(t0), grace, later(300)), Step::Stop);
+        assert_eq!(
+            step(false, 0, Some(t0), grace, later(301)),
+            Step::Keep(None)
+        );
+    }
+
+    #[tokio::test]
+    async fn released_caches_hold_nothing_and_list_again() {
+        let gauges = MaintenanceMetrics::default();
+        let cache = Cache::new(Duration::from_secs(1), gauges.clone());
+        let meta = |name: &str| PartialObjectMeta::<NodeMaintenance> {
+            types: None,
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                ..ObjectMeta::default()
+            },
+            _phantom: std::marker::PhantomData,
+        };
+        cache.on_maintenance(Ok(Event::Init));
+        cache.on_maintenance(Ok(Event::InitApply(meta("m"))));
+        cache.on_maintenance(Ok(Event::InitDone));
+        assert_eq!(cache.step(false), Step::Start);
+        let fill = |cache: &Cache| {
+            cache.on_node(Ok(Event::Init));
+            cache.on_node(Ok(Event::InitApply(node("n1", 1, Some(&draining("m"))))));
+            cache.on_node(Ok(Event::InitDone));
+            cache.on_pod(Ok(Event::Init));
+            cache.on_pod(Ok(Event::InitApply(pod("a", "n1", "u1"))));
+            cache.on_pod(Ok(Event::InitDone));
+            cache.on_budget(Ok(Event::Init));
+            cache.on_budget(Ok(Event::InitDone));
+            cache.set_gauges();
+        };
+        fill(&cache);
+        assert!(cache.wait_ready(Duration::from_millis(10)).await.is_ok());
+        assert_eq!(
+            (gauges.cached_nodes.get(), gauges.cached_pods.get()),
+            (1, 1)
+        );
+        // The last maintenance goes: the watches stay for the grace period.
+        cache.on_maintenance(Ok(Event::Delete(meta("m"))));
+        assert!(matches!(cache.step(true), Step::Keep(Some(_))));
+        cache.lock().wanted_at = Some(Instant::now() - Duration::from_secs(2));
+        assert_eq!(cache.step(true), Step::Stop);
+        assert_eq!(cache.release(), (1, 1));
+        assert_eq!(
+            (gauges.cached_nodes.get(), gauges.cached_pods.get()),
+            (0, 0)
+        );
+        assert!(cache.nodes().is_empty() && cache.pods_on("n1").is_empty());
+        {
+            let s = cache.lock();
+            assert_eq!(
+                s.nodes.capacity() + s.pods.capacity() + s.pod_node.capacity(),
+                0
+            );
+        }
+        // A reconcile that comes now waits for the next list.
+        assert!(cache.wait_ready(Duration::from_millis(10)).await.is_err());
+        // A new maintenance: started again, and ready once listed.
+        cache.on_maintenance(Ok(Event::Apply(meta("m2"))));
+        assert_eq!(cache.step(false), Step::Start);
+        fill(&cache);
+        assert!(cache.wait_ready(Duration::from_millis(10)).await.is_ok());
+        assert_eq!(cache.pods_on("n1").len(), 1);
+    }
+
+    #[test]
+    fn a_reconcile_asks_for_the_watches_before_their_watch_shows_its_maintenance() {
+        let cache = Cache::new(Duration::from_secs(60), MaintenanceMetrics::default());
+        assert_eq!(cache.step(false), Step::Keep(None));
+        cache.want();
+        assert_eq!(cache.step(false), Step::Start);
+        assert!(matches!(cache.step(true), Step::Keep(Some(_))));
+    }
+
+    #[test]
+    fn node_facts_are_a_fraction_of_a_node() {
+        // Per node of the cluster while a maintenance exists: the inline part alone, before
+        // the labels and strings both keep.
+        let (facts, node) = (size_of::<NodeFacts>(), size_of::<Node>());
+        assert!(
+            facts * 4 < node,
+            "NodeFacts {facts} bytes, Node {node} bytes"
+        );
     }
 }

@@ -41,6 +41,26 @@ pub struct TuningLimits {
     pub max_selected_nodes: u32,
 }
 
+/// The controller's flags.
+#[derive(Clone, Debug, clap::Args)]
+#[group(id = "node_maintenance")]
+pub struct Config {
+    /// How long the Node, Pod and PodDisruptionBudget caches stay after the last
+    /// NodeMaintenance is gone. They run only while one exists: between maintenances the
+    /// controller holds no copy of the cluster's Nodes and Pods.
+    #[arg(
+        long,
+        env = "NODEKEEPER_MAINTENANCE_CACHE_GRACE",
+        default_value = "5m",
+        value_parser = duration
+    )]
+    pub maintenance_cache_grace: Duration,
+}
+
+fn duration(s: &str) -> Result<Duration, String> {
+    nodekeeper_model::tuning::parse_duration(s)
+}
+
 /// What the reconciler needs.
 pub struct Context {
     /// The process's client, used until [`Context::kube`] has built its own.
@@ -66,7 +86,7 @@ pub struct Context {
 
 impl Context {
     /// The controller's context in the running controller-manager.
-    pub fn new(shared: &Shared) -> Self {
+    pub fn new(shared: &Shared, config: &Config) -> Self {
         Self {
             base_client: shared.client.clone(),
             client: OnceCell::new(),
@@ -74,7 +94,10 @@ impl Context {
             tuning: shared.tuning.clone(),
             eviction_budget: Duration::from_secs(5),
             drain_recheck: Duration::from_secs(15),
-            cache: Arc::default(),
+            cache: Arc::new(cache::Cache::new(
+                config.maintenance_cache_grace,
+                shared.metrics.maintenance.clone(),
+            )),
             statuses: Mutex::default(),
         }
     }

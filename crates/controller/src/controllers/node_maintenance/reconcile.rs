@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use futures::StreamExt as _;
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::{Node, NodeCondition, Pod};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, Preconditions};
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType};
@@ -28,7 +28,7 @@ use tracing::{info, warn};
 
 use super::Context;
 use super::admission::{self, CONTROL_PLANE_LABEL, Selection};
-use super::cache::{CachedNode, CachedPod, NotReady};
+use super::cache::{CachedNode, CachedPod, NodeFacts, NotReady};
 use super::eviction::{self, Admit, EvictionAnswer, admit};
 use super::plan::{self, DeadlineStep, Owner, PodFacts, Rules};
 use super::record::{self, Hold, HoldPhase, NodeRecord};
@@ -77,7 +77,7 @@ fn rfc3339(unix: i64) -> String {
 
 /// One node as read this time.
 struct Seen {
-    node: std::sync::Arc<Node>,
+    node: Arc<NodeFacts>,
     selected: bool,
     record: Option<NodeRecord>,
 }
@@ -98,13 +98,6 @@ fn record_of(node: &Node) -> Option<NodeRecord> {
             .get(ANNOTATION_MAINTENANCE)
             .map(String::as_str),
     )
-}
-
-fn unschedulable(node: &Node) -> bool {
-    node.spec
-        .as_ref()
-        .and_then(|s| s.unschedulable)
-        .unwrap_or(false)
 }
 
 async fn publish(
@@ -133,7 +126,9 @@ pub async fn reconcile(nm: Arc<NodeMaintenance>, ctx: Arc<Context>) -> Result<Ac
     let api: Api<NodeMaintenance> = Api::all(client.clone());
     let nodes_api: Api<Node> = Api::all(client.clone());
     // Nothing is decided on a cache that has not listed yet (an empty pod list would read as
-    // "drained").
+    // "drained"). The caches run only while a maintenance exists: this one may be seen here
+    // before their own watch of the maintenances shows it.
+    ctx.cache.want();
     ctx.cache
         .wait_ready(CACHE_WAIT)
         .await
@@ -228,8 +223,8 @@ pub async fn reconcile(nm: Arc<NodeMaintenance>, ctx: Arc<Context>) -> Result<Ac
     let mut seen: BTreeMap<String, Seen> = BTreeMap::new();
     ctx.cache.scan_nodes(|cached| {
         total += 1;
-        let selected = selector.matches(cached.node.labels());
-        let cp = cached.node.labels().contains_key(CONTROL_PLANE_LABEL);
+        let selected = selector.matches(&cached.node.labels);
+        let cp = cached.node.labels.contains_key(CONTROL_PLANE_LABEL);
         control_plane += u32::from(cp);
         selected_control_plane += u32::from(cp && selected);
         matched += u32::from(selected);
@@ -241,7 +236,7 @@ pub async fn reconcile(nm: Arc<NodeMaintenance>, ctx: Arc<Context>) -> Result<Ac
             .as_ref()
             .is_some_and(|r| r.hold(&name).is_some());
         if selected || holds {
-            seen.insert(cached.node.name_any(), Seen::of(cached.clone(), selected));
+            seen.insert(cached.node.name.clone(), Seen::of(cached.clone(), selected));
         }
     });
     let total_nodes = u32::try_from(total).unwrap_or(u32::MAX);
@@ -405,7 +400,7 @@ async fn write_node(
     target: Target,
     hold: Option<Hold>,
 ) -> Result<bool, Error> {
-    let node_name = seen.node.name_any();
+    let node_name = seen.node.name.clone();
     let err = |source| Error::WriteNode {
         name: name.to_owned(),
         node: node_name.clone(),
@@ -420,7 +415,7 @@ async fn write_node(
                 let fresh = nodes_api.get(&node_name).await.map_err(err)?;
                 ctx.cache.wrote_node(fresh.clone());
                 seen.record = record_of(&fresh);
-                seen.node = std::sync::Arc::new(super::cache::trim_node(fresh));
+                seen.node = Arc::new(NodeFacts::of(fresh));
             }
             Err(kube::Error::Api(s)) if s.code == 404 => return Ok(false),
             Err(source) => return Err(err(source)),
@@ -436,16 +431,11 @@ async fn write_node_once(
     target: Target,
     hold: Option<Hold>,
 ) -> Result<bool, kube::Error> {
-    let node_name = seen.node.name_any();
+    let node_name = seen.node.name.clone();
     let current_owned = seen.record.clone();
     let current = current_owned.as_ref();
-    let was_unschedulable = unschedulable(&seen.node);
-    let taints_now = seen
-        .node
-        .spec
-        .as_ref()
-        .and_then(|s| s.taints.clone())
-        .unwrap_or_default();
+    let was_unschedulable = seen.node.unschedulable;
+    let taints_now = seen.node.taints.clone();
     let (record, uncordoned) = match (target, hold) {
         (Target::Hold(_), Some(hold)) => {
             let mut r = record::set_hold(current, was_unschedulable, name, hold);
@@ -477,7 +467,7 @@ async fn write_node_once(
         record.as_ref().is_some_and(NodeRecord::held_cordoned),
         record.is_none(),
     );
-    let labelled = seen.node.labels().get(LABEL_MAINTAINED).map(String::as_str) == Some("true");
+    let labelled = seen.node.labels.get(LABEL_MAINTAINED).map(String::as_str) == Some("true");
 
     let params = PatchParams::apply(MANAGER_NODE_MAINTENANCE).force();
     if record.as_ref() != current
@@ -497,8 +487,8 @@ async fn write_node_once(
         // otherwise create a new, empty one (the resourceVersion does not stop a create).
         let mut metadata = serde_json::json!({
             "name": node_name,
-            "uid": seen.node.uid(),
-            "resourceVersion": seen.node.resource_version(),
+            "uid": seen.node.uid,
+            "resourceVersion": seen.node.resource_version,
         });
         if let Some(r) = &record {
             metadata["annotations"] =
@@ -519,21 +509,16 @@ async fn write_node_once(
             .patch(&node_name, &params, &Patch::Apply(&body))
             .await?;
         ctx.cache.wrote_node(written.clone());
-        seen.node = std::sync::Arc::new(super::cache::trim_node(written));
+        seen.node = Arc::new(NodeFacts::of(written));
         info!(maintenance = %name, node = %node_name, unschedulable = want_unschedulable, holders = record.as_ref().map_or(0, |r| r.holders.len()), "node hold written");
     }
     // From here on the node as written is what later writes compare against.
     seen.record = record.clone();
 
     let desired = record::node_conditions(record.as_ref());
-    if conditions_differ(&seen.node, &desired) {
+    if conditions_differ(&seen.node.conditions, &desired) {
         let now = k8s_openapi::jiff::Timestamp::now().to_string();
-        let existing = seen
-            .node
-            .status
-            .as_ref()
-            .and_then(|s| s.conditions.clone())
-            .unwrap_or_default();
+        let existing = &seen.node.conditions;
         let conditions: Vec<serde_json::Value> = desired
             .iter()
             .map(|c| {
@@ -565,7 +550,7 @@ async fn write_node_once(
             .patch_status(&node_name, &params, &Patch::Apply(&body))
             .await?;
         ctx.cache.wrote_node(written.clone());
-        seen.node = std::sync::Arc::new(super::cache::trim_node(written));
+        seen.node = Arc::new(NodeFacts::of(written));
     }
     Ok(uncordoned)
 }
@@ -578,25 +563,19 @@ pub const MAINTENANCE_CONDITIONS: [&str; 4] = [
     nodekeeper_api::names::NODE_CONDITION_DRAINED,
 ];
 
-fn conditions_differ(node: &Node, desired: &[record::NodeCondition]) -> bool {
-    let existing = node
-        .status
-        .as_ref()
-        .and_then(|s| s.conditions.as_ref())
-        .map(|cs| {
-            cs.iter()
-                .filter(|c| MAINTENANCE_CONDITIONS.contains(&c.type_.as_str()))
-                .map(|c| {
-                    (
-                        c.type_.clone(),
-                        c.status.clone(),
-                        c.reason.clone().unwrap_or_default(),
-                        c.message.clone().unwrap_or_default(),
-                    )
-                })
-                .collect::<BTreeSet<_>>()
+fn conditions_differ(existing: &[NodeCondition], desired: &[record::NodeCondition]) -> bool {
+    let existing: BTreeSet<_> = existing
+        .iter()
+        .filter(|c| MAINTENANCE_CONDITIONS.contains(&c.type_.as_str()))
+        .map(|c| {
+            (
+                c.type_.clone(),
+                c.status.clone(),
+                c.reason.clone().unwrap_or_default(),
+                c.message.clone().unwrap_or_default(),
+            )
         })
-        .unwrap_or_default();
+        .collect();
     let want: BTreeSet<_> = desired
         .iter()
         .map(|c| {
@@ -782,7 +761,7 @@ async fn start_node(
     now: i64,
 ) -> Result<Job, Error> {
     let name = nm.name_any();
-    let node = seen.node.name_any();
+    let node = seen.node.name.clone();
     let previous = seen.record.as_ref().and_then(|r| r.hold(&name)).cloned();
     let started = previous
         .as_ref()

@@ -396,12 +396,15 @@ mod tests {
     fn the_maintenance_taint_follows_the_cordon_and_prior_taints_come_back() {
         let theirs = taint("gpu", None);
         // Held: the taint joins what is there; nothing else changes.
-        let held = taints(&[theirs.clone()], &[], true, false);
+        let held = taints(std::slice::from_ref(&theirs), &[], true, false);
         assert_eq!(held, [theirs.clone(), taint(MAINTENANCE_TAINT, None)]);
         // Idempotent.
         assert_eq!(taints(&held, &[], true, false), held);
         // A waiting hold does not cordon: no taint.
-        assert_eq!(taints(&held, &[], false, false), [theirs.clone()]);
+        assert_eq!(
+            taints(&held, &[], false, false),
+            std::slice::from_ref(&theirs)
+        );
         // Released: gone again, and someone else's taint set meanwhile stays.
         let later = [held.clone(), vec![taint("other", None)]].concat();
         assert_eq!(
