@@ -1157,7 +1157,7 @@ mod tests {
             "VnicAttachFailed",
             "spec.ociVnics.attach[0].nicIndex: …",
         );
-        let current = written(&[nnc.clone()]);
+        let current = written(std::slice::from_ref(&nnc));
         let desired = desired_conditions(
             Observation::Fresh(&view),
             &TuningConfig::default(),
