@@ -166,6 +166,30 @@ pub async fn apply_all(
     Ok(())
 }
 
+/// A token for ServiceAccount `namespace/name` from the TokenRequest API (what a Pod's projected
+/// token is), valid for `lifetime`.
+pub async fn service_account_token(
+    client: &kube::Client,
+    namespace: &str,
+    name: &str,
+    lifetime: std::time::Duration,
+) -> anyhow::Result<String> {
+    let accounts: Api<ServiceAccount> = Api::namespaced(client.clone(), namespace);
+    let request = json!({"spec": {"expirationSeconds": lifetime.as_secs(), "audiences": []}});
+    Ok(accounts
+        .create_token_request(
+            name,
+            &PostParams::default(),
+            &serde_json::from_value(request)?,
+        )
+        .await
+        .with_context(|| format!("request a token for ServiceAccount {namespace}/{name}"))?
+        .status
+        .context("token request without status")?
+        .token
+        .context("token request without a token")?)
+}
+
 /// Writes to `out` a kubeconfig for the cluster of `admin_kubeconfig` that authenticates as
 /// ServiceAccount `namespace/name` with a token from the TokenRequest API (what a Pod's projected
 /// token is), valid for `lifetime`.
@@ -177,19 +201,7 @@ pub async fn service_account_kubeconfig(
     lifetime: std::time::Duration,
     out: &Path,
 ) -> anyhow::Result<()> {
-    let accounts: Api<ServiceAccount> = Api::namespaced(client.clone(), namespace);
-    let request = json!({"spec": {"expirationSeconds": lifetime.as_secs(), "audiences": []}});
-    let token = accounts
-        .create_token_request(
-            name,
-            &PostParams::default(),
-            &serde_json::from_value(request)?,
-        )
-        .await
-        .with_context(|| format!("request a token for ServiceAccount {namespace}/{name}"))?
-        .status
-        .context("token request without status")?
-        .token;
+    let token = service_account_token(client, namespace, name, lifetime).await?;
     let admin: serde_yaml::Value = serde_yaml::from_str(
         &std::fs::read_to_string(admin_kubeconfig)
             .with_context(|| format!("read {}", admin_kubeconfig.display()))?,

@@ -10,10 +10,9 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context as _, bail};
-use k8s_openapi::api::core::v1::{ConfigMap, ServiceAccount};
+use k8s_openapi::api::core::v1::ConfigMap;
 use kube::Api;
-use kube::api::PostParams;
-use serde_json::{Value, json};
+use serde_json::Value;
 
 /// The directory of `<component>.oci.tar` archives (set by `cargo xtask test`).
 pub const IMAGES_ENV: &str = "NODEKEEPER_TEST_IMAGES";
@@ -380,20 +379,13 @@ pub async fn service_account_volume(
     dir: &Path,
 ) -> anyhow::Result<()> {
     use std::os::unix::fs::PermissionsExt as _;
-    let accounts: Api<ServiceAccount> = Api::namespaced(client.clone(), namespace);
-    let request = json!({"spec": {"expirationSeconds": 3607, "audiences": []}});
-    let token = accounts
-        .create_token_request(
-            account,
-            &PostParams::default(),
-            &serde_json::from_value(request)?,
-        )
-        .await
-        .with_context(|| format!("request a token for ServiceAccount {namespace}/{account}"))?
-        .status
-        .context("token request without status")?
-        .token
-        .context("token request without a token")?;
+    let token = nodekeeper_e2e::install::service_account_token(
+        client,
+        namespace,
+        account,
+        std::time::Duration::from_secs(3607),
+    )
+    .await?;
     let maps: Api<ConfigMap> = Api::namespaced(client.clone(), namespace);
     let ca = nodekeeper_e2e::wait_for(
         "kube-root-ca.crt in the namespace",
