@@ -332,25 +332,6 @@ pub async fn create_simulated_nodes(
     Ok(names)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn unique_names_are_valid_distinct_dns_labels() {
-        let a = unique_name("My_Test");
-        let b = unique_name("My_Test");
-        assert_ne!(a, b);
-        assert!(a.starts_with("my-test-"), "{a}");
-        let long = unique_name(&"x".repeat(100));
-        assert!(long.len() <= 63, "{long}");
-        assert!(
-            long.chars()
-                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
-        );
-    }
-}
-
 /// Server-side applies a nodekeeper object of `K` named `name` with `spec`, as field manager
 /// [`FIELD_MANAGER`] (what a user's `kubectl apply --server-side` does).
 pub async fn apply_spec<K>(api: &Api<K>, name: &str, spec: serde_json::Value) -> anyhow::Result<()>
@@ -410,4 +391,23 @@ pub async fn node_condition(
                 c.message.unwrap_or_default(),
             )
         }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unique_names_are_valid_distinct_dns_labels() {
+        let a = unique_name("My_Test");
+        let b = unique_name("My_Test");
+        assert_ne!(a, b);
+        assert!(a.starts_with("my-test-"), "{a}");
+        let long = unique_name(&"x".repeat(100));
+        assert!(long.len() <= 63, "{long}");
+        assert!(
+            long.chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+        );
+    }
 }

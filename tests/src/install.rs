@@ -176,7 +176,7 @@ pub async fn service_account_token(
 ) -> anyhow::Result<String> {
     let accounts: Api<ServiceAccount> = Api::namespaced(client.clone(), namespace);
     let request = json!({"spec": {"expirationSeconds": lifetime.as_secs(), "audiences": []}});
-    Ok(accounts
+    accounts
         .create_token_request(
             name,
             &PostParams::default(),
@@ -187,7 +187,7 @@ pub async fn service_account_token(
         .status
         .context("token request without status")?
         .token
-        .context("token request without a token")?)
+        .context("token request without a token")
 }
 
 /// Writes to `out` a kubeconfig for the cluster of `admin_kubeconfig` that authenticates as

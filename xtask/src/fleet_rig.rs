@@ -340,12 +340,15 @@ pub async fn request_totals(
     Ok(totals)
 }
 
+/// Audit event counts by (user, verb, resource[/subresource]).
+pub type AuditCounts = BTreeMap<(String, String, String), u64>;
+
 /// Audit events by (user, verb, resource[/subresource]) from `from_line` on; returns the counts
 /// and the number of lines read.
 pub fn audit_counts(
     path: &Path,
     from_line: usize,
-) -> anyhow::Result<(BTreeMap<(String, String, String), u64>, usize, Vec<String>)> {
+) -> anyhow::Result<(AuditCounts, usize, Vec<String>)> {
     let text = std::fs::read_to_string(path).unwrap_or_default();
     let mut counts = BTreeMap::new();
     let mut patched_nodes = Vec::new();

@@ -1,6 +1,9 @@
 //! `cargo xtask`: the project's own automation — code generation, the local control plane,
 //! the VM used for VLAN tests, benchmarks and the demo.
 
+// A command-line tool: its reports (benchmark sections, `cluster env`) are its standard output.
+#![allow(clippy::print_stdout)]
+
 mod bench_agent;
 mod bench_drain;
 mod bench_fleet;

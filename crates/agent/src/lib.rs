@@ -142,7 +142,7 @@ async fn serve_once(
     let addr = listener.local_addr().ok();
     let agent = Arc::clone(agent);
     let max = config.max_message_bytes;
-    let diagnostics = Arc::new(diag::Diagnostics::new(Arc::clone(&agent), &config));
+    let diagnostics = Arc::new(diag::Diagnostics::new(Arc::clone(&agent), config));
     let svc = NodeAgentServer::new(service::AgentService::new(agent).with_diagnostics(diagnostics))
         .max_decoding_message_size(max)
         .max_encoding_message_size(max);
