@@ -98,6 +98,15 @@ fn report(f: &Value, build: &str) -> String {
     let calls = num("cloud_calls_per_node");
     let writes = num("api_writes_per_node");
     let verdict = |ok: bool| if ok { "meets" } else { "misses" };
+    let latency_flag = if (num("attach_delay_s") - 1.0).abs() > 1e-9 {
+        format!(" --attach-latency {}", num("attach_delay_s"))
+    } else {
+        String::new()
+    };
+    let flag = format!(
+        "{}{latency_flag}",
+        if build == "Debug" { " --debug" } else { "" }
+    );
     format!(
         "## vnic\n\n\
          `cargo xtask bench vnic --nodes {n}{flag}`: one NodeNetworkConfig, one VNIC on each of {n} kwok \
@@ -107,7 +116,8 @@ fn report(f: &Value, build: &str) -> String {
          `--nnc-attach-latency {delay}s` (longer after looks that find it still ATTACHING, never shorter). {build} build, 2-core shared machine.\n\n\
          | figure | value | target |\n|---|---|---|\n\
          | time to all applied | {secs:.1} s | bound by attach latency × batches = {bound:.0} s |\n\
-         | time above that bound | {above:.1} s ({per_batch_above:.2} s a batch) | (what the controller, the API server and the endpoint add) |\n\
+         | time above that bound | {above:.1} s ({per_batch_above:.2} s a batch; {ratio:.3} × the bound) | (what the controller, the API server and the endpoint add) |\n\
+         | batches start every | {cadence} | the attach latency, {delay} s, when nothing but the attach is waited for |\n\
          | cloud calls per node | {calls:.2} ({ops}) | ≤ {TARGET_CLOUD_CALLS} ({cv}) |\n\
          | AttachVnic calls | {attach} for {n} nodes | one per node, never doubled |\n\
          | API writes per node | {writes:.2} ({total} in all: node conditions, status, finalizer) | ≤ {TARGET_API_WRITES} ({wv}) |\n\
@@ -119,16 +129,9 @@ fn report(f: &Value, build: &str) -> String {
          first attach):\n\n\
          | batch | first attach at | attaches out in | last attach → first look | → last look | last look → next batch | looks |\n\
          |---|---|---|---|---|---|---|\n{rows}",
-        flag = format!(
-            "{}{}",
-            if build == "Debug" { " --debug" } else { "" },
-            if (num("attach_delay_s") - 1.0).abs() > 1e-9 {
-                format!(" --attach-latency {}", num("attach_delay_s"))
-            } else {
-                String::new()
-            }
-        ),
         above = num("seconds") - num("lower_bound_s"),
+        ratio = num("seconds") / num("lower_bound_s"),
+        cadence = cadence(&f["timeline"]),
         per_batch_above = (num("seconds") - num("lower_bound_s")) / num("batches"),
         batches = num("batches"),
         delay = num("attach_delay_s"),
@@ -149,6 +152,26 @@ fn report(f: &Value, build: &str) -> String {
         per_batch = (n / num("batches")).ceil(),
         rows = timeline_rows(&f["timeline"]),
     )
+}
+
+/// The mean time from one batch's first attach to the next one's, in seconds, with its range.
+fn cadence(timeline: &Value) -> String {
+    let starts: Vec<f64> = timeline
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or_default()
+        .iter()
+        .filter_map(|b| b["start_s"].as_f64())
+        .collect();
+    let gaps: Vec<f64> = starts.windows(2).map(|w| w[1] - w[0]).collect();
+    if gaps.is_empty() {
+        return "–".to_owned();
+    }
+    let mean = gaps.iter().sum::<f64>() / gaps.len() as f64;
+    let (lo, hi) = gaps
+        .iter()
+        .fold((f64::MAX, f64::MIN), |(lo, hi), g| (lo.min(*g), hi.max(*g)));
+    format!("{mean:.2} s ({lo:.2}–{hi:.2} s)")
 }
 
 /// The per-batch rows of the timeline the benchmark measured, and a mean row.

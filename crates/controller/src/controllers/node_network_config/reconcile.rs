@@ -183,6 +183,43 @@ impl NodeRun {
 pub(crate) struct ObjectRun {
     nodes: BTreeMap<String, NodeRun>,
     leaving: BTreeMap<String, NodeRun>,
+    /// Node conditions still being written, carried from pass to pass.
+    writes: Option<ConditionWrites>,
+}
+
+/// The `NodeNetworkReady` writes of finished nodes, made beside the rollout rather than in its
+/// path: a node's place goes to the next node as soon as its own work is over, and a pass does
+/// not wait for the writes of the nodes it finished unless the rollout is over (then the
+/// object's status, written after them, never runs ahead of its nodes' conditions).
+#[derive(Debug)]
+struct ConditionWrites {
+    tasks: tokio::task::JoinSet<()>,
+    /// At most this many writes at once.
+    permits: Arc<tokio::sync::Semaphore>,
+}
+
+impl ConditionWrites {
+    fn new(at_once: usize) -> Self {
+        Self {
+            tasks: tokio::task::JoinSet::new(),
+            permits: Arc::new(tokio::sync::Semaphore::new(at_once.max(1))),
+        }
+    }
+
+    fn spawn(&mut self, ctx: &Arc<Context>, info: &NodeInfo, run: &NodeRun) {
+        let (ctx, info, run) = (Arc::clone(ctx), info.clone(), run.clone());
+        let permits = Arc::clone(&self.permits);
+        self.tasks.spawn(async move {
+            let _permit = permits.acquire_owned().await;
+            write_node_condition(&ctx, &info, &run).await;
+        });
+        // Forget the finished ones, so that a long rollout keeps only the writes under way.
+        while self.tasks.try_join_next().is_some() {}
+    }
+
+    async fn wait(&mut self) {
+        while self.tasks.join_next().await.is_some() {}
+    }
 }
 
 /// What the reconciler reads of a Node.
@@ -285,7 +322,8 @@ pub async fn reconcile(obj: Arc<NodeNetworkConfig>, ctx: Arc<Context>) -> Result
 
     let uid = obj.uid().unwrap_or_default();
     let target = format!("{uid}/{}", generation.unwrap_or(0));
-    let (mut runs, mut leaving) = take_runs(&ctx, &uid, &nodes, &target);
+    let (mut runs, mut leaving, writes) = take_runs(&ctx, &uid, &nodes, &target);
+    let mut writes = writes.unwrap_or_else(|| ConditionWrites::new(ctx.settings.node_concurrency));
     let now_instant = Instant::now();
     for (n, r) in runs.iter_mut() {
         if r.retry_if_due(now_instant) {
@@ -294,29 +332,31 @@ pub async fn reconcile(obj: Arc<NodeNetworkConfig>, ctx: Arc<Context>) -> Result
     }
 
     // Step every node in progress, a bounded number at once, each as soon as it can move: a
-    // node that finishes writes its Node condition and frees its place at once (the next node
-    // starts in the same pass, at most `MAX_START_DEPTH` starts deep), and a look that falls
-    // due while the pass goes on (other nodes under way, or before its end, a poll interval
-    // after its start) is taken then. So one node's cycle never waits for the slowest node of
-    // its pass, nor for a poll.
+    // node that finishes frees its place at once (the next node starts in the same pass; its
+    // Node condition is written beside), and a look that falls due while the pass goes on is
+    // taken then. The pass goes on while looks fall due within a poll interval, up to
+    // `MAX_PASS` (or the poll interval, if longer). So one node's cycle never waits for the
+    // slowest node of its pass, nor for a poll, and a rollout whose looks come one after
+    // another is not cut every poll interval into passes that each list the objects and write
+    // the status.
     let by_name: HashMap<&str, &NodeInfo> = nodes.iter().map(|n| (n.name.as_str(), n)).collect();
     let owner = name.clone();
     let pass_started = Instant::now();
-    let deadline = pass_started + ctx.settings.poll;
+    let pass_end = pass_started + ctx.settings.poll.max(MAX_PASS);
     let mut finished = Vec::new();
     let (mut stepped_count, mut started_count) = (0, 0);
-    started_count += start_next(&mut runs, spec, &mut VecDeque::new(), 0);
-    // (node, how many starts deep): to step now, and to step when their look falls due.
-    let mut ready: VecDeque<(String, u32)> = runs
+    started_count += start_next(&mut runs, spec, &mut VecDeque::new());
+    // The nodes to step now, and those to step when their look falls due.
+    let mut ready: VecDeque<String> = runs
         .iter()
         .filter(|(_, r)| r.stepping())
-        .map(|(n, _)| (n.clone(), 0))
+        .map(|(n, _)| n.clone())
         .collect();
-    let mut waiting: Vec<(Instant, String, u32)> = Vec::new();
+    let mut waiting: Vec<(Instant, String)> = Vec::new();
     let mut in_flight = FuturesUnordered::new();
     loop {
         while in_flight.len() < ctx.settings.node_concurrency {
-            let Some((n, depth)) = ready.pop_front() else {
+            let Some(n) = ready.pop_front() else {
                 break;
             };
             let (Some(run), Some(info)) = (runs.get(&n).cloned(), by_name.get(n.as_str())) else {
@@ -328,18 +368,17 @@ pub async fn reconcile(obj: Arc<NodeNetworkConfig>, ctx: Arc<Context>) -> Result
             in_flight.push(async move {
                 let mut run = run;
                 step(&ctx, &owner, spec, &info, &mut run).await;
-                if run.work == Work::Done {
-                    write_node_condition(&ctx, &info, &run).await;
-                }
-                (n, depth, run)
+                (n, run)
             });
         }
-        let due = waiting.iter().map(|(t, ..)| *t).min();
+        // Past the pass's end, the looks that fall due are the next pass's.
+        let open = Instant::now() < pass_end;
+        let due = waiting.iter().map(|(t, ..)| *t).min().filter(|_| open);
         let done = match (in_flight.is_empty(), due) {
             (true, None) => break,
-            // Nothing under way: wait for the next look only if it falls due before the
-            // pass's end; the others are the next pass's.
-            (true, Some(t)) if t > deadline => break,
+            // Nothing under way: wait for the next look only if it falls due within a poll
+            // interval and before the pass's end; the others are the next pass's.
+            (true, Some(t)) if t > (Instant::now() + ctx.settings.poll).min(pass_end) => break,
             (true, Some(t)) => {
                 tokio::time::sleep_until(t.into()).await;
                 None
@@ -351,18 +390,23 @@ pub async fn reconcile(obj: Arc<NodeNetworkConfig>, ctx: Arc<Context>) -> Result
             },
         };
         let now = Instant::now();
-        waiting.retain(|(t, n, depth)| {
-            let keep = *t > now;
+        waiting.retain(|(t, n)| {
+            let keep = *t > now || now >= pass_end;
             if !keep {
-                ready.push_back((n.clone(), *depth));
+                ready.push_back(n.clone());
             }
             keep
         });
-        let Some((n, depth, mut run)) = done else {
+        let Some((n, mut run)) = done else {
             continue;
         };
         stepped_count += 1;
         if run.work == Work::Done {
+            // The node's own work is over: its condition is written beside the rollout, and
+            // its place goes to the next node at once instead of after that write.
+            if let Some(info) = by_name.get(n.as_str()) {
+                writes.spawn(&ctx, info, &run);
+            }
             run.finished(
                 now,
                 ctx.settings.retry_backoff,
@@ -372,15 +416,15 @@ pub async fn reconcile(obj: Arc<NodeNetworkConfig>, ctx: Arc<Context>) -> Result
             info!(object = %name, node = %n, phase = ?run.phase, cloud_calls = run.calls, failures = run.failures, "node finished");
             finished.push(n.clone());
             runs.insert(n, run);
-            if depth < MAX_START_DEPTH {
-                started_count += start_next(&mut runs, spec, &mut ready, depth + 1);
+            if now < pass_end {
+                started_count += start_next(&mut runs, spec, &mut ready);
             }
             continue;
         }
         // A look at an attachment, taken when it falls due if the pass is still going on
         // then (other nodes under way, or before the pass's end).
         if let Some(t) = run.next_look {
-            waiting.push((t, n.clone(), depth));
+            waiting.push((t, n.clone()));
         }
         runs.insert(n, run);
     }
@@ -389,6 +433,8 @@ pub async fn reconcile(obj: Arc<NodeNetworkConfig>, ctx: Arc<Context>) -> Result
 
     // Nodes no longer selected: their host side, then this object's VNICs, go.
     if !leaving.is_empty() {
+        // (after the conditions being written: one of them may be a leaving node's)
+        writes.wait().await;
         leaving = leave(&ctx, &name, &others, leaving).await;
     }
 
@@ -431,7 +477,10 @@ pub async fn reconcile(obj: Arc<NodeNetworkConfig>, ctx: Arc<Context>) -> Result
             t.saturating_duration_since(Instant::now())
                 .max(MIN_PASS_GAP)
         });
-    put_runs(&ctx, &uid, runs, leaving);
+    if !busy {
+        writes.wait().await;
+    }
+    put_runs(&ctx, &uid, runs, leaving, Some(writes));
     let wrote_status = status.is_some();
     if let Some(s) = status {
         write_status(&api, &name, &s).await?;
@@ -564,25 +613,25 @@ async fn clear_node_condition(ctx: &Context, info: &NodeInfo) {
     }
 }
 
-/// How many starts deep a pass goes: a node that finishes starts the next, which may finish at
-/// once (nothing to attach) and start another, and so on; past this depth the rest wait for
-/// the next pass, so that a pass (and its status write) stays short.
-const MAX_START_DEPTH: u32 = 3;
+/// How long one pass may go on stepping nodes and taking looks as they fall due (unless the
+/// poll interval is longer): a node that finishes starts the next, which may finish at once
+/// (nothing to attach) and start another, and so on until then. The object's status is
+/// written, and a change of its spec seen, at least this often while a rollout goes on.
+const MAX_PASS: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Starts the nodes the rollout lets start now (marks them in progress) and queues them to be
-/// stepped at `depth`; returns how many.
+/// stepped; returns how many.
 fn start_next(
     runs: &mut BTreeMap<String, NodeRun>,
     spec: &NodeNetworkConfigSpec,
-    ready: &mut VecDeque<(String, u32)>,
-    depth: u32,
+    ready: &mut VecDeque<String>,
 ) -> usize {
     let decision = next_batch(&states_of(runs), &spec.rollout);
     for n in &decision.start {
         if let Some(r) = runs.get_mut(n) {
             r.phase = NodePhase::InProgress;
             r.started = Instant::now();
-            ready.push_back((n.clone(), depth));
+            ready.push_back(n.clone());
         }
     }
     decision.start.len()
@@ -624,7 +673,11 @@ fn take_runs(
     uid: &str,
     nodes: &[NodeInfo],
     target: &str,
-) -> (BTreeMap<String, NodeRun>, BTreeMap<String, NodeRun>) {
+) -> (
+    BTreeMap<String, NodeRun>,
+    BTreeMap<String, NodeRun>,
+    Option<ConditionWrites>,
+) {
     let mut all = ctx.runs.lock().unwrap_or_else(PoisonError::into_inner);
     let mut old = all.remove(uid).unwrap_or_default();
     drop(all);
@@ -673,7 +726,7 @@ fn take_runs(
             (n.name.clone(), run)
         })
         .collect();
-    (runs, leaving)
+    (runs, leaving, old.writes)
 }
 
 /// Whether the Node says this very generation is applied (the condition this controller writes
@@ -719,11 +772,19 @@ fn put_runs(
     uid: &str,
     nodes: BTreeMap<String, NodeRun>,
     leaving: BTreeMap<String, NodeRun>,
+    writes: Option<ConditionWrites>,
 ) {
     ctx.runs
         .lock()
         .unwrap_or_else(PoisonError::into_inner)
-        .insert(uid.to_string(), ObjectRun { nodes, leaving });
+        .insert(
+            uid.to_string(),
+            ObjectRun {
+                nodes,
+                leaving,
+                writes,
+            },
+        );
 }
 
 /// Moves one node on as far as it can go without waiting.
@@ -1213,6 +1274,10 @@ async fn cleanup(
         .unwrap_or_else(PoisonError::into_inner)
         .remove(&uid)
         .unwrap_or_default();
+    // A condition write still under way must not land after the cleanup removed it.
+    if let Some(mut writes) = object_run.writes {
+        writes.wait().await;
+    }
     let mut runs = object_run.nodes;
     runs.extend(object_run.leaving);
     let mut nodes = selected(ctx, &obj.spec);
@@ -1259,7 +1324,7 @@ async fn cleanup(
             .filter(|(_, _, done)| !done)
             .map(|(n, r, _)| (n, r))
             .collect();
-        put_runs(ctx, &uid, keep, BTreeMap::new());
+        put_runs(ctx, &uid, keep, BTreeMap::new(), None);
         info!(object = %name, pending, "nodenetworkconfig cleanup in progress");
         return Ok(Action::requeue(ctx.settings.poll));
     }
