@@ -194,6 +194,9 @@ struct Follower<'a> {
     /// The resourceVersion to watch from; `None`: list first.
     version: Option<String>,
     watch: Option<BoxStream<'static, kube::Result<WatchEvent<Lease>>>>,
+    /// When the watch was opened: one that the server ends at once is not reopened sooner than
+    /// [`RETRY_AFTER_FAILURE`] later.
+    opened: tokio::time::Instant,
     /// No request before this (a pause after a failure, or the next read when polling).
     not_before: Option<tokio::time::Instant>,
     /// The Role cannot list or watch leases: read the Lease with GET instead.
@@ -207,6 +210,7 @@ impl<'a> Follower<'a> {
             fields: format!("metadata.name={name}"),
             version: None,
             watch: None,
+            opened: tokio::time::Instant::now(),
             not_before: None,
             polling: false,
         }
@@ -286,7 +290,10 @@ impl<'a> Follower<'a> {
                     opened = self.api.watch(&params, &version) => opened,
                 };
                 match opened {
-                    Ok(stream) => self.watch = Some(stream.boxed()),
+                    Ok(stream) => {
+                        self.watch = Some(stream.boxed());
+                        self.opened = tokio::time::Instant::now();
+                    }
                     Err(error) if is_forbidden(&error) => self.fall_back_to_polling(&error),
                     Err(error) if is_gone(&error) => self.relist(false),
                     Err(error) => {
@@ -303,7 +310,10 @@ impl<'a> Follower<'a> {
             };
             match event {
                 // The server ended the watch (its timeout): resume where it stopped.
-                None => self.watch = None,
+                None => {
+                    self.watch = None;
+                    self.not_before = Some(self.opened + RETRY_AFTER_FAILURE);
+                }
                 Some(Ok(WatchEvent::Added(lease) | WatchEvent::Modified(lease))) => {
                     self.version =
                         Some(lease.metadata.resource_version.clone().unwrap_or_default());
@@ -331,7 +341,7 @@ impl<'a> Follower<'a> {
     }
 
     fn fall_back_to_polling(&mut self, error: &kube::Error) {
-        warn!(%error, lease = %self.name(), "the controller's Role cannot list and watch leases; reading the lease every second instead (apply the Role in deploy/controller/controller.yaml or the chart: leases need get, list, watch, create, update)");
+        warn!(%error, lease = %self.name(), "the controller's Role cannot list and watch leases; reading the lease every second instead until this replica restarts (apply the Role of deploy/controller/controller.yaml or the chart: leases need get, list, watch, create, update)");
         self.polling = true;
         self.version = None;
         self.watch = None;
