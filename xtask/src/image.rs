@@ -164,9 +164,7 @@ fn check_rust_target() -> anyhow::Result<()> {
     if present {
         return Ok(());
     }
-    eprintln!(
-        "xtask: the Rust toolchain has no standard library for {TARGET}; running `rustup target add {TARGET}`"
-    );
+    eprintln!("xtask: the Rust toolchain has no standard library for {TARGET}; running `rustup target add {TARGET}`");
     let added = std::process::Command::new("rustup")
         .args(["target", "add", TARGET])
         .status()
