@@ -230,7 +230,9 @@ impl<'a> Follower<'a> {
         }
     }
 
-    /// Waits for news of the Lease, `deadline` or `cancel`, whichever comes first.
+    /// Waits for news of the Lease, `deadline` or `cancel`, whichever comes first. The deadline
+    /// also ends a list or watch request that hangs (a half-open connection: the client has no
+    /// read timeout), so a stuck request never keeps the standby from taking over.
     async fn next(
         &mut self,
         deadline: Option<tokio::time::Instant>,
@@ -254,6 +256,7 @@ impl<'a> Follower<'a> {
                 self.not_before = Some(tokio::time::Instant::now() + RETRY_AFTER_FAILURE);
                 let read = tokio::select! {
                     () = cancel.cancelled() => return Seen::Cancelled,
+                    () = until_deadline() => return Seen::Deadline,
                     read = self.api.get_opt(self.name()) => read,
                 };
                 match read {
@@ -266,6 +269,7 @@ impl<'a> Follower<'a> {
                 let params = ListParams::default().fields(&self.fields);
                 let listed = tokio::select! {
                     () = cancel.cancelled() => return Seen::Cancelled,
+                    () = until_deadline() => return Seen::Deadline,
                     listed = self.api.list(&params) => listed,
                 };
                 match listed {
@@ -287,6 +291,7 @@ impl<'a> Follower<'a> {
                     .timeout(WATCH_TIMEOUT_SECS);
                 let opened = tokio::select! {
                     () = cancel.cancelled() => return Seen::Cancelled,
+                    () = until_deadline() => return Seen::Deadline,
                     opened = self.api.watch(&params, &version) => opened,
                 };
                 match opened {
