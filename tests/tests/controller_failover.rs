@@ -1,7 +1,8 @@
 //! What a user sees around failures, with real controller processes and real agents: a dead
 //! agent shows in the summary and the metrics at once (its Node condition waits for
 //! `staleAfter`), and a leader that shuts down cleanly takes its `nodekeeper.dev/leader` Pod
-//! label off before it releases the Lease, so the Service never routes to a standby.
+//! label off before it releases the Lease, so the Service never routes to a standby, and the
+//! standby, which watches the Lease, takes it at once.
 //!
 //! Run: `cargo xtask test -- -p nodekeeper-e2e --test controller_failover`.
 
@@ -182,6 +183,7 @@ async fn a_leader_that_shuts_down_takes_its_label_off_and_hands_over() -> anyhow
     })
     .await?;
     let (_a, exit) = exited;
+    let exited_at = std::time::Instant::now();
     assert!(exit?.success(), "replica-a exits cleanly on SIGTERM");
     assert_eq!(
         label(pods.get("replica-a").await?).as_deref(),
@@ -201,6 +203,14 @@ async fn a_leader_that_shuts_down_takes_its_label_off_and_hands_over() -> anyhow
         },
     )
     .await?;
+    // replica-b watches the Lease: it takes the released Lease at once, without waiting for a
+    // poll or the lease duration (6 s).
+    let took = exited_at.elapsed();
+    eprintln!("replica-b leads and labelled its Pod {took:?} after replica-a exited");
+    assert!(
+        took < Duration::from_secs(3),
+        "replica-b took {took:?} to lead after the release"
+    );
     assert_eq!(
         label(pods.get("replica-a").await?).as_deref(),
         Some("false")

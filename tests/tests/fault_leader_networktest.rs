@@ -1,11 +1,13 @@
 //! Fault campaign (issue #20): the leader is SIGKILLed while a `NetworkTest` is probing across
 //! real agents. On a control plane of this test's own, with the API server's audit log: two
 //! controller replicas share the Lease, three agents on 127.x.y.z ping each other for ~30 s, and
-//! the leader dies a few seconds into the run, after it wrote `Running`. The standby takes the
-//! Lease within 15 s, runs the test again from the start (the dead leader's results died with
-//! it), and writes the final status; the audit log shows exactly one status write per phase
-//! change (`Running` by the old leader, the result by the new one) and no Node condition written
-//! again by the new leader.
+//! the leader dies a few seconds into the run, after it wrote `Running`. Until then the audit
+//! log shows the leader renewing once per retry period and the standby, which watches the
+//! Lease, making no request on it (issue #18). The standby takes the Lease within 15 s (one
+//! lease duration after the last renewal), runs the test again from the start (the dead
+//! leader's results died with it), and writes the final status; the audit log shows exactly one
+//! status write per phase change (`Running` by the old leader, the result by the new one) and
+//! no Node condition written again by the new leader.
 //!
 //! Run (as root: the agents' ICMP):
 //! `cargo xtask test -- -p nodekeeper-e2e --test fault_leader_networktest`.
@@ -40,8 +42,9 @@ fn run_as_controller() {
     run_as_controller_if_asked();
 }
 
-/// Lease timings for this test: a standby takes over at most lease duration + two standby
-/// polls (1 s each) after the leader's last renewal (`runtime/leader.rs`), 12 s here.
+/// Lease timings for this test: a standby watches the Lease and takes over one lease duration
+/// after the leader's last renewal (`runtime/leader.rs`), 10 s here, so at most 10 s after the
+/// kill, plus a request.
 const LEASE: [(&str, &str); 3] = [
     ("NODEKEEPER_LEASE_DURATION", "10s"),
     ("NODEKEEPER_RENEW_DEADLINE", "7s"),
@@ -49,6 +52,9 @@ const LEASE: [(&str, &str); 3] = [
 ];
 /// The takeover bound the issue sets.
 const TAKEOVER: Duration = Duration::from_secs(15);
+/// The lease duration set in [`LEASE`] and its retry period.
+const LEASE_DURATION: Duration = Duration::from_secs(10);
+const RETRY_PERIOD: Duration = Duration::from_secs(2);
 /// Probes per pair, one a second: the test runs ~30 s each time it is started.
 const COUNT: u64 = 30;
 
@@ -88,6 +94,43 @@ fn status_patches(
                 at: SystemTime::from(at),
                 code: event["responseStatus"]["code"].as_i64().unwrap_or(0),
             });
+        }
+    }
+    Ok(out)
+}
+
+/// An audited request on the controllers' Lease: (verb, code, stage, User-Agent, received,
+/// completed).
+type LeaseRequest = (String, i64, String, String, SystemTime, SystemTime);
+
+/// Every audited request on the Lease `nodekeeper-controller` in `namespace`. Each replica names
+/// itself in its User-Agent (`nodekeeper-controller/<version> (<identity>)`).
+fn lease_requests(audit_log: &Path, namespace: &str) -> anyhow::Result<Vec<LeaseRequest>> {
+    let text = std::fs::read_to_string(audit_log)?;
+    let mut out = Vec::new();
+    let time = |event: &serde_json::Value, field: &str| -> anyhow::Result<SystemTime> {
+        let stamp = event[field]
+            .as_str()
+            .with_context(|| format!("audit event without {field}"))?;
+        Ok(SystemTime::from(
+            stamp.parse::<k8s_openapi::jiff::Timestamp>()?,
+        ))
+    };
+    for line in text.lines() {
+        let event: serde_json::Value = serde_json::from_str(line)?;
+        let object = &event["objectRef"];
+        if object["resource"] == "leases"
+            && object["namespace"] == namespace
+            && object["name"] == "nodekeeper-controller"
+        {
+            out.push((
+                event["verb"].as_str().unwrap_or_default().to_owned(),
+                event["responseStatus"]["code"].as_i64().unwrap_or(0),
+                event["stage"].as_str().unwrap_or_default().to_owned(),
+                event["userAgent"].as_str().unwrap_or_default().to_owned(),
+                time(&event, "requestReceivedTimestamp")?,
+                time(&event, "stageTimestamp")?,
+            ));
         }
     }
     Ok(out)
@@ -187,6 +230,24 @@ async fn killing_the_leader_mid_networktest_finishes_it_without_a_second_write()
     )
     .await?;
 
+    // From when replica-b watches the Lease to the kill: a steady window for issue #18's
+    // "quieter leadership" (counted below).
+    wait_for(
+        "replica-b's watch of the Lease in the audit log",
+        Duration::from_secs(30),
+        || {
+            let (audit_log, ns) = (audit_log.clone(), ns.clone());
+            async move {
+                Ok(lease_requests(&audit_log, &ns)?
+                    .iter()
+                    .any(|r| r.0 == "watch" && r.3.ends_with("(replica-b)"))
+                    .then_some(()))
+            }
+        },
+    )
+    .await?;
+    let window_from = SystemTime::now();
+
     let api: Api<NetworkTest> = Api::namespaced(client.clone(), &ns);
     let mesh = unique_name("mesh");
     nodekeeper_e2e::apply_spec(
@@ -229,6 +290,56 @@ async fn killing_the_leader_mid_networktest_finishes_it_without_a_second_write()
     let takeover = killed.elapsed();
     eprintln!("takeover after SIGKILL mid-NetworkTest: {takeover:?}");
     assert!(takeover <= TAKEOVER, "takeover took {takeover:?}");
+    // The watch shows the last renewal as it is written: a lease duration after it, not polls
+    // later; and never before the lease expired (the last renewal was at most a retry period
+    // before the kill).
+    assert!(
+        takeover <= LEASE_DURATION + Duration::from_secs(1),
+        "takeover took {takeover:?} (lease duration {LEASE_DURATION:?})"
+    );
+    assert!(
+        takeover + RETRY_PERIOD + Duration::from_millis(250) >= LEASE_DURATION,
+        "takeover after {takeover:?}: before the lease expired"
+    );
+
+    // The steady window before the kill, from the audit log: the leader renewed once per retry
+    // period (one PUT each, nothing else), the standby made no request on the Lease (its watch
+    // stayed open).
+    let window = killed_at.duration_since(window_from)?;
+    let in_window: Vec<LeaseRequest> = lease_requests(&audit_log, &ns)?
+        .into_iter()
+        .filter(|r| r.4 >= window_from && r.5 <= killed_at)
+        .collect();
+    let of = |who: &str| -> Vec<(String, i64)> {
+        in_window
+            .iter()
+            .filter(|r| r.3.ends_with(&format!("({who})")))
+            .map(|r| (r.0.clone(), r.1))
+            .collect()
+    };
+    let leader_requests = of("replica-a");
+    let most = (window.as_secs_f64() / RETRY_PERIOD.as_secs_f64()).floor() as usize + 1;
+    eprintln!(
+        "steady window {window:?}: the leader made {} requests on the Lease, the standby {}",
+        leader_requests.len(),
+        of("replica-b").len()
+    );
+    assert!(
+        leader_requests
+            .iter()
+            .all(|r| *r == ("update".to_owned(), 200)),
+        "the leader only renewed: {leader_requests:?}"
+    );
+    assert!(
+        (1..=most).contains(&leader_requests.len()),
+        "{} renewals in {window:?} at one per {RETRY_PERIOD:?}",
+        leader_requests.len()
+    );
+    assert_eq!(
+        of("replica-b"),
+        vec![],
+        "the standby neither read nor wrote the Lease while it watched"
+    );
 
     // The new leader runs the test again from the start and finishes it.
     let done = wait_for(

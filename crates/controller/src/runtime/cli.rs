@@ -56,22 +56,24 @@ pub struct Cli {
     )]
     pub lease_name: String,
 
-    /// How long a Lease holder that stopped renewing keeps it. A standby takes over within
-    /// this + 2 s of the dead leader's last renewal (it reads the Lease every second): 14 s
-    /// with the defaults.
-    #[arg(long, env = "NODEKEEPER_LEASE_DURATION", default_value = "12s", value_parser = duration)]
+    /// How long a Lease holder that stopped renewing keeps it. A standby watches the Lease and
+    /// takes over this long after the dead leader's last renewal (plus one request): 14 s with
+    /// the defaults.
+    #[arg(long, env = "NODEKEEPER_LEASE_DURATION", default_value = "14s", value_parser = duration)]
     pub lease_duration: Duration,
 
-    /// The leader gives up (and stops writing) if it could not renew for this long; failed
-    /// renewals are retried every second until then. Keep it a few seconds below
-    /// --lease-duration: the gap is the old leader's time to stop before a standby may lead.
-    #[arg(long, env = "NODEKEEPER_RENEW_DEADLINE", default_value = "9s", value_parser = duration)]
+    /// The leader gives up (and stops writing) if it could not renew for this long; a renewal
+    /// that failed is retried every second until then, so the API server may stall for this −
+    /// --retry-period when a renewal falls due (2 s with the defaults). Keep it below
+    /// --lease-duration: the gap (2 s) is the old leader's time to stop before a standby may lead.
+    #[arg(long, env = "NODEKEEPER_RENEW_DEADLINE", default_value = "12s", value_parser = duration)]
     pub renew_deadline: Duration,
 
-    /// Interval of Lease renewals. Each renewal is an API write, so this sets the controller's
-    /// steady-state write rate: 5s is 0.2 writes/s (client-go's 2s would be 0.5/s, measured in
-    /// BENCHMARKS.md). Standbys only read the Lease, every second or this, if shorter.
-    #[arg(long, env = "NODEKEEPER_RETRY_PERIOD", default_value = "5s", value_parser = duration)]
+    /// Interval of Lease renewals. Each renewal is one API write (a PUT), so this sets the
+    /// controller's steady-state write rate: 10s is 0.1 writes/s (client-go's 2s would be 0.5/s).
+    /// Standbys never write and never poll: they watch the Lease. `--retry-period 5s` keeps the
+    /// failover and tolerates a 7 s stall for 0.2 writes/s (docs/scaling.md).
+    #[arg(long, env = "NODEKEEPER_RETRY_PERIOD", default_value = "10s", value_parser = duration)]
     pub retry_period: Duration,
 
     /// Name of the tuning ConfigMap in `--namespace`.
@@ -119,9 +121,19 @@ impl Cli {
     /// controllers' names.
     pub fn check(&self) -> Result<(), String> {
         self.controllers.check()?;
+        // The Lease stores whole seconds, and a standby's expiry is judged by what it stores.
+        if self.lease_duration.subsec_nanos() != 0 || self.lease_duration.is_zero() {
+            return Err(format!(
+                "--lease-duration ({:?}) must be a whole number of seconds, at least 1s: the Lease \
+                 stores leaseDurationSeconds, and standbys judge expiry by it",
+                self.lease_duration
+            ));
+        }
         if self.renew_deadline >= self.lease_duration || self.retry_period >= self.renew_deadline {
             return Err(format!(
-                "need --retry-period ({:?}) < --renew-deadline ({:?}) < --lease-duration ({:?})",
+                "need --retry-period ({:?}) < --renew-deadline ({:?}) < --lease-duration ({:?}): \
+                 the leader renews every retry period, gives up at the renew deadline, and a \
+                 standby may take over at the lease duration (defaults 10s, 12s, 14s)",
                 self.retry_period, self.renew_deadline, self.lease_duration
             ));
         }
@@ -152,6 +164,32 @@ mod tests {
             );
             assert!(arg.get_help().is_some(), "flag {id} has no help");
         }
+    }
+
+    #[test]
+    fn lease_timings_out_of_order_are_refused_naming_the_flags() {
+        let parse = |args: &[&str]| {
+            let mut argv = vec!["nodekeeper-controller"];
+            argv.extend_from_slice(args);
+            Cli::parse_from(argv).check()
+        };
+        assert_eq!(parse(&[]), Ok(()));
+        assert_eq!(parse(&["--retry-period", "5s"]), Ok(()));
+        for args in [
+            &["--retry-period", "12s"][..],
+            &["--renew-deadline", "14s"],
+            &["--lease-duration", "12s"],
+        ] {
+            let error = parse(args).unwrap_err();
+            for flag in ["--retry-period", "--renew-deadline", "--lease-duration"] {
+                assert!(error.contains(flag), "{args:?}: {error}");
+            }
+        }
+        let error = parse(&["--lease-duration", "12500ms"]).unwrap_err();
+        assert!(
+            error.contains("--lease-duration") && error.contains("whole"),
+            "{error}"
+        );
     }
 
     #[test]

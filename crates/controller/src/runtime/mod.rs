@@ -68,9 +68,20 @@ pub async fn run(cli: Cli) -> Result<(), Error> {
     logging::init(&cli);
     cli.check().map_err(Error::InvalidFlags)?;
     let identity = cli.identity();
-    let kube_config = kube::Config::infer()
+    let mut kube_config = kube::Config::infer()
         .await
         .map_err(|e| Error::ConnectKube(kube::Error::InferConfig(e)))?;
+    // Each replica names itself in its User-Agent, so an audit log tells the leader's requests
+    // from a standby's (tests/tests/fault_leader_networktest.rs counts them).
+    let agent = format!(
+        "nodekeeper-controller/{} ({identity})",
+        env!("CARGO_PKG_VERSION")
+    );
+    if let Ok(agent) = axum::http::HeaderValue::from_str(&agent) {
+        kube_config
+            .headers
+            .push((axum::http::header::USER_AGENT, agent));
+    }
     let cluster_url = kube_config.cluster_url.to_string();
     let client = kube::Client::try_from(kube_config).map_err(Error::ConnectKube)?;
     if cli.cleanup {
@@ -222,9 +233,15 @@ pub async fn run(cli: Cli) -> Result<(), Error> {
         );
         controllers.start(&shared, &controllers_config, &tracker, &shutdown);
 
-        leader::hold(&leases, &lease_config, acquired.lease, &shutdown)
-            .await
-            .map_err(Error::from)
+        leader::hold(
+            &leases,
+            &lease_config,
+            acquired.lease,
+            acquired.sent,
+            &shutdown,
+        )
+        .await
+        .map_err(Error::from)
     };
     let result = leading.await;
     if let Err(error) = &result {
