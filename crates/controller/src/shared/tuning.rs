@@ -37,6 +37,9 @@ pub struct TuningState {
     pub source: String,
     /// Why the latest ConfigMap version was refused, if it was.
     pub last_error: Option<String>,
+    /// The ConfigMap has been read (or found absent) since this process started leading: until
+    /// then the defaults are a placeholder, and the sweep does not judge nodes by them.
+    pub settled: bool,
 }
 
 impl TuningState {
@@ -47,6 +50,7 @@ impl TuningState {
             config,
             source: "defaults".into(),
             last_error: None,
+            settled: false,
         }
     }
 }
@@ -66,10 +70,12 @@ pub fn next_state(
             config,
             source,
             last_error: None,
+            settled: true,
         }),
         Err(error) => {
             let mut kept = current.clone();
             kept.last_error = Some(format!("{source}: {error}"));
+            kept.settled = true;
             Err(kept)
         }
     }
@@ -85,7 +91,7 @@ pub async fn watch_tuning(
     cancel: CancellationToken,
 ) {
     let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
-    let stream = watcher(api, config).default_backoff().applied_objects();
+    let stream = watcher(api, config).default_backoff();
     futures::pin_mut!(stream);
     let mut seen_version: Option<String> = None;
     loop {
@@ -94,7 +100,17 @@ pub async fn watch_tuning(
             next = stream.try_next() => next,
         };
         let cm = match next {
-            Ok(Some(cm)) => cm,
+            Ok(Some(watcher::Event::Apply(cm) | watcher::Event::InitApply(cm))) => cm,
+            // The first list is complete: without the ConfigMap, the defaults are in force.
+            Ok(Some(watcher::Event::InitDone)) => {
+                if !sender.borrow().settled {
+                    info!(configmap = %name, "no tuning ConfigMap; the defaults are in force");
+                    sender.send_modify(|s| Arc::make_mut(s).settled = true);
+                }
+                continue;
+            }
+            // A deleted ConfigMap leaves the last good configuration in force.
+            Ok(Some(watcher::Event::Init | watcher::Event::Delete(_))) => continue,
             Ok(None) => return,
             Err(error) => {
                 warn!(%error, configmap = %name, "tuning ConfigMap watch failed; retrying");

@@ -39,8 +39,27 @@ const TICK: Duration = Duration::from_millis(500);
 /// kube-apiserver's default 200 mutating requests in flight, so other writers keep room.
 const WRITE_CONCURRENCY: usize = 64;
 
+/// How long the sweep waits for the tuning ConfigMap's first read before it starts anyway.
+const TUNING_SETTLE: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// Runs the sweep until cancelled.
 pub async fn run(ctx: Arc<Context>, shutdown: CancellationToken) {
+    // No node is judged by the placeholder defaults: the rules pushed to agents and the
+    // conditions written follow the tuning ConfigMap from the first read on (a new leader
+    // that swept before reading it would push an empty rule set and rewrite every node's
+    // TunablesInBounds, then rewrite it back).
+    let mut tuning = ctx.tuning.clone();
+    tokio::select! {
+        () = shutdown.cancelled() => return,
+        settled = tokio::time::timeout(TUNING_SETTLE, tuning.wait_for(|t| t.settled)) => {
+            if settled.is_err() {
+                warn!(
+                    waited_s = TUNING_SETTLE.as_secs(),
+                    "the tuning ConfigMap was not read in time; sweeping with the configuration in force"
+                );
+            }
+        }
+    }
     let mut tasks: JoinSet<()> = JoinSet::new();
     let mut ticker = tokio::time::interval(TICK);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
