@@ -72,7 +72,7 @@ const MAX_PROBLEM_NAME: usize = 128;
 /// Items named in one message before "and N more".
 const MAX_ITEMS: usize = 5;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Status {
     True,
     False,
@@ -98,7 +98,7 @@ impl Status {
 }
 
 /// One condition as nodekeeper compares it. Times are kept beside it, not compared.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Condition {
     pub type_: String,
     pub status: Status,
@@ -128,7 +128,7 @@ impl Condition {
 
 /// A condition as found on the Node, with its transition time (RFC 3339) kept so that an
 /// unchanged status keeps its original `lastTransitionTime`.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Written {
     pub condition: Condition,
     pub last_transition_time: Option<String>,

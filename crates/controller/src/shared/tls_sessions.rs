@@ -30,11 +30,15 @@ struct Inner {
     order: VecDeque<ServerName<'static>>,
 }
 
+/// The sessions are boxed: a map keeps room for an entry's whole inline size in every slot,
+/// including the slots it keeps free (up to half of them), and the two session values are over
+/// 100 bytes each where agents only ever use one of them (TLS 1.3) (see
+/// `tests::an_entry_is_small`).
 #[derive(Debug, Default)]
 struct Entry {
     kx_hint: Option<NamedGroup>,
-    tls12: Option<Tls12ClientSessionValue>,
-    tls13: Option<Tls13ClientSessionValue>,
+    tls12: Option<Box<Tls12ClientSessionValue>>,
+    tls13: Option<Box<Tls13ClientSessionValue>>,
 }
 
 impl SessionStore {
@@ -94,14 +98,14 @@ impl ClientSessionStore for SessionStore {
     }
 
     fn set_tls12_session(&self, server_name: ServerName<'static>, value: Tls12ClientSessionValue) {
-        self.update(server_name, |e| e.tls12 = Some(value));
+        self.update(server_name, |e| e.tls12 = Some(Box::new(value)));
     }
 
     fn tls12_session(&self, server_name: &ServerName<'_>) -> Option<Tls12ClientSessionValue> {
         self.lock()
             .entries
             .get(&server_name.to_owned())
-            .and_then(|e| e.tls12.clone())
+            .and_then(|e| e.tls12.as_deref().cloned())
     }
 
     fn remove_tls12_session(&self, server_name: &ServerName<'static>) {
@@ -117,7 +121,7 @@ impl ClientSessionStore for SessionStore {
         server_name: ServerName<'static>,
         value: Tls13ClientSessionValue,
     ) {
-        self.update(server_name, |e| e.tls13 = Some(value));
+        self.update(server_name, |e| e.tls13 = Some(Box::new(value)));
     }
 
     fn take_tls13_ticket(
@@ -128,6 +132,7 @@ impl ClientSessionStore for SessionStore {
             .entries
             .get_mut(server_name)
             .and_then(|e| e.tls13.take())
+            .map(|value| *value)
     }
 }
 
@@ -157,6 +162,14 @@ mod tests {
         );
         assert_eq!(store.kx_hint(&name(2)), Some(NamedGroup::secp256r1));
         assert_eq!(store.kx_hint(&name(3)), Some(NamedGroup::X25519));
+    }
+
+    #[test]
+    fn an_entry_is_small() {
+        // Key and value of one map slot: an IP address and three pointer-sized fields.
+        let slot = size_of::<ServerName<'static>>() + size_of::<Entry>();
+        assert!(slot <= 64, "a slot is {slot} bytes");
+        assert!(size_of::<Tls13ClientSessionValue>() > 100);
     }
 
     #[test]

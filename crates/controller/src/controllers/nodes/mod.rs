@@ -110,7 +110,7 @@ fn problem_gauges(ctx: &Context) {
     let names: HashSet<String> = {
         let nodes = ctx.fleet.lock();
         for entry in nodes.values() {
-            for w in &entry.written {
+            for w in entry.written.iter() {
                 let c = &w.condition;
                 if is_problem_type(&c.type_) && c.status == Status::True {
                     *gauges
