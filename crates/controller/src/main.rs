@@ -3,9 +3,68 @@
 
 use clap::Parser;
 
+/// mimalloc, set to hand freed memory back to the system at once (see [`return_memory_promptly`]).
+/// Measured with the fleet rig at 1,000 nodes (`BENCHMARKS.md` § fleet): 31.7 MiB of RSS against
+/// 49.3 with glibc's allocator and 73.2 with mimalloc's defaults. The shipped image is a static
+/// musl binary, whose own allocator this replaces as well.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// `mi_option_arena_eager_commit` and `mi_option_purge_delay` in `mi_option_e` (mimalloc.h, the
+/// v3 sources libmimalloc-sys vendors); `options_are_the_ones_meant` checks their defaults.
+const MI_OPTION_ARENA_EAGER_COMMIT: libmimalloc_sys::mi_option_t = 4;
+const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
+
+/// Freed memory goes back to the system at once (purge delay 0, instead of a second of reuse) and
+/// arenas are committed as they are used rather than whole, so that the controller's RSS
+/// follows what it holds (a sweep's calls in flight, a list page being decoded) instead of its
+/// peaks. An operator's own `MIMALLOC_PURGE_DELAY` / `MIMALLOC_ARENA_EAGER_COMMIT` win.
+fn return_memory_promptly() {
+    for (option, variable) in [
+        (MI_OPTION_PURGE_DELAY, "MIMALLOC_PURGE_DELAY"),
+        (MI_OPTION_ARENA_EAGER_COMMIT, "MIMALLOC_ARENA_EAGER_COMMIT"),
+    ] {
+        if std::env::var_os(variable).is_none() {
+            // SAFETY: mi_option_set only stores a value in mimalloc's option table (an array of
+            // atomics indexed by a valid option number, checked above); it touches no memory of
+            // ours and is safe to call from any thread at any time.
+            #[allow(unsafe_code)]
+            unsafe {
+                libmimalloc_sys::mi_option_set(option, 0);
+            }
+        }
+    }
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    return_memory_promptly();
     let cli = nodekeeper_controller::Cli::parse();
     nodekeeper_controller::run(cli).await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A renumbered `mi_option_e` (another mimalloc version) would set other options: the two
+    /// numbers must have the defaults of the options meant (options.c: 2, and 1000 ms).
+    #[test]
+    fn options_are_the_ones_meant() {
+        #[allow(unsafe_code)]
+        // SAFETY: mi_option_get reads mimalloc's option table.
+        let (eager, delay) = unsafe {
+            (
+                libmimalloc_sys::mi_option_get(MI_OPTION_ARENA_EAGER_COMMIT),
+                libmimalloc_sys::mi_option_get(MI_OPTION_PURGE_DELAY),
+            )
+        };
+        if std::env::var_os("MIMALLOC_ARENA_EAGER_COMMIT").is_none() {
+            assert_eq!(eager, 2, "mi_option_arena_eager_commit's default");
+        }
+        if std::env::var_os("MIMALLOC_PURGE_DELAY").is_none() {
+            assert_eq!(delay, 1000, "mi_option_purge_delay's default");
+        }
+    }
 }
