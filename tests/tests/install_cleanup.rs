@@ -289,9 +289,24 @@ async fn install_and_use() -> anyhow::Result<Installed> {
     let nodes: Api<Node> = Api::all(client.clone());
     add_foreign(&nodes, &agent_nodes[0]).await?;
     add_foreign(&nodes, &pool_node).await?;
+    // The node lifecycle controller takes the `node.kubernetes.io/not-ready` taint off a node
+    // some seconds after it turned Ready; a snapshot taken before that would miss it after the
+    // cleanup (seen in CI). Snapshot the nodes once it has.
     let mut before = BTreeMap::new();
     for name in agent_nodes.iter().chain([&pool_node]) {
-        before.insert(name.clone(), state(&nodes.get(name).await?));
+        let settled = wait_for(
+            &format!("{name} without the not-ready taint"),
+            TIMEOUT,
+            || {
+                let nodes = nodes.clone();
+                async move {
+                    let n = nodes.get(name).await?;
+                    Ok((!has_taint(&n, "node.kubernetes.io/not-ready")).then_some(n))
+                }
+            },
+        )
+        .await?;
+        before.insert(name.clone(), state(&settled));
     }
 
     let port = free_port();
