@@ -3,7 +3,7 @@
 
 use clap::Parser;
 
-/// mimalloc, set to hand freed memory back to the system at once (see [`return_memory_promptly`]).
+/// mimalloc, set to hand freed memory back to the system at once (see [`set_allocator_options`]).
 /// Measured with the fleet rig at 1,000 nodes (`BENCHMARKS.md` § fleet): 31.7 MiB of RSS against
 /// 49.3 with glibc's allocator and 73.2 with mimalloc's defaults. The shipped image is a static
 /// musl binary, whose own allocator this replaces as well.
@@ -19,8 +19,13 @@ const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
 /// arenas are committed as they are used rather than whole, so that the controller's RSS
 /// follows what it holds (a sweep's calls in flight, a list page being decoded) instead of its
 /// peaks. An operator's own `MIMALLOC_PURGE_DELAY` / `MIMALLOC_ARENA_EAGER_COMMIT` win.
+///
+/// The options must be in place before mimalloc makes its first arena (set from `main`, the
+/// arena made for the runtime's first allocations stays eagerly committed, and the controller's
+/// RSS at 10,000 nodes was no lower than with glibc): the loader runs this before any Rust code
+/// allocates ([`SET_ALLOCATOR_OPTIONS`]), as it would the C constructors of a shared library.
 #[cfg_attr(test, allow(dead_code))]
-fn return_memory_promptly() {
+extern "C" fn set_allocator_options() {
     for (option, variable) in [
         (MI_OPTION_PURGE_DELAY, "MIMALLOC_PURGE_DELAY"),
         (MI_OPTION_ARENA_EAGER_COMMIT, "MIMALLOC_ARENA_EAGER_COMMIT"),
@@ -37,10 +42,6 @@ fn return_memory_promptly() {
     }
 }
 
-/// The options must be in place before mimalloc makes its first arena (set from `main`, the
-/// arena made for the runtime's first allocations stays eagerly committed, and the controller's
-/// RSS at 10,000 nodes was no lower than with glibc): the loader runs this before any Rust code
-/// allocates, as it would the C constructors of a shared library.
 #[cfg(not(test))]
 #[allow(unsafe_code)]
 // SAFETY: a function pointer in `.init_array`, called once by the loader (static or dynamic
@@ -49,11 +50,6 @@ fn return_memory_promptly() {
 #[unsafe(link_section = ".init_array")]
 #[used]
 static SET_ALLOCATOR_OPTIONS: extern "C" fn() = set_allocator_options;
-
-#[cfg_attr(test, allow(dead_code))]
-extern "C" fn set_allocator_options() {
-    return_memory_promptly();
-}
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
