@@ -3,6 +3,13 @@
 //! node address, one gRPC server with one TLS configuration (the fleet's certificate) behind all
 //! of them, each call dispatched to the agent whose address it arrived on.
 //!
+//! The TLS configuration is the agent's (`nodekeeper_agent::tls::server_config`: its identity,
+//! client certificates required from the same CA, h2) built here as a rustls config, because one
+//! setting must differ: the session cache. A real agent keeps rustls's default of 256 sessions
+//! for its one or two controllers; one cache of 256 shared by thousands of simulated agents
+//! would forget nearly every session, and the controller, which resumes the sessions of up to
+//! 65,536 agents, would pay a full handshake on every call where a real fleet pays none.
+//!
 //! Not a test by itself: `fleet_agents_host` is ignored and runs only when the rig
 //! (`nodekeeper_e2e::rig::AgentsHost`) starts this binary with `NODEKEEPER_E2E_ROLE=fleet-agents`
 //! and `NODEKEEPER_FLEET_SPEC=<spec.json>`.
@@ -116,7 +123,9 @@ async fn host(spec: &FleetSpec, stop: tokio_util::sync::CancellationToken) -> an
         let addr = setup.listen;
         let config = nodekeeper_agent::Config::try_parse_from(setup.args())?;
         if tls.is_none() {
-            tls = Some(nodekeeper_agent::tls::server_config(&config)?);
+            // The agent's own check of the files, then the same settings for this host.
+            nodekeeper_agent::tls::server_config(&config)?;
+            tls = Some(server_tls(&config, spec.nodes.len())?);
         }
         agents.insert(
             addr,
@@ -150,12 +159,77 @@ async fn host(spec: &FleetSpec, stop: tokio_util::sync::CancellationToken) -> an
         };
         std::future::ready(open)
     });
+    let incoming = handshakes(
+        incoming,
+        tokio_rustls::TlsAcceptor::from(tls.context("no nodes in the spec")?),
+    );
     let server = tonic::transport::Server::builder()
-        .tls_config(tls.context("no nodes in the spec")?)?
         .add_service(pb::node_agent_server::NodeAgentServer::new(fleet))
         .serve_with_incoming_shutdown(incoming, stop.cancelled_owned());
     tokio::spawn(server);
     Ok(())
+}
+
+/// The agent's server TLS settings (what tonic builds from `nodekeeper_agent::tls::server_config`:
+/// the agent's certificate, client certificates required and chained to the CA, ALPN h2), with
+/// a session cache of four sessions per hosted agent instead of 256 for all of them: rustls
+/// stores each of the two tickets it sends after a handshake, and a real agent's cache holds
+/// its controllers' sessions with room to spare.
+fn server_tls(
+    config: &nodekeeper_agent::Config,
+    agents: usize,
+) -> anyhow::Result<Arc<rustls::ServerConfig>> {
+    use rustls::pki_types::pem::PemObject as _;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_file_iter(&config.client_ca)? {
+        roots.add(cert?)?;
+    }
+    let verifier =
+        rustls::server::WebPkiClientVerifier::builder_with_provider(roots.into(), provider.clone())
+            .build()?;
+    let chain = CertificateDer::pem_file_iter(&config.tls_cert)?.collect::<Result<Vec<_>, _>>()?;
+    let key = PrivateKeyDer::from_pem_file(&config.tls_key)?;
+    let mut tls = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()?
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(chain, key)?;
+    tls.alpn_protocols = vec![b"h2".to_vec()];
+    tls.session_storage = rustls::server::ServerSessionMemoryCache::new(agents.max(64) * 4);
+    Ok(Arc::new(tls))
+}
+
+/// The TLS connections of `incoming`: each handshake in its own task (as tonic's own TLS
+/// server does them), bounded by the agent's 10 s handshake timeout; a failed one only closes
+/// its connection.
+fn handshakes<S>(
+    incoming: S,
+    acceptor: tokio_rustls::TlsAcceptor,
+) -> tokio_stream::wrappers::ReceiverStream<
+    std::io::Result<tokio_rustls::server::TlsStream<tokio::net::TcpStream>>,
+>
+where
+    S: futures::Stream<Item = std::io::Result<tokio::net::TcpStream>> + Send + 'static,
+{
+    let (tx, rx) = tokio::sync::mpsc::channel(1024);
+    tokio::spawn(async move {
+        let mut incoming = std::pin::pin!(incoming);
+        while let Some(conn) = incoming.next().await {
+            let Ok(tcp) = conn else { continue };
+            let acceptor = acceptor.clone();
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                let accepted =
+                    tokio::time::timeout(std::time::Duration::from_secs(10), acceptor.accept(tcp))
+                        .await;
+                if let Ok(Ok(tls)) = accepted {
+                    let _ = tx.send(Ok(tls)).await;
+                }
+            });
+        }
+    });
+    tokio_stream::wrappers::ReceiverStream::new(rx)
 }
 
 #[test]
@@ -212,7 +286,7 @@ async fn calls_reach_the_agent_of_the_address_called() -> anyhow::Result<()> {
         (3, 0),
         "first contact is a full handshake"
     );
-    // Second round: every agent's session is resumed, on the agent's real TLS server config.
+    // Second round: every agent's session is resumed.
     for node in &spec.nodes {
         let addr = SocketAddr::new(node.ip.into(), port);
         assert_eq!(reported_node(&tls, addr).await?, node.name);
@@ -236,6 +310,55 @@ async fn calls_reach_the_agent_of_the_address_called() -> anyhow::Result<()> {
     }
     spec.set_outage(1, false)?;
     assert_eq!(reported_node(&tls, down).await?, spec.nodes[1].name);
+    stop.cancel();
+    Ok(())
+}
+
+/// Each hosted agent keeps its controller's TLS session, as a real agent does, however many
+/// agents the host serves: the second call to every one of 300 agents resumes. (With one
+/// rustls default cache of 256 sessions for the whole host, two stored per handshake, only the
+/// last 128 would.)
+#[tokio::test]
+async fn every_agent_of_a_large_host_resumes_its_session() -> anyhow::Result<()> {
+    use nodekeeper_controller::agent_client::AgentTls;
+    use nodekeeper_controller::certs::{Leaf, generate_ca, issue};
+    let (ca_cert, ca_key) = generate_ca()?;
+    let agent = issue(Leaf::Agent, &ca_cert, &ca_key)?;
+    let controller = issue(Leaf::Controller, &ca_cert, &ca_key)?;
+    let dir = tempfile::tempdir()?;
+    std::fs::write(dir.path().join("tls.crt"), &agent.cert)?;
+    std::fs::write(dir.path().join("tls.key"), &agent.key)?;
+    std::fs::write(dir.path().join("ca.crt"), &agent.ca)?;
+    let mut ips = nodekeeper_testkit::net::random_loopback_block(150);
+    ips.extend(nodekeeper_testkit::net::random_loopback_block(150));
+    let port = nodekeeper_testkit::net::port_free_on_all(&ips, nodekeeper_testkit::free_port())
+        .context("a port free on every node address")?;
+    let spec = FleetSpec {
+        port,
+        dir: dir.path().to_path_buf(),
+        nodes: ips
+            .iter()
+            .enumerate()
+            .map(|(i, ip)| FleetNode {
+                name: format!("many-node-{i}"),
+                ip: *ip,
+            })
+            .collect(),
+    };
+    let stop = tokio_util::sync::CancellationToken::new();
+    host(&spec, stop.clone()).await?;
+    let tls = AgentTls::new(&controller.ca, &controller.cert, &controller.key);
+    for round in 1..=2 {
+        for node in &spec.nodes {
+            let addr = SocketAddr::new(node.ip.into(), port);
+            assert_eq!(reported_node(&tls, addr).await?, node.name, "round {round}");
+        }
+    }
+    assert_eq!(
+        tls.handshakes(),
+        (300, 300),
+        "(full, resumed) handshakes over two rounds of 300 agents"
+    );
     stop.cancel();
     Ok(())
 }

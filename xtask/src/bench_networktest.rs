@@ -95,8 +95,15 @@ async fn bench(args: NetworkTestArgs, root: PathBuf, programs: Programs) -> anyh
     let rig = Rig::start(&config, &root, &programs, &say).await?;
     // Measure on a settled controller: its first sweep (every agent read once) is over.
     let sweep = rig.first_sweep(Duration::from_secs(900)).await?;
-    say(format!("first full sweep done in {sweep:.1} s; settling"));
-    tokio::time::sleep(Duration::from_secs(10)).await;
+    say(format!(
+        "first full sweep done in {sweep:.1} s; waiting for its condition writes to end"
+    ));
+    // The sweep's reads are done, its writes (every node's conditions, 10,000 at 10,000 nodes)
+    // go on for a while: a test started among them would measure the API server's queue.
+    let settled = settle(rig.http, Duration::from_secs(5), Duration::from_secs(300)).await?;
+    say(format!(
+        "no condition write for 5 s, {settled:.1} s after the sweep"
+    ));
 
     let api: Api<NetworkTest> = Api::namespaced(rig.client.clone(), NAMESPACE);
     let mut results = Vec::new();
@@ -127,6 +134,30 @@ async fn bench(args: NetworkTestArgs, root: PathBuf, programs: Programs) -> anyh
         );
     }
     Ok(())
+}
+
+/// Waits until the controller's condition patch counter has not moved for `quiet`, at most
+/// `within`; returns how long that took.
+async fn settle(
+    http: std::net::SocketAddr,
+    quiet: Duration,
+    within: Duration,
+) -> anyhow::Result<f64> {
+    let started = Instant::now();
+    let mut last = (f64::NAN, Instant::now());
+    loop {
+        let patches =
+            nodekeeper_e2e::rig::metric(http, "nodekeeper_conditions_patches_total", &[]).await?;
+        if patches != last.0 {
+            last = (patches, Instant::now());
+        } else if last.1.elapsed() >= quiet {
+            return Ok(started.elapsed().as_secs_f64());
+        }
+        if started.elapsed() > within {
+            bail!("the controller was still writing node conditions after {within:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
 }
 
 /// Creates one mesh test, waits for it to finish, and reads its figures.

@@ -106,6 +106,26 @@ pub fn node_lease_seconds(nodes: usize) -> u32 {
     u32::try_from(nodes / 10).unwrap_or(u32::MAX).max(40)
 }
 
+/// Raises this process's open-file limit (inherited by everything the rig starts) to what N
+/// nodes need: the agents host listens on N sockets, and calls in flight hold more. A
+/// machine's default of a few tens of thousands holds 10,000 nodes but not 65,000. Raising the
+/// hard limit needs root (CAP_SYS_RESOURCE); otherwise the error says how.
+fn raise_open_files(nodes: usize) -> anyhow::Result<()> {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    let want = u64::try_from(nodes)
+        .unwrap_or(u64::MAX)
+        .saturating_add(16_384);
+    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE)?;
+    if soft >= want {
+        return Ok(());
+    }
+    setrlimit(Resource::RLIMIT_NOFILE, want, hard.max(want)).with_context(|| {
+        format!(
+            "{nodes} nodes need {want} open files and this process may open {soft} (hard limit {hard}); run the bench as root or under `prlimit --nofile={want}:{want}`"
+        )
+    })
+}
+
 /// A running rig. Dropping it stops the agents, the controller and the control plane.
 pub struct Rig {
     pub client: kube::Client,
@@ -133,6 +153,7 @@ impl Rig {
         say: &dyn Fn(String),
     ) -> anyhow::Result<Rig> {
         let n = config.nodes;
+        raise_open_files(n)?;
         let node_lease = node_lease_seconds(n);
         let mut options = Options::new(
             format!("bench-{}-{}", config.what, std::process::id()),

@@ -61,6 +61,59 @@ impl Cidr {
     }
 }
 
+/// The fewest ranges holding exactly the addresses of `ranges`, sorted and disjoint: ranges inside
+/// another are dropped and two halves of one range are joined, as often as they can be. Per-node
+/// pod ranges handed out in order (`10.0.0.0/24`, `10.0.1.0/24`, … for 10,000 nodes) become a
+/// handful, so a policy check and the list sent to every agent stay small at any cluster size.
+pub fn collapse(mut ranges: Vec<Cidr>) -> Vec<Cidr> {
+    ranges.sort();
+    ranges.dedup();
+    let mut out: Vec<Cidr> = Vec::with_capacity(ranges.len());
+    for range in ranges {
+        // Sorted by (network, prefix), a range's container, if any, is the last one kept.
+        if out
+            .last()
+            .is_some_and(|last| last.prefix <= range.prefix && last.contains(range.network))
+        {
+            continue;
+        }
+        out.push(range);
+        while let [.., low, high] = out[..] {
+            let Some(parent) = low.joined(high) else {
+                break;
+            };
+            out.truncate(out.len() - 2);
+            out.push(parent);
+        }
+    }
+    out
+}
+
+impl Cidr {
+    /// The range of which `self` and `high` are the lower and upper halves.
+    fn joined(self, high: Cidr) -> Option<Cidr> {
+        if self.prefix != high.prefix || self.prefix == 0 {
+            return None;
+        }
+        let parent = Cidr {
+            network: Cidr::masked(self.network, self.prefix - 1),
+            prefix: self.prefix - 1,
+        };
+        let upper = match (self.network, high.network) {
+            (IpAddr::V4(low), IpAddr::V4(high)) => {
+                u32::from(low).checked_add(1 << (32 - u32::from(self.prefix)))
+                    == Some(u32::from(high))
+            }
+            (IpAddr::V6(low), IpAddr::V6(high)) => {
+                u128::from(low).checked_add(1 << (128 - u32::from(self.prefix)))
+                    == Some(u128::from(high))
+            }
+            _ => false,
+        };
+        (parent.network == self.network && upper).then_some(parent)
+    }
+}
+
 fn max_prefix(ip: IpAddr) -> u8 {
     if ip.is_ipv4() { 32 } else { 128 }
 }
@@ -167,7 +220,10 @@ const LISTED: usize = 6;
 /// The ranges ordinary targets may lie in, and the metadata service address they may not be.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct AddressPolicy {
+    /// As given (sorted, without duplicates): what a refusal describes.
     allowed: Vec<Cidr>,
+    /// The same addresses as [`collapse`]d ranges: what `check` searches.
+    disjoint: Vec<Cidr>,
     metadata_service: Option<IpAddr>,
 }
 
@@ -177,6 +233,7 @@ impl AddressPolicy {
         allowed.sort();
         allowed.dedup();
         Self {
+            disjoint: collapse(allowed.clone()),
             allowed,
             metadata_service: metadata_service.map(|ip| ip.to_canonical()),
         }
@@ -196,7 +253,9 @@ impl AddressPolicy {
         if is_link_local(ip) {
             return Err(Refusal::LinkLocal(ip));
         }
-        if self.allowed.iter().any(|c| c.contains(ip)) {
+        // Disjoint and sorted: only the last range starting at or below `ip` can hold it.
+        let candidates = self.disjoint.partition_point(|c| c.network <= ip);
+        if candidates > 0 && self.disjoint[candidates - 1].contains(ip) {
             return Ok(());
         }
         Err(Refusal::NotAllowed {
@@ -333,5 +392,86 @@ mod tests {
         assert!(!agent_permits(&wide, ip("169.254.169.254")));
         assert!(!agent_permits(&wide, ip("::ffff:169.254.169.254")));
         assert!(!agent_permits(&[], ip("10.0.0.1")));
+    }
+
+    #[test]
+    fn collapse_joins_halves_and_drops_nested_ranges() {
+        let c = |text: &str| collapse(parse_list(text).unwrap());
+        let shown = |v: Vec<Cidr>| v.iter().map(Cidr::to_string).collect::<Vec<_>>().join(" ");
+        assert_eq!(shown(c("10.0.1.0/24 10.0.0.0/24")), "10.0.0.0/23");
+        assert_eq!(
+            shown(c("10.0.0.0/24 10.0.1.0/24 10.0.2.0/24 10.0.3.0/24")),
+            "10.0.0.0/22"
+        );
+        // Neighbours that are not two halves of one range stay apart.
+        assert_eq!(
+            shown(c("10.0.1.0/24 10.0.2.0/24")),
+            "10.0.1.0/24 10.0.2.0/24"
+        );
+        assert_eq!(
+            shown(c("10.0.0.0/8 10.1.2.3 10.200.0.0/16 11.0.0.1")),
+            "10.0.0.0/8 11.0.0.1/32"
+        );
+        assert_eq!(
+            shown(c("0.0.0.0/1 128.0.0.0/1 ::/1 8000::/1")),
+            "0.0.0.0/0 ::/0"
+        );
+        assert_eq!(
+            shown(c("10.0.0.0 10.0.0.1 fd00::1 fd00::")),
+            "10.0.0.0/31 fd00::/127"
+        );
+        assert_eq!(shown(c("")), "");
+        // 10,000 per-node /24 pod ranges handed out in order from 10.0.0.0/8 (as Python's
+        // ipaddress.collapse_addresses also answers).
+        let pods: Vec<Cidr> = (0..10_000u32)
+            .map(|i| Cidr {
+                network: IpAddr::V4((0x0a00_0000 + (i << 8)).into()),
+                prefix: 24,
+            })
+            .collect();
+        assert_eq!(
+            shown(collapse(pods)),
+            "10.0.0.0/11 10.32.0.0/14 10.36.0.0/15 10.38.0.0/16 10.39.0.0/20"
+        );
+    }
+
+    /// The collapsed ranges hold exactly the addresses of the given ones, and the policy's
+    /// search over them answers as a scan of the given ranges does.
+    #[test]
+    fn collapse_keeps_exactly_the_same_addresses() {
+        // A small deterministic generator: many overlapping and adjacent ranges in 10.0.0.0/20.
+        let mut state = 0x2545_f491_4f6c_dd1d_u64;
+        let mut next = move |bound: u32| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            u32::try_from(state % u64::from(bound)).unwrap()
+        };
+        for _ in 0..200 {
+            let ranges: Vec<Cidr> = (0..next(40))
+                .map(|_| {
+                    let prefix = u8::try_from(20 + next(13)).unwrap();
+                    let ip = IpAddr::V4((0x0a00_0000 + next(1 << 12)).into());
+                    Cidr {
+                        network: Cidr::masked(ip, prefix),
+                        prefix,
+                    }
+                })
+                .collect();
+            let collapsed = collapse(ranges.clone());
+            assert!(collapsed.windows(2).all(|w| w[0] < w[1]));
+            let policy = AddressPolicy::new(ranges.clone(), None);
+            for host in 0..(1u32 << 12) + 16 {
+                let ip = IpAddr::V4((0x0a00_0000 + host).into());
+                let given = ranges.iter().any(|c| c.contains(ip));
+                let holders = collapsed.iter().filter(|c| c.contains(ip)).count();
+                assert_eq!(
+                    holders,
+                    usize::from(given),
+                    "{ip} in {ranges:?} → {collapsed:?}"
+                );
+                assert_eq!(policy.check(ip).is_ok(), given, "{ip}");
+            }
+        }
     }
 }

@@ -17,7 +17,8 @@ use super::Error;
 pub const SIMULATED_LABEL: &str = "nodekeeper.dev/simulated";
 
 /// The Node object for one simulated node: linux/amd64 labels, the simulation label, the caller's
-/// labels, and `ip` as its InternalIP (kept by kwok's initialize stage).
+/// labels, `ip` as its InternalIP (kept by kwok's initialize stage), and a /24 pod range in
+/// 10.0.0.0/8 numbered after the address (see [`pod_range`]).
 pub fn simulated_node(
     name: &str,
     ip: Ipv4Addr,
@@ -34,6 +35,7 @@ pub fn simulated_node(
         "apiVersion": "v1",
         "kind": "Node",
         "metadata": { "name": name, "labels": all },
+        "spec": { "podCIDR": pod_range(ip), "podCIDRs": [pod_range(ip)] },
         "status": {
             "addresses": [
                 { "type": "InternalIP", "address": ip.to_string() },
@@ -41,6 +43,15 @@ pub fn simulated_node(
             ],
         },
     })
+}
+
+/// The pod range of the simulated node at `ip`: what kube-controller-manager's range allocator
+/// would give (a /24 each, handed out in order), numbered by the address's last two octets as
+/// `indexed_loopback` hands them out (127.x.y.1–254), so that a fleet's ranges are contiguous.
+pub fn pod_range(ip: Ipv4Addr) -> String {
+    let [_, _, y, z] = ip.octets();
+    let index = u32::from(y) * 254 + u32::from(z).saturating_sub(1);
+    format!("{}/24", Ipv4Addr::from(0x0a00_0000 + (index << 8)))
 }
 
 /// Creates `names.len()` simulated nodes (node `i` gets `ips[i]`). Existing nodes of the same

@@ -198,7 +198,7 @@ mod tests {
         assert_eq!(cli.controllers.networktest.networktest_concurrency, 4);
         assert_eq!(
             cli.controllers.networktest.networktest_agent_concurrency,
-            256
+            1024
         );
     }
 }

@@ -143,13 +143,20 @@ impl<'de> Deserialize<'de> for NodeMeta {
 fn trim(m: &mut ObjectMeta) {
     m.managed_fields = None;
     m.owner_references = None;
-    let keep = |map: &mut Option<BTreeMap<String, String>>, keys: &[&str]| {
-        if let Some(map) = map.as_mut() {
-            map.retain(|k, _| keys.contains(&k.as_str()));
-        }
-    };
-    keep(&mut m.annotations, &[ANNOTATION_NODE_CLASS]);
-    keep(&mut m.labels, &[LABEL_NODE_CLASS, LABEL_NODE_SET]);
+    m.annotations = only(m.annotations.take(), &[ANNOTATION_NODE_CLASS]);
+    m.labels = only(m.labels.take(), &[LABEL_NODE_CLASS, LABEL_NODE_SET]);
+}
+
+/// The entries of `map` under `keys`, `None` when there are none. Built anew rather than
+/// `retain`ed: a `BTreeMap` emptied in place keeps its node allocated (544 bytes for
+/// `String` keys and values), and nearly every Node keeps none of its labels and annotations
+/// — two such nodes per Node were about 10 MiB of this cache at 10,000 Nodes.
+fn only(map: Option<BTreeMap<String, String>>, keys: &[&str]) -> Option<BTreeMap<String, String>> {
+    let kept: BTreeMap<_, _> = map?
+        .into_iter()
+        .filter(|(k, _)| keys.contains(&k.as_str()))
+        .collect();
+    (!kept.is_empty()).then_some(kept)
 }
 
 impl Reconciler for Context {
@@ -209,6 +216,19 @@ mod tests {
         assert!(n.metadata.managed_fields.is_none());
         assert_eq!(n.finalizers(), [FINALIZER_MACHINE]);
         assert!(NodeMeta::metadata_api());
+
+        // A Node with nothing of this controller's keeps no maps at all (see `only`).
+        let plain: NodeMeta = serde_json::from_value(serde_json::json!({
+            "kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1",
+            "metadata": {
+                "name": "n2", "resourceVersion": "8", "uid": "u2",
+                "annotations": { "node.alpha.kubernetes.io/ttl": "0" },
+                "labels": { "kubernetes.io/hostname": "n2", "kubernetes.io/os": "linux" },
+            },
+        }))
+        .unwrap();
+        assert_eq!(plain.metadata.annotations, None);
+        assert_eq!(plain.metadata.labels, None);
         assert_eq!(NodeMeta::url_path(&(), None), "/api/v1/nodes");
         assert_eq!(NodeMeta::kind(&()), "Node");
     }

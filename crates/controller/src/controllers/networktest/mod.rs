@@ -68,11 +68,13 @@ pub struct Config {
     pub networktest_concurrency: u16,
 
     /// Agents asked at once by one NetworkTest. Probe calls mostly wait (count × interval), so
-    /// the default of 256 in flight finishes a 1,000-node mesh in four rounds.
+    /// the default of 1024 in flight runs a 10,000-node mesh in ten rounds; each call in flight
+    /// holds about 50 KiB of controller memory (a connection's TLS and HTTP/2 state; BENCHMARKS.md
+    /// § networktest).
     #[arg(
         long,
         env = "NODEKEEPER_NETWORKTEST_AGENT_CONCURRENCY",
-        default_value_t = 256
+        default_value_t = 1024
     )]
     pub networktest_agent_concurrency: usize,
 }

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
 
-use nodekeeper_model::address_policy::{AddressPolicy, Cidr, is_link_local};
+use nodekeeper_model::address_policy::{self, AddressPolicy, Cidr, is_link_local};
 use nodekeeper_model::probe::{
     MAX_COUNT, MAX_INTERVAL_MS, MAX_MTU, MAX_PEERS_PER_NODE, MAX_SOURCE_NODES, MAX_TARGETS,
     MAX_TIMEOUT_MS, MIN_MTU_V4, check_hostname, check_url,
@@ -577,12 +577,16 @@ pub fn plan(
         }
         sources.insert(node.name.clone(), targets);
     }
-    let ranges = policy
-        .allowed()
-        .iter()
-        .filter(|c| !c.is_host())
-        .copied()
-        .collect();
+    // Collapsed: without `--pod-cidrs` every selected node adds its own pod range, and each
+    // agent is sent all of them.
+    let ranges = address_policy::collapse(
+        policy
+            .allowed()
+            .iter()
+            .filter(|c| !c.is_host())
+            .copied()
+            .collect(),
+    );
     Ok(TestPlan {
         params,
         sources,
@@ -1027,6 +1031,42 @@ mod tests {
             p.allowed_for(&p.sources["w0"]),
             ["10.0.0.0/8".to_owned(), "fd00::/8".to_owned()]
         );
+    }
+
+    /// Without `--pod-cidrs` every selected node brings its own pod range; an agent is sent
+    /// them collapsed (2,000 /24s handed out in order become six ranges, as Python's
+    /// `ipaddress.collapse_addresses` also answers), not one entry per node, plus its peers'
+    /// addresses; every pod address stays allowed.
+    #[test]
+    fn per_node_pod_ranges_are_sent_collapsed() {
+        let pod_range = |i: u32| -> Cidr {
+            let net = std::net::Ipv4Addr::from(0x0a80_0000 + (i << 8));
+            format!("{net}/24").parse().unwrap()
+        };
+        let env = Environment {
+            allowed: (0..2_000).map(pod_range).collect(),
+            ..Environment::default()
+        };
+        let s = spec("icmp", vec![TargetSpec::Peers { per_node: 3 }]);
+        let p = plan(&s, &nodes(50), &env, &no_dns(), "u").unwrap();
+        let sent = p.allowed_for(&p.sources["w0"]);
+        let (hosts, ranges): (Vec<_>, Vec<_>) = sent.iter().partition(|r| r.ends_with("/32"));
+        assert_eq!(
+            ranges,
+            [
+                "10.128.0.0/14",
+                "10.132.0.0/15",
+                "10.134.0.0/16",
+                "10.135.0.0/17",
+                "10.135.128.0/18",
+                "10.135.192.0/20"
+            ]
+        );
+        assert_eq!(hosts.len(), 3, "{sent:?}");
+        let s = spec("icmp", vec![TargetSpec::Address("10.135.207.9".into())]);
+        assert!(plan(&s, &nodes(1), &env, &no_dns(), "u").is_ok());
+        let s = spec("icmp", vec![TargetSpec::Address("10.135.208.9".into())]);
+        assert!(plan(&s, &nodes(1), &env, &no_dns(), "u").is_err());
     }
 
     #[test]

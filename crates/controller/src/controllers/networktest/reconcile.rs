@@ -42,6 +42,58 @@ impl Error {
     }
 }
 
+/// Nodes read per page while a test selects its sources. Read whole, a 10,000-node list is held
+/// as decoded Nodes (about 27 KiB each) for the length of the test; page by page, only the
+/// name, address and pod ranges of each stay.
+const NODE_LIST_PAGE: u32 = 500;
+
+/// The nodes `nt` selects, as sources (name and InternalIP), read page by page; without
+/// `--pod-cidrs`, their pod ranges are added to `allowed`.
+async fn select_sources(
+    ctx: &Context,
+    nt: &NetworkTest,
+    test: &str,
+    allowed: &mut Vec<Cidr>,
+) -> Result<Vec<SourceNode>, Error> {
+    let nodes: Api<Node> = Api::all(ctx.client.clone());
+    let mut lp = ListParams::default()
+        .labels(&nt.spec.node_selector.to_query())
+        .limit(NODE_LIST_PAGE);
+    let mut sources = Vec::new();
+    loop {
+        let page = nodes.list(&lp).await.map_err(|source| Error::ListNodes {
+            test: test.to_owned(),
+            source,
+        })?;
+        for node in &page.items {
+            if ctx.policy.pod_cidrs_from_nodes {
+                allowed.extend(
+                    node.spec
+                        .as_ref()
+                        .and_then(|s| s.pod_cidrs.as_ref())
+                        .into_iter()
+                        .flatten()
+                        .filter_map(|c| c.parse::<Cidr>().ok()),
+                );
+            }
+            let facts = crate::shared::fleet::node_facts(node);
+            match facts.address {
+                Some(address) => sources.push(SourceNode {
+                    name: facts.name,
+                    address,
+                }),
+                None => {
+                    warn!(%test, node = %facts.name, "node has no InternalIP; it cannot run probes")
+                }
+            }
+        }
+        match page.metadata.continue_.filter(|c| !c.is_empty()) {
+            Some(token) => lp.continue_token = Some(token),
+            None => return Ok(sources),
+        }
+    }
+}
+
 /// Logs the failure and retries in 30 s; a test deleted meanwhile is left alone.
 pub fn error_policy(nt: Arc<NetworkTest>, error: &Error, _ctx: Arc<Context>) -> Action {
     if error.test_is_gone() {
@@ -135,38 +187,9 @@ pub async fn reconcile(nt: Arc<NetworkTest>, ctx: Arc<Context>) -> Result<Action
         Err(e) => return reject(e).await,
     };
 
-    let nodes: Api<Node> = Api::all(ctx.client.clone());
-    let lp = ListParams::default().labels(&nt.spec.node_selector.to_query());
-    let list = nodes.list(&lp).await.map_err(|source| Error::ListNodes {
-        test: test.clone(),
-        source,
-    })?;
-    let mut sources = Vec::with_capacity(list.items.len());
     let mut env = ctx.env.clone();
     env.allowed.extend(ctx.allowed_ranges());
-    for node in &list.items {
-        // Without --pod-cidrs, the pod ranges are the selected nodes' own.
-        if ctx.policy.pod_cidrs_from_nodes {
-            env.allowed.extend(
-                node.spec
-                    .as_ref()
-                    .and_then(|s| s.pod_cidrs.as_ref())
-                    .into_iter()
-                    .flatten()
-                    .filter_map(|c| c.parse::<Cidr>().ok()),
-            );
-        }
-        let facts = crate::shared::fleet::node_facts(node);
-        match facts.address {
-            Some(address) => sources.push(SourceNode {
-                name: facts.name,
-                address,
-            }),
-            None => {
-                warn!(%test, node = %facts.name, "node has no InternalIP; it cannot run probes")
-            }
-        }
-    }
+    let sources = select_sources(&ctx, &nt, &test, &mut env.allowed).await?;
 
     let mut names: Vec<String> = plan::hostnames_to_resolve(&spec)
         .into_iter()

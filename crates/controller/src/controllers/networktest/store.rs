@@ -11,9 +11,13 @@ use axum::{Json, Router, routing::get};
 
 use super::aggregate::{PairResult, Summary};
 
-/// Most tests whose results are held at once; the oldest finished are dropped first. With the
-/// per-test pair cap (10,000 nodes × 16 peers) this bounds memory even if TTLs are long.
+/// Most tests whose results are held at once; the oldest finished are dropped first.
 pub const MAX_TESTS: usize = 256;
+/// Most pairs held over all tests (a pair is about 250 bytes here: 200,000 are some 50 MiB of a
+/// controller whose default memory limit is 256 MiB); past it the oldest finished tests are
+/// dropped first, but the newest test's results are always kept, however many pairs it has.
+/// Without it, 256 mesh tests of a 10,000-node fleet (30,000 pairs each) would hold gigabytes.
+pub const MAX_PAIRS: usize = 200_000;
 /// Pairs returned per page by default, and at most.
 const DEFAULT_LIMIT: usize = 1_000;
 const MAX_LIMIT: usize = 10_000;
@@ -30,23 +34,32 @@ pub struct StoredResults {
     pub pairs: Vec<PairResult>,
 }
 
-/// Shared, cheaply cloned handle to the results.
+/// Shared, cheaply cloned handle to the results. Each test's results are shared too: a reader
+/// (a page of the HTTP API, the reconciler's check) never copies a test's pairs.
 #[derive(Debug, Clone, Default)]
 pub struct ResultsStore {
-    inner: Arc<RwLock<BTreeMap<(String, String), StoredResults>>>,
+    inner: Arc<RwLock<ByTest>>,
 }
+
+/// Each held test's results, by (namespace, name).
+type ByTest = BTreeMap<(String, String), Arc<StoredResults>>;
 
 impl ResultsStore {
     pub fn insert(&self, namespace: &str, name: &str, results: StoredResults) {
         let mut map = self.inner.write().expect("results store lock");
-        map.insert((namespace.to_owned(), name.to_owned()), results);
-        while map.len() > MAX_TESTS {
+        let key = (namespace.to_owned(), name.to_owned());
+        map.insert(key.clone(), Arc::new(results));
+        let mut pairs: usize = map.values().map(|r| r.pairs.len()).sum();
+        while map.len() > MAX_TESTS || (pairs > MAX_PAIRS && map.len() > 1) {
             let oldest = map
                 .iter()
+                .filter(|(k, _)| **k != key)
                 .min_by_key(|(_, r)| r.finished_unix)
                 .map(|(k, _)| k.clone())
-                .expect("map is not empty");
-            map.remove(&oldest);
+                .expect("another test is held");
+            if let Some(dropped) = map.remove(&oldest) {
+                pairs -= dropped.pairs.len();
+            }
         }
     }
 
@@ -60,7 +73,7 @@ impl ResultsStore {
         }
     }
 
-    pub fn get(&self, namespace: &str, name: &str) -> Option<StoredResults> {
+    pub fn get(&self, namespace: &str, name: &str) -> Option<Arc<StoredResults>> {
         let map = self.inner.read().expect("results store lock");
         map.get(&(namespace.to_owned(), name.to_owned())).cloned()
     }
@@ -92,7 +105,7 @@ struct Page<'a> {
     /// Pairs matching the query in total (before paging).
     total_pairs: usize,
     offset: usize,
-    pairs: &'a [PairResult],
+    pairs: &'a [&'a PairResult],
 }
 
 /// `GET /api/networktests/{namespace}/{name}?offset=&limit=&failedOnly=`: the summary and one page
@@ -122,11 +135,12 @@ async fn handle(
         )
             .into_response();
     }
-    let selected: Vec<PairResult> = if q.failed_only.unwrap_or(false) {
-        r.pairs.iter().filter(|p| !p.succeeded()).cloned().collect()
-    } else {
-        r.pairs.clone()
-    };
+    let failed_only = q.failed_only.unwrap_or(false);
+    let selected: Vec<&PairResult> = r
+        .pairs
+        .iter()
+        .filter(|p| !failed_only || !p.succeeded())
+        .collect();
     let offset = q.offset.unwrap_or(0).min(selected.len());
     let end = offset.saturating_add(limit).min(selected.len());
     Json(Page {
@@ -208,6 +222,24 @@ mod tests {
         assert!(store.get("ns", "t100").is_some());
         store.remove("ns", "t100", "u");
         assert!(store.get("ns", "t100").is_none());
+    }
+
+    /// Past `MAX_PAIRS` the oldest finished tests go first; the newest stays even alone over it.
+    #[test]
+    fn bounded_by_pairs_too() {
+        let store = ResultsStore::default();
+        let big = MAX_PAIRS / 3;
+        for i in 0..3 {
+            store.insert("ns", &format!("t{i}"), results("u", 10 + i, big));
+        }
+        assert_eq!(store.len(), 3);
+        store.insert("ns", "t3", results("u", 13, big));
+        assert!(store.get("ns", "t0").is_none(), "the oldest is dropped");
+        assert_eq!(store.len(), 3);
+        // Finished earlier than every other, yet the one just inserted: kept.
+        store.insert("ns", "early", results("u", 1, MAX_PAIRS + 1));
+        assert_eq!(store.len(), 1);
+        assert!(store.get("ns", "early").is_some());
     }
 
     /// Serves the router on 127.0.0.1 and asks it over real HTTP.
