@@ -252,15 +252,7 @@ fn fleet_agents_host() {
 /// Three agents in one process answer for their own nodes, over mTLS, by address.
 #[tokio::test]
 async fn calls_reach_the_agent_of_the_address_called() -> anyhow::Result<()> {
-    use nodekeeper_controller::agent_client::AgentTls;
-    use nodekeeper_controller::certs::{Leaf, generate_ca, issue};
-    let (ca_cert, ca_key) = generate_ca()?;
-    let agent = issue(Leaf::Agent, &ca_cert, &ca_key)?;
-    let controller = issue(Leaf::Controller, &ca_cert, &ca_key)?;
-    let dir = tempfile::tempdir()?;
-    std::fs::write(dir.path().join("tls.crt"), &agent.cert)?;
-    std::fs::write(dir.path().join("tls.key"), &agent.key)?;
-    std::fs::write(dir.path().join("ca.crt"), &agent.ca)?;
+    let (dir, tls) = agent_pki()?;
     let port = nodekeeper_testkit::free_port();
     let b = 1 + rand::random::<u8>() % 250;
     let nodes: Vec<FleetNode> = (1..=3)
@@ -276,7 +268,6 @@ async fn calls_reach_the_agent_of_the_address_called() -> anyhow::Result<()> {
     };
     let stop = tokio_util::sync::CancellationToken::new();
     host(&spec, stop.clone()).await?;
-    let tls = AgentTls::new(&controller.ca, &controller.cert, &controller.key);
     for node in &spec.nodes {
         let addr = SocketAddr::new(node.ip.into(), port);
         assert_eq!(reported_node(&tls, addr).await?, node.name);
@@ -317,18 +308,10 @@ async fn calls_reach_the_agent_of_the_address_called() -> anyhow::Result<()> {
 /// Each hosted agent keeps its controller's TLS session, as a real agent does, however many
 /// agents the host serves: the second call to every one of 300 agents resumes. (With one
 /// rustls default cache of 256 sessions for the whole host, two stored per handshake, only the
-/// last 128 would.)
+/// none does: the round's 600 stored sessions evict each other.)
 #[tokio::test]
 async fn every_agent_of_a_large_host_resumes_its_session() -> anyhow::Result<()> {
-    use nodekeeper_controller::agent_client::AgentTls;
-    use nodekeeper_controller::certs::{Leaf, generate_ca, issue};
-    let (ca_cert, ca_key) = generate_ca()?;
-    let agent = issue(Leaf::Agent, &ca_cert, &ca_key)?;
-    let controller = issue(Leaf::Controller, &ca_cert, &ca_key)?;
-    let dir = tempfile::tempdir()?;
-    std::fs::write(dir.path().join("tls.crt"), &agent.cert)?;
-    std::fs::write(dir.path().join("tls.key"), &agent.key)?;
-    std::fs::write(dir.path().join("ca.crt"), &agent.ca)?;
+    let (dir, tls) = agent_pki()?;
     let mut ips = nodekeeper_testkit::net::random_loopback_block(150);
     ips.extend(nodekeeper_testkit::net::random_loopback_block(150));
     let port = nodekeeper_testkit::net::port_free_on_all(&ips, nodekeeper_testkit::free_port())
@@ -347,7 +330,6 @@ async fn every_agent_of_a_large_host_resumes_its_session() -> anyhow::Result<()>
     };
     let stop = tokio_util::sync::CancellationToken::new();
     host(&spec, stop.clone()).await?;
-    let tls = AgentTls::new(&controller.ca, &controller.cert, &controller.key);
     for round in 1..=2 {
         for node in &spec.nodes {
             let addr = SocketAddr::new(node.ip.into(), port);
@@ -407,6 +389,28 @@ async fn the_rig_starts_the_agents_host_and_each_agent_answers_for_its_node() ->
         assert_eq!(std::fs::read_to_string(somaxconn)?, "8192\n");
     }
     Ok(())
+}
+
+/// A new CA, the agents' certificate, key and CA in the files a spec's directory holds (the
+/// directory), and the controller's client identity from the same CA.
+fn agent_pki() -> anyhow::Result<(
+    tempfile::TempDir,
+    nodekeeper_controller::agent_client::AgentTls,
+)> {
+    use nodekeeper_controller::certs::{Leaf, generate_ca, issue};
+    let (ca_cert, ca_key) = generate_ca()?;
+    let agent = issue(Leaf::Agent, &ca_cert, &ca_key)?;
+    let controller = issue(Leaf::Controller, &ca_cert, &ca_key)?;
+    let dir = tempfile::tempdir()?;
+    std::fs::write(dir.path().join("tls.crt"), &agent.cert)?;
+    std::fs::write(dir.path().join("tls.key"), &agent.key)?;
+    std::fs::write(dir.path().join("ca.crt"), &agent.ca)?;
+    let tls = nodekeeper_controller::agent_client::AgentTls::new(
+        &controller.ca,
+        &controller.cert,
+        &controller.key,
+    );
+    Ok((dir, tls))
 }
 
 /// The node name in the report of the agent at `addr`, over mTLS as the controller calls it.
