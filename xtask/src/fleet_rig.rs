@@ -122,7 +122,7 @@ fn raise_open_files(nodes: usize) -> anyhow::Result<()> {
     }
     setrlimit(Resource::RLIMIT_NOFILE, want, hard.max(want)).with_context(|| {
         format!(
-            "{nodes} nodes need {want} open files and this process may open {soft} (hard limit {hard}); run the bench as root or under `prlimit --nofile={want}:{want}`"
+            "{nodes} nodes need {want} open files and this process may open {soft} (hard limit {hard}); raising the hard limit needs CAP_SYS_RESOURCE: run the bench where a shell may `ulimit -Hn {want}`, or with fewer nodes"
         )
     })
 }
