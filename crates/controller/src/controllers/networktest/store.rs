@@ -123,7 +123,7 @@ async fn handle(
 ) -> Response {
     let Some(r) = store.get(&namespace, &name) else {
         let msg = format!(
-            "no results for networktest {namespace}/{name}: it has not finished, its TTL passed, or the controller restarted since"
+            "no results for networktest {namespace}/{name}: it has not finished, its TTL passed, newer tests' results displaced them (at most {MAX_TESTS} tests and {MAX_PAIRS} pairs are kept), or the controller restarted since; its status still holds the summary"
         );
         return (StatusCode::NOT_FOUND, msg).into_response();
     };
