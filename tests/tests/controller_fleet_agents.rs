@@ -1,7 +1,8 @@
-//! The agents host of `cargo xtask bench fleet`: every simulated node's agent in one process —
-//! one agent state (the agent crate's `Agent` and `AgentService`) per node, one listener per
-//! node address, one gRPC server with one TLS configuration (the fleet's certificate) behind all
-//! of them, each call dispatched to the agent whose address it arrived on.
+//! The agents host of `cargo xtask bench fleet`: many simulated nodes' agents in one process (the
+//! rig starts one such process per `AGENTS_PER_HOST` nodes) — one agent state (the agent crate's
+//! `Agent` and `AgentService`) per node, one listener per node address, one gRPC server with one
+//! TLS configuration (the fleet's certificate) behind all of them, each call dispatched to the
+//! agent whose address it arrived on.
 //!
 //! The TLS configuration is the agent's (`nodekeeper_agent::tls::server_config`: its identity,
 //! client certificates required from the same CA, h2) built here as a rustls config, because one
@@ -108,13 +109,18 @@ impl pb::node_agent_server::NodeAgent for Fleet {
     }
 }
 
-/// Starts the agents of `spec`; returns when every listener is bound.
-async fn host(spec: &FleetSpec, stop: tokio_util::sync::CancellationToken) -> anyhow::Result<()> {
+/// Starts the agents of `spec`'s nodes in `shard`; returns when every listener is bound.
+async fn host(
+    spec: &FleetSpec,
+    shard: std::ops::Range<usize>,
+    stop: tokio_util::sync::CancellationToken,
+) -> anyhow::Result<()> {
     use clap::Parser;
     let mut agents = HashMap::new();
     let mut listeners = Vec::new();
     let mut tls = None;
-    for i in 0..spec.nodes.len() {
+    let hosted = shard.len();
+    for i in shard {
         let setup = spec.agent(i);
         setup.create_dirs()?;
         if !sysctl_path(&setup.sysctl_root, "net.core.somaxconn").exists() {
@@ -125,7 +131,7 @@ async fn host(spec: &FleetSpec, stop: tokio_util::sync::CancellationToken) -> an
         if tls.is_none() {
             // The agent's own check of the files, then the same settings for this host.
             nodekeeper_agent::tls::server_config(&config)?;
-            tls = Some(server_tls(&config, spec.nodes.len())?);
+            tls = Some(server_tls(&config, hosted)?);
         }
         agents.insert(
             addr,
@@ -239,11 +245,14 @@ fn fleet_agents_host() {
         return;
     }
     let spec = FleetSpec::from_env().expect("read the fleet spec");
+    let shard = spec.shard_from_env().expect("read the shard");
     let runtime = tokio::runtime::Runtime::new().expect("runtime");
     runtime.block_on(async {
         let stop = tokio_util::sync::CancellationToken::new();
-        host(&spec, stop.clone()).await.expect("start agents");
-        spec.write_ready().expect("write ready file");
+        host(&spec, shard.clone(), stop.clone())
+            .await
+            .expect("start agents");
+        spec.write_ready(&shard).expect("write ready file");
         // Runs until the bench kills it.
         std::future::pending::<()>().await;
     });
@@ -267,7 +276,7 @@ async fn calls_reach_the_agent_of_the_address_called() -> anyhow::Result<()> {
         nodes,
     };
     let stop = tokio_util::sync::CancellationToken::new();
-    host(&spec, stop.clone()).await?;
+    host(&spec, 0..spec.nodes.len(), stop.clone()).await?;
     for node in &spec.nodes {
         let addr = SocketAddr::new(node.ip.into(), port);
         assert_eq!(reported_node(&tls, addr).await?, node.name);
@@ -329,7 +338,7 @@ async fn every_agent_of_a_large_host_resumes_its_session() -> anyhow::Result<()>
             .collect(),
     };
     let stop = tokio_util::sync::CancellationToken::new();
-    host(&spec, stop.clone()).await?;
+    host(&spec, 0..spec.nodes.len(), stop.clone()).await?;
     for round in 1..=2 {
         for node in &spec.nodes {
             let addr = SocketAddr::new(node.ip.into(), port);
@@ -346,8 +355,9 @@ async fn every_agent_of_a_large_host_resumes_its_session() -> anyhow::Result<()>
 }
 
 /// The rig's agents host, as the fleet bench starts it: this binary re-executed as
-/// `fleet_agents_host`, ready once every agent listens, each answering for its own node, and
-/// its fake sysctl files where the rig says they are.
+/// `fleet_agents_host`, split over processes by the bound per host (two here: nodes 0..2 and
+/// 2..3), ready once every agent listens, each answering for its own node, and its fake sysctl
+/// files where the rig says they are.
 #[tokio::test]
 async fn the_rig_starts_the_agents_host_and_each_agent_answers_for_its_node() -> anyhow::Result<()>
 {
@@ -379,8 +389,10 @@ async fn the_rig_starts_the_agents_host_and_each_agent_answers_for_its_node() ->
         nodes.clone(),
         port,
         &tls,
+        2,
         std::time::Duration::from_secs(60),
     )?;
+    assert_eq!(host.pids().len(), 2, "3 agents, at most 2 per host");
     let client_tls = AgentTls::new(&controller.ca, &controller.cert, &controller.key);
     for (i, node) in nodes.iter().enumerate() {
         let addr = SocketAddr::new(node.ip.into(), port);

@@ -195,11 +195,12 @@ async fn bench(args: FleetArgs, root: PathBuf, programs: Programs) -> anyhow::Re
     // nothing having changed, nothing is written.
     let others = ["kube-apiserver", "etcd", "kwok"];
     let cpu_of = |pid: Option<u32>| pid.and_then(|p| proc_usage(p).ok()).map_or(0.0, |u| u.2);
-    let agents_pid = rig.agents.pid();
+    let agents_pids = rig.agents.pids();
+    let agents_cpu = || agents_pids.iter().map(|p| cpu_of(Some(*p))).sum::<f64>();
     let before: Vec<f64> = others
         .iter()
         .map(|c| cpu_of(rig.cp.component_pid(c)))
-        .chain([cpu_of(Some(agents_pid))])
+        .chain([agents_cpu()])
         .collect();
     rig.restart_controller()?;
     say("controller restarted; waiting for its full sweep".into());
@@ -209,13 +210,16 @@ async fn bench(args: FleetArgs, root: PathBuf, programs: Programs) -> anyhow::Re
     let sweep_cpu: Vec<(String, f64)> = others
         .iter()
         .map(|c| cpu_of(rig.cp.component_pid(c)))
-        .chain([cpu_of(Some(agents_pid))])
+        .chain([agents_cpu()])
         .zip(&before)
         .zip(
             others
                 .iter()
                 .map(|c| (*c).to_owned())
-                .chain(["agents host".to_owned()]),
+                .chain([match agents_pids.len() {
+                    1 => "agents host".to_owned(),
+                    k => format!("agents hosts ({k} processes)"),
+                }]),
         )
         .map(|((after, before), name)| (name, after - before))
         .collect();

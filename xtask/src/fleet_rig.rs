@@ -1,9 +1,10 @@
 //! The simulated fleet the controller benchmarks run on (`cargo xtask bench fleet` and
 //! `cargo xtask bench networktest`), built from the rig of `nodekeeper_e2e::rig`: a private local
 //! control plane (audit log on) with N kwok nodes, each with a distinct 127.x.y.z InternalIP and
-//! a real agent (the agent crate's service and mTLS) listening on it — all N agents in one
-//! process (the rig's `AgentsHost`: `tests/tests/controller_fleet_agents.rs`, built in release)
-//! behind one gRPC server with N listeners, dispatched by local address — and the release
+//! a real agent (the agent crate's service and mTLS) listening on it — up to 15,000 agents in
+//! one process (the rig's `AgentsHost`: `tests/tests/controller_fleet_agents.rs`, built in
+//! release; a larger fleet runs as several) behind one gRPC server with a listener per agent,
+//! dispatched by local address — and the release
 //! controller under its own ServiceAccount token, so the audit log tells its requests from
 //! kwok's and the bench's.
 //!
@@ -20,7 +21,8 @@ use kube::Api;
 use kube::api::{Patch, PatchParams, PostParams};
 use nodekeeper_e2e::controlplane::{Lifetime, Options, nodes};
 use nodekeeper_e2e::rig::{
-    AgentTls, AgentsHost, ControllerConfig, ControllerProcess, FleetNode, Output, Program, metric,
+    AGENTS_PER_HOST, AgentTls, AgentsHost, ControllerConfig, ControllerProcess, FleetNode, Output,
+    Program, metric,
 };
 use nodekeeper_e2e::{ControlPlane, wait_for};
 use serde_json::json;
@@ -107,13 +109,13 @@ pub fn node_lease_seconds(nodes: usize) -> u32 {
 }
 
 /// Raises this process's open-file limit (inherited by everything the rig starts) to what N
-/// nodes need: the agents host listens on N sockets in one process, and the calls in flight
-/// (at most 1024 at the NetworkTest default) hold more. A limit of 20,000 holds about 18,000
-/// nodes, not 65,000. Raising the hard limit needs CAP_SYS_RESOURCE; without it the error
-/// says how.
+/// nodes need: an agents host listens on one socket per node it serves (at most
+/// [`AGENTS_PER_HOST`], so a larger fleet runs as several hosts), and the calls in flight (at
+/// most 1024 at the NetworkTest default) hold more. Raising the hard limit needs
+/// CAP_SYS_RESOURCE; without it the error says how.
 fn raise_open_files(nodes: usize) -> anyhow::Result<()> {
     use nix::sys::resource::{Resource, getrlimit, setrlimit};
-    let want = u64::try_from(nodes)
+    let want = u64::try_from(nodes.min(AGENTS_PER_HOST))
         .unwrap_or(u64::MAX)
         .saturating_add(2_048);
     let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE)?;
@@ -247,7 +249,9 @@ impl Rig {
             fleet,
             config.port,
             &tls,
-            Duration::from_secs(600),
+            AGENTS_PER_HOST,
+            // Each host makes its agents' files and binds their sockets one after another.
+            Duration::from_secs(600).max(Duration::from_millis(u64::try_from(n)? * 20)),
         )?;
         pki_maker.stop();
         let mut launch = launch;

@@ -4,6 +4,7 @@
 //! `nodekeeper-agent` process per node (the demo).
 
 use std::net::{Ipv4Addr, SocketAddr};
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -191,7 +192,16 @@ pub const FLEET_SPEC_ENV: &str = "NODEKEEPER_FLEET_SPEC";
 /// The role and helper test of the agents host (`tests/tests/controller_fleet_agents.rs`).
 pub const FLEET_ROLE: &str = "fleet-agents";
 pub const FLEET_HELPER: &str = "fleet_agents_host";
-/// The file the agents host writes once every listener is bound.
+/// The environment variable naming the nodes one agents host serves, `START..END` (indexes into
+/// the spec's nodes); all of them when unset.
+pub const FLEET_SHARD_ENV: &str = "NODEKEEPER_FLEET_SHARD";
+/// The most agents one agents-host process serves. Each agent listens on a socket of its own,
+/// and a process may open at most the hard limit of open files (20,000 on the machine the
+/// benchmarks ran on, and no raising it without CAP_SYS_RESOURCE): a 65,000-node fleet runs as
+/// five hosts.
+pub const AGENTS_PER_HOST: usize = 15_000;
+/// The file an agents host writes once every listener is bound (one per host, named by the
+/// first node it serves).
 const READY_FILE: &str = "ready";
 
 impl FleetSpec {
@@ -243,32 +253,55 @@ impl FleetSpec {
         )?)
     }
 
-    /// Tells the rig that every agent listens (a pipe to libtest's stdout is not a reliable
-    /// signal).
-    pub fn write_ready(&self) -> anyhow::Result<()> {
-        std::fs::write(
-            self.dir.join(READY_FILE),
-            format!("{} agents\n", self.nodes.len()),
-        )?;
+    /// The nodes this agents host serves, from `NODEKEEPER_FLEET_SHARD` (all when unset).
+    pub fn shard_from_env(&self) -> anyhow::Result<Range<usize>> {
+        let Some(text) = std::env::var_os(FLEET_SHARD_ENV) else {
+            return Ok(0..self.nodes.len());
+        };
+        let text = text.to_string_lossy();
+        let (start, end) = text
+            .split_once("..")
+            .with_context(|| format!("{FLEET_SHARD_ENV}={text}: expected START..END"))?;
+        let shard = start.parse::<usize>()?..end.parse::<usize>()?;
+        if shard.is_empty() || shard.end > self.nodes.len() {
+            bail!(
+                "{FLEET_SHARD_ENV}={text}: not a non-empty range of the spec's {} nodes",
+                self.nodes.len()
+            );
+        }
+        Ok(shard)
+    }
+
+    fn ready_file(&self, shard: &Range<usize>) -> PathBuf {
+        self.dir.join(format!("{READY_FILE}-{}", shard.start))
+    }
+
+    /// Tells the rig that every agent of `shard` listens (a pipe to libtest's stdout is not a
+    /// reliable signal).
+    pub fn write_ready(&self, shard: &Range<usize>) -> anyhow::Result<()> {
+        std::fs::write(self.ready_file(shard), format!("{} agents\n", shard.len()))?;
         Ok(())
     }
 }
 
-/// The agents host: every node's agent in one process (`host`, a test binary of this package
-/// that runs [`FLEET_HELPER`]). Its work directory holds each node's files.
+/// The agents host: every node's agent, in as many processes as [`AGENTS_PER_HOST`] makes
+/// needed (`host`, a test binary of this package that runs [`FLEET_HELPER`]; each serves a
+/// contiguous range of the nodes). Its work directory holds each node's files.
 pub struct AgentsHost {
-    pub process: Process,
+    pub processes: Vec<Process>,
     pub spec: FleetSpec,
     _work: tempfile::TempDir,
 }
 
 impl AgentsHost {
-    /// Starts the host for `nodes` on `port` with `tls`, and waits until it is ready.
+    /// Starts the hosts for `nodes` on `port` with `tls`, at most `per_host` agents in each,
+    /// and waits until every one is ready.
     pub fn start(
         host: &Path,
         nodes: Vec<FleetNode>,
         port: u16,
         tls: &AgentTls,
+        per_host: usize,
         within: Duration,
     ) -> anyhow::Result<AgentsHost> {
         let work = tempfile::tempdir()?;
@@ -285,32 +318,58 @@ impl AgentsHost {
             test: FLEET_HELPER.into(),
             role: FLEET_ROLE.into(),
         };
-        let mut process = Process::start(
-            "the agents host",
-            &program,
-            &[],
-            &[(FLEET_SPEC_ENV.into(), spec_file.into())],
-            &Output::Stderr,
-        )?;
+        let n = spec.nodes.len();
+        let shards: Vec<Range<usize>> = (0..n)
+            .step_by(per_host.max(1))
+            .map(|start| start..(start + per_host.max(1)).min(n))
+            .collect();
+        let mut processes = Vec::with_capacity(shards.len());
+        for shard in &shards {
+            processes.push(Process::start(
+                &format!("the agents host of nodes {}..{}", shard.start, shard.end),
+                &program,
+                &[],
+                &[
+                    (FLEET_SPEC_ENV.into(), spec_file.clone().into()),
+                    (
+                        FLEET_SHARD_ENV.into(),
+                        format!("{}..{}", shard.start, shard.end).into(),
+                    ),
+                ],
+                &Output::Stderr,
+            )?);
+        }
+        let mut host = AgentsHost {
+            processes,
+            spec,
+            _work: work,
+        };
         let deadline = Instant::now() + within;
         while Instant::now() < deadline {
-            if work.path().join(READY_FILE).exists() {
-                return Ok(AgentsHost {
-                    process,
-                    spec,
-                    _work: work,
-                });
+            if shards.iter().all(|s| host.spec.ready_file(s).exists()) {
+                return Ok(host);
             }
-            process
-                .check_alive()
-                .context("the agents host exited before it was ready")?;
+            for (process, shard) in host.processes.iter_mut().zip(&shards) {
+                process.check_alive().with_context(|| {
+                    format!(
+                        "the agents host of nodes {}..{} exited before it was ready",
+                        shard.start, shard.end
+                    )
+                })?;
+            }
             std::thread::sleep(Duration::from_millis(200));
         }
-        process.kill();
-        bail!("the agents host was not ready within {within:?}")
+        for process in &mut host.processes {
+            process.kill();
+        }
+        bail!(
+            "the agents hosts ({} processes for {n} agents) were not ready within {within:?}",
+            shards.len()
+        )
     }
 
-    pub fn pid(&self) -> u32 {
-        self.process.pid()
+    /// The hosts' process ids.
+    pub fn pids(&self) -> Vec<u32> {
+        self.processes.iter().map(Process::pid).collect()
     }
 }

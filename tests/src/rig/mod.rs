@@ -20,8 +20,8 @@ mod process;
 pub mod service_proxy;
 
 pub use agents::{
-    AGENT_SECRET, AgentSetup, AgentTls, AgentsHost, FLEET_HELPER, FLEET_ROLE, FLEET_SPEC_ENV,
-    FleetNode, FleetSpec, sysctl_path,
+    AGENT_SECRET, AGENTS_PER_HOST, AgentSetup, AgentTls, AgentsHost, FLEET_HELPER, FLEET_ROLE,
+    FLEET_SHARD_ENV, FLEET_SPEC_ENV, FleetNode, FleetSpec, sysctl_path,
 };
 pub use controller::{ControllerConfig, ControllerProcess};
 pub use http::{http_get, metric, sum_metric};
