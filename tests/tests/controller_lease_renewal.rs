@@ -331,3 +331,77 @@ async fn a_standby_only_watches_and_takes_over_a_lease_duration_after_the_last_r
     );
     Ok(())
 }
+
+/// The leader renews apart from the runtime its controllers run on (`leader::hold_apart`): with
+/// that runtime's only thread blocked for twice the lease duration, the Lease is still renewed
+/// every retry period and is still held when the thread is free again. (On the controllers'
+/// runtime, as before, the renewals stop with it and the Lease is lost.)
+#[test]
+fn renewals_go_on_while_the_controllers_runtime_is_blocked() -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async {
+        let cp = started().await?;
+        let client = cp.client().await?;
+        let ns = test_namespace(&client, "nk-lease").await?;
+        let api: Api<Lease> = Api::namespaced(client.clone(), &ns);
+        let config = LeaderConfig {
+            name: "apart".into(),
+            identity: "replica-a".into(),
+            lease_duration: Duration::from_secs(3),
+            renew_deadline: Duration::from_secs(2),
+            retry_period: Duration::from_millis(500),
+        };
+        let cancel = CancellationToken::new();
+        let acquired = leader::acquire(&api, &config, &cancel)
+            .await
+            .context("acquire without cancel returns the lease")?;
+        let kube_config = kube::Config::from_custom_kubeconfig(
+            kube::config::Kubeconfig::read_from(cp.kubeconfig())?,
+            &kube::config::KubeConfigOptions::default(),
+        )
+        .await?;
+        let holding = tokio::spawn(leader::hold_apart(
+            kube_config,
+            ns.clone(),
+            config.clone(),
+            acquired.lease,
+            acquired.sent,
+            cancel.clone(),
+        ));
+        let renewed = |lease: &Lease| {
+            lease
+                .spec
+                .as_ref()
+                .and_then(|s| s.renew_time.as_ref())
+                .map(|t| t.0.as_millisecond())
+                .unwrap_or(0)
+        };
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let before = renewed(&api.get(&config.name).await?);
+        // Nothing of this runtime runs for 6 s: not the task awaiting `hold_apart`, not a timer.
+        std::thread::sleep(Duration::from_secs(6));
+        let lease = api.get(&config.name).await?;
+        let after = renewed(&lease);
+        assert!(
+            after - before >= 4_000,
+            "renewTime moved {} ms while the runtime was blocked for 6 s (retry period 500 ms)",
+            after - before
+        );
+        assert_eq!(
+            lease.spec.and_then(|s| s.holder_identity).as_deref(),
+            Some("replica-a")
+        );
+        assert!(
+            !holding.is_finished(),
+            "the leadership ended while the runtime was blocked"
+        );
+        cancel.cancel();
+        let written = holding
+            .await?
+            .context("a cancelled hold hands back the Lease")?;
+        leader::release(&api, &config, written).await;
+        Ok(())
+    })
+}

@@ -559,6 +559,60 @@ pub async fn hold(
     }
 }
 
+/// [`hold`] on a thread of its own, with a runtime and an API client (so a connection) of its
+/// own, built from `kube_config`: the renewals do not wait behind the controllers' work.
+///
+/// On the controllers' runtime a renewal is one task among the sweep's hundreds of agent calls
+/// and the watches' decoding of Node pages, and its request shares their HTTP/2 connection. At
+/// 65,000 nodes on a loaded 2-core machine a restarted leader's renewal timer woke 0.8 s late,
+/// its PUT reached the API server 0.9 s after that, and the answer (sent within 2 ms) was not
+/// read before the renew deadline, 2 s after the retry period: it gave up the Lease in its
+/// first minute (`cargo xtask bench fleet --nodes 65000`, issue #18). A thread that does
+/// nothing else is woken by the kernel when its timer fires, whatever the other threads do.
+pub async fn hold_apart(
+    kube_config: kube::Config,
+    namespace: String,
+    config: LeaderConfig,
+    written: Lease,
+    sent: Instant,
+    cancel: CancellationToken,
+) -> Result<Lease, LeaderError> {
+    let name = config.name.clone();
+    let lost = |why: String| LeaderError::LoseLease {
+        name: name.clone(),
+        why,
+    };
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("lease-renewal".into())
+        .spawn(move || {
+            let held = match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(runtime) => runtime.block_on(async {
+                    let client = kube::Client::try_from(kube_config).map_err(|e| {
+                        LeaderError::LoseLease {
+                            name: config.name.clone(),
+                            why: format!("the renewals' API client: {e}"),
+                        }
+                    })?;
+                    let api: Api<Lease> = Api::namespaced(client, &namespace);
+                    hold(&api, &config, written, sent, &cancel).await
+                }),
+                Err(e) => Err(LeaderError::LoseLease {
+                    name: config.name.clone(),
+                    why: format!("the renewals' runtime: {e}"),
+                }),
+            };
+            // The receiver is gone only when the controller is already stopping.
+            let _ = tx.send(held);
+        })
+        .map_err(|e| lost(format!("the renewals' thread: {e}")))?;
+    rx.await
+        .map_err(|_| lost("the renewals' thread ended without an answer".into()))?
+}
+
 /// What a renewal or release found.
 enum Held {
     /// We still hold it (renewed: the object as written now) or just gave it up (released).

@@ -83,6 +83,8 @@ pub async fn run(cli: Cli) -> Result<(), Error> {
             .push((axum::http::header::USER_AGENT, agent));
     }
     let cluster_url = kube_config.cluster_url.to_string();
+    // The Lease's renewals get a client of their own (`leader::hold_apart`).
+    let lease_kube_config = kube_config.clone();
     let client = kube::Client::try_from(kube_config).map_err(Error::ConnectKube)?;
     if cli.cleanup {
         let scope = cleanup::Scope {
@@ -233,12 +235,13 @@ pub async fn run(cli: Cli) -> Result<(), Error> {
         );
         controllers.start(&shared, &controllers_config, &tracker, &shutdown);
 
-        leader::hold(
-            &leases,
-            &lease_config,
+        leader::hold_apart(
+            lease_kube_config,
+            cli.namespace.clone(),
+            lease_config.clone(),
             acquired.lease,
             acquired.sent,
-            &shutdown,
+            shutdown.clone(),
         )
         .await
         .map_err(Error::from)

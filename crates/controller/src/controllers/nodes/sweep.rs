@@ -39,6 +39,10 @@ const TICK: Duration = Duration::from_millis(500);
 /// kube-apiserver's default 200 mutating requests in flight, so other writers keep room.
 const WRITE_CONCURRENCY: usize = 64;
 
+/// Condition writes queued or running at most. A queued write holds its conditions (a few KiB);
+/// past this many, a read waits to hand its write over (see `Writers`).
+const WRITE_QUEUE: usize = 1024;
+
 /// How long the sweep waits for the tuning ConfigMap's first read before it starts anyway.
 const TUNING_SETTLE: std::time::Duration = std::time::Duration::from_secs(30);
 
@@ -66,7 +70,7 @@ pub async fn run(ctx: Arc<Context>, shutdown: CancellationToken) {
     let started = Instant::now();
     let mut initial_done = false;
     let mut last_interval = ctx.tuning().config.sweep_interval;
-    let writers = Writers::new(WRITE_CONCURRENCY, shutdown.child_token());
+    let writers = Writers::new(WRITE_CONCURRENCY, WRITE_QUEUE, shutdown.child_token());
     loop {
         let ticked = tokio::select! {
             () = shutdown.cancelled() => break,
@@ -238,28 +242,30 @@ async fn poll(ctx: &Arc<Context>, writers: &Writers, job: Job) {
         return;
     }
     let NewProblems { events, cursor } = new;
-    // Handed to the writer pool: this read's slot is free for the next read now.
+    // Handed to the writer pool: this read's slot is free for the next read now. The API
+    // calls' futures are boxed when they start, so that a queued write holds only what it
+    // will send, not room for a request in flight.
     let task = {
         let (ctx, name) = (Arc::clone(ctx), job.name.clone());
         async move {
             if let Some((desired, current, agent_types)) = write
-                && patch_conditions(&ctx, &name, &current, &desired, interval).await
+                && Box::pin(patch_conditions(&ctx, &name, &current, &desired, interval)).await
             {
                 for t in conditions::transitions(&current, &desired) {
                     if t.kind == TransitionKind::Problem && !agent_types.contains(&t.type_) {
                         ctx.problem_metrics.totals.add(&t.reason, 1);
                     }
-                    publish(&ctx, &name, &problems::transition_event(&t)).await;
+                    Box::pin(publish(&ctx, &name, &problems::transition_event(&t))).await;
                 }
             }
             for problem in &events {
-                publish(&ctx, &name, &problems::temporary_event(problem)).await;
+                Box::pin(publish(&ctx, &name, &problems::temporary_event(problem))).await;
             }
         }
     };
     // A write for this node still pending drops this one; the problems stay unhandled and the
     // next read offers them again.
-    if writers.submit(&job.name, task)
+    if writers.submit(&job.name, task).await
         && let Some(cursor) = cursor
     {
         ctx.problems.commit(&job.name, cursor);
