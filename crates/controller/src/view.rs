@@ -410,6 +410,10 @@ pub struct StoredReport {
     pub revision: u64,
     pub rules_revision: u64,
     encoded: Box<[u8]>,
+    /// The rules of the tunables out of bounds (Warning or Critical), for the fleet summary,
+    /// which would otherwise decode every node's report while it holds the fleet's lock (at
+    /// 65,000 nodes that stalled the sweep; issue #18). Usually empty, which allocates nothing.
+    flagged_tunables: Box<[String]>,
 }
 
 impl StoredReport {
@@ -419,7 +423,18 @@ impl StoredReport {
             revision: view.revision,
             rules_revision: view.rules_revision,
             encoded: view.to_proto().encode_to_vec().into_boxed_slice(),
+            flagged_tunables: view
+                .tunables
+                .iter()
+                .filter(|t| matches!(t.verdict, Verdict::Warning | Verdict::Critical))
+                .map(|t| t.rule.clone())
+                .collect(),
         }
+    }
+
+    /// The rules of this report's tunables out of bounds (Warning or Critical).
+    pub fn flagged_tunables(&self) -> &[String] {
+        &self.flagged_tunables
     }
 
     /// The view again, equal to the one stored.

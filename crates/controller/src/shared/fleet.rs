@@ -365,12 +365,28 @@ impl Fleet {
     }
 
     /// Counts for the summary.
+    /// Nodes read (with a report now) and nodes with an address: the sweep's test for its first
+    /// full pass, made after every completed call, so a plain count (no allocation, no decoding)
+    /// under the lock.
+    pub fn read_progress(&self) -> (usize, usize) {
+        let nodes = self.lock();
+        nodes.values().fold((0, 0), |(read, reachable), e| {
+            (
+                read + usize::from(e.report.is_some()),
+                reachable + usize::from(e.address.is_some()),
+            )
+        })
+    }
+
     pub fn summary(&self) -> FleetSummary {
         let nodes = self.lock();
         let mut s = FleetSummary {
             nodes: nodes.len(),
             ..FleetSummary::default()
         };
+        // Counted by borrowed keys under the lock: no allocation per node.
+        let mut conditions: std::collections::BTreeMap<(&str, &str), usize> = Default::default();
+        let mut tunables: std::collections::BTreeMap<&str, usize> = Default::default();
         for (name, entry) in nodes.iter() {
             if entry.address.is_none() {
                 s.without_internal_ip += 1;
@@ -390,20 +406,24 @@ impl Fleet {
                 s.refusing_rules_nodes.push(name.clone());
             }
             for w in entry.written.iter() {
-                let key = format!("{}={}", w.condition.type_, w.condition.status.as_str());
-                *s.conditions.entry(key).or_default() += 1;
+                *conditions
+                    .entry((w.condition.type_.as_str(), w.condition.status.as_str()))
+                    .or_default() += 1;
             }
             if let Some(report) = &entry.report {
-                for t in &report.view().tunables {
-                    if matches!(
-                        t.verdict,
-                        crate::view::Verdict::Warning | crate::view::Verdict::Critical
-                    ) {
-                        *s.tunables_out_of_bounds.entry(t.rule.clone()).or_default() += 1;
-                    }
+                for rule in report.flagged_tunables() {
+                    *tunables.entry(rule.as_str()).or_default() += 1;
                 }
             }
         }
+        s.conditions = conditions
+            .into_iter()
+            .map(|((type_, status), n)| (format!("{type_}={status}"), n))
+            .collect();
+        s.tunables_out_of_bounds = tunables
+            .into_iter()
+            .map(|(rule, n)| (rule.to_owned(), n))
+            .collect();
         for list in [&mut s.unreachable_nodes, &mut s.refusing_rules_nodes] {
             list.sort_unstable();
             list.truncate(MAX_LISTED);
@@ -583,6 +603,54 @@ mod tests {
         names.sort();
         assert_eq!(names, ["n0", "n1", "n2", "n3", "n4"]);
         assert_eq!(fleet.take_due(now, 100, 9443).len(), 45);
+    }
+
+    /// The sweep's progress count and the summary's tunables agree with the reports stored,
+    /// without decoding them.
+    #[test]
+    fn read_progress_and_flagged_tunables_follow_the_stored_reports() {
+        use crate::view::{NodeView, StoredReport, TunableView, Verdict};
+        let fleet = Fleet::default();
+        let now = Instant::now();
+        for (name, address) in [
+            ("n1", Some("127.1.0.4")),
+            ("n2", Some("127.1.0.5")),
+            ("n3", None),
+        ] {
+            let mut facts = node_facts(&node("1", address, json!([])));
+            facts.name = name.into();
+            fleet.observe(facts, now);
+        }
+        assert_eq!(fleet.read_progress(), (0, 2));
+        let tunable = |rule: &str, verdict| TunableView {
+            rule: rule.into(),
+            key: "net.core.somaxconn".into(),
+            current: "128".into(),
+            verdict,
+            expected: ">= 4096".into(),
+            previous: String::new(),
+            repaired_at_unix_ms: 0,
+            conflict: false,
+            error: String::new(),
+        };
+        let view = NodeView {
+            tunables: vec![
+                tunable("somaxconn", Verdict::Warning),
+                tunable("rmem", Verdict::Ok),
+                tunable("wmem", Verdict::Critical),
+            ],
+            ..NodeView::default()
+        };
+        fleet.lock().get_mut("n1").unwrap().report = Some(StoredReport::of(&view));
+        assert_eq!(fleet.read_progress(), (1, 2));
+        fleet.lock().get_mut("n2").unwrap().report = Some(StoredReport::of(&NodeView::default()));
+        assert_eq!(fleet.read_progress(), (2, 2));
+        let s = fleet.summary();
+        assert_eq!(s.read, 2);
+        assert_eq!(
+            s.tunables_out_of_bounds.into_iter().collect::<Vec<_>>(),
+            [("somaxconn".to_owned(), 1), ("wmem".to_owned(), 1)]
+        );
     }
 
     #[test]

@@ -7,7 +7,7 @@
 //!
 //! The queue has a bound of its own: a queued write holds what it will send, and on a fresh
 //! fleet the reads outrun the API server by far (at 65,000 nodes an unbounded queue held tens
-//! of thousands of writes and the controller's RSS passed 600 MiB; issue #18). Past the bound,
+//! of thousands of writes and the controller's RSS reached 1 GiB; issue #18). Past the bound,
 //! `submit` waits for room, so the reads then go at the pace of the writes, which is the pace
 //! of the API server: the time until every node is written does not change.
 

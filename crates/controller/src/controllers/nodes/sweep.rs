@@ -101,17 +101,19 @@ pub async fn run(ctx: Arc<Context>, shutdown: CancellationToken) {
             .calls_in_flight
             .set(i64::try_from(tasks.len()).unwrap_or(i64::MAX));
 
+        // A count, not `Fleet::summary`: this runs after every completed call, and the summary
+        // (conditions and tunables of every node, under the fleet's lock) made a 65,000-node
+        // sweep wait on it.
         if !initial_done && ctx.fleet.synced() {
-            let summary = ctx.fleet.summary();
-            let reachable = summary.nodes - summary.without_internal_ip;
+            let (read, reachable) = ctx.fleet.read_progress();
             ctx.metrics
                 .nodes_read_once
-                .set(i64::try_from(summary.read).unwrap_or(i64::MAX));
-            if summary.read >= reachable && reachable > 0 {
+                .set(i64::try_from(read).unwrap_or(i64::MAX));
+            if read >= reachable && reachable > 0 {
                 initial_done = true;
                 let seconds = started.elapsed().as_secs_f64();
                 ctx.metrics.initial_sweep_seconds.set(seconds);
-                info!(nodes = summary.read, seconds, "first full sweep done");
+                info!(nodes = read, seconds, "first full sweep done");
             }
         }
     }
