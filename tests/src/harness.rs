@@ -301,9 +301,11 @@ pub async fn install_crds(client: &kube::Client) -> anyhow::Result<Vec<String>> 
 use serde::Deserialize as _;
 
 /// Creates `n` simulated nodes named `<unique prefix>-<i>` with `labels` (plus
-/// `nodekeeper.dev/simulated=true`) and waits until kwok has made them Ready. Node `i` gets
-/// `ips[i]` as its InternalIP; with `ips` empty, addresses come from a per-process sequence in
-/// 127.1.0.0/16 (pass explicit ones when something will bind them). Returns the node names.
+/// `nodekeeper.dev/simulated=true`) and waits until kwok has made them Ready and
+/// kube-controller-manager has lifted their not-ready taint, so pods created next may land on
+/// any of them. Node `i` gets `ips[i]` as its InternalIP; with `ips` empty, addresses come from
+/// a per-process sequence in 127.1.0.0/16 (pass explicit ones when something will bind them).
+/// Returns the node names.
 pub async fn create_simulated_nodes(
     client: &kube::Client,
     prefix: &str,
@@ -328,7 +330,7 @@ pub async fn create_simulated_nodes(
         ips.to_vec()
     };
     controlplane::nodes::create(client, &names, &ips, labels).await?;
-    controlplane::nodes::wait_ready(client, &names, Duration::from_secs(60)).await?;
+    controlplane::nodes::wait_schedulable(client, &names, Duration::from_secs(60)).await?;
     Ok(names)
 }
 

@@ -315,7 +315,7 @@ async fn bench(args: DrainArgs, root: PathBuf, controller: PathBuf) -> anyhow::R
     target_labels.insert(TARGET_LABEL.to_owned(), "target".to_owned());
     let ips: Vec<_> = (0..n).map(nodes_ip).collect();
     nodes::create(&client, &targets, &ips, &target_labels).await?;
-    nodes::wait_ready(&client, &targets, Duration::from_secs(300)).await?;
+    nodes::wait_schedulable(&client, &targets, Duration::from_secs(300)).await?;
 
     let deployments = args.pods_per_node;
     let total = n * deployments;
@@ -384,7 +384,7 @@ async fn bench(args: DrainArgs, root: PathBuf, controller: PathBuf) -> anyhow::R
         .collect();
     let spare_ips: Vec<_> = (0..spares_needed).map(|i| nodes_ip(n + i)).collect();
     nodes::create(&client, &spares, &spare_ips, &pool).await?;
-    nodes::wait_ready(&client, &spares, Duration::from_secs(300)).await?;
+    nodes::wait_schedulable(&client, &spares, Duration::from_secs(300)).await?;
     wait_budgets(&pdb_api, deployments, 1).await?;
 
     // The time one serial step takes: one pod of every Deployment evicted at once (what a

@@ -263,6 +263,26 @@ async fn bench(args: FleetArgs, root: PathBuf, programs: Programs) -> anyhow::Re
     let patches1 = metric(http, "nodekeeper_conditions_patches_total", &[]).await?;
     let calls1 = metric(http, "nodekeeper_sweep_agent_calls_total", &[]).await?;
     let cpu_share = (cpu1 - cpu0) / window;
+    let controller_total: u64 = audit_window
+        .iter()
+        .filter(|((u, _, _), _)| u == CONTROLLER_USER)
+        .map(|(_, c)| c)
+        .sum();
+    let controller_writes: u64 = audit_window
+        .iter()
+        .filter(|((u, v, _), _)| {
+            u == CONTROLLER_USER && ["create", "update", "patch", "delete"].contains(&v.as_str())
+        })
+        .map(|(_, c)| c)
+        .sum();
+    // Said as soon as measured: the yardsticks run last and at the largest N may not finish.
+    say(format!(
+        "window of {window:.0} s: controller RSS {:.1} MiB (max sampled {:.1}), CPU {cpu_share:.3} cores, API requests {controller_total} ({:.3}/s), writes {controller_writes} ({:.3}/s)",
+        rss as f64 / 1024.0,
+        rss_max as f64 / 1024.0,
+        controller_total as f64 / window,
+        controller_writes as f64 / window
+    ));
 
     // Flip 1 % unhealthy and wait for exactly those patches.
     let k = ((n as f64) * args.unhealthy_percent / 100.0)
@@ -308,6 +328,12 @@ async fn bench(args: FleetArgs, root: PathBuf, programs: Programs) -> anyhow::Re
         == expected
         && per_node.values().all(|&c| c == 1);
     let _ = after;
+    say(format!(
+        "{k} nodes flipped unhealthy: all patched {flip_secs:.0} s after the flip; exactly those nodes, one patch each: {} ({} patches on {} nodes)",
+        if exact { "yes" } else { "NO" },
+        patched.len(),
+        per_node.len()
+    ));
     // The yardsticks for the fresh sweep: the same apiserver's time for N plain server-side
     // apply status patches on the same nodes, at the controller's write concurrency, under
     // their own field manager: one trivial condition each, and then as many conditions of the
@@ -392,18 +418,6 @@ async fn bench(args: FleetArgs, root: PathBuf, programs: Programs) -> anyhow::Re
         patches1 - patches0,
         (patches1 - patches0) / window
     ));
-    let controller_total: u64 = audit_window
-        .iter()
-        .filter(|((u, _, _), _)| u == CONTROLLER_USER)
-        .map(|(_, c)| c)
-        .sum();
-    let controller_writes: u64 = audit_window
-        .iter()
-        .filter(|((u, v, _), _)| {
-            u == CONTROLLER_USER && ["create", "update", "patch", "delete"].contains(&v.as_str())
-        })
-        .map(|(_, c)| c)
-        .sum();
     report.push_str(&format!("| controller API requests in the window (audit) | {controller_total} ({:.3}/s), writes {controller_writes} ({:.3}/s) |\n", controller_total as f64 / window, controller_writes as f64 / window));
     let agent_requests: u64 = audit_window
         .iter()

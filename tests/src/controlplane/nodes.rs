@@ -93,6 +93,24 @@ pub fn is_ready(node: &Node) -> bool {
         .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
 }
 
+/// Whether the scheduler may place pods on a Node: Ready, not cordoned, and without the
+/// `node.kubernetes.io/not-ready` or `unreachable` taint. The taint that admission puts on a new
+/// node is lifted by kube-controller-manager only after kwok has made the node Ready, so for a
+/// moment a Ready node still takes no pods.
+pub fn is_schedulable(node: &Node) -> bool {
+    const LIFECYCLE_TAINTS: [&str; 2] = [
+        "node.kubernetes.io/not-ready",
+        "node.kubernetes.io/unreachable",
+    ];
+    let spec = node.spec.as_ref();
+    let cordoned = spec.and_then(|s| s.unschedulable).unwrap_or(false);
+    let tainted = spec.and_then(|s| s.taints.as_ref()).is_some_and(|ts| {
+        ts.iter()
+            .any(|t| LIFECYCLE_TAINTS.contains(&t.key.as_str()))
+    });
+    is_ready(node) && !cordoned && !tainted
+}
+
 /// Waits until every named node is Ready; the error names the nodes that are not.
 ///
 /// One paged list, then a watch of the changes: a list of every node per round is the heaviest
@@ -102,6 +120,40 @@ pub async fn wait_ready(
     client: &kube::Client,
     names: &[String],
     timeout: Duration,
+) -> Result<(), Error> {
+    wait_until(
+        client,
+        names,
+        timeout,
+        is_ready,
+        "Ready condition, set by kwok",
+    )
+    .await
+}
+
+/// Waits until every named node [`is_schedulable`]: what a caller that creates pods next waits
+/// for (a test that expects the scheduler to spread pods over all its nodes).
+pub async fn wait_schedulable(
+    client: &kube::Client,
+    names: &[String],
+    timeout: Duration,
+) -> Result<(), Error> {
+    wait_until(
+        client,
+        names,
+        timeout,
+        is_schedulable,
+        "Ready and without the not-ready taint, which kube-controller-manager lifts",
+    )
+    .await
+}
+
+async fn wait_until(
+    client: &kube::Client,
+    names: &[String],
+    timeout: Duration,
+    done: fn(&Node) -> bool,
+    condition: &str,
 ) -> Result<(), Error> {
     use futures::StreamExt as _;
     use kube::runtime::WatchStreamExt as _;
@@ -128,7 +180,7 @@ pub async fn wait_ready(
             if !wanted.contains(name) {
                 return;
             }
-            if is_ready(node) {
+            if done(node) {
                 ready.insert(name.to_owned());
             } else {
                 ready.remove(name);
@@ -157,7 +209,7 @@ pub async fn wait_ready(
         .collect();
     Err(Error::WaitReady {
         what: format!(
-            "{} simulated nodes, among them {} (Ready condition, set by kwok){}",
+            "{} simulated nodes, among them {} ({condition}){}",
             not_ready.len(),
             not_ready[..not_ready.len().min(10)].join(", "),
             last_error
@@ -183,5 +235,23 @@ mod tests {
         assert_eq!(node["status"]["addresses"][0]["address"], "127.1.0.7");
         let parsed: Node = serde_json::from_value(node).unwrap();
         assert!(!is_ready(&parsed));
+        assert!(!is_schedulable(&parsed));
+    }
+
+    #[test]
+    fn a_ready_node_is_schedulable_only_once_the_not_ready_taint_is_lifted() {
+        let mut node = simulated_node("n1", Ipv4Addr::new(127, 1, 0, 8), &BTreeMap::new());
+        node["status"]["conditions"] = json!([{ "type": "Ready", "status": "True" }]);
+        node["spec"]["taints"] =
+            json!([{ "key": "node.kubernetes.io/not-ready", "effect": "NoSchedule" }]);
+        let tainted: Node = serde_json::from_value(node.clone()).unwrap();
+        assert!(is_ready(&tainted));
+        assert!(!is_schedulable(&tainted));
+        node["spec"]["taints"] = json!([{ "key": "example.com/other", "effect": "NoSchedule" }]);
+        let lifted: Node = serde_json::from_value(node.clone()).unwrap();
+        assert!(is_schedulable(&lifted));
+        node["spec"]["unschedulable"] = json!(true);
+        let cordoned: Node = serde_json::from_value(node).unwrap();
+        assert!(!is_schedulable(&cordoned));
     }
 }
