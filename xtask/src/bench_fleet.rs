@@ -18,7 +18,7 @@ use nodekeeper_e2e::rig::metric;
 use nodekeeper_e2e::wait_for;
 
 use crate::fleet_rig::{
-    CONTROLLER_USER, Programs, Rig, RigConfig, audit_counts, proc_usage, request_totals,
+    CONTROLLER_USER, Programs, Rig, RigConfig, audit_counts, proc_usage, request_totals, rss_split,
 };
 
 /// `cargo xtask bench fleet` arguments.
@@ -52,6 +52,12 @@ pub struct FleetArgs {
     /// The RSS figures of such a run include the profiler's own memory.
     #[arg(long, value_name = "FILE")]
     pub heap_profile: Option<std::path::PathBuf>,
+    /// Stop a fresh-fleet yardstick (the last figures measured) when the machine's available
+    /// memory (MemAvailable) falls under this many MiB, and report it as not measured: each
+    /// yardstick adds a field manager's entry to every Node, which the API server and kwok keep
+    /// (at 65,000 nodes the second one outgrew 24 GiB).
+    #[arg(long, default_value_t = 1024, value_name = "MIB")]
+    pub yardstick_min_available: u64,
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -258,6 +264,7 @@ async fn bench(args: FleetArgs, root: PathBuf, programs: Programs) -> anyhow::Re
     }
     let window = window_start.elapsed().as_secs_f64();
     let (rss, hwm, cpu1) = proc_usage(pid)?;
+    let (rss_anon, rss_file) = rss_split(pid)?;
     let totals1 = request_totals(client).await?;
     let (audit_window, audit_to, _) = audit_counts(audit, audit_from)?;
     let patches1 = metric(http, "nodekeeper_conditions_patches_total", &[]).await?;
@@ -277,8 +284,10 @@ async fn bench(args: FleetArgs, root: PathBuf, programs: Programs) -> anyhow::Re
         .sum();
     // Said as soon as measured: the yardsticks run last and at the largest N may not finish.
     say(format!(
-        "window of {window:.0} s: controller RSS {:.1} MiB (max sampled {:.1}), CPU {cpu_share:.3} cores, API requests {controller_total} ({:.3}/s), writes {controller_writes} ({:.3}/s)",
+        "window of {window:.0} s: controller RSS {:.1} MiB ({:.1} anonymous, {:.1} file-backed; max sampled {:.1}), CPU {cpu_share:.3} cores, API requests {controller_total} ({:.3}/s), writes {controller_writes} ({:.3}/s)",
         rss as f64 / 1024.0,
+        rss_anon as f64 / 1024.0,
+        rss_file as f64 / 1024.0,
         rss_max as f64 / 1024.0,
         controller_total as f64 / window,
         controller_writes as f64 / window
@@ -345,15 +354,25 @@ async fn bench(args: FleetArgs, root: PathBuf, programs: Programs) -> anyhow::Re
         json!({"type": "BenchPlain", "status": "True", "reason": "Bench",
         "message": "plain patch", "lastTransitionTime": now, "lastHeartbeatTime": now}),
     ];
-    let plain_secs = plain_status_patches(client, names, PLAIN_PATCH_CONCURRENCY, &trivial).await?;
+    // Each yardstick adds a field manager's entry to every Node, which the API server's cache
+    // and kwok's keep: at 65,000 nodes the second one outgrew a 24 GiB machine. A yardstick
+    // stops when the machine runs short, and the report says so instead of the figure.
+    let min_mib = args.yardstick_min_available;
+    let plain =
+        plain_status_patches(client, names, PLAIN_PATCH_CONCURRENCY, &trivial, min_mib).await?;
     say(format!(
-        "{n} plain status patches at concurrency {PLAIN_PATCH_CONCURRENCY}: {plain_secs:.1} s"
+        "{n} plain status patches at concurrency {PLAIN_PATCH_CONCURRENCY}: {plain}"
     ));
     let alike = controller_conditions_renamed(client, &names[0]).await?;
     let alike_count = alike.len();
-    let alike_secs = plain_status_patches(client, names, PLAIN_PATCH_CONCURRENCY, &alike).await?;
+    let alike = match plain {
+        Yardstick::Done(_) => {
+            plain_status_patches(client, names, PLAIN_PATCH_CONCURRENCY, &alike, min_mib).await?
+        }
+        Yardstick::Stopped { .. } | Yardstick::NotRun => Yardstick::NotRun,
+    };
     say(format!(
-        "{n} status patches of {alike_count} conditions like the controller's: {alike_secs:.1} s"
+        "{n} status patches of {alike_count} conditions like the controller's: {alike}"
     ));
     drop(rig);
 
@@ -391,18 +410,23 @@ async fn bench(args: FleetArgs, root: PathBuf, programs: Programs) -> anyhow::Re
         "| first sweep of a fresh fleet (every node's conditions written for the first time) | {fresh_secs:.1} s, {fresh_patches:.0} condition patches |\n"
     ));
     report.push_str(&format!(
-        "| fresh fleet: last first write landed / {n} plain SSA status patches (concurrency {PLAIN_PATCH_CONCURRENCY}, same apiserver) / ratio | {fresh_written_secs:.1} s / {plain_secs:.1} s / {:.2}× |\n",
-        fresh_written_secs / plain_secs.max(1e-9)
+        "| fresh fleet: last first write landed / {n} plain SSA status patches (concurrency {PLAIN_PATCH_CONCURRENCY}, same apiserver) / ratio | {fresh_written_secs:.1} s / {} |\n",
+        plain.against(fresh_written_secs)
     ));
     report.push_str(&format!(
-        "| fresh fleet: last first write landed / {n} SSA status patches of {alike_count} conditions the size of the controller's (same concurrency and apiserver) / ratio | {fresh_written_secs:.1} s / {alike_secs:.1} s / {:.2}× |\n",
-        fresh_written_secs / alike_secs.max(1e-9)
+        "| fresh fleet: last first write landed / {n} SSA status patches of {alike_count} conditions the size of the controller's (same concurrency and apiserver) / ratio | {fresh_written_secs:.1} s / {} |\n",
+        alike.against(fresh_written_secs)
     ));
     report.push_str(&format!(
         "| fresh fleet: peak RSS (VmHWM) of the controller that wrote it | {:.1} MiB |\n",
         fresh_hwm as f64 / 1024.0
     ));
     report.push_str(&format!("| controller RSS at the end of the window / max sampled / peak (VmHWM) | {:.1} / {:.1} / {:.1} MiB |\n", rss as f64 / 1024.0, rss_max as f64 / 1024.0, hwm as f64 / 1024.0));
+    report.push_str(&format!(
+        "| of that RSS: anonymous (heap, stacks, relocated data) / file-backed (the binary's code and read-only data) | {:.1} / {:.1} MiB |\n",
+        rss_anon as f64 / 1024.0,
+        rss_file as f64 / 1024.0
+    ));
     report.push_str(&format!(
         "| controller CPU in the window | {:.3} cores ({:.1} s in {window:.0} s) |\n",
         cpu_share,
@@ -513,21 +537,81 @@ async fn controller_conditions_renamed(
     Ok(renamed)
 }
 
-/// Seconds for one server-side-apply status patch of `conditions` (under the benchmark's own
-/// field manager) on every node in `names`, `concurrency` at a time.
+/// What a yardstick measured.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Yardstick {
+    /// Every patch answered, in this many seconds.
+    Done(f64),
+    /// Stopped when the machine's available memory fell under `--yardstick-min-available`
+    /// (`available_mib` then).
+    Stopped {
+        after_secs: f64,
+        done: usize,
+        available_mib: u64,
+        min_mib: u64,
+    },
+    /// Not started, because the one before it stopped.
+    NotRun,
+}
+
+impl Yardstick {
+    /// "yardstick s / ratio" of the controller's `secs` to this, or why there is none.
+    fn against(&self, secs: f64) -> String {
+        match self {
+            Self::Done(y) => format!("{y:.1} s / {:.2}×", secs / y.max(1e-9)),
+            Self::Stopped { .. } | Self::NotRun => format!("{self} / none"),
+        }
+    }
+}
+
+impl std::fmt::Display for Yardstick {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Done(secs) => write!(f, "{secs:.1} s"),
+            Self::Stopped {
+                after_secs,
+                done,
+                available_mib,
+                min_mib,
+            } => write!(
+                f,
+                "not measured: stopped after {after_secs:.0} s and {done} patches, the machine's available memory down to {available_mib} MiB (under {min_mib})"
+            ),
+            Self::NotRun => write!(
+                f,
+                "not measured: the yardstick before it stopped short of memory"
+            ),
+        }
+    }
+}
+
+/// MemAvailable of `/proc/meminfo`, in MiB.
+fn available_mib(meminfo: &str) -> Option<u64> {
+    meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse::<u64>().ok())
+        .map(|kib| kib / 1024)
+}
+
+/// One server-side-apply status patch of `conditions` (under the benchmark's own field
+/// manager) on every node in `names`, `concurrency` at a time: the seconds they took, or where
+/// they stopped because the machine ran short of memory (checked every 2 s, from the start).
 async fn plain_status_patches(
     client: &kube::Client,
     names: &[String],
     concurrency: usize,
     conditions: &[serde_json::Value],
-) -> anyhow::Result<f64> {
+    min_mib: u64,
+) -> anyhow::Result<Yardstick> {
     use futures::StreamExt as _;
     use k8s_openapi::api::core::v1::Node;
     use kube::api::{Patch, PatchParams};
     let api: kube::Api<Node> = kube::Api::all(client.clone());
     let params = PatchParams::apply("nodekeeper-bench-plain").force();
     let started = Instant::now();
-    let results: Vec<Result<Node, kube::Error>> = futures::stream::iter(names)
+    let mut patches = futures::stream::iter(names)
         .map(|name| {
             let body = json!({
                 "apiVersion": "v1", "kind": "Node", "metadata": {"name": name},
@@ -536,13 +620,67 @@ async fn plain_status_patches(
             let (api, params) = (api.clone(), params.clone());
             async move { api.patch_status(name, &params, &Patch::Apply(&body)).await }
         })
-        .buffer_unordered(concurrency)
-        .collect()
-        .await;
+        .buffer_unordered(concurrency);
+    let (mut done, mut failed) = (0usize, 0usize);
+    let mut check = tokio::time::interval(Duration::from_secs(2));
+    loop {
+        tokio::select! {
+            next = patches.next() => match next {
+                Some(result) => {
+                    done += 1;
+                    failed += usize::from(result.is_err());
+                }
+                None => break,
+            },
+            _ = check.tick() => {
+                let meminfo = std::fs::read_to_string("/proc/meminfo")?;
+                let available = available_mib(&meminfo)
+                    .ok_or_else(|| anyhow::anyhow!("no MemAvailable in /proc/meminfo"))?;
+                if available < min_mib {
+                    return Ok(Yardstick::Stopped {
+                        after_secs: started.elapsed().as_secs_f64(),
+                        done,
+                        available_mib: available,
+                        min_mib,
+                    });
+                }
+            }
+        }
+    }
     let secs = started.elapsed().as_secs_f64();
-    let failed = results.iter().filter(|r| r.is_err()).count();
     if failed > 0 {
         bail!("{failed} of {} plain status patches failed", names.len());
     }
-    Ok(secs)
+    Ok(Yardstick::Done(secs))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn available_memory_is_read_from_meminfo() {
+        let meminfo = "MemTotal:       24576000 kB\nMemFree:         1000000 kB\nMemAvailable:    2097152 kB\nBuffers:               0 kB\n";
+        assert_eq!(available_mib(meminfo), Some(2048));
+        assert_eq!(available_mib("MemTotal: 1 kB\n"), None);
+    }
+
+    #[test]
+    fn a_stopped_yardstick_gives_no_ratio_and_says_why() {
+        assert_eq!(Yardstick::Done(50.0).against(60.0), "50.0 s / 1.20×");
+        let stopped = Yardstick::Stopped {
+            after_secs: 601.4,
+            done: 41_000,
+            available_mib: 880,
+            min_mib: 1024,
+        };
+        let said = stopped.against(455.0);
+        assert!(said.ends_with(" / none"), "{said}");
+        assert!(
+            said.contains("41000 patches") && said.contains("880 MiB (under 1024)"),
+            "{said}"
+        );
+        assert!(!said.contains('×'), "{said}");
+        assert!(Yardstick::NotRun.against(455.0).ends_with(" / none"));
+    }
 }

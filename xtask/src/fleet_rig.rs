@@ -335,6 +335,22 @@ pub fn proc_usage(pid: u32) -> anyhow::Result<(u64, u64, f64)> {
     Ok((kib("VmRSS:"), kib("VmHWM:"), ticks / 100.0))
 }
 
+/// The resident set of a process split in two (KiB): anonymous memory (the heap, stacks, and
+/// the pages of the binary written to at load, such as relocations) and file-backed memory
+/// (mostly the binary's code and read-only data, which no per-node cut touches).
+pub fn rss_split(pid: u32) -> anyhow::Result<(u64, u64)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let kib = |key: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(key))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse::<u64>().ok())
+            .with_context(|| format!("no {key} in /proc/{pid}/status"))
+    };
+    Ok((kib("RssAnon:")?, kib("RssFile:")?))
+}
+
 /// `apiserver_request_total` summed by (verb, resource, subresource).
 pub async fn request_totals(
     client: &kube::Client,
