@@ -587,12 +587,7 @@ impl std::fmt::Display for Yardstick {
 
 /// MemAvailable of `/proc/meminfo`, in MiB.
 fn available_mib(meminfo: &str) -> Option<u64> {
-    meminfo
-        .lines()
-        .find_map(|l| l.strip_prefix("MemAvailable:"))
-        .and_then(|v| v.split_whitespace().next())
-        .and_then(|v| v.parse::<u64>().ok())
-        .map(|kib| kib / 1024)
+    crate::fleet_rig::kib_field(meminfo, "MemAvailable:").map(|kib| kib / 1024)
 }
 
 /// One server-side-apply status patch of `conditions` (under the benchmark's own field

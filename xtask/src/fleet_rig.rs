@@ -310,14 +310,7 @@ pub fn node_ip(i: usize) -> Ipv4Addr {
 /// RSS (KiB), peak RSS (KiB) and CPU seconds (user + system) of a process.
 pub fn proc_usage(pid: u32) -> anyhow::Result<(u64, u64, f64)> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    let kib = |key: &str| {
-        status
-            .lines()
-            .find(|l| l.starts_with(key))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|v| v.parse::<u64>().ok())
-            .unwrap_or(0)
-    };
+    let kib = |key: &str| kib_field(&status, key).unwrap_or(0);
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
     let fields: Vec<&str> = stat
         .rsplit_once(')')
@@ -341,14 +334,18 @@ pub fn proc_usage(pid: u32) -> anyhow::Result<(u64, u64, f64)> {
 pub fn rss_split(pid: u32) -> anyhow::Result<(u64, u64)> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
     let kib = |key: &str| {
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(key))
-            .and_then(|v| v.split_whitespace().next())
-            .and_then(|v| v.parse::<u64>().ok())
-            .with_context(|| format!("no {key} in /proc/{pid}/status"))
+        kib_field(&status, key).with_context(|| format!("no {key} in /proc/{pid}/status"))
     };
     Ok((kib("RssAnon:")?, kib("RssFile:")?))
+}
+
+/// The number on the line of `text` that starts with `key` (such as `"VmRSS:"`), in the
+/// `Key:   1234 kB` form of `/proc/<pid>/status` and `/proc/meminfo`.
+pub fn kib_field(text: &str, key: &str) -> Option<u64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(key))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse::<u64>().ok())
 }
 
 /// `apiserver_request_total` summed by (verb, resource, subresource).
@@ -506,7 +503,7 @@ pub async fn controller_kubeconfig(
 
 #[cfg(test)]
 mod tests {
-    use super::HOST_NEUTRAL_THRESHOLDS;
+    use super::{HOST_NEUTRAL_THRESHOLDS, proc_usage, rss_split};
 
     #[test]
     fn host_neutral_thresholds_are_rules_the_controller_accepts() {
@@ -519,5 +516,23 @@ mod tests {
         assert_eq!(disk.indicator, "disk.*");
         // Above any percentage a disk can report.
         assert!(disk.warning > 100.0 && disk.critical > disk.warning);
+    }
+
+    #[test]
+    fn this_process_rss_splits_into_its_anonymous_and_file_backed_parts() {
+        let pid = std::process::id();
+        let (anon, file) = rss_split(pid).expect("RssAnon and RssFile");
+        assert!(
+            anon > 0 && file > 0,
+            "anonymous {anon} KiB, file-backed {file} KiB"
+        );
+        let (rss, peak, _) = proc_usage(pid).expect("VmRSS");
+        // Read a moment apart, so only close; RssShmem, the third part, is nearly always 0 here.
+        let parts = anon + file;
+        assert!(rss > 0 && peak >= rss, "VmRSS {rss} KiB, VmHWM {peak} KiB");
+        assert!(
+            parts.abs_diff(rss) < rss / 4,
+            "RssAnon + RssFile = {parts} KiB against VmRSS {rss} KiB"
+        );
     }
 }
