@@ -76,11 +76,7 @@ fn run_ok(cmd: &mut Command) -> anyhow::Result<()> {
 /// VmRSS in KiB.
 fn rss_kib(pid: u32) -> anyhow::Result<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        .context("no VmRSS")
+    crate::fleet_rig::kib_field(&status, "VmRSS:").context("no VmRSS")
 }
 
 /// utime + stime in ticks.

@@ -354,9 +354,7 @@ async fn bench(args: FleetArgs, root: PathBuf, programs: Programs) -> anyhow::Re
         json!({"type": "BenchPlain", "status": "True", "reason": "Bench",
         "message": "plain patch", "lastTransitionTime": now, "lastHeartbeatTime": now}),
     ];
-    // Each yardstick adds a field manager's entry to every Node, which the API server's cache
-    // and kwok's keep: at 65,000 nodes the second one outgrew a 24 GiB machine. A yardstick
-    // stops when the machine runs short, and the report says so instead of the figure.
+    // A yardstick that runs the machine short of memory stops (`--yardstick-min-available`).
     let min_mib = args.yardstick_min_available;
     let plain =
         plain_status_patches(client, names, PLAIN_PATCH_CONCURRENCY, &trivial, min_mib).await?;
