@@ -7,9 +7,9 @@
 //! The watch: Nodes have no server-side annotation selector and there may be 10,000 of them, so
 //! the controller watches Node metadata only ([`NodeMeta`]: the API server sends
 //! `PartialObjectMetadata`) and keeps of each only the few fields it reads (a few hundred bytes
-//! a Node, about 3 MB at 10,000). A Node without the annotation or the finalizer, or whose
-//! machine is recorded, is settled from that cache alone; only a Node with work to do is read in
-//! full.
+//! a Node). A Node without the annotation or the finalizer, or whose machine is recorded, is
+//! settled from its metadata alone and not even cached ([`Reconciler::keeps`]); only a Node with
+//! work to do is cached, and read in full when reconciled.
 
 pub mod plan;
 pub mod reconcile;
@@ -178,6 +178,17 @@ impl Reconciler for Context {
         self.concurrency
     }
 
+    /// Only Nodes with work: the reconcile of a settled Node forgets it and does nothing else,
+    /// so a settled Node is forgotten here instead and left out of the cache — on a fleet of
+    /// kubelet-registered Nodes the cache then holds none.
+    fn keeps(&self, node: &NodeMeta) -> bool {
+        let settled = plan::settled(&reconcile::state(&node.metadata, None));
+        if settled && let Some(name) = node.metadata.name.as_deref() {
+            self.memory.forget(name);
+        }
+        !settled
+    }
+
     fn reconcile(
         obj: Arc<NodeMeta>,
         ctx: Arc<Self>,
@@ -231,5 +242,49 @@ mod tests {
         assert_eq!(plain.metadata.labels, None);
         assert_eq!(NodeMeta::url_path(&(), None), "/api/v1/nodes");
         assert_eq!(NodeMeta::kind(&()), "Node");
+    }
+
+    fn meta(metadata: serde_json::Value) -> NodeMeta {
+        let body = serde_json::json!({
+            "kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1", "metadata": metadata,
+        });
+        serde_json::from_value(body).unwrap()
+    }
+
+    #[tokio::test]
+    async fn only_nodes_with_work_are_cached_and_a_settled_one_is_forgotten() {
+        // Never contacted: `keeps` reads the metadata and the memory only.
+        let config = kube::Config::new("http://127.0.0.1:9".parse().unwrap());
+        let client = kube::Client::try_from(config).unwrap();
+        let recorder = Recorder::new(client.clone(), "test".into());
+        let ctx = Context::with_client(client, recorder);
+        let class = serde_json::json!({ ANNOTATION_NODE_CLASS: "small" });
+
+        // A Node its kubelet registered: nothing of this controller's, not cached.
+        assert!(!ctx.keeps(&meta(serde_json::json!({ "name": "kubelet" }))));
+        // Annotated, its machine not made yet: cached.
+        let fresh = meta(serde_json::json!({ "name": "fresh", "annotations": class }));
+        assert!(ctx.keeps(&fresh));
+        // Its machine made and recorded: settled, and its memory (a past failure) forgotten.
+        ctx.memory
+            .with("fresh", |m| m.last_error = Some("quota".into()));
+        let recorded = meta(serde_json::json!({
+            "name": "fresh", "annotations": class, "finalizers": [FINALIZER_MACHINE],
+            "labels": { LABEL_NODE_CLASS: "small" },
+        }));
+        assert!(!ctx.keeps(&recorded));
+        assert_eq!(ctx.memory.with("fresh", |m| m.last_error.clone()), None);
+        // Deleted with its finalizer: the machine is to be removed, cached again.
+        let deleting = meta(serde_json::json!({
+            "name": "fresh", "annotations": class, "finalizers": [FINALIZER_MACHINE],
+            "labels": { LABEL_NODE_CLASS: "small" },
+            "deletionTimestamp": "2026-11-24T00:00:00Z",
+        }));
+        assert!(ctx.keeps(&deleting));
+        // A Node of a NodeSet is that controller's.
+        let in_set = meta(serde_json::json!({
+            "name": "member", "annotations": class, "labels": { LABEL_NODE_SET: "pool" },
+        }));
+        assert!(!ctx.keeps(&in_set));
     }
 }

@@ -61,7 +61,10 @@ pub const REASON_MACHINE_DELETED: &str = "MachineDeleted";
 /// How often a draining node or a machine being deleted is looked at again (no watch wakes it).
 const RECHECK: Duration = Duration::from_secs(2);
 
-fn state<'a>(meta: &'a kube::api::ObjectMeta, provider_id: Option<&'a str>) -> NodeState<'a> {
+pub(super) fn state<'a>(
+    meta: &'a kube::api::ObjectMeta,
+    provider_id: Option<&'a str>,
+) -> NodeState<'a> {
     let class = meta
         .annotations
         .as_ref()
