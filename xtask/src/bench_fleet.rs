@@ -347,8 +347,9 @@ async fn bench(args: FleetArgs, root: PathBuf, programs: Programs) -> anyhow::Re
     // apply status patches on the same nodes, at the controller's write concurrency, under
     // their own field manager: one trivial condition each, and then as many conditions of the
     // same size as the controller's first write carried (its own conditions, renamed), so the
-    // API server does the same work per patch. Run last, so that they disturb nothing
-    // measured above.
+    // API server does the same work per patch; then those conditions again, renamed apart, as
+    // strategic merge patches (no server-side apply), to show what the kind of patch costs.
+    // Run last, so that they disturb nothing measured above.
     let now = k8s_openapi::jiff::Timestamp::now().to_string();
     let trivial = vec![
         json!({"type": "BenchPlain", "status": "True", "reason": "Bench",
@@ -356,21 +357,30 @@ async fn bench(args: FleetArgs, root: PathBuf, programs: Programs) -> anyhow::Re
     ];
     // A yardstick that runs the machine short of memory stops (`--yardstick-min-available`).
     let min_mib = args.yardstick_min_available;
-    let plain =
-        plain_status_patches(client, names, PLAIN_PATCH_CONCURRENCY, &trivial, min_mib).await?;
+    let plain = status_patches(client, names, PatchKind::Apply, &trivial, min_mib).await?;
     say(format!(
         "{n} plain status patches at concurrency {PLAIN_PATCH_CONCURRENCY}: {plain}"
     ));
-    let alike = controller_conditions_renamed(client, &names[0]).await?;
-    let alike_count = alike.len();
+    let alike_conditions = controller_conditions_renamed(client, &names[0]).await?;
+    let alike_count = alike_conditions.len();
     let alike = match plain {
         Yardstick::Done(_) => {
-            plain_status_patches(client, names, PLAIN_PATCH_CONCURRENCY, &alike, min_mib).await?
+            status_patches(client, names, PatchKind::Apply, &alike_conditions, min_mib).await?
         }
         Yardstick::Stopped { .. } | Yardstick::NotRun => Yardstick::NotRun,
     };
     say(format!(
         "{n} status patches of {alike_count} conditions like the controller's: {alike}"
+    ));
+    let merged = match alike {
+        Yardstick::Done(_) => {
+            let conditions = renamed(&alike_conditions, "Merge");
+            status_patches(client, names, PatchKind::Merge, &conditions, min_mib).await?
+        }
+        Yardstick::Stopped { .. } | Yardstick::NotRun => Yardstick::NotRun,
+    };
+    say(format!(
+        "{n} strategic merge status patches of the same {alike_count} conditions: {merged}"
     ));
     drop(rig);
 
@@ -414,6 +424,10 @@ async fn bench(args: FleetArgs, root: PathBuf, programs: Programs) -> anyhow::Re
     report.push_str(&format!(
         "| fresh fleet: last first write landed / {n} SSA status patches of {alike_count} conditions the size of the controller's (same concurrency and apiserver) / ratio | {fresh_written_secs:.1} s / {} |\n",
         alike.against(fresh_written_secs)
+    ));
+    report.push_str(&format!(
+        "| fresh fleet: last first write landed / the same {n} patches as strategic merge patches (not server-side apply) / ratio | {fresh_written_secs:.1} s / {} |\n",
+        merged.against(fresh_written_secs)
     ));
     report.push_str(&format!(
         "| fresh fleet: peak RSS (VmHWM) of the controller that wrote it | {:.1} MiB |\n",
@@ -535,6 +549,29 @@ async fn controller_conditions_renamed(
     Ok(renamed)
 }
 
+/// `conditions` with each type prefixed `prefix` (`BenchReady` → `MergeBenchReady`): the same
+/// patch on conditions no earlier yardstick wrote.
+fn renamed(conditions: &[serde_json::Value], prefix: &str) -> Vec<serde_json::Value> {
+    conditions
+        .iter()
+        .map(|c| {
+            let mut c = c.clone();
+            let type_ = c["type"].as_str().unwrap_or_default();
+            c["type"] = json!(format!("{prefix}{type_}"));
+            c
+        })
+        .collect()
+}
+
+/// How a yardstick writes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum PatchKind {
+    /// Server-side apply under the benchmark's own field manager, as the controller writes.
+    Apply,
+    /// A strategic merge patch (conditions merge by `type`), as `kubectl patch` sends.
+    Merge,
+}
+
 /// What a yardstick measured.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Yardstick {
@@ -588,13 +625,13 @@ fn available_mib(meminfo: &str) -> Option<u64> {
     crate::fleet_rig::kib_field(meminfo, "MemAvailable:").map(|kib| kib / 1024)
 }
 
-/// One server-side-apply status patch of `conditions` (under the benchmark's own field
-/// manager) on every node in `names`, `concurrency` at a time: the seconds they took, or where
-/// they stopped because the machine ran short of memory (checked every 2 s, from the start).
-async fn plain_status_patches(
+/// One status patch of `conditions` (`kind`; under the benchmark's own field manager) on every
+/// node in `names`, [`PLAIN_PATCH_CONCURRENCY`] at a time: the seconds they took, or where they
+/// stopped because the machine ran short of memory (checked every 2 s, from the start).
+async fn status_patches(
     client: &kube::Client,
     names: &[String],
-    concurrency: usize,
+    kind: PatchKind,
     conditions: &[serde_json::Value],
     min_mib: u64,
 ) -> anyhow::Result<Yardstick> {
@@ -602,7 +639,13 @@ async fn plain_status_patches(
     use k8s_openapi::api::core::v1::Node;
     use kube::api::{Patch, PatchParams};
     let api: kube::Api<Node> = kube::Api::all(client.clone());
-    let params = PatchParams::apply("nodekeeper-bench-plain").force();
+    let params = match kind {
+        PatchKind::Apply => PatchParams::apply("nodekeeper-bench-plain").force(),
+        PatchKind::Merge => PatchParams {
+            field_manager: Some("nodekeeper-bench-merge".into()),
+            ..PatchParams::default()
+        },
+    };
     let started = Instant::now();
     let mut patches = futures::stream::iter(names)
         .map(|name| {
@@ -611,9 +654,15 @@ async fn plain_status_patches(
                 "status": {"conditions": conditions}
             });
             let (api, params) = (api.clone(), params.clone());
-            async move { api.patch_status(name, &params, &Patch::Apply(&body)).await }
+            async move {
+                let patch = match kind {
+                    PatchKind::Apply => Patch::Apply(&body),
+                    PatchKind::Merge => Patch::Strategic(&body),
+                };
+                api.patch_status(name, &params, &patch).await
+            }
         })
-        .buffer_unordered(concurrency);
+        .buffer_unordered(PLAIN_PATCH_CONCURRENCY);
     let (mut done, mut failed) = (0usize, 0usize);
     let mut check = tokio::time::interval(Duration::from_secs(2));
     loop {
@@ -642,7 +691,10 @@ async fn plain_status_patches(
     }
     let secs = started.elapsed().as_secs_f64();
     if failed > 0 {
-        bail!("{failed} of {} plain status patches failed", names.len());
+        bail!(
+            "{failed} of {} status patches ({kind:?}) failed",
+            names.len()
+        );
     }
     Ok(Yardstick::Done(secs))
 }
@@ -675,5 +727,14 @@ mod tests {
         );
         assert!(!said.contains('×'), "{said}");
         assert!(Yardstick::NotRun.against(455.0).ends_with(" / none"));
+    }
+
+    #[test]
+    fn the_merge_yardstick_renames_the_conditions_and_keeps_the_rest() {
+        let alike = vec![json!({"type": "BenchReady", "status": "True", "message": "m"})];
+        let merged = renamed(&alike, "Merge");
+        assert_eq!(merged[0]["type"], "MergeBenchReady");
+        assert_eq!(merged[0]["status"], "True");
+        assert_eq!(merged[0]["message"], "m");
     }
 }
