@@ -72,7 +72,7 @@ pub fn run(args: FleetArgs) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    runtime.block_on(bench(args, root, programs))
+    crate::fleet_rig::until_interrupted(&runtime, bench(args, root, programs))
 }
 
 /// Nodes of the rig whose nodekeeper conditions say what the bench expects of a healthy fleet.

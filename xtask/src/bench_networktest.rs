@@ -63,7 +63,7 @@ pub fn run(args: NetworkTestArgs) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    runtime.block_on(bench(args, root, programs))
+    crate::fleet_rig::until_interrupted(&runtime, bench(args, root, programs))
 }
 
 /// One test's figures.

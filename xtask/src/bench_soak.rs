@@ -123,7 +123,7 @@ pub fn run(args: SoakArgs) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    runtime.block_on(soak(args, root, programs))
+    crate::fleet_rig::until_interrupted(&runtime, soak(args, root, programs))
 }
 
 /// SplitMix64: a few lines of seeded randomness, so that a run can be repeated exactly.

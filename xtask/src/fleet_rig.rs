@@ -59,6 +59,28 @@ pub struct RigConfig {
 /// Where Debian's `heaptrack` package puts the library that records every allocation.
 const HEAPTRACK_PRELOAD: &str = "/usr/lib/heaptrack/libheaptrack_preload.so";
 
+/// Runs a benchmark on `runtime` until it ends, or until this process gets SIGINT (Ctrl-C, or
+/// `timeout -s INT`) or SIGTERM. On a signal the benchmark's future is dropped, and with it
+/// its rig: the processes it started are killed and its work directories removed. Killed by
+/// the signal instead, it left the agents' directory behind, 1.8 GiB at 65,000 nodes, until a
+/// later run found the disk full.
+pub fn until_interrupted<T>(
+    runtime: &tokio::runtime::Runtime,
+    work: impl Future<Output = anyhow::Result<T>>,
+) -> anyhow::Result<T> {
+    use tokio::signal::unix::{SignalKind, signal};
+    runtime.block_on(async {
+        // Both handlers are in place before the work starts.
+        let mut interrupt = signal(SignalKind::interrupt())?;
+        let mut terminate = signal(SignalKind::terminate())?;
+        tokio::select! {
+            result = work => result,
+            _ = interrupt.recv() => bail!("interrupted (SIGINT); the rig is stopped and its files removed"),
+            _ = terminate.recv() => bail!("terminated (SIGTERM); the rig is stopped and its files removed"),
+        }
+    })
+}
+
 /// The built programs: the release controller and the agents host.
 pub struct Programs {
     pub controller: PathBuf,
@@ -503,7 +525,36 @@ pub async fn controller_kubeconfig(
 
 #[cfg(test)]
 mod tests {
-    use super::{HOST_NEUTRAL_THRESHOLDS, proc_usage, rss_split};
+    use super::{HOST_NEUTRAL_THRESHOLDS, proc_usage, rss_split, until_interrupted};
+
+    #[test]
+    fn a_signal_stops_the_benchmark_and_drops_its_rig() {
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicBool, Ordering};
+        struct Rig(Arc<AtomicBool>);
+        impl Drop for Rig {
+            fn drop(&mut self) {
+                self.0.store(true, Ordering::SeqCst);
+            }
+        }
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        assert_eq!(until_interrupted(&runtime, async { Ok(7) }).unwrap(), 7);
+        let dropped = Arc::new(AtomicBool::new(false));
+        let rig = Rig(Arc::clone(&dropped));
+        let error = until_interrupted(&runtime, async move {
+            let _rig = rig;
+            // SIGTERM, not SIGINT: no other test of this binary handles either, and once a
+            // handler is in place the signal no longer ends the process.
+            nix::sys::signal::kill(nix::unistd::Pid::this(), nix::sys::signal::SIGTERM)?;
+            std::future::pending::<anyhow::Result<()>>().await
+        })
+        .unwrap_err();
+        assert!(dropped.load(Ordering::SeqCst), "the rig was not dropped");
+        assert!(error.to_string().contains("SIGTERM"), "{error}");
+    }
 
     #[test]
     fn host_neutral_thresholds_are_rules_the_controller_accepts() {
