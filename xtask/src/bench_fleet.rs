@@ -206,9 +206,9 @@ async fn bench(args: FleetArgs, root: PathBuf, programs: Programs) -> anyhow::Re
 
     // The headline: a controller restart in a running cluster. Every node is read again and,
     // nothing having changed, nothing is written.
-    // Every process on the machine's cores that grows with the fleet: kube-controller-manager
-    // checks every Node's health every 5 s (its node lifecycle controller) however long the
-    // sweep takes.
+    // Every control-plane process shares the machine's cores with the sweep; one that grows
+    // with the fleet is kube-controller-manager, whose node lifecycle controller checks every
+    // Node every 5 s however long the sweep takes.
     let others = [
         "kube-apiserver",
         "etcd",
