@@ -4,8 +4,10 @@
 //! NetworkTest, a NodeMaintenance drain behind a PodDisruptionBudget, a NodeDiagnostic, a refused
 //! tuning ConfigMap), and the audit log shows no 403 for that user. Then one verb at a time is
 //! taken from the RBAC, and the controller names the missing permission (resource and verb) in
-//! its log and keeps running instead of crash-looping. And the Helm chart installs into a
-//! namespace other than `nodekeeper`, where the controller runs as that namespace's account.
+//! its log and keeps running instead of crash-looping. The installed FlowSchema puts that
+//! account's Lease requests, and nothing else of it, in the `leader-election` priority level. And
+//! the Helm chart installs into a namespace other than `nodekeeper`, where the controller runs as
+//! that namespace's account.
 //!
 //! The tests share one control plane of their own (the audit log counts this user's requests
 //! only) and run one at a time: the ClusterRole is cluster-wide and the second test edits it.
@@ -29,6 +31,7 @@ use install_common::{apply_all, helm_template, kustomize, repo, service_account_
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod};
+use k8s_openapi::api::flowcontrol::v1::{FlowSchema, PriorityLevelConfiguration};
 use kube::Api;
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use nodekeeper_api::crd::network_test::Phase as TestPhase;
@@ -615,6 +618,98 @@ async fn log_line(path: &Path, needles: &[&str], timeout: Duration) -> anyhow::R
     .await
 }
 
+/// The FlowSchema `deploy/` installs puts the controller's Lease requests, and only those, in the
+/// built-in `leader-election` priority level, where a burst from other clients cannot hold up a
+/// renewal. The API server names the FlowSchema and the priority level it chose for a request in
+/// the response headers `X-Kubernetes-PF-FlowSchema-UID` and `X-Kubernetes-PF-PriorityLevel-UID`;
+/// the requests are made with the installed ServiceAccount's token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_controllers_lease_requests_get_the_leader_election_priority_level()
+-> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    let client = cluster().client().await?;
+    install_deploy(&client).await?;
+    let uid = |meta: kube::api::ObjectMeta| meta.uid.unwrap_or_default();
+    let schemas: Api<FlowSchema> = Api::all(client.clone());
+    let ours = uid(schemas
+        .get("nodekeeper-controller-leader-election")
+        .await
+        .context("the FlowSchema from deploy/controller/controller.yaml")?
+        .metadata);
+    let levels: Api<PriorityLevelConfiguration> = Api::all(client.clone());
+    let leader_election = uid(levels.get("leader-election").await?.metadata);
+    let work = tempfile::tempdir()?;
+    let kubeconfig = work.path().join("kubeconfig");
+    service_account_kubeconfig(
+        &client,
+        cluster().kubeconfig(),
+        NAMESPACE,
+        ACCOUNT,
+        &kubeconfig,
+    )
+    .await?;
+    let account = nodekeeper_e2e::controlplane::client_from_kubeconfig(&kubeconfig).await?;
+    // (FlowSchema UID, PriorityLevelConfiguration UID) the API server chose for a GET of `path`.
+    let classify = |path: String| {
+        let account = account.clone();
+        async move {
+            let request = http::Request::get(&path).body(kube::client::Body::empty())?;
+            let response = account.send(request).await?;
+            let header = |name: &str| {
+                response
+                    .headers()
+                    .get(name)
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or_default()
+                    .to_owned()
+            };
+            ensure!(
+                response.status().is_success(),
+                "GET {path} as {}: {}",
+                user(NAMESPACE),
+                response.status()
+            );
+            anyhow::Ok((
+                header("X-Kubernetes-PF-FlowSchema-UID"),
+                header("X-Kubernetes-PF-PriorityLevel-UID"),
+            ))
+        }
+    };
+    let leases = format!("/apis/coordination.k8s.io/v1/namespaces/{NAMESPACE}/leases");
+    // The API server reads FlowSchemas from a watch: a new one takes effect within moments.
+    let chosen = wait_for("the API server to use the FlowSchema", TIMEOUT, || {
+        let classify = classify.clone();
+        let (leases, ours) = (leases.clone(), ours.clone());
+        async move {
+            let chosen = classify(leases).await?;
+            Ok((chosen.0 == ours).then_some(chosen))
+        }
+    })
+    .await;
+    let chosen = match chosen {
+        Ok(chosen) => chosen,
+        Err(error) => {
+            let status = schemas
+                .get("nodekeeper-controller-leader-election")
+                .await?
+                .status;
+            anyhow::bail!("{error:#}; the FlowSchema's status: {status:?}");
+        }
+    };
+    ensure!(
+        chosen.1 == leader_election,
+        "the Lease requests' priority level is {}, not leader-election ({leader_election})",
+        chosen.1
+    );
+    // Everything else the controller does stays where it was: reading Nodes is not a Lease request.
+    let nodes = classify("/api/v1/nodes?limit=1".to_owned()).await?;
+    ensure!(
+        nodes.0 != ours && nodes.1 != leader_election,
+        "a Node list got the controller's leader-election FlowSchema: {nodes:?}"
+    );
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_missing_verb_is_named_in_the_log_without_a_crash() -> anyhow::Result<()> {
     let _serial = SERIAL.lock().await;
@@ -756,6 +851,7 @@ async fn the_chart_installs_into_another_namespace() -> anyhow::Result<()> {
     ensure!(
         objects.iter().all(|o| o["kind"] == "ClusterRole"
             || o["kind"] == "ClusterRoleBinding"
+            || o["kind"] == "FlowSchema"
             || o["kind"] == "Namespace"
             || o["metadata"]["namespace"] == namespace.as_str()),
         "a namespaced object outside {namespace}"
