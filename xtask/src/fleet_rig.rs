@@ -450,8 +450,9 @@ pub fn audit_counts(
     Ok((counts, n, patched_nodes))
 }
 
-/// Applies the controller's RBAC from deploy/controller and returns a kubeconfig for its
-/// ServiceAccount, so its requests are counted apart from kwok's and the bench's.
+/// Applies the controller's RBAC and its Lease's FlowSchema from deploy/controller and returns a
+/// kubeconfig for its ServiceAccount, so its requests are counted apart from kwok's and the
+/// bench's, and its renewals are queued as they are in an installed cluster.
 pub async fn controller_kubeconfig(
     client: &kube::Client,
     root: &Path,
@@ -469,6 +470,7 @@ pub async fn controller_kubeconfig(
             "ClusterRoleBinding",
             "Role",
             "RoleBinding",
+            "FlowSchema",
         ]
         .contains(&kind)
         {
