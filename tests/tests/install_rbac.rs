@@ -678,7 +678,6 @@ async fn the_controllers_lease_requests_get_the_leader_election_priority_level()
     let leases = format!("/apis/coordination.k8s.io/v1/namespaces/{NAMESPACE}/leases");
     // The API server reads FlowSchemas from a watch: a new one takes effect within moments.
     let chosen = wait_for("the API server to use the FlowSchema", TIMEOUT, || {
-        let classify = classify.clone();
         let (leases, ours) = (leases.clone(), ours.clone());
         async move {
             let chosen = classify(leases).await?;
