@@ -93,7 +93,10 @@ pub async fn run(ctx: Arc<Context>, shutdown: CancellationToken) {
         if !ticked && room < (config.concurrency / 16).max(1) {
             continue;
         }
-        for job in ctx.fleet.take_due(now, room, ctx.agent_port) {
+        let jobs = ctx.fleet.take_due(now, room, ctx.agent_port);
+        // Fewer nodes due than slots free: the first pass may be ending.
+        let short = jobs.len() < room;
+        for job in jobs {
             let (ctx, writers) = (Arc::clone(&ctx), writers.clone());
             tasks.spawn(async move { poll(&ctx, &writers, job).await });
         }
@@ -101,10 +104,11 @@ pub async fn run(ctx: Arc<Context>, shutdown: CancellationToken) {
             .calls_in_flight
             .set(i64::try_from(tasks.len()).unwrap_or(i64::MAX));
 
-        // A count, not `Fleet::summary`: this runs after every completed call, and the summary
-        // (conditions and tunables of every node, under the fleet's lock) made a 65,000-node
-        // sweep wait on it.
-        if !initial_done && ctx.fleet.synced() {
+        // A count, not `Fleet::summary` (conditions and tunables of every node, under the
+        // fleet's lock), which made a 65,000-node sweep wait on it. Still a pass over the fleet,
+        // so made on the tick and once nodes are due no more, not after every completed call
+        // while a start's whole fleet is still waiting to be read.
+        if !initial_done && (ticked || short) && ctx.fleet.synced() {
             let (read, reachable) = ctx.fleet.read_progress();
             ctx.metrics
                 .nodes_read_once
