@@ -58,6 +58,40 @@ pub struct FleetArgs {
     /// (at 65,000 nodes the second one outgrew 24 GiB).
     #[arg(long, default_value_t = 1024, value_name = "MIB")]
     pub yardstick_min_available: u64,
+    /// Restart the controller this many times after the fresh fleet, one full sweep each, and
+    /// report every restart sweep; the headline is their median. On this machine the same code
+    /// sweeps in times that differ by half from run to run, so one sweep says little.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=20))]
+    pub restarts: u32,
+    /// A second controller binary (e.g. built from another commit with
+    /// `cargo build --release -p nodekeeper-controller` in a worktree) to compare with the one
+    /// built here in the same rig: the restarts alternate between the two, the one built here
+    /// last (the window measures it), and the report gives each side's sweeps and median.
+    /// Give --restarts 4 or more for two sweeps a side.
+    #[arg(long, value_name = "PATH")]
+    pub compare_controller: Option<PathBuf>,
+    /// Environment settings (KEY=VALUE, repeatable) of the compared restarts, with or without
+    /// --compare-controller: e.g. `--compare-env MIMALLOC_PURGE_DELAY=100` compares an
+    /// allocator setting.
+    #[arg(long, value_name = "KEY=VALUE", value_parser = parse_env)]
+    pub compare_env: Vec<(String, String)>,
+    /// Stop after the restart sweeps: no steady window, flip or yardsticks, and BENCHMARKS.md
+    /// is not written. For comparing restart sweeps (a 10,000-node run then takes a third of
+    /// the time).
+    #[arg(long)]
+    pub restarts_only: bool,
+    /// Skip the fresh fleet's yardsticks (N status patches, three times over: at 65,000 nodes
+    /// over half an hour, and most of the machine's memory); the report says they were not
+    /// measured.
+    #[arg(long)]
+    pub no_yardsticks: bool,
+}
+
+fn parse_env(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((key, value)) if !key.is_empty() => Ok((key.to_owned(), value.to_owned())),
+        _ => Err(format!("{s:?} is not KEY=VALUE")),
+    }
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -205,55 +239,72 @@ async fn bench(args: FleetArgs, root: PathBuf, programs: Programs) -> anyhow::Re
     let fresh_hwm = proc_usage(rig.controller.pid()).map_or(0, |u| u.1);
 
     // The headline: a controller restart in a running cluster. Every node is read again and,
-    // nothing having changed, nothing is written.
-    // Every control-plane process shares the machine's cores with the sweep; one that grows
-    // with the fleet is kube-controller-manager, whose node lifecycle controller checks every
-    // Node every 5 s however long the sweep takes.
-    let others = [
-        "kube-apiserver",
-        "etcd",
-        "kwok",
-        "kube-controller-manager",
-        "kube-scheduler",
-    ];
-    let cpu_of = |pid: Option<u32>| pid.and_then(|p| proc_usage(p).ok()).map_or(0.0, |u| u.2);
-    let agents_pids = rig.agents.pids();
-    let agents_cpu = || agents_pids.iter().map(|p| cpu_of(Some(*p))).sum::<f64>();
-    let before: Vec<f64> = others
-        .iter()
-        .map(|c| cpu_of(rig.cp.component_pid(c)))
-        .chain([agents_cpu()])
-        .collect();
-    rig.restart_controller()?;
-    say("controller restarted; waiting for its full sweep".into());
-    let sweep_secs = rig.first_sweep(Duration::from_secs(900)).await?;
+    // nothing having changed, nothing is written. With --compare-* the restarts alternate
+    // between the two sides, the one built here last.
+    let compared = args.compare_controller.is_some() || !args.compare_env.is_empty();
+    let mut sweeps: Vec<RestartSweep> = Vec::new();
+    for i in 0..args.restarts {
+        let side = Side::of_restart(i, args.restarts, compared);
+        let (binary, env) = match side {
+            Side::Built => (None, &[][..]),
+            Side::Compared => (args.compare_controller.as_deref(), &args.compare_env[..]),
+        };
+        if i > 0 {
+            // The last sweep's connections leave the kernel's TIME_WAIT state first.
+            tokio::time::sleep(Duration::from_secs(15)).await;
+        }
+        let sweep = restart_sweep(&mut rig, binary, env, side).await?;
+        say(format!(
+            "full sweep after restart {} of {} ({}): {:.1} s, {:.0} condition patches; CPU: controller {:.1} s ({:.2} ms a node), {}",
+            i + 1,
+            args.restarts,
+            side.name(),
+            sweep.secs,
+            sweep.patches,
+            sweep.controller_cpu,
+            sweep.controller_cpu * 1000.0 / n as f64,
+            sweep.split_text()
+        ));
+        sweeps.push(sweep);
+    }
+    let built: Vec<&RestartSweep> = sweeps.iter().filter(|s| s.side == Side::Built).collect();
+    let headline = median_sweep(&built);
+    let (sweep_secs, restart_patches, restart_cpu) =
+        (headline.secs, headline.patches, headline.controller_cpu);
+    let sweep_cpu = headline.split.clone();
+    let mut restart_rows = String::new();
+    if sweeps.len() > 1 {
+        for side in [Side::Built, Side::Compared] {
+            let of_side: Vec<&RestartSweep> = sweeps.iter().filter(|s| s.side == side).collect();
+            if of_side.is_empty() {
+                continue;
+            }
+            let median = median_sweep(&of_side);
+            let figure = format!("restart sweeps, {}", side.describe(&args));
+            let value = format!(
+                "{} s; median {:.1} s, controller CPU {:.1} s ({:.2} ms a node read), {}",
+                of_side
+                    .iter()
+                    .map(|s| format!("{:.1}", s.secs))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                median.secs,
+                median.controller_cpu,
+                median.controller_cpu * 1000.0 / n as f64,
+                median.split_text()
+            );
+            say(format!("{figure}: {value}"));
+            restart_rows.push_str(&format!("| {figure} | {value} |\n"));
+        }
+    } else {
+        say(format!(
+            "full sweep after a restart: {sweep_secs:.1} s, {restart_patches:.0} condition patches"
+        ));
+    }
+    if args.restarts_only {
+        return Ok(());
+    }
     let pid = rig.controller.pid();
-    let restart_cpu = cpu_of(Some(pid));
-    let sweep_cpu: Vec<(String, f64)> = others
-        .iter()
-        .map(|c| cpu_of(rig.cp.component_pid(c)))
-        .chain([agents_cpu()])
-        .zip(&before)
-        .zip(
-            others
-                .iter()
-                .map(|c| (*c).to_owned())
-                .chain([match agents_pids.len() {
-                    1 => "agents host".to_owned(),
-                    k => format!("agents hosts ({k} processes)"),
-                }]),
-        )
-        .map(|((after, before), name)| (name, after - before))
-        .collect();
-    let restart_patches = metric(
-        http,
-        "nodekeeper_conditions_patches_total",
-        &["result=\"Ok\""],
-    )
-    .await?;
-    say(format!(
-        "full sweep after a restart: {sweep_secs:.1} s, {restart_patches:.0} condition patches"
-    ));
     let node_lease = rig.node_lease_seconds;
     let (client, audit, names, agents) = (&rig.client, &rig.audit, &rig.names, &rig.agents);
     // Let the sweep's tail settle before the window opens.
@@ -366,7 +417,11 @@ async fn bench(args: FleetArgs, root: PathBuf, programs: Programs) -> anyhow::Re
     ];
     // A yardstick that runs the machine short of memory stops (`--yardstick-min-available`).
     let min_mib = args.yardstick_min_available;
-    let plain = status_patches(client, names, PatchKind::Apply, &trivial, min_mib).await?;
+    let plain = if args.no_yardsticks {
+        Yardstick::Skipped
+    } else {
+        status_patches(client, names, PatchKind::Apply, &trivial, min_mib).await?
+    };
     say(format!(
         "{n} plain status patches at concurrency {PLAIN_PATCH_CONCURRENCY}: {plain}"
     ));
@@ -376,6 +431,7 @@ async fn bench(args: FleetArgs, root: PathBuf, programs: Programs) -> anyhow::Re
         Yardstick::Done(_) => {
             status_patches(client, names, PatchKind::Apply, &alike_conditions, min_mib).await?
         }
+        Yardstick::Skipped => Yardstick::Skipped,
         Yardstick::Stopped { .. } | Yardstick::NotRun => Yardstick::NotRun,
     };
     say(format!(
@@ -386,6 +442,7 @@ async fn bench(args: FleetArgs, root: PathBuf, programs: Programs) -> anyhow::Re
             let conditions = renamed(&alike_conditions, "Merge");
             status_patches(client, names, PatchKind::Merge, &conditions, min_mib).await?
         }
+        Yardstick::Skipped => Yardstick::Skipped,
         Yardstick::Stopped { .. } | Yardstick::NotRun => Yardstick::NotRun,
     };
     say(format!(
@@ -402,16 +459,18 @@ async fn bench(args: FleetArgs, root: PathBuf, programs: Programs) -> anyhow::Re
     report.push_str(&format!(
         "Command: `cargo xtask bench fleet --nodes {n} --window {}{}`; controller built in release, agents host in {}; machine: {host_cpus} cores shared with the control plane, kwok and all {n} agents. The simulated kubelets' node Leases last {node_lease} s (kwok renews each every {} s; see `fleet_rig::node_lease_seconds`).\n\n",
         nodekeeper_model::tuning::format_duration(args.window),
-        if args.agents_debug { " --agents-debug" } else { "" },
+        extra_flags(&args),
         if args.agents_debug { "the dev profile" } else { "release" },
         node_lease / 4,
     ));
     report.push_str("| figure | value |\n|---|---|\n");
     report.push_str(&format!(
-        "| **full sweep after a controller restart** (leading → every node read once; conditions already in place) | **{sweep_secs:.1} s**, {restart_patches:.0} condition patches |\n"
+        "| **full sweep after a controller restart** (leading → every node read once; conditions already in place{}) | **{sweep_secs:.1} s**, {restart_patches:.0} condition patches |\n",
+        if built.len() > 1 { "; the median of the built controller's restarts below" } else { "" }
     ));
     report.push_str(&format!(
-        "| CPU during that sweep: controller (from its start) / {} | {restart_cpu:.1} s / {} |\n",
+        "| CPU during that sweep: controller (from its start; {:.2} ms a node read) / {} | {restart_cpu:.1} s / {} |\n",
+        restart_cpu * 1000.0 / n as f64,
         sweep_cpu
             .iter()
             .map(|(n, _)| n.as_str())
@@ -423,6 +482,7 @@ async fn bench(args: FleetArgs, root: PathBuf, programs: Programs) -> anyhow::Re
             .collect::<Vec<_>>()
             .join(" / "),
     ));
+    report.push_str(&restart_rows);
     report.push_str(&format!(
         "| first sweep of a fresh fleet (every node's conditions written for the first time) | {fresh_secs:.1} s, {fresh_patches:.0} condition patches |\n"
     ));
@@ -506,6 +566,157 @@ async fn bench(args: FleetArgs, root: PathBuf, programs: Programs) -> anyhow::Re
         bail!("the flipped nodes did not get exactly one patch each: {per_node:?}");
     }
     Ok(())
+}
+
+/// The command's flags beyond `--nodes` and `--window`, as given, for the report.
+fn extra_flags(args: &FleetArgs) -> String {
+    let mut flags = String::new();
+    if args.agents_debug {
+        flags.push_str(" --agents-debug");
+    }
+    if args.restarts > 1 {
+        flags.push_str(&format!(" --restarts {}", args.restarts));
+    }
+    if let Some(binary) = &args.compare_controller {
+        flags.push_str(&format!(" --compare-controller {}", binary.display()));
+    }
+    for (key, value) in &args.compare_env {
+        flags.push_str(&format!(" --compare-env {key}={value}"));
+    }
+    if args.no_yardsticks {
+        flags.push_str(" --no-yardsticks");
+    }
+    flags
+}
+
+/// Which controller a restart starts: the one built here, or the one compared with it
+/// (`--compare-controller`, `--compare-env`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Side {
+    Built,
+    Compared,
+}
+
+impl Side {
+    /// The side of restart `i` of `restarts`: alternating when `compared`, the last one always
+    /// the built controller (whose window follows).
+    fn of_restart(i: u32, restarts: u32, compared: bool) -> Side {
+        if compared && (restarts - 1 - i) % 2 == 1 {
+            Side::Compared
+        } else {
+            Side::Built
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Side::Built => "built",
+            Side::Compared => "compared",
+        }
+    }
+
+    /// What the side ran, for the report.
+    fn describe(self, args: &FleetArgs) -> String {
+        match self {
+            Side::Built => "the controller built here".to_owned(),
+            Side::Compared => {
+                let mut parts = Vec::new();
+                if let Some(binary) = &args.compare_controller {
+                    parts.push(format!("`{}`", binary.display()));
+                }
+                for (key, value) in &args.compare_env {
+                    parts.push(format!("`{key}={value}`"));
+                }
+                format!("compared ({})", parts.join(", "))
+            }
+        }
+    }
+}
+
+/// One controller restart and its full sweep.
+struct RestartSweep {
+    side: Side,
+    secs: f64,
+    patches: f64,
+    /// The controller's CPU from its start to the end of the sweep (its Node lists included).
+    controller_cpu: f64,
+    /// CPU of every other process of the rig over the same time.
+    split: Vec<(String, f64)>,
+}
+
+impl RestartSweep {
+    fn split_text(&self) -> String {
+        self.split
+            .iter()
+            .map(|(name, cpu)| format!("{name} {cpu:.1} s"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
+/// The sweep of median duration (the lower middle one of an even count).
+fn median_sweep<'a>(sweeps: &[&'a RestartSweep]) -> &'a RestartSweep {
+    let mut sorted = sweeps.to_vec();
+    sorted.sort_by(|a, b| a.secs.total_cmp(&b.secs));
+    sorted[(sorted.len() - 1) / 2]
+}
+
+/// Restarts the controller (as `binary` with `env`, or as built) and waits for its full sweep,
+/// taking the CPU every process of the rig used meanwhile. Every control-plane process shares
+/// the machine's cores with the sweep; one that grows with the fleet is
+/// kube-controller-manager, whose node lifecycle controller checks every Node every 5 s however
+/// long the sweep takes.
+async fn restart_sweep(
+    rig: &mut Rig,
+    binary: Option<&std::path::Path>,
+    env: &[(String, String)],
+    side: Side,
+) -> anyhow::Result<RestartSweep> {
+    let others = [
+        "kube-apiserver",
+        "etcd",
+        "kwok",
+        "kube-controller-manager",
+        "kube-scheduler",
+    ];
+    let cpu_of = |pid: Option<u32>| pid.and_then(|p| proc_usage(p).ok()).map_or(0.0, |u| u.2);
+    let agents_pids = rig.agents.pids();
+    let agents_cpu = || agents_pids.iter().map(|p| cpu_of(Some(*p))).sum::<f64>();
+    let usage = |rig: &Rig| -> Vec<f64> {
+        others
+            .iter()
+            .map(|c| cpu_of(rig.cp.component_pid(c)))
+            .chain([agents_cpu()])
+            .collect()
+    };
+    let before = usage(rig);
+    rig.restart_controller_as(binary, env)?;
+    let secs = rig.first_sweep(Duration::from_secs(900)).await?;
+    let controller_cpu = cpu_of(Some(rig.controller.pid()));
+    let after = usage(rig);
+    let names = others
+        .iter()
+        .map(|c| (*c).to_owned())
+        .chain([match agents_pids.len() {
+            1 => "agents host".to_owned(),
+            k => format!("agents hosts ({k} processes)"),
+        }]);
+    let split = names
+        .zip(after.iter().zip(&before).map(|(a, b)| a - b))
+        .collect();
+    let patches = metric(
+        rig.http,
+        "nodekeeper_conditions_patches_total",
+        &["result=\"Ok\""],
+    )
+    .await?;
+    Ok(RestartSweep {
+        side,
+        secs,
+        patches,
+        controller_cpu,
+        split,
+    })
 }
 
 /// The `## fleet` section's opening, written when BENCHMARKS.md has no such section yet.
@@ -596,6 +807,8 @@ enum Yardstick {
     },
     /// Not started, because the one before it stopped.
     NotRun,
+    /// Not started: `--no-yardsticks`.
+    Skipped,
 }
 
 impl Yardstick {
@@ -603,7 +816,7 @@ impl Yardstick {
     fn against(&self, secs: f64) -> String {
         match self {
             Self::Done(y) => format!("{y:.1} s / {:.2}×", secs / y.max(1e-9)),
-            Self::Stopped { .. } | Self::NotRun => format!("{self} / none"),
+            Self::Stopped { .. } | Self::NotRun | Self::Skipped => format!("{self} / none"),
         }
     }
 }
@@ -625,6 +838,7 @@ impl std::fmt::Display for Yardstick {
                 f,
                 "not measured: the yardstick before it stopped short of memory"
             ),
+            Self::Skipped => write!(f, "not measured (--no-yardsticks)"),
         }
     }
 }
@@ -711,6 +925,47 @@ async fn status_patches(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn compared_restarts_alternate_and_the_built_controller_comes_last() {
+        let sides = |restarts, compared| {
+            (0..restarts)
+                .map(|i| Side::of_restart(i, restarts, compared))
+                .collect::<Vec<_>>()
+        };
+        use Side::{Built, Compared};
+        assert_eq!(sides(4, true), [Compared, Built, Compared, Built]);
+        assert_eq!(sides(5, true), [Built, Compared, Built, Compared, Built]);
+        assert_eq!(sides(1, true), [Built]);
+        assert_eq!(sides(3, false), [Built, Built, Built]);
+    }
+
+    #[test]
+    fn the_median_sweep_is_the_lower_middle_one() {
+        let sweep = |secs| RestartSweep {
+            side: Side::Built,
+            secs,
+            patches: 0.0,
+            controller_cpu: secs / 2.0,
+            split: Vec::new(),
+        };
+        let sweeps = [sweep(9.0), sweep(7.0), sweep(12.0), sweep(8.0)];
+        let refs: Vec<&RestartSweep> = sweeps.iter().collect();
+        assert_eq!(median_sweep(&refs).secs, 8.0);
+        assert_eq!(median_sweep(&refs[..3]).secs, 9.0);
+        assert_eq!(median_sweep(&refs[..1]).secs, 9.0);
+    }
+
+    #[test]
+    fn compared_settings_are_key_value_pairs() {
+        assert_eq!(
+            parse_env("MIMALLOC_PURGE_DELAY=100"),
+            Ok(("MIMALLOC_PURGE_DELAY".into(), "100".into()))
+        );
+        assert_eq!(parse_env("A="), Ok(("A".into(), String::new())));
+        assert!(parse_env("=1").is_err());
+        assert!(parse_env("NOVALUE").is_err());
+    }
 
     #[test]
     fn available_memory_is_read_from_meminfo() {

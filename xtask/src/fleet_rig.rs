@@ -308,8 +308,25 @@ impl Rig {
     /// Stops the controller with SIGTERM (it releases the Lease) and starts a new one, which
     /// leads at once: a controller restart in a running cluster.
     pub fn restart_controller(&mut self) -> anyhow::Result<()> {
+        self.restart_controller_as(None, &[])
+    }
+
+    /// [`Self::restart_controller`] with another controller binary (`None`: the one built) and
+    /// further environment settings, so that two controllers, or two settings, are compared in
+    /// the same rig (`bench fleet --compare-controller`, `--compare-env`).
+    pub fn restart_controller_as(
+        &mut self,
+        binary: Option<&Path>,
+        env: &[(String, String)],
+    ) -> anyhow::Result<()> {
         self.controller.stop();
-        self.controller = ControllerProcess::spawn(&self.launch.0, &self.launch.1)?;
+        let program = binary.map_or_else(
+            || self.launch.0.clone(),
+            |binary| Program::Binary(binary.to_path_buf()),
+        );
+        let mut config = self.launch.1.clone();
+        config.env.extend(env.iter().cloned());
+        self.controller = ControllerProcess::spawn(&program, &config)?;
         Ok(())
     }
 
