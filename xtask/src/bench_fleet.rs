@@ -103,6 +103,9 @@ pub fn run(args: FleetArgs) -> anyhow::Result<()> {
     // The controller and the agents host run as release builds; this driver only creates
     // objects and reads figures, so its own build profile does not affect them.
     let programs = crate::fleet_rig::build(&root, args.agents_debug)?;
+    if let Some(other) = &args.compare_controller {
+        check_compared(other, &programs.controller)?;
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
@@ -589,6 +592,26 @@ fn extra_flags(args: &FleetArgs) -> String {
     flags
 }
 
+/// Refuses a compared controller that is missing or the very binary just built: two worktrees
+/// sharing one `CARGO_TARGET_DIR` can leave cargo holding one build of the workspace's crates
+/// for both, and the comparison would then measure a build against itself.
+fn check_compared(other: &std::path::Path, built: &std::path::Path) -> anyhow::Result<()> {
+    let other_bytes = std::fs::read(other).map_err(|e| {
+        anyhow::anyhow!(
+            "--compare-controller {}: {e}; give the path of a controller binary",
+            other.display()
+        )
+    })?;
+    if other_bytes == std::fs::read(built)? {
+        bail!(
+            "--compare-controller {} is the same binary as the controller just built ({}); build the other one with a CARGO_TARGET_DIR of its own (worktrees that share one can share one build of the workspace's crates)",
+            other.display(),
+            built.display()
+        );
+    }
+    Ok(())
+}
+
 /// Which controller a restart starts: the one built here, or the one compared with it
 /// (`--compare-controller`, `--compare-env`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -690,7 +713,7 @@ async fn restart_sweep(
             .collect()
     };
     let before = usage(rig);
-    rig.restart_controller_as(binary, env)?;
+    rig.restart_controller(binary, env)?;
     let secs = rig.first_sweep(Duration::from_secs(900)).await?;
     let controller_cpu = cpu_of(Some(rig.controller.pid()));
     let after = usage(rig);
@@ -954,6 +977,32 @@ mod tests {
         assert_eq!(median_sweep(&refs).secs, 8.0);
         assert_eq!(median_sweep(&refs[..3]).secs, 9.0);
         assert_eq!(median_sweep(&refs[..1]).secs, 9.0);
+    }
+
+    #[test]
+    fn a_compared_controller_must_exist_and_differ_from_the_built_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let (built, same, other) = (
+            dir.path().join("built"),
+            dir.path().join("same"),
+            dir.path().join("other"),
+        );
+        std::fs::write(&built, b"controller A").unwrap();
+        std::fs::write(&same, b"controller A").unwrap();
+        std::fs::write(&other, b"controller B").unwrap();
+        check_compared(&other, &built).unwrap();
+        let error = check_compared(&same, &built).unwrap_err().to_string();
+        assert!(
+            error.contains("same binary") && error.contains("CARGO_TARGET_DIR"),
+            "{error}"
+        );
+        let error = check_compared(&dir.path().join("missing"), &built)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("--compare-controller") && error.contains("missing"),
+            "{error}"
+        );
     }
 
     #[test]

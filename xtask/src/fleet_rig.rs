@@ -307,14 +307,11 @@ impl Rig {
 
     /// Stops the controller with SIGTERM (it releases the Lease) and starts a new one, which
     /// leads at once: a controller restart in a running cluster.
-    pub fn restart_controller(&mut self) -> anyhow::Result<()> {
-        self.restart_controller_as(None, &[])
-    }
-
-    /// [`Self::restart_controller`] with another controller binary (`None`: the one built) and
-    /// further environment settings, so that two controllers, or two settings, are compared in
-    /// the same rig (`bench fleet --compare-controller`, `--compare-env`).
-    pub fn restart_controller_as(
+    ///
+    /// It starts as `binary` (`None`: the controller built) with `env` added to its
+    /// environment, so that two controllers, or two settings, are compared in the same rig
+    /// (`bench fleet --compare-controller`, `--compare-env`).
+    pub fn restart_controller(
         &mut self,
         binary: Option<&Path>,
         env: &[(String, String)],
