@@ -253,7 +253,8 @@ async fn bench(args: FleetArgs, root: PathBuf, programs: Programs) -> anyhow::Re
             Side::Compared => (args.compare_controller.as_deref(), &args.compare_env[..]),
         };
         if i > 0 {
-            // The last sweep's connections leave the kernel's TIME_WAIT state first.
+            // A pause between restarts, so that each starts on a settled rig (the last sweep's
+            // final calls answered and its connections closed).
             tokio::time::sleep(Duration::from_secs(15)).await;
         }
         let sweep = restart_sweep(&mut rig, binary, env, side).await?;
