@@ -10,7 +10,7 @@
 mod controller_common;
 
 use std::collections::BTreeMap;
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use controller_common::*;
@@ -18,7 +18,6 @@ use k8s_openapi::api::core::v1::Node;
 use kube::Api;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
-use nodekeeper_e2e::rig::{ControllerConfig, Output, Program};
 use nodekeeper_e2e::{
     ControlPlane, Lifetime, Options, create_simulated_nodes, install_crds, test_namespace,
     unique_name, wait_for,
@@ -51,28 +50,6 @@ impl Drop for Paused {
     }
 }
 
-fn controller(
-    cp: &ControlPlane,
-    ns: &str,
-    identity: &str,
-    selector: &str,
-    port: u16,
-    log: &std::path::Path,
-) -> anyhow::Result<ControllerProcess> {
-    let config = ControllerConfig {
-        kubeconfig: cp.kubeconfig().to_owned(),
-        namespace: ns.to_owned(),
-        identity: identity.to_owned(),
-        http: SocketAddr::from((Ipv4Addr::LOCALHOST, free_port())),
-        agent_port: port,
-        node_selector: selector.to_owned(),
-        log: Some("info,kube=warn".into()),
-        env: Vec::new(),
-        output: Output::Log(log.to_owned()),
-    };
-    ControllerProcess::spawn(&Program::this_test_binary(HELPER, "controller")?, &config)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_minute_without_the_api_server_ends_in_one_clean_takeover() -> anyhow::Result<()> {
     let name = format!("test-{}-outage", std::process::id());
@@ -100,7 +77,7 @@ async fn a_minute_without_the_api_server_ends_in_one_clean_takeover() -> anyhow:
     )
     .await?;
     let logs = tempfile::tempdir()?;
-    let mut a = controller(
+    let mut a = spawn_logged(
         &cp,
         &ns,
         "outage-a",
@@ -146,7 +123,7 @@ async fn a_minute_without_the_api_server_ends_in_one_clean_takeover() -> anyhow:
     let log_a = std::fs::read_to_string(logs.path().join("a.log"))?;
     assert!(log_a.contains("lost the lease"), "why it exited: {log_a}");
     // Its replacement starts while the API server is still away, and waits.
-    let mut b = controller(
+    let mut b = spawn_logged(
         &cp,
         &ns,
         "outage-b",

@@ -84,6 +84,12 @@ pub(super) async fn start_components(
         "--allow-privileged=true".into(),
         format!("--cert-dir={}", s(&dir.join("apiserver-certs"))),
     ];
+    if !options.apiserver_feature_gates.is_empty() {
+        args.push(format!(
+            "--feature-gates={}",
+            options.apiserver_feature_gates.join(",")
+        ));
+    }
     if let Some(n) = options.max_requests_inflight {
         args.push(format!("--max-requests-inflight={n}"));
     }

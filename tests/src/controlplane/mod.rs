@@ -128,6 +128,9 @@ pub struct Options {
     /// benchmarks at 10,000 nodes lengthen it: 1,000 Lease renewals a second would take more of
     /// a 2-core machine than everything being measured.
     pub node_lease_seconds: Option<u32>,
+    /// kube-apiserver `--feature-gates` (e.g. `WatchList=false`, to stand in for an older
+    /// server); empty keeps the release's defaults.
+    pub apiserver_feature_gates: Vec<String>,
     pub lifetime: Lifetime,
 }
 
@@ -140,6 +143,7 @@ impl Options {
             max_requests_inflight: None,
             max_mutating_requests_inflight: None,
             node_lease_seconds: None,
+            apiserver_feature_gates: Vec::new(),
             lifetime,
         }
     }

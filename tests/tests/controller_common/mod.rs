@@ -65,21 +65,62 @@ impl StartController for ControllerProcess {
         agent_port: u16,
         env: &[(&str, &str)],
     ) -> anyhow::Result<Self> {
-        let config = ControllerConfig {
-            kubeconfig: ControlPlane::shared().kubeconfig().to_owned(),
-            namespace: namespace.to_owned(),
-            identity: identity.to_owned(),
-            http: SocketAddr::from((Ipv4Addr::LOCALHOST, free_port())),
+        let mut config = controller_config(
+            ControlPlane::shared(),
+            namespace,
+            identity,
+            selector,
             agent_port,
-            node_selector: selector.to_owned(),
-            log: Some("info,kube=warn".into()),
-            env: env
-                .iter()
-                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-                .collect(),
-            output: Output::Stderr,
-        };
+            Output::Stderr,
+        );
+        config.env = env
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect();
         ControllerProcess::spawn(&Program::this_test_binary(HELPER, ROLE)?, &config)
+    }
+}
+
+/// Starts this test binary as a controller against `cp` (a control plane of the test's own),
+/// logging to `log` at info.
+pub fn spawn_logged(
+    cp: &ControlPlane,
+    namespace: &str,
+    identity: &str,
+    selector: &str,
+    agent_port: u16,
+    log: &Path,
+) -> anyhow::Result<ControllerProcess> {
+    let config = controller_config(
+        cp,
+        namespace,
+        identity,
+        selector,
+        agent_port,
+        Output::Log(log.to_owned()),
+    );
+    ControllerProcess::spawn(&Program::this_test_binary(HELPER, ROLE)?, &config)
+}
+
+/// A controller on `cp` managing the Nodes `selector` matches, logging at info to `output`.
+fn controller_config(
+    cp: &ControlPlane,
+    namespace: &str,
+    identity: &str,
+    selector: &str,
+    agent_port: u16,
+    output: Output,
+) -> ControllerConfig {
+    ControllerConfig {
+        kubeconfig: cp.kubeconfig().to_owned(),
+        namespace: namespace.to_owned(),
+        identity: identity.to_owned(),
+        http: SocketAddr::from((Ipv4Addr::LOCALHOST, free_port())),
+        agent_port,
+        node_selector: selector.to_owned(),
+        log: Some("info,kube=warn".into()),
+        env: Vec::new(),
+        output,
     }
 }
 

@@ -197,6 +197,19 @@ pub async fn run(cli: Cli) -> Result<(), Error> {
     metrics.runtime.is_leader.set(1);
     leader::label_pod(&client, &cli.namespace, pod, true).await;
 
+    // Before any watch starts: stream the big initial lists or page them (`shared::lists`).
+    // Asked here, not at start, so that the API server is known to answer (the Lease was just
+    // taken) and a standby started during an outage does not settle for pages.
+    let (mode, why) = crate::shared::lists::resolve(&client, cli.initial_lists).await;
+    crate::shared::lists::set(mode);
+    match (mode, cli.initial_lists) {
+        (crate::shared::lists::Mode::Pages, crate::shared::lists::InitialLists::Auto) => {
+            warn!(mode = mode.as_str(), reason = %why, "Node and Pod watches list in pages; every page costs the API server a walk over the rest of its cache (set --initial-lists=pages to skip this check)")
+        }
+        _ => {
+            info!(mode = mode.as_str(), reason = %why, "how Node and Pod watches read their initial state")
+        }
+    }
     // From here on this replica writes; everything below runs only while it leads.
     let secrets: Api<Secret> = Api::namespaced(client.clone(), &cli.namespace);
     let leading = async {

@@ -518,7 +518,7 @@ pub async fn watch_nodes(
     metrics: SweepMetrics,
     cancel: CancellationToken,
 ) {
-    let mut config = super::node_watch_config();
+    let mut config = super::lists::nodes();
     if let Some(selector) = selector {
         config = config.labels(&selector);
     }

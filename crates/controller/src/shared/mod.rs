@@ -10,6 +10,7 @@
 pub mod agent_client;
 pub mod agents;
 pub mod fleet;
+pub mod lists;
 pub mod metrics;
 pub mod tls_sessions;
 pub mod tuning;
@@ -18,25 +19,12 @@ pub mod writers;
 use std::sync::Arc;
 
 use kube::runtime::events::{Recorder, Reporter};
-use kube::runtime::watcher;
 use tokio::sync::watch;
 
 pub use agents::{AgentNode, Agents, MtlsAgents};
 pub use fleet::Fleet;
 pub use metrics::Metrics;
 pub use tuning::TuningState;
-
-/// Nodes per page when a watch lists Nodes (at its start and after a relist). A Node decodes to
-/// tens of KiB (managedFields, images, every condition) before a watch trims it, and a page is
-/// decoded whole, so the page is the controller's memory peak while it lists: the client's
-/// default of 500 Nodes cost ~25 MiB of heap per watch listing at once (heaptrack, 1,000-node
-/// fleet bench); 100 keeps it near 5 MiB, and 10,000 Nodes take 100 requests instead of 20.
-pub const NODE_LIST_PAGE: u32 = 100;
-
-/// The watch configuration every Node watch starts from (see [`NODE_LIST_PAGE`]).
-pub fn node_watch_config() -> watcher::Config {
-    watcher::Config::default().page_size(NODE_LIST_PAGE)
-}
 
 /// `items` with only those `keep` accepts, in an allocation of their size. Collecting a filtered
 /// `Vec` reuses the original's allocation: a trimmed Node that keeps one of its twenty

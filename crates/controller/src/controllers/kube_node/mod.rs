@@ -171,7 +171,7 @@ impl Reconciler for Context {
     }
 
     fn watcher_config(&self) -> watcher::Config {
-        crate::shared::node_watch_config()
+        crate::shared::lists::nodes()
     }
 
     fn concurrency(&self) -> u16 {

@@ -65,10 +65,6 @@ const ALL: u8 = NODES | PODS | BUDGETS;
 #[error("wait for the node, pod and PodDisruptionBudget watches to list (after {0:?})")]
 pub struct NotReady(Duration);
 
-/// Pods per page when the Pod watch lists (a decoded Pod with its managedFields is several KiB;
-/// see `Cache::triggers`).
-const POD_LIST_PAGE: u32 = 250;
-
 /// One Node as the reconciler reads it: name, uid, resourceVersion, labels,
 /// `spec.unschedulable` and taints, and the maintenance conditions; nodekeeper's maintenance
 /// annotation is kept parsed, in [`CachedNode::record`]. A struct of its own rather than a
@@ -789,24 +785,23 @@ impl Cache {
     /// The node, pod and budget watches, feeding this cache, as one stream of the
     /// maintenances each event wakes.
     fn watches(self: &Arc<Self>, client: &kube::Client) -> BoxStream<'static, Vec<String>> {
-        // Nodes and Pods are listed in pages, at the most recent resourceVersion. A list at
-        // resourceVersion 0 (`any_semantic`) is answered from the API server's watch cache,
-        // which ignores the page size (kubernetes/kubernetes#96182): every Pod of the cluster
-        // (hundreds of thousands at 10,000 nodes) would arrive in one response and be decoded
-        // at once, a peak of gigabytes in this process at each (re)list. A consistent list costs
-        // the API server more, once per start or expired watch; PodDisruptionBudgets are few
-        // and stay on the cache.
+        // Nodes and Pods are streamed on the watch where the API server can, else listed in
+        // pages at the most recent resourceVersion (`shared::lists`). Never one list at
+        // resourceVersion 0 (`any_semantic`): the API server's watch cache ignores its page size
+        // (kubernetes/kubernetes#96182), so every Pod of the cluster (hundreds of thousands at
+        // 10,000 nodes) would arrive in one response and be decoded at once, a peak of gigabytes
+        // in this process at each (re)list. PodDisruptionBudgets are few and use it.
         let c = Arc::clone(self);
         let nodes = watcher::watcher(
             Api::<Node>::all(client.clone()),
-            crate::shared::node_watch_config(),
+            crate::shared::lists::nodes(),
         )
         .default_backoff()
         .map(move |e| c.on_node(e));
         let c = Arc::clone(self);
         let pods = watcher::watcher(
             Api::<Pod>::all(client.clone()),
-            watcher::Config::default().page_size(POD_LIST_PAGE),
+            crate::shared::lists::pods(),
         )
         .default_backoff()
         .map(move |e| c.on_pod(e));

@@ -162,7 +162,7 @@ impl NodeCache {
             let (store, writer) = reflector::store();
             let stream = watcher(
                 Api::<Node>::all(self.client.clone()),
-                crate::shared::node_watch_config(),
+                crate::shared::lists::nodes(),
             )
             .default_backoff()
             .modify(trim_node)

@@ -287,7 +287,7 @@ impl Context {
                 Arc::new(Stores {
                     nodes: reflect(
                         Api::all(self.client.clone()),
-                        crate::shared::node_watch_config().labels(LABEL_NODE_SET),
+                        crate::shared::lists::nodes().labels(LABEL_NODE_SET),
                         trim_node,
                         Some((self.wake.clone(), node_fingerprint as fn(&Node) -> String)),
                         self.stop.child_token(),
