@@ -168,7 +168,13 @@ async fn wait_until(
     futures::pin_mut!(events);
     let deadline = tokio::time::Instant::now() + timeout;
     let mut last_error = None;
+    // A long wait (tens of thousands of Nodes) says how far it got once a minute.
+    let mut report = tokio::time::Instant::now() + Duration::from_secs(60);
     while ready.len() < wanted.len() {
+        if tokio::time::Instant::now() >= report {
+            eprintln!("[nodes] {} of {} {condition}", ready.len(), wanted.len());
+            report += Duration::from_secs(60);
+        }
         let event = match tokio::time::timeout_at(deadline, events.next()).await {
             Ok(Some(event)) => event,
             Ok(None) | Err(_) => break,
