@@ -50,10 +50,11 @@ pub struct Cli {
     pub node_selector: Option<String>,
 
     /// How the watches of every Node and every Pod read what exists when they start: `stream`
-    /// has the API server send it on the watch (WatchList, on by default since Kubernetes 1.34:
-    /// one pass over its cache); `pages` lists 100 Nodes (250 Pods) a request, each of which costs
-    /// the API server a walk over the rest of its cache (minutes of its CPU at 65,000 nodes);
-    /// `auto` asks the API server once at start and streams when it can.
+    /// has the API server send it on the watch (WatchList, on by default in Kubernetes 1.32 and
+    /// since 1.34: one pass over its cache); `pages` lists 100 Nodes (250 Pods) a request, each
+    /// of which costs the API server a walk over the rest of its cache (tens of seconds of CPU
+    /// at 65,000 nodes); `auto` asks the API server once, when this replica takes the Lease, and
+    /// streams when it can.
     #[arg(
         long,
         env = "NODEKEEPER_INITIAL_LISTS",

@@ -7,12 +7,14 @@
 //! of n objects in pages of p costs the API server about n²/2p object visits. At 65,000 Nodes and
 //! 100 a page that is 21 million per watch, and it was a fifth of the API server's samples while
 //! a restarted controller listed (BENCHMARKS § fleet). A streaming list (`sendInitialEvents`,
-//! Kubernetes' WatchList, on by default since 1.34) walks the cache once and sends the objects
-//! one event at a time, so this process also decodes one object at a time instead of a page.
+//! Kubernetes' WatchList, on by default in 1.32 and since 1.34) walks the cache once and sends
+//! the objects one event at a time, so this process also decodes one object at a time instead
+//! of a page.
 //!
-//! API servers before 1.34 (or with `--feature-gates=WatchList=false`) refuse `sendInitialEvents`
-//! with 422 Invalid; a watcher asking for it would retry forever. So the runtime asks once at
-//! start ([`probe`]) and every watch built afterwards ([`nodes`], [`pods`]) follows the answer.
+//! API servers without it (1.31 and before, 1.33, or `--feature-gates=WatchList=false`) refuse
+//! `sendInitialEvents` with 422 Invalid; a watcher asking for it would retry forever. So the
+//! runtime asks once, when it takes the Lease ([`probe`]), and every watch built afterwards
+//! ([`nodes`], [`pods`]) follows the answer.
 
 use std::sync::OnceLock;
 use std::time::Duration;
