@@ -47,7 +47,7 @@ const PROBE_TIMEOUT: Duration = Duration::from_secs(4);
 /// `--initial-lists`: what the operator asked for.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum InitialLists {
-    /// Ask the API server once at start; stream when it can, list in pages when it cannot.
+    /// Ask the API server once, on taking the Lease; stream when it can, page when it cannot.
     #[default]
     Auto,
     /// Always stream (`sendInitialEvents`); the watches fail against a server without WatchList.
