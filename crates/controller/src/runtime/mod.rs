@@ -38,7 +38,7 @@ pub use cli::{Cli, LogFormat};
 
 use crate::certs;
 use crate::controllers::Controllers;
-use crate::shared::{Fleet, Metrics, MtlsAgents, Shared, TuningState, fleet, tuning};
+use crate::shared::{Fleet, Metrics, MtlsAgents, Shared, TuningState, fleet, lists, tuning};
 
 /// Errors that end the process.
 #[derive(Debug, thiserror::Error)]
@@ -200,10 +200,10 @@ pub async fn run(cli: Cli) -> Result<(), Error> {
     // Before any watch starts: stream the big initial lists or page them (`shared::lists`).
     // Asked here, not at start, so that the API server is known to answer (the Lease was just
     // taken) and a standby started during an outage does not settle for pages.
-    let (mode, why) = crate::shared::lists::resolve(&client, cli.initial_lists).await;
-    crate::shared::lists::set(mode);
+    let (mode, why) = lists::resolve(&client, cli.initial_lists).await;
+    lists::set(mode);
     match (mode, cli.initial_lists) {
-        (crate::shared::lists::Mode::Pages, crate::shared::lists::InitialLists::Auto) => {
+        (lists::Mode::Pages, lists::InitialLists::Auto) => {
             warn!(mode = mode.as_str(), reason = %why, "Node and Pod watches list in pages; every page costs the API server a walk over the rest of its cache (set --initial-lists=pages to skip this check)")
         }
         _ => {

@@ -78,9 +78,9 @@ impl Mode {
 static MODE: OnceLock<Mode> = OnceLock::new();
 
 /// Fixes the mode for every watch built from now on. A second call is ignored (the first
-/// answer stands) and returns `false`.
-pub fn set(mode: Mode) -> bool {
-    MODE.set(mode).is_ok()
+/// answer stands).
+pub fn set(mode: Mode) {
+    let _ = MODE.set(mode);
 }
 
 /// The mode in force: [`Mode::Pages`] until [`set`] (what works against every API server).
@@ -113,7 +113,7 @@ fn config(mode: Mode, page: u32) -> watcher::Config {
 /// Why the API server will not stream lists.
 #[derive(Debug, thiserror::Error)]
 pub enum Refusal {
-    /// It said no: WatchList is off (Kubernetes before 1.34, or the feature gate).
+    /// It said no: WatchList is off (Kubernetes 1.33, 1.31 and before, or the feature gate).
     #[error("the API server refused sendInitialEvents ({code} {reason}: {message})")]
     Refused {
         code: u16,
