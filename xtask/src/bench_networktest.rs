@@ -92,7 +92,7 @@ async fn bench(args: NetworkTestArgs, root: PathBuf, programs: Programs) -> anyh
             "callTimeout": "10s"}),
         heap_profile: None,
     };
-    let rig = Rig::start(&config, &root, &programs, &say).await?;
+    let mut rig = Rig::start(&config, &root, &programs, &say).await?;
     // Measure on a settled controller: its first sweep (every agent read once) is over.
     let sweep = rig.first_sweep(Duration::from_secs(900)).await?;
     say(format!(

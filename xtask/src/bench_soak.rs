@@ -224,7 +224,7 @@ async fn soak(args: SoakArgs, root: std::path::PathBuf, programs: Programs) -> a
             "concurrency": "256", "callTimeout": "10s", "rules.yaml": rules}),
         heap_profile: None,
     };
-    let rig = Rig::start(&config, &root, &programs, &say).await?;
+    let mut rig = Rig::start(&config, &root, &programs, &say).await?;
     rig.first_sweep(Duration::from_secs(900)).await?;
     let client = rig.client.clone();
     wait_for(
