@@ -336,27 +336,22 @@ impl Rig {
     /// Fails as soon as the controller has exited (one that lost its Lease stops, and never
     /// finishes the sweep), rather than at `within`, which is 27 minutes at 65,000 nodes.
     pub async fn first_sweep(&mut self, within: Duration) -> anyhow::Result<f64> {
-        let deadline = Instant::now() + within;
-        let mut last_error = None;
+        let http = self.http;
+        let sweep = wait_for("the first full sweep", within, || async move {
+            let s = metric(http, "nodekeeper_sweep_initial_sweep_seconds", &[]).await?;
+            Ok((s > 0.0).then_some(s))
+        });
+        tokio::pin!(sweep);
+        let mut liveness = tokio::time::interval(Duration::from_secs(1));
         loop {
-            self.controller
-                .process
-                .check_alive()
-                .context("the controller stopped before its first full sweep (its log is above)")?;
-            match metric(self.http, "nodekeeper_sweep_initial_sweep_seconds", &[]).await {
-                Ok(secs) if secs > 0.0 => return Ok(secs),
-                Ok(_) => {}
-                Err(error) => last_error = Some(error),
+            tokio::select! {
+                secs = &mut sweep => return secs,
+                _ = liveness.tick() => self
+                    .controller
+                    .process
+                    .check_alive()
+                    .context("the controller stopped before its first full sweep (its log is above)")?,
             }
-            if Instant::now() > deadline {
-                match last_error {
-                    Some(error) => bail!(
-                        "timed out after {within:?} waiting for the first full sweep; last error: {error:#}"
-                    ),
-                    None => bail!("timed out after {within:?} waiting for the first full sweep"),
-                }
-            }
-            tokio::time::sleep(Duration::from_millis(250)).await;
         }
     }
 }
