@@ -22,7 +22,8 @@ use nodekeeper_e2e::{ControlPlane, wait_for};
 use serde_json::json;
 
 use crate::fleet_rig::{
-    CONTROLLER_USER, NAMESPACE, audit_counts, controller_kubeconfig, proc_usage,
+    CONTROLLER_USER, NAMESPACE, audit_counts, audit_end, audit_lines, controller_kubeconfig,
+    proc_usage,
 };
 use nodekeeper_e2e::rig::{ControllerConfig, ControllerProcess, Output, Program};
 
@@ -145,17 +146,13 @@ fn audit_time(event: &serde_json::Value, field: &str) -> Option<f64> {
     Some(t.as_microsecond() as f64 / 1e6)
 }
 
-/// The controller's evictions in the audit log after line `from`.
-fn eviction_answers(path: &std::path::Path, from: usize) -> anyhow::Result<Answers> {
-    let text = std::fs::read_to_string(path)?;
+/// The controller's evictions in the audit log after the mark `from`.
+fn eviction_answers(path: &std::path::Path, from: u64) -> anyhow::Result<Answers> {
     let mut answers = Answers::default();
     // Per Deployment: the last budget write and whether an eviction came after the one before.
     let mut last_budget: BTreeMap<String, f64> = BTreeMap::new();
     let mut evicted_once: BTreeMap<String, bool> = BTreeMap::new();
-    for line in text.lines().skip(from) {
-        let Ok(event) = serde_json::from_str::<serde_json::Value>(line) else {
-            continue;
-        };
+    for event in audit_lines(path, from, u64::MAX)?.0 {
         if event["stage"] != "ResponseComplete" {
             continue;
         }
@@ -442,7 +439,7 @@ async fn bench(args: DrainArgs, root: PathBuf, controller: PathBuf) -> anyhow::R
         },
     )?;
     tokio::time::sleep(Duration::from_secs(5)).await;
-    let (_, audit_from, _) = audit_counts(&audit, 0)?;
+    let audit_from = audit_end(&audit)?;
     let (_, _, cpu_before) = proc_usage(controller.pid())?;
     let load_start = load_average();
     let nms: Api<NodeMaintenance> = Api::all(client.clone());

@@ -18,7 +18,8 @@ use nodekeeper_e2e::rig::metric;
 use nodekeeper_e2e::wait_for;
 
 use crate::fleet_rig::{
-    CONTROLLER_USER, Programs, Rig, RigConfig, audit_counts, proc_usage, request_totals, rss_split,
+    CONTROLLER_USER, Programs, Rig, RigConfig, audit_counts, audit_end, audit_window, proc_usage,
+    request_totals, rss_split,
 };
 
 /// `cargo xtask bench fleet` arguments.
@@ -314,25 +315,28 @@ async fn bench(args: FleetArgs, root: PathBuf, programs: Programs) -> anyhow::Re
     // Let the sweep's tail settle before the window opens.
     tokio::time::sleep(Duration::from_secs(20)).await;
 
-    let (_, _, cpu0) = proc_usage(pid)?;
-    let totals0 = request_totals(client).await?;
-    let (_, audit_from, _) = audit_counts(audit, 0)?;
-    let patches0 = metric(http, "nodekeeper_conditions_patches_total", &[]).await?;
-    let calls0 = metric(http, "nodekeeper_sweep_agent_calls_total", &[]).await?;
+    // The window's clock runs from its first reading to its last, and every count in it is a
+    // difference of two readings taken at its two ends.
     say(format!("steady window of {:?}", args.window));
     let window_start = Instant::now();
+    let audit_from = audit_end(audit)?;
+    let (_, _, cpu0) = proc_usage(pid)?;
+    let totals0 = request_totals(client).await?;
+    let patches0 = metric(http, "nodekeeper_conditions_patches_total", &[]).await?;
+    let calls0 = metric(http, "nodekeeper_sweep_agent_calls_total", &[]).await?;
     let mut rss_max = 0;
     while window_start.elapsed() < args.window {
-        tokio::time::sleep(Duration::from_secs(10)).await;
+        tokio::time::sleep(Duration::from_secs(10).min(args.window)).await;
         rss_max = rss_max.max(proc_usage(pid)?.0);
     }
-    let window = window_start.elapsed().as_secs_f64();
     let (rss, hwm, cpu1) = proc_usage(pid)?;
-    let (rss_anon, rss_file) = rss_split(pid)?;
     let totals1 = request_totals(client).await?;
-    let (audit_window, audit_to, _) = audit_counts(audit, audit_from)?;
     let patches1 = metric(http, "nodekeeper_conditions_patches_total", &[]).await?;
     let calls1 = metric(http, "nodekeeper_sweep_agent_calls_total", &[]).await?;
+    let audit_to = audit_end(audit)?;
+    let window = window_start.elapsed().as_secs_f64();
+    let (rss_anon, rss_file) = rss_split(pid)?;
+    let (audit_window, audit_to, _) = audit_window(audit, audit_from, audit_to)?;
     let cpu_share = (cpu1 - cpu0) / window;
     let controller_total: u64 = audit_window
         .iter()

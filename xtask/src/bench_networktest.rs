@@ -18,7 +18,8 @@ use nodekeeper_api::crd::network_test::Phase;
 use serde_json::json;
 
 use crate::fleet_rig::{
-    CONTROLLER_USER, GROUP_LABEL, NAMESPACE, Programs, Rig, RigConfig, audit_counts, proc_usage,
+    CONTROLLER_USER, GROUP_LABEL, NAMESPACE, Programs, Rig, RigConfig, audit_counts, audit_end,
+    proc_usage,
 };
 
 /// `cargo xtask bench networktest` arguments.
@@ -186,7 +187,7 @@ async fn one_test(
         "metadata": {"name": name, "namespace": NAMESPACE},
         "spec": spec,
     }))?;
-    let (_, audit_from, _) = audit_counts(&rig.audit, 0)?;
+    let audit_from = audit_end(&rig.audit)?;
     let (_, _, cpu0) = proc_usage(rig.controller.pid())?;
     let started = Instant::now();
     api.create(&PostParams::default(), &test)

@@ -20,7 +20,7 @@ use nodekeeper_e2e::{ControlPlane, wait_for};
 use serde_json::json;
 
 use crate::fleet_rig::{
-    CONTROLLER_USER, NAMESPACE, audit_counts, controller_kubeconfig, proc_usage,
+    CONTROLLER_USER, NAMESPACE, audit_counts, audit_end, controller_kubeconfig, proc_usage,
 };
 
 /// `cargo xtask bench nodeset` arguments.
@@ -107,8 +107,8 @@ impl Leg {
 
 fn controller_requests(
     audit: &std::path::Path,
-    from: usize,
-) -> anyhow::Result<(BTreeMap<String, u64>, usize)> {
+    from: u64,
+) -> anyhow::Result<(BTreeMap<String, u64>, u64)> {
     let (counts, n, _) = audit_counts(audit, from)?;
     let mut by_kind = BTreeMap::new();
     for ((user, verb, resource), c) in counts {
@@ -225,7 +225,7 @@ async fn bench(args: NodesetArgs, root: PathBuf, controller: PathBuf) -> anyhow:
     })
     .await?;
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let (_, mark) = controller_requests(&audit, 0)?;
+    let mark = audit_end(&audit)?;
 
     let scale = |replicas: u32| {
         let sets = sets.clone();

@@ -26,7 +26,9 @@ use nodekeeper_e2e::wait_for;
 
 // Every node reachable with its tunables in bounds: the fleet bench's check.
 use crate::bench_fleet::nodes_as_expected as all_in_bounds;
-use crate::fleet_rig::{CONTROLLER_USER, Programs, Rig, RigConfig, audit_counts, proc_usage};
+use crate::fleet_rig::{
+    CONTROLLER_USER, Programs, Rig, RigConfig, audit_counts, audit_end, audit_lines, proc_usage,
+};
 
 /// `cargo xtask bench soak` arguments.
 #[derive(clap::Args, Debug, Clone)]
@@ -144,18 +146,11 @@ impl Rng {
     }
 }
 
-/// Successful and failed condition patches by the controller on each Node's status, from audit
-/// line `from_line` on.
-fn node_patches(
-    audit: &Path,
-    from_line: usize,
-) -> anyhow::Result<BTreeMap<String, (usize, usize)>> {
-    let text = std::fs::read_to_string(audit)?;
+/// Successful and failed condition patches by the controller on each Node's status, from the
+/// audit log's mark `from` on.
+fn node_patches(audit: &Path, from: u64) -> anyhow::Result<BTreeMap<String, (usize, usize)>> {
     let mut out: BTreeMap<String, (usize, usize)> = BTreeMap::new();
-    for line in text.lines().skip(from_line) {
-        let Ok(event) = serde_json::from_str::<serde_json::Value>(line) else {
-            continue;
-        };
+    for event in audit_lines(audit, from, u64::MAX)?.0 {
         let object = &event["objectRef"];
         if event["stage"] == "ResponseComplete"
             && event["user"]["username"] == CONTROLLER_USER
@@ -241,7 +236,7 @@ async fn soak(args: SoakArgs, root: std::path::PathBuf, programs: Programs) -> a
 
     let pid = rig.controller.pid();
     let audit = rig.audit.clone();
-    let (_, audit_from, _) = audit_counts(&audit, 0)?;
+    let audit_from = audit_end(&audit)?;
     let (_, _, cpu0) = proc_usage(pid)?;
     let soak = Duration::from_secs(args.minutes * 60);
     let flap_gap = Duration::from_secs_f64(60.0 / f64::from(args.flaps_per_minute));
