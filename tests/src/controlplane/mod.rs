@@ -128,6 +128,12 @@ pub struct Options {
     /// benchmarks at 10,000 nodes lengthen it: 1,000 Lease renewals a second would take more of
     /// a 2-core machine than everything being measured.
     pub node_lease_seconds: Option<u32>,
+    /// kube-controller-manager's `--kube-api-qps` (its burst twice that); `None` keeps its 20.
+    /// With `--use-service-account-credentials` every controller has its own limit. Fleet
+    /// benchmarks raise it so that the node lifecycle controller lifts the not-ready taint of
+    /// 65,000 new Nodes (a GET and a PATCH each) while kwok makes them Ready, not for an hour
+    /// after, through everything measured.
+    pub controller_manager_qps: Option<u32>,
     /// kube-apiserver `--feature-gates` (e.g. `WatchList=false`, to stand in for an older
     /// server); empty keeps the release's defaults.
     pub apiserver_feature_gates: Vec<String>,
@@ -143,6 +149,7 @@ impl Options {
             max_requests_inflight: None,
             max_mutating_requests_inflight: None,
             node_lease_seconds: None,
+            controller_manager_qps: None,
             apiserver_feature_gates: Vec::new(),
             lifetime,
         }
