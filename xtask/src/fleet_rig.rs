@@ -121,10 +121,12 @@ pub fn build(root: &Path, agents_debug: bool) -> anyhow::Result<Programs> {
 }
 
 /// kube-controller-manager's client rate (requests a second, per controller) in the rig: its
-/// node lifecycle controller lifts each new Node's not-ready taint with a GET and a PATCH, and
-/// at the default 20 a second the 65,000 Nodes of the largest run need about 1.8 hours of it
-/// (it was still at it an hour in: 5,772 GETs and 5,768 PATCHes in ten minutes, 2026-11-28).
-/// At 100 it keeps up with kwok making Nodes Ready (about 60 a second at most here).
+/// node lifecycle controller makes two GETs and two PATCHes of each new Node for its taints
+/// (20,006 of each for 10,000 Nodes, 2026-11-28), so at the default 20 a second the 65,000
+/// Nodes of the largest run need over three hours of it (it was still at it an hour in: 5,772
+/// GETs and 5,768 PATCHes in ten minutes). At 100, 10,000 Nodes were untainted 410 s after
+/// their creation, kube-apiserver at a third of a core meanwhile; 65,000 should take about 45
+/// minutes.
 const CONTROLLER_MANAGER_QPS: u32 = 100;
 
 /// The simulated kubelets' node Lease duration for N nodes: a kubelet's 40 s up to 400 nodes,
@@ -237,7 +239,7 @@ impl Rig {
         nodes::create(&client, &names, &ips, &labels).await?;
         // Ready is kwok's doing, at its own pace (at 65,000 on this 2-core machine 679-1,623
         // s); kube-controller-manager then lifts each node's not-ready taint, at about 25 a
-        // second here (10,000 nodes untainted 410 s after creation, 2026-11-28). Both are
+        // second (`CONTROLLER_MANAGER_QPS`: 10,000 untainted 410 s after creation). Both are
         // awaited, so what is measured starts on a settled cluster: with only Ready awaited,
         // the lifting of 65,000 taints (at 20 requests a second before
         // `CONTROLLER_MANAGER_QPS`) ran through every sweep of the run. The bound grows with

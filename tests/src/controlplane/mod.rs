@@ -124,15 +124,14 @@ pub struct Options {
     pub max_requests_inflight: Option<u32>,
     pub max_mutating_requests_inflight: Option<u32>,
     /// The simulated kubelets' node Lease duration (kwok renews every quarter of it); the node
-    /// lifecycle controller's grace period follows it. `None` keeps a kubelet's 40 s. Fleet
+    /// lifecycle controller's grace periods (for a Node's heartbeat, and for its first) follow it. `None` keeps a kubelet's 40 s. Fleet
     /// benchmarks at 10,000 nodes lengthen it: 1,000 Lease renewals a second would take more of
     /// a 2-core machine than everything being measured.
     pub node_lease_seconds: Option<u32>,
     /// kube-controller-manager's `--kube-api-qps` (its burst twice that); `None` keeps its 20.
     /// With `--use-service-account-credentials` every controller has its own limit. Fleet
-    /// benchmarks raise it so that the node lifecycle controller lifts the not-ready taint of
-    /// 65,000 new Nodes (a GET and a PATCH each) while kwok makes them Ready, not for an hour
-    /// after, through everything measured.
+    /// benchmarks raise it: the node lifecycle controller makes two GETs and two PATCHes of
+    /// every new Node for its taints, hours of work for 65,000 Nodes at 20 a second.
     pub controller_manager_qps: Option<u32>,
     /// kube-apiserver `--feature-gates` (e.g. `WatchList=false`, to stand in for an older
     /// server); empty keeps the release's defaults.
