@@ -238,12 +238,10 @@ impl Rig {
             [(GROUP_LABEL.to_owned(), "fleet".to_owned())].into();
         nodes::create(&client, &names, &ips, &labels).await?;
         // Ready is kwok's doing, at its own pace (at 65,000 on this 2-core machine 679-1,623
-        // s); kube-controller-manager then lifts each node's not-ready taint, at about 25 a
-        // second (`CONTROLLER_MANAGER_QPS`: 10,000 untainted 410 s after creation). Both are
-        // awaited, so what is measured starts on a settled cluster: with only Ready awaited,
-        // the lifting of 65,000 taints (at 20 requests a second before
-        // `CONTROLLER_MANAGER_QPS`) ran through every sweep of the run. The bound grows with
-        // the fleet at 15 nodes a second (4,333 s at 65,000).
+        // s); kube-controller-manager then lifts each Node's not-ready taint (see
+        // `CONTROLLER_MANAGER_QPS`). Both are awaited, so that what is measured starts on a
+        // settled cluster. The bound grows with the fleet at 15 Nodes a second (4,333 s at
+        // 65,000).
         let ready_within = Duration::from_secs(1200.max(n as u64 / 15));
         nodes::wait_schedulable(&client, &names, ready_within).await?;
         say(format!(

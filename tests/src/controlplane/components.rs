@@ -145,7 +145,8 @@ pub(super) async fn start_components(
             "--controllers=*,-ttl-controller".into(),
         ]
         .into_iter()
-        // A Node kwok has not reported yet gets the same grace as one it has. Left at 1 minute,
+        // A Node kwok has not reported yet gets the same grace as one it has (never under the
+        // default minute). Left at 1 minute,
         // with the fleet rig's higher client rate, the node lifecycle controller made 6,400
         // status updates and 3,472 taint patches of 65,000 new Nodes in ten minutes (by all
         // appearance marking Unknown those kwok had not reached yet) while kwok made 750 a
@@ -153,7 +154,7 @@ pub(super) async fn start_components(
         .chain(options.node_lease_seconds.into_iter().flat_map(|l| {
             [
                 format!("--node-monitor-grace-period={}s", l + 10),
-                format!("--node-startup-grace-period={}s", l + 10),
+                format!("--node-startup-grace-period={}s", (l + 10).max(60)),
             ]
         }))
         .chain(options.controller_manager_qps.into_iter().flat_map(|qps| {

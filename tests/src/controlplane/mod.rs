@@ -124,9 +124,10 @@ pub struct Options {
     pub max_requests_inflight: Option<u32>,
     pub max_mutating_requests_inflight: Option<u32>,
     /// The simulated kubelets' node Lease duration (kwok renews every quarter of it); the node
-    /// lifecycle controller's grace periods (for a Node's heartbeat, and for its first) follow it. `None` keeps a kubelet's 40 s. Fleet
-    /// benchmarks at 10,000 nodes lengthen it: 1,000 Lease renewals a second would take more of
-    /// a 2-core machine than everything being measured.
+    /// lifecycle controller's grace periods (for a Node's heartbeat, and for its first) follow
+    /// it. `None` keeps a kubelet's 40 s. Fleet benchmarks at 10,000 nodes lengthen it: 1,000
+    /// Lease renewals a second would take more of a 2-core machine than everything being
+    /// measured.
     pub node_lease_seconds: Option<u32>,
     /// kube-controller-manager's `--kube-api-qps` (its burst twice that); `None` keeps its 20.
     /// With `--use-service-account-credentials` every controller has its own limit. Fleet
