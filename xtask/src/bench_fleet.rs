@@ -50,7 +50,9 @@ pub struct FleetArgs {
     /// `CARGO_PROFILE_RELEASE_STRIP=none` for function names, then read the peak and, from a
     /// copy taken during the window, the live heap:
     /// `heaptrack_interpret < FILE | gzip > FILE.gz && heaptrack_print FILE.gz`.
-    /// The RSS figures of such a run include the profiler's own memory.
+    /// The RSS figures of such a run include the profiler's own memory. heaptrack hooks
+    /// `malloc`, and the controller allocates through mimalloc: such a trace records only the
+    /// few allocations made through `malloc` (45 in a 10,000-node run), not the controller's heap.
     #[arg(long, value_name = "FILE")]
     pub heap_profile: Option<std::path::PathBuf>,
     /// Stop a fresh-fleet yardstick (the last figures measured) when the machine's available
