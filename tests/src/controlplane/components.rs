@@ -146,11 +146,11 @@ pub(super) async fn start_components(
         ]
         .into_iter()
         // A Node kwok has not reported yet gets the same grace as one it has (never under the
-        // default minute). Left at 1 minute,
-        // with the fleet rig's higher client rate, the node lifecycle controller made 6,400
-        // status updates and 3,472 taint patches of 65,000 new Nodes in ten minutes (by all
-        // appearance marking Unknown those kwok had not reached yet) while kwok made 750 a
-        // minute Ready, against about 3,500 a minute in earlier runs (2026-11-28).
+        // default minute). Left at 1 minute, with the fleet rig's higher client rate, the node
+        // lifecycle controller made 6,400 status updates and 3,472 taint patches of 65,000 new
+        // Nodes in ten minutes (by all appearance marking Unknown those kwok had not reached
+        // yet) while kwok made 750 a minute Ready, against about 3,500 a minute in earlier runs
+        // (2026-11-28).
         .chain(options.node_lease_seconds.into_iter().flat_map(|l| {
             [
                 format!("--node-monitor-grace-period={}s", l + 10),
