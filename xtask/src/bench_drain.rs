@@ -72,18 +72,7 @@ pub fn run(args: DrainArgs) -> anyhow::Result<()> {
             .build()?;
         return runtime.block_on(bench(args, root, controller));
     }
-    let [controller] = crate::cargo::build_executables(
-        &root,
-        &[
-            "build",
-            "--release",
-            "-p",
-            "nodekeeper-controller",
-            "--bin",
-            "nodekeeper-controller",
-        ],
-        ["nodekeeper-controller"],
-    )?;
+    let controller = crate::fleet_rig::build_controller(&root, &[])?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;

@@ -50,9 +50,9 @@ pub struct FleetArgs {
     /// `CARGO_PROFILE_RELEASE_STRIP=none` for function names, then read the peak and, from a
     /// copy taken during the window, the live heap:
     /// `heaptrack_interpret < FILE | gzip > FILE.gz && heaptrack_print FILE.gz`.
-    /// The RSS figures of such a run include the profiler's own memory. heaptrack hooks
-    /// `malloc`, and the controller allocates through mimalloc: such a trace records only the
-    /// few allocations made through `malloc` (45 in a 10,000-node run), not the controller's heap.
+    /// heaptrack hooks `malloc`, so the controller is built with its `system-allocator`
+    /// feature (the C library's allocator instead of mimalloc, which a trace does not see): the
+    /// RSS figures of such a run are that allocator's, plus the profiler's own memory.
     #[arg(long, value_name = "FILE")]
     pub heap_profile: Option<std::path::PathBuf>,
     /// Stop a fresh-fleet yardstick (the last figures measured) when the machine's available
@@ -105,7 +105,7 @@ pub fn run(args: FleetArgs) -> anyhow::Result<()> {
     let root = crate::codegen::repo_root();
     // The controller and the agents host run as release builds; this driver only creates
     // objects and reads figures, so its own build profile does not affect them.
-    let programs = crate::fleet_rig::build(&root, args.agents_debug)?;
+    let programs = crate::fleet_rig::build(&root, args.agents_debug, args.heap_profile.is_some())?;
     if let Some(other) = &args.compare_controller {
         check_compared(other, &programs.controller)?;
     }

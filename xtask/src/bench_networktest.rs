@@ -60,7 +60,7 @@ const TARGET_WRITES: u64 = 3;
 
 pub fn run(args: NetworkTestArgs) -> anyhow::Result<()> {
     let root = crate::codegen::repo_root();
-    let programs = crate::fleet_rig::build(&root, args.agents_debug)?;
+    let programs = crate::fleet_rig::build(&root, args.agents_debug, false)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;

@@ -120,7 +120,7 @@ pub fn run(args: SoakArgs) -> anyhow::Result<()> {
             agents_host,
         }
     } else {
-        crate::fleet_rig::build(&root, args.agents_debug)?
+        crate::fleet_rig::build(&root, args.agents_debug, false)?
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

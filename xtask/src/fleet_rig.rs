@@ -88,20 +88,16 @@ pub struct Programs {
 }
 
 /// Builds the controller in release and the agents host (release unless `agents_debug`), and
-/// finds both where cargo put them (which honours `CARGO_TARGET_DIR`).
-pub fn build(root: &Path, agents_debug: bool) -> anyhow::Result<Programs> {
-    let [controller] = build_executables(
-        root,
-        &[
-            "build",
-            "--release",
-            "-p",
-            "nodekeeper-controller",
-            "--bin",
-            "nodekeeper-controller",
-        ],
-        ["nodekeeper-controller"],
-    )?;
+/// finds both where cargo put them (which honours `CARGO_TARGET_DIR`). `system_allocator`
+/// builds the controller with its `system-allocator` feature (the C library's `malloc` instead
+/// of mimalloc), which a heap profiler that hooks `malloc` needs.
+pub fn build(root: &Path, agents_debug: bool, system_allocator: bool) -> anyhow::Result<Programs> {
+    let features: &[&str] = if system_allocator {
+        &["system-allocator"]
+    } else {
+        &[]
+    };
+    let controller = build_controller(root, features)?;
     let mut args = vec![
         "test",
         "-p",
@@ -118,6 +114,24 @@ pub fn build(root: &Path, agents_debug: bool) -> anyhow::Result<Programs> {
         controller,
         agents_host,
     })
+}
+
+/// Builds the release controller with these cargo features and returns where cargo put it.
+pub fn build_controller(root: &Path, features: &[&str]) -> anyhow::Result<PathBuf> {
+    let joined = features.join(",");
+    let mut args = vec![
+        "build",
+        "--release",
+        "-p",
+        "nodekeeper-controller",
+        "--bin",
+        "nodekeeper-controller",
+    ];
+    if !features.is_empty() {
+        args.extend(["--features", joined.as_str()]);
+    }
+    let [controller] = build_executables(root, &args, ["nodekeeper-controller"])?;
+    Ok(controller)
 }
 
 /// kube-controller-manager's client rate (requests a second, per controller) in the rig: its
