@@ -72,7 +72,7 @@ pub fn run(args: DrainArgs) -> anyhow::Result<()> {
             .build()?;
         return runtime.block_on(bench(args, root, controller));
     }
-    let controller = crate::fleet_rig::build_controller(&root, &[])?;
+    let controller = crate::fleet_rig::build_controller(&root, false)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;

@@ -63,7 +63,7 @@ fn nodeset_rbac() -> [serde_json::Value; 2] {
 
 pub fn run(args: NodesetArgs) -> anyhow::Result<()> {
     let root = crate::codegen::repo_root();
-    let controller = crate::fleet_rig::build_controller(&root, &[])?;
+    let controller = crate::fleet_rig::build_controller(&root, false)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;

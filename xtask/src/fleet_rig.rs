@@ -92,12 +92,7 @@ pub struct Programs {
 /// builds the controller with its `system-allocator` feature (the C library's `malloc` instead
 /// of mimalloc), which a heap profiler that hooks `malloc` needs.
 pub fn build(root: &Path, agents_debug: bool, system_allocator: bool) -> anyhow::Result<Programs> {
-    let features: &[&str] = if system_allocator {
-        &["system-allocator"]
-    } else {
-        &[]
-    };
-    let controller = build_controller(root, features)?;
+    let controller = build_controller(root, system_allocator)?;
     let mut args = vec![
         "test",
         "-p",
@@ -116,9 +111,9 @@ pub fn build(root: &Path, agents_debug: bool, system_allocator: bool) -> anyhow:
     })
 }
 
-/// Builds the release controller with these cargo features and returns where cargo put it.
-pub fn build_controller(root: &Path, features: &[&str]) -> anyhow::Result<PathBuf> {
-    let joined = features.join(",");
+/// Builds the release controller (with its `system-allocator` feature if asked) and returns
+/// where cargo put it.
+pub fn build_controller(root: &Path, system_allocator: bool) -> anyhow::Result<PathBuf> {
     let mut args = vec![
         "build",
         "--release",
@@ -127,8 +122,8 @@ pub fn build_controller(root: &Path, features: &[&str]) -> anyhow::Result<PathBu
         "--bin",
         "nodekeeper-controller",
     ];
-    if !features.is_empty() {
-        args.extend(["--features", joined.as_str()]);
+    if system_allocator {
+        args.extend(["--features", "system-allocator"]);
     }
     let [controller] = build_executables(root, &args, ["nodekeeper-controller"])?;
     Ok(controller)
