@@ -178,6 +178,13 @@ pub struct Fleet {
 /// How old [`Fleet::take_due`]'s queue may get before it is scanned again while not used up.
 pub const RESCAN: std::time::Duration = std::time::Duration::from_secs(2);
 
+/// How soon after a scan a used-up queue may be scanned again. At rest nodes fall due one by
+/// one, so every call found the queue used up and scanned the whole fleet for the one or two
+/// due since: at 65,000 nodes (217 reads a second, each scan 6–7 ms) that was a third of the
+/// controller's CPU at rest. A node that falls due just after a scan now waits at most this
+/// long, against a sweep interval of minutes.
+pub const RESCAN_USED_UP: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// Nodes that were due at the last scan, the latest first (the earliest is popped first).
 #[derive(Debug, Default)]
 struct DueQueue {
@@ -367,7 +374,8 @@ impl Fleet {
     /// completed call, so a scan per call made a 65,000-node sweep scan the fleet 4,000 times
     /// (6–7 ms each, under the fleet's lock). The queue is scanned again once it is used up or
     /// [`RESCAN`] old, so a node that falls due while it is full waits at most that long for
-    /// its place in the order; each name taken from it is checked against its entry.
+    /// its place in the order; each name taken from it is checked against its entry. A used-up
+    /// queue is scanned again at most once a call and once every [`RESCAN_USED_UP`].
     pub fn take_due(&self, now: Instant, max: usize, port: u16) -> Vec<Job> {
         if max == 0 {
             return Vec::new();
@@ -385,7 +393,10 @@ impl Fleet {
         let mut jobs = Vec::new();
         while jobs.len() < max {
             let Some((_, name)) = queue.names.pop() else {
-                if scanned {
+                let recent = queue
+                    .scanned
+                    .is_some_and(|at| now.saturating_duration_since(at) < RESCAN_USED_UP);
+                if scanned || recent {
                     break;
                 }
                 queue.scan(&nodes, now);
@@ -626,11 +637,13 @@ mod tests {
         assert!(!fleet.observe(node_facts(&node("1", None, json!([]))), now));
         assert!(fleet.take_due(now, 10, 9443).is_empty());
         assert!(fleet.observe(node_facts(&node("2", Some("127.1.0.4"), json!([]))), now));
-        let jobs = fleet.take_due(now, 10, 9443);
+        // Found by the next scan of the fleet (at most RESCAN_USED_UP after the last).
+        let next_scan = now + RESCAN_USED_UP;
+        let jobs = fleet.take_due(next_scan, 10, 9443);
         assert_eq!(jobs.len(), 1);
         assert_eq!(jobs[0].endpoint, "127.1.0.4:9443".parse().unwrap());
         // In flight now: not handed out twice.
-        assert!(fleet.take_due(now, 10, 9443).is_empty());
+        assert!(fleet.take_due(next_scan + RESCAN, 10, 9443).is_empty());
     }
 
     #[test]
@@ -685,12 +698,16 @@ mod tests {
         add("early", t0);
         // Within RESCAN the queue is used first, past the gone and rescheduled ones ...
         assert_eq!(names(fleet.take_due(now, 2, 9443)), ["n4", "n5"]);
-        // ... and once used up, a scan in the same call finds the newcomer.
+        // ... and once used up, it is not scanned again so soon after the last scan ...
         assert_eq!(
             names(fleet.take_due(now, 10, 9443)),
-            ["n6", "n7", "n8", "n9", "early"]
+            ["n6", "n7", "n8", "n9"]
         );
         assert!(fleet.take_due(now, 10, 9443).is_empty());
+        // ... but RESCAN_USED_UP later, and then the newcomer is found.
+        let soon = now + RESCAN_USED_UP;
+        assert_eq!(names(fleet.take_due(soon, 10, 9443)), ["early"]);
+        assert!(fleet.take_due(soon, 10, 9443).is_empty());
         // A queue RESCAN old is scanned again before it is used: the earliest comes first.
         for name in ["n0", "n1", "n4"] {
             let mut nodes = fleet.lock();
@@ -705,6 +722,39 @@ mod tests {
         let mut rest = names(fleet.take_due(later, 10, 9443));
         rest.sort();
         assert_eq!(rest, ["n0", "n3", "n4"]);
+    }
+
+    /// At rest nodes fall due one at a time; a call soon after a scan finds the queue used up
+    /// and does not scan the fleet again for them: they wait at most RESCAN_USED_UP.
+    #[test]
+    fn a_used_up_queue_is_scanned_again_at_most_once_a_rescan_gap() {
+        let fleet = Fleet::default();
+        let t0 = Instant::now();
+        for i in 0..3u64 {
+            let mut facts = node_facts(&node("1", Some("127.1.0.4"), json!([])));
+            facts.name = format!("n{i}");
+            fleet.observe(facts, t0);
+            fleet
+                .lock()
+                .get_mut(&format!("n{i}"))
+                .unwrap()
+                .schedule
+                .next_due = t0 + std::time::Duration::from_millis(100 * i);
+        }
+        let names = |jobs: Vec<Job>| jobs.into_iter().map(|j| j.name).collect::<Vec<_>>();
+        assert_eq!(names(fleet.take_due(t0, 10, 9443)), ["n0"]);
+        // n1 and n2 fall due within RESCAN_USED_UP of that scan: not looked for yet.
+        let mut at = t0 + std::time::Duration::from_millis(250);
+        while at < t0 + RESCAN_USED_UP {
+            assert!(
+                fleet.take_due(at, 10, 9443).is_empty(),
+                "scanned again at {at:?}"
+            );
+            at += std::time::Duration::from_millis(250);
+        }
+        let mut found = names(fleet.take_due(t0 + RESCAN_USED_UP, 10, 9443));
+        found.sort();
+        assert_eq!(found, ["n1", "n2"]);
     }
 
     /// A start's queue (every node) is not held once used up.
