@@ -646,21 +646,26 @@ mod tests {
         assert!(fleet.take_due(next_scan + RESCAN, 10, 9443).is_empty());
     }
 
+    /// Adds node `name` with an address, observed at `seen` and due at `due`.
+    fn add_due(fleet: &Fleet, name: &str, seen: Instant, due: Instant) {
+        let mut facts = node_facts(&node("1", Some("127.1.0.4"), json!([])));
+        facts.name = name.into();
+        fleet.observe(facts, seen);
+        fleet.lock().get_mut(name).unwrap().schedule.next_due = due;
+    }
+
     #[test]
     fn the_earliest_due_nodes_are_taken_first() {
         let fleet = Fleet::default();
         let t0 = Instant::now();
         for i in 0..50u64 {
-            let mut facts = node_facts(&node("1", Some("127.1.0.4"), json!([])));
-            facts.name = format!("n{i}");
-            fleet.observe(facts, t0);
             // Node i is due i seconds after t0.
-            fleet
-                .lock()
-                .get_mut(&format!("n{i}"))
-                .unwrap()
-                .schedule
-                .next_due = t0 + std::time::Duration::from_secs(i);
+            add_due(
+                &fleet,
+                &format!("n{i}"),
+                t0,
+                t0 + std::time::Duration::from_secs(i),
+            );
         }
         let now = t0 + std::time::Duration::from_secs(100);
         let mut names: Vec<String> = fleet
@@ -680,12 +685,7 @@ mod tests {
     fn due_nodes_are_queued_and_checked_when_taken() {
         let fleet = Fleet::default();
         let t0 = Instant::now();
-        let add = |name: &str, due: Instant| {
-            let mut facts = node_facts(&node("1", Some("127.1.0.4"), json!([])));
-            facts.name = name.into();
-            fleet.observe(facts, t0);
-            fleet.lock().get_mut(name).unwrap().schedule.next_due = due;
-        };
+        let add = |name: &str, due: Instant| add_due(&fleet, name, t0, due);
         for i in 0..10u64 {
             add(&format!("n{i}"), t0 + std::time::Duration::from_millis(i));
         }
@@ -731,15 +731,8 @@ mod tests {
         let fleet = Fleet::default();
         let t0 = Instant::now();
         for i in 0..3u64 {
-            let mut facts = node_facts(&node("1", Some("127.1.0.4"), json!([])));
-            facts.name = format!("n{i}");
-            fleet.observe(facts, t0);
-            fleet
-                .lock()
-                .get_mut(&format!("n{i}"))
-                .unwrap()
-                .schedule
-                .next_due = t0 + std::time::Duration::from_millis(100 * i);
+            let due = t0 + std::time::Duration::from_millis(100 * i);
+            add_due(&fleet, &format!("n{i}"), t0, due);
         }
         let names = |jobs: Vec<Job>| jobs.into_iter().map(|j| j.name).collect::<Vec<_>>();
         assert_eq!(names(fleet.take_due(t0, 10, 9443)), ["n0"]);
