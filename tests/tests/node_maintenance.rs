@@ -996,8 +996,11 @@ async fn broad_selections_are_refused_before_any_node_is_touched() -> anyhow::Re
     .await?;
 
     let cases = [
+        // Every node whatever labels the shared API server's other nodes carry: a label no
+        // node has, absent. (`kubernetes.io/os: linux`, the everyday mistake, missed a Node
+        // another test binary had left without it.)
         (
-            json!({ "matchLabels": { "kubernetes.io/os": "linux" } }),
+            json!({ "matchExpressions": [{ "key": "nodekeeper.dev/e2e-no-node-has-this", "operator": "DoesNotExist" }] }),
             "every node in the cluster",
         ),
         (
