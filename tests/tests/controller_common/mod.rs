@@ -250,8 +250,13 @@ pub async fn wait_condition(
             let api = api.clone();
             async move {
                 let n = api.get(node).await?;
-                Ok(condition(&n, type_)
-                    .filter(|(s, r, _)| s == status && reason.is_none_or(|want| want == r)))
+                // Not there yet: the condition as it is now is the error a timeout reports.
+                match condition(&n, type_) {
+                    Some((s, r, m)) if s == status && reason.is_none_or(|want| want == r) => {
+                        Ok(Some((s, r, m)))
+                    }
+                    now => Err(anyhow::anyhow!("{type_} is now {now:?}")),
+                }
             }
         },
     )
