@@ -169,8 +169,16 @@ async fn bad_agents_and_nodes_are_named_counted_and_never_stall_the_sweep() -> a
     // left behind, it would change what "every node" means to the tests after this one in the
     // shared API server. It goes whatever the checks found.
     let stop = CancellationToken::new();
-    let result =
-        check_bad_agents(&client, &ns, &selector, (&nodes, &ips), &bare, stop.clone()).await;
+    let result = check_bad_agents(
+        client.clone(),
+        &ns,
+        &selector,
+        &nodes,
+        &ips,
+        &bare,
+        stop.clone(),
+    )
+    .await;
     stop.cancel();
     let deleted = Api::<Node>::all(client.clone())
         .delete(&bare, &Default::default())
@@ -181,14 +189,14 @@ async fn bad_agents_and_nodes_are_named_counted_and_never_stall_the_sweep() -> a
 }
 
 async fn check_bad_agents(
-    client: &kube::Client,
+    client: kube::Client,
     ns: &str,
     selector: &str,
-    (nodes, ips): (&[String], &[Ipv4Addr]),
+    nodes: &[String],
+    ips: &[Ipv4Addr],
     bare: &str,
     stop: CancellationToken,
 ) -> anyhow::Result<()> {
-    let client = client.clone();
     let port = free_port();
     put_tuning(
         &client,

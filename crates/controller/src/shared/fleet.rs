@@ -181,8 +181,8 @@ pub const RESCAN: std::time::Duration = std::time::Duration::from_secs(2);
 /// How soon after a scan a used-up queue may be scanned again. At rest nodes fall due one by
 /// one, so every call found the queue used up and scanned the whole fleet for the one or two
 /// due since: at 65,000 nodes (about 180 reads a second, each scan 6–7 ms) that was 31–45 % of
-/// the controller's profile samples at rest. A node that falls due just after a scan now waits at most this
-/// long, against a sweep interval of minutes.
+/// the controller's profile samples at rest. A node that falls due just after a scan now waits
+/// at most this long, against a sweep interval of minutes.
 pub const RESCAN_USED_UP: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Nodes that were due at the last scan, the latest first (the earliest is popped first).
