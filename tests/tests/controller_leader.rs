@@ -307,3 +307,106 @@ async fn two_replicas_creating_the_pki_at_once_end_with_one_ca() -> anyhow::Resu
     assert_eq!(pem("ca.crt"), a.ca);
     Ok(())
 }
+
+/// The CA rotation of `certs` (and the README's Certificates section), step by step against the
+/// API server: after each edit of the CA Secret and the leader's check, the agent's leaf is
+/// trusted by the controller's bundle and the controller's leaf by the agent's, so no step
+/// leaves a pair of peers without a common trust anchor; the leaves are reissued only when the
+/// signing CA changes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ca_rotation_keeps_a_common_trust_anchor_at_every_step() -> anyhow::Result<()> {
+    use nodekeeper_controller::certs::{ensure, generate_ca, issued_by};
+    let client = ControlPlane::shared().client().await?;
+    let ns = test_namespace(&client, "nk-rotate").await?;
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), &ns);
+    let text = |s: &Secret, k: &str| {
+        s.data
+            .as_ref()
+            .and_then(|d| d.get(k))
+            .map(|b| String::from_utf8_lossy(&b.0).into_owned())
+            .unwrap_or_default()
+    };
+    let pems = |bundle: &str| -> Vec<String> {
+        bundle
+            .split_inclusive("-----END CERTIFICATE-----\n")
+            .filter(|p| p.contains("BEGIN CERTIFICATE"))
+            .map(|p| p.trim_start().to_owned())
+            .collect()
+    };
+    // (agent leaf, agent's trust, controller leaf, controller's trust), read back.
+    let leaves = || async {
+        let agent = secrets.get("nodekeeper-agent-tls").await?;
+        let controller = secrets.get("nodekeeper-controller-tls").await?;
+        anyhow::Ok((
+            text(&agent, "tls.crt"),
+            text(&agent, "ca.crt"),
+            text(&controller, "tls.crt"),
+            text(&controller, "ca.crt"),
+        ))
+    };
+    let trusted = |leaf: &str, bundle: &str| pems(bundle).iter().any(|ca| issued_by(leaf, ca));
+    let edit_ca = |changes: Vec<(&'static str, String)>| {
+        let secrets = secrets.clone();
+        async move {
+            let mut ca = secrets.get("nodekeeper-ca").await?;
+            for (k, v) in changes {
+                ca.data
+                    .get_or_insert_default()
+                    .insert(k.into(), k8s_openapi::ByteString(v.into_bytes()));
+            }
+            secrets
+                .replace("nodekeeper-ca", &PostParams::default(), &ca)
+                .await?;
+            anyhow::Ok(())
+        }
+    };
+
+    let (first, _) = ensure(&secrets).await?;
+    let old_ca = text(&secrets.get("nodekeeper-ca").await?, "tls.crt");
+    let (agent0, _, controller0, _) = leaves().await?;
+    let (new_ca, new_key) = generate_ca()?;
+
+    // 1. Both CAs in the CA Secret's bundle: both leaves trust both, and keep their certificates.
+    edit_ca(vec![("ca.crt", format!("{old_ca}{new_ca}"))]).await?;
+    let (pem, renewed) = ensure(&secrets).await?;
+    assert!(!renewed, "a new bundle reissues nothing");
+    let (agent1, agent_trust, controller1, controller_trust) = leaves().await?;
+    assert_eq!((&agent1, &controller1), (&agent0, &controller0));
+    for bundle in [&agent_trust, &controller_trust, &pem.ca] {
+        assert_eq!(pems(bundle).len(), 2, "{bundle}");
+    }
+    assert!(trusted(&agent1, &controller_trust) && trusted(&controller1, &agent_trust));
+
+    // 2. The new CA signs: both leaves are reissued from it; peers still serving the old leaf
+    //    are trusted through the bundle.
+    edit_ca(vec![("tls.crt", new_ca.clone()), ("tls.key", new_key)]).await?;
+    let (pem, renewed) = ensure(&secrets).await?;
+    assert!(renewed, "leaves of the old CA are reissued");
+    let (agent2, agent_trust, controller2, controller_trust) = leaves().await?;
+    assert!(issued_by(&agent2, &new_ca) && issued_by(&controller2, &new_ca));
+    assert_eq!(pem.cert, controller2);
+    for (leaf, bundle) in [
+        (&agent2, &pem.ca),
+        (&agent0, &pem.ca),
+        (&controller2, &agent_trust),
+        (&controller0, &agent_trust),
+        (&agent2, &controller_trust),
+    ] {
+        assert!(trusted(leaf, bundle), "every leaf in use is trusted");
+    }
+
+    // 3. The old CA dropped: the bundles hold the new one only; the leaves stay.
+    edit_ca(vec![("ca.crt", new_ca.clone())]).await?;
+    let (pem, renewed) = ensure(&secrets).await?;
+    assert!(!renewed);
+    let (agent3, agent_trust, controller3, _) = leaves().await?;
+    assert_eq!((&agent3, &controller3), (&agent2, &controller2));
+    assert_eq!(pems(&agent_trust), [new_ca.clone()]);
+    assert_eq!(pems(&pem.ca), [new_ca.clone()]);
+    assert!(
+        !trusted(&agent0, &pem.ca),
+        "the old CA's leaves are no longer trusted"
+    );
+    assert_ne!(first.ca, pem.ca);
+    Ok(())
+}

@@ -12,17 +12,21 @@
 //!   and survives nodes coming and going. The agent accepts only client certificates that chain
 //!   to the CA; the controller's carries the name `controller.nodekeeper.internal`.
 //! * **Renewal.** A leaf is reissued (same CA, new key) when less than a third of its validity
-//!   remains, or when it does not belong to the current CA; the check runs at start and every
-//!   [`RENEW_CHECK`]. Leaves live one year, so renewal happens about four months before expiry,
-//!   which leaves room for the agents to pick the new files up (kubelet refreshes mounted
-//!   Secrets within about a minute; the agent reads its certificate when it starts, so rolling
-//!   the DaemonSet — or any agent restart — in those months completes the rotation).
-//! * **CA rotation** (the CA lives ten years) is a planned operation, not automatic: (1) create
-//!   the new CA and put *both* CA certificates in every `ca.crt` bundle (agents and controller
-//!   then trust either); (2) let the agents and controller restart onto the bundles; (3) reissue
-//!   both leaves from the new CA (delete the leaf Secrets; the leader recreates them); (4) once
-//!   every agent serves the new leaf, drop the old CA from the bundles. No step leaves a pair of
-//!   peers without a common trust anchor.
+//!   remains, or when the current CA did not sign it; the check runs at start and every
+//!   [`RENEW_CHECK`]. Leaves live one year, so renewal happens about four months before expiry.
+//!   The agent reloads its files when they change (the kubelet refreshes a mounted Secret within
+//!   about a minute, the agent looks every 30 s).
+//! * **Trust.** Each leaf's `ca.crt` is the CA Secret's `ca.crt` when it has one (a bundle of CA
+//!   certificates an operator put there), always with the signing CA `tls.crt` among them, and
+//!   `tls.crt` alone otherwise. A leaf whose `ca.crt` differs only gets the new bundle; its
+//!   certificate and key stay.
+//! * **CA rotation** (the CA lives ten years) is a planned operation in three edits of the CA
+//!   Secret, each picked up at the leader's next check (restart the leader to run it now), and
+//!   no step leaves a pair of peers without a common trust anchor: (1) put the old and the new
+//!   CA certificate in its `ca.crt`: both leaves' bundles follow, so agents and controller trust
+//!   either; (2) once the agents have reloaded, make the new CA its `tls.crt`/`tls.key`: both
+//!   leaves are reissued from it, and peers still on the old leaf are trusted through the bundle
+//!   meanwhile; (3) once every agent serves the new leaf, drop the old CA from `ca.crt`.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -240,6 +244,46 @@ async fn create_if_absent(
     }
 }
 
+/// Whether the certificate in `leaf_pem` was signed by the key of the certificate in `ca_pem`
+/// (issuer name and signature; validity dates are [`needs_renewal`]'s). Unreadable input: no.
+pub fn issued_by(leaf_pem: &str, ca_pem: &str) -> bool {
+    let parse = |pem: &str| x509_parser::pem::parse_x509_pem(pem.as_bytes()).map(|(_, p)| p);
+    let (Ok(leaf), Ok(ca)) = (parse(leaf_pem), parse(ca_pem)) else {
+        return false;
+    };
+    let (Ok(leaf), Ok(ca)) = (leaf.parse_x509(), ca.parse_x509()) else {
+        return false;
+    };
+    leaf.issuer() == ca.subject() && leaf.verify_signature(Some(ca.public_key())).is_ok()
+}
+
+/// The DER of every certificate in a PEM text, in order; what is not a certificate is skipped.
+fn certificates(pem: &str) -> Vec<Vec<u8>> {
+    use rustls::pki_types::CertificateDer;
+    use rustls::pki_types::pem::PemObject as _;
+    CertificateDer::pem_slice_iter(pem.as_bytes())
+        .filter_map(Result::ok)
+        .map(|c| c.as_ref().to_vec())
+        .collect()
+}
+
+/// The CA certificates the leaves trust (their `ca.crt`): the CA Secret's `ca.crt` when it holds
+/// any, with the signing CA `ca_cert` added when it is not among them (a leaf must always trust
+/// its own issuer); `ca_cert` alone otherwise.
+pub fn trust_bundle(bundle: Option<&str>, ca_cert: &str) -> String {
+    let Some(bundle) = bundle.filter(|b| !certificates(b).is_empty()) else {
+        return ca_cert.to_owned();
+    };
+    let mut out = bundle.trim_end().to_owned();
+    out.push('\n');
+    let signing = certificates(ca_cert);
+    if !signing.iter().all(|c| certificates(bundle).contains(c)) {
+        out.push_str(ca_cert.trim_end());
+        out.push('\n');
+    }
+    out
+}
+
 /// Ensures the CA and both leaves exist and are current; returns the controller's client
 /// material and whether any leaf was reissued.
 pub async fn ensure(api: &Api<Secret>) -> Result<(Pem, bool), CertError> {
@@ -257,6 +301,7 @@ pub async fn ensure(api: &Api<Secret>) -> Result<(Pem, bool), CertError> {
     };
     let ca_cert = field(&ca_secret, "tls.crt").ok_or_else(|| bad("no tls.crt"))?;
     let ca_key = field(&ca_secret, "tls.key").ok_or_else(|| bad("no tls.key"))?;
+    let trust = trust_bundle(field(&ca_secret, "ca.crt").as_deref(), &ca_cert);
 
     let mut renewed = false;
     let mut controller = None;
@@ -269,24 +314,45 @@ pub async fn ensure(api: &Api<Secret>) -> Result<(Pem, bool), CertError> {
                 &[
                     ("tls.crt", pem.cert.as_str()),
                     ("tls.key", pem.key.as_str()),
-                    ("ca.crt", pem.ca.as_str()),
+                    ("ca.crt", trust.as_str()),
                 ]
                 .into(),
             ))
         };
         let mut current = create_if_absent(api, name, make).await?;
         let cert = field(&current, "tls.crt").unwrap_or_default();
-        let stale_ca = field(&current, "ca.crt").as_deref() != Some(ca_cert.as_str());
-        if stale_ca || needs_renewal(&cert, unix_now()) {
-            let fresh = make()?;
-            current.data = fresh.data;
-            current.type_ = fresh.type_;
+        let foreign = !issued_by(&cert, &ca_cert);
+        let expiring = needs_renewal(&cert, unix_now());
+        let new_trust = field(&current, "ca.crt").as_deref() != Some(trust.as_str());
+        if foreign || expiring || new_trust {
+            let reason = if foreign {
+                "not signed by the current CA"
+            } else if expiring {
+                "less than a third of its validity left"
+            } else {
+                "the CA Secret's trust bundle changed"
+            };
+            if foreign || expiring {
+                let fresh = make()?;
+                current.data = fresh.data;
+                current.type_ = fresh.type_;
+            } else {
+                // Only the bundle: the certificate and key the agents serve stay.
+                current
+                    .data
+                    .get_or_insert_default()
+                    .insert("ca.crt".into(), ByteString(trust.clone().into_bytes()));
+            }
             // replace() carries the resourceVersion read above: if another replica renewed
             // it meanwhile, ours fails with 409 and theirs is read back instead.
             current = match api.replace(name, &PostParams::default(), &current).await {
                 Ok(replaced) => {
-                    info!(secret = %name, reason = if stale_ca { "issued by another CA" } else { "less than a third of its validity left" }, "reissued certificate");
-                    renewed = true;
+                    if foreign || expiring {
+                        info!(secret = %name, reason, "reissued certificate");
+                        renewed = true;
+                    } else {
+                        info!(secret = %name, reason, "updated the trusted CA certificates");
+                    }
                     replaced
                 }
                 Err(kube::Error::Api(status)) if status.code == 409 => api
@@ -327,6 +393,35 @@ pub async fn ensure(api: &Api<Secret>) -> Result<(Pem, bool), CertError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_leaf_is_issued_by_its_own_ca_only_even_under_the_same_name() {
+        let (old_cert, old_key) = generate_ca().unwrap();
+        let (new_cert, _) = generate_ca().unwrap();
+        let leaf = issue(Leaf::Agent, &old_cert, &old_key).unwrap();
+        assert!(issued_by(&leaf.cert, &old_cert));
+        // Both CAs are named "nodekeeper CA": only the signature tells them apart.
+        assert!(!issued_by(&leaf.cert, &new_cert));
+        assert!(!issued_by("not a certificate", &old_cert));
+        assert!(!issued_by(&leaf.cert, "not a certificate"));
+    }
+
+    #[test]
+    fn the_trust_bundle_always_holds_the_signing_ca() {
+        let (old, _) = generate_ca().unwrap();
+        let (new, _) = generate_ca().unwrap();
+        assert_eq!(trust_bundle(None, &old), old);
+        assert_eq!(trust_bundle(Some(""), &old), old);
+        assert_eq!(trust_bundle(Some("no PEM here"), &old), old);
+        // Rotation step 1: both, the old one signing.
+        let both = format!("{old}{new}");
+        let bundle = trust_bundle(Some(&both), &old);
+        assert_eq!(certificates(&bundle).len(), 2);
+        assert_eq!(trust_bundle(Some(&bundle), &old), bundle, "stable");
+        // A bundle that leaves out the signing CA gets it added.
+        let bundle = trust_bundle(Some(&new), &old);
+        assert_eq!(certificates(&bundle), certificates(&format!("{new}{old}")));
+    }
 
     #[test]
     fn issues_leaves_that_chain_to_the_ca() {
