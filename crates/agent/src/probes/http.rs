@@ -15,6 +15,8 @@ use tokio_rustls::rustls::{
     self, ClientConfig, RootCertStore, pki_types::CertificateDer, pki_types::ServerName,
 };
 
+use nodekeeper_model::address_policy::{Cidr, agent_permits};
+
 use super::Tally;
 use super::validate::Plan;
 
@@ -41,7 +43,7 @@ pub(super) async fn probe(url: &http::Uri, plan: &Plan, tls: Arc<ClientConfig>) 
     let mut last_status = 0;
     for i in 0..plan.count {
         let start = Instant::now();
-        match tokio::time::timeout(plan.timeout, get(url, &tls)).await {
+        match tokio::time::timeout(plan.timeout, get(url, &tls, &plan.allowed)).await {
             Ok(Ok(status)) => {
                 last_status = status;
                 if accepted(status, &plan.expected_status) {
@@ -81,7 +83,7 @@ fn expected_words(expected: &[u16]) -> String {
     }
 }
 
-async fn get(url: &http::Uri, tls: &Arc<ClientConfig>) -> Result<u16, String> {
+async fn get(url: &http::Uri, tls: &Arc<ClientConfig>, allowed: &[Cidr]) -> Result<u16, String> {
     let authority = url.authority().ok_or("URL has no host")?;
     // `Uri::host` keeps the brackets of an IPv6 literal.
     let host = authority
@@ -90,17 +92,21 @@ async fn get(url: &http::Uri, tls: &Arc<ClientConfig>) -> Result<u16, String> {
         .trim_end_matches(']');
     let https = url.scheme_str() == Some("https");
     let port = url.port_u16().unwrap_or(if https { 443 } else { 80 });
-    let addr = match host.parse::<IpAddr>() {
-        Ok(ip) => SocketAddr::new(ip, port),
-        Err(_) => tokio::net::lookup_host((host, port))
-            .await
-            .map_err(|e| format!("resolve {host}: {e}"))?
-            .next()
-            .ok_or_else(|| format!("resolve {host}: no addresses"))?,
+    // A literal address was checked against the policy in the plan. A name is resolved here, on
+    // the node, and may give other addresses than the controller saw when it planned (split-horizon
+    // DNS, or a name rebound to the metadata service or loopback): each address is checked again,
+    // and only permitted ones are ever connected to.
+    let addrs = match host.parse::<IpAddr>() {
+        Ok(ip) => vec![SocketAddr::new(ip, port)],
+        Err(_) => {
+            let resolved: Vec<SocketAddr> = tokio::net::lookup_host((host, port))
+                .await
+                .map_err(|e| format!("resolve {host}: {e}"))?
+                .collect();
+            permitted(host, resolved, allowed)?
+        }
     };
-    let tcp = TcpStream::connect(addr)
-        .await
-        .map_err(|e| format!("connect to {addr}: {e}"))?;
+    let tcp = connect(&addrs).await?;
     let path = url.path_and_query().map_or("/", |p| p.as_str());
     let req = http::Request::get(path)
         .header(HOST, authority.as_str())
@@ -122,6 +128,41 @@ async fn get(url: &http::Uri, tls: &Arc<ClientConfig>) -> Result<u16, String> {
     } else {
         send(TokioIo::new(tcp), req).await
     }
+}
+
+/// The resolved addresses of `host` that the address policy permits, in resolver order; an error
+/// naming the addresses when there are none (then nothing is sent).
+fn permitted(
+    host: &str,
+    resolved: Vec<SocketAddr>,
+    allowed: &[Cidr],
+) -> Result<Vec<SocketAddr>, String> {
+    if resolved.is_empty() {
+        return Err(format!("resolve {host}: no addresses"));
+    }
+    let (ok, refused): (Vec<SocketAddr>, Vec<SocketAddr>) = resolved
+        .into_iter()
+        .partition(|a| agent_permits(allowed, a.ip()));
+    if ok.is_empty() {
+        let refused: Vec<String> = refused.iter().map(|a| a.ip().to_string()).collect();
+        return Err(format!(
+            "{host} resolved to {}, outside the address policy sent in allowed_cidrs; not probed",
+            refused.join(", ")
+        ));
+    }
+    Ok(ok)
+}
+
+/// Connects to the first of `addrs` that accepts, in order; the last error if none does.
+async fn connect(addrs: &[SocketAddr]) -> Result<TcpStream, String> {
+    let mut last = String::from("no address to connect to");
+    for addr in addrs {
+        match TcpStream::connect(addr).await {
+            Ok(tcp) => return Ok(tcp),
+            Err(e) => last = format!("connect to {addr}: {e}"),
+        }
+    }
+    Err(last)
 }
 
 /// Sends one request over an HTTP/1.1 connection and returns the response status. The body is not
@@ -164,6 +205,37 @@ mod tests {
         assert!(!accepted(199, &[]));
         assert!(accepted(404, &[404]));
         assert!(!accepted(200, &[204]));
+    }
+
+    #[test]
+    fn resolved_addresses_outside_the_policy_are_dropped() {
+        let allowed: Vec<Cidr> = vec!["10.0.0.0/24".parse().unwrap()];
+        let sa = |s: &str| s.parse::<SocketAddr>().unwrap();
+        // Only the permitted address is kept, whatever its position.
+        assert_eq!(
+            permitted(
+                "svc.example",
+                vec![
+                    sa("169.254.169.254:80"),
+                    sa("10.0.0.7:80"),
+                    sa("127.0.0.1:80")
+                ],
+                &allowed
+            ),
+            Ok(vec![sa("10.0.0.7:80")])
+        );
+        // None left: the probe fails and names what the name resolved to.
+        let e = permitted(
+            "svc.example",
+            vec![sa("169.254.169.254:80"), sa("[::ffff:127.0.0.1]:80")],
+            &allowed,
+        )
+        .unwrap_err();
+        assert!(
+            e.contains("svc.example resolved to 169.254.169.254, ::ffff:127.0.0.1, outside the address policy"),
+            "{e}"
+        );
+        assert!(permitted("svc.example", vec![], &allowed).is_err());
     }
 
     #[test]

@@ -2,8 +2,8 @@
 //! fan-out over targets with bounded concurrency, and per-target results in request order.
 //!
 //! Every probe goes only to an address the request names (or, for DNS without a resolver, the
-//! node's configured resolver, and for HTTP the addresses the URL's host resolves to); nothing here
-//! chooses a destination by itself.
+//! node's configured resolver, and for HTTP the addresses the URL's host resolves to, each checked
+//! against the address policy again once resolved); nothing here chooses a destination by itself.
 
 mod dns;
 mod http;

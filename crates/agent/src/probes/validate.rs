@@ -64,6 +64,10 @@ pub struct Plan {
     /// HTTP statuses counted as success; empty means 200–399.
     pub expected_status: Vec<u16>,
     pub max_mtu: u32,
+    /// The address policy sent in `allowed_cidrs`, parsed. Kept for the addresses only known
+    /// after the plan: the node resolves an HTTP URL's host name itself, possibly to addresses the
+    /// controller never saw (split-horizon DNS, rebinding), and each must pass this again.
+    pub allowed: Vec<Cidr>,
 }
 
 pub fn plan(req: &RunProbesRequest) -> Result<Plan, ProbeError> {
@@ -270,6 +274,7 @@ pub fn plan(req: &RunProbesRequest) -> Result<Plan, ProbeError> {
             Target::Http { url, .. } => {
                 let host = url.host().unwrap_or_default();
                 let host = host.trim_start_matches('[').trim_end_matches(']');
+                // A host name is checked once resolved, on every probe (http::get).
                 if let Ok(ip) = host.parse::<IpAddr>() {
                     permit(ip, field("url"))?;
                 }
@@ -295,6 +300,7 @@ pub fn plan(req: &RunProbesRequest) -> Result<Plan, ProbeError> {
         concurrency,
         expected_status,
         max_mtu,
+        allowed,
     })
 }
 
