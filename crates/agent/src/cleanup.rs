@@ -7,9 +7,10 @@
 //!   addresses, routes and rules with protocol 176; see `nodekeeper_netconf::observed`). The MTU
 //!   and up/down state nodekeeper set on NICs it did not create are left: their earlier values
 //!   were never recorded.
-//! - Sysctls: each key a repair wrote (the state file's record) gets back the value found before
-//!   the first repair, if it still holds what nodekeeper wrote; a key someone changed since is
-//!   left and named.
+//! - Sysctls: each key a repair wrote (the state file's per-key record, kept whether or not a rule
+//!   on the key is still in force or still repairs) gets back the value found before the first
+//!   repair, if it still holds what nodekeeper wrote; a key already back at that value needs
+//!   nothing; a key someone changed since is left and named.
 //! - The state file (`<state-dir>/rules.json`) goes last, so an interrupted cleanup can run again.
 //!
 //! A second run finds nothing and says so.
@@ -205,6 +206,10 @@ fn restore(
             return Ok(());
         }
     };
+    // Already as nodekeeper found it (a reboot resets /proc/sys): nothing to put back.
+    if current == repair.original {
+        return Ok(());
+    }
     if current != repair.written {
         leave(format!(
             "now {current:?}, not the {:?} nodekeeper wrote: someone changed it since",
@@ -212,7 +217,7 @@ fn restore(
         ));
         return Ok(());
     }
-    if repair.original.is_empty() || repair.original == current {
+    if repair.original.is_empty() {
         return Ok(());
     }
     std::fs::write(&path, format!("{}\n", repair.original)).map_err(|source| {
@@ -329,6 +334,29 @@ mod tests {
             assert_eq!(host.sysctl("net.ipv4.ip_forward").unwrap(), "1");
             // Someone changes a repaired value afterwards: theirs now.
             host.set_sysctl("net.core.somaxconn", "1000").unwrap();
+            // Then the operator turns repair off (`features.repair: "false"` reaches the agent
+            // as every rule changed), and the agent restarts: the rules' runtimes start afresh,
+            // but what the repairs changed is still on record for the uninstall.
+            t.set_rules(&RawRuleSet {
+                revision: 2,
+                rules: vec![
+                    RawRule {
+                        repair: false,
+                        ..rule("forward", "net.ipv4.ip_forward", 1, "1")
+                    },
+                    RawRule {
+                        repair: false,
+                        ..rule("backlog", "net.core.somaxconn", 2, "8192")
+                    },
+                ],
+                thresholds: vec![],
+            })
+            .unwrap();
+            let s = t.evaluate(2_000);
+            assert!(s.iter().all(|s| s.repaired_at_unix_ms == 0), "{s:?}");
+            drop(t);
+            let mut t = Tunables::load("/proc/sys".into(), &state_dir);
+            t.evaluate(3_000);
 
             let args = CleanupArgs::parse_from([
                 "nodekeeper-agent",

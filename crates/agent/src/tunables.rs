@@ -4,6 +4,12 @@
 //! repair with a per-rule rate limit, conflict detection (someone else changed a repaired key
 //! back: the agent backs off), and persistence of the rules and repair history in a state file
 //! written atomically.
+//!
+//! The state file also keeps, per sysctl key, what uninstall puts back ([`KeyRecord`]): the value
+//! found before nodekeeper's first repair and the value it wrote last. That record is kept apart
+//! from the rules on purpose: rules change and go (repair switched off, a bound edited, a rule
+//! deleted), and each change starts a rule's runtime afresh, but the value nodekeeper left on the
+//! node stays until someone changes it.
 
 use std::collections::{BTreeMap, HashSet};
 use std::io::Write as _;
@@ -11,8 +17,8 @@ use std::path::{Path, PathBuf};
 
 use nodekeeper_model::indicators::{Threshold, Verdict, check_threshold};
 use nodekeeper_model::tuning::{
-    self, MAX_RULES, MAX_THRESHOLDS, check_repair_max_per_hour, check_rule_name, check_sysctl_key,
-    check_values, normalize_value,
+    self, MAX_RULES, MAX_THRESHOLDS, check_repair_max_per_hour, check_repairable, check_rule_name,
+    check_sysctl_key, check_values, normalize_value,
 };
 use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
@@ -107,11 +113,35 @@ pub struct RuleRuntime {
     pub repairs_unix_ms: Vec<i64>,
 }
 
+/// What nodekeeper's repairs did to one sysctl key, whatever rules come and go: what
+/// `nodekeeper-agent --cleanup` restores.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeyRecord {
+    /// The value found before nodekeeper's first repair of the key (or, when someone else
+    /// changed the key after a repair, before the next repair: their value is the one to keep).
+    pub original: String,
+    /// The value nodekeeper wrote last, as the kernel read it back.
+    pub written: String,
+}
+
 #[derive(Debug, Serialize, Deserialize)]
 struct StateFile {
     version: u32,
     rules: RuleSet,
     runtime: BTreeMap<String, RuleRuntime>,
+    /// Per sysctl key. Absent in files written before the record existed: then it is rebuilt
+    /// from the rules' runtimes ([`legacy_records`]), the best those files know. Unknown fields
+    /// are ignored by serde, so an older agent still loads a newer file.
+    #[serde(default)]
+    repaired: Option<BTreeMap<String, KeyRecord>>,
+}
+
+impl StateFile {
+    fn take_records(&mut self) -> BTreeMap<String, KeyRecord> {
+        self.repaired
+            .take()
+            .unwrap_or_else(|| legacy_records(&self.rules, &self.runtime))
+    }
 }
 
 fn refuse(index: usize, name: &str, field: &str, reason: impl std::fmt::Display) -> Error {
@@ -196,6 +226,11 @@ pub fn validate(raw: &RawRuleSet, sysctl_root: &Path) -> Result<RuleSet, Error> 
             ));
         }
         sysctl_path(sysctl_root, r.key.trim()).map_err(|e| refuse(i, name, "key", e))?;
+        // Keys that run programs as root or guard the kernel are checked, never written (the
+        // model's list, which the controller applies to the ConfigMap too).
+        if r.repair {
+            check_repairable(r.key.trim()).map_err(|e| refuse(i, name, "repair", e))?;
+        }
         let (comparison, model) = match r.comparison {
             1 => (Comparison::Equal, tuning::Comparison::Equal),
             2 => (Comparison::AtLeast, tuning::Comparison::AtLeast),
@@ -302,6 +337,8 @@ pub struct Tunables {
     state_file: PathBuf,
     set: Option<RuleSet>,
     runtime: BTreeMap<String, RuleRuntime>,
+    /// Per sysctl key; never dropped with the rules.
+    records: BTreeMap<String, KeyRecord>,
 }
 
 impl Tunables {
@@ -314,6 +351,7 @@ impl Tunables {
             state_file,
             set: None,
             runtime: BTreeMap::new(),
+            records: BTreeMap::new(),
         };
         match std::fs::read(&me.state_file) {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -321,12 +359,13 @@ impl Tunables {
                 warn!(error = %e, path = %me.state_file.display(), "cannot read the state file; starting without rules")
             }
             Ok(bytes) => match serde_json::from_slice::<StateFile>(&bytes) {
-                Ok(state) if state.version == 1 => {
+                Ok(mut state) if state.version == 1 => {
                     info!(
                         revision = state.rules.revision,
                         rules = state.rules.rules.len(),
                         "restored rules from the state file"
                     );
+                    me.records = state.take_records();
                     me.set = Some(state.rules);
                     me.runtime = state.runtime;
                 }
@@ -354,7 +393,8 @@ impl Tunables {
 
     /// Validates and installs a rule set, persisting it first: if either step fails the previous
     /// rules stay in force. Rules that did not change keep their repair history and conflict
-    /// state; a changed or new rule starts afresh.
+    /// state; a changed or new rule starts afresh. The per-key record of what repairs changed
+    /// is kept whatever the rules become.
     pub fn set_rules(&mut self, raw: &RawRuleSet) -> Result<u64, Error> {
         let set = validate(raw, &self.sysctl_root)?;
         let old: BTreeMap<&str, &Rule> = self
@@ -371,7 +411,7 @@ impl Tunables {
                 kept.map(|rt| (r.name.clone(), rt))
             })
             .collect();
-        write_state(&self.state_file, &set, &runtime)?;
+        write_state(&self.state_file, &set, &runtime, &self.records)?;
         let revision = set.revision;
         info!(
             revision,
@@ -408,13 +448,15 @@ impl Tunables {
                 &self.sysctl_root,
                 rule,
                 rt,
+                &mut self.records,
                 own_last.as_deref(),
                 now_unix_ms,
             );
             changed |= rt_changed;
             out.push(status);
         }
-        if changed && let Err(e) = write_state(&self.state_file, set, &self.runtime) {
+        if changed && let Err(e) = write_state(&self.state_file, set, &self.runtime, &self.records)
+        {
             warn!(error = %e, "cannot persist repair history");
         }
         out
@@ -425,6 +467,7 @@ fn evaluate_rule(
     root: &Path,
     rule: &Rule,
     rt: &mut RuleRuntime,
+    records: &mut BTreeMap<String, KeyRecord>,
     own_last: Option<&str>,
     now: i64,
 ) -> (TunableStatus, bool) {
@@ -453,17 +496,26 @@ fn evaluate_rule(
         }
     };
     status.current = current.clone();
+    let mut changed = false;
+    // Back at the value nodekeeper found (a reboot resets /proc/sys, or someone put it back):
+    // nothing of nodekeeper's stands on the key any more, so uninstall has nothing to restore.
+    if records
+        .get(&rule.key)
+        .is_some_and(|r| current == r.original && current != r.written)
+    {
+        records.remove(&rule.key);
+        changed = true;
+    }
     let ok = match in_bounds(rule, &current) {
         Ok(ok) => ok,
         Err(e) => {
             status.error = e;
-            return (status, false);
+            return (status, changed);
         }
     };
-    let mut changed = false;
     if ok {
         status.verdict = Verdict::Ok;
-        return (status, false);
+        return (status, changed);
     }
     status.verdict = rule.severity;
     // Out of bounds after the agent wrote an in-bounds value: someone set it back.
@@ -487,6 +539,12 @@ fn evaluate_rule(
     if !rule.repair {
         return (status, changed);
     }
+    // Rules are validated when installed, but a state file written before a key joined the
+    // never-repaired list is restored as it was: the write itself is refused here too.
+    if let Err(e) = check_repairable(&rule.key) {
+        status.error = format!("not repaired: {e}");
+        return (status, changed);
+    }
     let before = rt.repairs_unix_ms.len();
     rt.repairs_unix_ms.retain(|t| now - t < HOUR_MS);
     changed |= rt.repairs_unix_ms.len() != before;
@@ -504,6 +562,19 @@ fn evaluate_rule(
         return (status, true);
     }
     info!(rule = %rule.name, key = %rule.key, previous = %current, %value, "repaired sysctl");
+    // The first repair of the key records what was there; a later one (a rule edited, another
+    // rule on the key) keeps that original while the key still holds nodekeeper's last value. A
+    // key someone else changed since holds their value, which is then the one to restore.
+    let record = records
+        .entry(rule.key.clone())
+        .or_insert_with(|| KeyRecord {
+            original: current.clone(),
+            written: current.clone(),
+        });
+    if record.written != current {
+        record.original = current.clone();
+    }
+    record.written = value.clone();
     rt.previous = current;
     rt.repaired_at_unix_ms = now;
     rt.written = Some(value.clone());
@@ -521,6 +592,9 @@ fn evaluate_rule(
                 Err(e) => status.error = e,
             }
             // What stands is what later reads are compared with.
+            if let Some(record) = records.get_mut(&rule.key) {
+                record.written = after.clone();
+            }
             rt.written = Some(after);
         }
         Err(e) => status.error = format!("read back {}: {e}", path.display()),
@@ -533,14 +607,14 @@ fn evaluate_rule(
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Repair {
     pub key: String,
-    /// The value found before the first repair whose value still stands.
+    /// The value found before nodekeeper's first repair of the key.
     pub original: String,
     /// The value nodekeeper wrote last (as the kernel read it back).
     pub written: String,
 }
 
-/// The repairs recorded in `state_dir`, one per key (the earliest repair's `previous` and the
-/// latest one's `written` when several rules repaired the same key); none without a state file.
+/// The repairs recorded in `state_dir`, one per key, whether or not a rule on the key is still
+/// in force or still repairs; none without a state file.
 pub fn repairs(state_dir: &Path) -> Result<Vec<Repair>, String> {
     let path = state_dir.join(STATE_FILE);
     let bytes = match std::fs::read(&path) {
@@ -548,28 +622,48 @@ pub fn repairs(state_dir: &Path) -> Result<Vec<Repair>, String> {
         Err(e) => return Err(format!("read {}: {e}", path.display())),
         Ok(b) => b,
     };
-    let state: StateFile = serde_json::from_slice(&bytes)
+    let mut state: StateFile = serde_json::from_slice(&bytes)
         .map_err(|e| format!("{} is not nodekeeper's state file: {e}", path.display()))?;
+    Ok(state
+        .take_records()
+        .into_iter()
+        .map(|(key, r)| Repair {
+            key,
+            original: r.original,
+            written: r.written,
+        })
+        .collect())
+}
+
+/// The per-key record a state file from before [`KeyRecord`] implies: for each key, the earliest
+/// repair's `previous` and the latest one's `written` among the rules it still holds (what
+/// such a file can tell; a rule already dropped took its part with it).
+fn legacy_records(
+    set: &RuleSet,
+    runtime: &BTreeMap<String, RuleRuntime>,
+) -> BTreeMap<String, KeyRecord> {
     let mut by_key: BTreeMap<&str, Vec<&RuleRuntime>> = BTreeMap::new();
-    for rule in &state.rules.rules {
-        if let Some(rt) = state.runtime.get(&rule.name)
+    for rule in &set.rules {
+        if let Some(rt) = runtime.get(&rule.name)
             && rt.written.is_some()
             && rt.repaired_at_unix_ms > 0
         {
             by_key.entry(&rule.key).or_default().push(rt);
         }
     }
-    Ok(by_key
+    by_key
         .into_iter()
         .filter_map(|(key, mut rts)| {
             rts.sort_by_key(|rt| rt.repaired_at_unix_ms);
-            Some(Repair {
-                key: key.to_owned(),
-                original: rts.first()?.previous.clone(),
-                written: rts.last()?.written.clone()?,
-            })
+            Some((
+                key.to_owned(),
+                KeyRecord {
+                    original: rts.first()?.previous.clone(),
+                    written: rts.last()?.written.clone()?,
+                },
+            ))
         })
-        .collect())
+        .collect()
 }
 
 /// Writes the state file atomically: a temporary file in the same directory, synced, renamed
@@ -578,6 +672,7 @@ fn write_state(
     path: &Path,
     set: &RuleSet,
     runtime: &BTreeMap<String, RuleRuntime>,
+    records: &BTreeMap<String, KeyRecord>,
 ) -> Result<(), Error> {
     let save = |e: std::io::Error| Error::SaveState {
         path: path.to_path_buf(),
@@ -589,6 +684,7 @@ fn write_state(
         version: 1,
         rules: set.clone(),
         runtime: runtime.clone(),
+        repaired: Some(records.clone()),
     };
     let bytes = serde_json::to_vec_pretty(&state).map_err(|e| save(std::io::Error::other(e)))?;
     let tmp = path.with_extension("json.tmp");
@@ -799,6 +895,50 @@ mod tests {
     }
 
     #[test]
+    fn keys_that_run_programs_are_checked_but_never_repaired() {
+        let root = fake_root();
+        let kernel = root.path().join("kernel");
+        std::fs::create_dir_all(&kernel).unwrap();
+        std::fs::write(kernel.join("core_pattern"), "core\n").unwrap();
+        let evil = set(vec![rule(
+            "cores",
+            "kernel.core_pattern",
+            1,
+            &["|/bin/sh -c id"],
+            true,
+        )]);
+        let err = validate(&evil, root.path()).unwrap_err();
+        assert!(matches!(err, Error::InvalidRules(_)), "{err:?}");
+        let err = err.to_string();
+        assert!(
+            err.contains("rule \"cores\" (#1): field `repair`: kernel.core_pattern names a program the kernel runs as root")
+                && err.contains("drop repair from this rule"),
+            "{err}"
+        );
+        // Checking the key is allowed.
+        let check = set(vec![rule(
+            "cores",
+            "kernel.core_pattern",
+            1,
+            &["|/bin/sh -c id"],
+            false,
+        )]);
+        assert!(validate(&check, root.path()).is_ok());
+
+        // A repairing rule restored from an older state file is not acted on either.
+        let state = tempfile::tempdir().unwrap();
+        let mut t = Tunables::load(root.path().to_path_buf(), state.path());
+        t.set_rules(&check).unwrap();
+        t.set.as_mut().unwrap().rules[0].repair = true;
+        let s = t.evaluate(1_000);
+        assert!(s[0].error.contains("not repaired"), "{s:?}");
+        assert_eq!(
+            std::fs::read_to_string(kernel.join("core_pattern")).unwrap(),
+            "core\n"
+        );
+    }
+
+    #[test]
     fn limits_and_names_are_the_tuning_models() {
         let root = fake_root();
         let many = set(vec![
@@ -947,6 +1087,130 @@ mod tests {
         // → conflict; after the rule changes again the hourly limit still counts past repairs.
         std::fs::write(&key, "100\n").unwrap();
         assert!(again.evaluate(6_000)[0].conflict);
+    }
+
+    /// Regression: turning repair off or editing a rule dropped the rule's runtime, and with it
+    /// the only record of the value uninstall restores.
+    #[test]
+    fn the_original_value_outlives_rule_edits_repair_off_and_restarts() {
+        let root = fake_root();
+        let state = tempfile::tempdir().unwrap();
+        let key = root.path().join("net/core/somaxconn");
+        let record = |dir: &Path| repairs(dir).unwrap();
+        let somaxconn = |original: &str, written: &str| Repair {
+            key: "net.core.somaxconn".into(),
+            original: original.into(),
+            written: written.into(),
+        };
+        let mut t = Tunables::load(root.path().to_path_buf(), state.path());
+        // 128 → 4096, then the rule is edited to ask for more: 4096 → 8192.
+        t.set_rules(&set(vec![rule(
+            "backlog",
+            "net.core.somaxconn",
+            2,
+            &["4096"],
+            true,
+        )]))
+        .unwrap();
+        t.evaluate(1_000);
+        assert_eq!(record(state.path()), [somaxconn("128", "4096")]);
+        let mut edited = set(vec![rule(
+            "backlog",
+            "net.core.somaxconn",
+            2,
+            &["8192"],
+            true,
+        )]);
+        edited.revision = 8;
+        t.set_rules(&edited).unwrap();
+        t.evaluate(2_000);
+        assert_eq!(std::fs::read_to_string(&key).unwrap(), "8192\n");
+        assert_eq!(record(state.path()), [somaxconn("128", "8192")]);
+        // Repair switched off: every rule changes and its runtime starts afresh; the record
+        // stays, through a restart and a rule set without the key at all.
+        let mut off = set(vec![rule(
+            "backlog",
+            "net.core.somaxconn",
+            2,
+            &["8192"],
+            false,
+        )]);
+        off.revision = 9;
+        t.set_rules(&off).unwrap();
+        t.evaluate(3_000);
+        assert_eq!(record(state.path()), [somaxconn("128", "8192")]);
+        let mut t = Tunables::load(root.path().to_path_buf(), state.path());
+        let mut none = set(vec![]);
+        none.revision = 10;
+        t.set_rules(&none).unwrap();
+        t.evaluate(4_000);
+        assert_eq!(record(state.path()), [somaxconn("128", "8192")]);
+
+        // Someone else's value is the one to keep: a repair after it records it as original.
+        let mut t = Tunables::load(root.path().to_path_buf(), state.path());
+        std::fs::write(&key, "1000\n").unwrap();
+        let mut again = set(vec![rule(
+            "backlog",
+            "net.core.somaxconn",
+            2,
+            &["4096"],
+            true,
+        )]);
+        again.revision = 11;
+        t.set_rules(&again).unwrap();
+        t.evaluate(5_000);
+        assert_eq!(record(state.path()), [somaxconn("1000", "4096")]);
+        // Back at the original (a reboot resets /proc/sys): nothing of nodekeeper's stands,
+        // and the record goes, once a rule reads the key.
+        let mut check = set(vec![rule(
+            "backlog",
+            "net.core.somaxconn",
+            2,
+            &["64"],
+            false,
+        )]);
+        check.revision = 12;
+        t.set_rules(&check).unwrap();
+        std::fs::write(&key, "1000\n").unwrap();
+        t.evaluate(6_000);
+        assert_eq!(record(state.path()), []);
+    }
+
+    /// A state file written before the per-key record existed still loads, and its repairs are
+    /// still restored by uninstall (from the rules' runtimes, as before).
+    #[test]
+    fn an_old_state_file_keeps_its_repairs() {
+        let root = fake_root();
+        let state = tempfile::tempdir().unwrap();
+        let old = r#"{
+          "version": 1,
+          "rules": {"revision": 7, "rules": [{"name": "backlog", "key": "net.core.somaxconn",
+            "comparison": "AtLeast", "values": ["4096"], "repair": true,
+            "repair_max_per_hour": 1, "severity": "Warning"}], "thresholds": []},
+          "runtime": {"backlog": {"previous": "128", "repaired_at_unix_ms": 1000,
+            "written": "4096", "conflict": false, "repairs_unix_ms": [1000]}}
+        }"#;
+        std::fs::write(state.path().join(STATE_FILE), old).unwrap();
+        std::fs::write(root.path().join("net/core/somaxconn"), "4096\n").unwrap();
+        let expected = vec![Repair {
+            key: "net.core.somaxconn".into(),
+            original: "128".into(),
+            written: "4096".into(),
+        }];
+        assert_eq!(repairs(state.path()).unwrap(), expected);
+        // Loaded by the agent, then repair switched off: the record carries over.
+        let mut t = Tunables::load(root.path().to_path_buf(), state.path());
+        assert_eq!(t.revision(), 7);
+        let mut off = set(vec![rule(
+            "backlog",
+            "net.core.somaxconn",
+            2,
+            &["4096"],
+            false,
+        )]);
+        off.revision = 8;
+        t.set_rules(&off).unwrap();
+        assert_eq!(repairs(state.path()).unwrap(), expected);
     }
 
     #[test]

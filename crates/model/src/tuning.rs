@@ -34,7 +34,7 @@
 //! Any other key is refused, so a typo (`sweepinterval`) is reported instead of silently ignored.
 //!
 //! The rule checks ([`check_rule_name`], [`check_sysctl_key`], [`check_values`],
-//! [`check_repair_max_per_hour`], [`crate::indicators::check_threshold`]) and limits are the
+//! [`check_repair_max_per_hour`], [`check_repairable`], [`crate::indicators::check_threshold`]) and limits are the
 //! agent's too: it validates `SetRules` with them (adding only what needs the node itself, such
 //! as whether the sysctl exists), so a ConfigMap this parser accepts is one every agent accepts.
 //!
@@ -895,6 +895,16 @@ fn parse_rules(raw: &str, repair_allowed: bool) -> Result<RuleSet, Vec<KeyError>
                 (Comparison::Equal, Vec::new())
             }
         };
+        // Whether or not features.repair is on: a rule that is refused only once repair is
+        // switched on would break the ConfigMap at the worst moment.
+        if rule.repair
+            && let Err(problem) = check_repairable(&rule.key)
+        {
+            errors.push(err(
+                format!("{path}.repair"),
+                format!("rule {:?}: {problem}", rule.name),
+            ));
+        }
         let repair_max_per_hour = rule.repair_max_per_hour.unwrap_or(1);
         if let Err(problem) = check_repair_max_per_hour(repair_max_per_hour) {
             errors.push(err(format!("{path}.repairMaxPerHour"), problem));
@@ -1069,6 +1079,70 @@ pub fn check_sysctl_key(key: &str) -> Result<(), String> {
         ));
     }
     Ok(())
+}
+
+/// Sysctls that rules may check but never repair, as `(key, why)`; an entry ending in `.` or `_`
+/// stands for every key that starts with it (`fs.binfmt_misc.`, `fs.protected_`). A repair writes the same value on every node as root, decided by whoever
+/// can edit the tuning ConfigMap, so the keys that would turn that edit into more than tuning are
+/// kept out of its reach:
+///
+/// - user-mode helpers and interpreters, values the kernel runs as a program with full
+///   privileges (a `kernel.core_pattern` of `|/bin/sh -c …` runs at the next crash);
+/// - what the kernel may load or boot (modules, kexec);
+/// - security hardening switches, whose only use as a "repair" is to weaken every node at once.
+///
+/// Checking these keys stays allowed: reading them changes nothing, and a rule such as
+/// `kernel.yama.ptrace_scope atLeast 1` is a useful compliance check. Only repair is refused.
+pub const NEVER_REPAIRED: &[(&str, &str)] = &[
+    ("kernel.core_pattern", HELPER),
+    ("kernel.core_pipe_limit", HELPER),
+    ("kernel.modprobe", HELPER),
+    ("kernel.poweroff_cmd", HELPER),
+    ("kernel.hotplug", HELPER),
+    ("kernel.usermodehelper.", HELPER),
+    ("fs.binfmt_misc.", HELPER),
+    ("kernel.modules_disabled", LOADING),
+    ("kernel.kexec_load_disabled", LOADING),
+    ("kernel.kexec_load_limit_panic", LOADING),
+    ("kernel.kexec_load_limit_reboot", LOADING),
+    ("kernel.yama.", HARDENING),
+    ("kernel.sysrq", HARDENING),
+    ("kernel.kptr_restrict", HARDENING),
+    ("kernel.dmesg_restrict", HARDENING),
+    ("kernel.perf_event_paranoid", HARDENING),
+    ("kernel.randomize_va_space", HARDENING),
+    ("kernel.unprivileged_bpf_disabled", HARDENING),
+    ("kernel.unprivileged_userns_clone", HARDENING),
+    ("kernel.io_uring_disabled", HARDENING),
+    ("net.core.bpf_jit_harden", HARDENING),
+    ("net.core.bpf_jit_kallsyms", HARDENING),
+    ("vm.mmap_min_addr", HARDENING),
+    ("vm.unprivileged_userfaultfd", HARDENING),
+    ("fs.suid_dumpable", HARDENING),
+    ("fs.protected_", HARDENING),
+    ("dev.tty.ldisc_autoload", HARDENING),
+];
+
+const HELPER: &str = "names a program the kernel runs as root, or how it runs one";
+const LOADING: &str = "controls what code the kernel may load or boot";
+const HARDENING: &str = "is a kernel security setting";
+
+/// Checks that a rule on `key` may repair: refused for the keys in [`NEVER_REPAIRED`], with the
+/// reason and the fix.
+pub fn check_repairable(key: &str) -> Result<(), String> {
+    let refused = NEVER_REPAIRED.iter().find(|(k, _)| {
+        if k.ends_with('.') || k.ends_with('_') {
+            key.starts_with(k)
+        } else {
+            key == *k
+        }
+    });
+    match refused {
+        None => Ok(()),
+        Some((_, why)) => Err(format!(
+            "{key} {why}, so nodekeeper never writes it on nodes; drop repair from this rule (the value is still checked and reported) and set the key through the node image or its own configuration management"
+        )),
+    }
 }
 
 /// Checks a rule's expected values (already [normalised](normalize_value)) for its comparison:
@@ -1539,6 +1613,66 @@ mod tests {
         assert!(check_values(Comparison::AtMost, &[]).is_err());
         assert!(check_repair_max_per_hour(0).is_err());
         assert!(check_repair_max_per_hour(MAX_REPAIRS_PER_HOUR + 1).is_err());
+    }
+
+    #[test]
+    fn keys_that_run_programs_or_guard_the_kernel_are_never_repaired() {
+        for key in [
+            "kernel.core_pattern",
+            "kernel.modprobe",
+            "kernel.poweroff_cmd",
+            "kernel.usermodehelper.bset",
+            "fs.binfmt_misc.register",
+            "kernel.kexec_load_disabled",
+            "kernel.yama.ptrace_scope",
+            "kernel.unprivileged_bpf_disabled",
+            "fs.suid_dumpable",
+            "fs.protected_symlinks",
+        ] {
+            let e = check_repairable(key).unwrap_err();
+            assert!(
+                e.starts_with(key) && e.contains("drop repair from this rule"),
+                "{key}: {e}"
+            );
+        }
+        // Neighbours of refused keys and ordinary tuning stay repairable.
+        for key in [
+            "kernel.core_uses_pid",
+            "kernel.sysrq_x",
+            "net.core.somaxconn",
+            "vm.swappiness",
+            "fs.file-max",
+        ] {
+            assert_eq!(check_repairable(key), Ok(()), "{key}");
+        }
+    }
+
+    #[test]
+    fn a_configmap_repairing_core_pattern_is_refused_naming_rule_and_key() {
+        let rules = "tunables:\n  - name: cores\n    key: kernel.core_pattern\n    equal: '|/bin/sh -c id'\n    repair: true\n";
+        // Refused with repair switched on, and off too: turning repair on later must not be
+        // what breaks the ConfigMap.
+        for repair in ["true", "false"] {
+            let errors = problems(&[("rules.yaml", rules), ("features.repair", repair)]);
+            assert_eq!(errors.len(), 1, "{errors:?}");
+            assert_eq!(errors[0].key, "rules.yaml: tunables[0].repair");
+            let shown = errors[0].to_string();
+            assert!(
+                shown.contains(
+                    "rule \"cores\": kernel.core_pattern names a program the kernel runs as root"
+                ) && shown.contains("drop repair from this rule"),
+                "{shown}"
+            );
+        }
+        // Checking the same key without repair is allowed.
+        let check_only =
+            "tunables:\n  - name: cores\n    key: kernel.core_pattern\n    equal: core\n";
+        let config = parse(&data(&[
+            ("rules.yaml", check_only),
+            ("features.repair", "true"),
+        ]))
+        .unwrap();
+        assert_eq!(config.rules.tunables[0].key, "kernel.core_pattern");
     }
 
     #[test]
