@@ -3,7 +3,7 @@
 //! skipped or failed; the caller applies the time cap, redaction and the bundle budget.
 
 use std::io::Read as _;
-use std::os::unix::fs::OpenOptionsExt as _;
+use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 
@@ -499,7 +499,7 @@ fn kmsg_line(line: &str) -> String {
     }
 }
 
-/// `key = value` for every readable file under `<root>/net` and for each rule key, bounded.
+/// `key = value` for every world-readable file under `<root>/net` and for each rule key, bounded.
 fn sysctl_dump(root: &Path, rule_keys: &[String], cap: usize) -> Result<Gathered, Failure> {
     let mut lines = Vec::new();
     let mut notes = Vec::new();
@@ -530,12 +530,29 @@ fn sysctl_dump(root: &Path, rule_keys: &[String], cap: usize) -> Result<Gathered
     files.dedup();
     let mut size = 0;
     let mut unreadable = 0;
+    let mut private = 0;
     for path in files {
         let Ok(rel) = path.strip_prefix(root) else {
             continue;
         };
         let key = rel.to_string_lossy().replace('/', ".");
-        // Write-only keys (e.g. route flush) and per-namespace ones may refuse reads.
+        // The agent reads as root, but the bundle leaves the node: only keys every user on the
+        // node may read are copied. The kernel marks its secrets by mode rather than by name
+        // (`net.ipv4.tcp_fastopen_key`, the TCP Fast Open cookie key, is 0600), so the mode is
+        // the test; a list of names would miss the next such key.
+        match std::fs::metadata(&path).map(|m| m.permissions().mode()) {
+            // Write-only keys (e.g. route flush) are not secrets, just not readable.
+            Ok(mode) if mode & 0o444 == 0 => {
+                unreadable += 1;
+                continue;
+            }
+            Ok(mode) if mode & 0o004 == 0 => {
+                private += 1;
+                continue;
+            }
+            _ => {}
+        }
+        // Per-namespace keys may still refuse reads.
         match read_head(&path, 4096) {
             Ok(v) => {
                 let line = format!("{key} = {}\n", String::from_utf8_lossy(&v).trim_end());
@@ -555,6 +572,11 @@ fn sysctl_dump(root: &Path, rule_keys: &[String], cap: usize) -> Result<Gathered
     if unreadable > 0 {
         notes.push(format!(
             "{unreadable} keys not readable (write-only or refused)"
+        ));
+    }
+    if private > 0 {
+        notes.push(format!(
+            "{private} keys readable only by root left out (they may hold secrets)"
         ));
     }
     Ok(Gathered::Files(
@@ -639,12 +661,26 @@ mod tests {
             std::fs::create_dir_all(root.join(key).parent().unwrap()).unwrap();
             std::fs::write(root.join(key), format!("{value}\n")).unwrap();
         }
-        let Gathered::Files(files, _) =
-            sysctl_dump(root, &["vm.swappiness".into()], 1 << 20).unwrap()
-        else {
+        // Secrets the kernel keeps root-only, under net and as a rule key: never copied.
+        for key in ["net/ipv4/tcp_fastopen_key", "kernel/cad_pid"] {
+            std::fs::create_dir_all(root.join(key).parent().unwrap()).unwrap();
+            std::fs::write(root.join(key), "0a1b2c3d-secret\n").unwrap();
+            std::fs::set_permissions(root.join(key), std::fs::Permissions::from_mode(0o600))
+                .unwrap();
+        }
+        let Gathered::Files(files, notes) = sysctl_dump(
+            root,
+            &["vm.swappiness".into(), "kernel.cad_pid".into()],
+            1 << 20,
+        )
+        .unwrap() else {
             panic!()
         };
         let text = String::from_utf8(files[0].1.clone()).unwrap();
         assert_eq!(text, "net.core.somaxconn = 4096\nvm.swappiness = 10\n");
+        assert!(
+            notes.contains(&"2 keys readable only by root left out (they may hold secrets)".into()),
+            "{notes:?}"
+        );
     }
 }

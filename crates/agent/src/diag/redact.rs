@@ -1,6 +1,7 @@
 //! The redaction filter every text part of a diagnostics bundle passes through before it is
 //! written: PEM private keys, `Authorization:` headers, bearer tokens, `password=` / `token=` /
-//! `secret=`-style values (also as JSON or YAML keys), AWS access key ids and OCI API key ids.
+//! `secret=`-style values and `auth` keys (also as JSON, YAML or TOML keys, with quoted values),
+//! AWS access key ids and OCI API key ids.
 //!
 //! It errs on the side of removing: a bundle leaves the node and may be attached to a ticket, so a
 //! false positive (a harmless value hidden) is cheap and a false negative is not.
@@ -41,10 +42,18 @@ static RULES: LazyLock<Vec<Rule>> = LazyLock::new(|| {
         rule(r"(?i)\b(bearer\s+)[A-Za-z0-9\-._~+/]+=*", |c| {
             format!("{}{MARK}", &c[1])
         }),
-        // key=value, key: value, "key": "value" where the key names a secret.
+        // key=value, key: value, "key": "value", key = 'value' where the key names a secret: a
+        // word containing password, token, secret and the like, or `auth` as a whole word at the
+        // end of the key (containerd's and Docker's base64 `user:password`; `author` and `oauth`
+        // are not keys to hide). A quoted value is removed up to its closing quote, spaces and
+        // all (escaped double quotes included); an unquoted one up to the first delimiter.
         rule(
-            r#"(?i)([A-Za-z0-9_.\-]*(?:password|passwd|pwd|token|secret|api[_\-]?key|access[_\-]?key|private[_\-]?key|credentials?)[A-Za-z0-9_.\-]*"?\s*[=:]\s*"?)([^\s"',;&}]+)"#,
-            |c| format!("{}{MARK}", &c[1]),
+            r#"(?i)((?:[A-Za-z0-9_.\-]*(?:password|passwd|pwd|token|secret|api[_\-]?key|access[_\-]?key|private[_\-]?key|credentials?)[A-Za-z0-9_.\-]*|\b(?:[A-Za-z0-9_.\-]*[_.\-])?auth)["']?\s*[=:]\s*)(?:"((?:[^"\\\r\n]|\\.)*)("?)|'([^'\r\n]*)('?)|([^\s"',;&}]+))"#,
+            |c| match (c.get(2), c.get(4)) {
+                (Some(_), _) => format!("{}\"{MARK}{}", &c[1], &c[3]),
+                (None, Some(_)) => format!("{}'{MARK}{}", &c[1], &c[5]),
+                (None, None) => format!("{}{MARK}", &c[1]),
+            },
         ),
         // AWS access key ids (long-term AKIA…, temporary ASIA…).
         rule(r"\b(?:AKIA|ASIA)[A-Z0-9]{16}\b", |_| MARK.to_owned()),
@@ -126,6 +135,19 @@ mod tests {
             "export AWS_SECRET_ACCESS_KEY=s3cr3t-value",
             "url?user=a&token=s3cr3t-value&x=1",
             "api-key = s3cr3t-value",
+            // TOML literal strings and YAML single quotes.
+            "password = 's3cr3t-value'",
+            "  db_password: 's3cr3t-value'",
+            // containerd registry auth and Docker's config.json: base64 user:password.
+            "auth = \"s3cr3t-value\"",
+            r#"{"auths": {"r.example": {"auth": "s3cr3t-value"}}}"#,
+            "registry_auth: s3cr3t-value",
+            // Quoted values are removed whole, spaces and escaped quotes included.
+            "password = \"hunter2 s3cr3t-value\"",
+            r#"{"password": "a\"b s3cr3t-value"}"#,
+            "password = 'hunter2 s3cr3t-value'",
+            // A value cut off by a size cap, with no closing quote.
+            "token: \"hunter2 s3cr3t-value",
         ] {
             let (out, n) = redact(text);
             assert!(!out.contains("s3cr3t-value"), "{text} -> {out}");
@@ -134,6 +156,21 @@ mod tests {
         // The key names stay, so a reader knows what was there.
         assert_eq!(clean("KUBELET_TOKEN=abc"), "KUBELET_TOKEN=[REDACTED]");
         assert!(clean(r#"{"clientSecret": "x", "name": "ok"}"#).contains(r#""name": "ok""#));
+        // Quotes stay around the mark, and what follows the closing quote stays.
+        assert_eq!(
+            clean("password = 'hunter2' # old"),
+            "password = '[REDACTED]' # old"
+        );
+        assert_eq!(clean(r#"auth = "dXNlcjpwYXNz""#), r#"auth = "[REDACTED]""#);
+        // `auth` is a whole word: these are not secrets.
+        for text in [
+            "author = someone",
+            "oauth: enabled",
+            "authors: [a, b]",
+            "auth_mode = none",
+        ] {
+            assert_eq!(redact(text), (text.to_owned(), 0), "{text}");
+        }
     }
 
     #[test]
