@@ -198,7 +198,7 @@ fn values_reach_their_objects() {
         },
         "features": {"repair": true, "gpu": false},
         "tuning": {"data": {"sweepInterval": "1m"}},
-        "ociCredentials": {"existingSecret": "oci-api-key"},
+        "ociCredentials": {"existingSecret": "oci-api-key", "region": "us-ashburn-1"},
         "controller": {
             "replicas": 1,
             "priorityClassName": "system-cluster-critical",
@@ -213,6 +213,8 @@ fn values_reach_their_objects() {
             "resources": {"requests": {"cpu": "20m", "memory": "32Mi"}, "limits": {"memory": "128Mi"}},
             "hostMounts": {"kmsg": false, "journal": false},
             "port": 9555,
+            // Rendered only, never contacted: a test sends nothing to the metadata service.
+            "imdsEndpoint": "http://169.254.169.254",
             "metrics": {"port": 9556},
         },
         "commonLabels": {"team": "nodes"},
@@ -245,6 +247,10 @@ fn values_reach_their_objects() {
     assert_eq!(
         env(container, "NODEKEEPER_LISTEN"),
         Some(json!("0.0.0.0:9555"))
+    );
+    assert_eq!(
+        env(container, "NODEKEEPER_IMDS_ENDPOINT"),
+        Some(json!("http://169.254.169.254"))
     );
     // agent.metrics: /metrics on the node's address (the downward API's status.hostIP).
     assert_eq!(
@@ -300,6 +306,12 @@ fn values_reach_their_objects() {
         env(container, "NODEKEEPER_OCI_CREDENTIALS_DIR"),
         Some(json!("/etc/nodekeeper/oci"))
     );
+    assert_eq!(
+        env(container, "NODEKEEPER_OCI_REGION"),
+        Some(json!("us-ashburn-1"))
+    );
+    // The controller calls the agents on the port they listen on.
+    assert_eq!(env(container, "NODEKEEPER_AGENT_PORT"), Some(json!("9555")));
     assert!(
         pod["volumes"]
             .as_array()
@@ -516,6 +528,9 @@ fn oke_addon_arguments_map_onto_the_chart_and_the_tuning_configmap() {
         ("ociCredentialsSecret", "oci-api-key"),
         ("agentPriorityClassName", "system-cluster-critical"),
         ("agentMetricsPort", "9556"),
+        ("agentPort", "9445"),
+        ("ociRegion", "us-ashburn-1"),
+        ("agentImdsEndpoint", "http://169.254.169.254"),
     ];
     let values = oke_values(&arguments).unwrap_or_else(|e| panic!("{e}"));
     let file = tempfile::NamedTempFile::new().unwrap();
@@ -549,7 +564,29 @@ fn oke_addon_arguments_map_onto_the_chart_and_the_tuning_configmap() {
         "1Gi"
     );
     assert_eq!(apod["priorityClassName"], "system-cluster-critical");
+    let has_env = |c: &Value, name: &str, value: &str| {
+        c["env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e["name"] == name && e["value"] == value)
+    };
+    let ccontainer = &cpod["containers"][0];
+    assert!(
+        has_env(ccontainer, "NODEKEEPER_AGENT_PORT", "9445")
+            && has_env(ccontainer, "NODEKEEPER_OCI_REGION", "us-ashburn-1"),
+        "{ccontainer:#}"
+    );
     let container = &apod["containers"][0];
+    assert!(
+        has_env(container, "NODEKEEPER_LISTEN", "0.0.0.0:9445")
+            && has_env(
+                container,
+                "NODEKEEPER_IMDS_ENDPOINT",
+                "http://169.254.169.254"
+            ),
+        "{container:#}"
+    );
     assert!(
         container["ports"]
             .as_array()

@@ -258,7 +258,12 @@ async fn the_installed_service_account_suffices_for_every_controller() -> anyhow
         &selector,
         port,
         work.path(),
-        &[("NODEKEEPER_POD_NAME", &me_name)],
+        &[
+            ("NODEKEEPER_POD_NAME", &me_name),
+            // Room for one bundle of the example's cap (diagnostics.maxBundleBytes): each
+            // NodeDiagnostic evicts the last one's bundle and marks it gone in that object's status.
+            ("NODEKEEPER_DIAGNOSTICS_MAX_BYTES", "33554432"),
+        ],
     )
     .await?;
     let tls = agent_tls(&client, NAMESPACE).await?;
@@ -329,8 +334,26 @@ async fn the_installed_service_account_suffices_for_every_controller() -> anyhow
         "NetworkTest {mesh}: {phase:?}"
     );
 
-    // A NodeDiagnostic of one node; deleted after its TTL (finalizer removed first).
+    // A NodeDiagnostic of one node; deleted after its TTL (finalizer removed first). One before
+    // it, kept, whose bundle it evicts: the controller reads that object and marks the bundle gone.
     let diagnostics: Api<NodeDiagnostic> = Api::namespaced(client.clone(), &apps);
+    let kept = unique_name("diag-kept");
+    apply_spec(
+        &diagnostics,
+        &kept,
+        json!({"nodeName": agents_nodes[0], "parts": ["report"], "ttlSecondsAfterFinished": 600}),
+    )
+    .await?;
+    wait_for("the first NodeDiagnostic to finish", TIMEOUT, || {
+        let (diagnostics, kept) = (diagnostics.clone(), kept.clone());
+        async move {
+            let d = diagnostics.get(&kept).await?;
+            Ok(d.status
+                .filter(|s| s.phase == Some(DiagPhase::Succeeded))
+                .map(|_| ()))
+        }
+    })
+    .await?;
     let diag = unique_name("diag");
     apply_spec(
         &diagnostics,
@@ -354,6 +377,21 @@ async fn the_installed_service_account_suffices_for_every_controller() -> anyhow
         phase == DiagPhase::Succeeded,
         "NodeDiagnostic {diag}: {phase:?}"
     );
+    wait_for(
+        "the evicted bundle marked gone in its object",
+        TIMEOUT,
+        || {
+            let (diagnostics, kept) = (diagnostics.clone(), kept.clone());
+            async move {
+                let d = diagnostics.get(&kept).await?;
+                Ok(d.status
+                    .filter(|s| s.nodes.iter().all(|n| n.download_path.is_empty()))
+                    .map(|_| ()))
+            }
+        },
+    )
+    .await?;
+    diagnostics.delete(&kept, &DeleteParams::default()).await?;
 
     // A NodeMaintenance: cordon and drain the pool node through the Eviction API, then Complete.
     let maintenances: Api<NodeMaintenance> = Api::all(client.clone());
@@ -508,6 +546,7 @@ async fn the_installed_service_account_suffices_for_every_controller() -> anyhow
         ("patch", "nodekeeper.dev/nodemaintenances/status"),
         ("patch", "nodekeeper.dev/nodediagnostics/status"),
         ("delete", "nodekeeper.dev/nodediagnostics"),
+        ("get", "nodekeeper.dev/nodediagnostics"),
         ("create", "events.k8s.io/events"),
     ] {
         assert!(

@@ -39,7 +39,8 @@ Exit codes:
        maintain: a drain timed out; diag: a bundle not collected or not downloaded)
   2    not done: bad usage, API server unreachable, credentials refused, permission denied,
        unknown node, selector matching no node, object refused (by the API server or the
-       controller), controller not reachable; nothing is created
+       controller), controller not reachable; nothing is created (maintain: a
+       NodeMaintenance created before a later read failed is named, with how to resume)
   130  interrupted (Ctrl-C): netcheck and diag delete what they created unless --keep;
        maintain leaves the NodeMaintenance as it is and prints how to resume
 

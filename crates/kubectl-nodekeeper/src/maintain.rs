@@ -549,6 +549,8 @@ async fn follow(
             }
             Err(e) => {
                 live.clear();
+                // Exit 2 says nothing was created: name what was, and how to go on with it.
+                eprint_line(&leave("it could not be read to follow it", stage));
                 return Err(conn.error(&format!("read nodemaintenance {name}"), e));
             }
         };

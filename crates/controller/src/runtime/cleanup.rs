@@ -10,7 +10,9 @@
 //!   `maintenance` annotations of NodeMaintenance; the node gets back the `spec.unschedulable` the
 //!   annotation recorded from before the first maintenance (a node someone else had cordoned stays
 //!   cordoned; with an unreadable record it is left as it is, and said so).
-//! - Nodes a NodeSet created are named, not deleted: delete the NodeSets first.
+//! - Nodes a NodeSet created, and Nodes whose machine nodekeeper made from a NodeClass (they
+//!   carry the `nodekeeper.dev/machine` finalizer, which only the controller removes, after it
+//!   has deleted the machine), are named, not deleted: delete them, and the NodeSets, first.
 //!
 //! nodekeeper's objects are the user's and stay (deleting the CRDs deletes them), but their
 //! finalizers would keep them, and the CRDs, from ever going without a controller: the finalizers
@@ -105,6 +107,10 @@ pub struct NodePlan {
     pub left_cordoned: Option<String>,
     /// The NodeSet that created this Node.
     pub created_by: Option<String>,
+    /// The NodeClass of the machine behind this Node, when the Node carries the finalizer that
+    /// deletes the machine ([`names::FINALIZER_MACHINE`]); left, like the finalizer: removing it
+    /// would leave the machine running and no controller to delete it.
+    pub machine_of_class: Option<String>,
 }
 
 impl NodePlan {
@@ -197,6 +203,19 @@ pub fn plan_node(node: &Node) -> NodePlan {
         .map(|k| (*k).to_owned())
         .collect();
     plan.created_by = labels.get(names::LABEL_NODE_SET).cloned();
+    if meta
+        .finalizers
+        .iter()
+        .flatten()
+        .any(|f| f == names::FINALIZER_MACHINE)
+    {
+        plan.machine_of_class = Some(
+            annotations
+                .get(names::ANNOTATION_NODE_CLASS)
+                .cloned()
+                .unwrap_or_default(),
+        );
+    }
     let spec = node.spec.clone().unwrap_or_default();
     plan.taints = spec
         .taints
@@ -621,6 +640,13 @@ async fn clean_node(
                     "node {name}: created by NodeSet {set}; left in place (delete the NodeSets \
                      before uninstalling)"
                 );
+            } else if let Some(class) = &plan.machine_of_class {
+                println!(
+                    "node {name}: its machine was made from NodeClass {class:?} and the finalizer \
+                     {} stays until the controller deletes it; left in place (with the controller \
+                     running, `kubectl delete node {name}` deletes the machine, then the Node)",
+                    names::FINALIZER_MACHINE
+                );
             }
             if let Some(why) = &plan.left_cordoned {
                 println!("node {name}: left cordoned: {why}");
@@ -805,5 +831,21 @@ mod tests {
         let plan = plan_node(&n);
         assert!(plan.is_empty());
         assert_eq!(plan.created_by.as_deref(), Some("pool"));
+        assert_eq!(plan.machine_of_class, None);
+    }
+
+    #[test]
+    fn a_node_whose_machine_nodekeeper_made_is_named_and_keeps_its_finalizer() {
+        let n = node(json!({
+            "metadata": {"name": "n",
+                "annotations": {"nodekeeper.dev/node-class": "gpu"},
+                "finalizers": ["nodekeeper.dev/machine"]}}));
+        let plan = plan_node(&n);
+        assert!(plan.is_empty(), "{plan:?}");
+        assert_eq!(plan.machine_of_class.as_deref(), Some("gpu"));
+        // The annotation alone (a Node the controller never took on) is not a machine of ours.
+        let n = node(json!({
+            "metadata": {"name": "n", "annotations": {"nodekeeper.dev/node-class": "gpu"}}}));
+        assert_eq!(plan_node(&n).machine_of_class, None);
     }
 }
