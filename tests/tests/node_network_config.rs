@@ -204,6 +204,8 @@ struct Rig {
     /// The controllers' first retry wait (long by default: a failing node stays failing for
     /// the length of a test unless the test shortens it).
     retry_backoff: Duration,
+    /// The controllers' bound on a node's cloud side (attach, 409s, detach).
+    attach_timeout: Duration,
     /// `ApplyNetwork` calls per node address.
     applies: Arc<Mutex<BTreeMap<IpAddr, usize>>>,
 }
@@ -290,6 +292,7 @@ impl Rig {
             label,
             stop,
             retry_backoff: Duration::from_secs(300),
+            attach_timeout: Duration::from_secs(30),
             applies,
         })
     }
@@ -315,7 +318,7 @@ impl Rig {
                     object_concurrency: 2,
                     poll: Duration::from_millis(250),
                     resync: Duration::from_secs(2),
-                    attach_timeout: Duration::from_secs(30),
+                    attach_timeout: self.attach_timeout,
                     apply_timeout: Duration::from_secs(30),
                     retry_backoff: self.retry_backoff,
                     retry_backoff_max: self.retry_backoff * 4,
@@ -669,6 +672,26 @@ async fn refused_input_is_named_and_changes_nothing_on_the_host() -> anyhow::Res
         "{text}"
     );
 
+    // Secondary private IPs are not assigned yet: the API server refuses a count, saying so
+    // (review nnc, finding 5).
+    let name = unique_name("secondaryips");
+    let mut ips = vnic("x", &rig.subnet);
+    ips["secondaryPrivateIpCount"] = json!(2);
+    let e = apply_nnc(
+        &api,
+        &rig.label,
+        &name,
+        json!({"nodeSelector": rig.selector(), "ociVnics": {"attach": [ips]}}),
+    )
+    .await
+    .unwrap_err();
+    let text = format!("{e:#}");
+    assert!(
+        text.contains("secondaryPrivateIpCount is not supported yet")
+            && text.contains("assign-private-ip"),
+        "{text}"
+    );
+
     let before: Vec<Value> = rig
         .nodes
         .iter()
@@ -973,6 +996,211 @@ async fn a_failed_node_is_retried_with_backoff_and_the_pause_holds() -> anyhow::
         ("True", "NetworkConverged")
     );
     assert_eq!(rig.attach_calls(), 2, "a retry never attaches twice");
+    api.delete(&name, &DeleteParams::default()).await?;
+    wait_for("the object deleted", TIMEOUT, || async {
+        Ok(api.get_opt(&name).await?.is_none().then_some(()))
+    })
+    .await?;
+    stop.cancel();
+    handle.await?;
+    Ok(())
+}
+
+/// Writes `NodeNetworkReady` on `node` as the node sweep does from the agent's report (its own
+/// field manager, taking the condition over).
+async fn sweep_writes(
+    client: &kube::Client,
+    node: &str,
+    reason: &str,
+    message: &str,
+) -> anyhow::Result<()> {
+    let now = k8s_openapi::jiff::Timestamp::now().to_string();
+    let body = json!({
+        "apiVersion": "v1",
+        "kind": "Node",
+        "status": {"conditions": [{
+            "type": NODE_CONDITION_NETWORK_READY,
+            "status": "False",
+            "reason": reason,
+            "message": message,
+            "lastTransitionTime": now,
+            "lastHeartbeatTime": now,
+        }]},
+    });
+    Api::<Node>::all(client.clone())
+        .patch_status(
+            node,
+            &PatchParams::apply("nodekeeper-e2e-sweep").force(),
+            &Patch::Apply(&body),
+        )
+        .await?;
+    Ok(())
+}
+
+/// Regression (review nnc, finding 1): after a restart the controller finds an object's host
+/// side by the generation the Node's `NodeNetworkReady` names. The node sweep rewrites that
+/// condition from the agent's report: drifted (a drift repaired), or the agent's last error (a
+/// later generation that failed and was rolled back); both still name the generation the agent
+/// holds. A restarted controller must still remove the host side where that generation is, on
+/// a node that left the selector and on deletion, before detaching the VNICs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_restarted_controller_removes_the_host_side_under_the_sweeps_condition()
+-> anyhow::Result<()> {
+    skip_unless_root!("needs root to create network namespaces");
+    let rig = Rig::new("nncsweep", &[VM, VM], &[false, false]).await?;
+    let api: Api<NodeNetworkConfig> = Api::all(rig.client.clone());
+    let (stop, handle) = rig.start_controller();
+    let name = unique_name("sweep");
+    apply_nnc(
+        &api,
+        &rig.label,
+        &name,
+        json!({
+            "nodeSelector": rig.selector(),
+            "ociVnics": {"attach": [vnic("pods-a", &rig.subnet)]},
+            "rollout": {"maxUnavailable": 2},
+            "checkTargets": ["10.0.20.1"],
+            "checkTimeoutMs": 1500,
+        }),
+    )
+    .await?;
+    wait_for("both nodes applied", TIMEOUT, || async {
+        let s = status_of(&api, &name).await?;
+        Ok((s["applied"] == 2).then_some(()))
+    })
+    .await?;
+    for n in &rig.nodes {
+        ensure!(!nk_rules(&n.ns)?.is_empty(), "{}: no rules applied", n.name);
+    }
+    let obj = api.get(&name).await?;
+    let applied = format!(
+        "{}/{}",
+        obj.metadata.uid.clone().unwrap_or_default(),
+        obj.metadata.generation.unwrap_or(0)
+    );
+
+    // The controller goes down; meanwhile the sweep rewrites both nodes' conditions in its own
+    // words, and the first node leaves the selector.
+    stop.cancel();
+    handle.await?;
+    let (leaving, deleted) = (&rig.nodes[0], &rig.nodes[1]);
+    sweep_writes(
+        &rig.client,
+        &leaving.name,
+        "NetworkDrifted",
+        &format!(
+            "drifted from generation {applied}: add-route 0.0.0.0/0 via 10.0.20.1 dev ens5 table 101"
+        ),
+    )
+    .await?;
+    sweep_writes(
+        &rig.client,
+        &deleted.name,
+        "NetworkApplyFailed",
+        &format!(
+            "post-apply check failed: icmp 10.0.20.1: no answer within 1500 ms; host networking \
+             stays at generation {applied}"
+        ),
+    )
+    .await?;
+    Api::<Node>::all(rig.client.clone())
+        .patch(
+            &leaving.name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"labels": {rig.label.0.clone(): null}}})),
+        )
+        .await?;
+    let (stop, handle) = rig.start_controller();
+    wait_for(
+        "pods-a detached from the node that left",
+        TIMEOUT,
+        || async {
+            Ok((attachment_state(&rig, leaving, "pods-a") == Some("DETACHED")).then_some(()))
+        },
+    )
+    .await?;
+    let rules = nk_rules(&leaving.ns)?;
+    ensure!(
+        rules.is_empty(),
+        "the node that left keeps the object's rules: {rules:?}"
+    );
+
+    api.delete(&name, &DeleteParams::default()).await?;
+    wait_for("the object gone after its cleanup", TIMEOUT, || async {
+        Ok(api.get_opt(&name).await?.is_none().then_some(()))
+    })
+    .await?;
+    let rules = nk_rules(&deleted.ns)?;
+    ensure!(
+        rules.is_empty(),
+        "the deleted object's rules are left on the host: {rules:?}"
+    );
+    ensure!(
+        default_routes(&deleted.ns)?.is_empty(),
+        "{:?}",
+        default_routes(&deleted.ns)?
+    );
+    ensure!(attachment_state(&rig, deleted, "pods-a") == Some("DETACHED"));
+    stop.cancel();
+    handle.await?;
+    Ok(())
+}
+
+/// Regression (review nnc, finding 6): OCI answering every AttachVnic with 409 Conflict (the
+/// instance is being changed by something else, for good) fails the node after the attach
+/// timeout, naming OCI's answer, instead of leaving it in progress forever; once the conflict
+/// ends, the retry attaches and applies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lasting_409_fails_the_node_after_the_attach_timeout() -> anyhow::Result<()> {
+    skip_unless_root!("needs root to create network namespaces");
+    let mut rig = Rig::new("nnc409", &[VM], &[false]).await?;
+    rig.attach_timeout = Duration::from_secs(3);
+    rig.retry_backoff = Duration::from_secs(1);
+    rig.endpoint.inject(Fault {
+        status: 409,
+        code: "Conflict".into(),
+        message: "The instance is being modified by another operation".into(),
+        count: u32::MAX,
+        method: Some(Method::POST),
+    });
+    let api: Api<NodeNetworkConfig> = Api::all(rig.client.clone());
+    let (stop, handle) = rig.start_controller();
+    let name = unique_name("conflict");
+    apply_nnc(
+        &api,
+        &rig.label,
+        &name,
+        json!({
+            "nodeSelector": rig.selector(),
+            "ociVnics": {"attach": [vnic("pods-a", &rig.subnet)]},
+            "rollout": {"maxUnavailable": 1, "failureThreshold": 1},
+            "checkTargets": ["10.0.20.1"],
+            "checkTimeoutMs": 1500,
+        }),
+    )
+    .await?;
+    let status = wait_for("the node failing on the 409", TIMEOUT, || async {
+        let s = status_of(&api, &name).await?;
+        Ok((s["failing"] == 1).then_some(s))
+    })
+    .await?;
+    let error = status["failingNodes"][0]["error"].as_str().unwrap_or("");
+    for words in [
+        "spec.ociVnics.attach[0] (pods-a): AttachVnic: 409 Conflict",
+        "being modified by another operation",
+        "still refused after 3s",
+    ] {
+        assert!(error.contains(words), "{words:?} missing: {status:#}");
+    }
+    assert_eq!(status["failingNodes"][0]["rolledBack"], false, "{status:#}");
+
+    // The conflict ends: the retry attaches and applies.
+    rig.endpoint.clear_faults();
+    wait_for("the node applied after the conflict", TIMEOUT, || async {
+        let s = status_of(&api, &name).await?;
+        Ok((s["applied"] == 1 && s["failing"] == 0).then_some(()))
+    })
+    .await?;
     api.delete(&name, &DeleteParams::default()).await?;
     wait_for("the object deleted", TIMEOUT, || async {
         Ok(api.get_opt(&name).await?.is_none().then_some(()))

@@ -83,6 +83,11 @@ impl Agent {
     }
 
     /// The host network manager (`ApplyNetwork` and the drift loop).
+    /// The Node this agent serves (`--node-name`).
+    pub fn node_name(&self) -> &str {
+        &self.sources.node_name
+    }
+
     pub fn network(&self) -> &NetworkManager {
         &self.network
     }

@@ -51,6 +51,10 @@ pub struct NetworkStatus {
 /// At most this many drift lines are reported.
 const MAX_DRIFT_LINES: usize = 20;
 
+/// How `last_error` begins when the applied state could not be checked for drift (cleared by
+/// the next check that can).
+const DRIFT_CHECK_FAILED: &str = "checking for drift failed: the applied generation";
+
 /// Why an `ApplyNetwork` call was refused. Nothing was changed when this is returned.
 #[derive(Debug, thiserror::Error)]
 pub enum NetworkError {
@@ -103,6 +107,8 @@ impl From<NetconfError> for NetworkError {
             }
             NetconfError::Plan(p) => NetworkError::Plan(p.to_string()),
             NetconfError::BadCheckTarget(t) => NetworkError::CheckTarget(t),
+            // What this host cannot do as asked, as an unplannable state is.
+            e @ NetconfError::KernelTooOld { .. } => NetworkError::Plan(e.to_string()),
             other => NetworkError::Netlink(other.to_string()),
         }
     }
@@ -539,6 +545,9 @@ impl NetworkManager {
     }
 
     /// Re-plans the last applied state; on drift, records it and (if `reconverge`) applies again.
+    /// A state that cannot be planned any more (an interface it configures is gone) is reported
+    /// in `last_error` until it plans again: otherwise the report would go on showing the host
+    /// converged while nothing keeps it so.
     pub async fn check_drift(&self, reconverge: bool) -> Result<Vec<String>, NetworkError> {
         let mut state = self.lock.lock().await;
         self.prepare(&mut state).await?;
@@ -546,7 +555,25 @@ impl NetworkManager {
             return Ok(Vec::new());
         };
         let netconf = self.netconf().await?;
-        let drift = netconf.drift(&a.desired).await?;
+        let drift = match netconf.drift(&a.desired).await {
+            Ok(drift) => {
+                // Published only on a change: each publish makes the next report a full one.
+                if self.status().last_error.starts_with(DRIFT_CHECK_FAILED) {
+                    self.publish(|s| s.last_error.clear());
+                }
+                drift
+            }
+            Err(e) => {
+                let error = NetworkError::from(e);
+                let msg = format!(
+                    "{DRIFT_CHECK_FAILED} {:?}: {error}; it is not re-converged until the \
+                     host has what it names again or another state is applied",
+                    a.generation
+                );
+                self.publish(|s| s.last_error = msg);
+                return Err(error);
+            }
+        };
         if drift.is_empty() {
             return Ok(drift);
         }
@@ -1133,6 +1160,118 @@ mod tests {
             let kept = std::fs::read_to_string(dir.join(JOURNAL_FILE)).unwrap();
             assert!(kept.contains("\"pending\":null"), "{kept}");
             assert!(m.status().last_error.is_empty());
+        });
+    }
+
+    /// Regression (review nnc, finding 3): a caller that goes away while `ApplyNetwork` is in
+    /// its post-apply check (the controller's deadline passed, the connection dropped) does not
+    /// cut the apply short: the check still fails, the steps are still undone and the journal
+    /// entry cleared, with no further call and no drift check.
+    #[test]
+    fn an_apply_whose_caller_goes_away_still_rolls_back() {
+        use pb::node_agent_server::NodeAgent as _;
+        skip_unless_root!("needs root to create network namespaces");
+        let ns = nic0_netns("nk-test-agent-drop");
+        let state = tempfile::tempdir().unwrap();
+        let name = Arc::clone(&ns);
+        let state_dir = state.path().to_string_lossy().into_owned();
+        ns.run(move || async move {
+            let agent = Arc::new(agent_in(&state_dir, None));
+            let service = crate::service::AgentService::new(Arc::clone(&agent));
+            let has_address = || ip(&name, &["addr", "show", "dev", "nic0"]).contains("10.0.20.33");
+            // Nothing answers at 10.0.20.9: the check fails after 3 s and the apply rolls back.
+            let mut req = request(DESIRED, false);
+            req.check_targets = vec!["10.0.20.9".into()];
+            req.check_timeout_ms = 3000;
+            let call = service.apply_network(tonic::Request::new(req));
+            let steps_made = async {
+                while !has_address() {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            };
+            tokio::select! {
+                r = call => panic!("the apply ended before its check: {r:?}"),
+                made = tokio::time::timeout(Duration::from_secs(10), steps_made) => {
+                    made.expect("the apply made its steps within 10 s");
+                }
+            }
+            // The call is dropped here, mid-check, as tonic drops a handler whose caller left.
+            let rolled_back = async {
+                while has_address() {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            };
+            tokio::time::timeout(Duration::from_secs(15), rolled_back)
+                .await
+                .expect("the abandoned apply rolled back within 15 s");
+            assert!(!ip(&name, &["rule", "show"]).contains("20101"));
+            assert!(ip(&name, &["route", "show", "table", "101"]).is_empty());
+            let last = agent.network().status().last_error;
+            assert!(last.contains("post-apply check failed"), "{last}");
+            // The lock is free and the journal holds nothing pending: the next apply works.
+            let r = agent
+                .network()
+                .apply(request(DESIRED, false))
+                .await
+                .unwrap();
+            assert_eq!(r.outcome, pb::ApplyOutcome::Applied as i32, "{}", r.message);
+            let kept = std::fs::read_to_string(Path::new(&state_dir).join(JOURNAL_FILE)).unwrap();
+            assert!(kept.contains("\"pending\":null"), "{kept}");
+        });
+    }
+
+    /// Regression (review nnc, finding 8): an interface the applied state configures goes
+    /// away; the drift check cannot plan it any more, and the report says so in `last_error`
+    /// (the node sweep shows it) instead of going on showing the host converged. The error
+    /// goes once the interface is back.
+    #[test]
+    fn a_drift_check_that_cannot_plan_is_reported_until_it_can() {
+        skip_unless_root!("needs root to create network namespaces");
+        let ns = nic0_netns("nk-test-agent-gone");
+        let state = tempfile::tempdir().unwrap();
+        let name = Arc::clone(&ns);
+        let state_dir = state.path().to_string_lossy().into_owned();
+        ns.run(move || async move {
+            let agent = agent_in(&state_dir, None);
+            let m = agent.network();
+            let r = m.apply(request(DESIRED, false)).await.unwrap();
+            assert_eq!(r.outcome, pb::ApplyOutcome::Applied as i32, "{}", r.message);
+            assert!(m.check_drift(true).await.unwrap().is_empty());
+
+            ip(&name, &["link", "del", "nic0"]);
+            assert!(m.check_drift(true).await.is_err());
+            let s = m.status();
+            assert!(
+                s.last_error.starts_with(DRIFT_CHECK_FAILED)
+                    && s.last_error.contains("\"uid-1/3\""),
+                "{s:?}"
+            );
+            let (_, report) = agent.report(0).await;
+            assert_eq!(report.unwrap().network.last_error, s.last_error);
+
+            // The NIC comes back (same MAC): the check plans again, re-converges, and the
+            // error goes.
+            ip(
+                &name,
+                &[
+                    "link",
+                    "add",
+                    "nic0",
+                    "address",
+                    "02:00:17:0a:22:02",
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    "nic0p",
+                ],
+            );
+            ip(&name, &["link", "set", "nic0p", "up"]);
+            ip(&name, &["addr", "add", "10.0.20.1/24", "dev", "nic0p"]);
+            assert!(!m.check_drift(true).await.unwrap().is_empty());
+            let s = m.status();
+            assert!(s.last_error.is_empty(), "{s:?}");
+            assert!(ip(&name, &["addr", "show", "dev", "nic0"]).contains("10.0.20.33"));
         });
     }
 

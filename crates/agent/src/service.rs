@@ -41,6 +41,21 @@ impl AgentService {
     pub fn agent(&self) -> &Arc<Agent> {
         &self.agent
     }
+
+    /// Refuses a call meant for another Node. Every agent serves the fleet's one certificate, so
+    /// the TLS handshake cannot tell the caller that an address it still files under one Node now
+    /// belongs to another (an instance gone and its address handed to a new one); the node name
+    /// the caller puts in the request can. Empty: a caller that names no node, not checked.
+    fn check_node(&self, meant_for: &str) -> Result<(), Status> {
+        let serving = self.agent.node_name();
+        if meant_for.is_empty() || meant_for == serving {
+            return Ok(());
+        }
+        Err(Status::failed_precondition(format!(
+            "this agent serves node {serving}, not {meant_for}: the address the caller used for \
+             {meant_for} now belongs to {serving}; nothing was done"
+        )))
+    }
 }
 
 /// The one place where agent errors become gRPC statuses. What the caller sent wrong is
@@ -117,12 +132,23 @@ impl NodeAgent for AgentService {
         &self,
         request: Request<pb::ApplyNetworkRequest>,
     ) -> Result<Response<pb::ApplyNetworkResponse>, Status> {
-        let response = self
-            .agent
-            .network()
-            .apply(request.into_inner())
-            .await
-            .map_err(|e| status(e.into()))?;
+        // The apply runs in a task of its own, and the handler only waits for it: when the
+        // caller goes away (its deadline passes, the connection drops) tonic drops the handler's
+        // future, and an apply polled inside it would stop between two netlink steps with its
+        // rollback never run, leaving the host half-way until the next drift check. A spawned
+        // task always finishes, rollback and journal included. (The agent's runtime is
+        // current-thread, so the task stays on the thread, and in the network namespace, of the
+        // server.)
+        let agent = Arc::clone(&self.agent);
+        let request = request.into_inner();
+        self.check_node(&request.node_name)?;
+        let applying = tokio::spawn(async move { agent.network().apply(request).await });
+        let response = match applying.await {
+            Ok(applied) => applied.map_err(|e| status(e.into()))?,
+            // A panic in the apply is the handler's panic, as it was before the task.
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            Err(_) => return Err(Status::unavailable("the agent is shutting down; ask again")),
+        };
         Ok(Response::new(response))
     }
 
@@ -138,7 +164,9 @@ impl NodeAgent for AgentService {
                 "this agent was built without diagnostics sources",
             ));
         };
-        Ok(Response::new(diagnostics.collect(request.into_inner())?))
+        let request = request.into_inner();
+        self.check_node(&request.node_name)?;
+        Ok(Response::new(diagnostics.collect(request)?))
     }
 }
 

@@ -320,6 +320,55 @@ async fn reports_revisions_and_rules() {
     assert!(state.contains("\"revision\": 77"), "{state}");
 }
 
+/// Every agent serves the fleet's one certificate, so a call names the Node it is meant for: one
+/// naming another node is refused before anything is done (an address reused by a new node never
+/// gets the old node's network state, nor has its bundle filed under the old node).
+#[tokio::test]
+async fn calls_meant_for_another_node_are_refused() {
+    let pki = pki();
+    let agent = start(&pki, &[]).await;
+    let mut client = good_client(&pki, &agent).await;
+    let apply = |node: &str| pb::ApplyNetworkRequest {
+        desired_state_json: "{}".into(),
+        dry_run: true,
+        node_name: node.into(),
+        ..Default::default()
+    };
+    let err = client.apply_network(apply("worker-2")).await.unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{}", err.message());
+    assert!(
+        err.message()
+            .contains("this agent serves node worker-1, not worker-2"),
+        "{}",
+        err.message()
+    );
+    let err = client
+        .collect_diagnostics(pb::DiagnosticsRequest {
+            parts: vec!["report".into()],
+            node_name: "worker-2".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{}", err.message());
+    assert!(err.message().contains("not worker-2"), "{}", err.message());
+    // Its own node, and a caller that names none, are served.
+    for node in ["worker-1", ""] {
+        let planned = client
+            .apply_network(apply(node))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(
+            planned.outcome,
+            pb::ApplyOutcome::Planned as i32,
+            "{planned:?}"
+        );
+    }
+    agent.shutdown.cancel();
+    agent.task.await.unwrap().unwrap();
+}
+
 #[tokio::test]
 async fn oversized_messages_are_refused() {
     let pki = pki();

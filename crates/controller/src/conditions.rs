@@ -465,25 +465,44 @@ fn gpu_condition(view: &NodeView) -> Option<Condition> {
     })
 }
 
+/// The agent's `NodeNetworkReady`. While the agent holds an applied generation
+/// (`<object uid>/<generation>`), every message names it, the failed and drifted ones included:
+/// a restarted NodeNetworkConfig controller finds the nodes where an object's host side is by
+/// that name alone (`generation <uid>/`), and a message without it would make it leave that host
+/// side in place when the object is deleted or the node leaves its selector.
 fn network_condition(view: &NodeView) -> Option<Condition> {
     let net = &view.network;
+    let applied = &net.applied_generation;
     if !net.last_error.is_empty() {
+        let message = if applied.is_empty() {
+            net.last_error.clone()
+        } else {
+            format!(
+                "{}; host networking stays at generation {applied}",
+                net.last_error
+            )
+        };
         return Some(Condition::new(
             NETWORK_READY,
             Status::False,
             reason::NETWORK_APPLY_FAILED,
-            net.last_error.clone(),
+            message,
         ));
     }
     if net.drifted {
+        let message = if applied.is_empty() {
+            format!("drifted: {}", list(&net.drift))
+        } else {
+            format!("drifted from generation {applied}: {}", list(&net.drift))
+        };
         return Some(Condition::new(
             NETWORK_READY,
             Status::False,
             reason::NETWORK_DRIFTED,
-            format!("drifted: {}", list(&net.drift)),
+            message,
         ));
     }
-    if net.applied_generation.is_empty() {
+    if applied.is_empty() {
         // No nodekeeper-managed networking on this node: no opinion.
         return None;
     }
@@ -491,7 +510,7 @@ fn network_condition(view: &NodeView) -> Option<Condition> {
         NETWORK_READY,
         Status::True,
         reason::NETWORK_CONVERGED,
-        format!("host networking at generation {}", net.applied_generation),
+        format!("host networking at generation {applied}"),
     ))
 }
 
@@ -1144,8 +1163,17 @@ mod tests {
         view.network.drifted = true;
         view.network.drift = vec!["address 10.0.0.5/24 missing on nk-v21".into()];
         assert_eq!(net(&view).unwrap().reason, reason::NETWORK_DRIFTED);
+        assert_eq!(
+            net(&view).unwrap().message,
+            "drifted from generation uid/3: address 10.0.0.5/24 missing on nk-v21"
+        );
         view.network.last_error = "add-route failed".into();
-        assert_eq!(net(&view).unwrap().reason, reason::NETWORK_APPLY_FAILED);
+        let c = net(&view).unwrap();
+        assert_eq!(c.reason, reason::NETWORK_APPLY_FAILED);
+        assert_eq!(
+            c.message,
+            "add-route failed; host networking stays at generation uid/3"
+        );
     }
 
     #[test]

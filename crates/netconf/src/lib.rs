@@ -36,6 +36,45 @@ pub enum NetconfError {
     Plan(#[from] PlanError),
     #[error("{0}")]
     BadCheckTarget(String),
+    /// The kernel cannot mark addresses as nodekeeper's (see [`check_kernel`]).
+    #[error(
+        "this node's kernel {release} is older than Linux {}.{}: it drops the IFA_PROTO mark \
+         nodekeeper owns addresses by, so addresses it added could never be told apart and \
+         removed; the desired state has {addresses} address(es) (spec.state.addresses or the OCI \
+         VNIC layout): upgrade the node's kernel (Oracle Linux: UEK8) or leave addresses out",
+        IFA_PROTO_SINCE.0,
+        IFA_PROTO_SINCE.1
+    )]
+    KernelTooOld { release: String, addresses: usize },
+}
+
+/// The first kernel that keeps `IFA_PROTO` on addresses (Linux 5.18).
+pub const IFA_PROTO_SINCE: (u32, u32) = (5, 18);
+
+/// Refuses a desired state with addresses on a kernel older than [`IFA_PROTO_SINCE`]
+/// (`release` as `uname -r` prints it). Such a kernel drops the protocol mark of an added
+/// address and reports protocol 0: the plan would take nodekeeper's own addresses for someone
+/// else's, never remove them, and leave them out of the restore point. Decided by the release
+/// number because a probe would have to add an address to this host (or a namespace) first; a
+/// release that cannot be read is let through, as it says nothing either way.
+pub fn check_kernel(release: &str, desired: &NetworkState) -> Result<(), NetconfError> {
+    if desired.addresses.is_empty() {
+        return Ok(());
+    }
+    let mut numbers = release
+        .trim()
+        .split(|c: char| !c.is_ascii_digit())
+        .map(|n| n.parse::<u32>().ok());
+    let (Some(Some(major)), Some(Some(minor))) = (numbers.next(), numbers.next()) else {
+        return Ok(());
+    };
+    if (major, minor) < IFA_PROTO_SINCE {
+        return Err(NetconfError::KernelTooOld {
+            release: release.trim().to_string(),
+            addresses: desired.addresses.len(),
+        });
+    }
+    Ok(())
 }
 
 /// How to apply.
@@ -108,6 +147,9 @@ pub struct ApplyReport {
 #[derive(Clone)]
 pub struct Netconf {
     link: netlink::Link,
+    /// The kernel release (`/proc/sys/kernel/osrelease`; empty when unreadable), for
+    /// [`check_kernel`].
+    kernel: String,
 }
 
 impl Netconf {
@@ -115,6 +157,7 @@ impl Netconf {
     pub fn connect() -> Result<Self, NetconfError> {
         Ok(Self {
             link: netlink::Link::connect()?,
+            kernel: std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default(),
         })
     }
 
@@ -128,8 +171,10 @@ impl Netconf {
         self.link.observe().await
     }
 
-    /// Plans `desired` against the current state.
+    /// Plans `desired` against the current state; a state with addresses is refused on a
+    /// kernel that cannot mark them ([`check_kernel`]).
     pub async fn plan(&self, desired: &NetworkState) -> Result<Plan, NetconfError> {
+        check_kernel(&self.kernel, desired)?;
         Ok(plan::plan(desired, &self.observe().await?)?)
     }
 
@@ -363,4 +408,47 @@ pub fn restore_point(desired: &NetworkState, obs: &Observed) -> NetworkState {
 
 fn o_mac_eq(observed: Option<&str>, want: &str) -> bool {
     observed.is_some_and(|o| o.eq_ignore_ascii_case(want))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Review nnc, finding 4: addresses are refused below Linux 5.18 (IFA_PROTO), naming the
+    /// kernel and what to do; a state without addresses, a newer kernel and an unreadable
+    /// release go through.
+    #[test]
+    fn addresses_need_a_kernel_that_keeps_ifa_proto() {
+        let with: NetworkState = serde_json::from_value(serde_json::json!({
+            "links": [{"name": "vnic1", "kind": "existing", "mac": "02:00:17:0a:22:02"}],
+            "addresses": [{"link": "vnic1", "cidr": "10.0.20.33/24"}],
+        }))
+        .unwrap();
+        let without = NetworkState {
+            addresses: Vec::new(),
+            ..with.clone()
+        };
+        let e = check_kernel("5.15.0-300.163.18.el9uek.x86_64\n", &with).unwrap_err();
+        let m = e.to_string();
+        for words in [
+            "kernel 5.15.0-300.163.18.el9uek.x86_64 is older than Linux 5.18",
+            "IFA_PROTO",
+            "1 address(es)",
+            "upgrade the node's kernel",
+        ] {
+            assert!(m.contains(words), "{words:?}: {m}");
+        }
+        assert!(check_kernel("5.17.15", &with).is_err());
+        assert!(check_kernel("4.18.0-553.el8_10.x86_64", &with).is_err());
+        for ok in [
+            "5.18.0",
+            "6.1.0-25-amd64",
+            "6.12.0-100.el10uek.x86_64",
+            "",
+            "weird",
+        ] {
+            check_kernel(ok, &with).unwrap();
+        }
+        check_kernel("5.15.0", &without).unwrap();
+    }
 }

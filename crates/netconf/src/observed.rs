@@ -3,7 +3,8 @@
 //!
 //! Ownership marks, chosen so that ownership survives an agent restart without any state file:
 //! - routes, policy rules and addresses carry the protocol number [`NK_PROTOCOL`] (`RTM_*ROUTE`
-//!   `rtm_protocol`, `FRA_PROTOCOL`, and `IFA_PROTO` — the last needs Linux ≥ 5.18). Addresses on
+//!   `rtm_protocol`, `FRA_PROTOCOL`, and `IFA_PROTO` — the last needs Linux ≥ 5.18, so a state
+//!   with addresses is refused on older kernels, [`crate::check_kernel`]). Addresses on
 //!   NICs nodekeeper did not create (the VM secondary VNIC) are thus owned individually, which a
 //!   label could not do for IPv6 and a state file could lose;
 //! - links nodekeeper creates carry the alias (`IFLA_IFALIAS`) `nodekeeper:<name>`;

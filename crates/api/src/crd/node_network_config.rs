@@ -23,6 +23,13 @@ pub const MAX_NSGS_PER_VNIC: usize = 5;
 /// Most secondary private IPv4 addresses per VNIC (`shared/oci/README.md`: up to 31 besides the
 /// primary address).
 pub const MAX_SECONDARY_PRIVATE_IPS: u32 = 31;
+/// `Progressing` reason: the rollout is paused because its failing nodes fill
+/// `rollout.maxUnavailable` (below `failureThreshold`), so no further node can start.
+pub const REASON_MAX_UNAVAILABLE_FAILING: &str = "MaxUnavailableFailing";
+/// Why `secondaryPrivateIpCount` other than 0 is refused (the CRD's rule and `validate()`).
+const SECONDARY_IPS_UNSUPPORTED: &str = "secondaryPrivateIpCount is not supported yet: nodekeeper \
+    does not assign secondary private IPs; remove the field (or set it to 0), assign them with \
+    `oci network vnic assign-private-ip` and configure them under spec.state.addresses";
 /// The freeform tag key put on every VNIC this object attaches, valued with the object's name;
 /// only VNICs carrying it with this object's name are ever detached.
 pub const OWNER_TAG: &str = "nodekeeper.dev/nnc";
@@ -221,10 +228,17 @@ pub struct OciVnic {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0, max = 1))]
     pub nic_index: Option<u32>,
-    /// Secondary private IPv4 addresses OCI assigns on this VNIC besides its primary address
-    /// (0–31); each gets its own source rule on the host.
+    /// Reserved; only 0 (the default) is accepted. nodekeeper does not assign secondary private
+    /// IPv4 addresses yet: assign them with `oci network vnic assign-private-ip` and configure
+    /// them on the host under `spec.state.addresses`.
     #[serde(default)]
-    #[schemars(range(min = 0, max = MAX_SECONDARY_PRIVATE_IPS))]
+    #[schemars(
+        range(min = 0, max = MAX_SECONDARY_PRIVATE_IPS),
+        extend("x-kubernetes-validations" = [{
+            "rule": "self == 0",
+            "message": SECONDARY_IPS_UNSUPPORTED,
+        }])
+    )]
     pub secondary_private_ip_count: u32,
 }
 
@@ -341,11 +355,13 @@ fn validate_attach(attach: &[OciVnic], errors: &mut Vec<FieldError>) {
                 "must be 0 or 1 (the physical NIC of a two-NIC bare-metal shape)",
             ));
         }
-        if vnic.secondary_private_ip_count > MAX_SECONDARY_PRIVATE_IPS {
+        // The field was documented and accepted, but the attach never sent it: a VNIC came up
+        // without the addresses asked for. Refused until the attach assigns them.
+        if vnic.secondary_private_ip_count != 0 {
             errors.push(FieldError::new(
                 at("secondaryPrivateIpCount"),
                 format!(
-                    "{} addresses; a VNIC has at most {MAX_SECONDARY_PRIVATE_IPS} secondary private IPv4 addresses",
+                    "{}: {SECONDARY_IPS_UNSUPPORTED}",
                     vnic.secondary_private_ip_count
                 ),
             ));
@@ -448,7 +464,7 @@ mod tests {
                 "nsgIds": ["ocid1.networksecuritygroup.oc1.phx.cccc"],
                 "skipSourceDestCheck": true,
                 "nicIndex": 1,
-                "secondaryPrivateIpCount": 31,
+                "secondaryPrivateIpCount": 0,
             }]},
         }))
         .unwrap();
@@ -489,6 +505,38 @@ mod tests {
             "{errors:?}"
         );
         assert!(errors[4].message.contains("own display name"), "{errors:?}");
+    }
+
+    /// Regression (review nnc, finding 5): secondary private IPs were accepted and documented
+    /// but never assigned; any count but 0 is refused, naming the field and the way to do it.
+    #[test]
+    fn secondary_private_ips_are_refused_until_supported() {
+        let mut two = vnic("a");
+        two["secondaryPrivateIpCount"] = 2.into();
+        let spec: NodeNetworkConfigSpec = serde_json::from_value(serde_json::json!({
+            "nodeSelector": {},
+            "ociVnics": {"attach": [two]},
+        }))
+        .unwrap();
+        let errors = spec.validate().unwrap_err();
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert_eq!(
+            errors[0].field,
+            "spec.ociVnics.attach[0].secondaryPrivateIpCount"
+        );
+        for words in [
+            "2: ",
+            "not supported yet",
+            "remove the field",
+            "assign-private-ip",
+        ] {
+            assert!(errors[0].message.contains(words), "{words}: {errors:?}");
+        }
+        let crd = serde_json::to_string(&crate::crd::all()).unwrap();
+        assert!(
+            crd.contains("\"rule\":\"self == 0\""),
+            "the CRD refuses it too"
+        );
     }
 
     #[test]

@@ -332,9 +332,11 @@ impl Agents for MtlsAgents {
     fn apply_network<'a>(
         &'a self,
         node: &'a AgentNode,
-        request: pb::ApplyNetworkRequest,
+        mut request: pb::ApplyNetworkRequest,
         timeout: Duration,
     ) -> BoxFuture<'a, Result<pb::ApplyNetworkResponse, CallError>> {
+        // Named here, for every caller: an agent now at this address for another Node refuses.
+        request.node_name.clone_from(&node.name);
         self.unary(
             AgentMethod::ApplyNetwork,
             node,
@@ -346,10 +348,11 @@ impl Agents for MtlsAgents {
     fn collect_diagnostics<'a>(
         &'a self,
         node: &'a AgentNode,
-        request: pb::DiagnosticsRequest,
+        mut request: pb::DiagnosticsRequest,
         timeout: Duration,
     ) -> BoxFuture<'a, Result<DiagnosticsStream, CallError>> {
         use futures::StreamExt as _;
+        request.node_name.clone_from(&node.name);
         self.measured(AgentMethod::CollectDiagnostics, node, async move {
             let result: Result<DiagnosticsStream, CallError> = async {
                 let mut conn = self

@@ -563,6 +563,12 @@ pub struct ApplyNetworkRequest {
     /// configured with (`--imds-endpoint`). Unset or not enabled: the metadata service is not asked.
     #[prost(message, optional, tag = "6")]
     pub oci_vnics: ::core::option::Option<OciVnics>,
+    /// The Node this state is meant for. An agent serving another node (its `--node-name`) answers
+    /// FAILED_PRECONDITION and changes nothing: every agent serves the same certificate, so only
+    /// this tells it that an address now belongs to another node than the caller thinks (an instance
+    /// gone and its address reused). Empty: not checked.
+    #[prost(string, tag = "7")]
+    pub node_name: ::prost::alloc::string::String,
 }
 /// The OCI secondary-VNIC layout requested with `ApplyNetworkRequest.oci_vnics`. When `enabled`, the
 /// agent asks its configured metadata service for `/opc/v2/instance/` and `/opc/v2/vnics/`, builds the
@@ -638,6 +644,10 @@ pub struct DiagnosticsRequest {
     /// Time cap of one part in milliseconds; 0 means the agent's default.
     #[prost(uint32, tag = "4")]
     pub part_timeout_ms: u32,
+    /// The Node whose bundle is wanted. An agent serving another node answers FAILED_PRECONDITION
+    /// and sends nothing, so a bundle is never filed under the wrong node. Empty: not checked.
+    #[prost(string, tag = "5")]
+    pub node_name: ::prost::alloc::string::String,
 }
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct DiagnosticsChunk {

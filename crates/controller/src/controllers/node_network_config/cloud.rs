@@ -391,8 +391,8 @@ impl Cloud {
         let r = self.client.attach_vnic(&details).await;
         self.count("AttachVnic", calls, &r);
         let a = r?;
-        // Our own attachment: its owner is known without asking (the MAC comes with the
-        // agent's layout, or GetVnic when it is detached later).
+        // Our own attachment: its owner is known without asking (its MAC is asked once, when
+        // the apply checks that the VNIC is on the host, or when it is detached).
         self.lock_vnics().insert(
             a.id.clone(),
             VnicFacts {
@@ -463,14 +463,29 @@ impl Cloud {
         if seen.mac.is_some() {
             return Ok(seen.mac.clone());
         }
-        let Some(vnic_id) = &seen.vnic_id else {
+        self.attachment_mac(&seen.found.id, seen.vnic_id.as_deref(), calls)
+            .await
+    }
+
+    /// The MAC of the VNIC of attachment `id` (whose VNIC is `vnic_id`): from the cache, else
+    /// one GetVnic (then cached; the MAC never changes). `None` without a VNIC id.
+    pub async fn attachment_mac(
+        &self,
+        id: &str,
+        vnic_id: Option<&str>,
+        calls: &mut u32,
+    ) -> Result<Option<String>, ComputeError> {
+        if let Some(mac) = self.lock_vnics().get(id).and_then(|f| f.mac.clone()) {
+            return Ok(Some(mac));
+        }
+        let Some(vnic_id) = vnic_id else {
             return Ok(None);
         };
         let r = self.client.get_vnic(vnic_id).await;
         self.count("GetVnic", calls, &r);
         let v = r?;
         let mut vnics = self.lock_vnics();
-        let entry = vnics.entry(seen.found.id.clone()).or_default();
+        let entry = vnics.entry(id.to_string()).or_default();
         entry.mac = v.mac_address.clone();
         entry.owner = v.freeform_tags.get(OWNER_TAG).cloned();
         Ok(v.mac_address)

@@ -101,6 +101,10 @@ pub(crate) struct NodeRun {
     instance: Option<String>,
     /// An apply reached the host (so the finalizer removes the host side).
     host_touched: bool,
+    /// The attachments of the VNICs this object keeps on the node (id, VNIC id), as found by
+    /// the observation and as they became ATTACHED: the apply is complete once each one's VNIC
+    /// is on the host.
+    keep: Vec<(String, Option<String>)>,
     /// When the attachment being waited for was requested, and when to look at it next.
     attach_requested: Option<Instant>,
     next_look: Option<Instant>,
@@ -122,6 +126,7 @@ impl NodeRun {
             started: Instant::now(),
             instance: None,
             host_touched: false,
+            keep: Vec::new(),
             attach_requested: None,
             next_look: None,
             failures: 0,
@@ -739,22 +744,18 @@ const MIN_PASS_GAP: std::time::Duration = std::time::Duration::from_millis(50);
 const APPLIED_AT_GENERATION: &str = "host networking at generation ";
 const FAILED_AT_GENERATION: &str = "failed at generation ";
 
-/// Whether the Node's `NodeNetworkReady` was written for the object with this UID, at any
-/// generation, converged or failed: after a restart, such a node that is no longer selected
-/// is cleaned (its host side, then this object's VNICs). The node sweep's own
-/// `NetworkApplyFailed` (the agent's last error) names no object and does not count.
+/// Whether the Node's `NodeNetworkReady` names a generation of the object with this UID, in
+/// any of its messages: this controller's converged and failed ones, and the node sweep's
+/// converged, drifted and apply-failed ones, which name the generation the agent holds (see
+/// `conditions::network_condition`). After a restart this is how the controller knows that the
+/// object's host side may be on the node: a deleted object removes it there, and a node that
+/// is no longer selected is cleaned (its host side, then this object's VNICs). One test for
+/// both: were they to differ, a node one of them missed would keep the host side for good.
 fn touched_per_node_condition(n: &NodeInfo, uid: &str) -> bool {
-    n.ready.as_ref().is_some_and(|(_, reason, message, _)| {
-        let ours = |prefix: &str| {
-            message
-                .strip_prefix(prefix)
-                .and_then(|rest| rest.strip_prefix(uid))
-                .is_some_and(|rest| rest.starts_with('/'))
-        };
-        (reason == REASON_NETWORK_CONVERGED && ours(APPLIED_AT_GENERATION))
-            || ([REASON_NETWORK_APPLY_FAILED, REASON_VNIC_ATTACH_FAILED].contains(&reason.as_str())
-                && ours(FAILED_AT_GENERATION))
-    })
+    !uid.is_empty()
+        && n.ready
+            .as_ref()
+            .is_some_and(|(_, _, message, _)| message.contains(&format!("generation {uid}/")))
 }
 
 fn applied_per_node_condition(n: &NodeInfo, target: &str) -> bool {
@@ -812,7 +813,16 @@ async fn step(
                     run.work = Work::Apply { detach: Vec::new() };
                     continue;
                 };
-                match observe(cloud, owner, desired, info, run).await {
+                match observe(
+                    cloud,
+                    owner,
+                    desired,
+                    info,
+                    run,
+                    ctx.settings.attach_timeout,
+                )
+                .await
+                {
                     Ok(true) => continue,
                     Ok(false) => return,
                     Err(e) => return run.fail(e, false),
@@ -844,6 +854,8 @@ async fn step(
                             cloud.observe_first_look(true, t.elapsed());
                         }
                         run.next_look = None;
+                        run.keep.retain(|(kept, _)| *kept != id);
+                        run.keep.push((id.clone(), a.vnic_id.clone()));
                     }
                     s if s.is_gone() => {
                         return run.fail(
@@ -881,8 +893,18 @@ async fn step(
                                 };
                                 return;
                             }
-                            // The instance is still being modified: try again next pass.
-                            Err(ComputeError::Conflict { .. }) => return,
+                            // The instance is still being modified: try again next pass, until
+                            // the attach timeout.
+                            Err(e @ ComputeError::Conflict { .. }) => {
+                                if let Some(error) = conflict_outlasted(
+                                    run,
+                                    ctx.settings.attach_timeout,
+                                    attach_error(next, &desired[next], &e),
+                                ) {
+                                    return run.fail(error, false);
+                                }
+                                return;
+                            }
                             Err(e) => {
                                 return run.fail(attach_error(next, &desired[next], &e), false);
                             }
@@ -923,7 +945,16 @@ async fn step(
                         }
                         return;
                     }
-                    Err(ComputeError::Conflict { .. }) => return,
+                    Err(e @ ComputeError::Conflict { .. }) => {
+                        if let Some(error) = conflict_outlasted(
+                            run,
+                            ctx.settings.attach_timeout,
+                            cloud_error("DetachVnic", &e),
+                        ) {
+                            return run.fail(error, false);
+                        }
+                        return;
+                    }
                     Err(e) => return run.fail(cloud_error("DetachVnic", &e), false),
                 }
             }
@@ -939,6 +970,7 @@ async fn observe(
     desired: &[OciVnic],
     info: &NodeInfo,
     run: &mut NodeRun,
+    attach_timeout: std::time::Duration,
 ) -> Result<bool, String> {
     let instance = instance_id(info.provider_id.as_deref())?;
     run.instance = Some(instance.clone());
@@ -971,6 +1003,14 @@ async fn observe(
             .collect::<Vec<_>>()
             .join("; ")
     })?;
+    run.keep = plan
+        .keep
+        .iter()
+        .map(|(_, id, _)| {
+            let vnic_id = seen.iter().find(|s| &s.found.id == id);
+            (id.clone(), vnic_id.and_then(|s| s.vnic_id.clone()))
+        })
+        .collect();
     let mut detach = Vec::new();
     for id in &plan.detach {
         let mac = match seen.iter().find(|s| &s.found.id == id) {
@@ -1000,7 +1040,16 @@ async fn observe(
                 };
                 Ok(false)
             }
-            Err(ComputeError::Conflict { .. }) => Ok(false),
+            Err(e @ ComputeError::Conflict { .. }) => {
+                match conflict_outlasted(
+                    run,
+                    attach_timeout,
+                    attach_error(first, &desired[first], &e),
+                ) {
+                    Some(error) => Err(error),
+                    None => Ok(false),
+                }
+            }
             Err(e) => Err(attach_error(first, &desired[first], &e)),
         };
     }
@@ -1020,6 +1069,25 @@ async fn observe(
     Ok(true)
 }
 
+/// A 409 Conflict means another change to the instance is under way, and the step is tried
+/// again next pass; but not forever: once the node has been at it longer than the attach
+/// timeout (counted from its start, as the wait for ATTACHED is), it fails with OCI's answer
+/// (`error`), so that it shows in the failing nodes and is retried with backoff instead of
+/// holding a maxUnavailable place in progress for good.
+fn conflict_outlasted(
+    run: &NodeRun,
+    attach_timeout: std::time::Duration,
+    error: String,
+) -> Option<String> {
+    (run.started.elapsed() > attach_timeout).then(|| {
+        format!(
+            "{error}; still refused after {}s: find what keeps changing the instance (another \
+             attach or detach, a console, CLI or Terraform change) and let it finish",
+            attach_timeout.as_secs()
+        )
+    })
+}
+
 fn cloud_error(operation: &str, e: &ComputeError) -> String {
     let what = match e.status() {
         Some(400) => "; fix the spec field OCI names",
@@ -1030,7 +1098,13 @@ fn cloud_error(operation: &str, e: &ComputeError) -> String {
         }
         _ => "",
     };
-    format!("{operation}: {e}{what}")
+    // The service's errors name their operation already; the others do not.
+    let text = e.to_string();
+    if text.starts_with(&format!("{operation}: ")) {
+        format!("{text}{what}")
+    } else {
+        format!("{operation}: {text}{what}")
+    }
 }
 
 fn attach_error(index: usize, vnic: &OciVnic, e: &ComputeError) -> String {
@@ -1060,7 +1134,7 @@ async fn apply(
         name: info.name.clone(),
         endpoint: SocketAddr::new(address, ctx.agent_port),
     };
-    let request = apply_request(spec, &run.target, detach);
+    let request = apply_request(spec, &info.name, &run.target, detach);
     let response = match ctx
         .agents
         .apply_network(&node, request, ctx.settings.apply_timeout)
@@ -1081,29 +1155,44 @@ async fn apply(
         }
     }
     // The metadata service and the interfaces lag the attach: the agent leaves a VNIC out
-    // until both show it. Count the VNIC interfaces laid out against the VNICs to keep.
+    // until both show it. Each VNIC to keep must be on a link the agent observed, found by its
+    // MAC: the observed state also holds the node's other links (its primary NIC, VNICs of
+    // other objects or attached by hand), so a count of MACs would take one of those for a
+    // VNIC still missing.
     let want = attach_list(spec).len();
     if want > 0 {
-        let observed: nodekeeper_model::network::NetworkState =
-            serde_json::from_str(&response.observed_state_json).unwrap_or_default();
-        let mut macs: Vec<String> = observed
-            .links
-            .iter()
-            .filter_map(|l| l.mac.as_ref().map(|m| m.to_lowercase()))
-            .collect();
-        macs.sort();
-        macs.dedup();
-        if macs.len() < want {
+        let mut kept = Vec::new();
+        if let CloudAccess::On(cloud) = &ctx.cloud {
+            for (id, vnic_id) in run.keep.clone() {
+                match cloud
+                    .attachment_mac(&id, vnic_id.as_deref(), &mut run.calls)
+                    .await
+                {
+                    Ok(Some(mac)) => kept.push(mac),
+                    // No VNIC id yet: it is not ATTACHED, so it cannot be on the host.
+                    Ok(None) => {}
+                    Err(e) => return Err((cloud_error("GetVnic", &e), false)),
+                }
+            }
+        }
+        let missing = not_on_host(&kept, &response.observed_state_json);
+        if !missing.is_empty() || kept.len() < want {
             if run.started.elapsed() > ctx.settings.attach_timeout {
+                // The apply itself succeeded and stays: nothing was rolled back.
                 return Err((
                     format!(
                         "{} of {want} VNICs of spec.ociVnics.attach are ATTACHED in OCI but not \
                          visible on the host after {}s (instance metadata or interface \
-                         missing); check the node's metadata service and the VNIC's driver",
-                        macs.len(),
-                        ctx.settings.attach_timeout.as_secs()
+                         missing{}); check the node's metadata service and the VNIC's driver",
+                        kept.len() - missing.len(),
+                        ctx.settings.attach_timeout.as_secs(),
+                        if missing.is_empty() {
+                            String::new()
+                        } else {
+                            format!(" for MAC {}", missing.join(", "))
+                        },
                     ),
-                    true,
+                    false,
                 ));
             }
             return Ok(false);
@@ -1112,8 +1201,26 @@ async fn apply(
     Ok(true)
 }
 
+/// The MACs of `kept` (the VNICs this object keeps on the node) that no link of the agent's
+/// observed state (`ApplyNetworkResponse.observed_state_json`) carries. An observed state that
+/// cannot be read shows nothing: every VNIC is missing.
+fn not_on_host(kept: &[String], observed_state_json: &str) -> Vec<String> {
+    let observed: nodekeeper_model::network::NetworkState =
+        serde_json::from_str(observed_state_json).unwrap_or_default();
+    let on_host: std::collections::HashSet<String> = observed
+        .links
+        .iter()
+        .filter_map(|l| l.mac.as_ref().map(|m| m.to_lowercase()))
+        .collect();
+    kept.iter()
+        .filter(|m| !on_host.contains(&m.to_lowercase()))
+        .cloned()
+        .collect()
+}
+
 fn apply_request(
     spec: &NodeNetworkConfigSpec,
+    node: &str,
     target: &str,
     detach: &[Detach],
 ) -> pb::ApplyNetworkRequest {
@@ -1134,6 +1241,8 @@ fn apply_request(
             rule_priority_base: o.rule_priority_base,
             exclude_macs: detach.iter().filter_map(|d| d.mac.clone()).collect(),
         }),
+        // An agent serving another node than this one refuses, changing nothing.
+        node_name: node.to_string(),
     }
 }
 
@@ -1305,9 +1414,7 @@ async fn cleanup(
                 let mut run = run.unwrap_or_else(|| NodeRun {
                     // After a restart the Node's condition tells whether this object's host
                     // side is there.
-                    host_touched: info.ready.as_ref().is_some_and(|(_, _, m, _)| {
-                        m.starts_with(&format!("host networking at generation {uid}/"))
-                    }),
+                    host_touched: touched_per_node_condition(&info, &uid),
                     ..NodeRun::new("")
                 });
                 let done = cleanup_node(&ctx, &name, &info, &mut run).await;
@@ -1352,6 +1459,7 @@ async fn cleanup_node(ctx: &Context, owner: &str, info: &NodeInfo, run: &mut Nod
         let request = pb::ApplyNetworkRequest {
             desired_state_json: "{}".into(),
             generation: String::new(),
+            node_name: info.name.clone(),
             ..Default::default()
         };
         match ctx
@@ -1359,7 +1467,15 @@ async fn cleanup_node(ctx: &Context, owner: &str, info: &NodeInfo, run: &mut Nod
             .apply_network(&node, request, ctx.settings.apply_timeout)
             .await
         {
-            Ok(_) => run.host_touched = false,
+            Ok(r) if r.outcome == pb::ApplyOutcome::Applied as i32 => run.host_touched = false,
+            // The agent answered that the removal failed (and was rolled back, or not even
+            // that): the host still routes through this object's VNICs, and detaching them now
+            // would leave its rules and routes pointing at interfaces that are gone, re-applied
+            // by the agent's drift loop for good. The removal is asked again next pass.
+            Ok(r) => {
+                warn!(node = %info.name, object = %owner, outcome = r.outcome, message = %r.message, "host cleanup failed on the agent; VNICs kept until it succeeds");
+                return false;
+            }
             // An unreachable agent must not hold the object forever: the VNICs still go.
             Err(error) => {
                 warn!(%error, node = %info.name, "host cleanup failed; detaching anyway");
@@ -1442,6 +1558,7 @@ mod tests {
         let s = spec(1);
         let r = apply_request(
             &s,
+            "n1",
             "uid/3",
             &[Detach {
                 id: "a".into(),
@@ -1450,6 +1567,7 @@ mod tests {
         );
         assert_eq!(r.desired_state_json, "{}");
         assert_eq!(r.generation, "uid/3");
+        assert_eq!(r.node_name, "n1");
         assert_eq!(r.check_targets, ["10.0.0.1"]);
         let o = r.oci_vnics.unwrap();
         assert!(o.enabled);
@@ -1536,11 +1654,72 @@ mod tests {
             ),
             "uid"
         ));
-        // The node sweep's failure (the agent's last error) names no object.
+        // A failure that names no generation (the agent holds none) names no object.
         assert!(!touched_per_node_condition(
             &node(REASON_NETWORK_APPLY_FAILED, "add-route failed"),
             "uid"
         ));
+    }
+
+    /// Regression (review nnc, finding 1): the node sweep rewrites `NodeNetworkReady` from the
+    /// agent's report (drifted, or the agent's last error after a failed apply that it rolled
+    /// back); the host side of the generation the agent holds is still there, and a restarted
+    /// controller must still find it by the object's UID, for deletion and for a node that
+    /// leaves the selector alike.
+    #[test]
+    fn a_restart_finds_this_objects_host_side_under_the_sweeps_words() {
+        use crate::conditions::{Observation, desired_conditions};
+        use crate::view::NodeView;
+        let sweep = |view: &NodeView| {
+            let c = desired_conditions(
+                Observation::Fresh(view),
+                &nodekeeper_model::tuning::TuningConfig::default(),
+                &[],
+            )
+            .unwrap()
+            .into_iter()
+            .find(|c| c.type_ == NODE_CONDITION_NETWORK_READY)
+            .unwrap();
+            NodeInfo {
+                name: "n1".into(),
+                labels: BTreeMap::new(),
+                provider_id: None,
+                address: None,
+                ready: Some(("False".into(), c.reason, c.message, None)),
+            }
+        };
+        let mut view = NodeView::default();
+        view.network.applied_generation = "uid/2".into();
+        assert!(touched_per_node_condition(&sweep(&view), "uid"));
+        // A drift, repaired or not.
+        view.network.drifted = true;
+        view.network.drift = vec!["add-route 0.0.0.0/0 via 10.0.20.1 dev ens5 table 101".into()];
+        assert!(touched_per_node_condition(&sweep(&view), "uid"));
+        // Generation 3 failed and was rolled back: generation 2 stays on the host.
+        view.network.last_error = "post-apply check failed: icmp 10.0.20.1: no answer".into();
+        let info = sweep(&view);
+        assert!(touched_per_node_condition(&info, "uid"), "{info:?}");
+        assert!(!touched_per_node_condition(&info, "other"));
+    }
+
+    /// Regression (review nnc, finding 2): the observed state holds the node's other links too
+    /// (the primary NIC, another object's VNIC); they do not stand in for a VNIC still missing.
+    #[test]
+    fn a_vnic_is_on_the_host_only_when_a_link_has_its_mac() {
+        let observed = json!({"links": [
+            {"name": "ens3", "kind": "existing", "mac": "02:00:17:0a:11:01"},
+            {"name": "vnic0", "kind": "existing", "mac": "02:00:17:0a:22:02"},
+            {"name": "other", "kind": "existing", "mac": "02:00:17:0a:44:04"},
+        ]})
+        .to_string();
+        // Two VNICs kept, three MACs observed, one of the two VNICs missing.
+        let kept = [
+            "02:00:17:0A:22:02".to_string(),
+            "02:00:17:0A:33:03".to_string(),
+        ];
+        assert_eq!(not_on_host(&kept, &observed), ["02:00:17:0A:33:03"]);
+        assert!(not_on_host(&kept[..1], &observed).is_empty());
+        assert_eq!(not_on_host(&kept, "not json"), kept);
     }
 
     #[test]

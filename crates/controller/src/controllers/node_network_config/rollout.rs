@@ -1,10 +1,12 @@
 //! Which nodes a rollout starts next: at most `rollout.maxUnavailable` nodes changing or failing
 //! at once, and none once `rollout.failureThreshold` nodes are failing (the rollout pauses and
-//! names them); and when a failing node is tried again ([`retry_delay`]).
+//! names them) or once failing nodes alone fill `maxUnavailable` (it pauses as well, saying so);
+//! and when a failing node is tried again ([`retry_delay`]).
 
 use std::time::Duration;
 
-use nodekeeper_api::crd::node_network_config::Rollout;
+use nodekeeper_api::crd::node_network_config::{REASON_MAX_UNAVAILABLE_FAILING, Rollout};
+use nodekeeper_api::names::REASON_PAUSED;
 
 /// Failing nodes named in a pause message; the rest are counted.
 pub const MAX_NAMED_IN_PAUSE: usize = 10;
@@ -36,9 +38,28 @@ pub struct Paused {
     pub threshold: u32,
     /// The failing nodes, sorted, at most [`MAX_NAMED_IN_PAUSE`].
     pub named: Vec<String>,
+    pub cause: PauseCause,
+}
+
+/// What stopped the rollout.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PauseCause {
+    /// `failureThreshold` nodes are failing.
+    FailureThreshold,
+    /// Below the threshold, but the failing nodes alone fill `maxUnavailable` (the value
+    /// given): with no node in progress, none can start until one of them succeeds.
+    MaxUnavailable(u32),
 }
 
 impl Paused {
+    /// The `Progressing` condition's reason.
+    pub fn reason(&self) -> &'static str {
+        match self.cause {
+            PauseCause::FailureThreshold => REASON_PAUSED,
+            PauseCause::MaxUnavailable(_) => REASON_MAX_UNAVAILABLE_FAILING,
+        }
+    }
+
     /// The `Progressing` condition's message.
     pub fn message(&self) -> String {
         let more = self.failing - self.named.len();
@@ -47,13 +68,23 @@ impl Paused {
         } else {
             String::new()
         };
-        format!(
-            "paused: {} nodes failing (threshold {}): {}{tail}; fix them or the spec \
-             (status.failingNodes has the errors) to resume",
-            self.failing,
-            self.threshold,
-            self.named.join(", ")
-        )
+        match self.cause {
+            PauseCause::FailureThreshold => format!(
+                "paused: {} nodes failing (threshold {}): {}{tail}; fix them or the spec \
+                 (status.failingNodes has the errors) to resume",
+                self.failing,
+                self.threshold,
+                self.named.join(", ")
+            ),
+            PauseCause::MaxUnavailable(max) => format!(
+                "paused: {} nodes failing fill rollout.maxUnavailable ({max}), below the \
+                 failure threshold ({}): {}{tail}; fix them (status.failingNodes has the \
+                 errors; they are retried with backoff) or raise maxUnavailable to resume",
+                self.failing,
+                self.threshold,
+                self.named.join(", ")
+            ),
+        }
     }
 }
 
@@ -67,6 +98,11 @@ pub struct Decision {
 
 /// Decides the next batch. Failing nodes count as unavailable, so a failing batch never lets the
 /// rollout run wider; nodes start in name order, so a restarted controller picks the same ones.
+/// When failing nodes alone fill `maxUnavailable` (possible below `failureThreshold`, e.g. 1
+/// and 3) and none is in progress, nothing can start: that is a pause too, named as such,
+/// rather than a `Progressing=True` that never progresses. (Refusing a `failureThreshold` above
+/// `maxUnavailable` in validation cannot do it: both may be percentages, resolved against the
+/// number of nodes matched at the time.)
 pub fn next_batch(nodes: &[NodeState], rollout: &Rollout) -> Decision {
     let matched = u32::try_from(nodes.len()).unwrap_or(u32::MAX);
     let mut failing: Vec<&str> = nodes
@@ -76,32 +112,37 @@ pub fn next_batch(nodes: &[NodeState], rollout: &Rollout) -> Decision {
         .collect();
     failing.sort_unstable();
     let threshold = rollout.failure_threshold_of(matched);
+    let pause = |cause| Decision {
+        start: Vec::new(),
+        paused: Some(Paused {
+            failing: failing.len(),
+            threshold,
+            named: failing
+                .iter()
+                .take(MAX_NAMED_IN_PAUSE)
+                .map(|s| s.to_string())
+                .collect(),
+            cause,
+        }),
+    };
     if failing.len() >= threshold as usize {
-        return Decision {
-            start: Vec::new(),
-            paused: Some(Paused {
-                failing: failing.len(),
-                threshold,
-                named: failing
-                    .iter()
-                    .take(MAX_NAMED_IN_PAUSE)
-                    .map(|s| s.to_string())
-                    .collect(),
-            }),
-        };
+        return pause(PauseCause::FailureThreshold);
     }
     let in_progress = nodes
         .iter()
         .filter(|n| n.phase == NodePhase::InProgress)
         .count();
-    let budget =
-        (rollout.max_unavailable_of(matched) as usize).saturating_sub(in_progress + failing.len());
+    let max_unavailable = rollout.max_unavailable_of(matched);
+    let budget = (max_unavailable as usize).saturating_sub(in_progress + failing.len());
     let mut pending: Vec<&str> = nodes
         .iter()
         .filter(|n| n.phase == NodePhase::Pending)
         .map(|n| n.name.as_str())
         .collect();
     pending.sort_unstable();
+    if budget == 0 && in_progress == 0 && !failing.is_empty() && !pending.is_empty() {
+        return pause(PauseCause::MaxUnavailable(max_unavailable));
+    }
     Decision {
         start: pending
             .into_iter()
@@ -217,6 +258,45 @@ mod tests {
             }
         });
         assert!(next_batch(&fewer, &r).paused.is_none());
+    }
+
+    /// Regression (review nnc, finding 7): maxUnavailable 1, failureThreshold 3: the first
+    /// failing node fills the budget; the rollout says it is paused and why, instead of
+    /// `Progressing=True` with nothing in progress.
+    #[test]
+    fn failing_nodes_filling_max_unavailable_pause_and_say_so() {
+        let r = rollout(IntOrPercent::Int(1), IntOrPercent::Int(3));
+        let all = nodes(5, |i| if i == 0 { failed() } else { NodePhase::Pending });
+        let d = next_batch(&all, &r);
+        assert!(d.start.is_empty());
+        let p = d.paused.unwrap();
+        assert_eq!(p.cause, PauseCause::MaxUnavailable(1));
+        assert_eq!(p.reason(), REASON_MAX_UNAVAILABLE_FAILING);
+        let m = p.message();
+        for words in [
+            "1 nodes failing fill rollout.maxUnavailable (1)",
+            "node-0000",
+            "raise maxUnavailable",
+        ] {
+            assert!(m.contains(words), "{words:?}: {m}");
+        }
+        // A node still in progress: the rollout is progressing, not paused.
+        let busy = nodes(5, |i| match i {
+            0 => failed(),
+            1 => NodePhase::InProgress,
+            _ => NodePhase::Pending,
+        });
+        let r2 = rollout(IntOrPercent::Int(2), IntOrPercent::Int(3));
+        assert_eq!(next_batch(&busy, &r2), Decision::default());
+        // Nothing left to start: nothing to pause.
+        let done = nodes(2, |i| if i == 0 { failed() } else { NodePhase::Applied });
+        assert!(next_batch(&done, &r).paused.is_none());
+        // At the threshold, the threshold is the reason.
+        let three = nodes(5, |i| if i < 3 { failed() } else { NodePhase::Pending });
+        assert_eq!(
+            next_batch(&three, &r).paused.unwrap().reason(),
+            REASON_PAUSED
+        );
     }
 
     #[test]

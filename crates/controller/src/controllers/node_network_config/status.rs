@@ -129,7 +129,7 @@ pub fn next_status(
         )
     };
     let (progressing, progress_reason, progress_message) = match paused {
-        Some(p) => (ConditionStatus::False, REASON_PAUSED, p.message()),
+        Some(p) => (ConditionStatus::False, p.reason(), p.message()),
         None if next.applied < next.matched => {
             (ConditionStatus::True, REASON_IN_PROGRESS, String::new())
         }
