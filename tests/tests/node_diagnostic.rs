@@ -578,6 +578,51 @@ async fn an_evicted_bundle_is_reported_in_its_own_objects_status() -> anyhow::Re
     Ok(())
 }
 
+/// The address the controller files under a node answers for another one (an instance gone and
+/// its address reused): the controller names the node in its call, the agent refuses, and no
+/// bundle is filed under the wrong node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_serving_another_node_gives_no_bundle() -> anyhow::Result<()> {
+    let _turn = ONE_CONTROLLER.lock().await;
+    let DiagWorld {
+        client,
+        ns,
+        labels,
+        port,
+        store: _store,
+        controller,
+    } = diag_world("nk-diag-other", "1048576", &[]).await?;
+    let ips = loopback_ips(1);
+    let nodes = create_simulated_nodes(&client, "nk-other", 1, &labels, &ips).await?;
+    let tls = agent_tls(&client, &ns).await?;
+    let agent = start_agent(
+        "nk-other-newcomer",
+        SocketAddr::new(ips[0].into(), port),
+        &tls,
+    )
+    .await?;
+
+    let api: Api<NodeDiagnostic> = Api::namespaced(client.clone(), &ns);
+    let name = unique_name("other");
+    apply(
+        &api,
+        &name,
+        json!({"nodeName": nodes[0], "parts": ["report"], "ttlSecondsAfterFinished": 600}),
+    )
+    .await?;
+    let s = finished(&api, &name).await?.status.context("status")?;
+    assert_eq!(s.phase, Some(Phase::Failed), "{s:#?}");
+    assert!(s.nodes[0].download_path.is_empty(), "{s:#?}");
+    assert!(
+        s.nodes[0]
+            .reason
+            .contains(&format!("serves node nk-other-newcomer, not {}", nodes[0])),
+        "{s:#?}"
+    );
+    drop((agent, controller));
+    Ok(())
+}
+
 /// Pseudo-random lowercase text (compresses to about 60 %, like busy logs), as kmsg records.
 fn noisy_kmsg(bytes: usize) -> String {
     let mut seed = 0x2545_f491_u32;
