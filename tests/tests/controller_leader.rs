@@ -401,8 +401,8 @@ async fn a_ca_rotation_keeps_a_common_trust_anchor_at_every_step() -> anyhow::Re
     assert!(!renewed);
     let (agent3, agent_trust, controller3, _) = leaves().await?;
     assert_eq!((&agent3, &controller3), (&agent2, &controller2));
-    assert_eq!(pems(&agent_trust), [new_ca.clone()]);
-    assert_eq!(pems(&pem.ca), [new_ca.clone()]);
+    assert_eq!(pems(&agent_trust), std::slice::from_ref(&new_ca));
+    assert_eq!(pems(&pem.ca), std::slice::from_ref(&new_ca));
     assert!(
         !trusted(&agent0, &pem.ca),
         "the old CA's leaves are no longer trusted"

@@ -48,6 +48,15 @@ struct Setup {
 }
 
 async fn setup(prefix: &str, tuning: &[(&str, &str)]) -> anyhow::Result<Setup> {
+    setup_with_env(prefix, tuning, &[]).await
+}
+
+/// [`setup`], with `env` added to the controller's environment.
+async fn setup_with_env(
+    prefix: &str,
+    tuning: &[(&str, &str)],
+    env: &[(&str, &str)],
+) -> anyhow::Result<Setup> {
     let client = ControlPlane::shared().client().await?;
     install_crds(&client).await?;
     let ns = test_namespace(&client, prefix).await?;
@@ -58,7 +67,7 @@ async fn setup(prefix: &str, tuning: &[(&str, &str)]) -> anyhow::Result<Setup> {
         &unique_name("nm"),
         "nodekeeper.dev/no-such-label=none",
         free_port(),
-        &[],
+        env,
     )?;
     // The controller has read the tuning ConfigMap before any maintenance is created.
     let addr = controller.http;
@@ -1809,6 +1818,601 @@ async fn caches_run_only_while_a_maintenance_exists() -> anyhow::Result<()> {
     ensure!(
         cached_now.0 == cluster.0,
         "the caches run again: {cached_now:?} cached, {cluster:?} in the cluster"
+    );
+    Ok(())
+}
+
+/// Whether the maintenance left anything on the node: its record, its cordon, its taint.
+fn held_by_maintenance(n: &Node) -> bool {
+    n.annotations().contains_key("nodekeeper.dev/maintenance")
+        || unschedulable(n)
+        || !nodekeeper_taints(n).is_empty()
+}
+
+/// A maintenance deleted after the controller's watch showed it but before the finalizer was
+/// added is gone at once, and no reconcile will ever see its deletion: the reconcile that was
+/// handed it must touch no node. The race is made certain by driving the reconciler directly
+/// with the object as it was read before the deletion (the running controller waits for its
+/// caches to list first, and a deletion in that wait is what happens on a busy cluster, or when
+/// NodeSet deletes the drain it just created). The same direct reconcile of a maintenance that
+/// still exists cordons the node, and of its deletion releases it: the check can fail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_maintenance_deleted_before_its_finalizer_touches_no_node() -> anyhow::Result<()> {
+    use nodekeeper_controller::controllers::node_maintenance::{Context, reconcile};
+    let _serial = SERIAL.lock().await;
+    let client = ControlPlane::shared().client().await?;
+    install_crds(&client).await?;
+    let group = unique_name("gone");
+    let node_name = create_simulated_nodes(&client, "nk-gone", 1, &labels(&[(GROUP, &group)]), &[])
+        .await?
+        .remove(0);
+    let ctx = Arc::new(Context::standalone(
+        client.clone(),
+        &unique_name("nm-direct"),
+    ));
+    let mut triggers = ctx.cache.triggers(&client);
+    let driver = tokio::spawn(async move { while triggers.next().await.is_some() {} });
+    let api: Api<NodeMaintenance> = Api::all(client.clone());
+    // Allowed broad: on a fresh control plane this node may be the only one.
+    let spec = json!({
+        "nodeSelector": { "matchLabels": { GROUP: group } },
+        "stage": "Drain",
+        "allowBroadSelection": true,
+    });
+
+    // Control: a maintenance that exists cordons the node; its deletion releases it.
+    let kept = unique_name("kept");
+    apply_nm(&client, &kept, spec.clone()).await?;
+    reconcile(Arc::new(api.get(&kept).await?), Arc::clone(&ctx)).await?;
+    let n = node(&client, &node_name).await?;
+    ensure!(
+        held_by_maintenance(&n) && unschedulable(&n),
+        "a direct reconcile of a live Drain maintenance cordons its node: {:?}",
+        n.spec
+    );
+    api.delete(&kept, &DeleteParams::default()).await?;
+    reconcile(Arc::new(api.get(&kept).await?), Arc::clone(&ctx)).await?;
+    ensure!(
+        !held_by_maintenance(&node(&client, &node_name).await?),
+        "the deletion's reconcile releases the node"
+    );
+    ensure!(
+        api.get_opt(&kept).await?.is_none(),
+        "and lets the object go"
+    );
+
+    // The race: read, deleted (no finalizer yet: gone at once), then reconciled as read.
+    let gone = unique_name("gone");
+    apply_nm(&client, &gone, spec).await?;
+    let stale = api.get(&gone).await?;
+    ensure!(stale.finalizers().is_empty(), "{:?}", stale.finalizers());
+    api.delete(&gone, &DeleteParams::default()).await?;
+    ensure!(api.get_opt(&gone).await?.is_none(), "deleted at once");
+    // Judged by the node: a reconcile that went on would also fail later, at its status write.
+    let result = reconcile(Arc::new(stale), Arc::clone(&ctx)).await;
+    let n = node(&client, &node_name).await?;
+    driver.abort();
+    ensure!(
+        !held_by_maintenance(&n),
+        "a maintenance deleted before its finalizer left node {node_name} held: annotation {:?}, unschedulable {}, taints {:?}",
+        n.annotations().get("nodekeeper.dev/maintenance"),
+        unschedulable(&n),
+        nodekeeper_taints(&n)
+    );
+    result.context("the reconcile of a maintenance that is gone")?;
+    Ok(())
+}
+
+/// A pod that is Running but not Ready (crash-looping) is evicted behind a budget that allows
+/// no disruption, as the API server does for `kubectl drain` (under the default
+/// `unhealthyPodEvictionPolicy: IfHealthyBudget` the budget still has its healthy pods); the
+/// controller must send that eviction rather than wait on the budget until `drainTimeout`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_that_is_not_ready_is_evicted_behind_a_budget_at_zero() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    let Setup {
+        client,
+        ns,
+        _controller,
+    } = setup("nk-maint-unready", &[]).await?;
+    let group = unique_name("unready");
+    let pool = unique_name("pool");
+    let drained_node = create_simulated_nodes(
+        &client,
+        "nk-unready",
+        1,
+        &labels(&[(GROUP, &group), (POOL, &pool)]),
+        &[],
+    )
+    .await?
+    .remove(0);
+    create(&client, &ns, deployment("crash", 2, &pool, json!({}))).await?;
+    create(
+        &client,
+        &ns,
+        pdb("crash-pdb", "crash", json!({ "minAvailable": 1 })),
+    )
+    .await?;
+    let placed = wait_running(&client, &ns, 2).await?;
+    ensure!(
+        placed.values().all(|n| *n == drained_node),
+        "both pods on the one pool node: {placed:?}"
+    );
+    // One of them crash-loops: Running, not Ready (kwok leaves a Running pod's status alone).
+    let sick = placed.keys().next().context("a pod")?.clone();
+    let now = Timestamp::now().to_string();
+    Api::<Pod>::namespaced(client.clone(), &ns)
+        .patch_status(
+            &sick,
+            &PatchParams::default(),
+            &Patch::Strategic(json!({ "status": { "conditions": [
+                { "type": "Ready", "status": "False", "reason": "E2eCrashLoop", "lastTransitionTime": now },
+                { "type": "ContainersReady", "status": "False", "reason": "E2eCrashLoop", "lastTransitionTime": now },
+            ] } })),
+        )
+        .await?;
+    let budgets: Api<k8s_openapi::api::policy::v1::PodDisruptionBudget> =
+        Api::namespaced(client.clone(), &ns);
+    wait_for(
+        "crash-pdb: 1 healthy of 1 wanted, no disruption allowed",
+        TIMEOUT,
+        || async {
+            let s = budgets.get("crash-pdb").await?.status.unwrap_or_default();
+            Ok((s.current_healthy == Some(1)
+                && s.desired_healthy == Some(1)
+                && s.disruptions_allowed == Some(0)
+                && s.expected_pods == Some(2))
+            .then_some(()))
+        },
+    )
+    .await?;
+    // Room for the replacements, created only now.
+    create_simulated_nodes(
+        &client,
+        "nk-unready-spare",
+        1,
+        &labels(&[(POOL, &pool)]),
+        &[],
+    )
+    .await?;
+
+    let name = unique_name("unready");
+    apply_nm(
+        &client,
+        &name,
+        json!({ "nodeSelector": { "matchLabels": { GROUP: group } }, "stage": "Drain" }),
+    )
+    .await?;
+    // The sick pod goes at once (the API server evicts it with the budget at 0); its
+    // replacement, Ready elsewhere, lets the budget release the healthy one.
+    wait_nm(&client, &name, "the node drained", |nm| {
+        node_phase(nm, &drained_node) == Some(NodePhase::Drained)
+    })
+    .await?;
+    let left = running_pods(&client, &ns).await?;
+    ensure!(
+        !left.contains_key(&sick) && !left.values().any(|n| *n == drained_node),
+        "no pod left on the drained node: {left:?}"
+    );
+    Api::<NodeMaintenance>::all(client.clone())
+        .delete(&name, &DeleteParams::default())
+        .await?;
+    Ok(())
+}
+
+/// A node is not declared Drained (final: it is never looked at again) on the word of a pod
+/// cache that may lag: a pod bound to the node just before the cordon, which the pod watch has
+/// not shown yet, keeps it draining. The lag is made certain by driving the reconciler directly
+/// with its caches listed and then stopped (frozen), and binding a pod after that.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_the_cache_has_not_seen_keeps_the_node_draining() -> anyhow::Result<()> {
+    use nodekeeper_controller::controllers::node_maintenance::{Context, reconcile};
+    let _serial = SERIAL.lock().await;
+    let client = ControlPlane::shared().client().await?;
+    install_crds(&client).await?;
+    let ns = test_namespace(&client, "nk-maint-lag").await?;
+    let group = unique_name("lag");
+    let node_name = create_simulated_nodes(&client, "nk-lag", 1, &labels(&[(GROUP, &group)]), &[])
+        .await?
+        .remove(0);
+    let ctx = Arc::new(Context::standalone(
+        client.clone(),
+        &unique_name("nm-direct"),
+    ));
+    let mut triggers = ctx.cache.triggers(&client);
+    let driver = tokio::spawn(async move { while triggers.next().await.is_some() {} });
+    ctx.cache.want();
+    ctx.cache.wait_ready(TIMEOUT).await?;
+    // Frozen: no watch event reaches the cache from here on.
+    driver.abort();
+    let _ = driver.await;
+    create(&client, &ns, json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": { "name": "late", "labels": { "app": "late" } },
+        "spec": { "nodeName": node_name, "containers": [{ "name": "c", "image": "registry.invalid/x:1" }] },
+    }))
+    .await?;
+
+    let api: Api<NodeMaintenance> = Api::all(client.clone());
+    let name = unique_name("lag");
+    apply_nm(
+        &client,
+        &name,
+        json!({
+            "nodeSelector": { "matchLabels": { GROUP: group } },
+            "stage": "Drain",
+            "allowBroadSelection": true,
+        }),
+    )
+    .await?;
+    reconcile(Arc::new(api.get(&name).await?), Arc::clone(&ctx)).await?;
+    let nm = api.get(&name).await?;
+    let phase = node_phase(&nm, &node_name);
+    let remaining = nm
+        .status
+        .as_ref()
+        .and_then(|s| s.nodes.iter().find(|n| n.node == node_name))
+        .map(|n| n.pods_remaining);
+    // Let go of the node and the object before judging (the cache knows the node it wrote).
+    api.delete(&name, &DeleteParams::default()).await?;
+    reconcile(Arc::new(api.get(&name).await?), Arc::clone(&ctx)).await?;
+    ensure!(
+        phase == Some(NodePhase::Draining) && remaining == Some(1),
+        "node {node_name} with pod {ns}/late bound to it: phase {phase:?}, pods remaining {remaining:?}; want Draining with 1"
+    );
+    ensure!(
+        !held_by_maintenance(&node(&client, &node_name).await?),
+        "the deletion released the node"
+    );
+    Ok(())
+}
+
+/// The cluster-wide `maintenance.maxConcurrentNodes` holds across maintenances reconciled at
+/// the same time: four single-node Drain maintenances created in one burst (the controller
+/// reconciles four at once, and with its caches cold all four start together once they have
+/// listed), with a budget that keeps every drain in progress, and a ceiling of one. A watch of
+/// the nodes sees every Draining hold written; at no moment may two nodes drain.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cluster_ceiling_holds_for_maintenances_created_at_once() -> anyhow::Result<()> {
+    const N: usize = 4;
+    let _serial = SERIAL.lock().await;
+    let Setup {
+        client,
+        ns,
+        _controller,
+    } = setup("nk-maint-burst", &[("maintenance.maxConcurrentNodes", "1")]).await?;
+    let pool = unique_name("pool");
+    let mut groups = Vec::new();
+    let mut nodes = Vec::new();
+    for i in 0..N {
+        let group = unique_name(&format!("burst-{i}"));
+        let made = create_simulated_nodes(
+            &client,
+            &format!("nk-burst-{i}"),
+            1,
+            &labels(&[(GROUP, &group), (POOL, &pool)]),
+            &[],
+        )
+        .await?;
+        nodes.extend(made);
+        groups.push(group);
+    }
+    // One pod per node that a budget never lets go: every drain stays in progress.
+    let mut d = deployment("stuck", i32::try_from(N)?, &pool, json!({}));
+    d["spec"]["template"]["spec"]["topologySpreadConstraints"] = json!([{
+        "maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "DoNotSchedule",
+        "labelSelector": { "matchLabels": { "app": "stuck" } },
+    }]);
+    create(&client, &ns, d).await?;
+    create(
+        &client,
+        &ns,
+        pdb("stuck-pdb", "stuck", json!({ "minAvailable": "100%" })),
+    )
+    .await?;
+    let placed = wait_running(&client, &ns, N).await?;
+    ensure!(
+        placed.values().collect::<BTreeSet<_>>().len() == N,
+        "one pod per node: {placed:?}"
+    );
+
+    // Every node of the pool with a Draining hold, at every change the watch shows.
+    let most = Arc::new(Mutex::new((0usize, BTreeSet::<String>::new())));
+    let (listed_tx, listed) = tokio::sync::oneshot::channel::<()>();
+    let watch = {
+        let most = Arc::clone(&most);
+        let api: Api<Node> = Api::all(client.clone());
+        let config = watcher::Config::default().labels(&format!("{POOL}={pool}"));
+        let mut draining: BTreeSet<String> = BTreeSet::new();
+        let mut listed_tx = Some(listed_tx);
+        tokio::spawn(async move {
+            let mut stream = watcher(api, config).boxed();
+            while let Ok(Some(event)) = stream.try_next().await {
+                let n = match event {
+                    watcher::Event::Apply(n) | watcher::Event::InitApply(n) => n,
+                    watcher::Event::InitDone => {
+                        if let Some(tx) = listed_tx.take() {
+                            let _ = tx.send(());
+                        }
+                        continue;
+                    }
+                    watcher::Event::Init | watcher::Event::Delete(_) => continue,
+                };
+                let holds_draining = n
+                    .annotations()
+                    .get("nodekeeper.dev/maintenance")
+                    .is_some_and(|a| a.contains("\"phase\":\"Draining\""));
+                if holds_draining {
+                    draining.insert(n.name_any());
+                } else {
+                    draining.remove(&n.name_any());
+                }
+                let mut most = most.lock().unwrap();
+                if draining.len() > most.0 {
+                    *most = (draining.len(), draining.clone());
+                }
+            }
+        })
+    };
+    // The watch has listed the pool before the first maintenance exists.
+    tokio::time::timeout(TIMEOUT, listed)
+        .await
+        .context("the node watch to list")??;
+
+    let names: Vec<String> = (0..N).map(|i| unique_name(&format!("burst-{i}"))).collect();
+    futures::future::try_join_all(names.iter().zip(&groups).map(|(name, group)| {
+        apply_nm(
+            &client,
+            name,
+            json!({ "nodeSelector": { "matchLabels": { GROUP: group } }, "stage": "Drain" }),
+        )
+    }))
+    .await?;
+    // Every maintenance has placed its node: one draining, the others waiting for a slot.
+    let api: Api<NodeMaintenance> = Api::all(client.clone());
+    let phases = wait_for("every maintenance to place its node", TIMEOUT, || async {
+        let mut phases = Vec::new();
+        for (name, node) in names.iter().zip(&nodes) {
+            match node_phase(&api.get(name).await?, node) {
+                Some(p) => phases.push(p),
+                None => return Ok(None),
+            }
+        }
+        Ok(Some(phases))
+    })
+    .await?;
+    let draining_now = phases.iter().filter(|p| **p == NodePhase::Draining).count();
+    let (most_at_once, which) = most.lock().unwrap().clone();
+    watch.abort();
+    for name in &names {
+        api.delete(name, &DeleteParams::default()).await?;
+    }
+    ensure!(
+        most_at_once <= 1 && draining_now == 1,
+        "maintenance.maxConcurrentNodes 1: {most_at_once} nodes drained at once ({which:?}); now {phases:?}"
+    );
+    Ok(())
+}
+
+/// A drain of a node whose kubelet is unreachable ends: a pod evicted there stays terminating
+/// for good (nothing confirms its deletion), and once it has been terminating longer than
+/// `--maintenance-unreachable-pod-wait` past its deletion time (5 minutes by default; 3 s here)
+/// on a node tainted `node.kubernetes.io/unreachable`, it is counted gone and listed as skipped
+/// with reason `NodeUnreachable`, as Cluster API's drain does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_of_an_unreachable_node_ends_despite_pods_stuck_terminating() -> anyhow::Result<()>
+{
+    let _serial = SERIAL.lock().await;
+    let Setup {
+        client,
+        ns,
+        _controller,
+    } = setup_with_env(
+        "nk-maint-unreach",
+        &[],
+        &[("NODEKEEPER_MAINTENANCE_UNREACHABLE_POD_WAIT", "3s")],
+    )
+    .await?;
+    let group = unique_name("unreach");
+    let lost = create_simulated_nodes(&client, "nk-unreach", 1, &labels(&[(GROUP, &group)]), &[])
+        .await?
+        .remove(0);
+    create(
+        &client,
+        &ns,
+        json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": { "name": "stuck", "labels": { "app": "stuck" } },
+            "spec": {
+                "nodeName": lost, "terminationGracePeriodSeconds": 1,
+                "containers": [{ "name": "c", "image": "registry.invalid/x:1" }],
+            },
+        }),
+    )
+    .await?;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    wait_for("pod stuck running", TIMEOUT, || async {
+        let p = pods.get("stuck").await?;
+        Ok((p.status.and_then(|s| s.phase).as_deref() == Some("Running")).then_some(()))
+    })
+    .await?;
+
+    // The kubelet goes away: kwok lets go of the node (it no longer finishes deletions there),
+    // whose Ready condition turns Unknown and which is tainted unreachable, as the node
+    // lifecycle controller does.
+    let nodes: Api<Node> = Api::all(client.clone());
+    nodes
+        .patch(
+            &lost,
+            &PatchParams::default(),
+            &Patch::Merge(
+                json!({ "metadata": { "labels": { "nodekeeper.dev/simulated": null } } }),
+            ),
+        )
+        .await?;
+    let now = Timestamp::now().to_string();
+    nodes
+        .patch_status(
+            &lost,
+            &PatchParams::default(),
+            &Patch::Strategic(json!({ "status": { "conditions": [{
+                "type": "Ready", "status": "Unknown", "reason": "NodeStatusUnknown",
+                "message": "Kubelet stopped posting node status.", "lastHeartbeatTime": now,
+                "lastTransitionTime": now,
+            }] } })),
+        )
+        .await?;
+    taint_by_hand(
+        &client,
+        &lost,
+        json!({ "key": "node.kubernetes.io/unreachable", "effect": "NoExecute", "timeAdded": now }),
+    )
+    .await?;
+    // The pod is deleted (the taint manager would, in time) and stays terminating.
+    pods.delete("stuck", &DeleteParams::default()).await?;
+    let p = pods.get("stuck").await?;
+    ensure!(
+        p.metadata.deletion_timestamp.is_some(),
+        "the pod is terminating"
+    );
+
+    let name = unique_name("unreach");
+    // Allowed broad: on a fresh control plane this node may be the only one.
+    apply_nm(
+        &client,
+        &name,
+        json!({
+            "nodeSelector": { "matchLabels": { GROUP: group } },
+            "stage": "Drain",
+            "allowBroadSelection": true,
+        }),
+    )
+    .await?;
+    let nm = wait_nm(&client, &name, "the unreachable node drained", |nm| {
+        node_phase(nm, &lost) == Some(NodePhase::Drained)
+    })
+    .await?;
+    let skipped: Vec<(String, SkipReason)> = nm
+        .status
+        .as_ref()
+        .and_then(|s| s.nodes.iter().find(|n| n.node == lost))
+        .map(|n| {
+            n.skipped_pods
+                .iter()
+                .map(|p| (p.name.clone(), p.reason))
+                .collect()
+        })
+        .unwrap_or_default();
+    ensure!(
+        skipped == [("stuck".to_string(), SkipReason::NodeUnreachable)],
+        "the stuck pod is reported skipped as NodeUnreachable: {skipped:?}"
+    );
+    ensure!(
+        pods.get_opt("stuck")
+            .await?
+            .is_some_and(|p| p.metadata.deletion_timestamp.is_some()),
+        "the pod was counted gone, not gone: it is still terminating"
+    );
+    Api::<NodeMaintenance>::all(client.clone())
+        .delete(&name, &DeleteParams::default())
+        .await?;
+    pods.delete("stuck", &DeleteParams::default().grace_period(0))
+        .await?;
+    Ok(())
+}
+
+/// The second line of defence: a node held by a maintenance that no longer exists (its hold
+/// written, as by the race above before it was closed, or by an older replica) is released by
+/// the next reconcile of any maintenance, once the maintenances have been listed without it and
+/// the API server confirms it is gone; the node is uncordoned and its maintenance taint and
+/// record removed, and its Draining hold no longer takes a slot of the cluster ceiling.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hold_whose_maintenance_is_gone_is_released() -> anyhow::Result<()> {
+    use nodekeeper_api::names::MANAGER_NODE_MAINTENANCE;
+    use nodekeeper_controller::controllers::node_maintenance::{Context, reconcile};
+    let _serial = SERIAL.lock().await;
+    let client = ControlPlane::shared().client().await?;
+    install_crds(&client).await?;
+    let (orphan_group, live_group) = (unique_name("orphan"), unique_name("live"));
+    let orphaned = create_simulated_nodes(
+        &client,
+        "nk-orphan",
+        1,
+        &labels(&[(GROUP, &orphan_group)]),
+        &[],
+    )
+    .await?
+    .remove(0);
+    let live = create_simulated_nodes(&client, "nk-live", 1, &labels(&[(GROUP, &live_group)]), &[])
+        .await?
+        .remove(0);
+    // The hold as the controller writes it (its field manager, so that its release removes
+    // it), by a maintenance that does not exist.
+    let ghost = unique_name("ghost");
+    let record = json!({
+        "priorUnschedulable": false,
+        "holders": { ghost.clone(): { "phase": "Draining", "drainStart": Timestamp::now().as_second() } },
+    });
+    let nodes: Api<Node> = Api::all(client.clone());
+    nodes
+        .patch(
+            &orphaned,
+            &PatchParams::apply(MANAGER_NODE_MAINTENANCE).force(),
+            &Patch::Apply(json!({
+                "apiVersion": "v1", "kind": "Node",
+                "metadata": {
+                    "name": orphaned,
+                    "annotations": { "nodekeeper.dev/maintenance": record.to_string() },
+                    "labels": { "nodekeeper.dev/maintained": "true" },
+                },
+                "spec": {
+                    "unschedulable": true,
+                    "taints": [{ "key": "nodekeeper.dev/maintenance", "effect": "NoSchedule" }],
+                },
+            })),
+        )
+        .await?;
+    ensure!(held_by_maintenance(&node(&client, &orphaned).await?));
+
+    let ctx = Arc::new(Context::standalone(
+        client.clone(),
+        &unique_name("nm-direct"),
+    ));
+    let mut triggers = ctx.cache.triggers(&client);
+    let driver = tokio::spawn(async move { while triggers.next().await.is_some() {} });
+    let cache = Arc::clone(&ctx.cache);
+    wait_for("the maintenances listed", TIMEOUT, || {
+        let cache = Arc::clone(&cache);
+        async move { Ok(cache.maintenances_listed().then_some(())) }
+    })
+    .await?;
+    let api: Api<NodeMaintenance> = Api::all(client.clone());
+    let name = unique_name("live");
+    apply_nm(
+        &client,
+        &name,
+        json!({
+            "nodeSelector": { "matchLabels": { GROUP: live_group } },
+            "stage": "Cordon",
+            "allowBroadSelection": true,
+        }),
+    )
+    .await?;
+    reconcile(Arc::new(api.get(&name).await?), Arc::clone(&ctx)).await?;
+    let (o, l) = (node(&client, &orphaned).await?, node(&client, &live).await?);
+    api.delete(&name, &DeleteParams::default()).await?;
+    reconcile(Arc::new(api.get(&name).await?), Arc::clone(&ctx)).await?;
+    driver.abort();
+    ensure!(
+        held_by_maintenance(&l) && unschedulable(&l),
+        "the live maintenance cordoned its own node"
+    );
+    ensure!(
+        !held_by_maintenance(&o),
+        "node {orphaned}, held by {ghost} that does not exist, is released: annotation {:?}, unschedulable {}, taints {:?}",
+        o.annotations().get("nodekeeper.dev/maintenance"),
+        unschedulable(&o),
+        nodekeeper_taints(&o)
     );
     Ok(())
 }

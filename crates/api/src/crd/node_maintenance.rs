@@ -286,6 +286,12 @@ pub enum SkipReason {
     DaemonSet,
     /// Matches `skipPods`.
     SkipPods,
+    /// Terminating on a node tainted `node.kubernetes.io/unreachable` for longer than the
+    /// controller's `--maintenance-unreachable-pod-wait` (5 minutes by default) past its
+    /// deletion time: no kubelet will confirm the deletion, so the drain counts the pod gone,
+    /// as `kubectl drain --skip-wait-for-delete-timeout` and Cluster API's drain do. Its API
+    /// object stays until the node comes back, is deleted, or is tainted out-of-service.
+    NodeUnreachable,
 }
 
 /// A pod left on a drained node, and why.

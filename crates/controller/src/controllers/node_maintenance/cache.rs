@@ -173,7 +173,7 @@ pub struct CachedPod {
 }
 
 impl CachedPod {
-    fn new(pod: &Pod) -> Self {
+    pub fn new(pod: &Pod) -> Self {
         Self {
             facts: pod_facts(pod),
             uid: pod.metadata.uid.clone(),
@@ -236,6 +236,9 @@ struct State {
     /// other watches run.
     maintenances: BTreeSet<String>,
     maintenances_init: Option<BTreeSet<String>>,
+    /// The metadata watch has listed the maintenances once: a holder missing from
+    /// `maintenances` since may be gone.
+    maintenances_listed: bool,
     /// When the last maintenance went, or a reconcile last asked for the watches: they run
     /// until the grace period has passed since.
     wanted_at: Option<Instant>,
@@ -474,6 +477,7 @@ impl Cache {
         *s = State {
             maintenances: std::mem::take(&mut s.maintenances),
             maintenances_init: s.maintenances_init.take(),
+            maintenances_listed: s.maintenances_listed,
             wanted_at: s.wanted_at,
             ..State::default()
         };
@@ -506,6 +510,7 @@ impl Cache {
             Event::InitDone => {
                 if let Some(buffer) = s.maintenances_init.take() {
                     s.maintenances = buffer;
+                    s.maintenances_listed = true;
                 }
             }
             Event::Apply(m) => {
@@ -554,6 +559,31 @@ impl Cache {
         for node in self.lock().nodes.values() {
             visit(node);
         }
+    }
+
+    /// Whether the NodeMaintenance metadata watch has listed once.
+    pub fn maintenances_listed(&self) -> bool {
+        self.lock().maintenances_listed
+    }
+
+    /// The nodes held by a maintenance the NodeMaintenance metadata watch does not show, by
+    /// that maintenance's name; nothing before that watch has listed. Such a holder may be
+    /// gone without having released its nodes (deleted before its finalizer was added), or
+    /// merely not shown yet (just created): only the API server can tell.
+    pub fn unknown_holders(&self) -> BTreeMap<String, Vec<CachedNode>> {
+        let s = self.lock();
+        let mut out: BTreeMap<String, Vec<CachedNode>> = BTreeMap::new();
+        if !s.maintenances_listed {
+            return out;
+        }
+        for node in s.held.iter().filter_map(|n| s.nodes.get(n)) {
+            for holder in State::holders(Some(node)) {
+                if !s.maintenances.contains(&holder) {
+                    out.entry(holder).or_default().push(node.clone());
+                }
+            }
+        }
+        out
     }
 
     /// The nodes that carry a maintenance record.

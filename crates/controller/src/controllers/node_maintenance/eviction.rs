@@ -11,6 +11,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{DeleteOptions, ObjectMeta, 
 use kube::api::{Api, PostParams};
 use nodekeeper_api::crd::LabelSelector;
 
+use super::plan::PodFacts;
+
 /// A PodDisruptionBudget as read at the start of a reconcile.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Budget {
@@ -26,7 +28,8 @@ pub struct Budget {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Admit {
     /// Send it (no budget covers the pod, or its one budget allows a disruption now; that
-    /// allowance is taken). With two or more budgets the API server decides (and refuses).
+    /// allowance is taken, or the pod is not Running and Ready, which the API server may evict
+    /// without an allowance). With two or more budgets the API server decides (and refuses).
     Send,
     /// The pod's budget allows no disruption now: sending would only earn a 429.
     Wait { pdb: String, message: String },
@@ -34,7 +37,19 @@ pub enum Admit {
 
 /// Decides for one pod, against the budgets of its namespace. Saves the 429s that evicting every
 /// pod of a budget at once would earn: one request per pod that can actually go.
-pub fn admit(budgets: &mut [Budget], namespace: &str, labels: &BTreeMap<String, String>) -> Admit {
+///
+/// Only a pod that is Running and Ready is held back here. The API server evicts a Pending pod
+/// without looking at any budget, and a not-Ready pod even when its budget allows no disruption
+/// (with `unhealthyPodEvictionPolicy: AlwaysAllow`, or under the default `IfHealthyBudget` while
+/// the budget has its healthy pods), as `kubectl drain` relies on: holding such a pod back would
+/// stall the drain on a crash-looping pod until `drainTimeout`. For those the eviction is sent
+/// and the API server decides; a refusal comes back as a 429 like any other. Their eviction
+/// takes no allowance (the API server does not count it), so none is spent here.
+pub fn admit(budgets: &mut [Budget], pod: &PodFacts) -> Admit {
+    let (namespace, labels) = (pod.namespace.as_str(), &pod.labels);
+    if !pod.healthy {
+        return Admit::Send;
+    }
     let mut matching: Vec<&mut Budget> = budgets
         .iter_mut()
         .filter(|b| {
@@ -174,6 +189,23 @@ fn budget_name(cause: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::controllers::node_maintenance::plan::Owner;
+
+    fn pod(namespace: &str, labels: &BTreeMap<String, String>, healthy: bool) -> PodFacts {
+        PodFacts {
+            namespace: namespace.into(),
+            name: "p".into(),
+            labels: labels.clone(),
+            owner: Owner::Controller,
+            mirror: false,
+            priority: 0,
+            finished: false,
+            terminating: false,
+            healthy,
+            local_storage: false,
+            grace_seconds: 30,
+        }
+    }
 
     #[test]
     fn budgets_are_spent_locally_so_no_eviction_is_sent_to_be_refused() {
@@ -198,11 +230,15 @@ mod tests {
             },
         ];
         let web: BTreeMap<String, String> = [("app".to_string(), "web".to_string())].into();
-        assert_eq!(admit(&mut budgets, "a", &web), Admit::Send);
-        assert!(matches!(admit(&mut budgets, "a", &web), Admit::Wait { pdb, .. } if pdb == "web"));
+        let in_a = pod("a", &web, true);
+        assert_eq!(admit(&mut budgets, &in_a), Admit::Send);
+        assert!(matches!(admit(&mut budgets, &in_a), Admit::Wait { pdb, .. } if pdb == "web"));
         // Another namespace's budget does not apply; a nil selector selects nothing.
-        assert_eq!(admit(&mut budgets, "b", &web), Admit::Send);
-        assert_eq!(admit(&mut budgets, "a", &BTreeMap::new()), Admit::Send);
+        assert_eq!(admit(&mut budgets, &pod("b", &web, true)), Admit::Send);
+        assert_eq!(
+            admit(&mut budgets, &pod("a", &BTreeMap::new(), true)),
+            Admit::Send
+        );
         // Two budgets: the API server decides.
         budgets.push(Budget {
             namespace: "a".into(),
@@ -210,13 +246,41 @@ mod tests {
             selector: sel("web"),
             allowed: 0,
         });
-        assert_eq!(admit(&mut budgets, "a", &web), Admit::Send);
+        assert_eq!(admit(&mut budgets, &in_a), Admit::Send);
         assert_eq!(sole_budget(&budgets, "a", &web), None);
         assert_eq!(
             sole_budget(&budgets[..1], "a", &web),
             Some(("a".to_string(), "web".to_string()))
         );
         assert_eq!(sole_budget(&budgets, "b", &web), None);
+    }
+
+    #[test]
+    fn a_pod_that_is_not_running_and_ready_is_sent_whatever_its_budget_allows() {
+        let web: BTreeMap<String, String> = [("app".to_string(), "web".to_string())].into();
+        let mut budgets = vec![Budget {
+            namespace: "a".into(),
+            name: "web".into(),
+            selector: Some(LabelSelector {
+                match_labels: web.clone(),
+                match_expressions: vec![],
+            }),
+            allowed: 0,
+        }];
+        // Crash-looping (Running, not Ready) or Pending: the API server may evict it with the
+        // budget at 0, so the eviction is sent; it takes no allowance.
+        assert_eq!(admit(&mut budgets, &pod("a", &web, false)), Admit::Send);
+        assert_eq!(budgets[0].allowed, 0);
+        // A healthy pod of the same budget waits.
+        assert!(matches!(
+            admit(&mut budgets, &pod("a", &web, true)),
+            Admit::Wait { pdb, .. } if pdb == "web"
+        ));
+        // An unhealthy pod never spends an allowance a healthy one could use.
+        budgets[0].allowed = 1;
+        assert_eq!(admit(&mut budgets, &pod("a", &web, false)), Admit::Send);
+        assert_eq!(admit(&mut budgets, &pod("a", &web, true)), Admit::Send);
+        assert_eq!(budgets[0].allowed, 0);
     }
 
     #[test]

@@ -55,6 +55,18 @@ pub struct Config {
         value_parser = duration
     )]
     pub maintenance_cache_grace: Duration,
+    /// How long a pod on a node tainted `node.kubernetes.io/unreachable` may stay terminating
+    /// past its deletion time before a drain counts it gone (and lists it under
+    /// `skippedPods` with reason `NodeUnreachable`): without a kubelet to confirm it, its
+    /// deletion never completes and the drain could never end. Cluster API waits the same
+    /// 5 minutes by default.
+    #[arg(
+        long,
+        env = "NODEKEEPER_MAINTENANCE_UNREACHABLE_POD_WAIT",
+        default_value = "5m",
+        value_parser = duration
+    )]
+    pub maintenance_unreachable_pod_wait: Duration,
 }
 
 fn duration(s: &str) -> Result<Duration, String> {
@@ -77,11 +89,17 @@ pub struct Context {
     /// safety net (the watches wake a drain when a pod leaves or a budget allows again), and
     /// the moment a pod terminating past its grace period is reported.
     pub drain_recheck: Duration,
+    /// `--maintenance-unreachable-pod-wait`.
+    pub unreachable_pod_wait: Duration,
     /// Nodes, pods and budgets from watches; the watches wake the maintenances.
     pub cache: Arc<cache::Cache>,
     /// The status this replica last wrote per maintenance (by UID) and when: newer than the
     /// watched object until the watch catches up, and the clock of the write coalescing.
     statuses: Mutex<HashMap<String, (NodeMaintenanceStatus, Instant)>>,
+    /// Held by the reconcile promoting nodes to Draining, from its read of the cluster-wide
+    /// draining count to its Draining holds written: the reconciles run concurrently, and
+    /// `maintenance.maxConcurrentNodes` is a ceiling across all of them.
+    pub(crate) promotion: tokio::sync::Mutex<()>,
 }
 
 impl Context {
@@ -94,11 +112,41 @@ impl Context {
             tuning: shared.tuning.clone(),
             eviction_budget: Duration::from_secs(5),
             drain_recheck: Duration::from_secs(15),
+            unreachable_pod_wait: config.maintenance_unreachable_pod_wait,
             cache: Arc::new(cache::Cache::new(
                 config.maintenance_cache_grace,
                 shared.metrics.maintenance.clone(),
             )),
             statuses: Mutex::default(),
+            promotion: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    /// A context outside the controller-manager, for driving [`reconcile`] directly (the e2e
+    /// tests use it to hand a reconcile an object that is already gone, a race the running
+    /// controller hits only by chance). `client` is used as is, for every request: nothing is
+    /// inferred from the environment. The limits are the tuning defaults; the caches run while
+    /// the caller polls [`cache::Cache::triggers`].
+    pub fn standalone(client: kube::Client, identity: &str) -> Self {
+        let recorder = Recorder::new(
+            client.clone(),
+            kube::runtime::events::Reporter {
+                controller: "nodekeeper-controller".into(),
+                instance: Some(identity.to_owned()),
+            },
+        );
+        let (_, tuning) = watch::channel(Arc::new(TuningState::defaults()));
+        Self {
+            base_client: client.clone(),
+            client: OnceCell::new_with(Some(client)),
+            recorder,
+            tuning,
+            eviction_budget: Duration::from_secs(5),
+            drain_recheck: Duration::from_secs(15),
+            unreachable_pod_wait: plan::UNREACHABLE_POD_WAIT,
+            cache: Arc::new(cache::Cache::default()),
+            statuses: Mutex::default(),
+            promotion: tokio::sync::Mutex::new(()),
         }
     }
 

@@ -36,6 +36,12 @@ pub struct PodFacts {
     pub finished: bool,
     /// `metadata.deletionTimestamp` is set: it is on its way out.
     pub terminating: bool,
+    /// Phase `Running` with condition `Ready` true: the only pods a PodDisruptionBudget can
+    /// keep from being evicted. The API server evicts Pending pods without consulting any
+    /// budget, and a not-Ready one whenever its budget's `unhealthyPodEvictionPolicy` lets it
+    /// (always with `AlwaysAllow`; under the default `IfHealthyBudget` while the budget has its
+    /// healthy pods), which this controller cannot tell from the budget's status alone.
+    pub healthy: bool,
     /// It mounts an `emptyDir` volume, whose data eviction discards.
     pub local_storage: bool,
     /// `spec.terminationGracePeriodSeconds` (30 when unset, as the API defaults it).
@@ -196,6 +202,27 @@ impl NodePlan {
 /// Plans one node: only the lowest group that still has pods is evicted; a later group waits
 /// until every pod of the earlier ones is gone (terminating pods still count as there).
 pub fn plan_node(pods: &[PodFacts], rules: &Rules) -> NodePlan {
+    plan_node_counting_gone(pods, rules, |_| false)
+}
+
+/// How long a pod on an unreachable node may stay terminating past its deletion time
+/// (`metadata.deletionTimestamp`, which already includes its grace period) before the drain
+/// counts it gone (`--maintenance-unreachable-pod-wait`): Cluster API's drain uses the same
+/// 5 minutes for an unreachable node (`SkipWaitForDeleteTimeoutSeconds`).
+pub const UNREACHABLE_POD_WAIT: Duration = Duration::from_secs(300);
+
+/// The taint the node lifecycle controller puts on a node whose kubelet stopped reporting.
+pub const TAINT_UNREACHABLE: &str = "node.kubernetes.io/unreachable";
+
+/// [`plan_node`], where `gone(i)` says that pod `i` (terminating) is to be counted gone: left
+/// on the node as skipped ([`SkipReason::NodeUnreachable`]) instead of waited for. A drain of a
+/// node whose kubelet is unreachable could otherwise never end: nothing confirms the deletion
+/// of its pods, whose objects stay terminating until the node comes back or is removed.
+pub fn plan_node_counting_gone(
+    pods: &[PodFacts],
+    rules: &Rules,
+    gone: impl Fn(usize) -> bool,
+) -> NodePlan {
     let mut plan = NodePlan::default();
     let mut groups: Vec<(usize, usize)> = Vec::new();
     for (i, pod) in pods.iter().enumerate() {
@@ -203,6 +230,10 @@ pub fn plan_node(pods: &[PodFacts], rules: &Rules) -> NodePlan {
             Disposition::Finished => continue,
             Disposition::Skipped(reason) => {
                 plan.skipped.push((i, reason));
+                continue;
+            }
+            _ if pod.terminating && gone(i) => {
+                plan.skipped.push((i, SkipReason::NodeUnreachable));
                 continue;
             }
             Disposition::WaitForCompletion => plan.waiting.push(i),
@@ -313,6 +344,7 @@ mod tests {
             priority: 0,
             finished: false,
             terminating: false,
+            healthy: true,
             local_storage: false,
             grace_seconds: 30,
         }
@@ -466,6 +498,52 @@ mod tests {
         let mut job = pods[1].clone();
         job.finished = true;
         assert!(plan_node(&[job, pods[2].clone()], &r).drained());
+    }
+
+    #[test]
+    fn pods_counted_gone_are_skipped_and_let_the_next_group_go() {
+        let r = rules(default_plan());
+        let mut stuck = pod("stuck", Owner::Controller);
+        stuck.terminating = true;
+        let mut going = pod("going", Owner::Controller);
+        going.terminating = true;
+        let mut bare = pod("bare", Owner::None);
+        bare.terminating = true;
+        let mut high = pod("high", Owner::Controller);
+        high.priority = 1000;
+        let pods = vec![stuck, going, bare, high];
+
+        // Nothing counted gone: the terminating pods hold group 0 and the drain up.
+        let p = plan_node(&pods, &r);
+        assert_eq!(p.current_group, Some(0));
+        assert!(p.evict.is_empty());
+        assert_eq!(names(&pods, &p.terminating), ["stuck", "going", "bare"]);
+
+        // The stuck pod and the bare one are gone: only the pod still within its wait holds
+        // group 0.
+        let p = plan_node_counting_gone(&pods, &r, |i| i != 1);
+        assert_eq!(
+            p.skipped
+                .iter()
+                .map(|(i, why)| (pods[*i].name.as_str(), *why))
+                .collect::<Vec<_>>(),
+            [
+                ("stuck", SkipReason::NodeUnreachable),
+                ("bare", SkipReason::NodeUnreachable)
+            ]
+        );
+        assert_eq!(names(&pods, &p.remaining), ["going", "high"]);
+        assert!(p.standalone.is_empty());
+
+        // All gone: the next group is evicted, and once it is gone too the node is drained.
+        let p = plan_node_counting_gone(&pods, &r, |_| true);
+        assert_eq!(
+            (p.current_group, names(&pods, &p.evict)),
+            (Some(1), vec!["high".to_string()])
+        );
+        assert!(plan_node_counting_gone(&pods[..3], &r, |_| true).drained());
+        // A pod that is not terminating is never counted gone.
+        assert!(!plan_node_counting_gone(&pods[3..], &r, |_| true).drained());
     }
 
     #[test]

@@ -16,17 +16,16 @@ use kube::api::{Api, DeleteParams, Patch, PatchParams, Preconditions};
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType};
 use kube::{Resource as _, ResourceExt as _};
-use nodekeeper_api::crd::NodeMaintenance;
 use nodekeeper_api::crd::common::format_field_errors;
 use nodekeeper_api::crd::node_maintenance::{
     BlockReason, BlockingPod, NodeMaintenanceStatus, NodePhase, SkippedPod, Stage,
 };
+use nodekeeper_api::crd::{LabelSelector, NodeMaintenance};
 use nodekeeper_api::names::{
     ANNOTATION_MAINTENANCE, API_VERSION, LABEL_MAINTAINED, MANAGER_NODE_MAINTENANCE,
 };
 use tracing::{info, warn};
 
-use super::Context;
 use super::admission::{self, CONTROL_PLANE_LABEL, Selection};
 use super::cache::{CachedNode, CachedPod, NodeFacts, NotReady};
 use super::eviction::{self, Admit, EvictionAnswer, admit};
@@ -34,12 +33,16 @@ use super::plan::{self, DeadlineStep, Owner, PodFacts, Rules};
 use super::record::{self, Hold, HoldPhase, NodeRecord};
 use super::stage::{self, Limits, NodeHold, Target};
 use super::status::{self, NodeView, Outcome};
+use super::{Context, TuningLimits};
 
 /// Finalizer: the nodes are restored before the object goes.
 pub const FINALIZER: &str = "nodekeeper.dev/node-maintenance";
 
 /// How long a reconcile waits for the watches' first lists before it gives up and retries.
 const CACHE_WAIT: Duration = Duration::from_secs(60);
+/// How many holders missing from the maintenances' watch one reconcile asks the API server
+/// about ([`release_orphans`]).
+const ORPHAN_CHECKS: usize = 4;
 /// How often a node write that lost a race (409) is tried again, each from a fresh read.
 const WRITE_ATTEMPTS: usize = 3;
 
@@ -55,6 +58,12 @@ pub enum Error {
     },
     #[error("write status of nodemaintenance {name}: {source}")]
     WriteStatus { name: String, source: kube::Error },
+    #[error("list the pods on node {node} for nodemaintenance {name}: {source}")]
+    ListPods {
+        name: String,
+        node: String,
+        source: kube::Error,
+    },
     #[error("update finalizer of nodemaintenance {name}: {source}")]
     WriteFinalizer { name: String, source: kube::Error },
 }
@@ -171,6 +180,7 @@ pub async fn reconcile(nm: Arc<NodeMaintenance>, ctx: Arc<Context>) -> Result<Ac
         return Ok(Action::await_change());
     }
     ctx.cache.know(&name, true);
+    release_orphans(&ctx, &api, &nodes_api, &name).await;
 
     let generation = nm.meta().generation;
     let stage = nm.spec.stage;
@@ -209,43 +219,47 @@ pub async fn reconcile(nm: Arc<NodeMaintenance>, ctx: Arc<Context>) -> Result<Ac
 
     if matches!(stage, Stage::Cordon | Stage::Drain)
         && !nm.finalizers().iter().any(|f| f == FINALIZER)
+        && set_finalizer(&api, &nm, true).await? == Finalizer::Gone
     {
-        set_finalizer(&api, &nm, true).await?;
+        // Deleted (or deleted and made again) since the watch showed it, before it had the
+        // finalizer: it is gone for good and no reconcile will see its deletion, so a node
+        // cordoned now would stay cordoned, held by a maintenance that no longer exists.
+        // Nothing has been touched yet; a new object of the same name has its own reconcile.
+        info!(maintenance = %name, "nodemaintenance deleted before its finalizer was added; nothing to do");
+        ctx.cache.know(&name, false);
+        ctx.forget_status(&uid);
+        return Ok(Action::await_change());
     }
 
     // The selected nodes and every node this maintenance holds, from the cache.
     let selector = &nm.spec.node_selector;
-    let mut matched = 0u32;
-    let mut cluster_draining = 0usize;
-    let mut control_plane = 0u32;
-    let mut selected_control_plane = 0u32;
-    let mut total = 0usize;
-    let mut seen: BTreeMap<String, Seen> = BTreeMap::new();
-    ctx.cache.scan_nodes(|cached| {
-        total += 1;
-        let selected = selector.matches(&cached.node.labels);
-        let cp = cached.node.labels.contains_key(CONTROL_PLANE_LABEL);
-        control_plane += u32::from(cp);
-        selected_control_plane += u32::from(cp && selected);
-        matched += u32::from(selected);
-        if cached.record.as_ref().is_some_and(NodeRecord::draining) {
-            cluster_draining += 1;
-        }
-        let holds = cached
-            .record
-            .as_ref()
-            .is_some_and(|r| r.hold(&name).is_some());
-        if selected || holds {
-            seen.insert(cached.node.name.clone(), Seen::of(cached.clone(), selected));
-        }
-    });
+    let limits = ctx.limits();
+    let mut scan = Scan::of(&ctx, &name, selector);
+    // Promotions to Draining are serialised across the concurrent reconciles: the cluster-wide
+    // ceiling is a count read here and raised by the Draining holds written later (in
+    // `start_node`), so two maintenances reading the same count would both take the last slot.
+    // Only a reconcile that would promote a node takes the lock, and it reads the nodes again
+    // under it (every hold written under the lock is in the cache by then: `wrote_node`). It is
+    // held until the first-time Draining holds are written, before any eviction.
+    let mut promotion = None;
+    if stage == Stage::Drain && scan.targets(&name, &nm, stage, limits).promotes {
+        promotion = Some(ctx.promotion.lock().await);
+        scan = Scan::of(&ctx, &name, selector);
+    }
+    let Scan {
+        matched,
+        cluster_draining,
+        control_plane,
+        selected_control_plane,
+        total,
+        mut seen,
+    } = scan;
     let total_nodes = u32::try_from(total).unwrap_or(u32::MAX);
     let holding = seen
         .values()
         .any(|s| s.record.as_ref().is_some_and(|r| r.hold(&name).is_some()));
 
     // Admission safety: checked before the first node is touched.
-    let limits = ctx.limits();
     if matches!(stage, Stage::Cordon | Stage::Drain) && !holding && matched > 0 {
         let selection = Selection {
             selected: matched,
@@ -258,6 +272,7 @@ pub async fn reconcile(nm: Arc<NodeMaintenance>, ctx: Arc<Context>) -> Result<Ac
             limits.max_selected_nodes,
             nm.spec.allow_broad_selection,
         ) {
+            drop(promotion);
             let message = refusal.to_string();
             info!(maintenance = %name, %message, "nodemaintenance refused");
             let s = status::build(
@@ -280,27 +295,8 @@ pub async fn reconcile(nm: Arc<NodeMaintenance>, ctx: Arc<Context>) -> Result<Ac
         }
     }
 
-    let holds: Vec<NodeHold> = seen
-        .iter()
-        .map(|(node, s)| NodeHold {
-            node: node.clone(),
-            selected: s.selected,
-            hold: s
-                .record
-                .as_ref()
-                .and_then(|r| r.hold(&name))
-                .map(|h| h.phase),
-        })
-        .collect();
-    let targets = stage::targets(
-        stage,
-        &holds,
-        Limits {
-            max_concurrent: nm.spec.max_concurrent_nodes,
-            cluster_ceiling: limits.max_concurrent_nodes,
-            cluster_draining: u32::try_from(cluster_draining).unwrap_or(u32::MAX),
-        },
-    );
+    let Planned { holds, targets, .. } =
+        Scan::plan(&seen, cluster_draining, &name, &nm, stage, limits);
 
     let now = now_unix();
     let mut views = Vec::new();
@@ -362,7 +358,7 @@ pub async fn reconcile(nm: Arc<NodeMaintenance>, ctx: Arc<Context>) -> Result<Ac
         .iter()
         .filter_map(|node| seen.remove(node))
         .collect();
-    let outcome = drain(&ctx, &nodes_api, &nm, jobs, &rules, now).await?;
+    let outcome = drain(&ctx, &nodes_api, &nm, jobs, &rules, now, promotion).await?;
     if let Some(recheck) = outcome.recheck {
         requeue = requeue.min(recheck);
     }
@@ -386,6 +382,110 @@ pub async fn reconcile(nm: Arc<NodeMaintenance>, ctx: Arc<Context>) -> Result<Ac
         requeue = Duration::ZERO;
     }
     Ok(Action::requeue(requeue))
+}
+
+/// The nodes as one reconcile reads them from the cache.
+struct Scan {
+    /// Nodes the selector picks.
+    matched: u32,
+    /// Nodes draining now under every maintenance.
+    cluster_draining: usize,
+    control_plane: u32,
+    selected_control_plane: u32,
+    /// Nodes in the cluster.
+    total: usize,
+    /// The selected nodes and every node this maintenance holds.
+    seen: BTreeMap<String, Seen>,
+}
+
+/// Each node's hold and what this maintenance wants for it.
+struct Planned {
+    holds: Vec<NodeHold>,
+    targets: Vec<Target>,
+    /// Some node not draining yet is to start draining now.
+    promotes: bool,
+}
+
+impl Scan {
+    fn of(ctx: &Context, name: &str, selector: &LabelSelector) -> Self {
+        let mut scan = Self {
+            matched: 0,
+            cluster_draining: 0,
+            control_plane: 0,
+            selected_control_plane: 0,
+            total: 0,
+            seen: BTreeMap::new(),
+        };
+        ctx.cache.scan_nodes(|cached| {
+            scan.total += 1;
+            let selected = selector.matches(&cached.node.labels);
+            let cp = cached.node.labels.contains_key(CONTROL_PLANE_LABEL);
+            scan.control_plane += u32::from(cp);
+            scan.selected_control_plane += u32::from(cp && selected);
+            scan.matched += u32::from(selected);
+            if cached.record.as_ref().is_some_and(NodeRecord::draining) {
+                scan.cluster_draining += 1;
+            }
+            let holds = cached
+                .record
+                .as_ref()
+                .is_some_and(|r| r.hold(name).is_some());
+            if selected || holds {
+                scan.seen
+                    .insert(cached.node.name.clone(), Seen::of(cached.clone(), selected));
+            }
+        });
+        scan
+    }
+
+    fn targets(
+        &self,
+        name: &str,
+        nm: &NodeMaintenance,
+        stage: Stage,
+        limits: TuningLimits,
+    ) -> Planned {
+        Self::plan(&self.seen, self.cluster_draining, name, nm, stage, limits)
+    }
+
+    fn plan(
+        seen: &BTreeMap<String, Seen>,
+        cluster_draining: usize,
+        name: &str,
+        nm: &NodeMaintenance,
+        stage: Stage,
+        limits: TuningLimits,
+    ) -> Planned {
+        let holds: Vec<NodeHold> = seen
+            .iter()
+            .map(|(node, s)| NodeHold {
+                node: node.clone(),
+                selected: s.selected,
+                hold: s
+                    .record
+                    .as_ref()
+                    .and_then(|r| r.hold(name))
+                    .map(|h| h.phase),
+            })
+            .collect();
+        let targets = stage::targets(
+            stage,
+            &holds,
+            Limits {
+                max_concurrent: nm.spec.max_concurrent_nodes,
+                cluster_ceiling: limits.max_concurrent_nodes,
+                cluster_draining: u32::try_from(cluster_draining).unwrap_or(u32::MAX),
+            },
+        );
+        let promotes = holds.iter().zip(&targets).any(|(h, t)| {
+            *t == Target::Hold(HoldPhase::Draining) && h.hold != Some(HoldPhase::Draining)
+        });
+        Planned {
+            holds,
+            targets,
+            promotes,
+        }
+    }
 }
 
 /// Applies this maintenance's wish for one node: its hold (or its release) in the record, the
@@ -621,6 +721,12 @@ pub fn pod_facts(pod: &Pod) -> PodFacts {
         priority: spec.and_then(|s| s.priority).unwrap_or(0),
         finished: matches!(phase, "Succeeded" | "Failed"),
         terminating: pod.metadata.deletion_timestamp.is_some(),
+        healthy: phase == "Running"
+            && pod
+                .status
+                .as_ref()
+                .and_then(|s| s.conditions.as_ref())
+                .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True")),
         local_storage: spec
             .and_then(|s| s.volumes.as_ref())
             .is_some_and(|vs| vs.iter().any(|v| v.empty_dir.is_some())),
@@ -649,6 +755,8 @@ struct Job {
     facts: Vec<PodFacts>,
     plan: plan::NodePlan,
     step: DeadlineStep,
+    /// When the next pod terminating on an unreachable node is to be counted gone.
+    gone_in: Option<Duration>,
     /// Pods admitted against their budgets, to evict now.
     send: Vec<usize>,
     answers: Vec<(usize, EvictionAnswer)>,
@@ -658,6 +766,9 @@ struct Job {
 /// budgets allow now are admitted node by node, the longest-draining node first (so nodes
 /// finish one after another and free their slots early, rather than all at the end), then sent
 /// together, concurrently, for a bounded time; then each node's hold and view follow.
+///
+/// `promotion` is the lock taken to promote nodes to Draining: it is let go once their Draining
+/// holds are written, before the first eviction.
 async fn drain(
     ctx: &Context,
     nodes_api: &Api<Node>,
@@ -665,6 +776,7 @@ async fn drain(
     seen: Vec<Seen>,
     rules: &Rules,
     now: i64,
+    promotion: Option<tokio::sync::MutexGuard<'_, ()>>,
 ) -> Result<DrainOutcome, Error> {
     let mut out = DrainOutcome::default();
     if seen.is_empty() {
@@ -677,6 +789,7 @@ async fn drain(
     .buffer_unordered(16)
     .collect()
     .await;
+    drop(promotion);
     let mut jobs = Vec::with_capacity(started.len());
     for job in started {
         jobs.push(job?);
@@ -693,7 +806,7 @@ async fn drain(
         }
         for &i in &job.plan.evict {
             let pod = &job.facts[i];
-            match admit(&mut budgets, &pod.namespace, &pod.labels) {
+            match admit(&mut budgets, pod) {
                 Admit::Send => job.send.push(i),
                 Admit::Wait { pdb, message } => job.answers.push((
                     i,
@@ -724,7 +837,10 @@ async fn drain(
         if answer == EvictionAnswer::Evicted {
             evicted_uids.extend(job.pods[i].uid.clone());
             let pod = &job.facts[i];
+            // Only a healthy pod's eviction takes an allowance: the API server evicts the
+            // others without counting them against the budget.
             if let Some(key) = super::eviction::sole_budget(&snapshot, &pod.namespace, &pod.labels)
+                .filter(|_| pod.healthy)
             {
                 *spent.entry(key).or_default() += 1;
             }
@@ -796,9 +912,43 @@ async fn start_node(
         .await;
     }
 
-    let pods = ctx.cache.pods_on(&node);
-    let facts: Vec<PodFacts> = pods.iter().map(|p| p.facts.clone()).collect();
-    let node_plan = plan::plan_node(&facts, rules);
+    // On a node whose kubelet is unreachable, a pod terminating longer than the wait past its
+    // deletion time is counted gone: nothing will ever confirm its deletion.
+    let unreachable = seen
+        .node
+        .taints
+        .iter()
+        .any(|t| t.key == plan::TAINT_UNREACHABLE);
+    let wait = i64::try_from(ctx.unreachable_pod_wait.as_secs()).unwrap_or(i64::MAX);
+    let gone_at = |p: &CachedPod| {
+        p.deletion
+            .filter(|_| unreachable && p.facts.terminating)
+            .map(|t| t.saturating_add(wait))
+    };
+    let plan_of = |pods: &[CachedPod]| -> (Vec<PodFacts>, plan::NodePlan) {
+        let facts: Vec<PodFacts> = pods.iter().map(|p| p.facts.clone()).collect();
+        let node_plan = plan::plan_node_counting_gone(&facts, rules, |i| {
+            gone_at(&pods[i]).is_some_and(|at| at <= now)
+        });
+        (facts, node_plan)
+    };
+    let mut pods = ctx.cache.pods_on(&node);
+    let (mut facts, mut node_plan) = plan_of(&pods);
+    if node_plan.drained() {
+        // "Drained" is final: the node is never looked at again. The pod watch may not have
+        // shown a pod bound just before the cordon yet (above, in this very reconcile), so the
+        // cache's "nothing left" is confirmed by one list from the API server, as `kubectl
+        // drain` lists after cordoning. It happens once per node, when its drain ends.
+        pods = list_pods_on(ctx, &name, &node).await?;
+        (facts, node_plan) = plan_of(&pods);
+    }
+    // Look again when the next such pod is to be counted gone: no event says so.
+    let gone_in = node_plan
+        .terminating
+        .iter()
+        .filter_map(|i| gone_at(&pods[*i]))
+        .map(|at| Duration::from_secs(u64::try_from(at - now).unwrap_or(0) + 1))
+        .min();
     let elapsed = Duration::from_secs(u64::try_from(now - drain_start).unwrap_or(0));
     let step = if node_plan.drained() {
         DeadlineStep::Continue {
@@ -835,9 +985,29 @@ async fn start_node(
         facts,
         plan: node_plan,
         step,
+        gone_in,
         send: Vec::new(),
         answers: Vec::new(),
     })
+}
+
+/// The pods bound to `node`, read from the API server rather than the cache (a consistent
+/// read: the API server serves it from its watch cache once that has caught up, else from
+/// etcd). Pods this replica evicted need no memory here: the answer carries their
+/// deletionTimestamp.
+async fn list_pods_on(ctx: &Context, name: &str, node: &str) -> Result<Vec<CachedPod>, Error> {
+    let api: Api<Pod> = Api::all(ctx.kube().await);
+    let params = kube::api::ListParams::default().fields(&format!("spec.nodeName={node}"));
+    let list = api.list(&params).await.map_err(|source| Error::ListPods {
+        name: name.to_owned(),
+        node: node.to_owned(),
+        source,
+    })?;
+    let mut pods: Vec<CachedPod> = list.items.iter().map(CachedPod::new).collect();
+    pods.sort_by(|a, b| {
+        (&a.facts.namespace, &a.facts.name).cmp(&(&b.facts.namespace, &b.facts.name))
+    });
+    Ok(pods)
 }
 
 /// A draining node's second half: what the answers and the deadline make of it (drained,
@@ -859,6 +1029,7 @@ async fn finish_node(
         facts,
         plan: node_plan,
         step,
+        gone_in,
         answers,
         ..
     } = job;
@@ -1002,6 +1173,9 @@ async fn finish_node(
                 recheck = recheck.map(|r| r.min(recheck_in));
             }
         }
+    }
+    if let Some(gone_in) = gone_in {
+        recheck = recheck.map(|r| r.min(gone_in));
     }
     view.message = hold.note.clone();
     write_node(
@@ -1212,6 +1386,63 @@ async fn write_status(
     })
 }
 
+/// Releases the holds of maintenances that no longer exist. A maintenance deleted before its
+/// finalizer was added is never reconciled again, and a hold it wrote first (a race that
+/// [`set_finalizer`]'s answer now closes, but a replica from before that fix, or a hand-made
+/// record, can leave behind) would keep its node cordoned and, while Draining, a slot of
+/// `maintenance.maxConcurrentNodes` taken for good. A holder is taken as gone only when the
+/// metadata watch has listed the maintenances without it *and* the API server, asked now,
+/// has no object of that name: a maintenance just created, or being deleted (its finalizer
+/// still there), is left alone. Failures are logged and tried again at the next reconcile.
+///
+/// At most [`ORPHAN_CHECKS`] holders are asked about per reconcile: a holder the watch has not
+/// shown yet exists almost always, and a burst of new maintenances must not become a burst of
+/// requests; a real orphan is found again by the next reconcile.
+async fn release_orphans(
+    ctx: &Context,
+    api: &Api<NodeMaintenance>,
+    nodes_api: &Api<Node>,
+    name: &str,
+) {
+    let unknown = ctx.cache.unknown_holders().into_iter();
+    for (holder, nodes) in unknown.filter(|(h, _)| h != name).take(ORPHAN_CHECKS) {
+        let params = kube::api::ListParams::default().fields(&format!("metadata.name={holder}"));
+        match api.list_metadata(&params).await {
+            Ok(list) if list.items.is_empty() => {}
+            Ok(_) => continue,
+            Err(error) => {
+                warn!(%error, holder = %holder, "checking whether a node's holder still exists failed");
+                continue;
+            }
+        }
+        for node in nodes {
+            let node_name = node.node.name.clone();
+            let mut seen = Seen::of(node, false);
+            // One attempt, from the node as cached: a conflict means the node changed, and the
+            // next reconcile looks again (a retry from a fresh read could take away the hold of
+            // a new maintenance of the same name written meanwhile).
+            match write_node_once(ctx, nodes_api, &holder, &mut seen, Target::Release, None).await {
+                Ok(_) => {
+                    warn!(maintenance = %holder, node = %node_name, "released a node held by a nodemaintenance that no longer exists");
+                }
+                Err(error) => {
+                    warn!(%error, maintenance = %holder, node = %node_name, "releasing a node held by a nodemaintenance that no longer exists failed; retrying at the next reconcile");
+                }
+            }
+        }
+    }
+}
+
+/// What [`set_finalizer`] found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Finalizer {
+    /// Written on this object.
+    Written,
+    /// The object is gone (404), or gone and made again under the same name (409, uid
+    /// mismatch).
+    Gone,
+}
+
 /// Adds or removes the finalizer (server-side apply of this manager's one list entry) on this
 /// object only: with its uid, an apply to an object deleted meanwhile is refused (409) instead of
 /// trying to create a new one.
@@ -1219,7 +1450,7 @@ async fn set_finalizer(
     api: &Api<NodeMaintenance>,
     nm: &NodeMaintenance,
     present: bool,
-) -> Result<(), Error> {
+) -> Result<Finalizer, Error> {
     let name = nm.name_any();
     let name = name.as_str();
     let finalizers: Vec<&str> = if present { vec![FINALIZER] } else { vec![] };
@@ -1236,10 +1467,10 @@ async fn set_finalizer(
         )
         .await
     {
-        Ok(_) => Ok(()),
+        Ok(_) => Ok(Finalizer::Written),
         // Gone (404), or gone and made again under the same name (409, uid mismatch): nothing
-        // of this object is left to finalize.
-        Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => Ok(()),
+        // of this object is left to finalize, and nothing may be done for it either.
+        Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => Ok(Finalizer::Gone),
         Err(source) => Err(Error::WriteFinalizer {
             name: name.to_owned(),
             source,
