@@ -90,16 +90,20 @@ fn call_error(endpoint: SocketAddr, detail: String) -> CallError {
 
 /// The benchmark's simulated apply (see [`TestAgents`]).
 fn simulated_apply(endpoint: &OciEndpoint, instance: &str) -> pb::ApplyNetworkResponse {
-    let links: Vec<Value> = endpoint
+    let on_host: Vec<_> = endpoint
         .guest_vnics(instance)
         .into_iter()
         .filter(|v| !v.primary && v.state == "ATTACHED")
+        .collect();
+    let links: Vec<Value> = on_host
+        .iter()
         .enumerate()
         .map(|(i, v)| json!({"name": format!("vnic{i}"), "kind": "existing", "mac": v.mac}))
         .collect();
     pb::ApplyNetworkResponse {
         outcome: pb::ApplyOutcome::Applied as i32,
         observed_state_json: json!({ "links": links }).to_string(),
+        oci_vnic_ids: on_host.into_iter().map(|v| v.vnic_id).collect(),
         ..Default::default()
     }
 }

@@ -287,18 +287,22 @@ impl NetworkManager {
     ) -> Result<pb::ApplyNetworkResponse, NetworkError> {
         let mut desired: NetworkState = serde_json::from_str(&req.desired_state_json)
             .map_err(|e| NetworkError::ParseDesired(e.to_string()))?;
+        let mut vnic_ids = Vec::new();
         if let Some(oci) = req.oci_vnics.as_ref().filter(|o| o.enabled) {
             // What the metadata service answered, or how it failed, is the host's state: the
             // report shows it (a dry run changes nothing, the status included).
             let merged = self
                 .merge_oci_layout(&mut desired, oci, &req.generation)
                 .await;
-            if let Err(e) = merged {
-                if !req.dry_run {
-                    let msg = e.to_string();
-                    self.publish(|s| s.last_error = msg);
+            match merged {
+                Ok(ids) => vnic_ids = ids,
+                Err(e) => {
+                    if !req.dry_run {
+                        let msg = e.to_string();
+                        self.publish(|s| s.last_error = msg);
+                    }
+                    return Err(e);
                 }
-                return Err(e);
             }
         }
         desired
@@ -371,7 +375,13 @@ impl NetworkManager {
             .observed_state(&desired)
             .await
             .map_err(NetworkError::from)?;
-        Ok(response(&report, &observed))
+        let mut answer = response(&report, &observed);
+        // The caller's proof that the VNICs it attached are on this host (a state rolled back
+        // laid nothing out).
+        if report.outcome == Outcome::Applied {
+            answer.oci_vnic_ids = vnic_ids;
+        }
+        Ok(answer)
     }
 
     /// The `existing` links of `applied`, for [`NetworkManager::configures`].
@@ -634,13 +644,14 @@ impl NetworkManager {
 }
 
 impl NetworkManager {
-    /// Adds the OCI secondary-VNIC layout that `oci` asks for to `desired`.
+    /// Adds the OCI secondary-VNIC layout that `oci` asks for to `desired`; returns the OCIDs
+    /// of the VNICs laid out (not excluded, not waiting).
     async fn merge_oci_layout(
         &self,
         desired: &mut NetworkState,
         oci: &pb::OciVnics,
         generation: &str,
-    ) -> Result<(), NetworkError> {
+    ) -> Result<Vec<String>, NetworkError> {
         let opts = layout_options(oci)?;
         let endpoint = self
             .imds_endpoint
@@ -654,7 +665,14 @@ impl NetworkManager {
         }
         let mut laid_out = layout.desired;
         exclude_vnics(&mut laid_out, &oci.exclude_macs);
-        merge_layout(desired, laid_out)
+        merge_layout(desired, laid_out)?;
+        let excluded: Vec<String> = oci.exclude_macs.iter().map(|m| norm_mac(m)).collect();
+        Ok(layout
+            .vnics
+            .into_iter()
+            .filter(|(_, mac)| !excluded.contains(&norm_mac(mac)))
+            .map(|(id, _)| id)
+            .collect())
     }
 
     /// The OCI secondary-VNIC layout of this host: asks the metadata service at `endpoint` for
@@ -897,6 +915,8 @@ fn response(report: &ApplyReport, observed: &NetworkState) -> pb::ApplyNetworkRe
         message: report.error.clone().unwrap_or_default(),
         observed_state_json: serde_json::to_string(observed).unwrap_or_default(),
         netlink_writes: u32::try_from(report.writes).unwrap_or(u32::MAX),
+        // Filled by `apply` for an apply that laid out OCI VNICs.
+        oci_vnic_ids: Vec::new(),
     }
 }
 
@@ -1607,6 +1627,8 @@ mod tests {
             let r = m.apply(oci_request("{}", false)).await.unwrap();
             assert_eq!(r.outcome, pb::ApplyOutcome::Applied as i32, "{}", r.message);
             assert!(r.netlink_writes > 0);
+            // The VNIC laid out is named to the caller; the third, not attached yet, is not.
+            assert_eq!(r.oci_vnic_ids, ["ocid1.vnic.oc1.phx.example1second"]);
             let addr = ip(&name, &["addr", "show", "dev", "ens5"]);
             assert!(addr.contains("inet 10.0.20.33/24"), "{addr}");
             assert!(addr.contains("mtu 9000"), "{addr}");

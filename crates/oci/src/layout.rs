@@ -58,6 +58,8 @@ pub struct Layout {
     pub desired: NetworkState,
     /// One line per VNIC left out for now, saying what it waits for.
     pub waiting: Vec<String>,
+    /// The VNICs laid out in `desired`: (VNIC OCID, MAC).
+    pub vnics: Vec<(String, String)>,
 }
 
 /// Why no layout can be made.
@@ -170,6 +172,7 @@ pub fn secondary_vnics(
     let mut out = Layout {
         desired: NetworkState::default(),
         waiting: Vec::new(),
+        vnics: Vec::new(),
     };
     for (i, v) in vnics.iter().enumerate().skip(1) {
         let table = opts.table_base + i as u32;
@@ -245,6 +248,7 @@ pub fn secondary_vnics(
             });
             name
         };
+        out.vnics.push((v.vnic_id.clone(), v.mac_addr.clone()));
         if let Some(v4) = &v.ipv4 {
             out.desired.addresses.push(AddressSpec {
                 link: carrier.clone(),
@@ -443,6 +447,10 @@ mod tests {
         );
         assert_eq!(l.desired.links.len(), 1);
         assert_eq!(l.desired.rules.len(), 2);
+        // Only the VNIC laid out is named (what the agent tells the controller is on the host).
+        assert_eq!(l.vnics.len(), 1);
+        assert_eq!(l.vnics[0].1, "02:00:17:0a:22:02");
+        assert_ne!(l.vnics[0].0, "ocid1.vnic.oc1.phx.example2third");
     }
 
     #[test]

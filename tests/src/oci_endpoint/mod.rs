@@ -578,6 +578,8 @@ pub fn test_key_pem() -> anyhow::Result<String> {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct GuestVnic {
     pub attachment_id: String,
+    /// The VNIC's OCID.
+    pub vnic_id: String,
     pub mac: String,
     pub private_ip: Ipv4Addr,
     /// The subnet's virtual router (its first host address).
@@ -819,6 +821,7 @@ impl OciEndpoint {
                 let subnet = &s.subnets[&a.subnet_id];
                 GuestVnic {
                     attachment_id: a.id.clone(),
+                    vnic_id: a.vnic.id.clone(),
                     mac: a.vnic.mac.clone(),
                     private_ip: a.vnic.private_ip,
                     router: Ipv4Addr::from(u32::from(subnet.network) + 1),

@@ -627,6 +627,11 @@ pub struct ApplyNetworkResponse {
     /// How many netlink write requests the call made (0 for an empty plan or dry run).
     #[prost(uint32, tag = "5")]
     pub netlink_writes: u32,
+    /// With `oci_vnics`: the OCIDs of the secondary VNICs laid out on this host by this call (the
+    /// metadata service lists them and an interface with their MAC is there); VNICs still waiting
+    /// for either, and excluded ones, are not among them. Empty without `oci_vnics`.
+    #[prost(string, repeated, tag = "6")]
+    pub oci_vnic_ids: ::prost::alloc::vec::Vec<::prost::alloc::string::String>,
 }
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct DiagnosticsRequest {

@@ -1160,7 +1160,9 @@ async fn apply(
     // other objects or attached by hand), so a count of MACs would take one of those for a
     // VNIC still missing.
     let want = attach_list(spec).len();
-    if want > 0 {
+    if want > 0 && !all_reported(&run.keep, want, &response.oci_vnic_ids) {
+        // Not all named by the agent (one that predates `oci_vnic_ids` names none): found by
+        // MAC instead, one GetVnic per VNIC the first time.
         let mut kept = Vec::new();
         if let CloudAccess::On(cloud) = &ctx.cloud {
             for (id, vnic_id) in run.keep.clone() {
@@ -1199,6 +1201,16 @@ async fn apply(
         }
     }
     Ok(true)
+}
+
+/// Whether the agent named every VNIC this object keeps on the node (`keep`: attachment id and,
+/// once ATTACHED, its VNIC's OCID; `want` of them) among those it laid out (`oci_vnic_ids`).
+fn all_reported(keep: &[(String, Option<String>)], want: usize, oci_vnic_ids: &[String]) -> bool {
+    keep.len() >= want
+        && keep.iter().all(|(_, vnic)| {
+            vnic.as_ref()
+                .is_some_and(|v| oci_vnic_ids.iter().any(|id| id == v))
+        })
 }
 
 /// The MACs of `kept` (the VNICs this object keeps on the node) that no link of the agent's
@@ -1720,6 +1732,24 @@ mod tests {
         assert_eq!(not_on_host(&kept, &observed), ["02:00:17:0A:33:03"]);
         assert!(not_on_host(&kept[..1], &observed).is_empty());
         assert_eq!(not_on_host(&kept, "not json"), kept);
+    }
+
+    #[test]
+    fn vnics_the_agent_names_need_no_cloud_call() {
+        let keep = |v: &[(&str, Option<&str>)]| -> Vec<(String, Option<String>)> {
+            v.iter()
+                .map(|(a, v)| ((*a).to_owned(), v.map(str::to_owned)))
+                .collect()
+        };
+        let ids = |v: &[&str]| -> Vec<String> { v.iter().map(|s| (*s).to_owned()).collect() };
+        let both = keep(&[("att1", Some("vnic1")), ("att2", Some("vnic2"))]);
+        assert!(all_reported(&both, 2, &ids(&["vnic2", "other", "vnic1"])));
+        // One missing, one not ATTACHED yet, one attachment short, or an agent naming none.
+        assert!(!all_reported(&both, 2, &ids(&["vnic1", "other"])));
+        let pending = keep(&[("att1", Some("vnic1")), ("att2", None)]);
+        assert!(!all_reported(&pending, 2, &ids(&["vnic1"])));
+        assert!(!all_reported(&both[..1], 2, &ids(&["vnic1", "vnic2"])));
+        assert!(!all_reported(&both, 2, &[]));
     }
 
     #[test]
