@@ -427,7 +427,7 @@ async fn an_oci_node_created_by_hand_launches_one_instance_and_terminates_it_on_
         "--oci-auth=api-key".to_owned(),
         format!("--oci-credentials-dir={}", credentials.path().display()),
     ])?;
-    let oci = node_set::oci_provider(&client, &flags.cloud)
+    let oci = node_set::oci_provider(&client, &flags.cloud, None)
         .map_err(anyhow::Error::msg)?
         .context("the flags give an oci provider")?;
     let oci = Counting::new(oci);

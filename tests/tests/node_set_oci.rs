@@ -10,7 +10,14 @@
 //! their instances terminated, nothing lost, no extra launch); an unknown shape and OCIDs that
 //! name nothing get a condition naming the field, before any launch; "Out of host capacity"
 //! gets a condition naming the shape and a bounded number of LaunchInstance calls (counted at the
-//! endpoint), and the set recovers when capacity returns.
+//! endpoint), and the set recovers when capacity returns. A machine whose kubelet never
+//! registers is replaced once kube-controller-manager has marked its Node
+//! `Ready=Unknown, NodeStatusNeverUpdated` and the join timeout has passed. The orphan sweep
+//! terminates only this cluster's machines without any Node (in any availability domain of the
+//! compartment, and of sets deleted since): not another cluster's instance of
+//! a set of the same name, not one without the cluster tag, not one whose Node was taken out of
+//! the set; and deleting a machine terminates an instance only if its tags name that machine,
+//! and deletes the Node only while its providerID names the instance.
 //!
 //! Each test's controller reconciles only the NodeSets labelled for it
 //! (`NODEKEEPER_NODESET_SELECTOR`), so sets left by other tests on a shared API server are not
@@ -20,17 +27,19 @@ mod controller_common;
 mod oci_common;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail, ensure};
 use base64::Engine as _;
 use controller_common::*;
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use kube::api::{ListParams, Patch, PatchParams};
 use kube::{Api, ResourceExt as _};
 use nodekeeper_api::crd::{NodeClass, NodeMaintenance, NodeSet};
 use nodekeeper_api::names::LABEL_NODE_SET;
+use nodekeeper_controller::controllers::node_set::oci::{TAG_CLUSTER, TAG_NODE};
+use nodekeeper_controller::controllers::node_set::{self, Deletion, Machine};
 use nodekeeper_e2e::oci_endpoint::{EndpointConfig, OciEndpoint};
 use nodekeeper_e2e::{
     ControlPlane, apply_spec, install_crds, test_namespace, unique_name, wait_for,
@@ -69,9 +78,19 @@ struct Rig {
     subnet: String,
     image: String,
     owner: String,
+    /// The instances whose kubelet stays silent (see [`Silence`]).
+    silence: Arc<std::sync::Mutex<Silence>>,
     _credentials: tempfile::TempDir,
     _controller: ControllerProcess,
     stop: CancellationToken,
+}
+
+/// Kubelets that never register: the first `left` instances the kubelet stand-in sees RUNNING
+/// are skipped for good, and recorded in `skipped`.
+#[derive(Debug, Default)]
+struct Silence {
+    left: usize,
+    skipped: Vec<String>,
 }
 
 impl Drop for Rig {
@@ -82,6 +101,11 @@ impl Drop for Rig {
 
 impl Rig {
     async fn new(prefix: &str) -> anyhow::Result<Self> {
+        Self::with(prefix, &[], 0).await
+    }
+
+    /// A rig whose controller also gets `env`, and whose first `silent` instances never join.
+    async fn with(prefix: &str, env: &[(&str, &str)], silent: usize) -> anyhow::Result<Self> {
         let client = ControlPlane::shared().client().await?;
         install_crds(&client).await?;
         let ns = test_namespace(&client, prefix).await?;
@@ -102,17 +126,19 @@ impl Rig {
         let url = endpoint.url();
         let dir = credentials.path().display().to_string();
         let selector = format!("{OWNER}={owner}");
+        let mut vars = vec![
+            ("NODEKEEPER_OCI_ENDPOINT", url.as_str()),
+            ("NODEKEEPER_OCI_AUTH", "api-key"),
+            ("NODEKEEPER_OCI_CREDENTIALS_DIR", dir.as_str()),
+            ("NODEKEEPER_NODESET_SELECTOR", selector.as_str()),
+        ];
+        vars.extend_from_slice(env);
         let controller = ControllerProcess::start(
             &ns,
             &unique_name("nset-oci"),
             "nodekeeper.dev/no-such-label=none",
             free_port(),
-            &[
-                ("NODEKEEPER_OCI_ENDPOINT", url.as_str()),
-                ("NODEKEEPER_OCI_AUTH", "api-key"),
-                ("NODEKEEPER_OCI_CREDENTIALS_DIR", dir.as_str()),
-                ("NODEKEEPER_NODESET_SELECTOR", selector.as_str()),
-            ],
+            &vars,
         )?;
         let addr = controller.http;
         wait_for("the controller to serve", TIMEOUT, || async move {
@@ -121,9 +147,14 @@ impl Rig {
         })
         .await?;
         let stop = CancellationToken::new();
+        let silence = Arc::new(std::sync::Mutex::new(Silence {
+            left: silent,
+            skipped: Vec::new(),
+        }));
         tokio::spawn(kubelets(
             client.clone(),
             Arc::clone(&endpoint),
+            Arc::clone(&silence),
             stop.clone(),
         ));
         Ok(Self {
@@ -133,6 +164,7 @@ impl Rig {
             subnet,
             image,
             owner,
+            silence,
             _credentials: credentials,
             _controller: controller,
             stop,
@@ -186,6 +218,41 @@ impl Rig {
         Ok(())
     }
 
+    /// The instances whose kubelet stayed silent so far.
+    fn silenced(&self) -> Vec<String> {
+        self.silence
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .skipped
+            .clone()
+    }
+
+    /// The endpoint, image and subnet, for launching and reading instances directly.
+    fn cloud(&self) -> RigLite {
+        RigLite {
+            endpoint: Arc::clone(&self.endpoint),
+            subnet: self.subnet.clone(),
+            image: self.image.clone(),
+        }
+    }
+
+    async fn launch_tagged(&self, tags: &[(&str, &str)]) -> anyhow::Result<String> {
+        self.cloud().launch_tagged(tags).await
+    }
+
+    fn state_of(&self, id: &str) -> Option<&'static str> {
+        self.cloud().state_of(id)
+    }
+
+    /// ListInstances calls answered so far: one per orphan sweep.
+    fn sweeps(&self) -> usize {
+        self.endpoint
+            .requests()
+            .iter()
+            .filter(|r| r.method == http::Method::GET && r.path == "/instances")
+            .count()
+    }
+
     /// LaunchInstance calls the endpoint answered, by status.
     fn launches(&self) -> (usize, usize) {
         let calls: Vec<u16> = self
@@ -200,16 +267,98 @@ impl Rig {
     }
 }
 
+/// The local endpoint with an image and a subnet, without a controller.
+struct RigLite {
+    endpoint: Arc<OciEndpoint>,
+    subnet: String,
+    image: String,
+}
+
+impl RigLite {
+    /// A Compute client signing as the controller does (the same API key).
+    fn compute(&self) -> anyhow::Result<nodekeeper_oci::compute::ComputeClient> {
+        let key = nodekeeper_oci::signer::PrivateKey::from_pem(
+            &nodekeeper_e2e::oci_endpoint::test_key_pem()?,
+        )?;
+        let auth = nodekeeper_oci::auth::ApiKeyProvider::new(TENANCY, USER, key);
+        let mut config = nodekeeper_oci::compute::ComputeConfig::new(self.endpoint.url());
+        config.timeout = Duration::from_secs(5);
+        Ok(nodekeeper_oci::compute::ComputeClient::new(
+            config,
+            Arc::new(auth),
+        )?)
+    }
+
+    /// Launches an instance from this rig's image and subnet with `tags`, as another
+    /// controller (or a person) would; returns its OCID.
+    async fn launch_tagged(&self, tags: &[(&str, &str)]) -> anyhow::Result<String> {
+        self.launch_tagged_in(AD, tags).await
+    }
+
+    /// [`RigLite::launch_tagged`] in availability domain `ad`.
+    async fn launch_tagged_in(&self, ad: &str, tags: &[(&str, &str)]) -> anyhow::Result<String> {
+        use nodekeeper_oci::compute::{CreateVnicDetails, LaunchInstanceDetails, SourceDetails};
+        let details = LaunchInstanceDetails {
+            availability_domain: ad.into(),
+            compartment_id: COMPARTMENT.into(),
+            shape: SHAPE.into(),
+            shape_config: None,
+            source_details: Some(SourceDetails::Image {
+                image_id: self.image.clone(),
+                boot_volume_size_in_gbs: None,
+            }),
+            create_vnic_details: Some(CreateVnicDetails {
+                subnet_id: self.subnet.clone(),
+                ..Default::default()
+            }),
+            metadata: BTreeMap::new(),
+            display_name: Some(unique_name("foreign")),
+            freeform_tags: tags
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect(),
+            fault_domain: None,
+        };
+        Ok(self.compute()?.launch_instance(&details).await?.id)
+    }
+
+    /// The endpoint's state of instance `id` (`None`: it never existed).
+    fn state_of(&self, id: &str) -> Option<&'static str> {
+        self.endpoint
+            .instances()
+            .into_iter()
+            .find(|i| i.id == id)
+            .map(|i| i.state)
+    }
+}
+
 /// The kubelets of the endpoint's instances: an instance RUNNING whose Node record exists (named
 /// by its `nodekeeper.dev/node` tag, naming it in `spec.providerID`) joins — the Node is given to
-/// kwok, which reports it Ready. Runs until `stop`.
-async fn kubelets(client: kube::Client, endpoint: Arc<OciEndpoint>, stop: CancellationToken) {
+/// kwok, which reports it Ready — except the instances `silence` picks, whose kubelet never
+/// registers. Runs until `stop`.
+async fn kubelets(
+    client: kube::Client,
+    endpoint: Arc<OciEndpoint>,
+    silence: Arc<std::sync::Mutex<Silence>>,
+    stop: CancellationToken,
+) {
     let nodes: Api<Node> = Api::all(client);
     let mut joined = BTreeSet::new();
     while !stop.is_cancelled() {
         for i in endpoint.instances() {
             if i.state != "RUNNING" || joined.contains(&i.id) {
                 continue;
+            }
+            {
+                let mut s = silence.lock().unwrap_or_else(PoisonError::into_inner);
+                if s.skipped.contains(&i.id) {
+                    continue;
+                }
+                if s.left > 0 && i.freeform_tags.contains_key(TAG_NODE) {
+                    s.left -= 1;
+                    s.skipped.push(i.id.clone());
+                    continue;
+                }
             }
             let Some(name) = i.freeform_tags.get("nodekeeper.dev/node") else {
                 continue;
@@ -581,5 +730,444 @@ async fn oci_out_of_host_capacity_backs_off_then_recovers() -> anyhow::Result<()
     wait_converged(client, &set, 10).await?;
     let (ok, _) = rig.launches();
     ensure!(ok == 10, "{ok} instances launched for 10 replicas");
+    Ok(())
+}
+
+/// A Node's Ready condition: (status, reason).
+fn ready_condition(node: &Node) -> Option<(String, String)> {
+    node.status
+        .as_ref()?
+        .conditions
+        .as_ref()?
+        .iter()
+        .find(|c| c.type_ == "Ready")
+        .map(|c| (c.status.clone(), c.reason.clone().unwrap_or_default()))
+}
+
+/// This cluster's identity as the controller defaults it: the `kube-system` Namespace's UID.
+async fn cluster_id(client: &kube::Client) -> anyhow::Result<String> {
+    Api::<Namespace>::all(client.clone())
+        .get("kube-system")
+        .await?
+        .metadata
+        .uid
+        .context("namespace kube-system has no uid")
+}
+
+#[tokio::test]
+async fn oci_a_machine_whose_kubelet_never_registers_is_replaced() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    // On a real cluster kube-controller-manager marks a Node no kubelet ever updated
+    // `Ready=Unknown, NodeStatusNeverUpdated` once --node-startup-grace-period (1 minute, as this
+    // control plane runs it) has passed. A join timeout past that makes the controller meet the
+    // Node in that state, as it does with its default 10 minutes.
+    let join_timeout = Duration::from_secs(80);
+    let rig = Rig::with(
+        "nset-oci-join",
+        &[("NODEKEEPER_NODESET_JOIN_TIMEOUT", "80s")],
+        1,
+    )
+    .await?;
+    let client = &rig.client;
+    let class = unique_name("e5");
+    let set = unique_name("silent");
+    rig.class(&class, &unique_name("pool"), |_| {}).await?;
+    rig.set(&set, &class, 1).await?;
+    let silent = wait_for(
+        "an instance whose kubelet stays silent",
+        TIMEOUT,
+        || async { Ok(rig.silenced().first().cloned()) },
+    )
+    .await?;
+    let node_name = rig
+        .endpoint
+        .instances()
+        .into_iter()
+        .find(|i| i.id == silent)
+        .and_then(|i| i.freeform_tags.get(TAG_NODE).cloned())
+        .context("the silent instance has no node tag")?;
+    let nodes: Api<Node> = Api::all(client.clone());
+
+    // The premise: the node lifecycle controller marks the Node before the join timeout runs out.
+    let deadline = Instant::now() + join_timeout + Duration::from_secs(30);
+    loop {
+        let Some(node) = nodes.get_opt(&node_name).await? else {
+            bail!(
+                "node {node_name} was removed before kube-controller-manager marked it \
+                 NodeStatusNeverUpdated; raise the join timeout above its startup grace period"
+            );
+        };
+        match ready_condition(&node) {
+            Some((status, reason)) if reason == "NodeStatusNeverUpdated" => {
+                ensure!(status == "Unknown", "{status} {reason}");
+                break;
+            }
+            Some(other) => bail!("node {node_name} whose kubelet is silent has Ready {other:?}"),
+            None if Instant::now() > deadline => bail!(
+                "kube-controller-manager did not mark node {node_name} NodeStatusNeverUpdated \
+                 within {:?}",
+                join_timeout + Duration::from_secs(30)
+            ),
+            None => tokio::time::sleep(Duration::from_millis(500)).await,
+        }
+    }
+
+    // The join timeout: the instance is terminated, its Node deleted, the failure counted, and
+    // a new machine (whose kubelet registers) takes its place.
+    let sets: Api<NodeSet> = Api::all(client.clone());
+    wait_for(
+        &format!("nodeset {set} to count a failed join and terminate {silent}"),
+        TIMEOUT,
+        || async {
+            let failed = sets
+                .get(&set)
+                .await?
+                .status
+                .unwrap_or_default()
+                .failed_joins;
+            let terminated = matches!(rig.state_of(&silent), Some("TERMINATING" | "TERMINATED"));
+            let node_gone = nodes.get_opt(&node_name).await?.is_none();
+            Ok((failed >= 1 && terminated && node_gone).then_some(()))
+        },
+    )
+    .await?;
+    let nodes = wait_converged(client, &set, 1).await?;
+    let replacement = nodes[0]
+        .spec
+        .as_ref()
+        .and_then(|s| s.provider_id.clone())
+        .unwrap_or_default();
+    ensure!(
+        replacement != format!("oci://{silent}"),
+        "the set still counts the silent instance"
+    );
+    ensure!(
+        rig.launches() == (2, 0),
+        "launches (ok, refused): {:?}",
+        rig.launches()
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn oci_the_orphan_sweep_terminates_only_this_clusters_machines_without_a_node()
+-> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    // No grace: what keeps machines alive here is their ownership and their Node, not their age.
+    let rig = Rig::with(
+        "nset-oci-sweep",
+        &[("NODEKEEPER_NODESET_ORPHAN_GRACE", "0s")],
+        0,
+    )
+    .await?;
+    let client = &rig.client;
+    let ours = cluster_id(client).await?;
+    let class = unique_name("e5");
+    let set = unique_name("sweep");
+    rig.class(&class, &unique_name("pool"), |_| {}).await?;
+    rig.set(&set, &class, 2).await?;
+    let converged = wait_converged(client, &set, 2).await?;
+    for i in rig.endpoint.instances() {
+        ensure!(
+            i.freeform_tags.get(TAG_CLUSTER) == Some(&ours),
+            "instance {} does not carry this cluster's identity: {:?}",
+            i.id,
+            i.freeform_tags
+        );
+    }
+
+    // One node taken out of the set by removing its label, as one orphans a ReplicaSet's pod.
+    let taken = converged[0].name_any();
+    let taken_instance = converged[0]
+        .spec
+        .as_ref()
+        .and_then(|s| s.provider_id.as_deref())
+        .and_then(|p| p.strip_prefix("oci://"))
+        .context("no providerID")?
+        .to_owned();
+    let nodes: Api<Node> = Api::all(client.clone());
+    nodes
+        .patch(
+            &taken,
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "metadata": { "labels": { LABEL_NODE_SET: null } } })),
+        )
+        .await?;
+    // Instances tagged with the set and no Node: another cluster's (a blue/green twin with the
+    // same set name), one from before the cluster tag, and one truly this cluster's orphan.
+    let other_node = format!("{set}-green");
+    let other = rig
+        .launch_tagged(&[
+            (LABEL_NODE_SET, &set),
+            (TAG_NODE, &other_node),
+            (TAG_CLUSTER, "another-cluster"),
+        ])
+        .await?;
+    let legacy_node = format!("{set}-legacy");
+    let legacy = rig
+        .launch_tagged(&[(LABEL_NODE_SET, &set), (TAG_NODE, &legacy_node)])
+        .await?;
+    let orphan_node = format!("{set}-orphan");
+    let orphan = rig
+        .launch_tagged(&[
+            (LABEL_NODE_SET, &set),
+            (TAG_NODE, &orphan_node),
+            (TAG_CLUSTER, &ours),
+        ])
+        .await?;
+
+    // And one leaked in another availability domain (the class named it before it changed).
+    let moved_node = format!("{set}-moved");
+    let moved = rig
+        .cloud()
+        .launch_tagged_in(
+            "Uocm:PHX-AD-2",
+            &[
+                (LABEL_NODE_SET, &set),
+                (TAG_NODE, &moved_node),
+                (TAG_CLUSTER, &ours),
+            ],
+        )
+        .await?;
+
+    // And, of this cluster and without a Node, one of a set deleted since (nothing else would
+    // sweep it) and one of another set that exists (its own sweep's business).
+    let deleted_set = unique_name("deleted");
+    let deleted = rig
+        .launch_tagged(&[
+            (LABEL_NODE_SET, &deleted_set),
+            (TAG_NODE, &format!("{deleted_set}-a")),
+            (TAG_CLUSTER, &ours),
+        ])
+        .await?;
+    // A set no controller acts on (none selects it): it exists, and that is all.
+    let living_set = unique_name("living");
+    Api::<NodeSet>::all(client.clone())
+        .patch(
+            &living_set,
+            &PatchParams::apply("nodekeeper-e2e").force(),
+            &Patch::Apply(json!({
+                "apiVersion": "nodekeeper.dev/v1alpha1", "kind": "NodeSet",
+                "metadata": { "name": living_set },
+                "spec": { "nodeClassName": class, "replicas": 0 },
+            })),
+        )
+        .await?;
+    let living = rig
+        .launch_tagged(&[
+            (LABEL_NODE_SET, &living_set),
+            (TAG_NODE, &format!("{living_set}-a")),
+            (TAG_CLUSTER, &ours),
+        ])
+        .await?;
+
+    // The sweep runs (it terminates the true orphans) and, one more sweep later, has left the
+    // others running and the taken node in place.
+    wait_for(
+        &format!("the sweep to terminate the orphans {orphan}, {moved} and {deleted}"),
+        TIMEOUT,
+        || async {
+            let gone = |id: &str| matches!(rig.state_of(id), Some("TERMINATING" | "TERMINATED"));
+            Ok((gone(&orphan) && gone(&moved) && gone(&deleted)).then_some(()))
+        },
+    )
+    .await?;
+    let after = rig.sweeps();
+    wait_for("one more orphan sweep", TIMEOUT, || async {
+        Ok((rig.sweeps() > after).then_some(()))
+    })
+    .await?;
+    for (what, id) in [
+        ("another cluster's instance", &other),
+        ("the instance without a cluster tag", &legacy),
+        (
+            "the instance of the node taken out of the set",
+            &taken_instance,
+        ),
+        ("the instance of another set that exists", &living),
+    ] {
+        ensure!(
+            rig.state_of(id) == Some("RUNNING"),
+            "{what} ({id}) was not left running: {:?}",
+            rig.state_of(id)
+        );
+    }
+    let node = nodes
+        .get_opt(&taken)
+        .await?
+        .with_context(|| format!("node {taken}, taken out of the set, was deleted"))?;
+    ensure!(ready(&node), "node {taken} is no longer Ready");
+    // The set made a replacement for the node it lost.
+    let now = wait_converged(client, &set, 2).await?;
+    ensure!(
+        now.iter().all(|n| n.name_any() != taken),
+        "node {taken} is still counted in the set"
+    );
+    ensure!(
+        rig.launches() == (9, 0),
+        "launches (ok, refused): {:?} (2 + 1 replacement by the controller, 6 by the test)",
+        rig.launches()
+    );
+    nodes.delete(&taken, &Default::default()).await.ok();
+    Api::<NodeSet>::all(client.clone())
+        .delete(&living_set, &Default::default())
+        .await
+        .ok();
+    Ok(())
+}
+
+#[tokio::test]
+async fn oci_deleting_a_machine_checks_the_instance_tags_and_the_node_provider_id()
+-> anyhow::Result<()> {
+    let client = ControlPlane::shared().client().await?;
+    let endpoint = Arc::new(
+        OciEndpoint::start(EndpointConfig {
+            launch_delay: Duration::from_millis(200),
+            terminate_delay: Duration::from_millis(200),
+            ..Default::default()
+        })
+        .await?,
+    );
+    let credentials = oci_common::api_key_for(&endpoint, TENANCY, USER)?;
+    // The controller's cloud flags, as its command line gives them.
+    #[derive(clap::Parser)]
+    struct Flags {
+        #[command(flatten)]
+        cloud: nodekeeper_controller::controllers::node_network_config::CloudConfig,
+    }
+    let flags = <Flags as clap::Parser>::try_parse_from([
+        "x".to_owned(),
+        format!("--oci-endpoint={}", endpoint.url()),
+        "--oci-auth=api-key".to_owned(),
+        format!("--oci-credentials-dir={}", credentials.path().display()),
+    ])?;
+    let provider = node_set::oci_provider(&client, &flags.cloud, Some("blue"))
+        .map_err(anyhow::Error::msg)?
+        .context("the flags give an oci provider")?;
+    // A rig without a controller: only its endpoint helpers are used.
+    let rig = RigLite {
+        endpoint: Arc::clone(&endpoint),
+        subnet: endpoint.add_subnet("10.0.0.0/16")?,
+        image: endpoint.add_image(),
+    };
+    let nodes: Api<Node> = Api::all(client.clone());
+    let set = unique_name("del");
+    let node = |name: &str, provider_id: &str| -> anyhow::Result<Node> {
+        Ok(serde_json::from_value(json!({
+            "apiVersion": "v1", "kind": "Node",
+            "metadata": { "name": name },
+            "spec": { "providerID": provider_id },
+        }))?)
+    };
+    let machine = |name: &str, id: &str| Machine {
+        node_name: name.to_owned(),
+        provider_id: format!("oci://{id}"),
+        node_set: Some(set.clone()),
+        created: None,
+    };
+    let mut made = Vec::new();
+
+    // The instance is the machine's, but the Node of that name is another instance's: the
+    // instance goes, the Node stays.
+    let a_node = unique_name("del-a");
+    let a = rig
+        .launch_tagged(&[
+            (LABEL_NODE_SET, &set),
+            (TAG_NODE, &a_node),
+            (TAG_CLUSTER, "blue"),
+        ])
+        .await?;
+    nodes
+        .create(
+            &Default::default(),
+            &node(&a_node, "oci://ocid1.instance.oc1.phx.someoneelse")?,
+        )
+        .await?;
+    made.push(a_node.clone());
+    let deletion = provider.delete(&machine(&a_node, &a)).await?;
+    ensure!(deletion == Deletion::InProgress, "{deletion:?}");
+    ensure!(
+        matches!(rig.state_of(&a), Some("TERMINATING" | "TERMINATED")),
+        "{:?}",
+        rig.state_of(&a)
+    );
+    ensure!(
+        nodes.get_opt(&a_node).await?.is_some(),
+        "node {a_node}, which names another instance, was deleted"
+    );
+
+    // The Node names the instance, but the instance was launched for another set, or by another
+    // cluster: refused, naming the tag; the instance and the Node stay.
+    for (what, tags_set, tags_cluster, word) in [
+        (
+            "another set's",
+            "other-set",
+            "blue",
+            "nodekeeper.dev/nodeset=\"other-set\"",
+        ),
+        (
+            "another cluster's",
+            set.as_str(),
+            "green",
+            "another cluster's",
+        ),
+    ] {
+        let name = unique_name("del-b");
+        let id = rig
+            .launch_tagged(&[
+                (LABEL_NODE_SET, tags_set),
+                (TAG_NODE, &name),
+                (TAG_CLUSTER, tags_cluster),
+            ])
+            .await?;
+        nodes
+            .create(&Default::default(), &node(&name, &format!("oci://{id}"))?)
+            .await?;
+        made.push(name.clone());
+        let error = provider
+            .delete(&machine(&name, &id))
+            .await
+            .expect_err("an instance launched as another machine must not be terminated");
+        let message = error.to_string();
+        ensure!(
+            message.contains(word) && message.contains(&id) && message.contains(&name),
+            "{what}: {message}"
+        );
+        ensure!(
+            matches!(rig.state_of(&id), Some("PROVISIONING" | "RUNNING")),
+            "{what}: {:?}",
+            rig.state_of(&id)
+        );
+        ensure!(
+            nodes.get_opt(&name).await?.is_some(),
+            "{what}: node {name} was deleted"
+        );
+    }
+
+    // The machine's own instance and Node: both go.
+    let c_node = unique_name("del-c");
+    let c = rig
+        .launch_tagged(&[
+            (LABEL_NODE_SET, &set),
+            (TAG_NODE, &c_node),
+            (TAG_CLUSTER, "blue"),
+        ])
+        .await?;
+    nodes
+        .create(&Default::default(), &node(&c_node, &format!("oci://{c}"))?)
+        .await?;
+    provider.delete(&machine(&c_node, &c)).await?;
+    ensure!(
+        matches!(rig.state_of(&c), Some("TERMINATING" | "TERMINATED")),
+        "{:?}",
+        rig.state_of(&c)
+    );
+    ensure!(
+        nodes.get_opt(&c_node).await?.is_none(),
+        "node {c_node} was not deleted"
+    );
+    for n in made {
+        nodes.delete(&n, &Default::default()).await.ok();
+    }
     Ok(())
 }

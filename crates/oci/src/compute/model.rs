@@ -4,6 +4,7 @@
 //! not break the client. Facts: `shared/oci/compute-api.md` §3.
 
 use std::collections::BTreeMap;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
@@ -177,6 +178,90 @@ pub struct Instance {
     pub metadata: BTreeMap<String, String>,
 }
 
+impl Instance {
+    /// When the instance was created, from `timeCreated` (`None` when absent or unreadable).
+    pub fn created(&self) -> Option<SystemTime> {
+        self.time_created.as_deref().and_then(parse_time)
+    }
+}
+
+/// A time as the Compute API writes it: RFC 3339 (`2016-08-25T21:10:29.600Z`, or with an offset
+/// such as `+02:00`). An HTTP date (`Tue, 25 Aug 2016 21:10:29 GMT`, what OCI's headers carry)
+/// is read too, so a service or stand-in that writes that form is not misread as "no time".
+pub fn parse_time(s: &str) -> Option<SystemTime> {
+    parse_rfc3339(s.trim()).or_else(|| httpdate::parse_http_date(s.trim()).ok())
+}
+
+/// RFC 3339's `date-time`: `YYYY-MM-DDTHH:MM:SS[.fraction](Z|±HH:MM)`, `t` and `z` accepted.
+fn parse_rfc3339(s: &str) -> Option<SystemTime> {
+    let b = s.as_bytes();
+    let num = |from: usize, len: usize| -> Option<i64> {
+        let digits = b.get(from..from + len)?;
+        digits
+            .iter()
+            .all(u8::is_ascii_digit)
+            .then(|| std::str::from_utf8(digits).ok()?.parse().ok())?
+    };
+    if b.len() < 20
+        || b[4] != b'-'
+        || b[7] != b'-'
+        || !matches!(b[10], b'T' | b't' | b' ')
+        || b[13] != b':'
+        || b[16] != b':'
+    {
+        return None;
+    }
+    let (year, month, day) = (num(0, 4)?, num(5, 2)?, num(8, 2)?);
+    let (hour, minute, second) = (num(11, 2)?, num(14, 2)?, num(17, 2)?);
+    if !(1..=12).contains(&month) || !(1..=31).contains(&day) || hour > 23 || minute > 59 {
+        return None;
+    }
+    // A leap second reads as the second before the next minute's start.
+    let second = second.min(59);
+    let mut at = 19;
+    let mut nanos: u32 = 0;
+    if b.get(at) == Some(&b'.') {
+        at += 1;
+        let start = at;
+        while b.get(at).is_some_and(u8::is_ascii_digit) {
+            at += 1;
+        }
+        if at == start {
+            return None;
+        }
+        // Nanosecond precision; further digits are dropped.
+        let digits = &s[start..at.min(start + 9)];
+        nanos = format!("{digits:0<9}").parse().ok()?;
+    }
+    let offset = match b.get(at)? {
+        b'Z' | b'z' if at + 1 == b.len() => 0,
+        sign @ (b'+' | b'-') if at + 6 == b.len() && b[at + 3] == b':' => {
+            let (h, m) = (num(at + 1, 2)?, num(at + 4, 2)?);
+            if h > 23 || m > 59 {
+                return None;
+            }
+            let minutes = h * 60 + m;
+            if *sign == b'+' { minutes } else { -minutes }
+        }
+        _ => return None,
+    };
+    let days = days_from_civil(year, month, day);
+    let unix = days * 86_400 + hour * 3_600 + minute * 60 + second - offset * 60;
+    let unix = u64::try_from(unix).ok()?;
+    Some(UNIX_EPOCH + Duration::new(unix, nanos))
+}
+
+/// Days since 1970-01-01 of a proleptic Gregorian date (Howard Hinnant's `days_from_civil`).
+fn days_from_civil(year: i64, month: i64, day: i64) -> i64 {
+    let y = if month <= 2 { year - 1 } else { year };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let mp = (month + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + day - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
+}
+
 /// `LaunchInstanceShapeConfigDetails`, for Flex shapes.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -269,6 +354,47 @@ pub struct ErrorBody {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn times_are_read_as_the_service_writes_them() {
+        let at = |secs: u64, nanos: u32| Some(UNIX_EPOCH + Duration::new(secs, nanos));
+        assert_eq!(parse_time("1970-01-01T00:00:00Z"), at(0, 0));
+        assert_eq!(
+            parse_time("2016-08-25T21:10:29.600Z"),
+            at(1_472_159_429, 600_000_000)
+        );
+        assert_eq!(
+            parse_time("2016-08-25T23:10:29+02:00"),
+            at(1_472_159_429, 0)
+        );
+        assert_eq!(
+            parse_time("2016-08-25T20:10:29-01:00"),
+            at(1_472_159_429, 0)
+        );
+        assert_eq!(
+            parse_time("2024-02-29T12:00:00.123456789123Z"),
+            at(1_709_208_000, 123_456_789)
+        );
+        assert_eq!(
+            parse_time("Thu, 25 Aug 2016 21:10:29 GMT"),
+            at(1_472_159_429, 0)
+        );
+        for bad in [
+            "",
+            "2016-08-25",
+            "2016-08-25T21:10:29",
+            "2016-13-25T21:10:29Z",
+            "2016-08-25T21:10:29.Z",
+            "yesterday",
+        ] {
+            assert_eq!(parse_time(bad), None, "{bad:?}");
+        }
+        let i: Instance = serde_json::from_str(
+            r#"{"id":"i","lifecycleState":"RUNNING","timeCreated":"2016-08-25T21:10:29.600Z"}"#,
+        )
+        .unwrap();
+        assert_eq!(i.created(), at(1_472_159_429, 600_000_000));
+    }
     use super::*;
 
     #[test]

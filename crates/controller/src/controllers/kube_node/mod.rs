@@ -62,7 +62,9 @@ impl Context {
     /// with the NodeNetworkConfig and NodeSet controllers) gives the oci provider.
     pub fn new(shared: &Shared, cloud: &CloudConfig) -> Self {
         let mut ctx = Self::with_client(shared.client.clone(), shared.recorder());
-        match super::node_set::oci_provider(&shared.client, cloud) {
+        // The kube-node controller's machines carry no cluster tag (nothing lists them), so
+        // it needs no cluster identity.
+        match super::node_set::oci_provider(&shared.client, cloud, None) {
             Ok(Some(p)) => ctx.oci = Some(p),
             Ok(None) => {}
             Err(message) => {

@@ -461,6 +461,7 @@ async fn remove(
                         node_name: name.clone(),
                         provider_id: provider_id.to_owned(),
                         node_set: None,
+                        created: None,
                     };
                     match p.delete(&machine).await {
                         Ok(Deletion::Gone) => {}

@@ -154,6 +154,7 @@ impl KwokProvider {
             node_name: request.node_name.clone(),
             provider_id: own_id,
             node_set: None,
+            created: None,
         })
     }
 }
@@ -166,6 +167,7 @@ fn machine_of(node: &Node) -> Option<Machine> {
             node_name: node.name_any(),
             provider_id,
             node_set: node.labels().get(LABEL_NODE_SET).cloned(),
+            created: None,
         })
 }
 

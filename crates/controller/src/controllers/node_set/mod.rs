@@ -25,7 +25,7 @@ pub mod provider;
 pub mod reconcile;
 pub mod status;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -57,8 +57,10 @@ use crate::shared::Shared;
 #[derive(Clone, Debug, clap::Args)]
 #[group(id = "node_set")]
 pub struct Config {
-    /// A machine whose Node has no Ready condition this long after creation is deleted and
-    /// replaced (with backoff), and counted in the set's `status.failedJoins`.
+    /// A machine whose kubelet has not reported this long after creation (its Node has no Ready
+    /// condition, or only the `Ready=Unknown` reason `NodeStatusNeverUpdated` that
+    /// kube-controller-manager writes on a Node no kubelet ever updated) is deleted and replaced
+    /// (with backoff), and counted in the set's `status.failedJoins`.
     #[arg(long, env = "NODEKEEPER_NODESET_JOIN_TIMEOUT", default_value = "10m", value_parser = duration)]
     pub nodeset_join_timeout: Duration,
 
@@ -83,6 +85,20 @@ pub struct Config {
     /// one API server, each with its own cloud); all NodeSets when unset.
     #[arg(long, env = "NODEKEEPER_NODESET_SELECTOR")]
     pub nodeset_selector: Option<String>,
+
+    /// The orphan sweep (machines at the provider tagged with a set but without a Node) leaves
+    /// a machine younger than this alone: its Node may not be written, or not yet seen.
+    #[arg(long, env = "NODEKEEPER_NODESET_ORPHAN_GRACE", default_value = "10m", value_parser = duration)]
+    pub nodeset_orphan_grace: Duration,
+
+    /// This cluster's name on the machines its NodeSets launch (the freeform tag
+    /// `nodekeeper.dev/cluster`): the orphan sweep only ever terminates machines carrying it, so
+    /// clusters sharing a compartment (a blue/green upgrade with the same NodeSet names) never
+    /// terminate each other's. Unset: the UID of the `kube-system` Namespace, read once (the
+    /// controller then needs `get` on that Namespace). Set it to keep the identity across a
+    /// rebuilt cluster, at most 256 characters.
+    #[arg(long, env = "NODEKEEPER_CLUSTER_ID")]
+    pub cluster_id: Option<String>,
 }
 
 impl Default for Config {
@@ -93,6 +109,8 @@ impl Default for Config {
             nodeset_create_concurrency: 32,
             nodeset_concurrency: 4,
             nodeset_selector: None,
+            nodeset_orphan_grace: DEFAULT_ORPHAN_GRACE,
+            cluster_id: None,
         }
     }
 }
@@ -126,6 +144,9 @@ pub struct SetMemory {
     pub last_list: Option<Instant>,
     /// NodeMaintenances this process deleted, while the cache may still show them.
     pub deleted_maintenances: HashMap<String, Instant>,
+    /// Machines the orphan sweep found with a Node outside the set (its label removed) and left
+    /// running; said once each.
+    pub kept_orphans: HashSet<String>,
 }
 
 /// This process's [`SetMemory`] per name: per NodeSet here, per Node in the kube-node
@@ -159,6 +180,10 @@ pub const ANNOTATION_MAX_SIZE: &str = "cluster.x-k8s.io/cluster-api-autoscaler-n
 /// How often a set whose machines are not Node objects lists its provider for machines that
 /// lost their Node (a crash between launch and record): terminated, as no pod ever ran there.
 pub const ORPHAN_SWEEP: Duration = Duration::from_secs(60);
+/// The default of `--nodeset-orphan-grace`: a machine this young is never swept. Ten minutes
+/// is far beyond the seconds between a launch and its Node record, and beyond the two minutes
+/// a machine in flight is remembered, so a slow Node watch cannot make a new machine an orphan.
+pub const DEFAULT_ORPHAN_GRACE: Duration = Duration::from_secs(600);
 /// Store changes within this window wake the sets once.
 pub const WAKE_COALESCE: Duration = Duration::from_secs(1);
 
@@ -202,6 +227,8 @@ pub struct Context {
     /// Every provider call, counted.
     pub calls: Arc<ProviderCalls>,
     pub join_timeout: Duration,
+    /// The orphan sweep leaves machines younger than this alone.
+    pub orphan_grace: Duration,
     pub max_replicas: u32,
     pub create_concurrency: usize,
     pub concurrency: u16,
@@ -224,7 +251,7 @@ impl Context {
     /// with the NodeNetworkConfig controller) gives the oci provider.
     pub fn new(shared: &Shared, config: &Config, cloud: &CloudConfig) -> Self {
         let mut ctx = Self::with_client(shared.client.clone(), shared.recorder(), config);
-        match oci_provider(&shared.client, cloud) {
+        match oci_provider(&shared.client, cloud, config.cluster_id.as_deref()) {
             Ok(Some(p)) => {
                 tracing::info!("nodeset: OCI access configured; provider oci available");
                 ctx.oci = Some(p);
@@ -249,6 +276,7 @@ impl Context {
             recorder,
             calls: Arc::default(),
             join_timeout: config.nodeset_join_timeout,
+            orphan_grace: config.nodeset_orphan_grace,
             max_replicas: config.nodeset_max_replicas,
             create_concurrency: config.nodeset_create_concurrency.max(1),
             concurrency: config.nodeset_concurrency,
@@ -349,12 +377,15 @@ fn trim_node(node: &mut Node) {
 
 /// The provider of `provider: oci` classes from the cloud flags: `None` without an endpoint or
 /// region. Its client retries briefly (3 attempts within 15 s): a reconcile must not wait the
-/// SDKs' two minutes, and the set's own backoff takes over.
+/// SDKs' two minutes, and the set's own backoff takes over. `cluster_id` is `--cluster-id`
+/// (`None`: the `kube-system` Namespace's UID, read on first need).
 pub fn oci_provider(
     client: &kube::Client,
     cloud: &CloudConfig,
+    cluster_id: Option<&str>,
 ) -> Result<Option<Arc<dyn Provider>>, String> {
     use nodekeeper_oci::compute::{ComputeClient, ComputeConfig};
+    let cluster_id = oci::check_cluster_id(cluster_id)?;
     let endpoint = match (&cloud.oci_endpoint, &cloud.oci_region) {
         (Some(e), _) => e.clone(),
         (None, Some(r)) => ComputeConfig::for_region(r, &cloud.oci_realm_domain).endpoint,
@@ -373,6 +404,7 @@ pub fn oci_provider(
     Ok(Some(Arc::new(oci::OciProvider::new(
         compute,
         client.clone(),
+        cluster_id,
     ))))
 }
 

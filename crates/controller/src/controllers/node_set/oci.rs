@@ -14,21 +14,31 @@
 //! retry it). Deleting terminates the instance (idempotent: a 404 or TERMINATED instance is gone)
 //! and deletes its Node object. For a Node a user created ([`MachineRequest::adopts_node`]) no
 //! record is written: the Node is there, and its caller writes the providerID.
+//!
+//! Ownership: a NodeSet's instances also carry this cluster's identity ([`TAG_CLUSTER`]:
+//! `--cluster-id`, or the `kube-system` Namespace's UID), and `list` — what the orphan sweep
+//! terminates from — returns only instances carrying it, so a cluster sharing the compartment
+//! and a NodeSet name never has its instances swept by this one; an instance without the tag
+//! (launched before it existed) is never swept. Deleting checks the instance's tags name the
+//! machine's node and set (and cluster, where it carries one) before TerminateInstance, and
+//! deletes the Node only while its `spec.providerID` names the instance.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
-use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::core::v1::{Namespace, Node};
 use kube::Api;
-use kube::api::{DeleteParams, PostParams};
+use kube::api::{DeleteParams, PostParams, Preconditions};
 use nodekeeper_api::crd::node_class::{NodeClassSpec, OciTemplate};
 use nodekeeper_api::names::{LABEL_NODE_CLASS, LABEL_NODE_SET};
 use nodekeeper_oci::compute::{
     ComputeClient, ComputeError, CreateVnicDetails, Instance, InstanceState, LaunchInstanceDetails,
     ListInstancesFilter, ShapeConfig, SourceDetails, TerminateOptions,
 };
+use tokio::sync::OnceCell;
 use tracing::{info, warn};
 
 use super::provider::{Deletion, Machine, MachineRequest, Provider, ProviderError, node_record};
@@ -44,6 +54,12 @@ pub const TAG_NODE: &str = "nodekeeper.dev/node";
 pub const TAG_NODE_CLASS: &str = LABEL_NODE_CLASS;
 /// Freeform tag: the template hash the instance was made from.
 pub const TAG_TEMPLATE_HASH: &str = "nodekeeper.dev/template-hash";
+/// Freeform tag: the cluster whose NodeSet launched the instance (`--cluster-id`, or the
+/// `kube-system` Namespace's UID); the orphan sweep only terminates instances carrying this
+/// cluster's.
+pub const TAG_CLUSTER: &str = "nodekeeper.dev/cluster";
+/// The longest freeform tag value OCI accepts.
+const MAX_TAG_VALUE: usize = 256;
 /// Instance metadata key carrying the Node name, for the bootstrap's `--hostname-override`.
 pub const METADATA_NODE_NAME: &str = "nodekeeper_node_name";
 /// How long a ListShapes answer is trusted.
@@ -55,16 +71,94 @@ type ShapeKey = (String, String, String);
 pub struct OciProvider {
     compute: ComputeClient,
     nodes: Api<Node>,
+    namespaces: Api<Namespace>,
     /// (compartment, availability domain, image) → shapes offered, and when that was read.
     shapes: Mutex<HashMap<ShapeKey, (Instant, Vec<String>)>>,
+    /// This cluster's identity: `--cluster-id`, or the `kube-system` Namespace's UID once read.
+    cluster: OnceCell<String>,
+    /// Whether the log has said that instances without the cluster tag are never swept.
+    said_untagged: AtomicBool,
+}
+
+/// Checks `--cluster-id`: `None` when unset, else a value an OCI freeform tag can carry.
+pub fn check_cluster_id(id: Option<&str>) -> Result<Option<String>, String> {
+    match id.map(str::trim) {
+        None => Ok(None),
+        Some("") => Err(
+            "--cluster-id (NODEKEEPER_CLUSTER_ID) is empty; unset it to use the kube-system \
+             Namespace's UID, or give the cluster a name"
+                .into(),
+        ),
+        Some(id) if id.chars().count() > MAX_TAG_VALUE => Err(format!(
+            "--cluster-id (NODEKEEPER_CLUSTER_ID) has {} characters; an OCI freeform tag value \
+             holds at most {MAX_TAG_VALUE}, so give a shorter one",
+            id.chars().count()
+        )),
+        Some(id) => Ok(Some(id.to_owned())),
+    }
 }
 
 impl OciProvider {
-    pub fn new(compute: ComputeClient, client: kube::Client) -> Self {
+    /// The provider launching through `compute`; `cluster_id` is `--cluster-id` (checked by
+    /// [`check_cluster_id`]), `None` for the `kube-system` Namespace's UID.
+    pub fn new(compute: ComputeClient, client: kube::Client, cluster_id: Option<String>) -> Self {
         Self {
             compute,
-            nodes: Api::all(client),
+            nodes: Api::all(client.clone()),
+            namespaces: Api::all(client),
             shapes: Mutex::default(),
+            cluster: cluster_id.map_or_else(OnceCell::new, |id| OnceCell::new_with(Some(id))),
+            said_untagged: AtomicBool::new(false),
+        }
+    }
+
+    /// This cluster's identity: `--cluster-id`, or the UID of the `kube-system` Namespace, read
+    /// once (it lives as long as the cluster, and no other cluster has it).
+    async fn cluster(&self) -> Result<&str, String> {
+        self.cluster
+            .get_or_try_init(|| async {
+                let ns = self.namespaces.get("kube-system").await.map_err(|e| {
+                    format!(
+                        "this cluster's identity (the {TAG_CLUSTER} tag) is the kube-system \
+                         Namespace's UID, and reading it failed: {e}; give the controller `get` \
+                         on namespaces/kube-system, or set --cluster-id (NODEKEEPER_CLUSTER_ID)"
+                    )
+                })?;
+                ns.metadata
+                    .uid
+                    .filter(|u| !u.is_empty())
+                    .ok_or_else(|| "namespace kube-system has no metadata.uid; set --cluster-id (NODEKEEPER_CLUSTER_ID)".to_owned())
+            })
+            .await
+            .map(String::as_str)
+    }
+
+    /// Deletes the Node named `name` only while its `spec.providerID` is `provider_id`: a Node
+    /// of that name that is another machine's (or nobody's) is not this deletion's to remove.
+    async fn delete_node_of(&self, name: &str, provider_id: &str) -> Result<(), String> {
+        let node = match self.nodes.get_opt(name).await {
+            Ok(Some(n)) => n,
+            Ok(None) => return Ok(()),
+            Err(e) => return Err(format!("read node {name}: {e}")),
+        };
+        let names = node.spec.as_ref().and_then(|s| s.provider_id.as_deref());
+        if names != Some(provider_id) {
+            warn!(node = %name, node_provider_id = names.unwrap_or(""), %provider_id, "node is not this machine's; left in place");
+            return Ok(());
+        }
+        // The UID precondition: a Node deleted and made again under the name since the read is
+        // another object, and is left alone (the providerID cannot change once set).
+        let params = DeleteParams {
+            preconditions: Some(Preconditions {
+                uid: node.metadata.uid.clone(),
+                resource_version: None,
+            }),
+            ..DeleteParams::default()
+        };
+        match self.nodes.delete(name, &params).await {
+            Ok(_) => Ok(()),
+            Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => Ok(()),
+            Err(e) => Err(format!("delete node {name}: {e}")),
         }
     }
 
@@ -124,8 +218,22 @@ impl OciProvider {
     }
 }
 
-/// The LaunchInstance request for a machine.
-pub fn launch_details(request: &MachineRequest, t: &OciTemplate) -> LaunchInstanceDetails {
+/// The LaunchInstance request for a machine; `cluster` is this cluster's identity, tagged on a
+/// NodeSet's instances.
+pub fn launch_details(
+    request: &MachineRequest,
+    t: &OciTemplate,
+    cluster: Option<&str>,
+) -> LaunchInstanceDetails {
+    let mut freeform_tags = BTreeMap::from([
+        (TAG_NODE_SET.to_owned(), request.node_set.clone()),
+        (TAG_NODE.to_owned(), request.node_name.clone()),
+        (TAG_NODE_CLASS.to_owned(), request.node_class.clone()),
+        (TAG_TEMPLATE_HASH.to_owned(), request.template_hash.clone()),
+    ]);
+    if let Some(c) = cluster {
+        freeform_tags.insert(TAG_CLUSTER.to_owned(), c.to_owned());
+    }
     let mut metadata = t.metadata.clone();
     metadata.insert(METADATA_NODE_NAME.to_owned(), request.node_name.clone());
     let display_name = match &t.display_name_prefix {
@@ -151,12 +259,7 @@ pub fn launch_details(request: &MachineRequest, t: &OciTemplate) -> LaunchInstan
         }),
         metadata,
         display_name: Some(display_name),
-        freeform_tags: BTreeMap::from([
-            (TAG_NODE_SET.to_owned(), request.node_set.clone()),
-            (TAG_NODE.to_owned(), request.node_name.clone()),
-            (TAG_NODE_CLASS.to_owned(), request.node_class.clone()),
-            (TAG_TEMPLATE_HASH.to_owned(), request.template_hash.clone()),
-        ]),
+        freeform_tags,
         fault_domain: None,
     }
 }
@@ -201,7 +304,66 @@ fn machine_of(i: &Instance) -> Option<Machine> {
         node_name: i.freeform_tags.get(TAG_NODE)?.clone(),
         provider_id: format!("{PROVIDER_ID_PREFIX}{}", i.id),
         node_set: i.freeform_tags.get(TAG_NODE_SET).cloned(),
+        created: i.created(),
     })
+}
+
+/// The live instances this cluster launched for any NodeSet (tagged with `cluster` and a set),
+/// and how many more are tagged with `node_set` but carry no cluster tag at all (never returned:
+/// they may be another cluster's, launched before the tag existed).
+fn of_cluster(all: &[Instance], node_set: &str, cluster: &str) -> (Vec<Machine>, usize) {
+    let live = || all.iter().filter(|i| !i.lifecycle_state.is_terminal());
+    let untagged = live()
+        .filter(|i| tag(i, TAG_NODE_SET) == Some(node_set) && tag(i, TAG_CLUSTER).is_none())
+        .count();
+    let ours = live()
+        .filter(|i| tag(i, TAG_NODE_SET).is_some_and(|s| !s.is_empty()))
+        .filter(|i| tag(i, TAG_CLUSTER) == Some(cluster))
+        .filter_map(machine_of)
+        .collect();
+    (ours, untagged)
+}
+
+/// The value of freeform tag `key` on `i`.
+fn tag<'a>(i: &'a Instance, key: &str) -> Option<&'a str> {
+    i.freeform_tags.get(key).map(String::as_str)
+}
+
+/// Whether instance `i` is the machine a deletion names: tagged with its node and its set (none
+/// for a kube-node machine), and, where it carries a cluster tag, with `cluster` (this
+/// cluster's). A Node's providerID naming an instance it was not launched for — edited by
+/// hand, or a name reused across clusters — must not terminate that instance.
+fn check_owner(i: &Instance, machine: &Machine, cluster: Option<&str>) -> Result<(), String> {
+    let tag = |k: &str| tag(i, k);
+    let want_set = machine.node_set.as_deref().unwrap_or("");
+    let mismatch = if tag(TAG_NODE) != Some(machine.node_name.as_str()) {
+        Some(format!(
+            "{TAG_NODE}={:?}, not node {}",
+            tag(TAG_NODE).unwrap_or(""),
+            machine.node_name
+        ))
+    } else if tag(TAG_NODE_SET).unwrap_or("") != want_set {
+        Some(format!(
+            "{TAG_NODE_SET}={:?}, not {want_set:?}",
+            tag(TAG_NODE_SET).unwrap_or("")
+        ))
+    } else {
+        match (tag(TAG_CLUSTER), cluster) {
+            (Some(theirs), Some(ours)) if theirs != ours => Some(format!(
+                "{TAG_CLUSTER}={theirs:?}, another cluster's (this one is {ours:?})"
+            )),
+            _ => None,
+        }
+    };
+    match mismatch {
+        None => Ok(()),
+        Some(m) => Err(format!(
+            "instance {} is tagged {m}: it was not launched as this machine, so it is not \
+             terminated; check the spec.providerID of node {} (delete the Node by hand if it \
+             names the wrong instance)",
+            i.id, machine.node_name
+        )),
+    }
 }
 
 impl Provider for OciProvider {
@@ -224,9 +386,16 @@ impl Provider for OciProvider {
                 ));
             };
             self.check_shape(t).await.map_err(failed)?;
+            // A NodeSet's instance carries this cluster's identity (what the orphan sweep lists
+            // by); a kube-node machine is never listed, so it needs none.
+            let cluster = if request.adopts_node() {
+                None
+            } else {
+                Some(self.cluster().await.map_err(failed)?)
+            };
             let instance = self
                 .compute
-                .launch_instance(&launch_details(request, t))
+                .launch_instance(&launch_details(request, t, cluster))
                 .await
                 .map_err(|e| failed(field_of_error(t, &e)))?;
             let provider_id = format!("{PROVIDER_ID_PREFIX}{}", instance.id);
@@ -237,6 +406,7 @@ impl Provider for OciProvider {
                     node_name: request.node_name.clone(),
                     provider_id,
                     node_set: None,
+                    created: instance.created(),
                 });
             }
             let node: Node = serde_json::from_value(node_record(request, &provider_id))
@@ -279,6 +449,7 @@ impl Provider for OciProvider {
                 node_name: request.node_name.clone(),
                 provider_id,
                 node_set: Some(request.node_set.clone()),
+                created: instance.created(),
             })
         })
     }
@@ -298,27 +469,30 @@ impl Provider for OciProvider {
                 Err(e) => return Err(failed(e.to_string())),
                 Ok(i) if i.lifecycle_state == InstanceState::Terminated => Deletion::Gone,
                 Ok(i) if i.lifecycle_state == InstanceState::Terminating => Deletion::InProgress,
-                Ok(_) => match self
-                    .compute
-                    .terminate_instance(&id, &TerminateOptions::default())
-                    .await
-                {
-                    Ok(()) => Deletion::InProgress,
-                    Err(e) if e.is_not_found() => Deletion::Gone,
-                    Err(e) => return Err(failed(e.to_string())),
-                },
+                Ok(i) => {
+                    let cluster = if i.freeform_tags.contains_key(TAG_CLUSTER) {
+                        Some(self.cluster().await.map_err(failed)?)
+                    } else {
+                        None
+                    };
+                    check_owner(&i, machine, cluster).map_err(failed)?;
+                    match self
+                        .compute
+                        .terminate_instance(&id, &TerminateOptions::default())
+                        .await
+                    {
+                        Ok(()) => Deletion::InProgress,
+                        Err(e) if e.is_not_found() => Deletion::Gone,
+                        Err(e) => return Err(failed(e.to_string())),
+                    }
+                }
             };
             // The instance is going: its Node object goes with it (the cloud controller
-            // manager's job on OCI, done here so a set never counts a terminated machine).
-            match self
-                .nodes
-                .delete(&machine.node_name, &DeleteParams::default())
+            // manager's job on OCI, done here so a set never counts a terminated machine) —
+            // while that Node is this machine's.
+            self.delete_node_of(&machine.node_name, &machine.provider_id)
                 .await
-            {
-                Ok(_) => {}
-                Err(kube::Error::Api(s)) if s.code == 404 => {}
-                Err(e) => return Err(failed(format!("delete node {}: {e}", machine.node_name))),
-            }
+                .map_err(failed)?;
             Ok(deletion)
         })
     }
@@ -351,28 +525,35 @@ impl Provider for OciProvider {
             let Some(t) = class.oci.as_ref() else {
                 return Ok(Vec::new());
             };
-            // ListInstances cannot filter by tag: list the compartment's instances in the
-            // class's availability domain and keep the live ones tagged with the set.
+            let cluster = self
+                .cluster()
+                .await
+                .map_err(|message| ProviderError::List {
+                    node_set: node_set.to_owned(),
+                    message,
+                })?;
+            // ListInstances cannot filter by tag: list the compartment's instances and keep
+            // the live ones this cluster launched for a set — this one's, and any other's (a set
+            // deleted with a machine leaked has no sweep of its own). In every availability
+            // domain, not only the class's: a machine leaked just before the class moved to
+            // another domain is still this set's to sweep.
             let all = self
                 .compute
-                .list_instances(
-                    &t.compartment_id,
-                    &ListInstancesFilter {
-                        availability_domain: Some(t.availability_domain.clone()),
-                        ..Default::default()
-                    },
-                )
+                .list_instances(&t.compartment_id, &ListInstancesFilter::default())
                 .await
                 .map_err(|e| ProviderError::List {
                     node_set: node_set.to_owned(),
                     message: field_of_error(t, &e),
                 })?;
-            Ok(all
-                .iter()
-                .filter(|i| !i.lifecycle_state.is_terminal())
-                .filter(|i| i.freeform_tags.get(TAG_NODE_SET).map(String::as_str) == Some(node_set))
-                .filter_map(machine_of)
-                .collect())
+            let (ours, untagged) = of_cluster(&all, node_set, cluster);
+            if untagged > 0 && !self.said_untagged.swap(true, Ordering::Relaxed) {
+                warn!(
+                    nodeset = %node_set,
+                    untagged,
+                    "instances tagged with this nodeset but without the {TAG_CLUSTER} tag (launched before it existed, or by another cluster) are never swept as orphans; terminate any that are leaked by hand (said once)"
+                );
+            }
+            Ok(ours)
         })
     }
 }
@@ -416,7 +597,7 @@ mod tests {
 
     #[test]
     fn the_launch_carries_the_template_and_the_tags() {
-        let d = launch_details(&request(), &template());
+        let d = launch_details(&request(), &template(), Some("cluster-a"));
         let v = serde_json::to_value(&d).unwrap();
         assert_eq!(v["shape"], "VM.Standard.E5.Flex");
         assert_eq!(v["shapeConfig"]["ocpus"], 2.0);
@@ -435,6 +616,160 @@ mod tests {
         assert_eq!(v["freeformTags"][TAG_NODE_SET], "pool");
         assert_eq!(v["freeformTags"][TAG_NODE], "pool-bcdfg");
         assert_eq!(v["freeformTags"][TAG_TEMPLATE_HASH], "0123456789");
+        assert_eq!(v["freeformTags"][TAG_CLUSTER], "cluster-a");
+        let plain = serde_json::to_value(launch_details(&request(), &template(), None)).unwrap();
+        assert!(plain["freeformTags"].get(TAG_CLUSTER).is_none(), "{plain}");
+    }
+
+    fn instance(id: &str, state: &str, tags: &[(&str, &str)]) -> Instance {
+        let tags: BTreeMap<&str, &str> = tags.iter().copied().collect();
+        serde_json::from_value(serde_json::json!({
+            "id": id, "lifecycleState": state, "freeformTags": tags,
+            "timeCreated": "2026-01-01T00:00:00Z",
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn only_this_clusters_instances_are_listed() {
+        let all = [
+            instance(
+                "mine",
+                "RUNNING",
+                &[
+                    (TAG_NODE_SET, "pool"),
+                    (TAG_NODE, "pool-a"),
+                    (TAG_CLUSTER, "blue"),
+                ],
+            ),
+            instance(
+                "green",
+                "RUNNING",
+                &[
+                    (TAG_NODE_SET, "pool"),
+                    (TAG_NODE, "pool-b"),
+                    (TAG_CLUSTER, "green"),
+                ],
+            ),
+            instance(
+                "legacy",
+                "PROVISIONING",
+                &[(TAG_NODE_SET, "pool"), (TAG_NODE, "pool-c")],
+            ),
+            instance(
+                "other-set",
+                "RUNNING",
+                &[
+                    (TAG_NODE_SET, "db"),
+                    (TAG_NODE, "db-a"),
+                    (TAG_CLUSTER, "blue"),
+                ],
+            ),
+            instance(
+                "gone",
+                "TERMINATING",
+                &[
+                    (TAG_NODE_SET, "pool"),
+                    (TAG_NODE, "pool-d"),
+                    (TAG_CLUSTER, "blue"),
+                ],
+            ),
+            instance(
+                "nameless",
+                "RUNNING",
+                &[(TAG_NODE_SET, "pool"), (TAG_CLUSTER, "blue")],
+            ),
+            instance(
+                "kube-node",
+                "RUNNING",
+                &[
+                    (TAG_NODE_SET, ""),
+                    (TAG_NODE, "gpu-1"),
+                    (TAG_CLUSTER, "blue"),
+                ],
+            ),
+        ];
+        let (ours, untagged) = of_cluster(&all, "pool", "blue");
+        let ids: Vec<&str> = ours.iter().map(|m| m.provider_id.as_str()).collect();
+        assert_eq!(ids, ["oci://mine", "oci://other-set"]);
+        assert_eq!(ours[0].node_name, "pool-a");
+        assert_eq!(ours[0].node_set.as_deref(), Some("pool"));
+        assert_eq!(ours[1].node_set.as_deref(), Some("db"));
+        assert!(ours[0].created.is_some());
+        assert_eq!(untagged, 1);
+        let (ours, untagged) = of_cluster(&all, "db", "green");
+        assert_eq!(ours.len(), 1);
+        assert_eq!(ours[0].provider_id, "oci://green");
+        assert_eq!(untagged, 0);
+    }
+
+    #[test]
+    fn an_instance_is_terminated_only_as_the_machine_it_was_launched_as() {
+        let machine = |node: &str, set: Option<&str>| Machine {
+            node_name: node.into(),
+            provider_id: "oci://i".into(),
+            node_set: set.map(Into::into),
+            created: None,
+        };
+        let i = instance(
+            "i",
+            "RUNNING",
+            &[
+                (TAG_NODE_SET, "pool"),
+                (TAG_NODE, "pool-a"),
+                (TAG_CLUSTER, "blue"),
+            ],
+        );
+        assert_eq!(
+            check_owner(&i, &machine("pool-a", Some("pool")), Some("blue")),
+            Ok(())
+        );
+        let e = check_owner(&i, &machine("pool-b", Some("pool")), Some("blue")).unwrap_err();
+        assert!(
+            e.contains("instance i is tagged nodekeeper.dev/node=\"pool-a\", not node pool-b"),
+            "{e}"
+        );
+        assert!(e.contains("spec.providerID of node pool-b"), "{e}");
+        let e = check_owner(&i, &machine("pool-a", Some("web")), Some("blue")).unwrap_err();
+        assert!(
+            e.contains("nodekeeper.dev/nodeset=\"pool\", not \"web\""),
+            "{e}"
+        );
+        let e = check_owner(&i, &machine("pool-a", Some("pool")), Some("green")).unwrap_err();
+        assert!(e.contains("another cluster's"), "{e}");
+        // A kube-node machine: no set, no cluster tag.
+        let single = instance("s", "RUNNING", &[(TAG_NODE_SET, ""), (TAG_NODE, "gpu-1")]);
+        assert_eq!(check_owner(&single, &machine("gpu-1", None), None), Ok(()));
+        assert!(check_owner(&single, &machine("gpu-1", Some("pool")), None).is_err());
+        // An instance launched before the cluster tag existed.
+        let legacy = instance(
+            "l",
+            "RUNNING",
+            &[(TAG_NODE_SET, "pool"), (TAG_NODE, "pool-a")],
+        );
+        assert_eq!(
+            check_owner(&legacy, &machine("pool-a", Some("pool")), None),
+            Ok(())
+        );
+    }
+
+    #[test]
+    fn the_cluster_id_flag_is_checked() {
+        assert_eq!(check_cluster_id(None), Ok(None));
+        assert_eq!(
+            check_cluster_id(Some(" prod-1 ")),
+            Ok(Some("prod-1".into()))
+        );
+        let e = check_cluster_id(Some("")).unwrap_err();
+        assert!(
+            e.contains("--cluster-id (NODEKEEPER_CLUSTER_ID) is empty"),
+            "{e}"
+        );
+        let e = check_cluster_id(Some(&"x".repeat(257))).unwrap_err();
+        assert!(
+            e.contains("257 characters") && e.contains("at most 256"),
+            "{e}"
+        );
     }
 
     #[test]

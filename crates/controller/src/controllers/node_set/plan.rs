@@ -8,7 +8,9 @@ use std::cmp::Reverse;
 /// How a node is doing.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Health {
-    /// No Ready condition at all yet: the machine has not joined.
+    /// Its kubelet has never reported: no Ready condition yet, or only the `Ready=Unknown`
+    /// (reason `NodeStatusNeverUpdated`) kube-controller-manager writes on such a Node after its
+    /// startup grace period. The machine has not joined.
     NeverJoined,
     /// A Ready condition that is not `True`.
     NotReady,
@@ -66,7 +68,7 @@ pub struct Inputs {
     pub min_ready: u32,
     /// Now, Unix seconds.
     pub now: i64,
-    /// A machine with no Ready condition this long after creation is replaced.
+    /// A machine still [`Health::NeverJoined`] this long after creation is replaced.
     pub join_timeout_secs: i64,
     /// Machines created by this process that the Node watch has not shown yet (new, updated,
     /// not joined).

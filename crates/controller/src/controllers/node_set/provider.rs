@@ -13,6 +13,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::SystemTime;
 
 use futures::future::BoxFuture;
 use nodekeeper_api::crd::node_class::{NodeClassSpec, Taint};
@@ -59,6 +60,9 @@ pub struct Machine {
     pub provider_id: String,
     /// The NodeSet its tag names, if any.
     pub node_set: Option<String>,
+    /// When the provider made it, where the provider says (the orphan sweep leaves a machine
+    /// younger than its grace alone: its Node may not be written or seen yet).
+    pub created: Option<SystemTime>,
 }
 
 /// Where a deletion stands.
@@ -103,7 +107,10 @@ pub trait Provider: Send + Sync {
         &'a self,
         provider_id: &'a str,
     ) -> BoxFuture<'a, Result<Option<Machine>, ProviderError>>;
-    /// Every live machine tagged with `node_set`, made from `class` (where to look).
+    /// Every live machine this cluster launched for `node_set`, where `class` says to look; a
+    /// provider may return this cluster's machines of other sets there too (each names its set,
+    /// and the orphan sweep checks it). What the orphan sweep may terminate: a machine another
+    /// cluster launched, even for a set of the same name, must not be in it.
     fn list<'a>(
         &'a self,
         node_set: &'a str,

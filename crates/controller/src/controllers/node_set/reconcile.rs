@@ -13,7 +13,7 @@ use k8s_openapi::api::core::v1::Node;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType};
-use kube::runtime::reflector::ObjectRef;
+use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Api, Resource as _, ResourceExt as _};
 use nodekeeper_api::crd::common::{FieldError, format_field_errors};
 use nodekeeper_api::crd::node_class::NodeClassSpec;
@@ -90,6 +90,11 @@ fn machine_name(set: &str, taken: &HashSet<String>) -> String {
     }
 }
 
+/// The reason kube-controller-manager's node lifecycle controller gives the `Ready=Unknown` it
+/// writes on a Node whose kubelet has not posted status within its startup grace period (a
+/// minute by default): such a node has not joined, although it has a Ready condition.
+const REASON_NEVER_UPDATED: &str = "NodeStatusNeverUpdated";
+
 fn health_of(node: &Node) -> Health {
     let ready = node
         .status
@@ -98,6 +103,7 @@ fn health_of(node: &Node) -> Health {
         .and_then(|cs| cs.iter().find(|c| c.type_ == "Ready"));
     match ready {
         None => Health::NeverJoined,
+        Some(c) if c.reason.as_deref() == Some(REASON_NEVER_UPDATED) => Health::NeverJoined,
         Some(c) if c.status == "True" => Health::Ready,
         Some(_) => Health::NotReady,
     }
@@ -132,7 +138,8 @@ pub fn leaving_of(nm: &NodeMaintenance, node: &str) -> Leaving {
 /// `False`; the earliest such transition. `None` when healthy or never joined.
 fn unhealthy_since(node: &Node, conditions: &[String]) -> Option<i64> {
     let cs = node.status.as_ref()?.conditions.as_ref()?;
-    if !cs.iter().any(|c| c.type_ == "Ready") {
+    // A node that never joined is the join timeout's, not repair's.
+    if health_of(node) == Health::NeverJoined {
         return None;
     }
     cs.iter()
@@ -157,6 +164,7 @@ fn machine_of(node: &Node) -> Machine {
             .and_then(|s| s.provider_id.clone())
             .unwrap_or_else(|| format!("{}{}", super::kwok::PROVIDER_ID_PREFIX, node.name_any())),
         node_set: node.labels().get(LABEL_NODE_SET).cloned(),
+        created: None,
     }
 }
 
@@ -346,7 +354,15 @@ pub async fn reconcile(set: Arc<NodeSet>, ctx: Arc<Context>) -> Result<Action, E
     });
     let in_flight = u32::try_from(in_flight_names.len()).unwrap_or(u32::MAX);
     if !provider.machine_is_node() {
-        sweep_orphans(&ctx, &set, &provider, &class.spec, &nodes, &in_flight_names).await;
+        sweep_orphans(
+            &ctx,
+            &set,
+            &provider,
+            &class.spec,
+            (&nodes, &stores.nodes),
+            &in_flight_names,
+        )
+        .await;
     }
     let views: Vec<MachineView> = nodes
         .values()
@@ -422,7 +438,7 @@ pub async fn reconcile(set: Arc<NodeSet>, ctx: Arc<Context>) -> Result<Action, E
             Ok(_) => {
                 new_failed_joins += 1;
                 let message = format!(
-                    "machine {node} ({}) never joined: no Ready condition within {}; deleted, a new one replaces it",
+                    "machine {node} ({}) never joined: its kubelet did not report within {}; deleted, a new one replaces it",
                     machine.provider_id,
                     humantime::format_duration(join_timeout)
                 );
@@ -567,16 +583,35 @@ pub async fn reconcile(set: Arc<NodeSet>, ctx: Arc<Context>) -> Result<Action, E
     }))
 }
 
+/// Whether a machine listed without a Node is old enough for the orphan sweep: made at least
+/// `grace` before `now`. A machine whose age is unknown, or that the clock puts in the future, is
+/// left alone: terminating a machine that is not an orphan costs a running node, leaving an
+/// orphan for another sweep costs a minute's billing.
+fn old_enough(created: Option<SystemTime>, now: SystemTime, grace: Duration) -> bool {
+    created
+        .and_then(|t| now.duration_since(t).ok())
+        .is_some_and(|age| age >= grace)
+}
+
 /// Machines of the set at the provider without a Node (a crash between launch and record, or a
 /// Node deleted by hand) are deleted: no pod can be running there, and nothing else would ever
-/// remove them. Listed at most every [`super::ORPHAN_SWEEP`]; machines being created are left
-/// alone.
+/// remove them. Listed at most every [`super::ORPHAN_SWEEP`]. Left alone: machines being
+/// created, machines younger than the orphan grace, and machines whose Node exists though the
+/// cache does not show it in the set — its `nodekeeper.dev/nodeset` label removed (taken out of
+/// the set, with its pods), or a watch running behind. Only a live read of the Node says it is
+/// gone, so each candidate is read once before it is terminated.
+///
+/// The listing also shows this cluster's machines of other sets in the same place. Those are
+/// their own set's to sweep while it exists; a machine without a Node whose set is gone (leaked
+/// just before the set was deleted) has no other sweep, so it is terminated here, after the
+/// same checks and a live read saying the set is gone. `nodes` is this set's nodes and the
+/// cache of every set's.
 async fn sweep_orphans(
     ctx: &Context,
     set: &NodeSet,
     provider: &Arc<dyn Provider>,
     class: &NodeClassSpec,
-    nodes: &BTreeMap<String, Arc<Node>>,
+    (nodes, all_nodes): (&BTreeMap<String, Arc<Node>>, &Store<Node>),
     in_flight: &HashSet<String>,
 ) {
     let name = set.name_any();
@@ -600,17 +635,70 @@ async fn sweep_orphans(
             return;
         }
     };
+    let node_api: Api<Node> = Api::all(ctx.client.clone());
+    // A machine said to be kept and no longer listed is forgotten (said again if it returns).
+    ctx.memory(&name, |mem| {
+        mem.kept_orphans
+            .retain(|n| machines.iter().any(|m| m.node_name == *n))
+    });
+    let set_api: Api<NodeSet> = Api::all(ctx.client.clone());
     for m in machines {
-        if nodes.contains_key(&m.node_name) || in_flight.contains(&m.node_name) {
+        let other_set = m.node_set.as_deref().filter(|s| *s != name);
+        if other_set.is_none()
+            && (nodes.contains_key(&m.node_name) || in_flight.contains(&m.node_name))
+        {
             continue;
+        }
+        if other_set.is_some() && all_nodes.get(&ObjectRef::new(&m.node_name)).is_some() {
+            continue;
+        }
+        if !old_enough(m.created, SystemTime::now(), ctx.orphan_grace) {
+            continue;
+        }
+        match node_api.get_opt(&m.node_name).await {
+            Ok(None) => {}
+            // Another set's node, wherever its label went: that set's business.
+            Ok(Some(_)) if other_set.is_some() => continue,
+            Ok(Some(_)) => {
+                let first = ctx.memory(&name, |mem| mem.kept_orphans.insert(m.node_name.clone()));
+                if first {
+                    let message = format!(
+                        "machine {} ({}) of nodeset {name} has a Node the set does not count (its {LABEL_NODE_SET} label was removed, or this controller's watch is behind); left running. If it was taken out of the set, delete the Node to have the machine terminated, or label it back",
+                        m.node_name, m.provider_id
+                    );
+                    warn!(nodeset = %name, node = %m.node_name, provider_id = %m.provider_id, "machine's Node is outside the set; left running");
+                    publish(ctx, set, EventType::Warning, "OrphanMachineKept", message).await;
+                }
+                continue;
+            }
+            Err(error) => {
+                warn!(%error, nodeset = %name, node = %m.node_name, "reading the Node of a machine that seems orphaned failed; next sweep retries");
+                continue;
+            }
+        }
+        if let Some(other) = other_set {
+            match set_api.get_opt(other).await {
+                Ok(None) => {}
+                Ok(Some(_)) => continue,
+                Err(error) => {
+                    warn!(%error, nodeset = %name, other, "reading the nodeset of a machine without a Node failed; next sweep retries");
+                    continue;
+                }
+            }
         }
         ctx.calls.delete.fetch_add(1, Ordering::Relaxed);
         match provider.delete(&m).await {
             Ok(_) => {
-                let message = format!(
-                    "machine {} ({}) of nodeset {name} has no Node (never recorded, or the Node was deleted); deleted it",
-                    m.node_name, m.provider_id
-                );
+                let message = match other_set {
+                    None => format!(
+                        "machine {} ({}) of nodeset {name} has no Node (never recorded, or the Node was deleted); deleted it",
+                        m.node_name, m.provider_id
+                    ),
+                    Some(other) => format!(
+                        "machine {} ({}) of nodeset {other}, which no longer exists, has no Node; deleted it",
+                        m.node_name, m.provider_id
+                    ),
+                };
                 warn!(nodeset = %name, node = %m.node_name, provider_id = %m.provider_id, "deleted a machine without a Node");
                 publish(
                     ctx,
@@ -861,6 +949,61 @@ pub async fn delete_maintenance(api: &Api<NodeMaintenance>, name: &str) -> Resul
 mod tests {
     use super::*;
     use nodekeeper_api::crd::node_maintenance::{NodeMaintenanceStatus, NodeProgress};
+
+    /// A Node with the given Ready condition (status, reason), if any.
+    fn node_ready(ready: Option<(&str, &str)>) -> Node {
+        let conditions: Vec<serde_json::Value> = ready
+            .into_iter()
+            .map(|(status, reason)| {
+                serde_json::json!({
+                    "type": "Ready", "status": status, "reason": reason,
+                    "lastTransitionTime": "2026-01-01T00:00:00Z",
+                })
+            })
+            .collect();
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": "n"},
+            "status": {"conditions": conditions},
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn a_node_no_kubelet_ever_updated_never_joined() {
+        // kube-controller-manager's node lifecycle controller writes Ready=Unknown with this
+        // reason on a Node whose kubelet never posted status: still not joined, so the join
+        // timeout (not repair) deals with it.
+        let never = node_ready(Some(("Unknown", "NodeStatusNeverUpdated")));
+        assert_eq!(health_of(&never), Health::NeverJoined);
+        assert_eq!(unhealthy_since(&never, &[]), None);
+        assert_eq!(health_of(&node_ready(None)), Health::NeverJoined);
+        assert_eq!(unhealthy_since(&node_ready(None), &[]), None);
+        // A kubelet that reported once and then stopped: NotReady, for repair.
+        let lost = node_ready(Some(("Unknown", "NodeStatusUnknown")));
+        assert_eq!(health_of(&lost), Health::NotReady);
+        assert_eq!(unhealthy_since(&lost, &[]), Some(1_767_225_600));
+        let down = node_ready(Some(("False", "KubeletNotReady")));
+        assert_eq!(health_of(&down), Health::NotReady);
+        assert_eq!(
+            health_of(&node_ready(Some(("True", "KubeletReady")))),
+            Health::Ready
+        );
+    }
+
+    #[test]
+    fn only_machines_older_than_the_grace_are_swept() {
+        let now = UNIX_EPOCH + Duration::from_secs(10_000);
+        let grace = Duration::from_secs(600);
+        let at = |secs| Some(UNIX_EPOCH + Duration::from_secs(secs));
+        assert!(old_enough(at(9_400), now, grace));
+        assert!(old_enough(at(1), now, grace));
+        assert!(!old_enough(at(9_401), now, grace));
+        // Unknown age, or made "after" now by a skewed clock: left alone.
+        assert!(!old_enough(None, now, grace));
+        assert!(!old_enough(at(10_500), now, grace));
+        assert!(old_enough(at(10_000), now, Duration::ZERO));
+    }
 
     #[test]
     fn template_hash_follows_class_and_template_only() {
