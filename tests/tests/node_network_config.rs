@@ -676,8 +676,7 @@ async fn refused_input_is_named_and_changes_nothing_on_the_host() -> anyhow::Res
         "{text}"
     );
 
-    // Secondary private IPs are not assigned yet: the API server refuses a count, saying so
-    // (review nnc, finding 5).
+    // Secondary private IPs are not assigned yet: the API server refuses a count, saying so.
     let name = unique_name("secondaryips");
     let mut ips = vnic("x", &rig.subnet);
     ips["secondaryPrivateIpCount"] = json!(2);
@@ -1041,7 +1040,7 @@ async fn sweep_writes(
     Ok(())
 }
 
-/// Regression (review nnc, finding 1): after a restart the controller finds an object's host
+/// After a restart the controller finds an object's host
 /// side by the generation the Node's `NodeNetworkReady` names. The node sweep rewrites that
 /// condition from the agent's report: drifted (a drift repaired), or the agent's last error (a
 /// later generation that failed and was rolled back); both still name the generation the agent
@@ -1150,7 +1149,7 @@ async fn a_restarted_controller_removes_the_host_side_under_the_sweeps_condition
     Ok(())
 }
 
-/// Regression (review nnc, finding 6): OCI answering every AttachVnic with 409 Conflict (the
+/// OCI answering every AttachVnic with 409 Conflict (the
 /// instance is being changed by something else, for good) fails the node after the attach
 /// timeout, naming OCI's answer, instead of leaving it in progress forever; once the conflict
 /// ends, the retry attaches and applies.

@@ -1183,7 +1183,7 @@ mod tests {
         });
     }
 
-    /// Regression (review nnc, finding 3): a caller that goes away while `ApplyNetwork` is in
+    /// A caller that goes away while `ApplyNetwork` is in
     /// its post-apply check (the controller's deadline passed, the connection dropped) does not
     /// cut the apply short: the check still fails, the steps are still undone and the journal
     /// entry cleared, with no further call and no drift check.
@@ -1240,7 +1240,7 @@ mod tests {
         });
     }
 
-    /// Regression (review nnc, finding 8): an interface the applied state configures goes
+    /// An interface the applied state configures goes
     /// away; the drift check cannot plan it any more, and the report says so in `last_error`
     /// (the node sweep shows it) instead of going on showing the host converged. The error
     /// goes once the interface is back.

@@ -507,7 +507,7 @@ mod tests {
         assert!(errors[4].message.contains("own display name"), "{errors:?}");
     }
 
-    /// Regression (review nnc, finding 5): secondary private IPs were accepted and documented
+    /// Secondary private IPs were accepted and documented
     /// but never assigned; any count but 0 is refused, naming the field and the way to do it.
     #[test]
     fn secondary_private_ips_are_refused_until_supported() {

@@ -1673,7 +1673,7 @@ mod tests {
         ));
     }
 
-    /// Regression (review nnc, finding 1): the node sweep rewrites `NodeNetworkReady` from the
+    /// The node sweep rewrites `NodeNetworkReady` from the
     /// agent's report (drifted, or the agent's last error after a failed apply that it rolled
     /// back); the host side of the generation the agent holds is still there, and a restarted
     /// controller must still find it by the object's UID, for deletion and for a node that
@@ -1714,7 +1714,7 @@ mod tests {
         assert!(!touched_per_node_condition(&info, "other"));
     }
 
-    /// Regression (review nnc, finding 2): the observed state holds the node's other links too
+    /// The observed state holds the node's other links too
     /// (the primary NIC, another object's VNIC); they do not stand in for a VNIC still missing.
     #[test]
     fn a_vnic_is_on_the_host_only_when_a_link_has_its_mac() {

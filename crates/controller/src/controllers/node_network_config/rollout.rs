@@ -260,7 +260,7 @@ mod tests {
         assert!(next_batch(&fewer, &r).paused.is_none());
     }
 
-    /// Regression (review nnc, finding 7): maxUnavailable 1, failureThreshold 3: the first
+    /// `maxUnavailable` 1, `failureThreshold` 3: the first
     /// failing node fills the budget; the rollout says it is paused and why, instead of
     /// `Progressing=True` with nothing in progress.
     #[test]
