@@ -331,9 +331,9 @@ pub async fn create_simulated_nodes(
     };
     controlplane::nodes::create(client, &names, &ips, labels).await?;
     // kube-controller-manager lifts the not-ready taints with its client's 20 requests a second,
-    // two a node (10 nodes a second): a minute, and twice that time on top for many nodes (the
-    // vnic benchmark's 1000 took more than the minute alone).
-    let bound = Duration::from_secs(60 + u64::try_from(n / 5).unwrap_or(u64::MAX));
+    // at most 10 nodes a second and 4.4 measured for the vnic benchmark's 1000 (2026-11-29): a
+    // minute, and half a second a node on top.
+    let bound = Duration::from_secs(60 + u64::try_from(n / 2).unwrap_or(u64::MAX));
     controlplane::nodes::wait_schedulable(client, &names, bound).await?;
     Ok(names)
 }
