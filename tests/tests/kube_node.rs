@@ -415,19 +415,8 @@ async fn an_oci_node_created_by_hand_launches_one_instance_and_terminates_it_on_
     let credentials = oci_common::api_key_for(&endpoint, tenancy, user)?;
     let subnet = endpoint.add_subnet("10.0.0.0/16")?;
     let image = endpoint.add_image();
-    // The controller's cloud flags, as its command line gives them.
-    #[derive(clap::Parser)]
-    struct Flags {
-        #[command(flatten)]
-        cloud: nodekeeper_controller::controllers::node_network_config::CloudConfig,
-    }
-    let flags = <Flags as clap::Parser>::try_parse_from([
-        "x".to_owned(),
-        format!("--oci-endpoint={}", endpoint.url()),
-        "--oci-auth=api-key".to_owned(),
-        format!("--oci-credentials-dir={}", credentials.path().display()),
-    ])?;
-    let oci = node_set::oci_provider(&client, &flags.cloud, None)
+    let cloud = oci_common::cloud_flags(&endpoint, &credentials)?;
+    let oci = node_set::oci_provider(&client, &cloud, None)
         .map_err(anyhow::Error::msg)?
         .context("the flags give an oci provider")?;
     let oci = Counting::new(oci);

@@ -1029,19 +1029,8 @@ async fn oci_deleting_a_machine_checks_the_instance_tags_and_the_node_provider_i
         .await?,
     );
     let credentials = oci_common::api_key_for(&endpoint, TENANCY, USER)?;
-    // The controller's cloud flags, as its command line gives them.
-    #[derive(clap::Parser)]
-    struct Flags {
-        #[command(flatten)]
-        cloud: nodekeeper_controller::controllers::node_network_config::CloudConfig,
-    }
-    let flags = <Flags as clap::Parser>::try_parse_from([
-        "x".to_owned(),
-        format!("--oci-endpoint={}", endpoint.url()),
-        "--oci-auth=api-key".to_owned(),
-        format!("--oci-credentials-dir={}", credentials.path().display()),
-    ])?;
-    let provider = node_set::oci_provider(&client, &flags.cloud, Some("blue"))
+    let cloud = oci_common::cloud_flags(&endpoint, &credentials)?;
+    let provider = node_set::oci_provider(&client, &cloud, Some("blue"))
         .map_err(anyhow::Error::msg)?
         .context("the flags give an oci provider")?;
     // A rig without a controller: only its endpoint helpers are used.

@@ -134,3 +134,24 @@ pub async fn instance_for_node(
         .with_context(|| format!("set providerID of {node}"))?;
     Ok((instance, patched))
 }
+
+/// The controller's cloud flags for `endpoint` with the API key in `credentials` (from
+/// [`api_key_for`]), parsed from a command line as the controller parses its own.
+#[allow(dead_code)]
+pub fn cloud_flags(
+    endpoint: &nodekeeper_e2e::oci_endpoint::OciEndpoint,
+    credentials: &tempfile::TempDir,
+) -> anyhow::Result<nodekeeper_controller::controllers::node_network_config::CloudConfig> {
+    #[derive(clap::Parser)]
+    struct Flags {
+        #[command(flatten)]
+        cloud: nodekeeper_controller::controllers::node_network_config::CloudConfig,
+    }
+    let flags = <Flags as clap::Parser>::try_parse_from([
+        "x".to_owned(),
+        format!("--oci-endpoint={}", endpoint.url()),
+        "--oci-auth=api-key".to_owned(),
+        format!("--oci-credentials-dir={}", credentials.path().display()),
+    ])?;
+    Ok(flags.cloud)
+}
