@@ -537,8 +537,41 @@ async fn bad_input_gets_a_condition_naming_the_field() -> anyhow::Result<()> {
         "{message}"
     );
     ensure!(set_nodes(&client, &bad).await?.is_empty());
+
+    // Labels and taints the API server would refuse on the Node, in the class or the set's
+    // template: named before any machine is made (an OCI instance would run without a Node).
+    let unlabelled = unique_name("badlabels");
+    apply_spec(
+        &Api::<NodeClass>::all(client.clone()),
+        &unlabelled,
+        json!({
+            "provider": "kwok",
+            "kwok": { "capacity": { "cpu": "8", "memory": "32Gi", "pods": "110" } },
+            "labels": { "team name": "x" },
+            "taints": [{ "key": "gpu", "effect": "NoSchedule" }],
+        }),
+    )
+    .await?;
+    let badlabels = unique_name("badlabels");
+    apply_spec(
+        &sets,
+        &badlabels,
+        json!({
+            "nodeClassName": unlabelled, "replicas": 2,
+            "template": { "taints": [{ "key": "gpu", "value": "yes", "effect": "NoSchedule" }] },
+        }),
+    )
+    .await?;
+    let (_, _, message) = wait_reason(badlabels.clone(), "InvalidSpec").await?;
+    ensure!(
+        message.contains(&format!("NodeClass {unlabelled} spec.labels[\"team name\"]"))
+            && message.contains("spec.template.taints[0]")
+            && message.contains("twice"),
+        "{message}"
+    );
+    ensure!(set_nodes(&client, &badlabels).await?.is_empty());
     // Leave nothing for the next test's controller (it has the default cap) to act on.
-    for name in [&capped, &bad] {
+    for name in [&capped, &bad, &badlabels] {
         set_replicas(&client, name, 0).await?;
     }
     let _ = ns;

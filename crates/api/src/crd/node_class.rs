@@ -11,7 +11,7 @@ use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use super::common::{Condition, conditions_schema};
+use super::common::{Condition, FieldError, conditions_schema};
 
 /// How to create a machine: the provider and its template, and the labels and taints every node
 /// made from it carries.
@@ -166,11 +166,13 @@ pub enum TaintEffect {
     NoExecute,
 }
 
-/// Whether the class can be used.
+/// Reserved: no controller writes a NodeClass's status yet. A class that cannot be used shows
+/// on each NodeSet that names it (`Ready=False`, reason `InvalidSpec` or `ProviderFailed`,
+/// naming the class's field).
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct NodeClassStatus {
-    /// `Ready`: the template was checked with the provider.
+    /// Reserved for a `Ready` condition; not written yet.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(schema_with = "conditions_schema")]
     pub conditions: Vec<Condition>,
@@ -202,5 +204,192 @@ mod tests {
         assert_eq!(json["oci"]["shapeConfig"]["memoryInGBs"], 16.0);
         let back: NodeClassSpec = serde_json::from_value(json).unwrap();
         assert_eq!(back, spec);
+    }
+}
+
+/// A name part of a qualified name or a non-empty label value, as Kubernetes checks it: at most
+/// 63 characters, alphanumeric at both ends, `-`, `_` and `.` between.
+fn name_part(s: &str) -> bool {
+    let b = s.as_bytes();
+    !b.is_empty()
+        && b.len() <= 63
+        && b[0].is_ascii_alphanumeric()
+        && b[b.len() - 1].is_ascii_alphanumeric()
+        && b.iter()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'_' | b'.'))
+}
+
+/// A DNS-1123 subdomain: at most 253 characters, dot-separated lowercase alphanumeric labels
+/// with `-` inside.
+fn dns_subdomain(s: &str) -> bool {
+    s.len() <= 253
+        && s.split('.').all(|label| {
+            let b = label.as_bytes();
+            !b.is_empty()
+                && b[0].is_ascii_alphanumeric()
+                && b[b.len() - 1].is_ascii_alphanumeric()
+                && b.iter()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
+        })
+}
+
+/// Why `key` is not a qualified name (`[prefix/]name`), as the API server checks label and
+/// taint keys.
+fn qualified_name(key: &str) -> Option<&'static str> {
+    let (prefix, name) = match key.split_once('/') {
+        Some((prefix, name)) => (Some(prefix), name),
+        None => (None, key),
+    };
+    if prefix.is_some_and(|p| !dns_subdomain(p)) {
+        return Some(
+            "its prefix (before /) must be a DNS subdomain: lowercase letters, digits, - and ., at most 253 characters",
+        );
+    }
+    if !name_part(name) {
+        return Some(
+            "its name (after any prefix/) must be 1-63 characters of letters, digits, -, _ and ., beginning and ending with a letter or digit",
+        );
+    }
+    None
+}
+
+/// Why `value` is not a label value, if it is not.
+fn label_value(value: &str) -> Option<&'static str> {
+    (!value.is_empty() && !name_part(value)).then_some(
+        "a value must be empty or 1-63 characters of letters, digits, -, _ and ., beginning and ending with a letter or digit",
+    )
+}
+
+/// Checks node labels as the API server will when the Node is created, naming each bad entry
+/// as `{field}[{key}]`. A NodeSet checks its class's and its template's before any machine is
+/// created: a Node the API server refuses would leave a machine without a Node.
+pub fn check_labels(field: &str, labels: &BTreeMap<String, String>) -> Vec<FieldError> {
+    let mut errors = Vec::new();
+    for (key, value) in labels {
+        if let Some(why) = qualified_name(key) {
+            errors.push(FieldError::new(
+                format!("{field}[{key:?}]"),
+                format!("{key:?} is not a valid label key: {why}"),
+            ));
+        }
+        if let Some(why) = label_value(value) {
+            errors.push(FieldError::new(
+                format!("{field}[{key:?}]"),
+                format!("{value:?} is not a valid label value: {why}"),
+            ));
+        }
+    }
+    errors
+}
+
+/// Checks node taints as the API server will: keys are qualified names, values label values,
+/// and no key and effect twice, counting the taints already given in `before` (the class's,
+/// when checking a set's template). Each bad entry is named as `{field}[{index}]`.
+pub fn check_taints(field: &str, taints: &[Taint], before: &[Taint]) -> Vec<FieldError> {
+    let mut errors = Vec::new();
+    for (i, taint) in taints.iter().enumerate() {
+        let at = format!("{field}[{i}]");
+        if let Some(why) = qualified_name(&taint.key) {
+            errors.push(FieldError::new(
+                format!("{at}.key"),
+                format!("{:?} is not a valid taint key: {why}", taint.key),
+            ));
+        }
+        if let Some(why) = label_value(&taint.value) {
+            errors.push(FieldError::new(
+                format!("{at}.value"),
+                format!("{:?} is not a valid taint value: {why}", taint.value),
+            ));
+        }
+        let same = |t: &Taint| t.key == taint.key && t.effect == taint.effect;
+        if before.iter().any(same) || taints[..i].iter().any(same) {
+            errors.push(FieldError::new(
+                at,
+                format!(
+                    "a taint with key {:?} and effect {:?} is given twice (here or in the NodeClass); a Node takes each key and effect once: remove one",
+                    taint.key, taint.effect
+                ),
+            ));
+        }
+    }
+    errors
+}
+
+#[cfg(test)]
+mod checks {
+    use super::*;
+
+    fn taint(key: &str, value: &str, effect: TaintEffect) -> Taint {
+        Taint {
+            key: key.into(),
+            value: value.into(),
+            effect,
+        }
+    }
+
+    #[test]
+    fn labels_are_checked_as_the_api_server_checks_them() {
+        let labels = |pairs: &[(&str, &str)]| -> BTreeMap<String, String> {
+            pairs
+                .iter()
+                .map(|(k, v)| ((*k).into(), (*v).into()))
+                .collect()
+        };
+        let fine = labels(&[
+            ("pool", "gpu"),
+            ("nodekeeper.dev/set", "a-b_c.d"),
+            ("node.kubernetes.io/exclude", ""),
+            ("A1", "Z9"),
+        ]);
+        assert_eq!(check_labels("spec.labels", &fine), vec![]);
+        for (key, value) in [
+            ("team name", "x"),
+            ("", "x"),
+            ("-pool", "x"),
+            ("Example.com/pool", "x"),
+            ("a/b/c", "x"),
+            ("/pool", "x"),
+            ("pool", "has space"),
+            ("pool", "-x"),
+        ] {
+            let errors = check_labels("spec.labels", &labels(&[(key, value)]));
+            assert_eq!(errors.len(), 1, "{key:?}={value:?}: {errors:?}");
+            assert_eq!(errors[0].field, format!("spec.labels[{key:?}]"));
+        }
+        let long = "v".repeat(64);
+        assert_eq!(check_labels("f", &labels(&[("pool", &long)])).len(), 1);
+        assert_eq!(check_labels("f", &labels(&[(&long, "x")])).len(), 1);
+    }
+
+    #[test]
+    fn taints_are_unique_by_key_and_effect_over_class_and_template() {
+        use TaintEffect::*;
+        let class = [taint("gpu", "true", NoSchedule)];
+        assert_eq!(
+            check_taints(
+                "spec.template.taints",
+                &[taint("gpu", "", NoExecute)],
+                &class
+            ),
+            vec![]
+        );
+        let twice = check_taints(
+            "spec.template.taints",
+            &[taint("gpu", "x", NoSchedule)],
+            &class,
+        );
+        assert_eq!(twice.len(), 1);
+        assert_eq!(twice[0].field, "spec.template.taints[0]");
+        assert!(twice[0].message.contains("twice"), "{}", twice[0].message);
+        let within = check_taints(
+            "spec.taints",
+            &[taint("a", "", NoSchedule), taint("a", "", NoSchedule)],
+            &[],
+        );
+        assert_eq!(within.len(), 1);
+        assert_eq!(within[0].field, "spec.taints[1]");
+        let bad = check_taints("spec.taints", &[taint("a b", "c d", NoSchedule)], &[]);
+        let fields: Vec<&str> = bad.iter().map(|e| e.field.as_str()).collect();
+        assert_eq!(fields, ["spec.taints[0].key", "spec.taints[0].value"]);
     }
 }

@@ -130,6 +130,10 @@ pub trait Reconciler: Send + Sync + Sized + 'static {
     type Error: std::error::Error + Send + Sync + 'static;
     /// Fixed name: the `controller` label of the reconcile metrics and field of the span.
     const NAME: &'static str;
+    /// Whether its reconciles call agents. Such a controller starts once the fleet's initial
+    /// Node list is read: before that, a managed node missing from the fleet would be refused as
+    /// not managed (a failover at 65,000 nodes reads that list for minutes).
+    const CALLS_AGENTS: bool = false;
 
     /// Where the watched objects are (all namespaces or one).
     fn api(&self) -> Api<Self::Object>;
@@ -161,7 +165,10 @@ pub trait Reconciler: Send + Sync + Sized + 'static {
 }
 
 /// Runs controller `C` until `shutdown`: each reconcile in a span naming the object, counted and
-/// timed in `metrics` under `C::NAME`; in-flight reconciles finish before it returns.
+/// timed in `metrics` under `C::NAME`. A reconcile in flight when `shutdown` fires is dropped
+/// where it waits: a replica that no longer leads must not go on writing (the standby may lead
+/// `--lease-duration` − `--renew-deadline` after the give-up), and every reconcile is written to
+/// be picked up again from the objects' state by the next leader.
 pub async fn start<C: Reconciler>(
     ctx: Arc<C>,
     metrics: ReconcileMetrics,
@@ -169,6 +176,7 @@ pub async fn start<C: Reconciler>(
 ) {
     let config = ControllerConfig::default().concurrency(ctx.concurrency().max(1));
     let objects = metrics.objects.clone();
+    let stop = shutdown.clone();
     let reconcile = move |obj: Arc<C::Object>, ctx: Arc<C>| {
         let span = tracing::info_span!(
             "reconcile",
@@ -177,9 +185,13 @@ pub async fn start<C: Reconciler>(
             namespace = obj.namespace().unwrap_or_default(),
         );
         let metrics = metrics.clone();
+        let stop = stop.clone();
         async move {
             let started = Instant::now();
-            let result = C::reconcile(obj, ctx).await;
+            let Some(result) = unless_stopped(&stop, C::reconcile(obj, ctx)).await else {
+                info!("reconcile stopped: this replica no longer leads");
+                return Ok(Action::await_change());
+            };
             metrics.record(C::NAME, result.is_ok(), started.elapsed().as_secs_f64());
             result
         }
@@ -221,6 +233,16 @@ pub async fn start<C: Reconciler>(
         })
         .await;
     info!(controller = C::NAME, "controller stopped");
+}
+
+/// `reconcile`'s output, or `None` once `stop` fires first: the reconcile is dropped where it
+/// waits (an agent call, an API request), and what it did not do is left to the next leader.
+async fn unless_stopped<F: Future>(stop: &CancellationToken, reconcile: F) -> Option<F::Output> {
+    tokio::select! {
+        biased;
+        () = stop.cancelled() => None,
+        output = reconcile => Some(output),
+    }
 }
 
 /// State of the controllers that outlives leadership (served by the HTTP API on a standby too),
@@ -305,11 +327,18 @@ impl Registrar<'_> {
             info!(controller = C::NAME, "controller off (--controllers)");
             return;
         }
-        self.tracker.spawn(start(
-            Arc::new(ctx),
-            self.shared.metrics.reconcile.clone(),
-            self.shutdown.child_token(),
-        ));
+        let metrics = self.shared.metrics.reconcile.clone();
+        let shutdown = self.shutdown.child_token();
+        let fleet = C::CALLS_AGENTS.then(|| Arc::clone(&self.shared.fleet));
+        self.tracker.spawn(async move {
+            if let Some(fleet) = fleet {
+                tokio::select! {
+                    () = shutdown.cancelled() => return,
+                    () = fleet.wait_synced() => {}
+                }
+            }
+            start(Arc::new(ctx), metrics, shutdown).await;
+        });
     }
 }
 
@@ -327,6 +356,34 @@ mod tests {
         <Cli as clap::Parser>::try_parse_from(args)
             .unwrap()
             .controllers
+    }
+
+    #[tokio::test]
+    async fn a_reconcile_in_flight_is_dropped_when_leadership_ends() {
+        let stop = CancellationToken::new();
+        assert_eq!(unless_stopped(&stop, async { 7 }).await, Some(7));
+        let dropped = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        struct Flag(Arc<std::sync::atomic::AtomicBool>);
+        impl Drop for Flag {
+            fn drop(&mut self) {
+                self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+        let flag = Flag(Arc::clone(&dropped));
+        let slow = async move {
+            let _flag = flag;
+            tokio::time::sleep(std::time::Duration::from_secs(3600)).await;
+            1
+        };
+        let canceller = stop.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            canceller.cancel();
+        });
+        let started = Instant::now();
+        assert_eq!(unless_stopped(&stop, slow).await, None);
+        assert!(started.elapsed() < std::time::Duration::from_secs(5));
+        assert!(dropped.load(std::sync::atomic::Ordering::SeqCst));
     }
 
     #[test]

@@ -132,10 +132,39 @@ impl Cli {
         })
     }
 
-    /// Checks the leadership timings (retry period < renew deadline < lease duration) and the
-    /// controllers' names.
+    /// Checks the leadership timings (retry period < renew deadline < lease duration), values
+    /// that would leave the controller running but doing nothing useful, and the controllers'
+    /// names.
     pub fn check(&self) -> Result<(), String> {
         self.controllers.check()?;
+        if self.retry_period < Duration::from_secs(1) {
+            return Err(format!(
+                "--retry-period ({:?}) must be at least 1s: every renewal is a Lease write, so a                  shorter period writes to the API server many times a second (default 10s)",
+                self.retry_period
+            ));
+        }
+        if self.agent_port == 0 {
+            return Err(
+                "--agent-port 0: give the port the agents listen on (the DaemonSet's \
+                 NODEKEEPER_LISTEN port, default 9443)"
+                    .into(),
+            );
+        }
+        if self.max_reply_bytes < MIN_REPLY_BYTES {
+            return Err(format!(
+                "--max-reply-bytes {} is below {MIN_REPLY_BYTES}: every agent's report would be \
+                 refused as too large (default {})",
+                self.max_reply_bytes,
+                4 * 1024 * 1024
+            ));
+        }
+        if let Err(error) = tracing_subscriber::EnvFilter::try_new(&self.log) {
+            return Err(format!(
+                "--log {:?}: {error}; use tracing's env-filter syntax, e.g. `info` or \
+                 `info,nodekeeper_controller=debug`",
+                self.log
+            ));
+        }
         // The Lease stores whole seconds, and a standby's expiry is judged by what it stores.
         if self.lease_duration.subsec_nanos() != 0 || self.lease_duration.is_zero() {
             return Err(format!(
@@ -155,6 +184,10 @@ impl Cli {
         Ok(())
     }
 }
+
+/// The smallest `--max-reply-bytes` accepted: a node's report with a few GPUs and interfaces
+/// is tens of KiB.
+const MIN_REPLY_BYTES: usize = 64 * 1024;
 
 fn duration(s: &str) -> Result<Duration, String> {
     nodekeeper_model::tuning::parse_duration(s)
@@ -200,6 +233,17 @@ mod tests {
                 assert!(error.contains(flag), "{args:?}: {error}");
             }
         }
+        for (args, flag) in [
+            (&["--retry-period", "0s"][..], "--retry-period"),
+            (&["--retry-period", "100ms"], "--retry-period"),
+            (&["--agent-port", "0"], "--agent-port"),
+            (&["--max-reply-bytes", "0"], "--max-reply-bytes"),
+            (&["--log", "info,[unclosed"], "--log"),
+        ] {
+            let error = parse(args).unwrap_err();
+            assert!(error.contains(flag), "{args:?}: {error}");
+        }
+        assert_eq!(parse(&["--retry-period", "1s"]), Ok(()));
         let error = parse(&["--lease-duration", "12500ms"]).unwrap_err();
         assert!(
             error.contains("--lease-duration") && error.contains("whole"),

@@ -681,16 +681,55 @@ pub async fn release(api: &Api<Lease>, config: &LeaderConfig, written: Lease) {
     }
 }
 
-/// Labels this replica's Pod as leader or not (best effort; only with `--pod-name`).
+/// Tries of the leader label: the first, then after 1, 2 and 4 s.
+const LABEL_TRIES: u32 = 4;
+/// How long one label patch may take; the client itself sets no read timeout, and a patch that
+/// hangs must not hold up the takeover or the release of the Lease.
+const LABEL_PATCH_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Runs `attempt` up to `tries` times, waiting 1, 2, 4, … s between failures; the last error if
+/// none succeeded.
+async fn with_retries<T, E, F, Fut>(tries: u32, mut attempt: F) -> Result<T, E>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, E>>,
+{
+    let mut wait = Duration::from_secs(1);
+    let mut tried = 1;
+    loop {
+        match attempt().await {
+            Ok(value) => return Ok(value),
+            Err(error) if tried >= tries => return Err(error),
+            Err(_) => {
+                tokio::time::sleep(wait).await;
+                wait *= 2;
+                tried += 1;
+            }
+        }
+    }
+}
+
+/// Labels this replica's Pod as leader or not (only with `--pod-name`): the Service routes the
+/// HTTP API by this label. Tried [`LABEL_TRIES`] times, each patch bounded by
+/// [`LABEL_PATCH_TIMEOUT`] (at most about 27 s in all); a label still not written is logged.
 pub async fn label_pod(client: &kube::Client, namespace: &str, pod: Option<&str>, leader: bool) {
     let Some(pod) = pod else { return };
     let api: Api<Pod> = Api::namespaced(client.clone(), namespace);
     let body = serde_json::json!({ "metadata": { "labels": { "nodekeeper.dev/leader": leader.to_string() } } });
-    if let Err(error) = api
-        .patch(pod, &PatchParams::default(), &Patch::Merge(&body))
+    let patch = || async {
+        match tokio::time::timeout(
+            LABEL_PATCH_TIMEOUT,
+            api.patch(pod, &PatchParams::default(), &Patch::Merge(&body)),
+        )
         .await
-    {
-        warn!(%error, pod, "labelling the Pod failed; the Service may route the HTTP API to a standby");
+        {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(error)) => Err(error.to_string()),
+            Err(_) => Err(format!("no answer within {LABEL_PATCH_TIMEOUT:?}")),
+        }
+    };
+    if let Err(error) = with_retries(LABEL_TRIES, patch).await {
+        warn!(%error, pod, leader, tries = LABEL_TRIES, "labelling the Pod failed; the Service may route the HTTP API to the wrong replica until the next change of leader");
     }
 }
 
@@ -705,6 +744,26 @@ mod tests {
             transitions: 1,
             duration: Duration::from_secs(15),
         }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_leader_label_is_tried_again_a_bounded_number_of_times() {
+        let calls = std::sync::atomic::AtomicU32::new(0);
+        let failing_twice = || async {
+            let n = calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            if n < 2 { Err(n) } else { Ok(n) }
+        };
+        assert_eq!(with_retries(LABEL_TRIES, failing_twice).await, Ok(2));
+        calls.store(0, std::sync::atomic::Ordering::SeqCst);
+        let started = tokio::time::Instant::now();
+        let never = || async {
+            calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Err::<(), _>("refused")
+        };
+        assert_eq!(with_retries(LABEL_TRIES, never).await, Err("refused"));
+        assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), LABEL_TRIES);
+        // Waits of 1, 2 and 4 s between the four tries.
+        assert_eq!(started.elapsed(), Duration::from_secs(7));
     }
 
     #[test]

@@ -195,7 +195,19 @@ pub async fn run(cli: Cli) -> Result<(), Error> {
     }
     is_leader.store(true, Ordering::Relaxed);
     metrics.runtime.is_leader.set(1);
-    leader::label_pod(&client, &cli.namespace, pod, true).await;
+    {
+        // In its own task: a label patch tried again for up to half a minute must not hold up
+        // the controllers; stopped with them, before the label is taken off below.
+        let (client, namespace, pod) =
+            (client.clone(), cli.namespace.clone(), cli.pod_name.clone());
+        let stop = shutdown.child_token();
+        tracker.spawn(async move {
+            tokio::select! {
+                () = stop.cancelled() => {}
+                () = leader::label_pod(&client, &namespace, pod.as_deref(), true) => {}
+            }
+        });
+    }
 
     // Before any watch starts: stream the big initial lists or page them (`shared::lists`).
     // Asked here, not at start, so that the API server is known to answer (the Lease was just
@@ -272,15 +284,17 @@ pub async fn run(cli: Cli) -> Result<(), Error> {
     is_leader.store(false, Ordering::Relaxed);
     metrics.runtime.is_leader.set(0);
     leader::label_pod(&client, &cli.namespace, pod, false).await;
-    if let Ok(written) = &result {
-        leader::release(&leases, &lease_config, written.clone()).await;
-    }
+    // Reconciles in flight are dropped at their next wait (`controllers::start`); the Lease is
+    // released only after they have stopped, so the standby never leads beside a write of ours.
     tracker.close();
     if tokio::time::timeout(STOP_GRACE, tracker.wait())
         .await
         .is_err()
     {
         warn!("tasks did not stop within 10s");
+    }
+    if let Ok(written) = &result {
+        leader::release(&leases, &lease_config, written.clone()).await;
     }
     result.map(|_| ())
 }

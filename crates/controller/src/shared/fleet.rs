@@ -168,6 +168,8 @@ pub struct Fleet {
     /// Every distinct [`WrittenSet`] an entry holds (see [`Interned`]). Locked after `nodes`.
     written: Mutex<Interned>,
     synced: AtomicBool,
+    /// Woken when `synced` turns true ([`Fleet::wait_synced`]).
+    synced_notify: tokio::sync::Notify,
     /// The previous leader's last Lease renewal (local clock), set once at takeover before the
     /// Node watch starts: see [`NodeSchedule::inherited_since`].
     previous_leader_renewed: Mutex<Option<Instant>>,
@@ -272,6 +274,30 @@ impl Fleet {
         self.synced.load(Ordering::Relaxed)
     }
 
+    /// Marks the initial Node list read; returns whether it was not before.
+    fn mark_synced(&self) -> bool {
+        let first = !self.synced.swap(true, Ordering::Relaxed);
+        if first {
+            self.synced_notify.notify_waiters();
+        }
+        first
+    }
+
+    /// Returns once the initial Node list has been read. Until then the fleet is partial: a
+    /// managed node missing from it would be refused as not managed.
+    pub async fn wait_synced(&self) {
+        loop {
+            let notified = self.synced_notify.notified();
+            tokio::pin!(notified);
+            // Registered before the check, so a `mark_synced` between the two is not missed.
+            notified.as_mut().enable();
+            if self.synced() {
+                return;
+            }
+            notified.await;
+        }
+    }
+
     /// Records when the previous leader last renewed the Lease; call before the Node watch.
     pub fn set_previous_leader_renewed(&self, at: Instant) {
         *self
@@ -303,6 +329,17 @@ impl Fleet {
 
     /// Records a Node as seen by the watch. Returns false when it has no usable InternalIP.
     pub fn observe(&self, facts: NodeFacts, now: Instant) -> bool {
+        self.record(facts, now, true)
+    }
+
+    /// Records a Node as a write's response returned it: an entry is updated, never created.
+    /// The Node watch may have removed the node (deleted) between the write and its response;
+    /// the response must not bring it back into the fleet.
+    pub fn observe_written(&self, facts: NodeFacts, now: Instant) {
+        self.record(facts, now, false);
+    }
+
+    fn record(&self, facts: NodeFacts, now: Instant, insert: bool) -> bool {
         let has_address = facts.address.is_some();
         let mut nodes = self.lock();
         match nodes.get_mut(&facts.name) {
@@ -319,6 +356,7 @@ impl Fleet {
                     }
                 }
             }
+            None if !insert => {}
             None => {
                 let schedule = self.schedule_for(&facts.written, now);
                 let written = self.interned().get(facts.written);
@@ -570,7 +608,7 @@ pub async fn watch_nodes(
             Ok(Some(watcher::Event::InitDone)) => {
                 fleet.retain(&listing);
                 listing.clear();
-                if !fleet.synced.swap(true, Ordering::Relaxed) {
+                if fleet.mark_synced() {
                     info!(
                         nodes = fleet.lock().len(),
                         seconds = started.elapsed().as_secs_f64(),
@@ -644,6 +682,40 @@ mod tests {
         assert_eq!(jobs[0].endpoint, "127.1.0.4:9443".parse().unwrap());
         // In flight now: not handed out twice.
         assert!(fleet.take_due(next_scan + RESCAN, 10, 9443).is_empty());
+    }
+
+    #[test]
+    fn a_write_response_does_not_bring_back_a_node_the_watch_removed() {
+        let fleet = Fleet::default();
+        let now = Instant::now();
+        fleet.observe(node_facts(&node("1", Some("127.1.0.4"), json!([]))), now);
+        // The watch's Delete lands between the condition patch and its response.
+        fleet.remove("n1");
+        fleet.observe_written(node_facts(&node("2", Some("127.1.0.4"), json!([]))), now);
+        assert!(fleet.lock().get("n1").is_none());
+        // A node still in the fleet takes the response's resourceVersion.
+        fleet.observe(node_facts(&node("3", Some("127.1.0.4"), json!([]))), now);
+        fleet.observe_written(node_facts(&node("4", Some("127.1.0.4"), json!([]))), now);
+        assert_eq!(fleet.lock()["n1"].resource_version, 4);
+    }
+
+    #[tokio::test]
+    async fn waiting_for_the_initial_list_ends_when_it_is_read() {
+        let fleet = Arc::new(Fleet::default());
+        let waiter = tokio::spawn({
+            let fleet = Arc::clone(&fleet);
+            async move { fleet.wait_synced().await }
+        });
+        tokio::task::yield_now().await;
+        assert!(!waiter.is_finished());
+        assert!(fleet.mark_synced());
+        tokio::time::timeout(std::time::Duration::from_secs(5), waiter)
+            .await
+            .expect("woken")
+            .unwrap();
+        // Once read, it returns at once; a second mark is not a first.
+        fleet.wait_synced().await;
+        assert!(!fleet.mark_synced());
     }
 
     /// Adds node `name` with an address, observed at `seen` and due at `due`.

@@ -174,6 +174,7 @@ impl Reconciler for Context {
     type Object = NetworkTest;
     type Error = Error;
     const NAME: &'static str = "networktest";
+    const CALLS_AGENTS: bool = true;
 
     fn api(&self) -> Api<NetworkTest> {
         match &self.namespace {

@@ -118,6 +118,7 @@ impl Reconciler for Context {
     type Object = NodeDiagnostic;
     type Error = Error;
     const NAME: &'static str = "nodediagnostic";
+    const CALLS_AGENTS: bool = true;
 
     fn api(&self) -> Api<NodeDiagnostic> {
         match &self.namespace {

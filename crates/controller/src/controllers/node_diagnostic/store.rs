@@ -100,6 +100,13 @@ impl BundleStore {
                 dir.display()
             )));
         }
+        // A partial file left by an earlier process (stopped mid-collection) is never completed
+        // and never evicted (only complete bundles are): it would hold its bytes for good.
+        for (path, _, _, complete) in Self::files(dir) {
+            if !complete {
+                let _ = std::fs::remove_file(path);
+            }
+        }
         let _ = self.settings.set(Settings {
             dir: dir.to_path_buf(),
             max_total_bytes,
@@ -356,6 +363,23 @@ mod tests {
         assert!(!store.bundle_path("ns", "mid", "n1").unwrap().exists());
         drop(r);
         assert!(store.reserve("ns", "mine", 700).is_ok());
+    }
+
+    #[test]
+    fn partial_files_of_an_earlier_process_are_removed_at_start() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = BundleStore::default();
+        first.configure(dir.path(), 1000).unwrap();
+        put(&first, "ns", "done", "n1", 100);
+        let bundle = first.bundle_path("ns", "cut", "n1").unwrap();
+        std::fs::create_dir_all(bundle.parent().unwrap()).unwrap();
+        std::fs::write(BundleStore::partial_path(&bundle), vec![0u8; 800]).unwrap();
+        assert_eq!(first.used_bytes(), 900);
+        // The next process: the cut-off collection's bytes are free, the finished bundle stays.
+        let next = BundleStore::default();
+        next.configure(dir.path(), 1000).unwrap();
+        assert_eq!(next.used_bytes(), 100);
+        assert!(next.bundle_path("ns", "done", "n1").unwrap().exists());
     }
 
     #[test]

@@ -306,6 +306,7 @@ impl Reconciler for Context {
     type Object = NodeNetworkConfig;
     type Error = Error;
     const NAME: &'static str = "nodenetworkconfig";
+    const CALLS_AGENTS: bool = true;
 
     fn api(&self) -> Api<NodeNetworkConfig> {
         Api::all(self.client.clone())

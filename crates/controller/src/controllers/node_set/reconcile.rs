@@ -16,7 +16,7 @@ use kube::runtime::events::{Event, EventType};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Api, Resource as _, ResourceExt as _};
 use nodekeeper_api::crd::common::{FieldError, format_field_errors};
-use nodekeeper_api::crd::node_class::NodeClassSpec;
+use nodekeeper_api::crd::node_class::{self, NodeClassSpec};
 use nodekeeper_api::crd::node_maintenance::NodePhase;
 use nodekeeper_api::crd::node_set::{
     ANNOTATION_DRAINED_NODE, ANNOTATION_TEMPLATE_HASH, MachineProblem, NodeSetStatus, NodeTemplate,
@@ -303,6 +303,36 @@ pub async fn reconcile(set: Arc<NodeSet>, ctx: Arc<Context>) -> Result<Action, E
         )
         .await;
     };
+    // Labels and taints as the API server will check the Node: refused here, before a machine
+    // is created whose Node could never be recorded.
+    let class_field = |f: &str| format!("NodeClass {} spec.{f}", class.name_any());
+    let mut node_errors = node_class::check_labels(&class_field("labels"), &class.spec.labels);
+    node_errors.extend(node_class::check_taints(
+        &class_field("taints"),
+        &class.spec.taints,
+        &[],
+    ));
+    node_errors.extend(node_class::check_labels(
+        "spec.template.labels",
+        &set.spec.template.labels,
+    ));
+    node_errors.extend(node_class::check_taints(
+        "spec.template.taints",
+        &set.spec.template.taints,
+        &class.spec.taints,
+    ));
+    if !node_errors.is_empty() {
+        let message = format!("nodeset {name}: {}", format_field_errors(&node_errors));
+        return refuse(
+            &ctx,
+            &set,
+            REASON_INVALID_SPEC,
+            message,
+            // A fix to the class is seen within a minute even if no event wakes the set.
+            Action::requeue(Duration::from_secs(60)),
+        )
+        .await;
+    }
     let provider = match ctx.provider(class.spec.provider) {
         Ok(p) => p,
         Err(error) => {

@@ -384,7 +384,7 @@ async fn patch_conditions(
             }
             let facts = crate::shared::fleet::node_facts(&node);
             info!(node = %name, conditions = ?desired.iter().map(|c| format!("{}={}/{}", c.type_, c.status.as_str(), c.reason)).collect::<Vec<_>>(), "conditions changed");
-            ctx.fleet.observe(facts, Instant::now());
+            ctx.fleet.observe_written(facts, Instant::now());
             true
         }
         Err(error) => {
