@@ -226,3 +226,140 @@ async fn sweep_writes_on_change_only_pushes_rules_and_refuses_bad_tuning() -> an
     drop((a0, a1, controller));
     Ok(())
 }
+
+/// A controller that starts (or takes over) while the tuning ConfigMap is invalid has read no good
+/// configuration: it pushes no rules (the agents keep theirs) and leaves TunablesInBounds as it
+/// is, and its Warning Event does not call the defaults a good configuration. Deleting the
+/// ConfigMap then means the defaults: their empty rule set goes out.
+///
+/// Regression: the new leader published the defaults as settled and pushed their empty rule set
+/// to the whole fleet, rewriting every node's TunablesInBounds.
+///
+/// Run: `cargo xtask test -- -p nodekeeper-e2e --test controller_fleet -- a_controller_starting_on_a_refused_configmap`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_controller_starting_on_a_refused_configmap_keeps_the_fleets_rules() -> anyhow::Result<()>
+{
+    let client = ControlPlane::shared().client().await?;
+    let ns = test_namespace(&client, "nk-badstart").await?;
+    let group = unique_name("badstart");
+    let labels: BTreeMap<String, String> =
+        [("nodekeeper.dev/e2e-group".to_string(), group.clone())].into();
+    let selector = format!("nodekeeper.dev/e2e-group={group}");
+    let ips = loopback_ips(1);
+    let nodes = create_simulated_nodes(&client, "nk-badstart", 1, &labels, &ips).await?;
+    let port = free_port();
+
+    let rules = "tunables:\n  - name: somaxconn\n    key: net.core.somaxconn\n    atLeast: 4096\n";
+    let mut tuning: BTreeMap<&str, &str> = [
+        ("sweepInterval", "10s"),
+        ("staleAfter", "30s"),
+        ("callTimeout", "2s"),
+        ("rules.yaml", rules),
+    ]
+    .into();
+    put_tuning(&client, &ns, &tuning).await?;
+    let mut first = ControllerProcess::start(&ns, "badstart-a", &selector, port, &[])?;
+    let tls = agent_tls(&client, &ns).await?;
+    let a0 = start_agent(&nodes[0], SocketAddr::new(ips[0].into(), port), &tls).await?;
+    a0.set_sysctl("net.core.somaxconn", "128")?;
+    let t = Duration::from_secs(90);
+    // The agent holds the rule: the node is out of bounds by it.
+    let (_, _, held) = wait_condition(
+        &client,
+        &nodes[0],
+        "TunablesInBounds",
+        "False",
+        Some("TunablesOutOfBounds"),
+        t,
+    )
+    .await?;
+    assert!(held.contains("somaxconn"), "{held}");
+
+    // The ConfigMap turns invalid while no controller runs; a new one starts on it.
+    first.stop();
+    tuning.insert("sweepInterval", "soon");
+    put_tuning(&client, &ns, &tuning).await?;
+    let second = ControllerProcess::start(&ns, "badstart-b", &selector, port, &[])?;
+    let http = second.http;
+    wait_for(
+        "the new leader's first reports",
+        Duration::from_secs(60),
+        || async move {
+            let reports = metric(
+                http,
+                "nodekeeper_sweep_agent_calls_total",
+                &["outcome=\"Report\""],
+            )
+            .await?;
+            let unchanged = metric(
+                http,
+                "nodekeeper_sweep_agent_calls_total",
+                &["outcome=\"Unchanged\""],
+            )
+            .await?;
+            // A new leader's first read of a node is a full report, and a push (had there
+            // been one) goes out in the same call (`MtlsAgents::report`).
+            Ok((reports + unchanged >= 1.0).then_some(()))
+        },
+    )
+    .await?;
+    assert_eq!(
+        metric(http, "nodekeeper_sweep_set_rules_calls_total", &[]).await?,
+        0.0,
+        "no SetRules (above all, not the defaults' empty rule set) without a good configuration"
+    );
+    let (status, body) = http_get(http, &format!("/api/v1/nodes/{}", nodes[0])).await?;
+    assert_eq!(status, 200, "{body}");
+    let node: serde_json::Value = serde_json::from_str(&body)?;
+    assert_eq!(
+        node["report"]["tunables"][0]["rule"], "somaxconn",
+        "the agent keeps its rules: {body}"
+    );
+    let api: Api<k8s_openapi::api::core::v1::Node> = Api::all(client.clone());
+    assert_eq!(
+        condition(&api.get(&nodes[0]).await?, "TunablesInBounds"),
+        Some(("False".into(), "TunablesOutOfBounds".into(), held)),
+        "TunablesInBounds is not rewritten"
+    );
+    let (_, body) = http_get(http, "/api/v1/summary").await?;
+    let summary: serde_json::Value = serde_json::from_str(&body)?;
+    assert_eq!(summary["tuning"]["good"], false, "{body}");
+    assert!(
+        summary["tuning"]["lastError"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("sweepInterval"),
+        "{body}"
+    );
+    let events: Api<Event> = Api::namespaced(client.clone(), &ns);
+    let note = wait_for(
+        "the new leader's Warning Event InvalidTuning",
+        Duration::from_secs(30),
+        || {
+            let events = events.clone();
+            async move {
+                let list = events.list(&ListParams::default()).await?;
+                Ok(list
+                    .items
+                    .into_iter()
+                    .filter_map(|e| {
+                        (e.reason.as_deref() == Some("InvalidTuning")
+                            && e.type_.as_deref() == Some("Warning"))
+                        .then_some(e.note?)
+                    })
+                    .find(|note| note.contains("no valid configuration")))
+            }
+        },
+    )
+    .await?;
+    assert!(
+        note.contains("key `sweepInterval`") && !note.contains("stays in force"),
+        "{note}"
+    );
+
+    // (A deleted ConfigMap means the defaults, pushed as the empty rule set: the unit tests of
+    // `shared::tuning` show it; here the node would not be read again before the defaults'
+    // 5-minute sweep interval.)
+    drop((a0, second));
+    Ok(())
+}

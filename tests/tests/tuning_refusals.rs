@@ -64,7 +64,9 @@ async fn each_refusal_is_its_own_event_and_a_refusing_agent_is_counted() -> anyh
     let nodes = create_simulated_nodes(&client, "nk-refuse", 2, &labels, &ips).await?;
     let port = free_port();
 
-    // Valid for the controller; node 1's agent has no `net.core.somaxconn` and refuses it.
+    // Valid for the controller; on node 1 `net.core.somaxconn` is a directory (a group of
+    // sysctls, as `net/core` is), which its agent refuses. (A key a node merely lacks is not a
+    // refusal: that rule reports it and the others apply.)
     let rules_v1 = "tunables:\n  - name: backlog\n    key: net.core.somaxconn\n    atLeast: 1024\n";
     let mut tuning: BTreeMap<&str, &str> = [
         ("sweepInterval", "10s"),
@@ -79,6 +81,8 @@ async fn each_refusal_is_its_own_event_and_a_refusing_agent_is_counted() -> anyh
     let a0 = start_agent(&nodes[0], SocketAddr::new(ips[0].into(), port), &tls).await?;
     let a1 = start_agent(&nodes[1], SocketAddr::new(ips[1].into(), port), &tls).await?;
     a0.set_sysctl("net.core.somaxconn", "4096")?;
+    let somaxconn_1 = a1.sysctl_root.join("net/core/somaxconn");
+    std::fs::create_dir_all(&somaxconn_1)?;
     let http = controller.http;
 
     // The refusing agent: counted and named in the summary, its reason on its node's page.
@@ -105,6 +109,7 @@ async fn each_refusal_is_its_own_event_and_a_refusing_agent_is_counted() -> anyh
     );
 
     // The node gains the sysctl and a new revision goes out: taken, no longer counted.
+    std::fs::remove_dir(&somaxconn_1)?;
     a1.set_sysctl("net.core.somaxconn", "4096")?;
     let rules_v2 = "tunables:\n  - name: backlog\n    key: net.core.somaxconn\n    atLeast: 2048\n";
     tuning.insert("rules.yaml", rules_v2);

@@ -111,6 +111,38 @@ pub struct RuleRuntime {
     pub conflict: bool,
     /// Repair times within the last hour, for the rate limit.
     pub repairs_unix_ms: Vec<i64>,
+    /// The kernel's boot id (`kernel/random/boot_id`) when `written` and `conflict` were last
+    /// judged. A reboot resets `/proc/sys`, so a value written in an earlier boot no longer
+    /// stands and a boot-default value is nobody "changing it back"; empty in files written
+    /// before this field existed, which are judged as from another boot.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub boot_id: String,
+}
+
+/// The kernel's boot id under `sysctl_root` (`kernel/random/boot_id`); None where the tree has
+/// none (a test's fake tree), and then nothing is judged by it.
+fn boot_id(sysctl_root: &Path) -> Option<String> {
+    std::fs::read_to_string(sysctl_root.join("kernel/random/boot_id"))
+        .ok()
+        .map(|id| id.trim().to_owned())
+        .filter(|id| !id.is_empty())
+}
+
+/// Starts a rule's runtime on a new boot: nodekeeper's last write and a conflict over it belong
+/// to the boot they happened in. The repair times stay, so the hourly rate limit still counts
+/// repairs made before the reboot. True when something the state file holds changed.
+fn enter_boot(rt: &mut RuleRuntime, boot: &str) -> bool {
+    if rt.boot_id == boot {
+        return false;
+    }
+    let stale = rt.written.is_some() || rt.conflict;
+    if stale {
+        info!(previous_boot = %rt.boot_id, boot, "the node rebooted; forgetting the value written before it");
+    }
+    rt.written = None;
+    rt.conflict = false;
+    rt.boot_id = boot.to_owned();
+    stale
 }
 
 /// What nodekeeper's repairs did to one sysctl key, whatever rules come and go: what
@@ -153,31 +185,57 @@ fn refuse(index: usize, name: &str, field: &str, reason: impl std::fmt::Display)
     Error::InvalidRules(format!("{who}: field `{field}`: {reason}"))
 }
 
+/// Why a key names no sysctl file on this node.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum KeyProblem {
+    /// Nothing at the key's path: the kernel lacks it, or not yet (a module not loaded, an
+    /// interface not up). Reported per rule, and the next evaluation looks again.
+    Missing(String),
+    /// The key can never name a sysctl here: a bad shape, a group of keys, a path leading out.
+    Invalid(String),
+}
+
+impl std::fmt::Display for KeyProblem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            KeyProblem::Missing(why) | KeyProblem::Invalid(why) => f.write_str(why),
+        }
+    }
+}
+
 /// The file behind a dotted key, checked to be a sysctl under `root`: the model's shape check
 /// first, then that the key exists on this node and resolves inside `root`.
 pub fn sysctl_path(root: &Path, key: &str) -> Result<PathBuf, String> {
-    check_sysctl_key(key)?;
-    let path = key
-        .split('.')
-        .fold(root.to_path_buf(), |p, part| p.join(part));
+    resolve_key(root, key).map_err(|e| e.to_string())
+}
+
+/// [`sysctl_path`], saying whether the key is only missing for now.
+pub fn resolve_key(root: &Path, key: &str) -> Result<PathBuf, KeyProblem> {
+    check_sysctl_key(key).map_err(KeyProblem::Invalid)?;
+    let path = tuning::sysctl_components(key).fold(root.to_path_buf(), |p, name| p.join(name));
     let meta = std::fs::metadata(&path).map_err(|_| {
-        format!(
+        KeyProblem::Missing(format!(
             "{key:?} is not a known sysctl (no {} on this node)",
             path.display()
-        )
+        ))
     })?;
     if !meta.is_file() {
-        return Err(format!("{key:?} is a group of sysctls, not a single key"));
+        return Err(KeyProblem::Invalid(format!(
+            "{key:?} is a group of sysctls, not a single key"
+        )));
     }
     // Belt and braces: the components above cannot leave the root, and neither may links.
     let real = path
         .canonicalize()
-        .map_err(|e| format!("resolve {}: {e}", path.display()))?;
+        .map_err(|e| KeyProblem::Missing(format!("resolve {}: {e}", path.display())))?;
     let real_root = root
         .canonicalize()
-        .map_err(|e| format!("resolve {}: {e}", root.display()))?;
+        .map_err(|e| KeyProblem::Invalid(format!("resolve {}: {e}", root.display())))?;
     if !real.starts_with(&real_root) {
-        return Err(format!("{key:?} resolves outside {}", root.display()));
+        return Err(KeyProblem::Invalid(format!(
+            "{key:?} resolves outside {}",
+            root.display()
+        )));
     }
     Ok(path)
 }
@@ -225,7 +283,13 @@ pub fn validate(raw: &RawRuleSet, sysctl_root: &Path) -> Result<RuleSet, Error> 
                 "is used by an earlier rule; names must be unique",
             ));
         }
-        sysctl_path(sysctl_root, r.key.trim()).map_err(|e| refuse(i, name, "key", e))?;
+        // A key missing on this node is not a reason to refuse the whole set: the other rules
+        // apply, this one reports the missing key, and a later evaluation finds it once the
+        // module is loaded or the interface is up.
+        match resolve_key(sysctl_root, r.key.trim()) {
+            Ok(_) | Err(KeyProblem::Missing(_)) => {}
+            Err(e @ KeyProblem::Invalid(_)) => return Err(refuse(i, name, "key", e)),
+        }
         // Keys that run programs as root or guard the kernel are checked, never written (the
         // model's list, which the controller applies to the ConfigMap too).
         if r.repair {
@@ -318,7 +382,7 @@ pub fn validate(raw: &RawRuleSet, sysctl_root: &Path) -> Result<RuleSet, Error> 
 /// Compares a normalised value with a rule. `Err` when the value cannot be compared.
 pub fn in_bounds(rule: &Rule, current: &str) -> Result<bool, String> {
     let integer = |v: &str| {
-        v.parse::<i64>().map_err(|_| {
+        tuning::parse_integer(v).ok_or_else(|| {
             format!("value {v:?} is not a single integer; use EQUAL or ONE_OF for this key")
         })
     };
@@ -431,6 +495,11 @@ impl Tunables {
             return Vec::new();
         };
         let mut changed = false;
+        if let Some(boot) = boot_id(&self.sysctl_root) {
+            for rule in &set.rules {
+                changed |= enter_boot(self.runtime.entry(rule.name.clone()).or_default(), &boot);
+            }
+        }
         let mut out = Vec::with_capacity(set.rules.len());
         for rule in &set.rules {
             // The agent's own last write to this key, by any rule: a value equal to it is not
@@ -743,9 +812,11 @@ mod tests {
     fn refuses_bad_rules_naming_rule_and_field() {
         let root = fake_root();
         let cases: Vec<(RawRuleSet, &str)> = vec![
+            // A key this node lacks is not refused (see
+            // `a_missing_key_is_the_rules_error_not_the_sets`); one the agent cannot see is.
             (
-                set(vec![rule("a", "net.core.nonexistent", 1, &["1"], false)]),
-                "rule \"a\" (#1): field `key`: \"net.core.nonexistent\" is not a known sysctl",
+                set(vec![rule("a", "kernel.shmmax", 2, &["1"], false)]),
+                "rule \"a\" (#1): field `key`: kernel.shmmax is kept per IPC namespace",
             ),
             (
                 set(vec![rule(
@@ -755,7 +826,11 @@ mod tests {
                     &["1"],
                     false,
                 )]),
-                "field `key`: \"net.core/../../etc/passwd\" is a path",
+                "field `key`: \"net.core/../../etc/passwd\" has an empty component",
+            ),
+            (
+                set(vec![rule("a", "net.core./.x", 1, &["1"], false)]),
+                "field `key`: \"net.core./.x\" has a component that names `.` or `..`",
             ),
             (
                 set(vec![rule("a", "/etc/passwd", 1, &["1"], false)]),
@@ -998,6 +1073,71 @@ mod tests {
         );
         assert!(in_bounds(&r(Comparison::OneOf, &["1", "2"]), "2").unwrap());
         assert!(in_bounds(&r(Comparison::AtLeast, &["1"]), "1 2").is_err());
+        // Unsigned 64-bit values (kernel.shmmax's default) compare as integers.
+        let big = "18446744073692774399";
+        assert!(in_bounds(&r(Comparison::AtLeast, &[big]), big).unwrap());
+        assert!(!in_bounds(&r(Comparison::AtMost, &["4096"]), big).unwrap());
+        assert!(in_bounds(&r(Comparison::AtLeast, &["-1"]), "0").unwrap());
+    }
+
+    /// Regression: one key the node lacked (a module not loaded yet) refused the whole set, and
+    /// the controller never pushed that revision again.
+    #[test]
+    fn a_missing_key_is_the_rules_error_not_the_sets() {
+        let root = fake_root();
+        let state = tempfile::tempdir().unwrap();
+        let mut t = Tunables::load(root.path().to_path_buf(), state.path());
+        let revision = t
+            .set_rules(&set(vec![
+                rule(
+                    "conntrack",
+                    "net.netfilter.nf_conntrack_max",
+                    2,
+                    &["1000"],
+                    true,
+                ),
+                rule("backlog", "net.core.somaxconn", 2, &["64"], false),
+            ]))
+            .unwrap();
+        assert_eq!(revision, 7);
+        let s = t.evaluate(1_000);
+        assert_eq!(s[0].verdict, Verdict::Unspecified, "{s:?}");
+        assert!(s[0].error.contains("is not a known sysctl"), "{s:?}");
+        assert_eq!(s[1].verdict, Verdict::Ok, "the other rules apply: {s:?}");
+        // The module loads: the next evaluation finds the key and repairs it.
+        let dir = root.path().join("net/netfilter");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("nf_conntrack_max"), "10\n").unwrap();
+        let s = t.evaluate(2_000);
+        assert_eq!(s[0].verdict, Verdict::Ok, "{s:?}");
+        assert_eq!(
+            std::fs::read_to_string(dir.join("nf_conntrack_max")).unwrap(),
+            "1000\n"
+        );
+    }
+
+    /// A name holding dots (VLAN interface `eth0.100`) is written with `/`, as in sysctl.d.
+    #[test]
+    fn a_slash_in_a_key_is_a_dot_in_the_name() {
+        let root = fake_root();
+        let dir = root.path().join("net/ipv4/conf/eth0.100");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("rp_filter"), "1\n").unwrap();
+        let key = "net.ipv4.conf.eth0/100.rp_filter";
+        assert_eq!(
+            sysctl_path(root.path(), key).unwrap(),
+            dir.join("rp_filter")
+        );
+        let state = tempfile::tempdir().unwrap();
+        let mut t = Tunables::load(root.path().to_path_buf(), state.path());
+        t.set_rules(&set(vec![rule("vlan-rp", key, 1, &["2"], true)]))
+            .unwrap();
+        let s = t.evaluate(1_000);
+        assert_eq!(s[0].verdict, Verdict::Ok, "{s:?}");
+        assert_eq!(
+            std::fs::read_to_string(dir.join("rp_filter")).unwrap(),
+            "2\n"
+        );
     }
 
     /// Regression (issue 20, defect 2): a value the agent itself wrote (for another rule on the
@@ -1024,6 +1164,53 @@ mod tests {
         std::fs::write(&key, "7\n").unwrap();
         let s = t.evaluate(3_000);
         assert!(s.iter().any(|x| x.conflict), "{s:?}");
+    }
+
+    /// Regression: after a reboot the restored `written` differed from the boot's value, so
+    /// every repaired rule read "changed back by someone else" and was never repaired again.
+    #[test]
+    fn a_reboot_is_not_a_conflict_but_the_rate_limit_still_counts() {
+        let root = fake_root();
+        let state = tempfile::tempdir().unwrap();
+        let key = root.path().join("net/core/somaxconn");
+        let boot = root.path().join("kernel/random/boot_id");
+        std::fs::create_dir_all(boot.parent().unwrap()).unwrap();
+        std::fs::write(&boot, "aaaa-1\n").unwrap();
+        let mut t = Tunables::load(root.path().to_path_buf(), state.path());
+        t.set_rules(&set(vec![RawRule {
+            repair_max_per_hour: 2,
+            ..rule("somaxconn", "net.core.somaxconn", 2, &["4096"], true)
+        }]))
+        .unwrap();
+        assert_eq!(t.evaluate(1_000)[0].verdict, Verdict::Ok);
+        assert_eq!(std::fs::read_to_string(&key).unwrap(), "4096\n");
+
+        // The node reboots: /proc/sys is back at the kernel's default, the agent restarts.
+        std::fs::write(&boot, "bbbb-2\n").unwrap();
+        std::fs::write(&key, "128\n").unwrap();
+        let mut t = Tunables::load(root.path().to_path_buf(), state.path());
+        let s = t.evaluate(2_000);
+        assert!(!s[0].conflict, "{s:?}");
+        assert_eq!(s[0].verdict, Verdict::Ok, "{s:?}");
+        assert_eq!(std::fs::read_to_string(&key).unwrap(), "4096\n");
+
+        // Within this boot, someone else setting it back still is a conflict.
+        std::fs::write(&key, "256\n").unwrap();
+        let s = t.evaluate(3_000);
+        assert!(s[0].conflict, "{s:?}");
+        assert_eq!(std::fs::read_to_string(&key).unwrap(), "256\n");
+
+        // Another reboot clears the conflict, but the two repairs of the last hour (one per
+        // boot) still count against the limit of two.
+        std::fs::write(&boot, "cccc-3\n").unwrap();
+        std::fs::write(&key, "128\n").unwrap();
+        let mut t = Tunables::load(root.path().to_path_buf(), state.path());
+        let s = t.evaluate(4_000);
+        assert!(!s[0].conflict, "{s:?}");
+        assert!(s[0].error.contains("rate limit"), "{s:?}");
+        assert_eq!(std::fs::read_to_string(&key).unwrap(), "128\n");
+        let s = t.evaluate(1_000 + HOUR_MS);
+        assert_eq!(s[0].verdict, Verdict::Ok, "{s:?}");
     }
 
     #[test]

@@ -78,6 +78,16 @@ pub const MAX_KEY_LEN: usize = 253;
 pub const MAX_VALUE_LEN: usize = 256;
 /// Most repairs of one rule within an hour.
 pub const MAX_REPAIRS_PER_HOUR: u32 = 60;
+/// Most values of one `oneOf` rule: with [`MAX_RULES`] and [`MAX_VALUE_LEN`] this bounds the set
+/// every agent receives.
+pub const MAX_ONE_OF: usize = 64;
+/// Most YAML values (mappings, sequences and scalars, map keys included) `rules.yaml` may hold
+/// with its aliases expanded: far above what [`MAX_RULES`] rules and [`MAX_THRESHOLDS`]
+/// thresholds can take, far below what would strain the controller's memory.
+pub const MAX_RULES_YAML_VALUES: usize = 100_000;
+/// Most bytes of scalar text `rules.yaml` may hold with its aliases expanded (the ConfigMap itself
+/// holds at most 1 MiB).
+pub const MAX_RULES_YAML_TEXT_BYTES: usize = 4 << 20;
 
 const KNOWN_KEYS: &[&str] = &[
     "sweepInterval",
@@ -778,11 +788,17 @@ fn parse_rules(raw: &str, repair_allowed: bool) -> Result<RuleSet, Vec<KeyError>
             thresholds: Vec::new(),
         }
     } else {
-        serde_yaml::from_str(raw).map_err(|e| {
+        let invalid = |problem: String| {
             vec![KeyError {
                 key: "rules.yaml".into(),
-                problem: format!("is not a valid rules document ({e}); top-level keys are `tunables` and `thresholds`"),
+                problem,
             }]
+        };
+        // Before anything is built from it: YAML aliases repeat a node without bound, so a few
+        // bytes could otherwise fill the controller's memory.
+        check_rules_yaml_size(raw).map_err(invalid)?;
+        serde_yaml::from_str(raw).map_err(|e| {
+            invalid(format!("is not a valid rules document ({e}); top-level keys are `tunables` and `thresholds`"))
         })?
     };
 
@@ -965,6 +981,106 @@ fn parse_rules(raw: &str, repair_allowed: bool) -> Result<RuleSet, Vec<KeyError>
     }
 }
 
+/// Checks that a `rules.yaml` document stays within [`MAX_RULES_YAML_VALUES`] values and
+/// [`MAX_RULES_YAML_TEXT_BYTES`] of text once its aliases (`*name`, repeating the node anchored
+/// `&name`) are expanded, walking it without keeping any of it. Anything else that is wrong with
+/// the document (its syntax, its fields) is left to the parse that follows, except that a
+/// document that cannot even be walked is refused here too. Call it before building a
+/// `serde_yaml::Value` or any other structure from untrusted YAML.
+pub fn check_rules_yaml_size(raw: &str) -> Result<(), String> {
+    use serde::de::DeserializeSeed as _;
+    let budget = YamlBudget::default();
+    let walked = (&budget).deserialize(serde_yaml::Deserializer::from_str(raw));
+    if budget.exceeded.get() {
+        return Err(format!(
+            "holds more than {MAX_RULES_YAML_VALUES} values or {} MiB of text once its YAML aliases are expanded, far more than {MAX_RULES} rules and {MAX_THRESHOLDS} thresholds need; write each rule out instead of repeating anchored nodes (`&name` … `*name`)",
+            MAX_RULES_YAML_TEXT_BYTES >> 20
+        ));
+    }
+    walked.map_err(|e| {
+        format!(
+            "is not a valid rules document ({e}); top-level keys are `tunables` and `thresholds`"
+        )
+    })
+}
+
+/// What [`check_rules_yaml_size`] has seen so far.
+#[derive(Default)]
+struct YamlBudget {
+    values: std::cell::Cell<usize>,
+    bytes: std::cell::Cell<usize>,
+    exceeded: std::cell::Cell<bool>,
+}
+
+impl YamlBudget {
+    fn take<E: serde::de::Error>(&self, bytes: usize) -> Result<(), E> {
+        self.values.set(self.values.get() + 1);
+        self.bytes.set(self.bytes.get().saturating_add(bytes));
+        if self.values.get() > MAX_RULES_YAML_VALUES || self.bytes.get() > MAX_RULES_YAML_TEXT_BYTES
+        {
+            self.exceeded.set(true);
+            return Err(E::custom("rules.yaml is too large once expanded"));
+        }
+        Ok(())
+    }
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for &YamlBudget {
+    type Value = ();
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for &YamlBudget {
+    type Value = ();
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("any YAML value")
+    }
+    fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<(), E> {
+        self.take(1)
+    }
+    fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<(), E> {
+        self.take(8)
+    }
+    fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<(), E> {
+        self.take(8)
+    }
+    fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<(), E> {
+        self.take(8)
+    }
+    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<(), E> {
+        self.take(v.len())
+    }
+    fn visit_unit<E: serde::de::Error>(self) -> Result<(), E> {
+        self.take(0)
+    }
+    fn visit_none<E: serde::de::Error>(self) -> Result<(), E> {
+        self.take(0)
+    }
+    fn visit_some<D: serde::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        serde::de::DeserializeSeed::deserialize(self, d)
+    }
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        self.take(0)?;
+        while seq.next_element_seed(self)?.is_some() {}
+        Ok(())
+    }
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        self.take(0)?;
+        while map.next_key_seed(self)?.is_some() {
+            map.next_value_seed(self)?;
+        }
+        Ok(())
+    }
+    /// A tagged value (`!tag value`).
+    fn visit_enum<A: serde::de::EnumAccess<'de>>(self, data: A) -> Result<(), A::Error> {
+        use serde::de::VariantAccess as _;
+        let ((), variant) = data.variant_seed(self)?;
+        variant.newtype_variant_seed(self)
+    }
+}
+
 fn scalar(value: &serde_yaml::Value) -> Option<String> {
     match value {
         serde_yaml::Value::String(s) => Some(normalize_value(s)),
@@ -996,7 +1112,7 @@ pub fn check_compatible(rules: &[(&str, &str, Comparison, &[String])]) -> Result
 /// True when some value satisfies both bounds (values that are not integers are compared as
 /// text by equal/oneOf and assumed to overlap otherwise).
 fn compatible(a: (Comparison, &[String]), b: (Comparison, &[String])) -> bool {
-    let int = |v: &str| v.trim().parse::<i128>().ok();
+    let int = parse_integer;
     let admits = |(c, values): (Comparison, &[String]), v: &str| match c {
         Comparison::Equal | Comparison::OneOf => values.iter().any(|x| x == v),
         Comparison::AtLeast => match (int(v), values.first().and_then(|x| int(x))) {
@@ -1047,9 +1163,26 @@ pub fn check_rule_name(name: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// Checks the shape of a sysctl key. Dotted form only: the agent maps dots to path separators
-/// under `/proc/sys`, so slashes and empty or `..`-like components could escape it. Whether the
-/// key exists is for the agent to say (it depends on the node's kernel).
+/// Sysctls the kernel keeps per IPC namespace, as prefixes of the dotted key
+/// (`kernel.shmmax`, `kernel.shm_rmid_forced`, `kernel.msgmnb`, `kernel.sem`, `fs.mqueue.*`).
+/// The agent runs in its pod's IPC namespace (it has no `hostIPC`): it would read and write the
+/// pod's copy of these, never the node's, and report a value no workload sees.
+pub const IPC_NAMESPACED: &[&str] = &["kernel.shm", "kernel.msg", "kernel.sem", "fs.mqueue."];
+
+/// The file names under `/proc/sys` a dotted key stands for, in order. As in sysctl.d(5), a `/`
+/// inside a component stands for a dot in the name, for names that hold dots (a VLAN interface:
+/// `net.ipv4.conf.eth0/100.rp_filter` is `net/ipv4/conf/eth0.100/rp_filter`). Only for a key
+/// [`check_sysctl_key`] accepts.
+pub fn sysctl_components(key: &str) -> impl Iterator<Item = String> + '_ {
+    key.split('.').map(|part| part.replace('/', "."))
+}
+
+/// Checks the shape of a sysctl key. Dotted form, with `/` standing for a dot inside one
+/// component ([`sysctl_components`]): the agent maps each component to one file name under
+/// `/proc/sys`, so the key may not start with a `/` (a path), have an empty component, or have
+/// a component that names `.` or `..`. Keys the kernel keeps per IPC namespace
+/// ([`IPC_NAMESPACED`]) are refused. Whether the key exists is for the agent to say (it depends on
+/// the node's kernel).
 pub fn check_sysctl_key(key: &str) -> Result<(), String> {
     if key.is_empty() {
         return Err("is empty; write a sysctl key such as net.core.somaxconn".into());
@@ -1060,9 +1193,14 @@ pub fn check_sysctl_key(key: &str) -> Result<(), String> {
             key.len()
         ));
     }
-    if key.contains('/') {
+    // A `/` before the first dot: the key is written as a path (`/proc/sys/…`, `net/core/…`).
+    if key
+        .split('.')
+        .next()
+        .is_some_and(|first| first.contains('/'))
+    {
         return Err(format!(
-            "{key:?} is a path; write the key in dotted form, e.g. net.core.somaxconn (keys name files under /proc/sys only)"
+            "{key:?} is a path; write the key in dotted form, e.g. net.core.somaxconn (keys name files under /proc/sys only; a `/` stands for a dot inside a name, as in net.ipv4.conf.eth0/100.rp_filter)"
         ));
     }
     if key.split('.').any(str::is_empty) {
@@ -1072,10 +1210,20 @@ pub fn check_sysctl_key(key: &str) -> Result<(), String> {
     }
     if let Some(bad) = key
         .chars()
-        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.')))
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.' | '/')))
     {
         return Err(format!(
-            "{key:?} contains {bad:?}; keys use letters, digits, `_`, `-` and `.`"
+            "{key:?} contains {bad:?}; keys use letters, digits, `_`, `-`, `.` and `/` (for a dot inside a name)"
+        ));
+    }
+    if sysctl_components(key).any(|name| name == "." || name == "..") {
+        return Err(format!(
+            "{key:?} has a component that names `.` or `..`; write e.g. net.ipv4.conf.eth0/100.rp_filter"
+        ));
+    }
+    if IPC_NAMESPACED.iter().any(|prefix| key.starts_with(prefix)) {
+        return Err(format!(
+            "{key} is kept per IPC namespace, and the nodekeeper agent (without hostIPC) would check and write its own pod's copy, not the node's; set it through the node image or its sysctl.d, or per pod with securityContext.sysctls"
         ));
     }
     Ok(())
@@ -1158,6 +1306,9 @@ pub fn check_values(comparison: Comparison, values: &[String]) -> Result<(), Str
             values.len()
         ));
     }
+    if values.len() > MAX_ONE_OF {
+        return Err(format!("has {} values; at most {MAX_ONE_OF}", values.len()));
+    }
     for v in values {
         if v.is_empty() {
             return Err("contains an empty value".into());
@@ -1169,13 +1320,19 @@ pub fn check_values(comparison: Comparison, values: &[String]) -> Result<(), Str
         }
     }
     if matches!(comparison, Comparison::AtLeast | Comparison::AtMost)
-        && first.parse::<i64>().is_err()
+        && parse_integer(first).is_none()
     {
         return Err(format!(
             "{first:?} is not an integer, as atLeast and atMost need"
         ));
     }
     Ok(())
+}
+
+/// A sysctl integer as `atLeast` and `atMost` compare it: signed, and wide enough for the
+/// unsigned 64-bit values some keys hold (`kernel.shmmax` defaults to 18446744073692774399).
+pub fn parse_integer(value: &str) -> Option<i128> {
+    value.trim().parse::<i128>().ok()
 }
 
 /// Checks a rule's repair rate limit: 1 to [`MAX_REPAIRS_PER_HOUR`].
@@ -1613,6 +1770,134 @@ mod tests {
         assert!(check_values(Comparison::AtMost, &[]).is_err());
         assert!(check_repair_max_per_hour(0).is_err());
         assert!(check_repair_max_per_hour(MAX_REPAIRS_PER_HOUR + 1).is_err());
+    }
+
+    /// Regression: YAML aliases were expanded into values without bound before any limit was
+    /// checked, so a small `rules.yaml` could fill the controller's memory.
+    #[test]
+    fn an_alias_bomb_is_refused_before_it_is_expanded() {
+        let one = "{indicator: a, warning: 1, critical: 2}";
+        let rules = format!(
+            "thresholds: &t [{}]\ntunables: [{}]\n",
+            vec![one; 300].join(", "),
+            vec!["*t"; 100].join(", ")
+        );
+        assert!(rules.len() < 20_000);
+        let p = problems(&[("rules.yaml", &rules)]);
+        assert_eq!(p.len(), 1, "{p:?}");
+        assert_eq!(p[0].key, "rules.yaml");
+        assert!(
+            p[0].problem.contains("YAML aliases are expanded")
+                && p[0].problem.contains(&MAX_RULES_YAML_VALUES.to_string()),
+            "{p:?}"
+        );
+        // Text repeated by aliases counts too.
+        let long = "x".repeat(200_000);
+        let rules = format!(
+            "thresholds: [&s \"{long}\", {}]\n",
+            vec!["*s"; 30].join(", ")
+        );
+        assert!(
+            check_rules_yaml_size(&rules)
+                .unwrap_err()
+                .contains("aliases are expanded")
+        );
+
+        // A few aliases within the budget are fine, and so is the largest document the limits
+        // allow.
+        let ok =
+            "tunables:\n  - &r {name: a, key: net.core.somaxconn, atLeast: 1}\nthresholds: []\n";
+        assert_eq!(check_rules_yaml_size(ok), Ok(()));
+        let values: Vec<String> = (0..MAX_ONE_OF).map(|i| format!("v{i}")).collect();
+        let largest: String = (0..MAX_RULES)
+            .map(|i| {
+                format!(
+                    "  - {{name: r{i}, key: net.core.k{i}, oneOf: [{}]}}\n",
+                    values.join(", ")
+                )
+            })
+            .collect();
+        let largest = format!("tunables:\n{largest}");
+        assert_eq!(check_rules_yaml_size(&largest), Ok(()));
+        assert_eq!(
+            parse_rules(&largest, false).unwrap().tunables.len(),
+            MAX_RULES
+        );
+    }
+
+    #[test]
+    fn one_of_is_bounded() {
+        let values = |n: usize| (0..n).map(|i| i.to_string()).collect::<Vec<_>>();
+        assert_eq!(check_values(Comparison::OneOf, &values(MAX_ONE_OF)), Ok(()));
+        let e = check_values(Comparison::OneOf, &values(MAX_ONE_OF + 1)).unwrap_err();
+        assert!(e.contains(&format!("at most {MAX_ONE_OF}")), "{e}");
+    }
+
+    /// Regression: the agent (no hostIPC) read and wrote these in its own pod's IPC namespace.
+    #[test]
+    fn ipc_namespaced_keys_are_refused_saying_why() {
+        for key in [
+            "kernel.shmmax",
+            "kernel.shmall",
+            "kernel.shm_rmid_forced",
+            "kernel.msgmnb",
+            "kernel.sem",
+            "fs.mqueue.msg_max",
+        ] {
+            let e = check_sysctl_key(key).unwrap_err();
+            assert!(e.contains("IPC namespace") && e.contains("hostIPC"), "{e}");
+        }
+        for key in ["kernel.pid_max", "kernel.threads-max", "fs.file-max"] {
+            assert_eq!(check_sysctl_key(key), Ok(()), "{key}");
+        }
+        let p = problems(&[(
+            "rules.yaml",
+            "tunables:\n  - {name: shm, key: kernel.shmmax, atLeast: 1}\n",
+        )]);
+        assert_eq!(p[0].key, "rules.yaml: tunables[0].key", "{p:?}");
+    }
+
+    /// Regression: `atLeast`/`atMost` parsed i64, so an unsigned 64-bit bound was "not an
+    /// integer".
+    #[test]
+    fn integers_beyond_i64_compare() {
+        let big = "18446744073692774399".to_owned();
+        assert_eq!(
+            check_values(Comparison::AtLeast, std::slice::from_ref(&big)),
+            Ok(())
+        );
+        assert_eq!(check_values(Comparison::AtMost, &["-5".into()]), Ok(()));
+        assert_eq!(parse_integer(&big), Some(18_446_744_073_692_774_399));
+        let at_most = [big];
+        let at_least = ["18446744073692774400".to_owned()];
+        assert!(
+            check_compatible(&[
+                ("a", "vm.k", Comparison::AtMost, &at_most),
+                ("b", "vm.k", Comparison::AtLeast, &at_least),
+            ])
+            .is_err()
+        );
+    }
+
+    /// Names with dots (a VLAN interface `eth0.100`) are written with `/`, as in sysctl.d(5).
+    #[test]
+    fn a_slash_stands_for_a_dot_inside_a_name() {
+        let key = "net.ipv4.conf.eth0/100.rp_filter";
+        assert_eq!(check_sysctl_key(key), Ok(()));
+        assert_eq!(
+            sysctl_components(key).collect::<Vec<_>>(),
+            ["net", "ipv4", "conf", "eth0.100", "rp_filter"]
+        );
+        for (bad, why) in [
+            ("/proc/sys/net/core/somaxconn", "is a path"),
+            ("net/core/somaxconn", "is a path"),
+            ("net.ipv4.conf./.rp_filter", "`.` or `..`"),
+            ("net.ipv4.conf.//.rp_filter", "`.` or `..`"),
+            ("net.core/../../etc/passwd", "empty component"),
+        ] {
+            let e = check_sysctl_key(bad).unwrap_err();
+            assert!(e.contains(why), "{bad}: {e}");
+        }
     }
 
     #[test]

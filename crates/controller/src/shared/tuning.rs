@@ -2,7 +2,14 @@
 //! parses it with [`nodekeeper_model::tuning::parse`], and publishes the result to the rest of the
 //! controller through a `watch` channel, so changes take effect without a restart. An invalid
 //! ConfigMap is refused with a Warning Event on it naming every bad key and the problem, and the
-//! last good configuration stays in force. A deleted ConfigMap means the defaults.
+//! last good configuration stays in force. A deleted (or absent) ConfigMap means the defaults,
+//! whether it goes while this process leads or before it starts.
+//!
+//! A process that has read no good configuration since it started (the ConfigMap was already
+//! invalid at its start or failover) has no "last good" one: the other settings take their
+//! defaults, but the rules are not pushed and `TunablesInBounds` is left as it is
+//! ([`TuningState::rules_to_push`], [`TuningState::good`]), so that a refused ConfigMap never
+//! replaces the fleet's rules with the empty default set.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -12,7 +19,7 @@ use k8s_openapi::api::core::v1::ConfigMap;
 use kube::runtime::events::{Event, EventType, Recorder};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Resource};
-use nodekeeper_model::tuning::{self, TuningConfig};
+use nodekeeper_model::tuning::{self, RuleSet, TuningConfig};
 use serde::Serialize;
 use sha2::Digest as _;
 use tokio::sync::watch;
@@ -40,7 +47,18 @@ pub struct TuningState {
     /// The ConfigMap has been read (or found absent) since this process started leading: until
     /// then the defaults are a placeholder, and the sweep does not judge nodes by them.
     pub settled: bool,
+    /// A valid ConfigMap (or its absence, which means the defaults) has been read since this
+    /// process started. False while the only version seen was refused: then `config` is the
+    /// defaults standing in, not a configuration anyone chose, and the rules are not pushed.
+    pub good: bool,
 }
+
+/// The rule set pushed when `features.tunables` is off: no rule, so no agent checks or writes
+/// any sysctl (not pushing at all would leave each agent repairing by its last rules).
+static NO_RULES: RuleSet = RuleSet {
+    tunables: Vec::new(),
+    thresholds: Vec::new(),
+};
 
 impl TuningState {
     pub fn defaults() -> Self {
@@ -51,7 +69,35 @@ impl TuningState {
             source: "defaults".into(),
             last_error: None,
             settled: false,
+            good: false,
         }
+    }
+
+    /// The defaults because there is no ConfigMap (never created, or deleted).
+    pub fn absent() -> Self {
+        Self {
+            settled: true,
+            good: true,
+            ..Self::defaults()
+        }
+    }
+
+    /// The rules to push to agents: none while no good configuration has been read (the agents
+    /// keep theirs), the empty set while `features.tunables` is off, else the configured ones.
+    pub fn rules_to_push(&self) -> Option<&RuleSet> {
+        if !self.good {
+            None
+        } else if self.config.features.tunables {
+            Some(&self.config.rules)
+        } else {
+            Some(&NO_RULES)
+        }
+    }
+
+    /// What a refusal's Event says stays in force: the last good configuration's source, or
+    /// None when there is none.
+    pub fn kept_source(&self) -> Option<&str> {
+        self.good.then_some(self.source.as_str())
     }
 }
 
@@ -71,6 +117,7 @@ pub fn next_state(
             source,
             last_error: None,
             settled: true,
+            good: true,
         }),
         Err(error) => {
             let mut kept = current.clone();
@@ -94,23 +141,41 @@ pub async fn watch_tuning(
     let stream = watcher(api, config).default_backoff();
     futures::pin_mut!(stream);
     let mut seen_version: Option<String> = None;
+    // Whether the list in progress (or the last one) held the ConfigMap.
+    let mut listed = false;
     loop {
         let next = tokio::select! {
             () = cancel.cancelled() => return,
             next = stream.try_next() => next,
         };
         let cm = match next {
-            Ok(Some(watcher::Event::Apply(cm) | watcher::Event::InitApply(cm))) => cm,
-            // The first list is complete: without the ConfigMap, the defaults are in force.
+            Ok(Some(watcher::Event::Apply(cm))) => cm,
+            Ok(Some(watcher::Event::InitApply(cm))) => {
+                listed = true;
+                cm
+            }
+            Ok(Some(watcher::Event::Init)) => {
+                listed = false;
+                continue;
+            }
+            // A list without the ConfigMap (the first one, or a relist after it was deleted
+            // while the watch was down): the defaults are in force.
             Ok(Some(watcher::Event::InitDone)) => {
-                if !sender.borrow().settled {
+                if !listed && !is_absent(&sender.borrow()) {
                     info!(configmap = %name, "no tuning ConfigMap; the defaults are in force");
-                    sender.send_modify(|s| Arc::make_mut(s).settled = true);
+                    seen_version = None;
+                    sender.send_replace(Arc::new(TuningState::absent()));
                 }
                 continue;
             }
-            // A deleted ConfigMap leaves the last good configuration in force.
-            Ok(Some(watcher::Event::Init | watcher::Event::Delete(_))) => continue,
+            // A deleted ConfigMap means the defaults, as an absent one does at start: the same
+            // configuration whether the leader saw the deletion or started after it.
+            Ok(Some(watcher::Event::Delete(_))) => {
+                info!(configmap = %name, "tuning ConfigMap deleted; the defaults are in force");
+                seen_version = None;
+                sender.send_replace(Arc::new(TuningState::absent()));
+                continue;
+            }
             Ok(None) => return,
             Err(error) => {
                 warn!(%error, configmap = %name, "tuning ConfigMap watch failed; retrying");
@@ -154,10 +219,14 @@ pub async fn watch_tuning(
                     .unwrap_or_default();
                 metrics.invalid_keys.inc_by(problems.len() as u64);
                 for p in &problems {
-                    warn!(configmap = %name, key = %p.key, problem = %p.problem, "tuning ConfigMap refused; the last good configuration stays in force");
+                    if kept.good {
+                        warn!(configmap = %name, key = %p.key, problem = %p.problem, "tuning ConfigMap refused; the last good configuration stays in force");
+                    } else {
+                        warn!(configmap = %name, key = %p.key, problem = %p.problem, "tuning ConfigMap refused, and no good one has been read since start; rules are not pushed until it is fixed");
+                    }
                 }
                 let refusal = Refusal::new(
-                    &kept.source,
+                    kept.kept_source(),
                     &problems,
                     data.get("rules.yaml").map(String::as_str),
                 );
@@ -175,6 +244,11 @@ pub async fn watch_tuning(
             }
         }
     }
+}
+
+/// The state the absence of the ConfigMap gives, already in force.
+fn is_absent(state: &TuningState) -> bool {
+    state.settled && state.good && state.source == TuningState::absent().source
 }
 
 /// The most bytes of an Event's note the API accepts (`events.k8s.io/v1`: 1 KiB).
@@ -196,9 +270,14 @@ pub struct Refusal {
 }
 
 impl Refusal {
-    /// The Event for `problems`, with the last good configuration's `kept_source`; `rules_yaml`
-    /// (the raw `rules.yaml`) lets a problem at `tunables[i]` or `thresholds[i]` name its rule.
-    pub fn new(kept_source: &str, problems: &[tuning::KeyError], rules_yaml: Option<&str>) -> Self {
+    /// The Event for `problems`, with the last good configuration's `kept_source` (None: no good
+    /// configuration has been read since start); `rules_yaml` (the raw `rules.yaml`) lets a
+    /// problem at `tunables[i]` or `thresholds[i]` name its rule.
+    pub fn new(
+        kept_source: Option<&str>,
+        problems: &[tuning::KeyError],
+        rules_yaml: Option<&str>,
+    ) -> Self {
         let names = rules_yaml.map(entry_names).unwrap_or_default();
         let listed: Vec<String> = problems
             .iter()
@@ -207,10 +286,14 @@ impl Refusal {
                 None => p.to_string(),
             })
             .collect();
-        let note = format!(
-            "refused; the last good configuration ({kept_source}) stays in force: {}",
-            listed.join("; ")
-        );
+        let kept = match kept_source {
+            Some(source) => format!("the last good configuration ({source}) stays in force"),
+            None => "no valid configuration has been read since the controller started, so \
+                     the tunable rules are not pushed and TunablesInBounds is not rewritten \
+                     until this ConfigMap is fixed (the other keys take their defaults)"
+                .to_owned(),
+        };
+        let note = format!("refused; {kept}: {}", listed.join("; "));
         let note = nodekeeper_model::text::truncate(&note, MAX_NOTE_BYTES).into_owned();
         let digest = sha2::Sha256::digest(note.as_bytes());
         Self {
@@ -223,6 +306,10 @@ impl Refusal {
 /// `tunables` and `thresholds` entries of a `rules.yaml` → their `name` / `indicator`, by index;
 /// nothing when the document does not parse (its own problem already says so).
 fn entry_names(raw: &str) -> BTreeMap<(String, usize), String> {
+    // A document too large once its aliases are expanded is not expanded here either.
+    if tuning::check_rules_yaml_size(raw).is_err() {
+        return BTreeMap::new();
+    }
     let Ok(doc) = serde_yaml::from_str::<serde_yaml::Value>(raw) else {
         return BTreeMap::new();
     };
@@ -289,10 +376,70 @@ mod tests {
         assert!(again.last_error.is_none());
     }
 
+    /// Regression: a ConfigMap already invalid when the controller started (or failed over)
+    /// published the defaults as settled, and the sweep pushed their empty rule set to every
+    /// agent and rewrote every node's TunablesInBounds.
+    #[test]
+    fn a_refused_configmap_at_start_pushes_no_rules_and_claims_no_good_configuration() {
+        let rules = "tunables:\n  - {name: backlog, key: net.core.somaxconn, atLeast: 1024}\n";
+        let bad = data(&[("rules.yaml", rules), ("sweepInterval", "soon")]);
+        let kept = next_state(&TuningState::defaults(), &bad, "v1".into()).unwrap_err();
+        assert!(kept.settled && !kept.good);
+        assert_eq!(kept.rules_to_push(), None, "the agents keep their rules");
+        assert_eq!(kept.kept_source(), None);
+        let problems = tuning::parse(&bad).unwrap_err().problems().to_vec();
+        let note = Refusal::new(kept.kept_source(), &problems, Some(rules)).note;
+        assert!(!note.contains("stays in force"), "{note}");
+        assert!(
+            note.contains("not pushed") && note.contains("key `sweepInterval`"),
+            "{note}"
+        );
+
+        // Once a good version is read, its rules go out, and a later refusal keeps them.
+        let good = next_state(&kept, &data(&[("rules.yaml", rules)]), "v2".into()).unwrap();
+        assert!(good.good);
+        assert_eq!(good.rules_to_push().unwrap().tunables.len(), 1);
+        let kept = next_state(&good, &bad, "v3".into()).unwrap_err();
+        assert_eq!(kept.rules_to_push(), good.rules_to_push());
+        assert_eq!(kept.kept_source(), Some("v2"));
+        let note = Refusal::new(kept.kept_source(), &problems, Some(rules)).note;
+        assert!(
+            note.contains("the last good configuration (v2) stays in force"),
+            "{note}"
+        );
+    }
+
+    /// An absent or deleted ConfigMap is the defaults, pushed as such: no rules.
+    #[test]
+    fn no_configmap_means_the_defaults_in_force() {
+        let absent = TuningState::absent();
+        assert!(absent.settled && absent.good);
+        assert!(is_absent(&absent));
+        assert!(!is_absent(&TuningState::defaults()));
+        assert_eq!(absent.config, TuningConfig::default());
+        assert_eq!(absent.rules_to_push(), Some(&RuleSet::default()));
+    }
+
+    /// Regression: with `features.tunables: "false"` nothing was pushed, and every agent went on
+    /// checking and repairing by its last rules.
+    #[test]
+    fn tunables_off_pushes_the_empty_rule_set() {
+        let rules = "tunables:\n  - {name: backlog, key: net.core.somaxconn, atLeast: 1024}\n";
+        let off = next_state(
+            &TuningState::absent(),
+            &data(&[("rules.yaml", rules), ("features.tunables", "false")]),
+            "v1".into(),
+        )
+        .unwrap();
+        let pushed = off.rules_to_push().expect("a rule set is pushed");
+        assert!(pushed.tunables.is_empty() && pushed.thresholds.is_empty());
+        assert_ne!(pushed.revision(), off.config.rules.revision());
+    }
+
     fn refusal(data: &BTreeMap<String, String>) -> Refusal {
         let problems = tuning::parse(data).unwrap_err().problems().to_vec();
         Refusal::new(
-            "defaults",
+            Some("defaults"),
             &problems,
             data.get("rules.yaml").map(String::as_str),
         )

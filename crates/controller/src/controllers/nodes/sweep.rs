@@ -59,7 +59,7 @@ pub async fn run(ctx: Arc<Context>, shutdown: CancellationToken) {
             if settled.is_err() {
                 warn!(
                     waited_s = TUNING_SETTLE.as_secs(),
-                    "the tuning ConfigMap was not read in time; sweeping with the configuration in force"
+                    "the tuning ConfigMap was not read in time; sweeping with the default settings, without pushing rules or rewriting TunablesInBounds"
                 );
             }
         }
@@ -133,8 +133,7 @@ async fn poll(ctx: &Arc<Context>, writers: &Writers, job: Job) {
         ctx,
         &job,
         tuning.config.call_timeout,
-        &tuning.config.rules,
-        tuning.config.features.tunables,
+        tuning.rules_to_push(),
     )
     .await;
     ctx.metrics
@@ -184,9 +183,21 @@ async fn poll(ctx: &Arc<Context>, writers: &Writers, job: Job) {
                 }
                 entry.stale = false;
                 entry.last_failure = None;
-                judged.as_deref().and_then(|view| {
-                    conditions::desired_conditions(Observation::Fresh(view), config, &entry.written)
-                })
+                judged
+                    .as_deref()
+                    .and_then(|view| {
+                        conditions::desired_conditions(
+                            Observation::Fresh(view),
+                            config,
+                            &entry.written,
+                        )
+                    })
+                    .map(|mut desired| {
+                        if !tuning.good {
+                            hold_tunables_condition(&mut desired, &entry.written);
+                        }
+                        desired
+                    })
             }
             Err(error) => {
                 entry.schedule.failed(now, interval, unit);
@@ -278,6 +289,34 @@ async fn poll(ctx: &Arc<Context>, writers: &Writers, job: Job) {
     }
 }
 
+/// Keeps the node's `TunablesInBounds` as written (or absent) while no good tuning configuration
+/// has been read since start: the rules the agent holds are then not the controller's to judge
+/// by, and a refused ConfigMap must not rewrite the condition on every node.
+fn hold_tunables_condition(desired: &mut Vec<conditions::Condition>, current: &[Written]) {
+    desired.retain(|c| c.type_ != conditions::TUNABLES_IN_BOUNDS);
+    desired.extend(
+        current
+            .iter()
+            .find(|w| w.condition.type_ == conditions::TUNABLES_IN_BOUNDS)
+            .map(|w| w.condition.clone()),
+    );
+    desired.sort_by(|a, b| a.type_.cmp(&b.type_));
+}
+
+/// True when a failed `SetRules` is the agent refusing the rules on their merits
+/// (`INVALID_ARGUMENT`): pushing the same set again would be refused again, so the revision is
+/// recorded as refused and not pushed until it changes. Any other failure (a timeout, a broken
+/// connection, `INTERNAL` when the agent could not save its state) is transient and retried on
+/// the next read.
+fn refused_on_merits(error: &CallError) -> bool {
+    // The agent client writes a status's code first in the detail (`InvalidArgument: …`).
+    error.outcome == CallOutcome::Status
+        && error
+            .detail
+            .strip_prefix(&format!("{:?}", tonic::Code::InvalidArgument))
+            .is_some_and(|rest| rest.starts_with(':'))
+}
+
 /// Writes one Node Event if the node's hourly budget allows; counts it either way.
 async fn publish(ctx: &Context, node: &str, event: &kube::runtime::events::Event) {
     let budget = ctx.tuning().config.problems.events_per_node_per_hour;
@@ -303,14 +342,13 @@ async fn publish(ctx: &Context, node: &str, event: &kube::runtime::events::Event
         .inc();
 }
 
-/// Reads the report through the agents service, pushing the rules when the agent holds another
-/// revision. Returns the new view (None when unchanged) and what became of the rules push.
+/// Reads the report through the agents service, pushing `rules` (None: none) when the agent holds
+/// another revision. Returns the new view (None when unchanged) and what became of the push.
 async fn call_agent(
     ctx: &Context,
     job: &Job,
     timeout: Duration,
-    rules: &RuleSet,
-    push_rules: bool,
+    rules: Option<&RuleSet>,
 ) -> Result<(Option<NodeView>, RulesNews), CallError> {
     let node = AgentNode {
         name: job.name.clone(),
@@ -318,7 +356,7 @@ async fn call_agent(
     };
     let request = ReportRequest {
         cached_revision: job.cached_revision,
-        rules: push_rules.then_some(RulesPush {
+        rules: rules.map(|rules| RulesPush {
             rules,
             known_agent_revision: job.agent_rules_revision,
             refused_revision: job.rules_refused,
@@ -345,9 +383,7 @@ async fn call_agent(
                 })
                 .inc();
             warn!(node = %job.name, %error, revision, "agent refused or failed SetRules");
-            if error.outcome == CallOutcome::Status {
-                // Refused on its merits (INVALID_ARGUMENT): pushing the same set again would
-                // be refused again.
+            if refused_on_merits(&error) {
                 news = RulesNews::Refused(RulesRefusal {
                     revision,
                     error: error.detail.clone(),
@@ -404,5 +440,91 @@ async fn patch_conditions(
             warn!(node = %name, %error, class = ?result, retry_in = ?retry, "patching node conditions failed; retrying");
             false
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::conditions::{Condition, Status, reason};
+
+    fn condition(type_: &str, status: Status, reason: &str, message: &str) -> Condition {
+        Condition {
+            type_: type_.into(),
+            status,
+            reason: reason.into(),
+            message: message.into(),
+        }
+    }
+
+    /// A failed call as the agent client reports a gRPC status (code first in the detail).
+    fn status_error(status: &tonic::Status) -> CallError {
+        CallError {
+            outcome: CallOutcome::Status,
+            endpoint: "127.0.0.1:9443".parse().unwrap(),
+            detail: format!("{:?}: {}", status.code(), status.message()),
+        }
+    }
+
+    /// Regression: an agent that could not save its state answered INTERNAL, and the revision
+    /// was recorded as refused for good, never pushed to that node again.
+    #[test]
+    fn only_invalid_argument_records_a_refusal() {
+        assert!(refused_on_merits(&status_error(
+            &tonic::Status::invalid_argument("rule \"a\" (#1): field `key`: is empty")
+        )));
+        for transient in [
+            tonic::Status::internal("save /var/lib/nodekeeper/rules.json: No space left on device"),
+            tonic::Status::unavailable("shutting down"),
+            tonic::Status::failed_precondition("InvalidArgument: not yet"),
+        ] {
+            assert!(
+                !refused_on_merits(&status_error(&transient)),
+                "{transient:?}"
+            );
+        }
+        let timeout = CallError {
+            outcome: CallOutcome::Timeout,
+            ..status_error(&tonic::Status::invalid_argument("x"))
+        };
+        assert!(!refused_on_merits(&timeout));
+    }
+
+    #[test]
+    fn tunables_in_bounds_is_held_as_written() {
+        let written = |c: Condition| Written {
+            condition: c,
+            last_transition_time: None,
+        };
+        let out = condition(
+            conditions::TUNABLES_IN_BOUNDS,
+            Status::False,
+            reason::TUNABLES_OUT_OF_BOUNDS,
+            "somaxconn: 128, want >= 4096",
+        );
+        let reachable = condition(
+            conditions::REACHABLE,
+            Status::True,
+            reason::AGENT_REACHABLE,
+            "the nodekeeper agent answers",
+        );
+        let judged = || {
+            vec![
+                reachable.clone(),
+                condition(
+                    conditions::TUNABLES_IN_BOUNDS,
+                    Status::True,
+                    reason::TUNABLES_IN_BOUNDS,
+                    "no rules",
+                ),
+            ]
+        };
+        let mut desired = judged();
+        hold_tunables_condition(&mut desired, &[written(out.clone())]);
+        assert_eq!(desired, vec![reachable.clone(), out]);
+        // Not written yet: not written now either.
+        let mut desired = judged();
+        hold_tunables_condition(&mut desired, &[]);
+        assert_eq!(desired, vec![reachable]);
     }
 }
