@@ -49,6 +49,8 @@ pub struct Agent {
     sources: Sources,
     tunables: Mutex<Tunables>,
     cache: tokio::sync::Mutex<Cache>,
+    /// GPU reads, one at a time and bounded in how long a report waits for them.
+    gpu_reader: collect::gpu::Reader,
     network: NetworkManager,
     /// Filled by the node problem monitors (started by [`crate::run`]).
     problems: SharedState,
@@ -77,6 +79,7 @@ impl Agent {
             },
             tunables: Mutex::new(Tunables::load(config.sysctl_root(), &config.state_dir)),
             cache: tokio::sync::Mutex::new(Cache::default()),
+            gpu_reader: collect::gpu::Reader::default(),
             network: NetworkManager::new(config.imds_endpoint.clone(), &config.state_dir),
             problems: ProblemState::new_shared(),
         }
@@ -194,7 +197,7 @@ impl Agent {
             let name = mount.display().to_string();
             take(
                 &format!("disk:{name}"),
-                collect::disk::collect(&name, &under_root(&s.host_root, mount)),
+                collect::disk::collect_bounded(&name, &under_root(&s.host_root, mount)).await,
                 &mut errors,
             );
         }
@@ -233,7 +236,7 @@ impl Agent {
             .as_ref()
             .is_some_and(|(at, _)| at.elapsed() < s.gpu_interval);
         if !gpu_fresh {
-            cache.gpu = Some((Instant::now(), collect::gpu::collect(&s.gpu).await));
+            cache.gpu = Some((Instant::now(), self.gpu_reader.read(&s.gpu).await));
         }
         inputs.gpu = cache
             .gpu
@@ -242,6 +245,9 @@ impl Agent {
             .unwrap_or_default();
         if !inputs.gpu.error.is_empty() {
             errors.push(("gpu".into(), inputs.gpu.error.clone()));
+        }
+        if !inputs.gpu.xid_error.is_empty() {
+            errors.push(("gpu:xid".into(), inputs.gpu.xid_error.clone()));
         }
 
         let oca = collect::oca::collect_all(

@@ -58,6 +58,8 @@ pub mod reason {
     pub const GPUS_HEALTHY: &str = "GpusHealthy";
     pub const GPU_UNHEALTHY: &str = "GpuUnhealthy";
     pub const GPU_TOOL_FAILED: &str = "GpuToolFailed";
+    pub const GPU_WARNING: &str = "GpuWarning";
+    pub const GPU_NOT_EVALUATED: &str = "GpuNotEvaluated";
     pub const NETWORK_CONVERGED: &str = "NetworkConverged";
     pub const NETWORK_DRIFTED: &str = "NetworkDrifted";
     pub const NETWORK_APPLY_FAILED: &str = "NetworkApplyFailed";
@@ -372,10 +374,13 @@ fn tunables_condition(view: &NodeView) -> Condition {
             } else {
                 ""
             };
+            let repair = repair_failure(&t.error)
+                .map(|why| format!(", repair failed: {why}"))
+                .unwrap_or_default();
             // The current value is left out on purpose: it may drift with every read while
             // the verdict holds, and a message that changes is a write.
             format!(
-                "{} ({}, expected {}, {}{conflict})",
+                "{} ({}, expected {}, {}{conflict}{repair})",
                 t.rule,
                 t.key,
                 t.expected,
@@ -423,45 +428,139 @@ fn tunables_condition(view: &NodeView) -> Condition {
     )
 }
 
+/// Why the agent's repair of a tunable failed, in words that stay the same from read to read
+/// (no path, no value): the error kind of a failed write (`write /proc/sys/…: Permission denied
+/// (os error 13)` gives `permission denied`), or that the kernel kept its own value.
+fn repair_failure(error: &str) -> Option<String> {
+    if let Some(rest) = error.strip_prefix("write ") {
+        let why = rest.rsplit_once(": ").map_or(rest, |(_, why)| why);
+        let why = why.split(" (os error").next().unwrap_or(why).trim();
+        return Some(if why.is_empty() {
+            "write refused".to_owned()
+        } else {
+            why.to_lowercase()
+        });
+    }
+    error
+        .starts_with("the kernel kept ")
+        .then(|| "the kernel kept another value".to_owned())
+}
+
+/// `GpuHealthy`, read by NodeSets that replace nodes whose listed condition is `False`, so
+/// only what means "this node's GPUs are broken" makes it `False`: any Critical verdict (a
+/// GPU's, or the agent's over all GPUs, such as fewer GPUs than `--expected-gpus`). Anything
+/// not evaluated (a GPU field or the GPU tool could not be read) makes it `Unknown`; warnings
+/// alone (row remapping pending, thermal slowdown) keep it `True` and are named in the message.
+/// Messages name items and verdict words only, never values that drift between reads.
 fn gpu_condition(view: &NodeView) -> Option<Condition> {
     let gpu = &view.gpu;
-    if !gpu.error.is_empty() {
-        // The tool's error text is stable for a given failure (e.g. driver not loaded).
-        return Some(Condition::new(
-            GPU_HEALTHY,
-            Status::Unknown,
-            reason::GPU_TOOL_FAILED,
-            format!("{} failed: {}", gpu.source_or_tool(), gpu.error),
-        ));
-    }
-    if !gpu.present {
+    let overall = gpu_overall_item(gpu);
+    if !gpu.present && gpu.error.is_empty() && overall.is_none() {
         return None;
     }
-    let bad: Vec<String> = gpu
+    let mut items: Vec<(String, Verdict)> = gpu
         .gpus
         .iter()
-        .filter(|g| g.verdict != Verdict::Ok)
-        .map(|g| format!("GPU {} ({}) {}", g.index, g.uuid, g.verdict.word()))
+        .map(|g| {
+            let name = format!("GPU {} ({}) {}", g.index, g.uuid, g.verdict.word());
+            (name, g.verdict)
+        })
         .collect();
-    Some(if bad.is_empty() {
-        Condition::new(
+    if let Some((_, verdict)) = overall {
+        let text = if gpu.message.is_empty() {
+            format!("GPUs {}", verdict.word())
+        } else {
+            gpu.message.clone()
+        };
+        items.push((text, verdict));
+    }
+    if !gpu.error.is_empty() {
+        // The tool's error text is stable for a given failure (e.g. driver not loaded).
+        items.push((
+            format!("{} failed: {}", gpu.source_or_tool(), gpu.error),
+            Verdict::Unspecified,
+        ));
+    }
+    let count = |v: Verdict| gpu.gpus.iter().filter(|g| g.verdict == v).count();
+    let worst = items
+        .iter()
+        .map(|(_, v)| *v)
+        .max_by_key(|v| match v {
+            // Unknown outranks a warning here: a node is not called healthy while
+            // something is unread.
+            Verdict::Ok => 0,
+            Verdict::Warning => 1,
+            Verdict::Unspecified => 2,
+            Verdict::Critical => 3,
+        })
+        .unwrap_or(Verdict::Ok);
+    let named: Vec<String> = items
+        .iter()
+        .filter(|(_, v)| *v != Verdict::Ok)
+        .map(|(name, _)| name.clone())
+        .collect();
+    let total = gpu.gpus.len();
+    Some(match worst {
+        Verdict::Ok => Condition::new(
             GPU_HEALTHY,
             Status::True,
             reason::GPUS_HEALTHY,
-            format!("{} GPUs healthy", gpu.gpus.len()),
-        )
-    } else {
-        Condition::new(
+            format!("{total} GPUs healthy"),
+        ),
+        Verdict::Warning => Condition::new(
+            GPU_HEALTHY,
+            Status::True,
+            reason::GPU_WARNING,
+            format!(
+                "{} of {total} GPUs with warnings: {}",
+                count(Verdict::Warning),
+                list(&named)
+            ),
+        ),
+        Verdict::Unspecified => Condition::new(
+            GPU_HEALTHY,
+            Status::Unknown,
+            if gpu.error.is_empty() {
+                reason::GPU_NOT_EVALUATED
+            } else {
+                reason::GPU_TOOL_FAILED
+            },
+            format!(
+                "{} of {total} GPUs not evaluated: {}",
+                count(Verdict::Unspecified),
+                list(&named)
+            ),
+        ),
+        Verdict::Critical => Condition::new(
             GPU_HEALTHY,
             Status::False,
             reason::GPU_UNHEALTHY,
             format!(
-                "{} of {} GPUs unhealthy: {}",
-                bad.len(),
-                gpu.gpus.len(),
-                list(&bad)
+                "{} of {total} GPUs unhealthy: {}",
+                count(Verdict::Critical),
+                list(&named)
             ),
-        )
+        ),
+    })
+}
+
+/// The agent's verdict over all GPUs where it says more than the GPUs' own verdicts: it is a
+/// problem (fewer GPUs than expected) worse than every GPU's, or there is no GPU to judge.
+fn gpu_overall_item(gpu: &crate::view::GpuView) -> Option<(String, Verdict)> {
+    let worst_gpu = gpu
+        .gpus
+        .iter()
+        .map(|g| severity(g.verdict))
+        .max()
+        .unwrap_or(0);
+    let problem = matches!(gpu.verdict, Verdict::Warning | Verdict::Critical);
+    (problem && severity(gpu.verdict) > worst_gpu).then(|| {
+        let name = if gpu.message.is_empty() {
+            "GPUs".to_owned()
+        } else {
+            format!("GPUs ({})", gpu.message)
+        };
+        (name, gpu.verdict)
     })
 }
 
@@ -576,6 +675,7 @@ fn signal_items(view: &NodeView, signal: Signal) -> SignalItems {
                 .iter()
                 .map(|g| (format!("GPU {} ({})", g.index, g.uuid), g.verdict))
                 .collect();
+            items.extend(gpu_overall_item(gpu));
             if !gpu.error.is_empty() {
                 items.push((gpu.source_or_tool().to_owned(), Verdict::Unspecified));
             }
@@ -1087,6 +1187,43 @@ mod tests {
     }
 
     #[test]
+    fn a_failed_repair_is_named_without_paths_or_values() {
+        let mut t = tunable("somaxconn", Verdict::Warning);
+        t.error = "write /proc/sys/net/core/somaxconn: Permission denied (os error 13)".into();
+        let view = NodeView {
+            tunables: vec![t],
+            ..NodeView::default()
+        };
+        let a =
+            desired_conditions(Observation::Fresh(&view), &TuningConfig::default(), &[]).unwrap();
+        let c = find(&a, TUNABLES_IN_BOUNDS).unwrap();
+        assert_eq!(c.status, Status::False);
+        assert!(
+            c.message
+                .ends_with(", warning, repair failed: permission denied)"),
+            "{}",
+            c.message
+        );
+        assert!(!c.message.contains("/proc"), "{}", c.message);
+        // The kernel refusing the value is a failed repair too, said the same on every read.
+        let mut view = view;
+        view.tunables[0].error = "the kernel kept \"128\" after nodekeeper wrote \"4096\"".into();
+        let b =
+            desired_conditions(Observation::Fresh(&view), &TuningConfig::default(), &[]).unwrap();
+        let c = find(&b, TUNABLES_IN_BOUNDS).unwrap();
+        assert!(
+            c.message
+                .contains("repair failed: the kernel kept another value"),
+            "{}",
+            c.message
+        );
+        view.tunables[0].error = "the kernel kept \"129\" after nodekeeper wrote \"4096\"".into();
+        let d =
+            desired_conditions(Observation::Fresh(&view), &TuningConfig::default(), &[]).unwrap();
+        assert!(!changed(&written(&b), &d));
+    }
+
+    #[test]
     fn unevaluated_tunables_are_unknown_not_healthy() {
         let view = NodeView {
             tunables: vec![
@@ -1146,6 +1283,139 @@ mod tests {
         off.problems.signals.clear();
         let c = desired_conditions(Observation::Fresh(&view), &off, &[]).unwrap();
         assert!(!types(&c).contains(&GPU_HEALTHY));
+    }
+
+    fn gpu_info(index: u32, verdict: Verdict) -> GpuInfo {
+        GpuInfo {
+            index,
+            uuid: format!("GPU-{index}"),
+            model: "H100".into(),
+            memory_total_mib: 0,
+            memory_used_mib: 0,
+            temperature_c: 40.0,
+            utilization_percent: 0.0,
+            ecc_uncorrected: 0,
+            xid_events: 0,
+            verdict,
+            message: String::new(),
+        }
+    }
+
+    fn gpu_healthy(view: &NodeView) -> Option<Condition> {
+        desired_conditions(Observation::Fresh(view), &TuningConfig::default(), &[])
+            .unwrap()
+            .into_iter()
+            .find(|c| c.type_ == GPU_HEALTHY)
+    }
+
+    #[test]
+    fn missing_gpus_reach_the_node_from_the_overall_verdict() {
+        let mut view = NodeView::default();
+        view.gpu.present = true;
+        view.gpu.source = "nvml".into();
+        view.gpu.expected = Some(8);
+        view.gpu.gpus = (0..7).map(|i| gpu_info(i, Verdict::Ok)).collect();
+        view.gpu.verdict = Verdict::Critical;
+        view.gpu.message = "expected 8 GPUs, found 7".into();
+        let c = gpu_healthy(&view).unwrap();
+        assert_eq!(
+            (c.status, c.reason.as_str(), c.message.as_str()),
+            (
+                Status::False,
+                reason::GPU_UNHEALTHY,
+                "0 of 7 GPUs unhealthy: expected 8 GPUs, found 7"
+            )
+        );
+        // The GPU signal (GpuUnhealthy by default) says the same.
+        let all =
+            desired_conditions(Observation::Fresh(&view), &TuningConfig::default(), &[]).unwrap();
+        let signal = find(&all, "GpuUnhealthy").unwrap();
+        assert_eq!(signal.status, Status::True, "{signal:?}");
+        assert!(
+            signal.message.contains("expected 8 GPUs, found 7"),
+            "{signal:?}"
+        );
+
+        // No GPU found at all (neither NVML nor nvidia-smi answered): still a problem.
+        view.gpu = crate::view::GpuView {
+            expected: Some(1),
+            verdict: Verdict::Critical,
+            message: "expected 1 GPUs, found 0 (neither NVML nor nvidia-smi is on this node)"
+                .into(),
+            ..Default::default()
+        };
+        let c = gpu_healthy(&view).unwrap();
+        assert_eq!(c.status, Status::False, "{c:?}");
+        assert!(c.message.contains("expected 1 GPUs, found 0"), "{c:?}");
+
+        // The overall verdict that only repeats a GPU's adds nothing to the message.
+        view.gpu = crate::view::GpuView {
+            present: true,
+            gpus: vec![gpu_info(0, Verdict::Critical)],
+            verdict: Verdict::Critical,
+            ..Default::default()
+        };
+        let c = gpu_healthy(&view).unwrap();
+        assert_eq!(c.message, "1 of 1 GPUs unhealthy: GPU 0 (GPU-0) critical");
+    }
+
+    #[test]
+    fn gpu_healthy_is_false_only_for_critical() {
+        let mut view = NodeView::default();
+        view.gpu.present = true;
+        view.gpu.source = "nvml".into();
+        let with = |view: &mut NodeView, verdicts: &[Verdict]| {
+            view.gpu.gpus = verdicts
+                .iter()
+                .zip(0..)
+                .map(|(v, i)| gpu_info(i, *v))
+                .collect();
+            view.gpu.verdict = *verdicts.iter().max_by_key(|v| severity(**v)).unwrap();
+            gpu_healthy(view).unwrap()
+        };
+        let c = with(&mut view, &[Verdict::Ok, Verdict::Ok]);
+        assert_eq!(
+            (c.status, c.reason.as_str()),
+            (Status::True, reason::GPUS_HEALTHY)
+        );
+        // A warning (row remapping pending, thermal slowdown) is no reason to replace the node.
+        let c = with(&mut view, &[Verdict::Ok, Verdict::Warning]);
+        assert_eq!(
+            (c.status, c.reason.as_str(), c.message.as_str()),
+            (
+                Status::True,
+                reason::GPU_WARNING,
+                "1 of 2 GPUs with warnings: GPU 1 (GPU-1) warning"
+            )
+        );
+        // Unread is unknown, neither healthy nor broken.
+        let c = with(&mut view, &[Verdict::Unspecified, Verdict::Ok]);
+        assert_eq!(
+            (c.status, c.reason.as_str(), c.message.as_str()),
+            (
+                Status::Unknown,
+                reason::GPU_NOT_EVALUATED,
+                "1 of 2 GPUs not evaluated: GPU 0 (GPU-0) not evaluated"
+            )
+        );
+        let c = with(&mut view, &[Verdict::Unspecified, Verdict::Warning]);
+        assert_eq!(c.status, Status::Unknown, "{c:?}");
+        // Critical wins over everything, a failed tool included.
+        view.gpu.error = "XID events: boom".into();
+        let c = with(&mut view, &[Verdict::Unspecified, Verdict::Critical]);
+        assert_eq!(
+            (c.status, c.reason.as_str()),
+            (Status::False, reason::GPU_UNHEALTHY)
+        );
+        let c = with(&mut view, &[Verdict::Ok]);
+        assert_eq!(
+            (c.status, c.reason.as_str(), c.message.as_str()),
+            (
+                Status::Unknown,
+                reason::GPU_TOOL_FAILED,
+                "0 of 1 GPUs not evaluated: nvml failed: XID events: boom"
+            )
+        );
     }
 
     #[test]

@@ -6,10 +6,11 @@ use nodekeeper_proto::agent::v1 as pb;
 use serde::Serialize;
 
 /// How an indicator, tunable, GPU or plugin compares with the rules.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Verdict {
     /// Not evaluated; never treated as healthy.
+    #[default]
     Unspecified,
     Ok,
     Warning,
@@ -97,6 +98,14 @@ pub struct GpuView {
     #[serde(skip_serializing_if = "String::is_empty")]
     pub error: String,
     pub gpus: Vec<GpuInfo>,
+    /// `--expected-gpus` on the agent.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub expected: Option<u32>,
+    /// The agent's verdict over all GPUs: the worst GPU's, or Critical when fewer GPUs than
+    /// expected were found (which no single GPU's verdict can say).
+    pub verdict: Verdict,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub message: String,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -330,6 +339,9 @@ impl NodeView {
                         message: g.message,
                     })
                     .collect(),
+                expected: gpu.expected_count,
+                verdict: Verdict::from_i32(gpu.verdict),
+                message: gpu.message,
             },
             plugins: r
                 .plugins
@@ -527,8 +539,9 @@ impl NodeView {
                         ..Default::default()
                     })
                     .collect(),
-                // Not kept in the view (the gpu verdict and message are the GPUs' own).
-                ..Default::default()
+                expected_count: v.gpu.expected,
+                verdict: v.gpu.verdict.to_i32(),
+                message: v.gpu.message.clone(),
             }),
             plugins: v
                 .plugins
@@ -753,7 +766,9 @@ mod tests {
                     message: "fine".into(),
                     ..Default::default()
                 }],
-                ..Default::default()
+                expected_count: Some(8),
+                verdict: pb::Verdict::Critical as i32,
+                message: "expected 8 GPUs, found 1".into(),
             }),
             plugins: vec![pb::PluginState {
                 name: "Compute Instance Monitoring".into(),
@@ -814,6 +829,15 @@ mod tests {
     #[test]
     fn a_stored_report_gives_back_the_view_it_stored_in_fewer_bytes() {
         let view = NodeView::from_proto(12, full_report());
+        // The verdict over all GPUs is kept: it alone says that GPUs are missing.
+        assert_eq!(
+            (
+                view.gpu.verdict,
+                view.gpu.expected,
+                view.gpu.message.as_str()
+            ),
+            (Verdict::Critical, Some(8), "expected 8 GPUs, found 1")
+        );
         let stored = StoredReport::of(&view);
         assert_eq!(stored.view(), view);
         assert_eq!((stored.revision, stored.rules_revision), (12, 9));

@@ -1,6 +1,7 @@
 //! Disk space and inode use of the configured host mounts, through statvfs(2).
 
 use std::path::Path;
+use std::time::Duration;
 
 use nix::sys::statvfs::statvfs;
 
@@ -39,6 +40,23 @@ pub fn measurements(mount: &str, usage: FsUsage) -> Vec<Measurement> {
         ));
     }
     out
+}
+
+/// Longest wait for one mount's statvfs: a stale NFS (or hung FUSE) mount blocks it in the
+/// kernel, and the report call (10 s by default) must still answer.
+const STATVFS_WAIT: Duration = Duration::from_secs(2);
+
+/// [`collect`] off the runtime thread, bounded by [`STATVFS_WAIT`]; a mount whose statvfs is
+/// still blocked is reported as timed out without another try until it returns.
+pub async fn collect_bounded(mount: &str, path: &Path) -> Result<Vec<Measurement>, CollectError> {
+    let (m, p) = (mount.to_owned(), path.to_path_buf());
+    super::bounded(
+        &format!("statvfs:{}", path.display()),
+        &format!("statvfs {}", path.display()),
+        STATVFS_WAIT,
+        move || collect(&m, &p),
+    )
+    .await
 }
 
 /// Measures one mount; `path` is where the agent sees it, `mount` the host path it reports.
@@ -101,5 +119,14 @@ mod tests {
         let m = collect("/tmp", dir.path()).unwrap();
         assert!(m[0].value >= 0.0 && m[0].value <= 100.0);
         assert!(collect("/nope", Path::new("/nonexistent/nodekeeper")).is_err());
+    }
+
+    #[tokio::test]
+    async fn measures_off_the_runtime_thread() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = collect_bounded("/tmp", dir.path()).await.unwrap();
+        assert!(m[0].value >= 0.0 && m[0].value <= 100.0);
+        let e = collect_bounded("/nope", Path::new("/nonexistent/nodekeeper")).await;
+        assert!(matches!(e, Err(CollectError::Statvfs { .. })), "{e:?}");
     }
 }

@@ -28,12 +28,11 @@ pub const HARDWARE_XIDS: &[u64] = &[48, 61, 62, 63, 64, 74, 79, 92, 94, 95, 119,
 /// XIDs older than this no longer set the verdict (their count stays in the report).
 pub const XID_WINDOW: Duration = Duration::from_secs(3600);
 /// Clock-event reasons that mean the GPU is being held down by a fault, not by policy or idling.
-const BAD_THROTTLE: &[&str] = &[
-    "hw_slowdown",
-    "hw_thermal_slowdown",
-    "hw_power_brake_slowdown",
-    "sw_thermal_slowdown",
-];
+/// `hw_slowdown` alone is not one: nvml.h says it "may also be reported during PState or clock
+/// change", so it comes and goes on a healthy GPU; with a fault behind it, the thermal or
+/// power-brake reason is set beside it. A hot GPU (`sw_thermal_slowdown`) is judged by the
+/// temperature threshold instead.
+const BAD_THROTTLE: &[&str] = &["hw_thermal_slowdown", "hw_power_brake_slowdown"];
 
 /// Where the GPU facts come from.
 #[derive(Clone, Debug)]
@@ -78,6 +77,10 @@ pub struct Gpu {
     pub last_xid: u64,
     /// When the latest XID arrived.
     pub last_xid_at: Option<SystemTime>,
+    /// The latest hardware XID ([`HARDWARE_XIDS`]) and when it arrived: a later application
+    /// XID must not hide it.
+    pub last_hardware_xid: u64,
+    pub last_hardware_xid_at: Option<SystemTime>,
     pub retired_pages_sbe: Option<u64>,
     pub retired_pages_dbe: Option<u64>,
     pub retired_pages_pending: Option<bool>,
@@ -115,6 +118,10 @@ pub struct GpuReading {
     pub gpus: Vec<Gpu>,
     /// `--expected-gpus`.
     pub expected: Option<u32>,
+    /// Why XID events are not watched (no event API, not supported): a note beside the
+    /// reading (the agent lists it among collector errors), never a failure of the GPUs' own
+    /// verdicts. A GPU whose registration failed has `xid_events` among its unknown fields.
+    pub xid_error: String,
 }
 
 /// Finds the program: a path is used as given, a bare name is looked up on PATH.
@@ -129,21 +136,31 @@ pub(crate) fn locate(program: &Path) -> Option<PathBuf> {
     })
 }
 
+/// What NVML could not answer for one GPU.
+#[derive(Default)]
+struct Unanswered {
+    fields: Vec<String>,
+    /// Some field answered `NVML_ERROR_GPU_IS_LOST`: a GPU can fall off the bus after its
+    /// handle was had, and then every later call says so.
+    lost: bool,
+}
+
 /// Records `name` as unreadable and returns the value, if any.
-fn take<T>(unknown: &mut Vec<String>, name: &str, answer: Answer<T>) -> Option<T> {
+fn take<T>(unknown: &mut Unanswered, name: &str, answer: Answer<T>) -> Option<T> {
     match answer {
         Answer::Value(v) => Some(v),
         Answer::NotSupported => None,
-        Answer::Failed(_) => {
-            unknown.push(name.to_owned());
+        Answer::Failed(code) => {
+            unknown.fields.push(name.to_owned());
+            unknown.lost |= code == nvml::ERROR_GPU_IS_LOST;
             None
         }
     }
 }
 
-/// Turns NVML's answers into a [`Gpu`]. `xid` is (count, last code, when) for this GPU.
-pub fn from_nvml(n: NvmlGpu, xid: Option<(u64, u64, SystemTime)>) -> Gpu {
-    let mut u = Vec::new();
+/// Turns NVML's answers into a [`Gpu`]. `xid` is this GPU's XID events.
+pub fn from_nvml(n: NvmlGpu, xid: Option<nvml::XidTally>) -> Gpu {
+    let mut u = Unanswered::default();
     let (memory_total_mib, memory_used_mib) = take(&mut u, "memory", n.memory).unwrap_or_default();
     let remapped = take(&mut u, "remapped_rows", n.remapped);
     let throttle = take(&mut u, "clocks_event_reasons", n.throttle);
@@ -182,13 +199,15 @@ pub fn from_nvml(n: NvmlGpu, xid: Option<(u64, u64, SystemTime)>) -> Gpu {
             .map(|mw| f64::from(mw) / 1000.0),
         ..Gpu::default()
     };
-    if let Some((count, last, at)) = xid
-        && count > 0
+    if let Some(x) = xid
+        && x.count > 0
     {
-        (g.xid_events, g.last_xid, g.last_xid_at) = (count, last, Some(at));
+        (g.xid_events, g.last_xid, g.last_xid_at) = (x.count, x.last, x.last_at);
+        (g.last_hardware_xid, g.last_hardware_xid_at) = (x.last_hardware, x.last_hardware_at);
     }
-    u.dedup();
-    g.unknown_fields = u;
+    u.fields.dedup();
+    g.unknown_fields = u.fields;
+    g.lost = u.lost;
     g
 }
 
@@ -234,19 +253,21 @@ pub fn from_xml(index: u32, gpu: &Element) -> Gpu {
         unknown: Vec::new(),
     };
     let ecc_enabled = nvsmi::flag(gpu.text_at(&["ecc_mode", "current_ecc"])) == Field::Value(true);
-    // DTD v12+ splits volatile uncorrectable errors by memory; older ones give a double-bit total.
-    let ecc_uncorrected = if gpu
-        .text_at(&["ecc_errors", "volatile", "dram_uncorrectable"])
-        .is_some()
-    {
-        [
-            "sram_uncorrectable_parity",
-            "sram_uncorrectable_secded",
-            "dram_uncorrectable",
-        ]
-        .iter()
-        .filter_map(|f| x.number::<u64>(&["ecc_errors", "volatile", f], ecc_enabled))
-        .sum()
+    // DTD v12 on splits volatile uncorrectable errors into SRAM and DRAM; v13 (drivers from
+    // R560, Ampere on) splits SRAM further into parity and SEC-DED, while v12 and pre-Ampere
+    // GPUs keep one `sram_uncorrectable`. Older DTDs give a double-bit total.
+    let volatile = |f: &str| gpu.text_at(&["ecc_errors", "volatile", f]).is_some();
+    let ecc_uncorrected = if volatile("dram_uncorrectable") {
+        let sram: &[&str] =
+            if volatile("sram_uncorrectable_parity") || volatile("sram_uncorrectable_secded") {
+                &["sram_uncorrectable_parity", "sram_uncorrectable_secded"]
+            } else {
+                &["sram_uncorrectable"]
+            };
+        sram.iter()
+            .chain(&["dram_uncorrectable"])
+            .filter_map(|f| x.number::<u64>(&["ecc_errors", "volatile", f], ecc_enabled))
+            .sum()
     } else {
         x.number::<u64>(
             &["ecc_errors", "volatile", "double_bit", "total"],
@@ -413,8 +434,10 @@ pub fn health(g: &Gpu, now: SystemTime) -> (Verdict, Vec<String>) {
     {
         raise(Verdict::Critical, format!("{down} of {total} NVLinks down"));
     }
+    // An idle GPU may train its link down to save power; only a narrow link under load is one.
     if let (Some(now_w), Some(max_w)) = (g.pcie_link_width, g.pcie_link_width_max)
         && now_w < max_w
+        && g.utilization_percent > 0.0
     {
         raise(Verdict::Warning, format!("PCIe link x{now_w} of x{max_w}"));
     }
@@ -440,9 +463,19 @@ pub fn health(g: &Gpu, now: SystemTime) -> (Verdict, Vec<String>) {
             format!("clocks held down: {}", held.join(", ")),
         );
     }
-    if let Some(at) = g.last_xid_at
-        && g.xid_events > 0
-        && now.duration_since(at).unwrap_or_default() < XID_WINDOW
+    let recent = |at: Option<SystemTime>| {
+        at.is_some_and(|at| now.duration_since(at).unwrap_or_default() < XID_WINDOW)
+    };
+    // The latest hardware XID counts on its own: an application's XID after it (13, 31, 43
+    // follow a GPU fault often) must not turn a broken GPU into a warning.
+    let hardware = g.xid_events > 0 && recent(g.last_hardware_xid_at);
+    if hardware {
+        raise(
+            Verdict::Critical,
+            format!("XID {} within the last hour", g.last_hardware_xid),
+        );
+    }
+    if g.xid_events > 0 && recent(g.last_xid_at) && !(hardware && g.last_xid == g.last_hardware_xid)
     {
         let v = if HARDWARE_XIDS.contains(&g.last_xid) {
             Verdict::Critical
@@ -494,9 +527,8 @@ pub fn judge_reading(r: &GpuReading, per_gpu: &[Verdict]) -> (Verdict, String) {
 /// Reads through NVML; `None` when NVML is not available (then nvidia-smi is tried).
 fn collect_nvml(config: &GpuConfig) -> Option<GpuReading> {
     let library = config.nvml_library.as_deref()?;
-    let loaded = nvml::loaded(library);
-    let nvml = match &loaded.nvml {
-        Ok(n) => *n,
+    let loaded = match nvml::loaded(library) {
+        Ok(loaded) => loaded,
         Err(nvml::Unavailable::NoLibrary(_)) => return None,
         // The library is there but found no driver or device: nvidia-smi would say the same,
         // so say it once, with NVML's words, when GPUs are expected.
@@ -518,12 +550,13 @@ fn collect_nvml(config: &GpuConfig) -> Option<GpuReading> {
         expected: config.expected,
         ..GpuReading::default()
     };
-    let xids = loaded.xid.as_ref().map(|w| {
-        w.counts
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone()
-    });
+    let nvml = loaded.nvml;
+    let xids = loaded
+        .xid
+        .counts
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .clone();
     match nvml::read_all(nvml) {
         Err(e) => reading.error = e,
         Ok(gpus) => {
@@ -534,7 +567,7 @@ fn collect_nvml(config: &GpuConfig) -> Option<GpuReading> {
                             Answer::Value(u) => u.clone(),
                             _ => String::new(),
                         };
-                        let xid = xids.as_ref().and_then(|x| x.get(&uuid)).copied();
+                        let xid = xids.get(&uuid).copied();
                         reading.gpus.push(from_nvml(n, xid));
                     }
                     Err((index, why)) => reading.gpus.push(Gpu {
@@ -547,12 +580,21 @@ fn collect_nvml(config: &GpuConfig) -> Option<GpuReading> {
             }
         }
     }
-    if let Some(e) = loaded.xid.as_ref().and_then(|w| w.error.as_ref())
-        && reading.error.is_empty()
-    {
-        reading.error = format!("XID events: {e}");
-    }
+    note_xid_watch(&mut reading, &loaded.xid);
     Some(reading)
+}
+
+/// Adds what the XID watcher could not do to the reading without failing it: a GPU whose
+/// registration failed has its XID count unknown; anything else is a note.
+fn note_xid_watch(reading: &mut GpuReading, watcher: &nvml::XidWatcher) {
+    for g in &mut reading.gpus {
+        if watcher.unregistered.contains_key(&g.uuid) {
+            g.unknown_fields.push("xid_events".into());
+        }
+    }
+    if let Some(e) = &watcher.error {
+        reading.xid_error = format!("XID events: {e}");
+    }
 }
 
 /// Runs `nvidia-smi -q -x`. Failures land in `error`.
@@ -569,6 +611,7 @@ async fn collect_nvidia_smi(config: &GpuConfig) -> GpuReading {
         error,
         gpus,
         expected: config.expected,
+        xid_error: String::new(),
     };
     let child = tokio::process::Command::new(&path)
         .args(["-q", "-x"])
@@ -674,6 +717,114 @@ pub async fn collect(config: &GpuConfig) -> GpuReading {
     reading
 }
 
+/// How long a report waits for a GPU read it started or found running. Below the
+/// controller's default call timeout (10 s), with the other collectors' time to spare.
+const READ_WAIT: Duration = Duration::from_secs(5);
+/// How long a GPU read may run before the reading says it failed. NVML calls cannot be
+/// interrupted, so a wedged driver holds its read for good; `nvidia-smi` is killed after its
+/// own [`TIMEOUT`], well within this.
+const READ_LIMIT: Duration = Duration::from_secs(30);
+
+/// One GPU read in flight, and the last one that finished.
+#[derive(Default)]
+struct ReaderState {
+    in_flight: Option<(std::time::Instant, tokio::sync::watch::Receiver<bool>)>,
+    last: Option<GpuReading>,
+}
+
+/// Runs [`collect`] as a task of its own, at most one at a time, so that neither a wedged
+/// driver nor a report call that gives up (its future dropped at the caller's deadline) leaves
+/// the agent without an answer: the read goes on to its end, and its reading is the next
+/// call's. A caller waits for the read at most until [`READ_WAIT`] after it started; past that
+/// it gets the last finished reading, and once the read has run [`READ_LIMIT`], that
+/// reading's GPUs with an error saying the read did not finish.
+pub struct Reader {
+    state: std::sync::Arc<std::sync::Mutex<ReaderState>>,
+    wait: Duration,
+    limit: Duration,
+}
+
+impl Default for Reader {
+    fn default() -> Self {
+        Reader::with_limits(READ_WAIT, READ_LIMIT)
+    }
+}
+
+impl Reader {
+    fn with_limits(wait: Duration, limit: Duration) -> Self {
+        Reader {
+            state: std::sync::Arc::default(),
+            wait,
+            limit,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, ReaderState> {
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// A reading of the GPUs; see [`Reader`] for how long it waits.
+    pub async fn read(&self, config: &GpuConfig) -> GpuReading {
+        let (started, mut done) = {
+            let mut state = self.lock();
+            match &state.in_flight {
+                Some((started, done)) => (*started, done.clone()),
+                None => {
+                    let (tx, rx) = tokio::sync::watch::channel(false);
+                    let started = std::time::Instant::now();
+                    state.in_flight = Some((started, rx.clone()));
+                    let (shared, config) = (self.state.clone(), config.clone());
+                    tokio::spawn(async move {
+                        let reading = collect(&config).await;
+                        let mut state = shared
+                            .lock()
+                            .unwrap_or_else(std::sync::PoisonError::into_inner);
+                        state.last = Some(reading);
+                        state.in_flight = None;
+                        drop(state);
+                        let _ = tx.send(true);
+                    });
+                    (started, rx)
+                }
+            }
+        };
+        let deadline = tokio::time::Instant::from_std(started + self.wait);
+        let finished = tokio::time::timeout_at(deadline, done.wait_for(|d| *d)).await;
+        let mut state = self.lock();
+        if matches!(finished, Ok(Err(_))) {
+            // The task ended without a reading (the runtime is shutting down): start afresh.
+            state.in_flight = None;
+        }
+        match (&state.in_flight, &state.last) {
+            (None, Some(last)) => last.clone(),
+            (Some((started, _)), Some(last)) if started.elapsed() < self.limit => last.clone(),
+            (_, last) => {
+                let mut r = last.clone().unwrap_or_else(|| GpuReading {
+                    source: if config.nvml_library.is_some() {
+                        "nvml".into()
+                    } else {
+                        "nvidia-smi".into()
+                    },
+                    expected: config.expected,
+                    ..GpuReading::default()
+                });
+                let after = if last.is_some() {
+                    self.limit
+                } else {
+                    self.wait
+                };
+                r.error = format!(
+                    "the GPU read did not finish within {after:?} (a driver not answering?); \
+                     a new read starts when it does"
+                );
+                r
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -727,6 +878,25 @@ mod tests {
         assert_eq!(g.nvlinks, None);
         assert!(g.unknown_fields.is_empty(), "{:?}", g.unknown_fields);
         assert_eq!(health(g, SystemTime::now()), (Verdict::Ok, vec![]));
+    }
+
+    #[test]
+    fn reads_the_combined_sram_count_of_dtd_v12() {
+        // DTD v12 (drivers before R560) and pre-Ampere GPUs: one SRAM uncorrectable count.
+        let split = "<sram_uncorrectable_parity>0</sram_uncorrectable_parity>\n\t\t\t\t\
+                     <sram_uncorrectable_secded>0</sram_uncorrectable_secded>";
+        assert_eq!(H100_XML.matches(split).count(), 2, "the fixture changed");
+        let v12 = H100_XML
+            .replacen(split, "<sram_uncorrectable>2</sram_uncorrectable>", 1)
+            .replace(split, "<sram_uncorrectable>0</sram_uncorrectable>")
+            .replacen(
+                "<dram_uncorrectable>0</dram_uncorrectable>",
+                "<dram_uncorrectable>1</dram_uncorrectable>",
+                1,
+            );
+        let g = &parse_xml(&v12).unwrap()[0];
+        assert!(g.unknown_fields.is_empty(), "{:?}", g.unknown_fields);
+        assert_eq!(g.ecc_uncorrected, 3);
     }
 
     #[test]
@@ -794,6 +964,7 @@ mod tests {
             (
                 Gpu {
                     pcie_link_width: Some(8),
+                    utilization_percent: 35.0,
                     ..ok.clone()
                 },
                 Verdict::Warning,
@@ -859,6 +1030,93 @@ mod tests {
             ..ok
         };
         assert_eq!(health(&fine, now).0, Verdict::Ok);
+    }
+
+    #[test]
+    fn momentary_states_of_a_healthy_gpu_are_no_warning() {
+        let now = SystemTime::now();
+        let ok = parse_xml(H100_XML).unwrap().remove(0);
+        // nvml.h: hw_slowdown "may also be reported during PState or clock change".
+        let clock_change = Gpu {
+            throttle_reasons: vec!["hw_slowdown".into()],
+            ..ok.clone()
+        };
+        assert_eq!(health(&clock_change, now), (Verdict::Ok, vec![]));
+        let braked = Gpu {
+            throttle_reasons: vec!["hw_slowdown".into(), "hw_power_brake_slowdown".into()],
+            ..ok.clone()
+        };
+        let (v, why) = health(&braked, now);
+        assert_eq!(v, Verdict::Warning);
+        assert_eq!(why, ["clocks held down: hw_power_brake_slowdown"]);
+        // An idle GPU's link trained down to save power.
+        let idle_narrow = Gpu {
+            pcie_link_width: Some(2),
+            utilization_percent: 0.0,
+            ..ok.clone()
+        };
+        assert_eq!(health(&idle_narrow, now), (Verdict::Ok, vec![]));
+        let busy_narrow = Gpu {
+            utilization_percent: 1.0,
+            ..idle_narrow
+        };
+        assert_eq!(health(&busy_narrow, now).0, Verdict::Warning);
+    }
+
+    #[test]
+    fn an_application_xid_does_not_hide_a_hardware_xid() {
+        let now = SystemTime::now();
+        let mut xid = nvml::XidTally::default();
+        xid.record(79, now - Duration::from_secs(60));
+        xid.record(13, now);
+        let n = NvmlGpu {
+            uuid: Answer::Value("GPU-x".into()),
+            ..NvmlGpu::default()
+        };
+        let g = from_nvml(n, Some(xid));
+        assert_eq!((g.xid_events, g.last_xid), (2, 13));
+        let (v, why) = health(&g, now);
+        assert_eq!(v, Verdict::Critical, "{why:?}");
+        assert!(why.iter().any(|w| w.contains("XID 79")), "{why:?}");
+        assert!(why.iter().any(|w| w.contains("XID 13")), "{why:?}");
+        // Once the hardware XID is older than the window, the application's is a warning.
+        let (v, why) = health(&g, now + XID_WINDOW - Duration::from_secs(30));
+        assert_eq!(v, Verdict::Warning, "{why:?}");
+        assert!(!why.iter().any(|w| w.contains("XID 79")), "{why:?}");
+    }
+
+    #[test]
+    fn an_xid_watch_problem_leaves_the_gpus_judged() {
+        let ok = parse_xml(H100_XML).unwrap().remove(0);
+        let broken = Gpu {
+            index: 1,
+            uuid: "GPU-broken".into(),
+            remapped_rows_failure: Some(true),
+            ..ok.clone()
+        };
+        let mut reading = GpuReading {
+            present: true,
+            source: "nvml".into(),
+            gpus: vec![ok.clone(), broken],
+            ..GpuReading::default()
+        };
+        let watcher = nvml::XidWatcher {
+            error: Some("XID events not supported on GPU 2".into()),
+            unregistered: [("GPU-broken".to_owned(), "Unknown Error".to_owned())].into(),
+            ..nvml::XidWatcher::default()
+        };
+        note_xid_watch(&mut reading, &watcher);
+        assert_eq!(reading.error, "", "{reading:?}");
+        assert_eq!(
+            reading.xid_error,
+            "XID events: XID events not supported on GPU 2"
+        );
+        assert!(reading.gpus[0].unknown_fields.is_empty());
+        assert_eq!(reading.gpus[1].unknown_fields, ["xid_events"]);
+        let now = SystemTime::now();
+        let verdicts: Vec<Verdict> = reading.gpus.iter().map(|g| health(g, now).0).collect();
+        assert_eq!(verdicts, [Verdict::Ok, Verdict::Critical]);
+        assert_eq!(judge_reading(&reading, &verdicts).0, Verdict::Critical);
     }
 
     #[test]
@@ -928,13 +1186,38 @@ mod tests {
             remapped: Answer::Value((1, 0, true, false)),
             ..NvmlGpu::default()
         };
-        let g = from_nvml(n, Some((2, 48, SystemTime::now())));
+        let mut xid = nvml::XidTally::default();
+        xid.record(48, SystemTime::now());
+        xid.record(48, SystemTime::now());
+        let g = from_nvml(n, Some(xid));
         assert_eq!(g.unknown_fields, ["temperature"]);
         assert_eq!(g.throttle_reasons, ["gpu_idle", "hw_thermal_slowdown"]);
         assert_eq!(g.power_draw_w, Some(78.45));
         assert_eq!(g.remapped_rows_pending, Some(true));
         assert_eq!((g.xid_events, g.last_xid), (2, 48));
         assert_eq!(health(&g, SystemTime::now()).0, Verdict::Critical);
+    }
+
+    #[test]
+    fn a_gpu_lost_after_its_handle_is_lost() {
+        let n = NvmlGpu {
+            uuid: Answer::Value("GPU-x".into()),
+            memory: Answer::Value((81559, 0)),
+            temperature_c: Answer::Failed(nvml::ERROR_GPU_IS_LOST),
+            power_mw: Answer::Failed(nvml::ERROR_GPU_IS_LOST),
+            ..NvmlGpu::default()
+        };
+        let g = from_nvml(n, None);
+        assert!(g.lost, "{g:?}");
+        let (v, why) = health(&g, SystemTime::now());
+        assert_eq!(v, Verdict::Critical);
+        assert!(why[0].contains("fell off the bus"), "{why:?}");
+        // Any other error is unknown, not lost.
+        let n = NvmlGpu {
+            temperature_c: Answer::Failed(999),
+            ..NvmlGpu::default()
+        };
+        assert!(!from_nvml(n, None).lost);
     }
 
     fn script(dir: &Path, body: &str) -> PathBuf {
@@ -968,6 +1251,60 @@ mod tests {
             !r.present && r.error.is_empty() && r.source.is_empty(),
             "{r:?}"
         );
+    }
+
+    #[tokio::test]
+    async fn a_slow_gpu_read_is_waited_for_within_bounds_and_never_doubled() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("answer.xml"), H100_XML).unwrap();
+        let runs = dir.path().join("runs");
+        let gate = dir.path().join("gate");
+        // Hangs until the test creates the gate file (bounded, so no process outlives the
+        // test), counting how often it was started.
+        let path = script(
+            dir.path(),
+            &format!(
+                "echo run >> {runs}\ni=0\nwhile [ ! -e {gate} ] && [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done\ncat {answer}",
+                runs = runs.display(),
+                gate = gate.display(),
+                answer = dir.path().join("answer.xml").display(),
+            ),
+        );
+        let config = without_nvml(&path);
+        let started = || {
+            std::fs::read_to_string(&runs)
+                .unwrap_or_default()
+                .lines()
+                .count()
+        };
+        let reader = Reader::with_limits(Duration::from_millis(300), Duration::from_secs(1));
+        let t = std::time::Instant::now();
+        let r = reader.read(&config).await;
+        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+        assert!(r.error.contains("did not finish within 300ms"), "{r:?}");
+        assert!(!r.present);
+        // The read is still running: a second call neither waits nor starts another.
+        let t = std::time::Instant::now();
+        let r = reader.read(&config).await;
+        assert!(
+            t.elapsed() < Duration::from_millis(300),
+            "{:?}",
+            t.elapsed()
+        );
+        assert!(r.error.contains("did not finish"), "{r:?}");
+        assert_eq!(started(), 1);
+        // It finishes: its reading is the next call's.
+        std::fs::write(&gate, "").unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let r = loop {
+            let r = reader.read(&config).await;
+            if r.present || std::time::Instant::now() > deadline {
+                break r;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        assert!(r.present && r.error.is_empty(), "{r:?}");
+        assert_eq!(r.gpus[0].model, "NVIDIA H100 80GB HBM3");
     }
 
     #[tokio::test]

@@ -17,7 +17,7 @@
 use std::collections::BTreeMap;
 use std::ffi::{CStr, c_char, c_int, c_uint, c_ulonglong, c_void};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 /// `nvmlReturn_t` values used here.
 pub const SUCCESS: c_int = 0;
@@ -107,17 +107,18 @@ impl Nvml {
         }
         let nvml = Nvml { handle };
         let init: Option<unsafe extern "C" fn() -> c_int> = nvml.symbol("nvmlInit_v2");
-        let Some(init) = init else {
-            return Err(Unavailable::InitFailed(
-                "no nvmlInit_v2 in the library".into(),
-            ));
+        let failed = match init {
+            None => "no nvmlInit_v2 in the library".to_owned(),
+            // SAFETY: nvmlInit_v2 takes no arguments.
+            Some(init) => match unsafe { init() } {
+                SUCCESS => return Ok(nvml),
+                code => nvml.error_string(code),
+            },
         };
-        // SAFETY: nvmlInit_v2 takes no arguments.
-        let code = unsafe { init() };
-        if code != SUCCESS {
-            return Err(Unavailable::InitFailed(nvml.error_string(code)));
-        }
-        Ok(nvml)
+        // A failed load is tried again later (see `loaded`): let this reference go.
+        // SAFETY: the handle came from dlopen above and nothing resolved from it is kept.
+        unsafe { libc::dlclose(handle) };
+        Err(Unavailable::InitFailed(failed))
     }
 
     /// Resolves `name` as a function pointer of type `F` (which must match `nvml.h`).
@@ -388,14 +389,42 @@ pub struct NvmlGpu {
     pub power_limit_mw: Answer<u32>,
 }
 
-/// XID events per GPU UUID: (count since the watcher started, last XID code, when it came).
-pub type XidCounts = Arc<Mutex<BTreeMap<String, (u64, u64, SystemTime)>>>;
+/// The XID events of one GPU since the watcher started.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct XidTally {
+    pub count: u64,
+    /// The latest XID code and when it came.
+    pub last: u64,
+    pub last_at: Option<SystemTime>,
+    /// The latest hardware XID ([`super::gpu::HARDWARE_XIDS`]) and when it came, kept apart
+    /// so that an application's XID (13, 31, 43) after it does not hide it.
+    pub last_hardware: u64,
+    pub last_hardware_at: Option<SystemTime>,
+}
+
+impl XidTally {
+    pub fn record(&mut self, xid: u64, at: SystemTime) {
+        self.count += 1;
+        (self.last, self.last_at) = (xid, Some(at));
+        if super::gpu::HARDWARE_XIDS.contains(&xid) {
+            (self.last_hardware, self.last_hardware_at) = (xid, Some(at));
+        }
+    }
+}
+
+/// XID events per GPU UUID.
+pub type XidCounts = Arc<Mutex<BTreeMap<String, XidTally>>>;
 
 /// Counts XID critical errors from NVML's event set on a thread of its own.
+#[derive(Default)]
 pub struct XidWatcher {
     pub counts: XidCounts,
-    /// Set when the event set could not be made (then XID counts stay unknown).
+    /// Set when XID events are not watched on some or all GPUs for a reason that is no GPU's
+    /// fault (no event API, the event set or thread could not be made, a GPU that does not
+    /// support the event): a note beside the reading, not a failure of it.
     pub error: Option<String>,
+    /// GPUs (by UUID) whose registration failed, and why: their XID count is unknown.
+    pub unregistered: BTreeMap<String, String>,
 }
 
 impl XidWatcher {
@@ -413,6 +442,7 @@ impl XidWatcher {
             return XidWatcher {
                 counts,
                 error: Some("this NVML has no event API".into()),
+                ..XidWatcher::default()
             };
         };
         let mut set: *mut c_void = std::ptr::null_mut();
@@ -422,23 +452,33 @@ impl XidWatcher {
             return XidWatcher {
                 counts,
                 error: Some(format!("nvmlEventSetCreate: {}", nvml.error_string(code))),
+                ..XidWatcher::default()
             };
         }
         let mut uuids = BTreeMap::new();
-        let mut errors = Vec::new();
+        let mut unsupported = Vec::new();
+        let mut unregistered = BTreeMap::new();
         for i in 0..nvml.count().unwrap_or(0) {
             let Ok(d) = nvml.device(i) else { continue };
             // SAFETY: a device handle from NVML and the event set just created.
             let code = unsafe { register(d, EVENT_XID_CRITICAL, set) };
-            if code != SUCCESS {
-                errors.push(format!("GPU {i}: {}", nvml.error_string(code)));
+            let uuid = match nvml.string("nvmlDeviceGetUUID", d) {
+                Answer::Value(u) => u,
+                _ => String::new(),
+            };
+            match code {
+                SUCCESS => {}
+                ERROR_NOT_SUPPORTED => unsupported.push(format!("GPU {i}")),
+                code => {
+                    unregistered.insert(uuid.clone(), nvml.error_string(code));
+                }
             }
-            if let Answer::Value(u) = nvml.string("nvmlDeviceGetUUID", d) {
-                uuids.insert(d as usize, u.clone());
+            if !uuid.is_empty() {
+                uuids.insert(d as usize, uuid.clone());
                 counts
                     .lock()
                     .unwrap_or_else(PoisonError::into_inner)
-                    .insert(u, (0, 0, SystemTime::UNIX_EPOCH));
+                    .insert(uuid, XidTally::default());
             }
         }
         let shared = counts.clone();
@@ -461,8 +501,7 @@ impl XidWatcher {
                             let uuid = uuids.get(&device).cloned().unwrap_or_default();
                             tracing::warn!(gpu = %uuid, xid, "NVIDIA XID critical error");
                             let mut c = shared.lock().unwrap_or_else(PoisonError::into_inner);
-                            let e = c.entry(uuid).or_insert((0, 0, SystemTime::UNIX_EPOCH));
-                            *e = (e.0 + 1, xid, SystemTime::now());
+                            c.entry(uuid).or_default().record(xid, SystemTime::now());
                         }
                         ERROR_TIMEOUT => {}
                         code => {
@@ -476,40 +515,102 @@ impl XidWatcher {
             counts,
             error: match spawned {
                 Err(e) => Some(format!("start the XID thread: {e}")),
-                Ok(_) if !errors.is_empty() => Some(format!(
-                    "XID events not registered for {}",
-                    errors.join(", ")
+                Ok(_) if !unsupported.is_empty() => Some(format!(
+                    "XID events not supported on {}",
+                    unsupported.join(", ")
                 )),
                 Ok(_) => None,
             },
+            unregistered,
         }
     }
 }
 
-/// NVML loaded once per process: the library, or why not, and the XID watcher.
+/// NVML loaded for the process, and its XID watcher.
 pub struct Loaded {
-    pub nvml: Result<&'static Nvml, Unavailable>,
-    pub xid: Option<XidWatcher>,
+    pub nvml: &'static Nvml,
+    pub xid: XidWatcher,
 }
 
-/// Loads `library` once per process (later calls return the first outcome, whatever library
-/// they name: NVML is process-wide state).
-pub fn loaded(library: &str) -> &'static Loaded {
-    static LOADED: OnceLock<Loaded> = OnceLock::new();
-    LOADED.get_or_init(|| match Nvml::load(library) {
-        Ok(nvml) => {
-            let nvml: &'static Nvml = Box::leak(Box::new(nvml));
-            let xid = XidWatcher::start(nvml);
-            Loaded {
-                nvml: Ok(nvml),
-                xid: Some(xid),
+/// First wait before NVML is tried again after it could not be loaded.
+const RETRY_FIRST: Duration = Duration::from_secs(10);
+/// Longest wait between tries (the wait doubles from [`RETRY_FIRST`] up to this).
+const RETRY_MAX: Duration = Duration::from_secs(600);
+
+/// The last failure to load NVML and when to try again.
+#[derive(Debug)]
+struct Failure {
+    library: String,
+    why: Unavailable,
+    wait: Duration,
+    next: Instant,
+}
+
+/// Where NVML is kept: loaded once and for good, or the last failure until its retry is due.
+#[derive(Default)]
+struct Cell {
+    loaded: OnceLock<Loaded>,
+    failure: Mutex<Option<Failure>>,
+}
+
+impl Cell {
+    /// The loaded NVML, or why not. Success is kept for the process (NVML is process-wide
+    /// state and the XID thread holds it); a failure only until its retry is due, so a driver
+    /// that was still loading when the agent started (or is reinstalled) is found later. Tries
+    /// are spaced by a doubling wait so that a node without a working driver is not probed on
+    /// every collection. A call naming another library tries it at once.
+    fn get(
+        &self,
+        library: &str,
+        now: Instant,
+        load: impl FnOnce() -> Result<Loaded, Unavailable>,
+    ) -> Result<&Loaded, Unavailable> {
+        if let Some(l) = self.loaded.get() {
+            return Ok(l);
+        }
+        // Held while loading: one caller loads, the others wait for its outcome.
+        let mut failure = self.failure.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(l) = self.loaded.get() {
+            return Ok(l);
+        }
+        if let Some(f) = failure.as_ref()
+            && f.library == library
+            && now < f.next
+        {
+            return Err(f.why.clone());
+        }
+        match load() {
+            Ok(l) => {
+                *failure = None;
+                Ok(self.loaded.get_or_init(|| l))
+            }
+            Err(why) => {
+                let wait = match failure.as_ref() {
+                    Some(f) if f.library == library => (f.wait * 2).min(RETRY_MAX),
+                    _ => RETRY_FIRST,
+                };
+                *failure = Some(Failure {
+                    library: library.to_owned(),
+                    why: why.clone(),
+                    wait,
+                    next: now + wait,
+                });
+                Err(why)
             }
         }
-        Err(e) => Loaded {
-            nvml: Err(e),
-            xid: None,
-        },
-    })
+    }
+}
+
+/// Loads `library` (once it succeeds, later calls return it, whatever library they name: NVML
+/// is process-wide state); a failure is retried after a doubling wait.
+pub fn loaded(library: &str) -> Result<&'static Loaded, Unavailable> {
+    static CELL: OnceLock<Cell> = OnceLock::new();
+    CELL.get_or_init(Cell::default)
+        .get(library, Instant::now(), || {
+            let nvml: &'static Nvml = Box::leak(Box::new(Nvml::load(library)?));
+            let xid = XidWatcher::start(nvml);
+            Ok(Loaded { nvml, xid })
+        })
 }
 
 /// One GPU's answers, or its index and why its handle could not be had.
@@ -546,6 +647,58 @@ mod tests {
             Err(other) => panic!("{other:?}"),
             Ok(_) => panic!("loaded a library that does not exist"),
         }
+    }
+
+    #[test]
+    fn a_failed_load_is_retried_after_a_doubling_wait_and_success_sticks() {
+        let cell = Cell::default();
+        let t0 = Instant::now();
+        let tries = std::cell::Cell::new(0);
+        let fail = || {
+            tries.set(tries.get() + 1);
+            Err(Unavailable::InitFailed("Driver Not Loaded".into()))
+        };
+        assert!(cell.get("libnvidia-ml.so.1", t0, fail).is_err());
+        // Within the wait the failure is answered without a try.
+        let at = |d: Duration| t0 + d;
+        assert!(
+            cell.get("libnvidia-ml.so.1", at(RETRY_FIRST / 2), fail)
+                .is_err()
+        );
+        assert_eq!(tries.get(), 1);
+        // Then tried again, and the next wait is twice as long.
+        assert!(
+            cell.get("libnvidia-ml.so.1", at(RETRY_FIRST), fail)
+                .is_err()
+        );
+        assert_eq!(tries.get(), 2);
+        assert!(
+            cell.get("libnvidia-ml.so.1", at(RETRY_FIRST * 2), fail)
+                .is_err()
+        );
+        assert_eq!(tries.get(), 2);
+        // Another library is tried at once.
+        assert!(cell.get("libother.so", at(RETRY_FIRST * 2), fail).is_err());
+        assert_eq!(tries.get(), 3);
+        // The driver came up: the next due try loads NVML, and that is kept.
+        let nvml: &'static Nvml = Box::leak(Box::new(Nvml {
+            handle: std::ptr::null_mut(),
+        }));
+        let ok = || {
+            Ok(Loaded {
+                nvml,
+                xid: XidWatcher::default(),
+            })
+        };
+        assert!(
+            cell.get("libnvidia-ml.so.1", at(RETRY_FIRST * 3), ok)
+                .is_ok()
+        );
+        assert!(
+            cell.get("libnvidia-ml.so.1", at(RETRY_FIRST * 3), fail)
+                .is_ok()
+        );
+        assert_eq!(tries.get(), 3);
     }
 
     #[test]
