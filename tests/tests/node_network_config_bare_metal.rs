@@ -25,7 +25,8 @@
 //! `fix-mtu`, below).
 //!
 //! The scenario: 2 VNICs, one per physical NIC. NIC 1 boots with MTU 1500, so the first apply
-//! fails at the second macvlan (MTU 9000), is rolled back in the guest and reported; once the NIC
+//! is refused in the guest before any change (the second macvlan's MTU 9000 is above its
+//! parent's) and reported; once the NIC
 //! is fixed the controller's retry converges: macvlan with the VNIC's MAC on NIC `nicIndex`,
 //! 802.1Q VLAN `vlanTag` on it, address, default route in the VNIC's table and its `from` rule,
 //! the check answered through the VLAN, `NodeNetworkReady` True, no attach doubled. Removing one
@@ -737,8 +738,9 @@ async fn rollout(
         })
     };
     // One VNIC on each physical NIC. NIC 1 came up with MTU 1500, below the layout's 9000: the
-    // apply fails at pods-b's macvlan and is rolled back (pods-a's macvlan, made a step before,
-    // goes again), and the node is reported failing.
+    // plan refuses pods-b's macvlan (a macvlan may not be larger than its parent, which the
+    // kernel would refuse half-way through the apply), nothing is made, and the node is
+    // reported failing.
     apply_labelled_spec(
         &api,
         &name,
@@ -758,7 +760,8 @@ async fn rollout(
     .await?;
     let failing = &status["failingNodes"][0];
     assert_eq!(failing["node"], s.node, "{status:#}");
-    assert_eq!(failing["rolledBack"], true, "{status:#}");
+    // Refused before any step: nothing to roll back.
+    assert_eq!(failing["rolledBack"], false, "{status:#}");
     let error = failing["error"].as_str().unwrap_or("");
     assert!(
         error.contains("macvlan") && error.contains(&nics[1]) && error.contains("mtu 9000"),
@@ -767,7 +770,7 @@ async fn rollout(
     let message = network_ready_is(client, s.node, "False", "NetworkApplyFailed").await?;
     assert!(message.contains(error), "{message}");
     let ours = nodekeeper_state(guest)?;
-    ensure!(ours.is_empty(), "left after the rollback: {ours:?}");
+    ensure!(ours.is_empty(), "left after the refusal: {ours:?}");
 
     // The host's NIC is fixed: the controller's retry (after its backoff) converges.
     guest.query("fix-mtu")?;

@@ -38,6 +38,10 @@ pub const TABLE_MAIN: u32 = 254;
 /// Linux interface names are at most 15 bytes (IFNAMSIZ - 1).
 const IFNAME_MAX: usize = 15;
 
+/// The lowest MTU at which Linux keeps IPv6 on a link: below it the kernel drops the link's
+/// IPv6 addresses and routes.
+pub const IPV6_MIN_MTU: u32 = 1280;
+
 /// The link-local range that carries OCI's metadata service, DNS, NTP and iSCSI boot volumes.
 /// nodekeeper never routes it anywhere.
 pub const LINK_LOCAL_V4: &str = "169.254.0.0/16";
@@ -447,6 +451,42 @@ impl NetworkState {
             }
         }
 
+        // MTUs the kernel would not keep: a VLAN or macvlan larger than its parent (EINVAL), and
+        // IPv6 addresses on a link below 1280 bytes (the kernel drops them).
+        for (i, l) in self.links.iter().enumerate() {
+            let Some(mtu) = l.mtu else { continue };
+            if let Some(parent) = l.parent.as_deref()
+                && let Some((j, p)) = self
+                    .links
+                    .iter()
+                    .enumerate()
+                    .find(|(_, x)| x.name == parent)
+                && let Some(parent_mtu) = p.mtu
+                && mtu > parent_mtu
+            {
+                err(
+                    format!("links[{i}].mtu"),
+                    format!(
+                        "{mtu} is larger than the MTU {parent_mtu} of its parent {parent:?} (links[{j}]); a {} link may not be larger than its parent: lower it or raise the parent's",
+                        format!("{:?}", l.kind).to_lowercase()
+                    ),
+                );
+            }
+            if mtu < IPV6_MIN_MTU
+                && let Some(k) = self.addresses.iter().position(|a| {
+                    a.link == l.name && a.cidr.parse::<IpNet>().is_ok_and(|n| n.addr().is_ipv6())
+                })
+            {
+                err(
+                    format!("links[{i}].mtu"),
+                    format!(
+                        "{mtu} is below {IPV6_MIN_MTU}, the IPv6 minimum, and addresses[{k}] puts an IPv6 address on {:?}: the kernel would drop it; use an MTU of at least {IPV6_MIN_MTU} or leave IPv6 off this link",
+                        l.name
+                    ),
+                );
+            }
+        }
+
         // Addresses.
         let mut addr_seen: BTreeMap<IpAddr, usize> = BTreeMap::new();
         for (i, a) in self.addresses.iter().enumerate() {
@@ -631,11 +671,20 @@ impl NetworkState {
                 );
             }
             for (field, v) in [("from", &from), ("to", &to)] {
-                if let Some((s, None)) = v {
-                    err(
+                match v {
+                    Some((s, None)) => err(
                         format!("{p}.{field}"),
                         format!("{s:?} is not a prefix, e.g. 10.0.20.33/32"),
-                    );
+                    ),
+                    // The kernel stores a /0 as no prefix at all: the rule would match every
+                    // address on this side (and, with nothing on the other, all traffic).
+                    Some((s, Some(n))) if n.prefix_len() == 0 => err(
+                        format!("{p}.{field}"),
+                        format!(
+                            "{s} matches every address (a catch-all rule would capture all traffic); give a longer prefix, e.g. 10.0.20.33/32, or leave {field} out"
+                        ),
+                    ),
+                    _ => {}
                 }
             }
             if let (Some((_, Some(f))), Some((_, Some(t)))) = (&from, &to)
@@ -807,6 +856,77 @@ mod tests {
         s.validate().unwrap();
         s.rules.push(s.rules[0].clone());
         assert_eq!(paths(&s), vec!["rules[2]"]);
+    }
+
+    /// A rule `from`/`to` of length 0 matches everything; the kernel reads it back as no
+    /// prefix, so such a rule would be a catch-all (and never settle). Refused, naming the field.
+    #[test]
+    fn rule_prefixes_of_length_zero_are_refused() {
+        for (from, to, path) in [
+            (Some("0.0.0.0/0"), None, "rules[0].from"),
+            (None, Some("::/0"), "rules[0].to"),
+            (Some("fd00::33/128"), Some("::/0"), "rules[0].to"),
+        ] {
+            let mut s = vm_state();
+            s.rules[0].from = from.map(Into::into);
+            s.rules[0].to = to.map(Into::into);
+            let errs = s.validate().unwrap_err();
+            assert_eq!(
+                errs.iter().map(|e| e.path.as_str()).collect::<Vec<_>>(),
+                vec![path]
+            );
+            assert!(errs[0].message.contains("catch-all"), "{}", errs[0]);
+        }
+    }
+
+    /// A child larger than its parent (the kernel refuses it) and an MTU below 1280 on a link
+    /// with IPv6 addresses (the kernel drops them) are refused at `links[i].mtu`.
+    #[test]
+    fn mtus_the_kernel_would_not_keep_are_refused() {
+        let mk = |name: &str, kind: LinkKind, parent: Option<&str>, mtu: u32| LinkSpec {
+            name: name.into(),
+            kind,
+            mac: None,
+            parent: parent.map(Into::into),
+            vlan_id: (kind == LinkKind::Vlan).then_some(5),
+            macvlan_mode: None,
+            mtu: Some(mtu),
+            up: None,
+        };
+        let mut s = NetworkState {
+            links: vec![
+                mk("eth0", LinkKind::Existing, None, 1500),
+                mk("mv0", LinkKind::Macvlan, Some("eth0"), 9000),
+                mk("mv0.5", LinkKind::Vlan, Some("mv0"), 9000),
+            ],
+            ..Default::default()
+        };
+        let errs = s.validate().unwrap_err();
+        assert_eq!(errs.len(), 1, "{}", format_errors(&errs));
+        assert_eq!(errs[0].path, "links[1].mtu");
+        assert!(
+            errs[0]
+                .message
+                .contains("larger than the MTU 1500 of its parent"),
+            "{}",
+            errs[0]
+        );
+        s.links[1].mtu = Some(1500);
+        s.links[2].mtu = Some(1500);
+        s.validate().unwrap();
+
+        s.links[2].mtu = Some(1200);
+        s.validate().unwrap();
+        s.addresses.push(AddressSpec {
+            link: "mv0.5".into(),
+            cidr: "fd00::5/64".into(),
+        });
+        let errs = s.validate().unwrap_err();
+        assert_eq!(errs.len(), 1, "{}", format_errors(&errs));
+        assert_eq!(errs[0].path, "links[2].mtu");
+        assert!(errs[0].message.contains("below 1280"), "{}", errs[0]);
+        s.addresses[0].cidr = "10.0.5.5/24".into();
+        s.validate().unwrap();
     }
 
     #[test]

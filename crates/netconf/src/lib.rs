@@ -46,19 +46,33 @@ pub enum NetconfError {
         IFA_PROTO_SINCE.1
     )]
     KernelTooOld { release: String, addresses: usize },
+    /// The kernel cannot mark policy rules as nodekeeper's (see [`check_kernel`]).
+    #[error(
+        "this node's kernel {release} is older than Linux {}.{}: it drops the FRA_PROTOCOL mark \
+         nodekeeper owns policy rules by, so rules it added could never be told apart and \
+         removed; the desired state has {rules} rule(s) (spec.state.rules or the OCI VNIC \
+         layout): upgrade the node's kernel or leave rules out",
+        FRA_PROTOCOL_SINCE.0,
+        FRA_PROTOCOL_SINCE.1
+    )]
+    KernelTooOldForRules { release: String, rules: usize },
 }
 
 /// The first kernel that keeps `IFA_PROTO` on addresses (Linux 5.18).
 pub const IFA_PROTO_SINCE: (u32, u32) = (5, 18);
 
-/// Refuses a desired state with addresses on a kernel older than [`IFA_PROTO_SINCE`]
-/// (`release` as `uname -r` prints it). Such a kernel drops the protocol mark of an added
-/// address and reports protocol 0: the plan would take nodekeeper's own addresses for someone
-/// else's, never remove them, and leave them out of the restore point. Decided by the release
-/// number because a probe would have to add an address to this host (or a namespace) first; a
-/// release that cannot be read is let through, as it says nothing either way.
+/// The first kernel that keeps `FRA_PROTOCOL` on policy rules (Linux 4.17).
+pub const FRA_PROTOCOL_SINCE: (u32, u32) = (4, 17);
+
+/// Refuses a desired state with addresses on a kernel older than [`IFA_PROTO_SINCE`], or with
+/// policy rules on one older than [`FRA_PROTOCOL_SINCE`] (`release` as `uname -r` prints it).
+/// Such a kernel drops the protocol mark of an added address (rule) and reports protocol 0:
+/// the plan would take nodekeeper's own objects for someone else's, never remove them, and
+/// leave them out of the restore point. Decided by the release number because a probe would
+/// have to add an object to this host (or a namespace) first; a release that cannot be read is
+/// let through, as it says nothing either way.
 pub fn check_kernel(release: &str, desired: &NetworkState) -> Result<(), NetconfError> {
-    if desired.addresses.is_empty() {
+    if desired.addresses.is_empty() && desired.rules.is_empty() {
         return Ok(());
     }
     let mut numbers = release
@@ -68,7 +82,13 @@ pub fn check_kernel(release: &str, desired: &NetworkState) -> Result<(), Netconf
     let (Some(Some(major)), Some(Some(minor))) = (numbers.next(), numbers.next()) else {
         return Ok(());
     };
-    if (major, minor) < IFA_PROTO_SINCE {
+    if !desired.rules.is_empty() && (major, minor) < FRA_PROTOCOL_SINCE {
+        return Err(NetconfError::KernelTooOldForRules {
+            release: release.trim().to_string(),
+            rules: desired.rules.len(),
+        });
+    }
+    if !desired.addresses.is_empty() && (major, minor) < IFA_PROTO_SINCE {
         return Err(NetconfError::KernelTooOld {
             release: release.trim().to_string(),
             addresses: desired.addresses.len(),
@@ -135,6 +155,8 @@ impl Outcome {
 /// The result of [`Netconf::apply`].
 #[derive(Clone, Debug)]
 pub struct ApplyReport {
+    /// The steps planned; after an apply, the steps made: the plan, then those made to
+    /// converge (see [`Netconf::apply`]).
     pub plan: Plan,
     pub outcome: Outcome,
     /// What failed (the step, or the check), and for a failed rollback what remains.
@@ -171,22 +193,32 @@ impl Netconf {
         self.link.observe().await
     }
 
-    /// Plans `desired` against the current state; a state with addresses is refused on a
-    /// kernel that cannot mark them ([`check_kernel`]).
+    /// Plans `desired` against the current state; a state with addresses or rules is refused
+    /// on a kernel that cannot mark them ([`check_kernel`]).
     pub async fn plan(&self, desired: &NetworkState) -> Result<Plan, NetconfError> {
         check_kernel(&self.kernel, desired)?;
         Ok(plan::plan(desired, &self.observe().await?)?)
     }
 
     /// Plans and (unless dry-run) applies; on a failed step or check, undoes every step already
-    /// made, newest first. An `Err` means nothing was changed.
+    /// made (newest first, [`plan::rollback`]), then plans the way back to the state found
+    /// ([`restore_point`]) and makes that too, for what the kernel removed by itself. An `Err`
+    /// means nothing was changed.
+    ///
+    /// After the steps the host is read and planned again: the kernel undoes some changes by
+    /// itself (a link left without IPv4 addresses loses its IPv4 routes; with
+    /// `promote_secondaries` off, deleting a primary address deletes its secondaries), which a
+    /// plan foresees only in part. What is left is made once more; a host that still differs
+    /// after that is a failure naming what did not converge, and is rolled back.
     pub async fn apply(
         &self,
         desired: &NetworkState,
         opts: &ApplyOptions,
     ) -> Result<ApplyReport, NetconfError> {
         let start = self.writes();
-        let plan = self.plan(desired).await?;
+        check_kernel(&self.kernel, desired)?;
+        let before = self.observe().await?;
+        let mut plan = plan::plan(desired, &before)?;
         if opts.dry_run || plan.is_empty() {
             let outcome = if opts.dry_run {
                 Outcome::Planned
@@ -200,7 +232,8 @@ impl Netconf {
                 writes: 0,
             });
         }
-        let mut done: Vec<&Step> = Vec::new();
+        let mut done: Vec<Step> = Vec::new();
+        let mut failed: Option<Step> = None;
         let mut failure = None;
         for (i, step) in plan.steps.iter().enumerate() {
             opts.hold_if_asked(i).await;
@@ -212,16 +245,25 @@ impl Netconf {
             match result {
                 Ok(()) => {
                     tracing::debug!(op = step.op(), object = %step, "applied");
-                    done.push(step);
+                    done.push(step.clone());
                 }
                 Err(e) => {
                     failure = Some(format!("step {} ({} {step}) failed: {e}", i + 1, step.op()));
+                    if opts.fail_at_step != Some(i) {
+                        failed = Some(step.clone());
+                    }
                     break;
                 }
             }
         }
         if failure.is_none() {
             opts.hold_if_asked(plan.steps.len()).await;
+            if let Err(e) = self
+                .converge(desired, &mut plan, &mut done, &mut failed)
+                .await
+            {
+                failure = Some(e);
+            }
         }
         if failure.is_none() && !opts.check_targets.is_empty() {
             let timeout = if opts.check_timeout.is_zero() {
@@ -243,10 +285,30 @@ impl Netconf {
         };
         tracing::warn!(%error, steps = done.len(), "rolling back");
         let mut remaining = Vec::new();
-        for step in done.iter().rev() {
-            let inv = step.inverse();
+        for inv in plan::rollback(&done, failed.as_ref()) {
             if let Err(e) = self.link.execute(&inv).await {
                 remaining.push(format!("{} {inv}: {e}", inv.op()));
+            }
+        }
+        if remaining.is_empty() {
+            // The inverses undo the steps, not what the kernel removed along with them.
+            let back = restore_point(desired, &before);
+            let steps = match self.observe().await {
+                Ok(now) => plan::plan(&back, &now)
+                    .map(|p| p.steps)
+                    .map_err(|e| e.to_string()),
+                Err(e) => Err(e.to_string()),
+            };
+            match steps {
+                Ok(steps) => {
+                    for step in steps {
+                        tracing::warn!(op = step.op(), object = %step, "restoring what the kernel removed");
+                        if let Err(e) = self.link.execute(&step).await {
+                            remaining.push(format!("{} {step}: {e}", step.op()));
+                        }
+                    }
+                }
+                Err(e) => remaining.push(format!("plan the way back to the state before: {e}")),
             }
         }
         let (outcome, error) = if remaining.is_empty() {
@@ -263,6 +325,60 @@ impl Netconf {
             error: Some(error),
             writes: self.writes() - start,
         })
+    }
+
+    /// Reads the host after the plan's steps and plans again; makes what is left once (its
+    /// steps are appended to `plan` and `done`), and fails when a second re-plan still finds
+    /// steps, naming them.
+    async fn converge(
+        &self,
+        desired: &NetworkState,
+        plan: &mut Plan,
+        done: &mut Vec<Step>,
+        failed: &mut Option<Step>,
+    ) -> Result<(), String> {
+        for pass in 0..2 {
+            let now = self
+                .observe()
+                .await
+                .map_err(|e| format!("read the host again after applying: {e}"))?;
+            let again =
+                plan::plan(desired, &now).map_err(|e| format!("plan again after applying: {e}"))?;
+            if again.is_empty() {
+                return Ok(());
+            }
+            let left = again
+                .steps
+                .iter()
+                .map(|s| format!("{} {s}", s.op()))
+                .collect::<Vec<_>>()
+                .join("; ");
+            if pass > 0 {
+                return Err(format!(
+                    "the host did not converge: after applying the plan and then what the kernel \
+                     had undone, planning again still finds {} step(s) ({left}); the kernel \
+                     removes or refuses them, e.g. routes through a link that is down or has \
+                     no address for their gateway",
+                    again.steps.len()
+                ));
+            }
+            tracing::warn!(steps = %left, "the kernel undid part of the apply; making it again");
+            for step in again.steps {
+                if let Err(e) = self.link.execute(&step).await {
+                    let message = format!(
+                        "step {} ({} {step}) failed: {e}",
+                        plan.steps.len() + 1,
+                        step.op()
+                    );
+                    plan.steps.push(step.clone());
+                    *failed = Some(step);
+                    return Err(message);
+                }
+                done.push(step.clone());
+                plan.steps.push(step);
+            }
+        }
+        Ok(())
     }
 
     /// What differs between `desired` and the host, one line per planned step (empty: no drift).
@@ -310,7 +426,11 @@ pub fn owned_state(desired: &NetworkState, obs: &Observed) -> NetworkState {
             .and_then(|i| obs.link_name(i))
             .map(str::to_string);
         let (kind, parent, vlan_id, mode, mac) = if !l.owned() {
-            (LinkKind::Existing, None, None, None, l.mac.clone())
+            // The MAC only where the desired state matches by MAC: a link matched by name
+            // shares its MAC with others (a bond and its ports, a NIC and its VLANs), so a
+            // restore point matching by it could find another link or several.
+            let mac = declared.and_then(|d| d.mac.as_ref()).and(l.mac.clone());
+            (LinkKind::Existing, None, None, None, mac)
         } else if l.kind == "vlan" {
             (LinkKind::Vlan, parent, l.vlan_id, None, None)
         } else {
@@ -450,5 +570,79 @@ mod tests {
             check_kernel(ok, &with).unwrap();
         }
         check_kernel("5.15.0", &without).unwrap();
+    }
+
+    /// Policy rules are refused below Linux 4.17 (FRA_PROTOCOL), naming the kernel, the field
+    /// and what to do; from 4.17 on, or without rules, they go through.
+    #[test]
+    fn rules_need_a_kernel_that_keeps_fra_protocol() {
+        let with: NetworkState = serde_json::from_value(serde_json::json!({
+            "rules": [{"from": "10.0.20.33/32", "table": 101, "priority": 20101}],
+        }))
+        .unwrap();
+        let m = check_kernel("4.14.35-2047.el7uek.x86_64", &with)
+            .unwrap_err()
+            .to_string();
+        for words in [
+            "kernel 4.14.35-2047.el7uek.x86_64 is older than Linux 4.17",
+            "FRA_PROTOCOL",
+            "1 rule(s) (spec.state.rules",
+            "upgrade the node's kernel or leave rules out",
+        ] {
+            assert!(m.contains(words), "{words:?}: {m}");
+        }
+        for ok in ["4.17.0", "5.4.0", ""] {
+            check_kernel(ok, &with).unwrap();
+        }
+        check_kernel("4.14.0", &NetworkState::default()).unwrap();
+    }
+
+    /// The restore point keeps a link's MAC only where the desired state matches that link by
+    /// MAC: one matched by name shares its MAC with others (a bond and its ports), and a
+    /// restore point matching by it would find those.
+    #[test]
+    fn the_restore_point_matches_links_as_the_desired_state_does() {
+        use crate::observed::ObservedLink;
+        let nic = |index: u32, name: &str, mac: &str| ObservedLink {
+            index,
+            name: name.into(),
+            mac: Some(mac.into()),
+            mtu: 1500,
+            up: true,
+            oper_state: "up".into(),
+            kind: String::new(),
+            parent_index: None,
+            vlan_id: None,
+            macvlan_mode: None,
+            alias: None,
+        };
+        let obs = Observed {
+            links: vec![
+                nic(2, "ens3", "02:00:17:0a:11:01"),
+                nic(3, "bond0", "02:00:17:0a:11:01"),
+                nic(4, "ens5", "02:00:17:0a:22:02"),
+            ],
+            ..Default::default()
+        };
+        let desired: NetworkState = serde_json::from_value(serde_json::json!({
+            "links": [
+                {"name": "bond0", "kind": "existing", "mtu": 9000},
+                {"name": "vnic1", "kind": "existing", "mac": "02:00:17:0a:22:02", "mtu": 9000}
+            ],
+        }))
+        .unwrap();
+        let back = restore_point(&desired, &obs);
+        let macs: Vec<(&str, Option<&str>)> = back
+            .links
+            .iter()
+            .map(|l| (l.name.as_str(), l.mac.as_deref()))
+            .collect();
+        assert_eq!(
+            macs,
+            [("bond0", None), ("vnic1", Some("02:00:17:0a:22:02"))]
+        );
+        // And it plans back onto bond0 itself.
+        let p = plan::plan(&back, &obs).unwrap();
+        assert!(p.is_empty(), "{p:?}");
     }
 }

@@ -405,6 +405,7 @@ fn parse_link(l: &LinkMessage) -> ObservedLink {
         macvlan_mode: None,
         alias: None,
     };
+    let mut other_netns = false;
     for a in &l.attributes {
         match a {
             LinkAttribute::IfName(n) => o.name = n.clone(),
@@ -413,6 +414,7 @@ fn parse_link(l: &LinkMessage) -> ObservedLink {
             LinkAttribute::OperState(s) => o.oper_state = format!("{s:?}").to_lowercase(),
             LinkAttribute::Link(p) if *p != 0 => o.parent_index = Some(*p),
             LinkAttribute::IfAlias(a) => o.alias = Some(a.clone()),
+            LinkAttribute::LinkNetNsId(_) => other_netns = true,
             LinkAttribute::LinkInfo(infos) => {
                 for i in infos {
                     match i {
@@ -447,6 +449,12 @@ fn parse_link(l: &LinkMessage) -> ObservedLink {
             }
             _ => {}
         }
+    }
+    // With IFLA_LINK_NETNSID, IFLA_LINK is an index in another namespace (a veth whose peer is
+    // in a pod): no parent here, or the plan would take a pod's interface for a child of
+    // whatever link has that index in this one.
+    if other_netns {
+        o.parent_index = None;
     }
     o
 }
@@ -535,6 +543,25 @@ fn parse_rule(r: &RuleMessage) -> ObservedRule {
         }
     }
     o
+}
+
+#[cfg(test)]
+mod parse_tests {
+    use super::*;
+
+    /// A veth whose peer is in another namespace (a pod's) carries IFLA_LINK with
+    /// IFLA_LINK_NETNSID: the index is the peer's there, not a parent here.
+    #[test]
+    fn a_link_index_in_another_namespace_is_no_parent() {
+        let mut msg = LinkMessage::default();
+        msg.header.index = 7;
+        msg.attributes
+            .push(LinkAttribute::IfName("veth1a2b".into()));
+        msg.attributes.push(LinkAttribute::Link(3));
+        assert_eq!(parse_link(&msg).parent_index, Some(3));
+        msg.attributes.push(LinkAttribute::LinkNetNsId(0));
+        assert_eq!(parse_link(&msg).parent_index, None);
+    }
 }
 
 #[cfg(test)]

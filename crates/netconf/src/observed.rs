@@ -39,7 +39,8 @@ pub struct ObservedLink {
     pub oper_state: String,
     /// `vlan`, `macvlan`, `veth`, ...; empty for physical devices.
     pub kind: String,
-    /// IFLA_LINK: the parent's index for vlan and macvlan.
+    /// IFLA_LINK: the parent's index for vlan and macvlan (`None` when the kernel gives it as an
+    /// index in another network namespace, IFLA_LINK_NETNSID: a veth whose peer is elsewhere).
     pub parent_index: Option<u32>,
     pub vlan_id: Option<u16>,
     /// `private`, `vepa`, `bridge`, `passthru`, `source` for macvlans.

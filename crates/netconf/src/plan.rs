@@ -2,9 +2,12 @@
 //! inverse of each step (used for rollback).
 //!
 //! Order: deletions first, most dependent first (rules → routes → addresses → links, child links
-//! before parents), then additions (links, parents first → link settings → addresses → routes →
-//! rules). Only objects nodekeeper owns (see [`crate::observed`]) are ever deleted; links it does
-//! not own are only matched and, when asked, get their MTU and up/down state set.
+//! before parents), then additions (link settings, parents first → links, parents first →
+//! addresses → routes → rules). Addresses that leave a link that stays are deleted after the
+//! new addresses are added, and what the kernel removes by itself on the way (the routes of a
+//! link left without IPv4 addresses or taken down, the IPv6 of a link below 1280 bytes) is
+//! added again. Only objects nodekeeper owns (see [`crate::observed`]) are ever deleted; links
+//! it does not own are only matched and, when asked, get their MTU and up/down state set.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -82,6 +85,11 @@ pub enum Step {
         up: Option<bool>,
         prev_mtu: u32,
         prev_up: bool,
+        /// The links stacked on this one (VLANs, macvlans, and theirs) whose MTU the kernel
+        /// lowers to `mtu` with it, with the MTU each had: the inverse raises this link only,
+        /// so a rollback gives these theirs back ([`Step::undo`]).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        lowered: Vec<(String, u32)>,
     },
     AddAddress(AddressDef),
     AddRoute(RouteDef),
@@ -121,15 +129,70 @@ impl Step {
                 up,
                 prev_mtu,
                 prev_up,
+                lowered: _,
             } => Step::SetLink {
                 link,
                 mtu: mtu.map(|_| prev_mtu),
                 up: up.map(|_| prev_up),
                 prev_mtu: mtu.unwrap_or(prev_mtu),
                 prev_up: up.unwrap_or(prev_up),
+                lowered: Vec::new(),
             },
         }
     }
+
+    /// The steps that undo this one: its [`Step::inverse`], and for a set-link that lowered
+    /// the MTU, the links the kernel lowered with it set back to theirs (after their parent is
+    /// raised again: a VLAN or macvlan may not be larger than its parent).
+    pub fn undo(&self) -> Vec<Step> {
+        let mut out = vec![self.inverse()];
+        if let Step::SetLink {
+            lowered,
+            mtu: Some(mtu),
+            ..
+        } = self
+        {
+            out.extend(lowered.iter().map(|(link, prev)| Step::SetLink {
+                link: link.clone(),
+                mtu: Some(*prev),
+                up: None,
+                prev_mtu: *mtu,
+                // Unused: `up` is not set.
+                prev_up: true,
+                lowered: Vec::new(),
+            }));
+        }
+        out
+    }
+}
+
+/// The steps that undo an apply cut short, in the order to make them: `done` are the steps
+/// made (oldest first), `failed` the step that failed after them, if it may have been made in
+/// part (a set-link sets the MTU before the up/down state, and a refused up/down leaves the new
+/// MTU in place). Steps are undone newest first, except set-links: the plan makes those parents
+/// first, and their undo must raise a parent's MTU before its children's (the kernel refuses a
+/// child larger than its parent with EINVAL), so a run of them is undone in the plan's order.
+pub fn rollback(done: &[Step], failed: Option<&Step>) -> Vec<Step> {
+    let mut made: Vec<&Step> = done.iter().collect();
+    if let Some(step @ Step::SetLink { .. }) = failed {
+        made.push(step);
+    }
+    let is_set = |s: &Step| matches!(s, Step::SetLink { .. });
+    let mut out = Vec::new();
+    let mut end = made.len();
+    while end > 0 {
+        let mut start = end - 1;
+        if is_set(made[start]) {
+            while start > 0 && is_set(made[start - 1]) {
+                start -= 1;
+            }
+            out.extend(made[start..end].iter().flat_map(|s| s.undo()));
+        } else {
+            out.push(made[start].inverse());
+        }
+        end = start;
+    }
+    out
 }
 
 fn fmt_route(f: &mut fmt::Formatter<'_>, r: &RouteDef) -> fmt::Result {
@@ -246,6 +309,26 @@ impl Plan {
 fn default_metric(net: &IpNet) -> u32 {
     if net.addr().is_ipv6() { 1024 } else { 0 }
 }
+
+/// The metric the kernel stores for a route given `metric`: IPv6 takes 0 to mean its default,
+/// 1024 (an IPv6 route written with metric 0 is reported with 1024).
+fn kernel_metric(net: &IpNet, metric: Option<u32>) -> u32 {
+    match metric {
+        Some(0) if net.addr().is_ipv6() => default_metric(net),
+        Some(m) => m,
+        None => default_metric(net),
+    }
+}
+
+/// A rule's `from`/`to` as the kernel keeps it: a /0 prefix matches everything, and the kernel
+/// sends no `FRA_SRC`/`FRA_DST` for it, so it reads back as no prefix at all.
+fn rule_prefix(net: Option<IpNet>) -> Option<IpNet> {
+    net.filter(|n| n.prefix_len() > 0)
+}
+
+/// The lowest MTU at which the kernel keeps IPv6 on a link (below it, it drops the link's
+/// IPv6 addresses and routes).
+pub const IPV6_MIN_MTU: u32 = 1280;
 
 fn alias_for(name: &str) -> String {
     format!("{LINK_ALIAS_PREFIX}{name}")
@@ -433,6 +516,36 @@ pub fn plan(desired: &NetworkState, observed: &Observed) -> Result<Plan, PlanErr
     desired.validate().map_err(PlanError::Invalid)?;
     let map = resolve_links(desired, observed)?;
     let kernel = |name: &str| map.get(name).cloned().unwrap_or_else(|| name.to_string());
+    // A VLAN or macvlan may not be larger than its parent: the kernel refuses to create or
+    // raise it (EINVAL) and lowers it with its parent. The model checks this where the parent
+    // is in links by the same name; here the parent is known by its kernel name, however the
+    // state names it (an existing link matched by MAC).
+    for (i, l) in desired.links.iter().enumerate() {
+        let Some(mtu) = l.mtu else { continue };
+        // An existing link's parent is the kernel's (a VLAN or macvlan nodekeeper did not
+        // create, declared to set its MTU).
+        let parent = match (l.kind, l.parent.as_deref()) {
+            (LinkKind::Existing, _) => observed
+                .link_by_name(&kernel(&l.name))
+                .filter(|o| follows_parent_mtu(o))
+                .and_then(|o| o.parent_index)
+                .and_then(|p| observed.link_name(p))
+                .map(str::to_string),
+            (_, parent) => parent.map(&kernel),
+        };
+        let Some(parent) = parent else { continue };
+        if let Some(parent_mtu) = mtu_after(&parent, desired, observed, &kernel)
+            && mtu > parent_mtu
+        {
+            return Err(PlanError::ResolveLink {
+                index: i,
+                name: l.name.clone(),
+                message: format!(
+                    "mtu {mtu} is larger than the MTU {parent_mtu} its parent {parent} has or is given; a VLAN or macvlan may not be larger than its parent: lower mtu or raise the parent's"
+                ),
+            });
+        }
+    }
 
     // Desired objects in kernel terms.
     let want_links: Vec<(&LinkSpec, LinkDef)> = desired
@@ -458,7 +571,7 @@ pub fn plan(desired: &NetworkState, observed: &Observed) -> Result<Plan, PlanErr
                 table: r.table,
                 gateway: r.gateway.as_deref().map(|g| g.parse().expect("validated")),
                 link: r.link.as_deref().map(kernel),
-                metric: r.metric.unwrap_or_else(|| default_metric(&destination)),
+                metric: kernel_metric(&destination, r.metric),
                 on_link: r.on_link,
                 destination,
             }
@@ -478,8 +591,8 @@ pub fn plan(desired: &NetworkState, observed: &Observed) -> Result<Plan, PlanErr
             RuleDef {
                 v6: from.or(to).is_some_and(|n| n.addr().is_ipv6()),
                 priority: r.priority,
-                from,
-                to,
+                from: rule_prefix(from),
+                to: rule_prefix(to),
                 table: r.table,
             }
         })
@@ -570,8 +683,8 @@ pub fn plan(desired: &NetworkState, observed: &Observed) -> Result<Plan, PlanErr
         let def = RuleDef {
             v6: r.v6,
             priority: r.priority,
-            from: r.from,
-            to: r.to,
+            from: rule_prefix(r.from),
+            to: rule_prefix(r.to),
             table: r.table,
         };
         if !want_rules.contains(&def) {
@@ -605,12 +718,18 @@ pub fn plan(desired: &NetworkState, observed: &Observed) -> Result<Plan, PlanErr
                         })
         });
         if let Some(w) = wanted.filter(|_| !on_gone) {
-            kept_routes.push(w.clone());
+            // With the link the kernel reports it on: a flush of that link takes it (below).
+            kept_routes.push((w.clone(), def.link.clone()));
         } else {
             steps.push(Step::DeleteRoute(def));
         }
     }
     let mut present_addrs = Vec::new();
+    // Addresses that go from a link that stays are deleted after the new ones are added: when
+    // a link loses its last IPv4 address the kernel deletes every IPv4 route through it, in
+    // every table and whoever added it (found by review: changing a VNIC's address .33 → .34
+    // left table 101 without its default route).
+    let mut late_deletes = Vec::new();
     for a in &observed.addresses {
         let Some(link) = observed.link_name(a.index) else {
             continue;
@@ -623,8 +742,19 @@ pub fn plan(desired: &NetworkState, observed: &Observed) -> Result<Plan, PlanErr
         if a.protocol == NK_PROTOCOL {
             if want_addrs.contains(&def) && !on_gone {
                 present_addrs.push(def);
-            } else {
+            } else if on_gone
+                || !want_addrs.iter().any(|w| w.link == def.link)
+                || (a.net.addr().is_ipv6()
+                    && want_addrs
+                        .iter()
+                        .any(|w| w.link == def.link && w.net.addr() == def.net.addr()))
+            {
+                // Nothing is added to this link, so nothing to wait for; and IPv6 holds an
+                // address once per link whatever its prefix length: the old one goes before
+                // the new one can be added.
                 steps.push(Step::DeleteAddress(def));
+            } else {
+                late_deletes.push(Step::DeleteAddress(def));
             }
         } else if !on_gone {
             // Someone else's address that happens to be the one wanted: it is left alone and
@@ -655,6 +785,28 @@ pub fn plan(desired: &NetworkState, observed: &Observed) -> Result<Plan, PlanErr
     // before a child that needs it is created or raised (found by the fault campaign: A with
     // eth0 1500 + mv1 1500, then B with eth0 1400 and no mv1, then A again failed with EINVAL).
     let mut settings = Vec::new();
+    // Links whose IPv4 / IPv6 routes (and, for IPv6, addresses) the kernel removes during this
+    // plan: a link taken down loses its routes and IPv6 addresses, a link whose MTU drops below
+    // 1280 its IPv6, and a link left without IPv4 addresses its IPv4 routes. What the plan
+    // keeps there is added again after.
+    let mut flushed_v4: BTreeSet<String> = BTreeSet::new();
+    let mut flushed_v6: BTreeSet<String> = BTreeSet::new();
+    for o in observed.links.iter().filter(|o| !gone.contains(&o.index)) {
+        let v4_on =
+            |a: &&crate::observed::ObservedAddress| a.index == o.index && a.net.addr().is_ipv4();
+        let had_v4 = observed.addresses.iter().any(|a| v4_on(&a));
+        let keeps_v4 = observed
+            .addresses
+            .iter()
+            .filter(v4_on)
+            .any(|a| a.protocol != NK_PROTOCOL)
+            || want_addrs
+                .iter()
+                .any(|w| w.link == o.name && w.net.addr().is_ipv4());
+        if had_v4 && !keeps_v4 {
+            flushed_v4.insert(o.name.clone());
+        }
+    }
     for l in &desired.links {
         let k = kernel(&l.name);
         if create.iter().any(|c| c.name == k) {
@@ -669,6 +821,24 @@ pub fn plan(desired: &NetworkState, observed: &Observed) -> Result<Plan, PlanErr
         };
         let mtu = l.mtu.filter(|m| *m != o.mtu);
         let up = up.filter(|u| *u != o.up);
+        if up == Some(false) {
+            flushed_v4.insert(k.clone());
+            flushed_v6.insert(k.clone());
+        }
+        if mtu.is_some_and(|m| m < IPV6_MIN_MTU) && o.mtu >= IPV6_MIN_MTU {
+            flushed_v6.insert(k.clone());
+        }
+        // The kernel lowers the MTU of every link stacked on this one that is larger than
+        // the new MTU; rollback gives them theirs back.
+        let lowered = match mtu {
+            Some(m) if m < o.mtu => observed
+                .links
+                .iter()
+                .filter(|u| u.mtu > m && !gone.contains(&u.index) && stacked_on(u, o, observed))
+                .map(|u| (u.name.clone(), u.mtu))
+                .collect(),
+            _ => Vec::new(),
+        };
         if mtu.is_some() || up.is_some() {
             settings.push((
                 depth(o),
@@ -678,10 +848,20 @@ pub fn plan(desired: &NetworkState, observed: &Observed) -> Result<Plan, PlanErr
                     up,
                     prev_mtu: o.mtu,
                     prev_up: o.up,
+                    lowered,
                 },
             ));
         }
     }
+    kept_routes.retain(|(w, link)| {
+        let flushed = if w.destination.addr().is_ipv4() {
+            &flushed_v4
+        } else {
+            &flushed_v6
+        };
+        !link.as_ref().is_some_and(|l| flushed.contains(l))
+    });
+    present_addrs.retain(|a| !(a.net.addr().is_ipv6() && flushed_v6.contains(&a.link)));
     settings.sort_by_key(|(d, _)| *d);
     steps.extend(settings.into_iter().map(|(_, s)| s));
 
@@ -715,8 +895,9 @@ pub fn plan(desired: &NetworkState, observed: &Observed) -> Result<Plan, PlanErr
             steps.push(Step::AddAddress(a));
         }
     }
+    steps.extend(late_deletes);
     for r in want_routes {
-        if !kept_routes.contains(&r) {
+        if !kept_routes.iter().any(|(k, _)| *k == r) {
             steps.push(Step::AddRoute(r));
         }
     }
@@ -726,8 +907,8 @@ pub fn plan(desired: &NetworkState, observed: &Observed) -> Result<Plan, PlanErr
                 && RuleDef {
                     v6: o.v6,
                     priority: o.priority,
-                    from: o.from,
-                    to: o.to,
+                    from: rule_prefix(o.from),
+                    to: rule_prefix(o.to),
                     table: o.table,
                 } == r
         });
@@ -736,6 +917,65 @@ pub fn plan(desired: &NetworkState, observed: &Observed) -> Result<Plan, PlanErr
         }
     }
     Ok(Plan { steps })
+}
+
+/// The MTU the link with kernel name `link` has after the plan, where known: its desired MTU,
+/// else the one it has now (a link to be created without one gets its parent's), and never
+/// more than its parent's after the plan (the kernel lowers a VLAN or macvlan with its parent).
+fn mtu_after(
+    link: &str,
+    desired: &NetworkState,
+    observed: &Observed,
+    kernel: &dyn Fn(&str) -> String,
+) -> Option<u32> {
+    let mut link = link.to_string();
+    let mut lowest: Option<u32> = None;
+    for _ in 0..16 {
+        let spec = desired.links.iter().find(|l| kernel(&l.name) == link);
+        let now = observed.link_by_name(&link);
+        if let Some(mtu) = spec.and_then(|l| l.mtu).or(now.map(|o| o.mtu)) {
+            lowest = Some(lowest.map_or(mtu, |m| m.min(mtu)));
+        }
+        let parent = match spec {
+            Some(l) if l.kind != LinkKind::Existing => l.parent.as_deref().map(kernel),
+            _ => now
+                .filter(|o| follows_parent_mtu(o))
+                .and_then(|o| o.parent_index)
+                .and_then(|p| observed.link_name(p))
+                .map(str::to_string),
+        };
+        match parent {
+            Some(p) => link = p,
+            None => break,
+        }
+    }
+    lowest
+}
+
+/// Does the kernel hold this link's MTU at or below its parent's (`parent_index`)? True for
+/// the devices stacked on a lower one; not for a veth, whose IFLA_LINK is its peer.
+pub fn follows_parent_mtu(o: &ObservedLink) -> bool {
+    matches!(
+        o.kind.as_str(),
+        "vlan" | "macvlan" | "macvtap" | "ipvlan" | "ipvtap"
+    )
+}
+
+/// Is `upper` stacked (directly or through others) on `lower`, so that the kernel lowers its
+/// MTU with `lower`'s?
+fn stacked_on(upper: &ObservedLink, lower: &ObservedLink, observed: &Observed) -> bool {
+    let mut cur = Some(upper);
+    for _ in 0..16 {
+        match cur
+            .filter(|c| follows_parent_mtu(c))
+            .and_then(|c| c.parent_index)
+        {
+            Some(p) if p == lower.index => return true,
+            Some(p) => cur = observed.link_by_index(p),
+            None => return false,
+        }
+    }
+    false
 }
 
 fn recreated_or_new(name: &str, observed: &Observed, recreated: &BTreeSet<String>) -> bool {

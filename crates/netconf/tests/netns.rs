@@ -600,3 +600,192 @@ fn a_macvlan_is_created_after_its_parent_mtu_is_raised() {
         "{links}"
     );
 }
+
+/// The VM VNIC of [`desired`] alone, with `ip` as its address (and source rule).
+fn vnic_with(ip: &str) -> NetworkState {
+    serde_json::from_value(serde_json::json!({
+        "links": [{"name": "vnic1", "kind": "existing", "mac": "02:00:17:0a:22:02"}],
+        "addresses": [{"link": "vnic1", "cidr": format!("{ip}/24")}],
+        "routes": [{"destination": "default", "gateway": "10.0.20.1", "link": "vnic1", "table": 101}],
+        "rules": [{"from": format!("{ip}/32"), "table": 101, "priority": 20101}]
+    }))
+    .unwrap()
+}
+
+/// Changing a VNIC's address (.33 → .34) keeps table 101's default route. The kernel deletes
+/// every IPv4 route through a link that loses its last IPv4 address: the plan adds the new
+/// address before it deletes the old one, so with `promote_secondaries` on (.34 takes .33's
+/// place as primary) nothing is lost, not even someone else's route through the VNIC. With it
+/// off, deleting the primary .33 deletes the secondary .34 too and the routes go with them: the
+/// apply reads the host again and makes what the kernel undid once more.
+#[test]
+fn changing_a_vnics_address_keeps_its_tables_routes() {
+    skip_unless_root!("needs root to create network namespaces");
+    for promote in ["1", "0"] {
+        let ns = test_ns();
+        setup_nics(&ns);
+        for key in ["all", "nic0"] {
+            ns.set_sysctl(&format!("net.ipv4.conf.{key}.promote_secondaries"), promote)
+                .unwrap();
+        }
+        let first = ns.run(|| async {
+            let nc = Netconf::connect().unwrap();
+            let opts = ApplyOptions::default();
+            nc.apply(&vnic_with("10.0.20.33"), &opts).await.unwrap()
+        });
+        assert_eq!(first.outcome, Outcome::Applied, "{:?}", first.error);
+        // Someone else's route through the VNIC.
+        ns.ip(&[
+            "route",
+            "add",
+            "198.51.100.0/24",
+            "via",
+            "10.0.20.1",
+            "dev",
+            "nic0",
+            "table",
+            "200",
+        ])
+        .unwrap();
+        let (second, third) = ns.run(|| async {
+            let nc = Netconf::connect().unwrap();
+            let opts = ApplyOptions::default();
+            let second = nc.apply(&vnic_with("10.0.20.34"), &opts).await.unwrap();
+            let third = nc.apply(&vnic_with("10.0.20.34"), &opts).await.unwrap();
+            (second, third)
+        });
+        assert_eq!(second.outcome, Outcome::Applied, "{:?}", second.error);
+        let t101 = ns.ip(&["route", "show", "table", "101"]).unwrap();
+        assert_eq!(
+            t101.trim(),
+            "default via 10.0.20.1 dev nic0 proto 176",
+            "promote_secondaries {promote}"
+        );
+        let addrs = ns.ip(&["-4", "addr", "show", "dev", "nic0"]).unwrap();
+        assert!(
+            addrs.contains("10.0.20.34/24") && !addrs.contains("10.0.20.33"),
+            "{addrs}"
+        );
+        assert_eq!((third.plan.steps.len(), third.writes), (0, 0));
+        let ops: Vec<String> = second
+            .plan
+            .steps
+            .iter()
+            .map(|s| format!("{} {s}", s.op()))
+            .collect();
+        if promote == "1" {
+            // Nothing for the kernel to undo: one pass, and the foreign route is still there.
+            assert_eq!(
+                ops,
+                [
+                    "delete-rule priority 20101 from 10.0.20.33/32 lookup 101",
+                    "add-address 10.0.20.34/24 dev nic0",
+                    "delete-address 10.0.20.33/24 dev nic0",
+                    "add-rule priority 20101 from 10.0.20.34/32 lookup 101",
+                ]
+            );
+            let t200 = ns.ip(&["route", "show", "table", "200"]).unwrap();
+            assert!(t200.contains("198.51.100.0/24 via 10.0.20.1"), "{t200}");
+        } else {
+            assert!(
+                ops.contains(&"add-route 0.0.0.0/0 via 10.0.20.1 dev nic0 table 101".to_string()),
+                "the second pass adds the route the kernel removed: {ops:?}"
+            );
+        }
+    }
+}
+
+/// Rolling back a lowered MTU raises the parent before its children (the kernel refuses a
+/// macvlan larger than its parent), and gives the links the kernel lowered with the parent —
+/// nodekeeper's and someone else's — their MTU back.
+#[test]
+fn rollback_of_a_lowered_mtu_raises_parents_first_and_restores_their_children() {
+    skip_unless_root!("needs root to create network namespaces");
+    let ns = test_ns();
+    setup_nics(&ns);
+    let big: NetworkState = serde_json::from_str(
+        r#"{"links": [
+              {"name": "nic1", "kind": "existing", "mtu": 9000},
+              {"name": "nkm30", "kind": "macvlan", "parent": "nic1", "mac": "02:00:17:0a:33:03", "mtu": 9000}
+           ]}"#,
+    )
+    .unwrap();
+    let applied = ns.run(move || async move {
+        Netconf::connect()
+            .unwrap()
+            .apply(&big, &ApplyOptions::default())
+            .await
+            .unwrap()
+    });
+    assert_eq!(applied.outcome, Outcome::Applied, "{:?}", applied.error);
+    ns.ip(&[
+        "link", "add", "link", "nic1", "name", "theirs", "mtu", "9000", "type", "macvlan",
+    ])
+    .unwrap();
+    let before = dump(&ns);
+    let small: NetworkState = serde_json::from_str(
+        r#"{"links": [
+              {"name": "nic1", "kind": "existing", "mtu": 1500},
+              {"name": "nkm30", "kind": "macvlan", "parent": "nic1", "mac": "02:00:17:0a:33:03", "mtu": 1500}
+           ],
+           "addresses": [{"link": "nkm30", "cidr": "10.0.30.45/23"}]}"#,
+    )
+    .unwrap();
+    let r = ns.run(move || async move {
+        let nc = Netconf::connect().unwrap();
+        let steps = nc.plan(&small).await.unwrap().steps.len();
+        let opts = ApplyOptions {
+            fail_at_step: Some(steps - 1),
+            ..Default::default()
+        };
+        nc.apply(&small, &opts).await.unwrap()
+    });
+    let ops: Vec<&str> = r.plan.steps.iter().map(|s| s.op()).collect();
+    assert_eq!(ops, ["set-link", "set-link", "add-address"]);
+    assert_eq!(r.outcome, Outcome::RolledBack, "{:?}", r.error);
+    assert_eq!(dump(&ns), before);
+}
+
+/// A set-link whose MTU the kernel took and whose "up" it refused (a macvlan with its parent's
+/// MAC cannot come up: EADDRINUSE) is undone too: the MTU goes back.
+#[test]
+fn a_set_link_refused_half_way_is_undone() {
+    skip_unless_root!("needs root to create network namespaces");
+    let ns = test_ns();
+    setup_nics(&ns);
+    ns.ip(&[
+        "link",
+        "add",
+        "link",
+        "nic1",
+        "name",
+        "mvt",
+        "address",
+        "02:00:17:0a:33:01",
+        "type",
+        "macvlan",
+    ])
+    .unwrap();
+    let before = dump(&ns);
+    let desired: NetworkState = serde_json::from_str(
+        r#"{"links": [{"name": "mvt", "kind": "existing", "mtu": 1400, "up": true}]}"#,
+    )
+    .unwrap();
+    let r = ns.run(move || async move {
+        Netconf::connect()
+            .unwrap()
+            .apply(&desired, &ApplyOptions::default())
+            .await
+            .unwrap()
+    });
+    assert_eq!(r.outcome, Outcome::RolledBack, "{:?}", r.error);
+    assert!(
+        r.error
+            .as_deref()
+            .unwrap()
+            .contains("(set-link mvt mtu 1400 up) failed"),
+        "{:?}",
+        r.error
+    );
+    assert_eq!(dump(&ns), before);
+}

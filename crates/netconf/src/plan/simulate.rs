@@ -4,14 +4,17 @@
 
 use nodekeeper_model::network::format_mac;
 
-use super::{CreatedKind, Plan, Step, link_alias, mode_name};
+use super::{CreatedKind, IPV6_MIN_MTU, Plan, Step, follows_parent_mtu, link_alias, mode_name};
 use crate::observed::{ObservedAddress, ObservedLink, ObservedRoute, ObservedRule};
 use crate::{NK_PROTOCOL, Observed};
 
 /// What the kernel would report after a perfect apply of `plan` on `obs`: links, addresses,
-/// routes and rules added and removed as the steps say, with the kernel's own cascade (deleting
-/// a link removes what is on it and the links stacked on it). Errors when a step names a link
-/// that is not there at that point of the plan.
+/// routes and rules added and removed as the steps say, with the kernel's own cascades: deleting
+/// a link removes what is on it and the links stacked on it; deleting a link's last IPv4
+/// address removes every IPv4 route through it; taking a link down removes its routes and IPv6
+/// addresses (`keep_addr_on_down` 0, the default); an MTU below 1280 removes its IPv6 addresses
+/// and routes; lowering an MTU lowers the links stacked on it that are larger. Errors when a
+/// step names a link that is not there at that point of the plan.
 pub fn simulate(mut obs: Observed, plan: &Plan) -> Result<Observed, String> {
     let index = |obs: &Observed, name: &str| {
         obs.link_by_name(name)
@@ -38,6 +41,14 @@ pub fn simulate(mut obs: Observed, plan: &Plan) -> Result<Observed, String> {
             Step::DeleteAddress(a) => {
                 let i = index(&obs, &a.link)?;
                 obs.addresses.retain(|o| !(o.index == i && o.net == a.net));
+                let v4_left = obs
+                    .addresses
+                    .iter()
+                    .any(|o| o.index == i && o.net.addr().is_ipv4());
+                if a.net.addr().is_ipv4() && !v4_left {
+                    obs.routes
+                        .retain(|r| !(r.oif == Some(i) && r.destination.addr().is_ipv4()));
+                }
             }
             Step::DeleteRoute(r) => {
                 let oif = r.link.as_deref().map(|l| index(&obs, l)).transpose()?;
@@ -60,11 +71,13 @@ pub fn simulate(mut obs: Observed, plan: &Plan) -> Result<Observed, String> {
                 let new_index = obs.links.iter().map(|l| l.index).max().unwrap_or(0) + 1;
                 let parent = index(&obs, &d.parent)?;
                 let parent_mac = obs.link_by_index(parent).and_then(|l| l.mac.clone());
+                // A VLAN or macvlan created without an MTU gets its parent's.
+                let parent_mtu = obs.link_by_index(parent).map_or(1500, |l| l.mtu);
                 obs.links.push(ObservedLink {
                     index: new_index,
                     name: d.name.clone(),
                     mac: d.mac.map(|m| format_mac(&m)).or(parent_mac),
-                    mtu: d.mtu.unwrap_or(1500),
+                    mtu: d.mtu.unwrap_or(parent_mtu),
                     up: d.up,
                     oper_state: "up".into(),
                     kind: match d.kind {
@@ -90,11 +103,39 @@ pub fn simulate(mut obs: Observed, plan: &Plan) -> Result<Observed, String> {
                     .iter_mut()
                     .find(|l| l.index == i)
                     .expect("looked up");
+                let (was_up, was_mtu) = (l.up, l.mtu);
                 if let Some(m) = mtu {
                     l.mtu = *m;
                 }
                 if let Some(u) = up {
                     l.up = *u;
+                }
+                if was_up && *up == Some(false) {
+                    obs.routes.retain(|r| r.oif != Some(i));
+                    obs.addresses
+                        .retain(|a| !(a.index == i && a.net.addr().is_ipv6()));
+                }
+                if let Some(m) = *mtu {
+                    if m < IPV6_MIN_MTU && was_mtu >= IPV6_MIN_MTU {
+                        obs.routes
+                            .retain(|r| !(r.oif == Some(i) && r.destination.addr().is_ipv6()));
+                        obs.addresses
+                            .retain(|a| !(a.index == i && a.net.addr().is_ipv6()));
+                    }
+                    // Stacked links follow a lowered parent down, and theirs follow them.
+                    let mut lower = vec![i];
+                    while let Some(p) = lower.pop() {
+                        for u in obs
+                            .links
+                            .iter_mut()
+                            .filter(|u| u.parent_index == Some(p) && follows_parent_mtu(u))
+                        {
+                            if u.mtu > m {
+                                u.mtu = m;
+                            }
+                            lower.push(u.index);
+                        }
+                    }
                 }
             }
             Step::AddAddress(a) => {
