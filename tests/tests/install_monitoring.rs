@@ -1,7 +1,7 @@
 //! Observability that installs with nodekeeper, proven on real parts: `deploy/monitoring` (the
 //! kustomize copy) renders the same PodMonitors, PrometheusRule and dashboard ConfigMap as the
 //! chart's `monitoring.*` values; the agent DaemonSet of `deploy/agent` serves the port its
-//! PodMonitor scrapes; and a real Prometheus (Debian's `prometheus` package), with scrape jobs
+//! PodMonitor scrapes and does not run the journal monitor its image cannot run; and a real Prometheus (Debian's `prometheus` package), with scrape jobs
 //! made from `deploy/monitoring`'s PodMonitors, scrapes a real controller and real agents on
 //! their nodes' 127.x addresses, evaluates the chart's alert rules, and answers every query of
 //! the Grafana dashboard with data while the test creates the conditions they show (a failed
@@ -182,6 +182,57 @@ fn the_agent_serves_the_port_its_podmonitor_scrapes() {
         config.metrics_listen,
         Some(SocketAddr::from(([10, 0, 0, 5], port as u16)))
     );
+}
+
+/// The agent image carries no `journalctl` (deploy/images/agent.Containerfile: FROM scratch,
+/// one binary), so the shipped DaemonSet and the chart's defaults turn the journal monitor off:
+/// on, it would leave FrequentKubeletRestart, FrequentContainerdRestart and
+/// FrequentDockerRestart Unknown on every node. The chart turns it on only when asked
+/// (`agent.journalMonitor`) and the journal is mounted (`agent.hostMounts.journal`).
+#[test]
+fn the_shipped_agent_does_not_run_the_journal_monitor_its_image_cannot_run() {
+    let containerfile =
+        std::fs::read_to_string(repo().join("deploy/images/agent.Containerfile")).unwrap();
+    assert!(
+        containerfile.contains("FROM scratch"),
+        "the agent image is no longer empty but for the binary; revisit NODEKEEPER_JOURNAL"
+    );
+    let journal_env = |objects: &[Value]| -> Option<String> {
+        let agent = named(objects, "DaemonSet", "nodekeeper-agent");
+        agent["spec"]["template"]["spec"]["containers"][0]["env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["name"] == "NODEKEEPER_JOURNAL")
+            .map(|e| e["value"].as_str().unwrap().to_owned())
+    };
+    let install = kustomize(&repo().join("deploy")).unwrap();
+    let value = journal_env(&install).expect("NODEKEEPER_JOURNAL in deploy/agent's env");
+    let chart = helm_template("nodekeeper", &[]).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(journal_env(&chart).as_deref(), Some(value.as_str()));
+    let opted_in = helm_template("nodekeeper", &["--set=agent.journalMonitor=true"])
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(journal_env(&opted_in), None, "agent.journalMonitor=true");
+    let unmounted = helm_template(
+        "nodekeeper",
+        &["--set=agent.journalMonitor=true,agent.hostMounts.journal=false"],
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(journal_env(&unmounted).as_deref(), Some("false"));
+
+    // What the agent makes of it: no journal monitor.
+    use clap::Parser as _;
+    let dir = tempfile::tempdir().unwrap();
+    let setup = AgentSetup::new(
+        "node-a",
+        SocketAddr::from(([10, 0, 0, 5], 9443)),
+        dir.path(),
+        dir.path(),
+    );
+    let mut args = setup.args();
+    args.push(format!("--journal={value}"));
+    let config = nodekeeper_agent::Config::try_parse_from(args).unwrap();
+    assert!(config.monitors().journal.is_none());
 }
 
 /// A percent-encoded query string value.

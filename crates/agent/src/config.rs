@@ -259,6 +259,7 @@ impl Config {
             config_dir: self.monitor_config_dir.clone(),
             health,
             metrics: self.metrics_listen,
+            state_dir: Some(self.state_dir.clone()),
         }
     }
 

@@ -331,3 +331,61 @@ fn the_real_journalctl_accepts_the_arguments_and_reports_a_missing_directory() {
         ConditionStatus::Unknown
     );
 }
+
+/// A journal that stays unreadable is listed (and logged) once per distinct error, not on
+/// every retry: the state does not move while the same error repeats.
+#[test]
+fn the_same_error_on_every_retry_is_listed_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = Run::start(
+        Path::new("/nonexistent/journalctl"),
+        Some(dir.path()),
+        false,
+    );
+    run.wait_for("the refusal", |s| {
+        s.refusals().iter().any(|r| r.origin == ORIGIN)
+    });
+    let revision = lock(&run.shared).revision();
+    // Retries every 200 ms: several happen meanwhile.
+    std::thread::sleep(Duration::from_millis(1200));
+    let (state, stats) = run.finish();
+    assert!(stats.unreadable >= 4, "{stats:?}");
+    assert_eq!(state.revision(), revision, "{state:#?}");
+    assert_eq!(
+        state
+            .refusals()
+            .iter()
+            .filter(|r| r.origin == ORIGIN)
+            .count(),
+        1
+    );
+}
+
+/// A `journalctl` that writes more to stderr than a pipe holds (64 KiB) before its entries
+/// is not left blocked on the pipe: stderr is read while it runs.
+#[test]
+fn a_journalctl_flooding_stderr_is_not_blocked() {
+    let dir = tempfile::tempdir().unwrap();
+    let journal_dir = dir.path().join("journal");
+    std::fs::create_dir(&journal_dir).unwrap();
+    let d = dir.path().display();
+    std::fs::write(
+        dir.path().join("entries"),
+        entry(1, minutes(1), "systemd", KUBELET_STARTED) + "\n",
+    )
+    .unwrap();
+    let path = dir.path().join("journalctl");
+    std::fs::write(
+        &path,
+        format!(
+            "#!/bin/sh\nhead -c 200000 /dev/zero | tr '\\0' w >&2\ncat {d}/entries\nexec sleep 30\n"
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let run = Run::start(&path, Some(&journal_dir), false);
+    run.wait_for("the entry printed after the stderr flood", |s| {
+        s.counter("KubeletStart") == 1
+    });
+    run.finish();
+}

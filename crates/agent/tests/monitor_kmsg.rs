@@ -11,6 +11,7 @@ use std::sync::atomic::AtomicBool;
 use std::time::{Duration, SystemTime};
 
 use nodekeeper_agent::monitor::kmsg::{self, KmsgReader, ReadStats};
+use nodekeeper_agent::monitor::persist::Persist;
 use nodekeeper_agent::monitor::state::{
     ConditionStatus, MAX_RECENT, ProblemState, SharedState, lock,
 };
@@ -65,6 +66,7 @@ fn read_with(path: &Path, monitors: Vec<LogMonitor>, shared: &SharedState) -> Re
         stop: Arc::new(AtomicBool::new(false)),
         stop_at_end: true,
         caught_up: None,
+        persist: None,
     }
     .run()
 }
@@ -79,7 +81,13 @@ fn write(dir: &Path, name: &str, text: &str) -> std::path::PathBuf {
 /// (`__oom_kill_process`), kernel/hung_task.c, net/core/dev.c (`netdev_wait_allrefs`),
 /// arch/x86/mm/fault.c (pre-4.17 wording), arch/x86/kernel/dumpstack.c (`__die_header` on a
 /// non-PREEMPT, non-PTI build), fs/ext4/super.c, fs/buffer.c, fs/xfs/xfs_fsops.c
-/// (`xfs_do_force_shutdown`), drivers/edac/edac_mc.c, drivers/firmware/efi/cper.c.
+/// (`xfs_do_force_shutdown`), drivers/edac/edac_mc.c, drivers/firmware/efi/cper.c. The modern
+/// KernelOops lines (built-in kernel-monitor-modern.json) follow arch/x86/mm/fault.c
+/// `show_fault_oops()` since v5.2 (`"BUG: kernel NULL pointer dereference, address: %px"`,
+/// `"BUG: unable to handle page fault for address: %px"`) and arch/x86/kernel/dumpstack.c
+/// `__die_header()` (`"%s: %04lx [#%d]%s%s%s%s%s"` with " PREEMPT", " SMP", " PTI"/" NOPTI"
+/// since v4.15; `"Oops: %s: %04lx [#%d]…"` since v6.9; the preemption model moved out of it
+/// in v6.15).
 const TEMPORARY: &[(&str, &str)] = &[
     (
         "OOMKilling",
@@ -104,6 +112,22 @@ const TEMPORARY: &[(&str, &str)] = &[
         "BUG: unable to handle kernel NULL pointer dereference at 0000000000000008",
     ),
     ("KernelOops", "divide error: 0000 [#1] SMP"),
+    (
+        "KernelOops",
+        "BUG: kernel NULL pointer dereference, address: 0000000000000008",
+    ),
+    (
+        "KernelOops",
+        "BUG: unable to handle page fault for address: ffffc90000a3f000",
+    ),
+    ("KernelOops", "divide error: 0000 [#1] SMP PTI"),
+    ("KernelOops", "divide error: 0000 [#1] PREEMPT SMP NOPTI"),
+    (
+        "KernelOops",
+        "Oops: divide error: 0000 [#1] PREEMPT SMP NOPTI",
+    ),
+    ("KernelOops", "Oops: divide error: 0000 [#1] SMP NOPTI"),
+    ("KernelOops", "Oops: divide error: 0000 [#1] SMP"),
     (
         "Ext4Error",
         "EXT4-fs error (device sda1): ext4_find_entry:1455: inode #2: comm ls: reading directory lblock 0",
@@ -268,8 +292,8 @@ fn a_restart_does_not_fire_lines_older_than_the_lookback() {
         ConditionStatus::False
     );
     assert_eq!(state.counter("IOError"), 1);
-    // Two monitors (kernel and readonly) each skip the two old records.
-    assert_eq!(stats.skipped_before_start, 4);
+    // Three monitors (kernel, readonly and kernel-monitor-modern) each skip the two old records.
+    assert_eq!(stats.skipped_before_start, 6);
 }
 
 #[test]
@@ -391,6 +415,7 @@ fn a_fifo_is_followed_until_stopped() {
         SystemTime::now() - UPTIME,
         loaded.log_monitors,
         shared.clone(),
+        None,
     );
     let mut writer = std::fs::OpenOptions::new().write(true).open(&fifo).unwrap();
     writer
@@ -440,4 +465,164 @@ fn records_read_before_do_not_fire_again() {
     let (state, stats) = read_file(&path, None);
     assert_eq!(state.counter("OOMKilling"), 1);
     assert_eq!((stats.records, stats.already_read, stats.lost), (4, 2, 0));
+}
+
+/// A kernel log that cannot be opened leaves every kernel-log condition Unknown (never healthy),
+/// with a message naming the path, the error and the fix; once it opens they are healthy again.
+#[test]
+fn an_unopenable_log_turns_the_conditions_unknown_until_it_opens() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("kmsg");
+    let shared = ProblemState::new_shared();
+    let run = |shared: &SharedState| {
+        let loaded = monitor::load(None, &mut lock(shared));
+        read_with(&path, loaded.log_monitors, shared)
+    };
+    run(&shared);
+    {
+        let state = lock(&shared);
+        for kind in ["KernelDeadlock", "ReadonlyFilesystem"] {
+            let c = state.condition(kind).unwrap();
+            assert_eq!(c.status, ConditionStatus::Unknown, "{kind}: {c:?}");
+            for part in [
+                path.to_str().unwrap(),
+                "No such file or directory",
+                "agent.privileged=true",
+                "agent.hostMounts.kmsg=false",
+            ] {
+                assert!(
+                    c.message.contains(part),
+                    "{part:?} missing from {:?}",
+                    c.message
+                );
+            }
+        }
+        assert!(
+            state
+                .refusals()
+                .iter()
+                .any(|r| r.origin == path.to_str().unwrap()),
+            "{:?}",
+            state.refusals()
+        );
+    }
+    std::fs::write(&path, Feed::new().push("nothing to see").lines.as_str()).unwrap();
+    run(&shared);
+    let state = lock(&shared);
+    for kind in ["KernelDeadlock", "ReadonlyFilesystem"] {
+        let c = state.condition(kind).unwrap();
+        assert_eq!(
+            (c.status, c.reason.as_str()),
+            (
+                ConditionStatus::False,
+                if kind == "KernelDeadlock" {
+                    "KernelHasNoDeadlock"
+                } else {
+                    "FilesystemIsNotReadOnly"
+                }
+            ),
+            "{kind}"
+        );
+    }
+    assert_eq!(state.refusals(), &[]);
+}
+
+/// A condition a kernel line turned True survives an agent restart on the same boot (the line
+/// is past the lookback window by then), and is healthy again on another boot.
+#[test]
+fn true_conditions_are_kept_across_restarts_on_one_boot() {
+    let dir = tempfile::tempdir().unwrap();
+    let state_dir = dir.path().join("state");
+    let reader = |path: &Path, boot_id: &str| {
+        let shared = ProblemState::new_shared();
+        let loaded = monitor::load(None, &mut lock(&shared));
+        KmsgReader {
+            path: path.to_owned(),
+            boot: SystemTime::now() - UPTIME,
+            monitors: loaded.log_monitors,
+            state: shared.clone(),
+            stop: Arc::new(AtomicBool::new(false)),
+            stop_at_end: true,
+            caught_up: None,
+            persist: Some(Persist::new(&state_dir, boot_id.to_owned())),
+        }
+        .run();
+        lock(&shared).clone()
+    };
+    let readonly = |s: &ProblemState| {
+        let c = s.condition("ReadonlyFilesystem").unwrap();
+        (c.status, c.reason.clone())
+    };
+    let first = write(
+        dir.path(),
+        "kmsg-1",
+        &Feed::new()
+            .push("EXT4-fs (sda1): Remounting filesystem read-only")
+            .lines,
+    );
+    let before = reader(&first, "boot-a");
+    assert_eq!(
+        readonly(&before),
+        (ConditionStatus::True, "FilesystemIsReadOnly".into())
+    );
+    // After the restart the line is older than the 5 min lookback: it does not fire again.
+    let later = write(
+        dir.path(),
+        "kmsg-2",
+        &Feed::new()
+            .push_aged(
+                Duration::from_secs(1800),
+                "EXT4-fs (sda1): Remounting filesystem read-only",
+            )
+            .push("nothing new")
+            .lines,
+    );
+    let after = reader(&later, "boot-a");
+    assert_eq!(
+        readonly(&after),
+        (ConditionStatus::True, "FilesystemIsReadOnly".into())
+    );
+    let c = after.condition("ReadonlyFilesystem").unwrap();
+    assert_eq!(
+        c.message,
+        before.condition("ReadonlyFilesystem").unwrap().message
+    );
+    // Restoring does not count the problem a second time.
+    assert_eq!(after.counter("FilesystemIsReadOnly"), 0);
+    assert_eq!(
+        after.condition("KernelDeadlock").unwrap().status,
+        ConditionStatus::False
+    );
+    let rebooted = reader(&later, "boot-b");
+    assert_eq!(
+        readonly(&rebooted),
+        (ConditionStatus::False, "FilesystemIsNotReadOnly".into())
+    );
+}
+
+/// A whole modern page-fault oops, as a 6.x kernel prints it (fault.c's BUG and #PF lines, the
+/// page-table dump, dumpstack.c's header with the `Oops: ` prefix): one KernelOops, not one per
+/// line that names it.
+#[test]
+fn a_modern_oops_counts_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut feed = Feed::new();
+    for line in [
+        "BUG: kernel NULL pointer dereference, address: 0000000000000018",
+        "#PF: supervisor read access in kernel mode",
+        "#PF: error_code(0x0000) - not-present page",
+        "PGD 1c2383067 P4D 1c2383067 PUD 20b703067 PMD 0",
+        "Oops: Oops: 0000 [#1] SMP NOPTI",
+        "CPU: 8 UID: 0 PID: 727 Comm: kworker/8:1 Not tainted 6.17.0 #1 PREEMPT(voluntary)",
+        "RIP: 0010:nsh_key_put_from_nlattr+0x19d/0x610 [openvswitch]",
+    ] {
+        feed.push(line);
+    }
+    let path = write(dir.path(), "oops", &feed.lines);
+    let (state, _) = read_file(&path, None);
+    assert_eq!(state.counter("KernelOops"), 1, "{:?}", state.counters());
+    assert_eq!(
+        state.recent().last().unwrap().message,
+        "BUG: kernel NULL pointer dereference, address: 0000000000000018"
+    );
 }

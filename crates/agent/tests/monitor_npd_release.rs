@@ -130,7 +130,15 @@ fn release_kmsg_rule_files_equal_the_builtin_defaults_and_run() {
         .iter()
         .map(|m| m.source.as_str())
         .collect();
-    assert_eq!(sources, ["kernel-monitor", "readonly-monitor"]);
+    // Ours stays beside them (it has a source of its own).
+    assert_eq!(
+        sources,
+        [
+            "kernel-monitor-modern",
+            "kernel-monitor",
+            "readonly-monitor"
+        ]
+    );
     // Its journald files load as journal monitors, each on its SYSLOG_IDENTIFIER.
     let mut journald: Vec<_> = loaded
         .journal_monitors
@@ -161,6 +169,7 @@ fn release_kmsg_rule_files_equal_the_builtin_defaults_and_run() {
         stop: Default::default(),
         stop_at_end: true,
         caught_up: None,
+        persist: None,
     }
     .run();
     let state = lock(&shared);

@@ -96,20 +96,24 @@ fn family(name: &str) -> Option<&'static Family> {
     FAMILIES.iter().find(|f| matches(f.pattern, name))
 }
 
+/// The families whose indicators can start with `prefix`.
+fn families_under(prefix: &str) -> impl Iterator<Item = &'static Family> + '_ {
+    FAMILIES.iter().filter(move |f| {
+        // The family's fixed start; anything may follow it where it has a `*`.
+        let (start, wild) = match f.pattern.split_once('*') {
+            Some((start, _)) => (start, true),
+            None => (f.pattern, false),
+        };
+        start.starts_with(prefix) || (wild && prefix.starts_with(start))
+    })
+}
+
 /// Whether a threshold's `indicator` names something the agent measures (or may measure: disk
 /// names depend on the configured mounts). A prefix (`disk.*`, `psi.*`, `*`) is known when some
 /// indicator the agent reports can start with it.
 pub fn known_indicator(pattern: &str) -> bool {
     if let Some(prefix) = pattern.strip_suffix('*') {
-        return !prefix.contains('*')
-            && FAMILIES.iter().any(|f| {
-                // The family's fixed start; anything may follow it where it has a `*`.
-                let (start, wild) = match f.pattern.split_once('*') {
-                    Some((start, _)) => (start, true),
-                    None => (f.pattern, false),
-                };
-                start.starts_with(prefix) || (wild && prefix.starts_with(start))
-            });
+        return !prefix.contains('*') && families_under(prefix).next().is_some();
     }
     !pattern.contains('*') && family(pattern).is_some()
 }
@@ -190,7 +194,29 @@ pub fn check_threshold(t: &Threshold) -> Result<(), (&'static str, String)> {
             return Err((field, format!("{value} is not a finite number")));
         }
     }
-    // A prefix may cover indicators of both directions, so only an exact name is checked.
+    // One pair of levels cannot judge indicators where higher is worse and ones where lower is
+    // worse alike: `time.*` at (1, 5) would call a synchronised clock (time.synchronized = 1)
+    // Warning. Such a prefix is refused, naming the indicators it covers.
+    if let Some(prefix) = t.indicator.strip_suffix('*') {
+        let (lower, higher): (Vec<&Family>, Vec<&Family>) =
+            families_under(prefix).partition(|f| f.lower_is_worse);
+        if !lower.is_empty() && !higher.is_empty() {
+            let names =
+                |fs: &[&Family]| fs.iter().map(|f| f.pattern).collect::<Vec<_>>().join(", ");
+            return Err((
+                "indicator",
+                format!(
+                    "{:?} covers indicators where higher is worse ({}) and ones where lower is \
+                     worse ({}), which one pair of levels cannot judge; give thresholds for \
+                     these by name or by a narrower prefix",
+                    t.indicator,
+                    names(&higher),
+                    names(&lower)
+                ),
+            ));
+        }
+    }
+    // A prefix's levels are not checked against a direction (mixed ones are refused above).
     if !t.indicator.ends_with('*') {
         let lower = lower_is_worse(&t.indicator);
         if (lower && t.critical > t.warning) || (!lower && t.critical < t.warning) {
@@ -296,6 +322,31 @@ mod tests {
         let (field, why) = check_threshold(&t("conntrack.used_percent", 90.0, 75.0)).unwrap_err();
         assert_eq!(field, "critical");
         assert!(why.contains("at or above"), "{why}");
+    }
+
+    #[test]
+    fn a_prefix_covering_both_directions_is_refused() {
+        for mixed in ["*", "time.*", "t*", "time*"] {
+            let (field, why) = check_threshold(&t(mixed, 1.0, 5.0)).unwrap_err();
+            assert_eq!(field, "indicator", "{mixed}");
+            for part in ["time.synchronized", "time.max_error_seconds", "by name"] {
+                assert!(why.contains(part), "{mixed}: {part:?} missing from {why}");
+            }
+        }
+        // What such a prefix would have done: a synchronised clock judged Critical.
+        let levels = levels("time.synchronized", &[t("time.*", 1.0, 5.0)]).unwrap();
+        assert_eq!(judge(1.0, true, levels), Verdict::Critical);
+        for uniform in [
+            "disk.*",
+            "psi.*",
+            "lo*",
+            "time.max*",
+            "time.sync*",
+            "m*",
+            "gpu.*",
+        ] {
+            assert_eq!(check_threshold(&t(uniform, 1.0, 5.0)), Ok(()), "{uniform}");
+        }
     }
 
     #[test]

@@ -18,7 +18,7 @@
 //! healthy; everything else keeps running and the child is retried every 30 s.
 
 use std::collections::VecDeque;
-use std::io::{BufReader, ErrorKind, Read as _};
+use std::io::{BufReader, ErrorKind};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -159,7 +159,7 @@ impl Counter {
     /// The earliest entry counted now: boot + delay or now − lookback, whichever is later.
     pub fn start_time(&self, boot: SystemTime, now: SystemTime) -> SystemTime {
         let lookback = now.checked_sub(self.lookback).unwrap_or(now);
-        (boot + self.delay).max(lookback)
+        super::add_or_never(boot, self.delay).max(lookback)
     }
 
     /// Takes one entry of this counter's identifier.
@@ -270,6 +270,8 @@ pub struct JournalStats {
     pub malformed: u64,
     pub too_long: u64,
     pub starts: u64,
+    /// Times the journal was found unreadable (each retry counts).
+    pub unreadable: u64,
 }
 
 /// Reads the journal for the `journald` rule files and the restart counters.
@@ -352,14 +354,15 @@ impl JournalReader {
         args
     }
 
-    /// Marks the journal unreadable: one refusal entry (replacing the previous one) and the
-    /// restart conditions Unknown.
-    fn unreadable(&mut self, why: &str) {
+    /// Marks the journal unreadable: one refusal entry (replacing the previous one, listed and
+    /// logged once per distinct error rather than on every retry) and the restart conditions
+    /// Unknown.
+    fn unreadable(&mut self, why: &str, stats: &mut JournalStats) {
         self.signal_caught_up();
+        stats.unreadable += 1;
         let now = SystemTime::now();
         let mut state = lock(&self.state);
-        state.clear_refusals(ORIGIN);
-        state.refuse(ORIGIN, "", why);
+        state.refuse_once(ORIGIN, why);
         for c in &self.counters {
             c.unknown(&format!("journal not readable: {why}"), now, &mut state);
         }
@@ -410,6 +413,7 @@ impl JournalReader {
                 self.unreadable(
                     "no journal directory (/var/log/journal or /run/log/journal); mount the \
                      host's journal into the agent or set --journal-dir",
+                    &mut stats,
                 );
             } else {
                 let args = self.arguments(directory.as_deref(), cursor.as_deref(), since);
@@ -418,10 +422,10 @@ impl JournalReader {
                         stats.starts += 1;
                         let why = self.follow(child, &starts, &mut stats, &mut cursor);
                         if let Some(why) = why {
-                            self.unreadable(&why);
+                            self.unreadable(&why, &mut stats);
                         }
                     }
-                    Err(why) => self.unreadable(&why),
+                    Err(why) => self.unreadable(&why, &mut stats),
                 }
             }
             if self.stop_at_end {
@@ -460,6 +464,13 @@ impl JournalReader {
         cursor: &mut Option<String>,
     ) -> Option<String> {
         let stdout = child.stdout.take().expect("piped");
+        // Read while it runs: a journalctl that writes more than a pipe holds (64 KiB) to stderr
+        // would otherwise block there and never print another entry.
+        let stderr = child.stderr.take().map(|err| {
+            std::thread::Builder::new()
+                .name("journal-stderr".into())
+                .spawn(move || drain_keeping(err, MAX_STDERR))
+        });
         // Non-blocking, so that a stop request and the counters' clock are seen while idle.
         let flags = nix::fcntl::fcntl(&stdout, nix::fcntl::FcntlArg::F_GETFL).unwrap_or(0);
         let _ = nix::fcntl::fcntl(
@@ -513,16 +524,18 @@ impl JournalReader {
             }
         };
         if !ended {
+            // The stderr thread ends when the killed child's pipe closes; it is not waited for.
             let _ = child.kill();
             let _ = child.wait();
             return None;
         }
         self.judge_counters();
-        let mut stderr = Vec::new();
-        if let Some(err) = child.stderr.take() {
-            let _ = err.take(MAX_STDERR as u64).read_to_end(&mut stderr);
-        }
         let status = child.wait();
+        let stderr = match stderr {
+            Some(Ok(thread)) => thread.join().unwrap_or_default(),
+            Some(Err(e)) => format!("(stderr not read: {e})").into_bytes(),
+            None => Vec::new(),
+        };
         let said = String::from_utf8_lossy(&stderr);
         let said = said.lines().find(|l| !l.trim().is_empty()).unwrap_or("");
         let status = status.map_or_else(|e| e.to_string(), |s| s.to_string());
@@ -588,6 +601,23 @@ impl JournalReader {
             if Some(&c.identifier) == identifier.as_ref() {
                 c.observe(message, at);
             }
+        }
+    }
+}
+
+/// Reads `from` to its end, keeping the first `max` bytes and dropping the rest.
+fn drain_keeping(mut from: impl std::io::Read, max: usize) -> Vec<u8> {
+    let mut kept = Vec::new();
+    let mut buf = [0u8; 8192];
+    loop {
+        match from.read(&mut buf) {
+            Ok(0) => return kept,
+            Ok(n) => {
+                let room = max.saturating_sub(kept.len());
+                kept.extend_from_slice(&buf[..n.min(room)]);
+            }
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(_) => return kept,
         }
     }
 }

@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime};
 
+use super::persist::{Persist, Snapshot};
 use super::rules::LogMonitor;
 use super::state::{SharedState, lock};
 
@@ -62,6 +63,17 @@ pub fn boot_time() -> std::io::Result<SystemTime> {
     Ok(SystemTime::now() - Duration::from_secs_f64(secs))
 }
 
+/// The condition message while the kernel log cannot be opened: the path, the error and the fix.
+pub fn unreadable_message(path: &Path, error: &std::io::Error) -> String {
+    format!(
+        "kernel log {} cannot be opened ({error}), so kernel problems are not known; run the \
+         agent privileged (Helm: agent.privileged=true), as containerd and CRI-O need for \
+         /dev/kmsg, or turn the kernel-log monitor off (Helm: agent.hostMounts.kmsg=false; \
+         flag: --kernel-monitor=false)",
+        path.display()
+    )
+}
+
 /// Where to read and what to apply.
 pub struct KmsgReader {
     pub path: PathBuf,
@@ -76,6 +88,8 @@ pub struct KmsgReader {
     /// Told once the backlog has been read (or the log cannot be opened), so that the first
     /// report already holds what the backlog showed.
     pub caught_up: Option<tokio::sync::oneshot::Sender<()>>,
+    /// Where the `True` conditions are kept across agent restarts on one boot; `None`: not kept.
+    pub persist: Option<Persist>,
 }
 
 /// What one read loop saw (for tests and logs).
@@ -106,6 +120,10 @@ impl KmsgReader {
             .iter()
             .map(|m| m.start_time(self.boot, now))
             .collect();
+        let mut keeper = self
+            .persist
+            .take()
+            .map(|p| Keeper::restore(p, &self.monitors, &self.state));
         let origin = self.path.display().to_string();
         // Kept across reopens: a reopened /dev/kmsg starts again at its oldest record, and what
         // was already read must not fire twice.
@@ -117,7 +135,13 @@ impl KmsgReader {
                 .open(&self.path);
             let file = match opened {
                 Ok(f) => {
-                    lock(&self.state).clear_refusals(&origin);
+                    let mut state = lock(&self.state);
+                    state.clear_refusals(&origin);
+                    let now = SystemTime::now();
+                    for m in &self.monitors {
+                        m.known(&mut state, now);
+                    }
+                    drop(state);
                     f
                 }
                 Err(e) => {
@@ -125,6 +149,12 @@ impl KmsgReader {
                     let mut state = lock(&self.state);
                     if !state.refusals().iter().any(|r| r.origin == origin) {
                         state.refuse(&origin, "", &format!("open kernel log: {e}; retrying"));
+                    }
+                    // Healthy would be a claim the monitor cannot make without the log.
+                    let why = unreadable_message(&self.path, &e);
+                    let now = SystemTime::now();
+                    for m in &self.monitors {
+                        m.unknown(&why, &mut state, now);
                     }
                     drop(state);
                     if self.stop_at_end {
@@ -134,7 +164,7 @@ impl KmsgReader {
                     continue;
                 }
             };
-            self.read(file, &starts, &mut stats, &mut last_seq);
+            self.read(file, &starts, &mut stats, &mut last_seq, keeper.as_mut());
             if self.stop_at_end {
                 break;
             }
@@ -165,6 +195,7 @@ impl KmsgReader {
         starts: &[SystemTime],
         stats: &mut ReadStats,
         last_seq: &mut Option<u64>,
+        mut keeper: Option<&mut Keeper>,
     ) {
         let mut reader = BufReader::with_capacity(16 * 1024, file);
         let mut pending = Line::default();
@@ -199,7 +230,11 @@ impl KmsgReader {
             if pending.truncated {
                 stats.truncated += 1;
             }
-            self.handle(&pending.bytes, starts, stats, last_seq);
+            if self.handle(&pending.bytes, starts, stats, last_seq) > 0
+                && let Some(k) = keeper.as_deref_mut()
+            {
+                k.save_if_changed(&self.state);
+            }
             pending.clear();
         }
     }
@@ -210,18 +245,18 @@ impl KmsgReader {
         starts: &[SystemTime],
         stats: &mut ReadStats,
         last_seq: &mut Option<u64>,
-    ) {
+    ) -> usize {
         // Dictionary lines (` SUBSYSTEM=…`) belong to the record before them.
         if line.first() == Some(&b' ') || line.is_empty() {
-            return;
+            return 0;
         }
         let Some(record) = parse_record(line) else {
             stats.malformed += 1;
-            return;
+            return 0;
         };
         if last_seq.is_some_and(|prev| record.seq <= prev) {
             stats.already_read += 1;
-            return;
+            return 0;
         }
         stats.records += 1;
         if let Some(prev) = *last_seq
@@ -233,10 +268,11 @@ impl KmsgReader {
         }
         *last_seq = Some(record.seq);
         if record.message.is_empty() {
-            return;
+            return 0;
         }
         let at = self.boot + Duration::from_micros(record.ts_usec);
         let mut state = None;
+        let mut fired = 0;
         for (monitor, start) in self.monitors.iter_mut().zip(starts) {
             if at < *start {
                 stats.skipped_before_start += 1;
@@ -244,7 +280,56 @@ impl KmsgReader {
             }
             // Every monitor's buffer must see every line, so the lock is taken once per record.
             let guard = state.get_or_insert_with(|| lock(&self.state));
-            monitor.process(&record.message, at, guard);
+            fired += monitor.process(&record.message, at, guard);
+        }
+        fired
+    }
+}
+
+/// The reader's kept conditions: restored at start, saved whenever the set of `True` ones
+/// changes (a permanent rule firing; rare, so a synced write each time is cheap).
+struct Keeper {
+    persist: Persist,
+    /// The condition types of the reader's rule files.
+    kinds: Vec<String>,
+    saved: Snapshot,
+}
+
+impl Keeper {
+    fn restore(persist: Persist, monitors: &[LogMonitor], state: &SharedState) -> Keeper {
+        let kinds: Vec<String> = monitors
+            .iter()
+            .flat_map(|m| m.conditions.iter().map(|c| c.kind.clone()))
+            .collect();
+        let mut state = lock(state);
+        let restored = persist.restore(&kinds, &mut state);
+        if restored > 0 {
+            tracing::info!(
+                restored,
+                path = %persist.path.display(),
+                "kernel-log conditions of this boot restored"
+            );
+        }
+        let saved = Persist::snapshot(&kinds, &state);
+        Keeper {
+            persist,
+            kinds,
+            saved,
+        }
+    }
+
+    fn save_if_changed(&mut self, state: &SharedState) {
+        let now = Persist::snapshot(&self.kinds, &lock(state));
+        if now == self.saved {
+            return;
+        }
+        match self.persist.save(&now) {
+            Ok(()) => self.saved = now,
+            Err(error) => tracing::warn!(
+                %error,
+                path = %self.persist.path.display(),
+                "keep kernel-log conditions; an agent restart on this boot shows them healthy"
+            ),
         }
     }
 }
@@ -327,6 +412,7 @@ pub fn spawn(
     boot: SystemTime,
     monitors: Vec<LogMonitor>,
     state: SharedState,
+    persist: Option<Persist>,
 ) -> Running {
     let path = path.to_owned();
     start_thread("kmsg", move |stop, tx| {
@@ -338,6 +424,7 @@ pub fn spawn(
             stop,
             stop_at_end: false,
             caught_up: Some(tx),
+            persist,
         }
         .run()
     })

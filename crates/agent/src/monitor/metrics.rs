@@ -9,14 +9,27 @@
 
 use std::fmt::Write as _;
 use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
 
 use http_body_util::Full;
 use hyper::body::Bytes;
-use hyper_util::rt::TokioIo;
+use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
 use super::state::{ConditionStatus, ProblemState, SharedState, lock};
+
+/// A client must send a request's headers within this time, or its connection is closed (also
+/// a keep-alive connection that sends nothing more). hyper enforces it only with a timer set.
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(5);
+/// Connections served at once; further ones wait in the listen backlog. A scraper needs one.
+pub const MAX_CONNECTIONS: usize = 16;
+/// Read buffer per connection: a `GET /metrics` fits many times over (hyper's minimum).
+const MAX_BUF_BYTES: usize = 8 * 1024;
+/// Pause after a failed accept (e.g. out of file descriptors), so the loop does not spin.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(500);
 
 /// Escapes a label value for the Prometheus text format.
 fn label(value: &str) -> String {
@@ -67,13 +80,25 @@ pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
 
 /// Serves `GET /metrics` (plain HTTP, as NPD's exporter) until `shutdown`.
 pub async fn serve(listener: TcpListener, state: SharedState, shutdown: CancellationToken) {
+    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     loop {
+        let permit = tokio::select! {
+            () = shutdown.cancelled() => return,
+            permit = slots.clone().acquire_owned() => match permit {
+                Ok(p) => p,
+                Err(_) => return,
+            },
+        };
         let (stream, _) = tokio::select! {
             () = shutdown.cancelled() => return,
             accepted = listener.accept() => match accepted {
                 Ok(a) => a,
                 Err(e) => {
-                    tracing::warn!(error = %e, "accept on the metrics listener");
+                    tracing::warn!(error = %e, "accept on the metrics listener; retrying shortly");
+                    tokio::select! {
+                        () = shutdown.cancelled() => return,
+                        () = tokio::time::sleep(ACCEPT_BACKOFF) => {}
+                    }
                     continue;
                 }
             },
@@ -81,6 +106,7 @@ pub async fn serve(listener: TcpListener, state: SharedState, shutdown: Cancella
         let state = state.clone();
         let stop = shutdown.clone();
         tokio::spawn(async move {
+            let _permit = permit;
             let service =
                 hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
                     let state = state.clone();
@@ -99,6 +125,9 @@ pub async fn serve(listener: TcpListener, state: SharedState, shutdown: Cancella
                     }
                 });
             let conn = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(HEADER_READ_TIMEOUT)
+                .max_buf_size(MAX_BUF_BYTES)
                 .serve_connection(TokioIo::new(stream), service);
             tokio::select! {
                 () = stop.cancelled() => {}
@@ -153,5 +182,55 @@ mod tests {
                 "{line:?} missing from\n{text}"
             );
         }
+    }
+
+    /// A client that starts a request and never finishes its headers is cut off at
+    /// [`HEADER_READ_TIMEOUT`] rather than holding its connection (and a slot) forever; while
+    /// [`MAX_CONNECTIONS`] are open, the next one waits.
+    #[tokio::test]
+    async fn unfinished_requests_are_closed_at_the_header_timeout_and_capped() {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let listener = bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let shutdown = CancellationToken::new();
+        tokio::spawn(serve(
+            listener,
+            ProblemState::new_shared(),
+            shutdown.clone(),
+        ));
+        let mut stalled = Vec::new();
+        for _ in 0..MAX_CONNECTIONS {
+            let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+            s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+                .await
+                .unwrap();
+            stalled.push(s);
+        }
+        let started = std::time::Instant::now();
+        // One more, complete: it waits for a slot.
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        let mut out = String::new();
+        let early = tokio::time::timeout(Duration::from_secs(2), s.read_to_string(&mut out)).await;
+        assert!(early.is_err(), "served beyond the cap: {out}");
+        for mut c in stalled {
+            let mut buf = Vec::new();
+            let read = tokio::time::timeout(HEADER_READ_TIMEOUT * 3, c.read_to_end(&mut buf)).await;
+            assert!(read.is_ok(), "still open after {:?}", started.elapsed());
+        }
+        let took = started.elapsed();
+        assert!(
+            took >= HEADER_READ_TIMEOUT - Duration::from_millis(500),
+            "closed after {took:?}, before the timeout"
+        );
+        // The waiting request is served once slots are free.
+        tokio::time::timeout(Duration::from_secs(5), s.read_to_string(&mut out))
+            .await
+            .expect("served once the stalled connections were closed")
+            .unwrap();
+        assert!(out.starts_with("HTTP/1.1 200"), "{out}");
+        shutdown.cancel();
     }
 }

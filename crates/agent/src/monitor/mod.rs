@@ -9,11 +9,17 @@
 //! v1.36.0, commit 19d58b0e), kept as data in `defaults/` with the same condition types, reasons,
 //! patterns and polarity, so alerts and remediation keyed on NPD's conditions keep working. A
 //! file in the configuration directory with the same `source` replaces a built-in one.
+//!
+//! NPD's `KernelOops` rules match only the wording of kernels before 5.2 on builds without
+//! PREEMPT or page-table isolation. `defaults/kernel-monitor-modern.json` (source
+//! `kernel-monitor-modern`, ours, not NPD's) adds the same reason for today's wording, so the
+//! NPD-derived files stay byte for byte NPD's.
 
 pub mod health;
 pub mod journal;
 pub mod kmsg;
 pub mod metrics;
+pub mod persist;
 pub mod plugin;
 pub mod rules;
 pub mod state;
@@ -35,6 +41,9 @@ pub const NPD_VERSION: &str = "v1.36.0";
 pub const DEFAULT_KERNEL_MONITOR: &str = include_str!("defaults/kernel-monitor.json");
 /// NPD v1.36.0 `config/readonly-monitor.json`.
 pub const DEFAULT_READONLY_MONITOR: &str = include_str!("defaults/readonly-monitor.json");
+/// `KernelOops` for kernels NPD's rules miss: x86 `show_fault_oops()` since 5.2 and
+/// `__die_header()` with PREEMPT, PTI/NOPTI and (6.9 on) the `Oops: ` prefix.
+pub const DEFAULT_KERNEL_MONITOR_MODERN: &str = include_str!("defaults/kernel-monitor-modern.json");
 /// NPD v1.36.0 `config/systemd-monitor.json` (journald: kubelet/runtime starts as Events).
 pub const DEFAULT_SYSTEMD_MONITOR: &str = include_str!("defaults/systemd-monitor.json");
 /// NPD v1.36.0 `config/systemd-monitor-counter.json` (`FrequentKubeletRestart`,
@@ -91,7 +100,27 @@ pub fn parse_go_duration(text: &str) -> Result<Duration, String> {
         total += value * scale;
         rest = &rest[unit_end..];
     }
+    // Go's time.Duration is an int64 of nanoseconds; NPD refuses anything longer, and a longer
+    // one here would overflow the time arithmetic it feeds (boot + delay).
+    if total > GO_MAX_DURATION_SECS {
+        return Err(format!(
+            "{text:?} is longer than the longest duration Go accepts (2562047h47m16.854775807s)"
+        ));
+    }
     Duration::try_from_secs_f64(total).map_err(|_| bad())
+}
+
+/// Go's longest `time.Duration` (`math.MaxInt64` nanoseconds, 2562047h47m16.854775807s) in
+/// seconds, as near as an f64 gets.
+#[allow(clippy::cast_precision_loss)]
+const GO_MAX_DURATION_SECS: f64 = i64::MAX as f64 / 1e9;
+
+/// `t + d`, or far in the future (a hundred years after `t`) where that is not representable:
+/// a start time that never comes, rather than a panic.
+pub(crate) fn add_or_never(t: SystemTime, d: Duration) -> SystemTime {
+    t.checked_add(d)
+        .or_else(|| t.checked_add(Duration::from_secs(100 * 365 * 86_400)))
+        .unwrap_or(t)
 }
 
 /// The fields every NPD monitor file has.
@@ -164,6 +193,9 @@ pub struct MonitorConfig {
     pub health: Option<health::HealthConfig>,
     /// Where `/metrics` (NPD's problem metrics) is served; `None`: not served.
     pub metrics: Option<std::net::SocketAddr>,
+    /// The agent's state directory, where the kernel-log monitor keeps its `True` conditions
+    /// across restarts on one boot; `None`: not kept.
+    pub state_dir: Option<PathBuf>,
 }
 
 /// The monitor files that loaded.
@@ -226,6 +258,10 @@ pub fn load(dir: Option<&Path>, state: &mut ProblemState) -> Loaded {
     for (origin, json) in [
         ("builtin:kernel-monitor.json", DEFAULT_KERNEL_MONITOR),
         ("builtin:readonly-monitor.json", DEFAULT_READONLY_MONITOR),
+        (
+            "builtin:kernel-monitor-modern.json",
+            DEFAULT_KERNEL_MONITOR_MODERN,
+        ),
         ("builtin:systemd-monitor.json", DEFAULT_SYSTEMD_MONITOR),
         (
             "builtin:systemd-monitor-counter.json",
@@ -365,7 +401,15 @@ pub async fn start(
         });
     };
     if let Some(path) = &config.kmsg_path {
-        let running = kmsg::spawn(path, boot, loaded.log_monitors, shared.clone());
+        let persist = config.state_dir.as_deref().and_then(|dir| {
+            persist::boot_id()
+                .map_err(|error| {
+                    tracing::warn!(%error, "read the boot id; kernel-log conditions are not kept across restarts");
+                })
+                .ok()
+                .map(|id| persist::Persist::new(dir, id))
+        });
+        let running = kmsg::spawn(path, boot, loaded.log_monitors, shared.clone(), persist);
         stop_on_shutdown(running.stop);
         caught_up.push(running.caught_up);
     }
@@ -472,6 +516,31 @@ mod tests {
         assert!(parse_go_duration("5").is_err());
         assert!(parse_go_duration("five minutes").is_err());
         assert!(parse_go_duration("").is_err());
+        // Go's limit (int64 nanoseconds): 2562047h is accepted, more is refused, not a panic later.
+        assert_eq!(
+            parse_go_duration("2562047h"),
+            Ok(Duration::from_secs(2_562_047 * 3600))
+        );
+        for absurd in ["2562048h", "2562047h48m", "99999999999999999999999h"] {
+            let err = parse_go_duration(absurd).unwrap_err();
+            assert!(err.contains("longest duration"), "{absurd}: {err}");
+        }
+    }
+
+    #[test]
+    fn an_absurd_delay_is_refused_and_never_panics() {
+        let err = LogMonitor::parse(
+            "d.json",
+            br#"{"plugin":"kmsg","source":"s","delay":"2562048h"}"#,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("field delay"), "{err}");
+        // A delay set past the parser (the fields are public) cannot overflow the start time.
+        let (mut m, _) =
+            LogMonitor::parse("d.json", br#"{"plugin":"kmsg","source":"s","delay":"1h"}"#).unwrap();
+        m.delay = Duration::MAX;
+        let now = SystemTime::now();
+        assert!(m.start_time(now, now) > now);
     }
 
     #[test]
@@ -484,9 +553,17 @@ mod tests {
             .iter()
             .map(|m| m.source.as_str())
             .collect();
-        assert_eq!(sources, ["kernel-monitor", "readonly-monitor"]);
+        assert_eq!(
+            sources,
+            [
+                "kernel-monitor",
+                "readonly-monitor",
+                "kernel-monitor-modern"
+            ]
+        );
         assert_eq!(loaded.log_monitors[0].rule_count(), 14);
         assert_eq!(loaded.log_monitors[1].rule_count(), 1);
+        assert_eq!(loaded.log_monitors[2].rule_count(), 3);
         assert_eq!(loaded.journal_monitors.len(), 1);
         assert_eq!(loaded.journal_monitors[0].source, "systemd-monitor");
         assert_eq!(

@@ -28,6 +28,9 @@ pub const MAX_READ_BYTES: usize = 4 * 1024;
 /// Upper bounds that keep a configuration from exhausting the node.
 const MAX_CONCURRENCY: usize = 32;
 const MAX_PLUGIN_RULES: usize = 128;
+/// How long a finished plugin's process group is reaped for (see [`reap_group`]).
+const REAP_GRACE: Duration = Duration::from_millis(500);
+const REAP_POLL: Duration = Duration::from_millis(20);
 
 #[derive(Clone, Debug, Default, Deserialize)]
 pub struct PluginGlobalConfig {
@@ -79,6 +82,9 @@ pub struct PluginMonitor {
     pub max_output: usize,
     pub concurrency: usize,
     pub message_change_update: bool,
+    /// NPD's `skip_initial_status`: the conditions are not declared healthy at start, only
+    /// reported once a plugin has said something about them.
+    pub skip_initial_status: bool,
     rules: Vec<Rule>,
     /// Rules that run NPD's `log-counter` (the journal restart counters of
     /// `systemd-monitor-counter.json`): not executed, but counted natively by the journal
@@ -229,6 +235,7 @@ impl PluginMonitor {
                 message_change_update: g
                     .enable_message_change_based_condition_update
                     .unwrap_or(false),
+                skip_initial_status: g.skip_initial_status.unwrap_or(false),
                 rules,
                 log_counters,
             },
@@ -240,10 +247,13 @@ impl PluginMonitor {
         self.rules.len()
     }
 
-    /// Declares this file's conditions (healthy) and starts its reasons' counters.
+    /// Declares this file's conditions (healthy; not with `skip_initial_status`) and starts its
+    /// reasons' counters.
     pub fn declare(&self, state: &mut ProblemState, now: SystemTime) {
-        for c in &self.conditions {
-            state.declare(&self.source, c, now);
+        if !self.skip_initial_status {
+            for c in &self.conditions {
+                state.declare(&self.source, c, now);
+            }
         }
         for r in &self.rules {
             state.init_counter(&r.rule.reason);
@@ -303,6 +313,10 @@ impl PluginMonitor {
                     .iter()
                     .find(|c| c.kind == rule.condition)
                     .expect("checked at load");
+                // Declared at start unless skip_initial_status; then at its first result.
+                if self.skip_initial_status {
+                    state.declare(&self.source, default, now);
+                }
                 let (status, reason, message) = match result.outcome {
                     Outcome::Problem => (
                         ConditionStatus::True,
@@ -377,6 +391,9 @@ pub async fn exec(path: &Path, args: &[String], timeout: Duration, max_output: u
     let finished = tokio::time::timeout(timeout, work).await;
     match finished {
         Ok((out, status)) => {
+            if let Some(pgid) = pgid {
+                reap_group(pgid).await;
+            }
             let text = String::from_utf8_lossy(&out);
             let message = cut(text.trim(), max_output);
             let outcome = match status.ok().and_then(|s| s.code()) {
@@ -395,6 +412,9 @@ pub async fn exec(path: &Path, args: &[String], timeout: Duration, max_output: u
                 kill_group(pgid);
             }
             let _ = child.wait().await;
+            if let Some(pgid) = pgid {
+                reap_group(pgid).await;
+            }
             tracing::warn!(plugin = %path.display(), ?timeout, "plugin timed out; process group killed");
             RunResult {
                 outcome: Outcome::Unknown,
@@ -420,6 +440,36 @@ fn kill_group(pgid: u32) {
         nix::unistd::Pid::from_raw(pgid),
         nix::sys::signal::Signal::SIGKILL,
     );
+}
+
+/// Reaps what is left of a finished plugin's process group. In its container the agent is PID 1,
+/// so a plugin's children that outlive it (or are killed with its group) become the agent's, and
+/// nothing else would ever wait for them: each would stay a zombie, holding a PID. Waiting on the
+/// group (`waitpid(-pgid)`) only touches that plugin's processes, never the children tokio waits
+/// for (each plugin has a group of its own). It stops as soon as no process of the group is the
+/// agent's child (`ECHILD`, at once where the agent is not PID 1 or a subreaper), or after
+/// [`REAP_GRACE`] while some still run (a daemon a plugin leaves running is left alone).
+async fn reap_group(pgid: u32) {
+    use nix::errno::Errno;
+    use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
+    let Ok(pgid) = i32::try_from(pgid) else {
+        return;
+    };
+    let group = nix::unistd::Pid::from_raw(-pgid);
+    let deadline = tokio::time::Instant::now() + REAP_GRACE;
+    loop {
+        match waitpid(group, Some(WaitPidFlag::WNOHANG)) {
+            Ok(WaitStatus::StillAlive) => {
+                if tokio::time::Instant::now() >= deadline {
+                    return;
+                }
+                tokio::time::sleep(REAP_POLL).await;
+            }
+            // One reaped; there may be more.
+            Ok(_) | Err(Errno::EINTR) => {}
+            Err(_) => return,
+        }
+    }
 }
 
 /// Reads up to [`MAX_READ_BYTES`] and drains the rest, so a flood neither grows memory nor

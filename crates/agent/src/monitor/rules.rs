@@ -208,9 +208,36 @@ impl LogMonitor {
         }
     }
 
+    /// Turns this file's conditions that are not `True` `Unknown` with `why`: the log cannot be
+    /// read, so it is not known to be healthy. A condition already `True` stays: what the log
+    /// showed on this boot is still so.
+    pub fn unknown(&self, why: &str, state: &mut ProblemState, now: SystemTime) {
+        for c in &self.conditions {
+            if state
+                .condition(&c.kind)
+                .is_some_and(|have| have.status != ConditionStatus::True)
+            {
+                state.set_condition(&c.kind, ConditionStatus::Unknown, &c.reason, why, now);
+            }
+        }
+    }
+
+    /// Turns this file's `Unknown` conditions back to healthy once the log can be read again
+    /// (the lines read next set them `True` where they show a problem).
+    pub fn known(&self, state: &mut ProblemState, now: SystemTime) {
+        for c in &self.conditions {
+            if state
+                .condition(&c.kind)
+                .is_some_and(|have| have.status == ConditionStatus::Unknown)
+            {
+                state.set_condition(&c.kind, ConditionStatus::False, &c.reason, &c.message, now);
+            }
+        }
+    }
+
     /// The earliest log timestamp this monitor acts on, from boot time and now (NPD's start time).
     pub fn start_time(&self, boot: SystemTime, now: SystemTime) -> SystemTime {
-        let after_delay = boot + self.delay;
+        let after_delay = super::add_or_never(boot, self.delay);
         let after_lookback = now
             .checked_sub(self.lookback)
             .unwrap_or(SystemTime::UNIX_EPOCH);

@@ -177,6 +177,30 @@ impl ProblemState {
         true
     }
 
+    /// Sets a declared condition `True` as it was kept before an agent restart: its reason,
+    /// message and transition time, without counting it again (it was counted when it turned
+    /// True). Returns whether anything changed.
+    pub fn restore_condition(
+        &mut self,
+        kind: &str,
+        reason: &str,
+        message: &str,
+        transition: SystemTime,
+    ) -> bool {
+        let Some(condition) = self.conditions.get_mut(kind) else {
+            return false;
+        };
+        if condition.status == ConditionStatus::True {
+            return false;
+        }
+        condition.status = ConditionStatus::True;
+        condition.reason = reason.to_owned();
+        condition.message = truncate(message, MAX_MESSAGE_BYTES).into_owned();
+        condition.transition = transition;
+        self.revision += 1;
+        true
+    }
+
     /// The counter for `reason`, or [`OTHER_REASON`]'s when [`MAX_REASONS`] are taken.
     fn counter_slot(&mut self, reason: &str) -> &mut u64 {
         let key = if self.counters.contains_key(reason) || self.counters.len() < MAX_REASONS {
@@ -239,6 +263,27 @@ impl ProblemState {
             });
         }
         self.revision += 1;
+    }
+
+    /// Makes `reason` the one refusal of `origin` (replacing the previous ones), unless it is
+    /// that already: a reader retrying on the same error lists and logs it once, not per retry.
+    /// Returns whether it was new.
+    pub fn refuse_once(&mut self, origin: &str, reason: &str) -> bool {
+        let kept = truncate(reason, MAX_MESSAGE_BYTES);
+        let mine: Vec<&Refusal> = self
+            .refusals
+            .iter()
+            .filter(|r| r.origin == origin)
+            .collect();
+        if let [only] = mine.as_slice()
+            && only.item.is_empty()
+            && only.reason == kept
+        {
+            return false;
+        }
+        self.clear_refusals(origin);
+        self.refuse(origin, "", reason);
+        true
     }
 
     /// Removes the refusals of one origin (a file that is loaded again).
