@@ -376,6 +376,8 @@ fn networktest(input: &[u8]) {
         api_server: Some("10.96.0.1:443".parse().expect("a socket address")),
         metadata_service: Some(metadata),
         allowed: allowed.clone(),
+        // The in-cluster default: `apiServer` over ICMP or path MTU is refused.
+        api_server_is_service: true,
     };
     // What the cluster's resolver would answer, including hostile answers.
     let resolved: BTreeMap<String, Vec<IpAddr>> = plan::hostnames_to_resolve(&spec)
@@ -489,7 +491,8 @@ impl Choices<'_> {
     }
 }
 
-/// A host: the planner tests' VM (lo, ens3 with its address and default route, ens5 down),
+/// A host: the planner tests' VM (lo, ens3 at MTU 9000 with its address and default route, ens5
+/// down: a bare-metal layout's macvlans at 9000 need a parent at least as large),
 /// plus links, addresses, routes and rules chosen by `bytes` — some nodekeeper's (alias,
 /// protocol 176), most not.
 fn observed_from(bytes: &[u8]) -> Observed {
@@ -497,7 +500,10 @@ fn observed_from(bytes: &[u8]) -> Observed {
     let mut obs = Observed {
         links: vec![
             plain_link(1, "lo", "00:00:00:00:00:00"),
-            plain_link(2, "ens3", "02:00:17:0a:11:01"),
+            ObservedLink {
+                mtu: 9000,
+                ..plain_link(2, "ens3", "02:00:17:0a:11:01")
+            },
             ObservedLink {
                 up: false,
                 ..plain_link(3, "ens5", "02:00:17:0a:22:02")

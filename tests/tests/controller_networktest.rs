@@ -58,8 +58,13 @@ async fn finished(api: &Api<NetworkTest>, name: &str) -> anyhow::Result<NetworkT
     .await
 }
 
+/// Each test runs its own controller, and every controller reconciles every NetworkTest: run
+/// together, one would take the other's tests (over nodes it does not manage) and refuse them.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn controller_runs_an_icmp_mesh_and_serves_the_full_results() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
     nodekeeper_testkit::skip_unless_root!("needs root for the agents' ICMP sockets");
     let client = ControlPlane::shared().client().await?;
     install_crds(&client).await?;
@@ -201,6 +206,88 @@ async fn controller_runs_an_icmp_mesh_and_serves_the_full_results() -> anyhow::R
         .await?,
         probes_before,
         "no agent was asked to probe"
+    );
+
+    drop((agents, controller));
+    Ok(())
+}
+
+/// A node the test's selector matches but the controller does not manage (outside its
+/// `--node-selector`) is never a source: the sources are the managed nodes, picked before
+/// `maxNodes`, so the first node by name (unmanaged) does not take a source's place and fail
+/// as "not managed".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unmanaged_nodes_are_not_sources() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    nodekeeper_testkit::skip_unless_root!("needs root for the agents' ICMP sockets");
+    let client = ControlPlane::shared().client().await?;
+    install_crds(&client).await?;
+    let ns = test_namespace(&client, "nk-nettest-mg").await?;
+    let group = unique_name("nettest-mg");
+    let labels: BTreeMap<String, String> =
+        [("nodekeeper.dev/e2e-group".to_string(), group.clone())].into();
+    let ips = loopback_ips(3);
+    let nodes = create_simulated_nodes(&client, "nk-nettest-mg", 3, &labels, &ips).await?;
+    // Nodes are named `<base>-0..2`: `-0` sorts first and stays unmanaged.
+    let node_api: Api<k8s_openapi::api::core::v1::Node> = Api::all(client.clone());
+    for node in &nodes[1..] {
+        node_api
+            .patch(
+                node,
+                &kube::api::PatchParams::default(),
+                &kube::api::Patch::Merge(json!({"metadata": {"labels": {
+                    "nodekeeper.dev/e2e-managed": "yes"}}})),
+            )
+            .await?;
+    }
+    let selector = format!("nodekeeper.dev/e2e-group={group},nodekeeper.dev/e2e-managed=yes");
+    let port = free_port();
+    put_tuning(
+        &client,
+        &ns,
+        &BTreeMap::from([("sweepInterval", "10s"), ("callTimeout", "2s")]),
+    )
+    .await?;
+    let controller = ControllerProcess::start(&ns, "nettest-mg", &selector, port, &[])?;
+    let tls = agent_tls(&client, &ns).await?;
+    let mut agents = Vec::new();
+    for (node, ip) in nodes.iter().zip(&ips).skip(1) {
+        agents.push(start_agent(node, SocketAddr::new((*ip).into(), port), &tls).await?);
+    }
+    for node in &nodes[1..] {
+        wait_condition(
+            &client,
+            node,
+            "NodekeeperReachable",
+            "True",
+            Some("AgentReachable"),
+            TIMEOUT,
+        )
+        .await?;
+    }
+
+    let api: Api<NetworkTest> = Api::namespaced(client.clone(), &ns);
+    let mesh = unique_name("mesh");
+    apply_test(
+        &api,
+        &mesh,
+        json!({"kind": "icmp",
+            "nodeSelector": {"matchLabels": {"nodekeeper.dev/e2e-group": group}},
+            "maxNodes": 2, "count": 2, "intervalMs": 20, "timeoutMs": 1000,
+            "targets": [{"peers": {"perNode": 1}}], "ttlSecondsAfterFinished": 600}),
+    )
+    .await?;
+    let s = finished(&api, &mesh).await?.status.context("status")?;
+    assert_eq!(s.phase, Some(Phase::Succeeded), "{s:?}");
+    assert_eq!((s.sources, s.sources_unreachable), (2, 0), "{s:?}");
+    assert_eq!((s.pairs, s.pairs_failed), (2, 0), "{s:?}");
+
+    let (code, body) = http_get(controller.http, &format!("/api/networktests/{ns}/{mesh}")).await?;
+    assert_eq!(code, 200, "{body}");
+    assert!(
+        !body.contains(nodes[0].as_str()),
+        "the unmanaged node {} is neither source nor peer: {body}",
+        nodes[0]
     );
 
     drop((agents, controller));

@@ -84,7 +84,7 @@ impl AgentNode {
         let controller = certs::issue(Leaf::Controller, &ca, &ca_key)?;
         let work = tempfile::tempdir()?;
         let mut volumes = BTreeMap::new();
-        for name in ["tls", "state", "oca", "journal-runtime"] {
+        for name in ["tls", "probe-ca", "state", "oca", "journal-runtime"] {
             let path = work.path().join(name);
             std::fs::create_dir(&path)?;
             volumes.insert(name, path);
@@ -92,6 +92,8 @@ impl AgentNode {
         std::fs::write(volumes["tls"].join("tls.crt"), &agent.cert)?;
         std::fs::write(volumes["tls"].join("tls.key"), &agent.key)?;
         std::fs::write(volumes["tls"].join("ca.crt"), &ca)?;
+        // The kube-root-ca.crt ConfigMap's projection: any CA the probes may trust.
+        std::fs::write(volumes["probe-ca"].join("ca.crt"), &ca)?;
         world_readable(work.path())?;
         Ok(Self {
             image,

@@ -442,6 +442,15 @@ async fn netns_nodes_report_the_failed_pair_the_loss_and_the_mtu() -> anyhow::Re
         .find(|t| t.target == HOLE)
         .context("blackholed target summary")?;
     assert_eq!((hole.pairs_failed, hole.loss_percent), (3, 100.0));
+    // The peers are one row, as the spec names them, not one row per node.
+    let rows: Vec<&str> = s.targets.iter().map(|t| t.target.as_str()).collect();
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    let peers = s
+        .targets
+        .iter()
+        .find(|t| t.target == "peers")
+        .context("peers summary")?;
+    assert_eq!((peers.pairs, peers.pairs_failed), (6, 2), "{peers:?}");
     assert!(
         s.latency
             .is_some_and(|l| l.p50_us > 0 && l.p50_us <= l.p95_us && l.p95_us <= l.max_us)
@@ -482,5 +491,130 @@ async fn netns_nodes_report_the_failed_pair_the_loss_and_the_mtu() -> anyhow::Re
 
     cancel.cancel();
     drop(topo);
+    Ok(())
+}
+
+/// Agents whose probe calls never finish: each call counts itself started, and dropped when
+/// the reconciler lets go of it (which, over gRPC, cancels the agent's probes).
+struct HangingAgents {
+    started: Arc<std::sync::atomic::AtomicUsize>,
+    dropped: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+/// Counts a drop of the call that holds it.
+struct DropCount(Arc<std::sync::atomic::AtomicUsize>);
+
+impl Drop for DropCount {
+    fn drop(&mut self) {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl Agents for HangingAgents {
+    fn run_probes<'a>(
+        &'a self,
+        _: &'a AgentNode,
+        _: pb::RunProbesRequest,
+        _: Duration,
+    ) -> BoxFuture<'a, Result<pb::RunProbesResponse, CallError>> {
+        self.started
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let guard = DropCount(Arc::clone(&self.dropped));
+        Box::pin(async move {
+            let _guard = guard;
+            std::future::pending().await
+        })
+    }
+
+    fn report<'a>(
+        &'a self,
+        node: &'a AgentNode,
+        _: nodekeeper_controller::shared::agents::ReportRequest<'a>,
+        _: Duration,
+    ) -> BoxFuture<'a, Report> {
+        let view = Err(call_error(node.endpoint, "no reports in this test".into()));
+        Box::pin(std::future::ready(Report {
+            view,
+            rules: RulesOutcome::NotPushed,
+        }))
+    }
+
+    fn apply_network<'a>(
+        &'a self,
+        node: &'a AgentNode,
+        _: pb::ApplyNetworkRequest,
+        _: Duration,
+    ) -> BoxFuture<'a, Result<pb::ApplyNetworkResponse, CallError>> {
+        let error = call_error(node.endpoint, "no network state in this test".into());
+        Box::pin(std::future::ready(Err(error)))
+    }
+
+    fn collect_diagnostics<'a>(
+        &'a self,
+        node: &'a AgentNode,
+        _: pb::DiagnosticsRequest,
+        _: Duration,
+    ) -> BoxFuture<'a, Result<nodekeeper_controller::shared::agents::DiagnosticsStream, CallError>>
+    {
+        let error = call_error(node.endpoint, "no diagnostics in this test".into());
+        Box::pin(std::future::ready(Err(error)))
+    }
+}
+
+/// Deleting a running NetworkTest stops its run: every agent call in flight is dropped (over
+/// gRPC that cancels the probes on the agent), and no results are kept for it.
+#[tokio::test]
+async fn deleting_a_running_test_cancels_its_agent_calls() -> anyhow::Result<()> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let client = ControlPlane::shared().client().await?;
+    install_crds(&client).await?;
+    let ns = test_namespace(&client, "nt-cancel").await?;
+    let pool = unique_name("pool");
+    let labels = BTreeMap::from([("nodekeeper.dev/pool".to_owned(), pool.clone())]);
+    create_simulated_nodes(&client, "ntc", 2, &labels, &[]).await?;
+    let started = Arc::new(AtomicUsize::new(0));
+    let dropped = Arc::new(AtomicUsize::new(0));
+    let agents = Arc::new(HangingAgents {
+        started: Arc::clone(&started),
+        dropped: Arc::clone(&dropped),
+    });
+    let (store, cancel) = start_reconciler(client.clone(), &ns, agents, Environment::default());
+    let api: Api<NetworkTest> = Api::namespaced(client.clone(), &ns);
+
+    // Two nodes pinging each other for minutes: running until deleted.
+    let name = unique_name("long");
+    let spec = json!({"kind": "icmp", "nodeSelector": {"matchLabels": {"nodekeeper.dev/pool": pool}},
+        "count": 100, "intervalMs": 5000, "timeoutMs": 1000, "targets": [{"peers": {"perNode": 1}}]});
+    create_test(&client, &ns, &name, spec).await?;
+    wait_for("both agents to be asked", TIMEOUT, || {
+        let started = Arc::clone(&started);
+        async move { Ok((started.load(Ordering::SeqCst) == 2).then_some(())) }
+    })
+    .await?;
+    assert_eq!(
+        dropped.load(Ordering::SeqCst),
+        0,
+        "nothing dropped while it runs"
+    );
+
+    api.delete(&name, &DeleteParams::default()).await?;
+    // The run checks for its object every 5 s.
+    wait_for(
+        "the agent calls to be dropped",
+        Duration::from_secs(30),
+        || {
+            let dropped = Arc::clone(&dropped);
+            async move { Ok((dropped.load(Ordering::SeqCst) == 2).then_some(())) }
+        },
+    )
+    .await?;
+    assert!(
+        store.get(&ns, &name).is_none(),
+        "a cancelled run keeps no results"
+    );
+    // Not run again: the object is gone.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(started.load(Ordering::SeqCst), 2);
+    cancel.cancel();
     Ok(())
 }

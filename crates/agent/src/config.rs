@@ -72,6 +72,13 @@ pub struct Config {
     )]
     pub mounts: Vec<PathBuf>,
 
+    /// A PEM file of certificates trusted by HTTPS probes (NetworkTest kind http) besides the
+    /// Mozilla roots compiled into the agent: the cluster's CA, so `apiServer` and in-cluster
+    /// endpoints verify (e.g. the `kube-root-ca.crt` ConfigMap's `ca.crt` mounted into the
+    /// agent). Read at each HTTP run, so a rotated bundle is used without a restart.
+    #[arg(long, env = "NODEKEEPER_PROBE_CA_FILE")]
+    pub probe_ca_file: Option<PathBuf>,
+
     /// Where the host's root filesystem is visible to the agent (e.g. `/host/root` in the
     /// DaemonSet); `--mounts` are resolved under it.
     #[arg(long, env = "NODEKEEPER_HOST_ROOT", default_value = "/")]
@@ -224,6 +231,15 @@ pub struct Config {
 }
 
 impl Config {
+    /// The node-local settings of `RunProbes`: the host's resolver (under `--host-root`) and
+    /// `--probe-ca-file`.
+    pub fn probe_options(&self) -> crate::probes::ProbeOptions {
+        crate::probes::ProbeOptions {
+            ca_file: self.probe_ca_file.clone(),
+            ..crate::probes::ProbeOptions::for_host_root(&self.host_root)
+        }
+    }
+
     /// Where the node problem monitors read from (the healthz URL checked by [`Self::validate`]).
     pub fn monitors(&self) -> crate::monitor::MonitorConfig {
         use crate::monitor::health;
@@ -302,6 +318,12 @@ impl Config {
                 flag: "--kubelet-healthz-url",
                 reason,
             });
+        }
+        if let Some(file) = &self.probe_ca_file {
+            crate::probes::read_ca_file(file).map_err(|e| Error::InvalidConfig {
+                flag: "--probe-ca-file",
+                reason: e.to_string(),
+            })?;
         }
         if self.node_name.trim().is_empty() {
             return Err(Error::InvalidConfig {

@@ -143,9 +143,13 @@ async fn serve_once(
     let agent = Arc::clone(agent);
     let max = config.max_message_bytes;
     let diagnostics = Arc::new(diag::Diagnostics::new(Arc::clone(&agent), config));
-    let svc = NodeAgentServer::new(service::AgentService::new(agent).with_diagnostics(diagnostics))
-        .max_decoding_message_size(max)
-        .max_encoding_message_size(max);
+    let svc = NodeAgentServer::new(
+        service::AgentService::new(agent)
+            .with_diagnostics(diagnostics)
+            .with_probe_options(config.probe_options()),
+    )
+    .max_decoding_message_size(max)
+    .max_encoding_message_size(max);
 
     let (reporter, health) = tonic_health::server::health_reporter();
     reporter

@@ -21,6 +21,8 @@ use crate::tunables::{RawRule, RawRuleSet};
 pub struct AgentService {
     agent: Arc<Agent>,
     diagnostics: Option<Arc<crate::diag::Diagnostics>>,
+    /// Node-local settings of `RunProbes` ([`crate::Config::probe_options`]).
+    probe_options: Arc<crate::probes::ProbeOptions>,
 }
 
 impl AgentService {
@@ -28,7 +30,15 @@ impl AgentService {
         Self {
             agent,
             diagnostics: None,
+            probe_options: Arc::default(),
         }
+    }
+
+    /// Runs `RunProbes` with `options` (without it, the defaults: the agent container's own
+    /// `/etc/resolv.conf`, no extra HTTPS roots).
+    pub fn with_probe_options(mut self, options: crate::probes::ProbeOptions) -> Self {
+        self.probe_options = Arc::new(options);
+        self
     }
 
     /// Serves `CollectDiagnostics` with `diagnostics` (without it the call is refused).
@@ -122,7 +132,7 @@ impl NodeAgent for AgentService {
         &self,
         request: Request<pb::RunProbesRequest>,
     ) -> Result<Response<pb::RunProbesResponse>, Status> {
-        let response = crate::probes::run(request.into_inner())
+        let response = crate::probes::run_with(request.into_inner(), &self.probe_options)
             .await
             .map_err(|e| status(e.into()))?;
         Ok(Response::new(response))

@@ -61,6 +61,8 @@ impl Kind {
 Targets:
   peers | peers:N          other nodes of the test (N per node; default target: peers)
   apiserver | metadata     the API server / metadata service, as the controller is configured
+                           (tcp: at the API server's own port; icmp/mtu need the controller's
+                           --api-server-address, as the default kubernetes Service answers TCP only)
   10.0.0.1 | [fd00::1]     an address
   host:port                a TCP endpoint (--kind tcp)
   https://host/path        a URL (--kind http)
@@ -69,7 +71,7 @@ Targets:
 Examples:
   kubectl nodekeeper netcheck
   kubectl nodekeeper netcheck -l pool=gpu peers:8 10.0.0.10
-  kubectl nodekeeper netcheck --kind tcp --port 6443 apiserver
+  kubectl nodekeeper netcheck --kind tcp apiserver
   kubectl nodekeeper netcheck --kind http https://registry.example/v2/
   kubectl nodekeeper netcheck --kind mtu peers --keep -o json")]
 pub struct Args {
@@ -534,6 +536,38 @@ mod tests {
         Wrap::try_parse_from(std::iter::once("netcheck").chain(line.iter().copied()))
             .unwrap()
             .args
+    }
+
+    /// Every example of the help is a command that works: it parses into a spec, and none sends
+    /// `--port` with `apiserver` (the API server target takes its own port; a port given for it
+    /// would have dialled the kubernetes Service on a port it does not serve).
+    #[test]
+    fn help_examples_are_valid_commands() {
+        #[derive(clap::Parser)]
+        struct Wrap {
+            #[command(flatten)]
+            args: Args,
+        }
+        let help = <Wrap as clap::CommandFactory>::command()
+            .render_long_help()
+            .to_string();
+        let examples: Vec<Vec<&str>> = help
+            .lines()
+            .filter_map(|l| l.trim().strip_prefix("kubectl nodekeeper netcheck"))
+            .map(|rest| rest.split_whitespace().collect())
+            .collect();
+        assert!(examples.len() >= 5, "{help}");
+        for mut words in examples {
+            // `-o` is the plugin's global output flag, not one of netcheck's.
+            if let Some(i) = words.iter().position(|w| *w == "-o") {
+                words.drain(i..i + 2);
+            }
+            spec(&args(&words)).unwrap_or_else(|e| panic!("{words:?}: {e}"));
+            assert!(
+                !(words.contains(&"apiserver") && words.contains(&"--port")),
+                "{words:?}"
+            );
+        }
     }
 
     #[test]

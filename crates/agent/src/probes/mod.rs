@@ -12,7 +12,7 @@ mod pmtu;
 mod tcp;
 pub mod validate;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -34,6 +34,9 @@ pub enum ProbeError {
     /// The TLS client configuration for HTTPS probes could not be built.
     #[error("build TLS client configuration: {0}")]
     BuildTlsConfig(#[from] rustls::Error),
+    /// The certificates of `--probe-ca-file` could not be read.
+    #[error("read --probe-ca-file {}: {reason}", path.display())]
+    ReadCaFile { path: PathBuf, reason: String },
 }
 
 impl ProbeError {
@@ -55,6 +58,9 @@ pub struct ProbeOptions {
     pub extra_root_certs: Vec<Vec<u8>>,
     /// Which kind of ICMP socket to use.
     pub icmp_socket: IcmpSocketPolicy,
+    /// A PEM file of more certificates trusted for HTTPS (`--probe-ca-file`), read for each
+    /// HTTP run, so a bundle rotated in place (a mounted ConfigMap) is used without a restart.
+    pub ca_file: Option<PathBuf>,
 }
 
 impl Default for ProbeOptions {
@@ -63,8 +69,61 @@ impl Default for ProbeOptions {
             resolv_conf: PathBuf::from("/etc/resolv.conf"),
             extra_root_certs: Vec::new(),
             icmp_socket: IcmpSocketPolicy::Auto,
+            ca_file: None,
         }
     }
+}
+
+impl ProbeOptions {
+    /// The options of an agent that sees the host's root filesystem at `host_root`
+    /// (`--host-root`): the node's resolver is the host's `/etc/resolv.conf`, not the agent
+    /// container's, which names the cluster DNS (the DaemonSet's `ClusterFirstWithHostNet`).
+    pub fn for_host_root(host_root: &Path) -> Self {
+        Self {
+            resolv_conf: host_path(host_root, Path::new("/etc/resolv.conf")),
+            ..Self::default()
+        }
+    }
+}
+
+/// The certificates of the PEM file `path`, DER encoded; a file holding none is refused.
+pub fn read_ca_file(path: &Path) -> Result<Vec<Vec<u8>>, ProbeError> {
+    use rustls::pki_types::CertificateDer;
+    use rustls::pki_types::pem::PemObject as _;
+    let failed = |reason: String| ProbeError::ReadCaFile {
+        path: path.to_owned(),
+        reason,
+    };
+    let certs = CertificateDer::pem_file_iter(path)
+        .map_err(|e| failed(e.to_string()))?
+        .map(|c| c.map(|c| c.to_vec()))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| failed(e.to_string()))?;
+    if certs.is_empty() {
+        return Err(failed(
+            "holds no PEM certificate (-----BEGIN CERTIFICATE-----)".into(),
+        ));
+    }
+    Ok(certs)
+}
+
+/// Where `path` of the host is seen under `host_root`, following symbolic links the way the
+/// host would: an absolute link target (systemd-resolved's `/etc/resolv.conf` →
+/// `/run/systemd/resolve/stub-resolv.conf`) is the host's path, so under `host_root` too.
+fn host_path(host_root: &Path, path: &Path) -> PathBuf {
+    let mut at = crate::config::under_root(host_root, path);
+    // A bound on links followed, as the kernel has (40); more is a loop.
+    for _ in 0..40 {
+        let Ok(target) = std::fs::read_link(&at) else {
+            break;
+        };
+        at = if target.is_absolute() {
+            crate::config::under_root(host_root, &target)
+        } else {
+            at.parent().unwrap_or(host_root).join(target)
+        };
+    }
+    at
 }
 
 /// Runs the probes of `req` from this node with default options.
@@ -81,7 +140,13 @@ pub async fn run_with(
 ) -> Result<RunProbesResponse, ProbeError> {
     let plan = validate::plan(&req)?;
     let tls = match plan.kind {
-        Kind::Http => Some(http::client_config(&opts.extra_root_certs)?),
+        Kind::Http => {
+            let mut roots = opts.extra_root_certs.clone();
+            if let Some(file) = &opts.ca_file {
+                roots.extend(read_ca_file(file)?);
+            }
+            Some(http::client_config(&roots)?)
+        }
         _ => None,
     };
     let started = Instant::now();
@@ -204,5 +269,54 @@ async fn probe_target(ctx: &Ctx<'_>, target: &Target) -> TargetResult {
 async fn pause(plan: &Plan, index: u32) {
     if index + 1 < plan.count {
         tokio::time::sleep(plan.interval).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_node_resolver_is_read_under_the_host_root() {
+        let root = tempfile::tempdir().unwrap();
+        let etc = root.path().join("etc");
+        std::fs::create_dir_all(&etc).unwrap();
+        std::fs::write(etc.join("resolv.conf"), "nameserver 10.0.0.2\n").unwrap();
+        let opts = ProbeOptions::for_host_root(root.path());
+        assert_eq!(opts.resolv_conf, etc.join("resolv.conf"));
+        assert_eq!(
+            ProbeOptions::for_host_root(Path::new("/")).resolv_conf,
+            Path::new("/etc/resolv.conf")
+        );
+    }
+
+    /// systemd-resolved's absolute link is the host's path: followed under the host root, not
+    /// in the agent's container.
+    #[test]
+    fn an_absolute_resolv_conf_link_is_followed_under_the_host_root() {
+        let root = tempfile::tempdir().unwrap();
+        let stub = root.path().join("run/systemd/resolve");
+        std::fs::create_dir_all(&stub).unwrap();
+        std::fs::create_dir_all(root.path().join("etc")).unwrap();
+        std::fs::write(stub.join("stub-resolv.conf"), "nameserver 127.0.0.53\n").unwrap();
+        std::os::unix::fs::symlink(
+            "/run/systemd/resolve/stub-resolv.conf",
+            root.path().join("etc/resolv.conf"),
+        )
+        .unwrap();
+        let opts = ProbeOptions::for_host_root(root.path());
+        assert_eq!(opts.resolv_conf, stub.join("stub-resolv.conf"));
+        // A relative link resolves next to the link.
+        std::fs::remove_file(root.path().join("etc/resolv.conf")).unwrap();
+        std::os::unix::fs::symlink(
+            "../run/systemd/resolve/stub-resolv.conf",
+            root.path().join("etc/resolv.conf"),
+        )
+        .unwrap();
+        let got = ProbeOptions::for_host_root(root.path()).resolv_conf;
+        assert_eq!(
+            std::fs::read_to_string(got).unwrap(),
+            "nameserver 127.0.0.53\n"
+        );
     }
 }

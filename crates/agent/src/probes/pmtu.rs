@@ -1,6 +1,7 @@
 //! Path-MTU discovery to one address: don't-fragment ICMP echoes whose size is bisected between the
 //! protocol minimum and `max_mtu`, taking the kernel's own path-MTU knowledge (EMSGSIZE) as a bound.
 
+use std::collections::BTreeMap;
 use std::net::IpAddr;
 
 use nodekeeper_model::probe::{MIN_MTU_V4, MIN_MTU_V6};
@@ -24,17 +25,22 @@ enum SizeOutcome {
 }
 
 /// Discovers the largest packet size (IP header included) that reaches `target` and is answered.
-/// Returns the tally of echoes that actually left the host and that size (0 when none got through).
+/// Returns the tally of the echoes of the final size (the size found, or the minimum when none got
+/// through) and that size (0 when none got through). Echoes of larger sizes go unanswered by
+/// design: counted, they would read as packet loss on a healthy path.
 pub(super) async fn probe(target: IpAddr, plan: &Plan, policy: IcmpSocketPolicy) -> (Tally, u32) {
-    let mut tally = Tally::default();
     let mut sock =
         match EchoSocket::open(target, policy).and_then(|s| s.set_dont_fragment().map(|()| s)) {
             Ok(s) => s,
             Err(e) => {
-                tally.error = Some(e);
+                let tally = Tally {
+                    error: Some(e),
+                    ..Tally::default()
+                };
                 return (tally, 0);
             }
         };
+    let mut by_size = BTreeMap::<u32, Tally>::new();
     let min = if target.is_ipv4() {
         MIN_MTU_V4
     } else {
@@ -51,6 +57,7 @@ pub(super) async fn probe(target: IpAddr, plan: &Plan, policy: IcmpSocketPolicy)
             break;
         }
         let mut outcome = SizeOutcome::Blocked { bound: None };
+        let tally = by_size.entry(size).or_default();
         for attempt in 0..attempts {
             let payload = (size as usize).saturating_sub(sock.overhead());
             match sock.echo(payload, plan.timeout).await {
@@ -82,11 +89,18 @@ pub(super) async fn probe(target: IpAddr, plan: &Plan, policy: IcmpSocketPolicy)
         search.record(size, outcome);
     }
     let mtu = search.good;
+    let mut tally = final_size_tally(by_size, mtu, min);
     if mtu == 0 {
         tally.error =
             Some(last_error.unwrap_or_else(|| format!("no answer at any size down to {min}")));
     }
     (tally, mtu)
+}
+
+/// The tally of the final size's echoes: the size found (`mtu`), or `min` when none got through.
+fn final_size_tally(mut by_size: BTreeMap<u32, Tally>, mtu: u32, min: u32) -> Tally {
+    let size = if mtu == 0 { min } else { mtu };
+    by_size.remove(&size).unwrap_or_default()
 }
 
 /// The bisection state: `good` is the largest size answered (0 = none yet), `bad` the smallest that
@@ -195,6 +209,27 @@ mod tests {
         let (found, tried) = simulate(68, 9000, 0, false);
         assert_eq!(found, 0);
         assert_eq!(tried, vec![9000, 68]);
+    }
+
+    #[test]
+    fn only_the_final_size_is_tallied() {
+        let tally = |sent, received| Tally {
+            sent,
+            received,
+            ..Tally::default()
+        };
+        let by_size =
+            || BTreeMap::from([(9000, tally(3, 0)), (68, tally(1, 1)), (1500, tally(2, 1))]);
+        let t = final_size_tally(by_size(), 1500, 68);
+        assert_eq!((t.sent, t.received), (2, 1));
+        // Nothing through: the minimum size's echoes.
+        let t = final_size_tally(
+            BTreeMap::from([(9000, tally(3, 0)), (68, tally(3, 0))]),
+            0,
+            68,
+        );
+        assert_eq!((t.sent, t.received), (3, 0));
+        assert_eq!(final_size_tally(BTreeMap::new(), 0, 68).sent, 0);
     }
 
     #[test]

@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 
+use super::fanout;
 use super::plan::TestPlan;
 
 /// At most this many failing pairs (and per-target summaries) are listed in status; the rest are
@@ -135,12 +136,12 @@ pub fn aggregate(
                 }
             }
             Some(Err(e)) => {
-                sources_unreachable += 1;
-                pairs.extend(
-                    targets
-                        .iter()
-                        .map(|t| missing(source, &t.id, &format!("agent unreachable: {e}"))),
-                );
+                // An agent that refused the request answered: the spec, not the node, is at fault.
+                if !fanout::is_refusal(e) {
+                    sources_unreachable += 1;
+                }
+                let error = fanout::unanswered(e);
+                pairs.extend(targets.iter().map(|t| missing(source, &t.id, &error)));
             }
             None => {
                 sources_unreachable += 1;
@@ -157,7 +158,7 @@ pub fn aggregate(
     let mut per_target: BTreeMap<&str, (Vec<&PairResult>, Vec<u32>)> = BTreeMap::new();
     for p in &pairs {
         all_rtt.extend_from_slice(&p.rtt_us);
-        let entry = per_target.entry(p.target_id.as_str()).or_default();
+        let entry = per_target.entry(summary_row(&p.target_id)).or_default();
         entry.0.push(p);
         entry.1.extend_from_slice(&p.rtt_us);
     }
@@ -231,6 +232,21 @@ pub fn aggregate(
         failures_omitted: 0,
     }
 }
+
+/// The row of `targets` a pair counts under: the target as the spec names it, so every peer
+/// (`node/<name>`) counts under one `peers` row, as a mesh's status would otherwise list one row
+/// per node, crowd out the spec's other targets past [`MAX_LISTED`], and show per-node figures
+/// that belong in `failures` and the HTTP API.
+fn summary_row(target_id: &str) -> &str {
+    if target_id.starts_with(PEER_PREFIX) {
+        "peers"
+    } else {
+        target_id
+    }
+}
+
+/// The id prefix of a peer target ([`super::plan::plan`] names peers `node/<name>`).
+const PEER_PREFIX: &str = "node/";
 
 fn missing(source: &str, target: &str, why: &str) -> PairResult {
     PairResult {
@@ -413,6 +429,75 @@ mod tests {
                 .iter()
                 .any(|f| f.source == "c" && f.error.contains("no result"))
         );
+    }
+
+    /// An agent that refused the request (InvalidArgument) answered: its pairs fail with the
+    /// refusal, and it does not count as unreachable.
+    #[test]
+    fn a_refusing_agent_is_not_unreachable() {
+        let plan = plan_of(&[("a", &["x"]), ("b", &["x"])]);
+        let mut outcomes = BTreeMap::new();
+        outcomes.insert("a".to_owned(), Ok(vec![ok("x", &[10])]));
+        outcomes.insert(
+            "b".to_owned(),
+            Err(format!(
+                "{}10.0.0.2:4443: InvalidArgument: max_mtu: too small",
+                fanout::REFUSED
+            )),
+        );
+        let s = aggregate(&plan, &outcomes);
+        assert_eq!((s.pairs, s.pairs_failed, s.sources_unreachable), (2, 1, 0));
+        assert_eq!(
+            s.failures[0].error,
+            "agent refused the request: 10.0.0.2:4443: InvalidArgument: max_mtu: too small"
+        );
+    }
+
+    /// Peers are one row of the spec, `peers`, whatever node each pair reached; failures still
+    /// name the peer.
+    #[test]
+    fn peer_rows_are_one_peers_row() {
+        let plan = plan_of(&[
+            ("a", &["10.0.0.9", "node/b", "node/c"]),
+            ("b", &["10.0.0.9", "node/a", "node/c"]),
+        ]);
+        let lost = |t: &str| PairResult {
+            target_id: t.into(),
+            sent: 4,
+            error: "timeout".into(),
+            ..Default::default()
+        };
+        let mut outcomes = BTreeMap::new();
+        outcomes.insert(
+            "a".to_owned(),
+            Ok(vec![
+                ok("10.0.0.9", &[5]),
+                ok("node/b", &[10]),
+                lost("node/c"),
+            ]),
+        );
+        outcomes.insert(
+            "b".to_owned(),
+            Ok(vec![
+                ok("10.0.0.9", &[5]),
+                ok("node/a", &[30]),
+                ok("node/c", &[20]),
+            ]),
+        );
+        let s = aggregate(&plan, &outcomes);
+        let rows: Vec<_> = s
+            .targets
+            .iter()
+            .map(|t| (t.target_id.as_str(), t.pairs, t.pairs_failed))
+            .collect();
+        assert_eq!(rows, [("peers", 4, 1), ("10.0.0.9", 2, 0)]);
+        assert_eq!(
+            s.targets[0].latency.map(|l| l.max_us),
+            Some(30),
+            "{:?}",
+            s.targets[0]
+        );
+        assert_eq!(s.failures[0].target_id, "node/c");
     }
 
     #[test]

@@ -15,8 +15,9 @@ use super::plan::{PlannedTarget, ProbeKind, ProbeParams, TestPlan};
 pub const AGENT_CONCURRENCY: u32 = nodekeeper_model::probe::DEFAULT_CONCURRENCY;
 /// Slack on top of the computed budget for connection set-up and scheduling.
 const SLACK: Duration = Duration::from_secs(5);
-/// No single call may take longer than this, whatever the parameters say.
-const MAX_BUDGET: Duration = Duration::from_secs(15 * 60);
+/// No single call may take longer than this, whatever the parameters say; [`super::plan::plan`]
+/// refuses a spec whose calls would need longer.
+pub const MAX_BUDGET: Duration = Duration::from_secs(15 * 60);
 /// Path-MTU probes per target: at most ~18 sizes (bisection of 68..65535 plus the first tries),
 /// each tried up to 3 times (the agent's limit).
 const PMTU_SIZES: u64 = 18;
@@ -25,6 +26,11 @@ const PMTU_ATTEMPTS: u64 = 3;
 /// How long one agent may take for `targets` targets with `params`: the time its probes can
 /// take when every one of them times out, plus slack.
 pub fn call_budget(params: &ProbeParams, targets: usize) -> Duration {
+    needed_budget(params, targets).min(MAX_BUDGET)
+}
+
+/// [`call_budget`] before the cap of [`MAX_BUDGET`].
+pub fn needed_budget(params: &ProbeParams, targets: usize) -> Duration {
     let per_probe = u64::from(params.timeout_ms) + u64::from(params.interval_ms);
     let probes_per_target = match params.kind {
         ProbeKind::PathMtu => PMTU_SIZES * u64::from(params.count).min(PMTU_ATTEMPTS),
@@ -36,7 +42,7 @@ pub fn call_budget(params: &ProbeParams, targets: usize) -> Duration {
     let ms = waves
         .saturating_mul(probes_per_target)
         .saturating_mul(per_probe);
-    (Duration::from_millis(ms) + SLACK).min(MAX_BUDGET)
+    Duration::from_millis(ms) + SLACK
 }
 
 /// Calls `call(source, targets, budget)` for every source of `plan`, at most `concurrency` at
@@ -75,6 +81,32 @@ where
         .await
 }
 
+/// [`fan_out`] until `cancelled` completes (the test was deleted): then every call still in
+/// flight is dropped, which cancels its gRPC request and so the agent's probes, and `None` is
+/// returned: a cancelled run has no results.
+pub async fn fan_out_until<F, Fut, C>(
+    plan: &TestPlan,
+    concurrency: usize,
+    call: F,
+    cancelled: C,
+) -> Option<BTreeMap<String, Result<Vec<PairResult>, String>>>
+where
+    F: Fn(String, Vec<PlannedTarget>, Duration) -> Fut,
+    Fut: Future<Output = Result<Vec<PairResult>, String>>,
+    C: Future<Output = ()>,
+{
+    tokio::select! {
+        outcomes = fan_out(plan, concurrency, call) => Some(outcomes),
+        () = cancelled => None,
+    }
+}
+
+/// Whether the run of the test `uid` is to stop: its object is gone, or the name now holds
+/// another test (`found` is the uid the name has now, `None` when absent).
+pub fn run_is_cancelled(found: Option<&str>, uid: &str) -> bool {
+    found != Some(uid)
+}
+
 /// Resolves `names` with the controller's resolver, at most 16 at once, each within `timeout`.
 /// A name that does not resolve (or not in time) is absent from the result; [`super::plan::plan`]
 /// then names the field that holds it.
@@ -107,6 +139,25 @@ pub async fn resolve(
         .collect()
 }
 
+/// How a source whose agent answered the call with a refusal (`InvalidArgument`: the request
+/// is one it will not run) is described: the agent is reachable, and the message says what to
+/// change. [`unanswered`] and [`super::aggregate::aggregate`] tell these from unreachable agents.
+pub const REFUSED: &str = "agent refused the request: ";
+
+/// Whether a source's failure (the `Err` of its outcome) is the agent's refusal ([`REFUSED`]).
+pub fn is_refusal(error: &str) -> bool {
+    error.starts_with(REFUSED)
+}
+
+/// The error of each pair of a source whose call failed with `error`.
+pub fn unanswered(error: &str) -> String {
+    if is_refusal(error) {
+        error.to_owned()
+    } else {
+        format!("agent unreachable: {error}")
+    }
+}
+
 /// Every pair's result in one list, sorted by source then target id: what the HTTP API serves.
 pub fn flatten(
     outcomes: &BTreeMap<String, Result<Vec<PairResult>, String>>,
@@ -129,7 +180,7 @@ pub fn flatten(
                     source: source.clone(),
                     target_id: t.id.clone(),
                     error: match outcomes.get(source) {
-                        Some(Err(e)) => format!("agent unreachable: {e}"),
+                        Some(Err(e)) => unanswered(e),
                         Some(Ok(_)) => "the agent returned no result for this target".into(),
                         None => "agent gave no answer".into(),
                     },
@@ -251,6 +302,70 @@ mod tests {
         );
     }
 
+    /// A cancelled fan-out drops every call still in flight (which cancels the gRPC requests)
+    /// and has no results.
+    #[tokio::test(start_paused = true)]
+    async fn a_cancelled_fan_out_drops_its_calls() {
+        struct Dropped(Arc<AtomicUsize>);
+        impl Drop for Dropped {
+            fn drop(&mut self) {
+                self.0.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        let started = Arc::new(AtomicUsize::new(0));
+        let dropped = Arc::new(AtomicUsize::new(0));
+        let finished = Arc::new(AtomicUsize::new(0));
+        let p = TestPlan {
+            params: ProbeParams {
+                interval_ms: 1_000,
+                timeout_ms: 1_000,
+                ..params(ProbeKind::Icmp, 100)
+            },
+            ..plan(3)
+        };
+        let out = fan_out_until(
+            &p,
+            8,
+            |_, targets, _| {
+                let (started, dropped, finished) =
+                    (started.clone(), dropped.clone(), finished.clone());
+                async move {
+                    started.fetch_add(1, Ordering::SeqCst);
+                    let _guard = Dropped(dropped);
+                    tokio::time::sleep(Duration::from_secs(200)).await;
+                    finished.fetch_add(1, Ordering::SeqCst);
+                    Ok(targets.iter().map(|_| PairResult::default()).collect())
+                }
+            },
+            tokio::time::sleep(Duration::from_secs(10)),
+        )
+        .await;
+        assert!(out.is_none());
+        assert_eq!(started.load(Ordering::SeqCst), 3);
+        assert_eq!(
+            dropped.load(Ordering::SeqCst),
+            3,
+            "every call in flight is dropped"
+        );
+        assert_eq!(finished.load(Ordering::SeqCst), 0);
+        // Not cancelled: the outcomes.
+        let out = fan_out_until(
+            &plan(2),
+            8,
+            |_, _, _| async { Ok(vec![]) },
+            std::future::pending(),
+        )
+        .await;
+        assert_eq!(out.map(|o| o.len()), Some(2));
+    }
+
+    #[test]
+    fn a_run_stops_when_its_object_is_gone_or_replaced() {
+        assert!(!run_is_cancelled(Some("u1"), "u1"));
+        assert!(run_is_cancelled(None, "u1"));
+        assert!(run_is_cancelled(Some("u2"), "u1"));
+    }
+
     #[tokio::test]
     async fn resolve_keeps_only_names_that_resolve() {
         // `localhost` resolves from /etc/hosts and an empty name fails inside getaddrinfo: neither
@@ -267,7 +382,6 @@ mod tests {
 
     #[test]
     fn flatten_covers_every_planned_pair() {
-        let p = plan(3);
         let mut outcomes = BTreeMap::new();
         outcomes.insert(
             "n00".to_owned(),
@@ -279,10 +393,18 @@ mod tests {
             }]),
         );
         outcomes.insert("n01".to_owned(), Err("refused".to_owned()));
-        let pairs = flatten(&outcomes, &p);
-        assert_eq!(pairs.len(), 3);
+        outcomes.insert(
+            "n02".to_owned(),
+            Err(format!("{REFUSED}InvalidArgument: max_mtu: too small")),
+        );
+        let pairs = flatten(&outcomes, &plan(4));
+        assert_eq!(pairs.len(), 4);
         assert_eq!((pairs[0].source.as_str(), pairs[0].received), ("n00", 1));
         assert_eq!(pairs[1].error, "agent unreachable: refused");
-        assert_eq!(pairs[2].error, "agent gave no answer");
+        assert_eq!(
+            pairs[2].error,
+            "agent refused the request: InvalidArgument: max_mtu: too small"
+        );
+        assert_eq!(pairs[3].error, "agent gave no answer");
     }
 }

@@ -150,6 +150,15 @@ impl Context {
             agents: shared.agents(),
             env: Environment {
                 api_server: config.api_server_address,
+                api_server_is_service: config.api_server_address.is_some_and(|a| {
+                    is_service_address(
+                        a.ip(),
+                        std::env::var("KUBERNETES_SERVICE_HOST")
+                            .ok()
+                            .and_then(|h| h.parse().ok()),
+                        config.service_cidrs.as_ref().map_or(&[], |l| &l.0),
+                    )
+                }),
                 metadata_service: config.metadata_service_address,
                 allowed: [&config.pod_cidrs, &config.service_cidrs]
                     .into_iter()
@@ -168,6 +177,16 @@ impl Context {
             },
         }
     }
+}
+
+/// Whether `ip` is a Service ClusterIP: the `kubernetes` Service's (`KUBERNETES_SERVICE_HOST`
+/// in a Pod, the controller's default API server address), or in `--service-cidrs`.
+pub fn is_service_address(
+    ip: IpAddr,
+    kubernetes_service: Option<IpAddr>,
+    service_cidrs: &[Cidr],
+) -> bool {
+    kubernetes_service == Some(ip) || service_cidrs.iter().any(|c| c.contains(ip))
 }
 
 impl Reconciler for Context {
@@ -196,5 +215,21 @@ impl Reconciler for Context {
 
     fn error_policy(obj: Arc<NetworkTest>, error: &Error, ctx: Arc<Self>) -> Action {
         error_policy(obj, error, ctx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn service_addresses() {
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        let kube = Some(ip("10.96.0.1"));
+        assert!(is_service_address(ip("10.96.0.1"), kube, &[]));
+        assert!(!is_service_address(ip("10.0.0.1"), kube, &[]));
+        assert!(!is_service_address(ip("10.96.0.1"), None, &[]));
+        let cidrs = address_policy::parse_list("10.96.0.0/12").unwrap();
+        assert!(is_service_address(ip("10.100.0.7"), None, &cidrs));
     }
 }

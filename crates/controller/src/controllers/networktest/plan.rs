@@ -8,10 +8,10 @@ use std::net::{IpAddr, SocketAddr};
 use nodekeeper_model::address_policy::{self, AddressPolicy, Cidr, is_link_local};
 use nodekeeper_model::probe::{
     MAX_COUNT, MAX_INTERVAL_MS, MAX_MTU, MAX_PEERS_PER_NODE, MAX_SOURCE_NODES, MAX_TARGETS,
-    MAX_TIMEOUT_MS, MIN_MTU_V4, check_hostname, check_url,
+    MAX_TIMEOUT_MS, MIN_MTU_V4, MIN_MTU_V6, check_hostname, check_url,
 };
 
-use super::peers;
+use super::{fanout, peers};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum ProbeKind {
@@ -82,6 +82,9 @@ pub struct TestSpec {
 pub struct Environment {
     /// The API server as nodes reach it (`host:port`).
     pub api_server: Option<SocketAddr>,
+    /// `api_server` is a Service ClusterIP (the `kubernetes` Service, the default inside a Pod):
+    /// kube-proxy forwards only its TCP port there, so ICMP to it is never answered.
+    pub api_server_is_service: bool,
     /// The metadata service's address, from configuration only.
     pub metadata_service: Option<IpAddr>,
     /// Where ordinary targets may be, besides the selected nodes' own addresses (which [`plan`]
@@ -143,6 +146,9 @@ pub struct PlannedTarget {
     pub port: u16,
     pub hostname: String,
     pub url: String,
+    /// A URL's host name as the controller resolved it (every address passed the policy): the
+    /// agent resolves it again and must be allowed these too (see [`TestPlan::allowed_for`]).
+    pub resolved: Vec<IpAddr>,
 }
 
 /// The checked probe parameters shared by every source node (mirrors `RunProbesRequest`).
@@ -182,10 +188,12 @@ impl TestPlan {
                 .parse::<IpAddr>()
                 .ok()
                 .or_else(|| url_host_ip(&t.url));
-            if let Some(ip) = ip
-                && (is_link_local(ip) || !self.ranges.iter().any(|c| c.contains(ip)))
-            {
-                sent.insert(Cidr::host(ip));
+            // A URL's host name resolving to a node's address (a one-address entry of the
+            // policy) is sent too, or the agent would refuse the name's every address.
+            for ip in ip.into_iter().chain(t.resolved.iter().copied()) {
+                if is_link_local(ip) || !self.ranges.iter().any(|c| c.contains(ip)) {
+                    sent.insert(Cidr::host(ip));
+                }
             }
         }
         sent.iter().map(Cidr::to_string).collect()
@@ -424,12 +432,14 @@ pub fn plan(
                     ));
                 }
                 // Every address the name has: a node may resolve it to any of them.
-                for ip in addresses {
-                    permit(ip, field("url"))?;
+                for ip in &addresses {
+                    permit(*ip, field("url"))?;
                 }
+                let by_name = host.parse::<IpAddr>().is_err();
                 common.push(PlannedTarget {
                     id: u.clone(),
                     url: u.clone(),
+                    resolved: if by_name { addresses } else { Vec::new() },
                     ..Default::default()
                 });
             }
@@ -446,16 +456,27 @@ pub fn plan(
                         url: format!("https://{api}/livez"),
                         ..Default::default()
                     },
+                    // The API server's own port: `spec.port` is for the other targets (a
+                    // Service ClusterIP answers on no other port anyway).
                     ProbeKind::Tcp => PlannedTarget {
                         id: "apiServer".into(),
                         address: api.ip().to_string(),
-                        port: port.unwrap_or(api.port()),
+                        port: api.port(),
                         ..Default::default()
                     },
                     ProbeKind::Dns => {
                         return Err(bad(
                             field("apiServer"),
                             "dns probes take hostnames, not the API server",
+                        ));
+                    }
+                    ProbeKind::Icmp | ProbeKind::PathMtu if env.api_server_is_service => {
+                        return Err(bad(
+                            field("apiServer"),
+                            format!(
+                                "the controller's API server address {api} is the kubernetes Service's ClusterIP, where only TCP port {} is answered (kube-proxy does not answer {kind_word} there); probe it with kind tcp or http, or set --api-server-address (NODEKEEPER_API_SERVER_ADDRESS) on the controller to an address nodes reach the API server at directly",
+                                api.port()
+                            ),
                         ));
                     }
                     ProbeKind::Icmp | ProbeKind::PathMtu => PlannedTarget {
@@ -576,6 +597,39 @@ pub fn plan(
             ));
         }
         sources.insert(node.name.clone(), targets);
+    }
+    // The agent refuses the whole request when one IPv6 target cannot take `maxMtu`.
+    if kind == ProbeKind::PathMtu && params.max_mtu != 0 && params.max_mtu < MIN_MTU_V6 {
+        let v6 = sources
+            .values()
+            .flatten()
+            .find(|t| t.address.parse::<IpAddr>().is_ok_and(|ip| ip.is_ipv6()));
+        if let Some(t) = v6 {
+            return Err(bad(
+                "spec.maxMtu",
+                format!(
+                    "{} is below the IPv6 minimum MTU {MIN_MTU_V6}, and target {:?} is IPv6; raise spec.maxMtu to at least {MIN_MTU_V6}, or test the IPv6 targets separately",
+                    params.max_mtu, t.id
+                ),
+            ));
+        }
+    }
+    // Each agent call is cut off after `MAX_BUDGET`: a spec needing longer would run to the end
+    // and then read as every agent unreachable.
+    let most_targets = sources.values().map(Vec::len).max().unwrap_or(0);
+    let needed = fanout::needed_budget(&params, most_targets);
+    if needed > fanout::MAX_BUDGET {
+        return Err(bad(
+            "spec.count",
+            format!(
+                "{} probes every {} ms (timeout {} ms) to {most_targets} targets per node take up to {} s per node, more than the {} s a node may take; lower spec.count or spec.intervalMs (or spec.timeoutMs), or split the targets",
+                params.count,
+                params.interval_ms,
+                params.timeout_ms,
+                needed.as_secs(),
+                fanout::MAX_BUDGET.as_secs()
+            ),
+        ));
     }
     // Collapsed: without `--pod-cidrs` every selected node adds its own pod range, and each
     // agent is sent all of them.
@@ -732,6 +786,51 @@ mod tests {
         }
     }
 
+    /// A spec whose agent calls would outlive the fan-out's cut-off is refused up front, not
+    /// run to a test where every node reads as unreachable.
+    #[test]
+    fn specs_longer_than_a_call_may_take_are_refused() {
+        let mut s = spec("icmp", vec![TargetSpec::Address("10.0.0.9".into())]);
+        s.count = 100;
+        s.interval_ms = 60_000;
+        let e = plan(&s, &nodes(1), &env(), &no_dns(), "u").unwrap_err();
+        assert_eq!(e.field, "spec.count");
+        assert!(
+            e.reason.contains("spec.intervalMs") && e.reason.contains("900 s"),
+            "{e}"
+        );
+        // Just inside the limit: 14 probes × 61 s plus slack.
+        s.count = 14;
+        s.timeout_ms = 1_000;
+        assert!(plan(&s, &nodes(1), &env(), &no_dns(), "u").is_ok());
+    }
+
+    /// The agent refuses a pathMtu request whose maxMtu an IPv6 target cannot take; the
+    /// controller refuses it first, naming the field, instead of reading every node unreachable.
+    #[test]
+    fn path_mtu_below_the_ipv6_minimum_is_refused_for_ipv6_targets() {
+        let mut s = spec(
+            "pathMtu",
+            vec![
+                TargetSpec::Address("10.0.0.9".into()),
+                TargetSpec::Address("fd00::9".into()),
+            ],
+        );
+        s.max_mtu = Some(1_000);
+        let e = plan(&s, &nodes(1), &env(), &no_dns(), "u").unwrap_err();
+        assert_eq!(e.field, "spec.maxMtu");
+        assert!(
+            e.reason.contains("1280") && e.reason.contains("fd00::9"),
+            "{e}"
+        );
+        // IPv4 only, or a large enough maxMtu: fine.
+        s.targets.pop();
+        assert!(plan(&s, &nodes(1), &env(), &no_dns(), "u").is_ok());
+        s.targets.push(TargetSpec::Address("fd00::9".into()));
+        s.max_mtu = Some(1_280);
+        assert!(plan(&s, &nodes(1), &env(), &no_dns(), "u").is_ok());
+    }
+
     #[test]
     fn ten_thousand_targets_are_refused() {
         let many = (0..10_000)
@@ -780,6 +879,7 @@ mod tests {
             api_server: Some("10.96.0.1:443".parse().unwrap()),
             metadata_service: Some("127.0.0.53".parse().unwrap()),
             allowed: env().allowed,
+            ..Environment::default()
         };
         let s = spec("icmp", vec![TargetSpec::Address("10.0.0.9".into())]);
         let p = plan(&s, &nodes(2), &env, &no_dns(), "u").unwrap();
@@ -805,6 +905,49 @@ mod tests {
         let s = spec("icmp", vec![TargetSpec::MetadataService]);
         let e = plan(&s, &nodes(1), &Environment::default(), &no_dns(), "u").unwrap_err();
         assert_eq!(e.field, "spec.targets[0].metadataService");
+    }
+
+    /// The kubernetes Service's ClusterIP answers TCP on its port only: icmp and pathMtu to it
+    /// are refused naming the flag that gives a direct address, and tcp uses the API server's
+    /// own port, not `spec.port`.
+    #[test]
+    fn the_api_server_as_a_service_is_probed_over_tcp_only() {
+        let service = Environment {
+            api_server: Some("10.96.0.1:443".parse().unwrap()),
+            api_server_is_service: true,
+            ..env()
+        };
+        for kind in ["icmp", "pathMtu"] {
+            let s = spec(kind, vec![TargetSpec::ApiServer]);
+            let e = plan(&s, &nodes(1), &service, &no_dns(), "u").unwrap_err();
+            assert_eq!(e.field, "spec.targets[0].apiServer", "{kind}");
+            assert!(
+                e.reason.contains("--api-server-address") && e.reason.contains("ClusterIP"),
+                "{e}"
+            );
+        }
+        let mut s = spec(
+            "tcp",
+            vec![
+                TargetSpec::ApiServer,
+                TargetSpec::Address("10.0.0.9".into()),
+            ],
+        );
+        s.port = Some(6443);
+        let p = plan(&s, &nodes(1), &service, &no_dns(), "u").unwrap();
+        let ports: Vec<_> = p.sources["w0"]
+            .iter()
+            .map(|t| (t.id.as_str(), t.port))
+            .collect();
+        assert_eq!(ports, [("apiServer", 443), ("10.0.0.9", 6443)]);
+        // A direct address (--api-server-address) takes icmp.
+        let direct = Environment {
+            api_server: Some("10.0.0.1:6443".parse().unwrap()),
+            ..env()
+        };
+        let s = spec("icmp", vec![TargetSpec::ApiServer]);
+        let p = plan(&s, &nodes(1), &direct, &no_dns(), "u").unwrap();
+        assert_eq!(p.sources["w0"][0].address, "10.0.0.1");
     }
 
     #[test]
@@ -1067,6 +1210,31 @@ mod tests {
         assert!(plan(&s, &nodes(1), &env, &no_dns(), "u").is_ok());
         let s = spec("icmp", vec![TargetSpec::Address("10.135.208.9".into())]);
         assert!(plan(&s, &nodes(1), &env, &no_dns(), "u").is_err());
+    }
+
+    /// A URL whose host name resolves to a node's address (a one-address entry of the policy,
+    /// not a range) sends the agent that address, which checks the name's addresses again.
+    #[test]
+    fn a_url_naming_a_node_sends_the_agent_its_address() {
+        let mut resolved = BTreeMap::new();
+        resolved.insert(
+            "w1.nodes.example".to_owned(),
+            vec!["10.0.0.2".parse().unwrap()],
+        );
+        let s = spec(
+            "http",
+            vec![TargetSpec::Url(
+                "http://w1.nodes.example:10256/healthz".into(),
+            )],
+        );
+        let p = plan(&s, &nodes(2), &Environment::default(), &resolved, "u").unwrap();
+        assert_eq!(p.allowed_for(&p.sources["w0"]), ["10.0.0.2/32".to_owned()]);
+        // Inside a range: nothing more to send.
+        let p = plan(&s, &nodes(2), &env(), &resolved, "u").unwrap();
+        assert_eq!(
+            p.allowed_for(&p.sources["w0"]),
+            ["10.0.0.0/8".to_owned(), "fd00::/8".to_owned()]
+        );
     }
 
     #[test]

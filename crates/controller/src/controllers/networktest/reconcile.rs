@@ -23,6 +23,7 @@ use super::status::{Event, Expiry, TestStatus, expiry, transition};
 use super::store::StoredResults;
 use super::{Context, crd, fanout, wire};
 use crate::shared::AgentNode;
+use crate::shared::agent_client::{CallError, CallOutcome};
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -94,6 +95,30 @@ async fn select_sources(
     }
 }
 
+/// How often a running test checks that its object still exists.
+const DELETED_POLL: Duration = Duration::from_secs(5);
+
+/// Completes once the test `uid` is deleted (or its name holds another test): the run is then
+/// cancelled. A failed read is not taken for a deletion. Read as a list of the one name (its
+/// metadata only): the controller's role may list and watch tests, not get them.
+async fn deleted(api: Api<NetworkTest>, name: String, uid: String) {
+    let lp = ListParams::default().fields(&format!("metadata.name={name}"));
+    loop {
+        tokio::time::sleep(DELETED_POLL).await;
+        match api.list_metadata(&lp).await {
+            Ok(found) => {
+                let found_uid = found.items.first().and_then(|nt| nt.uid());
+                if fanout::run_is_cancelled(found_uid.as_deref(), &uid) {
+                    return;
+                }
+            }
+            Err(error) => {
+                debug!(%error, %name, "could not check whether the networktest still exists")
+            }
+        }
+    }
+}
+
 /// Logs the failure and retries in 30 s; a test deleted meanwhile is left alone.
 pub fn error_policy(nt: Arc<NetworkTest>, error: &Error, _ctx: Arc<Context>) -> Action {
     if error.test_is_gone() {
@@ -142,12 +167,6 @@ pub async fn reconcile(nt: Arc<NetworkTest>, ctx: Arc<Context>) -> Result<Action
             Expiry::Keep => Ok(Action::await_change()),
         };
     }
-    // This process finished the test but the watch has not shown the final status yet: do not
-    // run it again (a restarted controller has no results and does run it again).
-    if ctx.store.get(&ns, &name).is_some_and(|r| r.uid == uid) {
-        return Ok(Action::requeue(Duration::from_secs(5)));
-    }
-
     let write = |status: TestStatus| {
         let api = api.clone();
         let name = name.clone();
@@ -168,6 +187,24 @@ pub async fn reconcile(nt: Arc<NetworkTest>, ctx: Arc<Context>) -> Result<Action
             Ok::<TestStatus, Error>(status)
         }
     };
+    // This process finished the test: do not run it again (a restarted controller has no
+    // results and does run it again). Either the watch has not shown the final status yet, or
+    // writing it failed and it is written now from the results held.
+    if let Some((stored, written)) = ctx.store.get_with_status(&ns, &name)
+        && stored.uid == uid
+    {
+        return match after_store_hit(current.as_ref(), &stored, written) {
+            StoreHit::WriteFinal(status) => {
+                write(status).await?;
+                ctx.store.mark_status_written(&ns, &name, &uid);
+                info!(%test, "networktest final status written from the results held");
+                Ok(Action::requeue(Duration::from_secs(
+                    u64::try_from(ttl).unwrap_or(0),
+                )))
+            }
+            StoreHit::WaitForWatch => Ok(Action::requeue(Duration::from_secs(5))),
+        };
+    }
     let reject = |e: SpecError| {
         let current = current.clone();
         let test = test.clone();
@@ -187,9 +224,27 @@ pub async fn reconcile(nt: Arc<NetworkTest>, ctx: Arc<Context>) -> Result<Action
         Err(e) => return reject(e).await,
     };
 
+    // Right after start or failover the policy lacks the node addresses and probeAllowedCidrs,
+    // and the fleet which nodes are managed: a test planned now would be refused wrongly.
+    let fleet_synced = ctx.policy.fleet.as_ref().map(|f| f.synced());
+    let tuning_settled = ctx.policy.tuning.as_ref().map(|t| t.borrow().settled);
+    if let Some(what) = waiting_for(fleet_synced, tuning_settled) {
+        debug!(%test, "networktest waits for {what}");
+        return Ok(Action::requeue(Duration::from_secs(2)));
+    }
+
     let mut env = ctx.env.clone();
     env.allowed.extend(ctx.allowed_ranges());
-    let sources = select_sources(&ctx, &nt, &test, &mut env.allowed).await?;
+    let listed = select_sources(&ctx, &nt, &test, &mut env.allowed).await?;
+    // Only nodes this controller manages (its --node-selector) have agents it may call.
+    let managed = {
+        let fleet = ctx.policy.fleet.as_ref().map(|f| f.lock());
+        managed_sources(listed, |n| fleet.as_ref().is_none_or(|f| f.contains_key(n)))
+    };
+    let sources = match managed {
+        Ok(s) => s,
+        Err(e) => return reject(e).await,
+    };
 
     let mut names: Vec<String> = plan::hostnames_to_resolve(&spec)
         .into_iter()
@@ -222,7 +277,8 @@ pub async fn reconcile(nt: Arc<NetworkTest>, ctx: Arc<Context>) -> Result<Action
         .collect();
     let run_id = format!("{ns}/{name}/{uid}");
     let port = ctx.agent_port;
-    let outcomes = fanout::fan_out(
+    let cancelled = deleted(api.clone(), name.clone(), uid.clone());
+    let outcomes = fanout::fan_out_until(
         &test_plan,
         ctx.agent_concurrency,
         |source, targets, budget| {
@@ -237,12 +293,17 @@ pub async fn reconcile(nt: Arc<NetworkTest>, ctx: Arc<Context>) -> Result<Action
                 let response = agents
                     .run_probes(&node, request, budget)
                     .await
-                    .map_err(|e| e.to_string())?;
+                    .map_err(|e| call_failure(&e))?;
                 Ok(wire::pairs(&source, &targets, response))
             }
         },
+        cancelled,
     )
     .await;
+    let Some(outcomes) = outcomes else {
+        info!(%test, "networktest deleted while running; its probes were cancelled");
+        return Ok(Action::await_change());
+    };
     let summary = aggregate(&test_plan, &outcomes);
     let pairs = fanout::flatten(&outcomes, &test_plan);
     let finished_at = now_unix();
@@ -266,14 +327,148 @@ pub async fn reconcile(nt: Arc<NetworkTest>, ctx: Arc<Context>) -> Result<Action
     if let Some(status) = transition(Some(&running), Event::Finished(summary), finished_at) {
         write(status).await?;
     }
+    ctx.store.mark_status_written(&ns, &name, &uid);
     Ok(Action::requeue(Duration::from_secs(
         u64::try_from(ttl).unwrap_or(0),
     )))
 }
 
+/// What the address policy and the managed set still wait for, if anything: the Node watch's
+/// first full list (`fleet_synced`) and the tuning ConfigMap's first read (`tuning_settled`);
+/// `None` for a source this context does not have.
+pub fn waiting_for(
+    fleet_synced: Option<bool>,
+    tuning_settled: Option<bool>,
+) -> Option<&'static str> {
+    if fleet_synced == Some(false) {
+        Some("the node list to sync")
+    } else if tuning_settled == Some(false) {
+        Some("the tuning ConfigMap to be read")
+    } else {
+        None
+    }
+}
+
+/// The listed nodes this controller manages (`is_managed`), in order. Nodes it does not manage
+/// are dropped before `spec.maxNodes` picks the sources: their agents are never called. None
+/// managed while some matched is refused naming the selector and the flag.
+pub fn managed_sources(
+    listed: Vec<SourceNode>,
+    is_managed: impl Fn(&str) -> bool,
+) -> Result<Vec<SourceNode>, SpecError> {
+    let matched = listed.len();
+    let managed: Vec<SourceNode> = listed.into_iter().filter(|s| is_managed(&s.name)).collect();
+    if managed.is_empty() && matched > 0 {
+        return Err(SpecError {
+            field: "spec.nodeSelector".into(),
+            reason: format!(
+                "matches {matched} nodes, none of which this controller manages (its --node-selector); select managed nodes, or widen the controller's --node-selector"
+            ),
+        });
+    }
+    Ok(managed)
+}
+
+/// A failed `RunProbes` call as a source's outcome: an agent that answered `InvalidArgument`
+/// refused the request ([`fanout::REFUSED`]); anything else left the agent unheard.
+fn call_failure(e: &CallError) -> String {
+    if e.outcome == CallOutcome::Status && e.detail.starts_with("InvalidArgument") {
+        format!("{}{e}", fanout::REFUSED)
+    } else {
+        e.to_string()
+    }
+}
+
+/// What a reconcile does with a test whose results this process holds.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StoreHit {
+    /// The final status was not written (the write failed): write this.
+    WriteFinal(TestStatus),
+    /// The final status was written but the watch has not shown it yet: look again shortly.
+    WaitForWatch,
+}
+
+/// Decides what to do with a test whose results are held: write the final status from them
+/// when no write succeeded (else the test would read Running forever), or wait for the watch.
+pub fn after_store_hit(
+    current: Option<&TestStatus>,
+    stored: &StoredResults,
+    status_written: bool,
+) -> StoreHit {
+    if status_written {
+        return StoreHit::WaitForWatch;
+    }
+    match transition(
+        current,
+        Event::Finished(stored.summary.clone()),
+        stored.finished_unix,
+    ) {
+        Some(status) => StoreHit::WriteFinal(status),
+        None => StoreHit::WaitForWatch,
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use super::super::aggregate::aggregate;
+    use super::super::plan::{ProbeKind, ProbeParams, TestPlan};
+    use super::super::status::Phase;
     use super::*;
+
+    fn stored(finished_unix: i64) -> StoredResults {
+        let plan = TestPlan {
+            ranges: Vec::new(),
+            params: ProbeParams {
+                kind: ProbeKind::Icmp,
+                count: 1,
+                interval_ms: 1,
+                timeout_ms: 1,
+                expected_status: vec![],
+                max_mtu: 0,
+            },
+            sources: [("n0".to_owned(), vec![Default::default()])]
+                .into_iter()
+                .collect(),
+        };
+        let outcomes = [("n0".to_owned(), Err("refused".to_owned()))]
+            .into_iter()
+            .collect();
+        StoredResults {
+            uid: "u".into(),
+            finished_unix,
+            summary: aggregate(&plan, &outcomes),
+            pairs: vec![],
+        }
+    }
+
+    /// A final status write that failed leaves the results held and the test Running: the next
+    /// reconcile writes the final status from them, stamped with when the test finished.
+    #[test]
+    fn a_failed_final_write_is_retried_from_the_results_held() {
+        let running = transition(
+            None,
+            Event::Started {
+                sources: 1,
+                pairs: 1,
+            },
+            100,
+        )
+        .unwrap();
+        let held = stored(160);
+        match after_store_hit(Some(&running), &held, false) {
+            StoreHit::WriteFinal(s) => {
+                assert_eq!(s.phase, Phase::Failed);
+                assert_eq!((s.start_unix, s.completion_unix), (Some(100), Some(160)));
+                assert_eq!(s.summary, Some(held.summary.bounded()));
+            }
+            other => panic!("expected the final status to be written, got {other:?}"),
+        }
+        // Written already: only the watch is behind.
+        assert_eq!(
+            after_store_hit(Some(&running), &held, true),
+            StoreHit::WaitForWatch
+        );
+    }
 
     fn api_error(code: u16) -> kube::Error {
         kube::Error::Api(
@@ -281,6 +476,83 @@ mod tests {
                 .with_code(code)
                 .boxed(),
         )
+    }
+
+    #[test]
+    fn tests_wait_until_the_policy_sources_are_ready() {
+        assert_eq!(waiting_for(None, None), None);
+        assert_eq!(waiting_for(Some(true), Some(true)), None);
+        assert!(waiting_for(Some(false), Some(true)).is_some());
+        assert!(waiting_for(Some(true), Some(false)).is_some());
+        assert!(waiting_for(None, Some(false)).is_some());
+    }
+
+    #[test]
+    fn only_managed_nodes_are_sources() {
+        let node = |n: &str, a: &str| SourceNode {
+            name: n.into(),
+            address: a.parse().unwrap(),
+        };
+        let listed = vec![
+            node("a", "10.0.0.1"),
+            node("b", "10.0.0.2"),
+            node("c", "10.0.0.3"),
+        ];
+        let got = managed_sources(listed.clone(), |n| n != "a").unwrap();
+        assert_eq!(
+            got.iter().map(|s| s.name.as_str()).collect::<Vec<_>>(),
+            ["b", "c"]
+        );
+        // Before maxNodes: with maxNodes 1 the source is b, a managed node, not the unmanaged a.
+        let spec = plan::TestSpec {
+            kind: "icmp".into(),
+            targets: vec![plan::TargetSpec::Address("10.0.0.2".into())],
+            count: 1,
+            interval_ms: 100,
+            timeout_ms: 100,
+            max_nodes: Some(1),
+            port: None,
+            resolver: None,
+            expected_status: vec![],
+            max_mtu: None,
+        };
+        let p = plan::plan(
+            &spec,
+            &got,
+            &plan::Environment::default(),
+            &BTreeMap::new(),
+            "u",
+        )
+        .unwrap();
+        assert_eq!(p.sources.keys().collect::<Vec<_>>(), ["b"]);
+        let e = managed_sources(listed, |_| false).unwrap_err();
+        assert_eq!(e.field, "spec.nodeSelector");
+        assert!(e.reason.contains("--node-selector"), "{e}");
+        assert_eq!(managed_sources(vec![], |_| false), Ok(vec![]));
+    }
+
+    #[test]
+    fn an_invalid_argument_answer_is_a_refusal_not_an_unreachable_agent() {
+        let err = |outcome, detail: &str| CallError {
+            outcome,
+            endpoint: "10.0.0.2:4443".parse().unwrap(),
+            detail: detail.into(),
+        };
+        let refused = call_failure(&err(
+            CallOutcome::Status,
+            "InvalidArgument: max_mtu: 1000 is below the IPv6 minimum MTU 1280",
+        ));
+        assert!(fanout::is_refusal(&refused), "{refused}");
+        assert_eq!(
+            fanout::unanswered(&refused),
+            "agent refused the request: 10.0.0.2:4443: InvalidArgument: max_mtu: 1000 is below the IPv6 minimum MTU 1280"
+        );
+        let down = call_failure(&err(CallOutcome::Connect, "connection refused"));
+        assert!(!fanout::is_refusal(&down));
+        assert_eq!(
+            fanout::unanswered(&down),
+            "agent unreachable: 10.0.0.2:4443: connection refused"
+        );
     }
 
     #[test]

@@ -42,23 +42,38 @@ pub struct ResultsStore {
 }
 
 /// Each held test's results, by (namespace, name).
-type ByTest = BTreeMap<(String, String), Arc<StoredResults>>;
+type ByTest = BTreeMap<(String, String), Held>;
+
+/// One test's results and whether its final status has been written: results inserted before
+/// the write that failed must lead the next reconcile to write it again, not to wait for a
+/// status that never comes.
+#[derive(Debug)]
+struct Held {
+    results: Arc<StoredResults>,
+    status_written: bool,
+}
 
 impl ResultsStore {
     pub fn insert(&self, namespace: &str, name: &str, results: StoredResults) {
         let mut map = self.inner.write().expect("results store lock");
         let key = (namespace.to_owned(), name.to_owned());
-        map.insert(key.clone(), Arc::new(results));
-        let mut pairs: usize = map.values().map(|r| r.pairs.len()).sum();
+        map.insert(
+            key.clone(),
+            Held {
+                results: Arc::new(results),
+                status_written: false,
+            },
+        );
+        let mut pairs: usize = map.values().map(|h| h.results.pairs.len()).sum();
         while map.len() > MAX_TESTS || (pairs > MAX_PAIRS && map.len() > 1) {
             let oldest = map
                 .iter()
                 .filter(|(k, _)| **k != key)
-                .min_by_key(|(_, r)| r.finished_unix)
+                .min_by_key(|(_, h)| h.results.finished_unix)
                 .map(|(k, _)| k.clone())
                 .expect("another test is held");
             if let Some(dropped) = map.remove(&oldest) {
-                pairs -= dropped.pairs.len();
+                pairs -= dropped.results.pairs.len();
             }
         }
     }
@@ -68,14 +83,36 @@ impl ResultsStore {
     pub fn remove(&self, namespace: &str, name: &str, uid: &str) {
         let mut map = self.inner.write().expect("results store lock");
         let key = (namespace.to_owned(), name.to_owned());
-        if map.get(&key).is_some_and(|r| r.uid == uid) {
+        if map.get(&key).is_some_and(|h| h.results.uid == uid) {
             map.remove(&key);
         }
     }
 
+    /// Notes that the final status of the test `uid` (its results held here) has been written.
+    pub fn mark_status_written(&self, namespace: &str, name: &str, uid: &str) {
+        let mut map = self.inner.write().expect("results store lock");
+        if let Some(h) = map
+            .get_mut(&(namespace.to_owned(), name.to_owned()))
+            .filter(|h| h.results.uid == uid)
+        {
+            h.status_written = true;
+        }
+    }
+
     pub fn get(&self, namespace: &str, name: &str) -> Option<Arc<StoredResults>> {
+        self.get_with_status(namespace, name).map(|(r, _)| r)
+    }
+
+    /// The test's results and whether its final status has been written
+    /// ([`Self::mark_status_written`]).
+    pub fn get_with_status(
+        &self,
+        namespace: &str,
+        name: &str,
+    ) -> Option<(Arc<StoredResults>, bool)> {
         let map = self.inner.read().expect("results store lock");
-        map.get(&(namespace.to_owned(), name.to_owned())).cloned()
+        map.get(&(namespace.to_owned(), name.to_owned()))
+            .map(|h| (Arc::clone(&h.results), h.status_written))
     }
 
     pub fn len(&self) -> usize {
@@ -222,6 +259,29 @@ mod tests {
         assert!(store.get("ns", "t100").is_some());
         store.remove("ns", "t100", "u");
         assert!(store.get("ns", "t100").is_none());
+    }
+
+    #[test]
+    fn the_final_status_write_is_noted_per_uid() {
+        let store = ResultsStore::default();
+        store.insert("ns", "t", results("u1", 1, 1));
+        assert_eq!(
+            store.get_with_status("ns", "t").map(|(_, w)| w),
+            Some(false)
+        );
+        store.mark_status_written("ns", "t", "other-uid");
+        assert_eq!(
+            store.get_with_status("ns", "t").map(|(_, w)| w),
+            Some(false)
+        );
+        store.mark_status_written("ns", "t", "u1");
+        assert_eq!(store.get_with_status("ns", "t").map(|(_, w)| w), Some(true));
+        // A re-created test's new results start unwritten again.
+        store.insert("ns", "t", results("u2", 2, 1));
+        assert_eq!(
+            store.get_with_status("ns", "t").map(|(_, w)| w),
+            Some(false)
+        );
     }
 
     /// Past `MAX_PAIRS` the oldest finished tests go first; the newest stays even alone over it.
