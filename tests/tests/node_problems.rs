@@ -523,3 +523,133 @@ async fn kernel_log_problems_become_conditions_and_budgeted_events() -> anyhow::
     drop((a0, a1, controller, kmsg0, kmsg1));
     Ok(())
 }
+
+/// node-problem-detector's write of `type_` on `node`: status `True` with `heartbeat` as its
+/// `lastHeartbeatTime`, under NPD's field manager (a strategic merge of the conditions, as NPD's
+/// condition manager does).
+async fn npd_writes(
+    client: &kube::Client,
+    node: &str,
+    type_: &str,
+    heartbeat: k8s_openapi::jiff::Timestamp,
+) -> anyhow::Result<()> {
+    use kube::api::{Patch, PatchParams};
+    let api: Api<k8s_openapi::api::core::v1::Node> = Api::all(client.clone());
+    let at = heartbeat.to_string();
+    let body = serde_json::json!({ "status": { "conditions": [{
+        "type": type_, "status": "True", "reason": "DockerHung",
+        "message": "task docker:7 blocked for more than 120 seconds.",
+        "lastHeartbeatTime": at, "lastTransitionTime": at,
+    }] } });
+    let params = PatchParams {
+        field_manager: Some("node-problem-detector".into()),
+        ..PatchParams::default()
+    };
+    api.patch_status(node, &params, &Patch::Strategic(&body))
+        .await?;
+    Ok(())
+}
+
+/// During a migration node-problem-detector may run beside the agent and keep the same condition
+/// types (`KernelDeadlock`, …) on the Node. A type another writer keeps alive (a fresh
+/// `lastHeartbeatTime` under its own field manager) is left to it: written by both, each write
+/// would take the field back from the other, about two writes per node per NPD heartbeat. Once
+/// the other writer's heartbeat is older than 15 minutes (NPD removed), nodekeeper takes the type
+/// over at its next read of the node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_condition_type_another_writer_keeps_alive_is_left_to_it() -> anyhow::Result<()> {
+    let client = ControlPlane::shared().client().await?;
+    let ns = test_namespace(&client, "nk-npdside").await?;
+    let group = unique_name("npdside");
+    let labels: BTreeMap<String, String> =
+        [("nodekeeper.dev/e2e-group".to_string(), group.clone())].into();
+    let ips: Vec<Ipv4Addr> = loopback_ips(1);
+    let nodes = create_simulated_nodes(&client, "nk-npdside", 1, &labels, &ips).await?;
+    let node = &nodes[0];
+    let port = free_port();
+    let mut tuning: BTreeMap<&str, &str> = [
+        ("sweepInterval", "10s"),
+        ("staleAfter", "30s"),
+        ("callTimeout", "2s"),
+    ]
+    .into();
+    for signal in Signal::ALL {
+        tuning.insert(signal.key(), "");
+    }
+    put_tuning(&client, &ns, &tuning).await?;
+    // NPD is there first, with a problem nodekeeper's agent does not see.
+    npd_writes(
+        &client,
+        node,
+        "KernelDeadlock",
+        k8s_openapi::jiff::Timestamp::now(),
+    )
+    .await?;
+
+    let selector = format!("nodekeeper.dev/e2e-group={group}");
+    let _controller = ControllerProcess::start(&ns, "npdside-a", &selector, port, &[])?;
+    let tls = agent_tls(&client, &ns).await?;
+    let dir = tempfile::tempdir()?;
+    let kmsg = Kmsg::create(dir.path().join("kmsg"))?;
+    let _agent = agent(node, SocketAddr::new(ips[0].into(), port), &tls, &kmsg.path).await?;
+
+    // nodekeeper's first write of this node carries the kernel monitor's other types, not the
+    // one NPD keeps: NPD's verdict stands, and nodekeeper's field manager does not own it.
+    let t = Duration::from_secs(90);
+    wait_condition(
+        &client,
+        node,
+        "ReadonlyFilesystem",
+        "False",
+        Some("FilesystemIsNotReadOnly"),
+        t,
+    )
+    .await?;
+    let api: Api<k8s_openapi::api::core::v1::Node> = Api::all(client.clone());
+    let owned_by_us = |n: &k8s_openapi::api::core::v1::Node| {
+        nodekeeper_controller::conditions::managed_condition_types(
+            n.metadata.managed_fields.as_deref().unwrap_or_default(),
+        )
+    };
+    let now = api.get(node).await?;
+    let deadlock = now
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .and_then(|c| c.iter().find(|c| c.type_ == "KernelDeadlock"))
+        .context("KernelDeadlock on the node")?;
+    assert_eq!(
+        (deadlock.status.as_str(), deadlock.reason.as_deref()),
+        ("True", Some("DockerHung")),
+        "NPD's verdict was overwritten"
+    );
+    let ours = owned_by_us(&now);
+    assert!(ours.contains("ReadonlyFilesystem"), "{ours:?}");
+    assert!(!ours.contains("KernelDeadlock"), "{ours:?}");
+    // The node's page says which types are left to another writer.
+    let (status, body) = http_get(_controller.http, &format!("/api/v1/nodes/{node}")).await?;
+    assert_eq!(status, 200, "{body}");
+    let page: serde_json::Value = serde_json::from_str(&body)?;
+    assert_eq!(
+        page["conditionsLeftToOthers"],
+        serde_json::json!(["KernelDeadlock"]),
+        "{page}"
+    );
+
+    // NPD stops: its last heartbeat an hour old. nodekeeper takes the type over.
+    let hour_ago = k8s_openapi::jiff::Timestamp::from_second(
+        k8s_openapi::jiff::Timestamp::now().as_second() - 3600,
+    )?;
+    npd_writes(&client, node, "KernelDeadlock", hour_ago).await?;
+    wait_condition(
+        &client,
+        node,
+        "KernelDeadlock",
+        "False",
+        Some("KernelHasNoDeadlock"),
+        t,
+    )
+    .await?;
+    assert!(owned_by_us(&api.get(node).await?).contains("KernelDeadlock"));
+    Ok(())
+}

@@ -564,8 +564,9 @@ async fn bad_input_gets_a_condition_naming_the_field() -> anyhow::Result<()> {
     .await?;
     let (_, _, message) = wait_reason(badlabels.clone(), "InvalidSpec").await?;
     ensure!(
-        message.contains(&format!("NodeClass {unlabelled} spec.labels[\"team name\"]"))
-            && message.contains("spec.template.taints[0]")
+        message.contains(&format!(
+            "NodeClass {unlabelled} spec.labels[\"team name\"]"
+        )) && message.contains("spec.template.taints[0]")
             && message.contains("twice"),
         "{message}"
     );

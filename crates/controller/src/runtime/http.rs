@@ -151,6 +151,8 @@ async fn node(State(ctx): State<Arc<Context>>, Path(name): Path<String>) -> Resp
             "consecutiveFailures": entry.schedule.failures,
             "rulesRefused": entry.rules_refusal,
             "lastFailure": entry.last_failure.as_ref().map(|(outcome, detail)| json!({ "outcome": format!("{outcome:?}"), "detail": detail })),
+            // Condition types another writer keeps alive here, which nodekeeper leaves to it.
+            "conditionsLeftToOthers": entry.foreign.as_deref().unwrap_or_default(),
             "conditions": written_json(&entry.written),
             "report": entry.report.as_ref().map(StoredReport::view),
         })

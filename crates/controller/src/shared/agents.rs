@@ -470,6 +470,7 @@ mod tests {
                 address: Some("127.0.0.2".parse().unwrap()),
                 resource_version: 1,
                 written: vec![],
+                foreign: vec![],
             },
             Instant::now(),
         );
@@ -510,6 +511,7 @@ mod tests {
                 address: Some("127.0.0.1".parse().unwrap()),
                 resource_version: 1,
                 written: vec![],
+                foreign: vec![],
             },
             Instant::now(),
         );

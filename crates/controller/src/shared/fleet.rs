@@ -8,7 +8,7 @@
 //! a few MiB and several hundred. A metadata-only watch would not do: the InternalIP and the
 //! conditions live in `status`.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -35,6 +35,43 @@ pub struct NodeFacts {
     pub address: Option<IpAddr>,
     pub resource_version: u64,
     pub written: Vec<Written>,
+    /// Condition types another writer keeps up to date on this Node ([`left_to_others`]),
+    /// sorted; usually none.
+    pub foreign: Vec<String>,
+}
+
+/// How recent another writer's heartbeat on a condition must be for the type to be left to it.
+/// node-problem-detector writes every condition it owns at least every 5 minutes
+/// (`--k8s-exporter-heartbeat-period`, its condition manager's forced sync), each time with a new
+/// `lastHeartbeatTime`; three missed heartbeats mean it is gone, and its types are taken over.
+pub const FOREIGN_HEARTBEAT_FRESH: std::time::Duration = std::time::Duration::from_secs(15 * 60);
+
+/// The condition types on `node` that another field manager owns and keeps alive (a
+/// `lastHeartbeatTime` within [`FOREIGN_HEARTBEAT_FRESH`] of `now_unix`), other than the
+/// kubelet's and nodekeeper's own reserved types. During a migration node-problem-detector may
+/// run beside the agent and write the same types (`KernelDeadlock`, …); written by both, each
+/// write would take the field from the other, about two writes per node per NPD heartbeat. Such
+/// a type is left to the other writer until its heartbeat stops.
+pub fn left_to_others(node: &Node, ours: &BTreeSet<String>, now_unix: i64) -> Vec<String> {
+    let fresh_after = now_unix - FOREIGN_HEARTBEAT_FRESH.as_secs() as i64;
+    let mut out: Vec<String> = node
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .into_iter()
+        .flatten()
+        .filter(|c| {
+            !ours.contains(&c.type_)
+                && !nodekeeper_model::tuning::RESERVED_CONDITION_TYPES.contains(&c.type_.as_str())
+                && c.last_heartbeat_time
+                    .as_ref()
+                    .is_some_and(|t| t.0.as_second() >= fresh_after)
+        })
+        .map(|c| c.type_.clone())
+        .collect();
+    out.sort();
+    out.dedup();
+    out
 }
 
 /// Extracts [`NodeFacts`] from a Node: the first InternalIP, and only nodekeeper's conditions.
@@ -49,6 +86,10 @@ pub fn node_facts(node: &Node) -> NodeFacts {
     let managed = crate::conditions::managed_condition_types(
         node.metadata.managed_fields.as_deref().unwrap_or_default(),
     );
+    let now_unix = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64);
+    let foreign = left_to_others(node, &managed, now_unix);
     let written = status
         .and_then(|s| s.conditions.as_ref())
         .map(|conds| {
@@ -79,6 +120,7 @@ pub fn node_facts(node: &Node) -> NodeFacts {
             .and_then(|v| v.parse().ok())
             .unwrap_or(0),
         written,
+        foreign,
     }
 }
 
@@ -95,6 +137,9 @@ pub struct NodeEntry {
     pub address: Option<IpAddr>,
     pub resource_version: u64,
     pub written: WrittenSet,
+    /// Condition types another writer keeps alive on this Node: not written by nodekeeper
+    /// ([`left_to_others`]). `None` on almost every node.
+    pub foreign: Option<Arc<[String]>>,
     pub schedule: NodeSchedule,
     /// The last report read, kept encoded (see [`StoredReport`]).
     pub report: Option<StoredReport>,
@@ -168,6 +213,8 @@ pub struct Fleet {
     /// Every distinct [`WrittenSet`] an entry holds (see [`Interned`]). Locked after `nodes`.
     written: Mutex<Interned>,
     synced: AtomicBool,
+    /// Every distinct [`NodeEntry::foreign`] list ([`Fleet::foreign_set`]).
+    foreign_sets: Mutex<HashSet<Arc<[String]>>>,
     /// Woken when `synced` turns true ([`Fleet::wait_synced`]).
     synced_notify: tokio::sync::Notify,
     /// The previous leader's last Lease renewal (local clock), set once at takeover before the
@@ -260,6 +307,28 @@ impl Fleet {
         self.written.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// The shared copy of a node's [`NodeEntry::foreign`] types: nodes beside the same other
+    /// writer carry the same few types, kept once.
+    fn foreign_set(&self, types: Vec<String>) -> Option<Arc<[String]>> {
+        if types.is_empty() {
+            return None;
+        }
+        let mut sets = self
+            .foreign_sets
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(set) = sets.get(types.as_slice()) {
+            return Some(Arc::clone(set));
+        }
+        // Sets no node holds any more are dropped before the list grows.
+        if sets.len() >= 64 {
+            sets.retain(|set| Arc::strong_count(set) > 1);
+        }
+        let set: Arc<[String]> = types.into();
+        sets.insert(Arc::clone(&set));
+        Some(set)
+    }
+
     /// Distinct condition lists held for the fleet's entries (at most one per node).
     pub fn distinct_written(&self) -> usize {
         self.interned().sets.len()
@@ -348,6 +417,9 @@ impl Fleet {
                 if facts.resource_version == 0 || facts.resource_version >= entry.resource_version {
                     entry.address = facts.address;
                     entry.resource_version = facts.resource_version;
+                    if entry.foreign.as_deref().unwrap_or_default() != facts.foreign.as_slice() {
+                        entry.foreign = self.foreign_set(facts.foreign);
+                    }
                     if *entry.written != *facts.written {
                         let mut interned = self.interned();
                         let old =
@@ -360,12 +432,14 @@ impl Fleet {
             None => {
                 let schedule = self.schedule_for(&facts.written, now);
                 let written = self.interned().get(facts.written);
+                let foreign = self.foreign_set(facts.foreign);
                 nodes.insert(
                     facts.name,
                     NodeEntry {
                         address: facts.address,
                         resource_version: facts.resource_version,
                         written,
+                        foreign,
                         schedule,
                         report: None,
                         last_failure: None,
@@ -682,6 +756,53 @@ mod tests {
         assert_eq!(jobs[0].endpoint, "127.1.0.4:9443".parse().unwrap());
         // In flight now: not handed out twice.
         assert!(fleet.take_due(next_scan + RESCAN, 10, 9443).is_empty());
+    }
+
+    #[test]
+    fn types_another_writer_keeps_alive_are_left_to_it() {
+        let now: i64 = 1_800_000_000;
+        let at = |secs_ago: i64| {
+            k8s_openapi::jiff::Timestamp::from_second(now - secs_ago)
+                .unwrap()
+                .to_string()
+        };
+        let n: Node = serde_json::from_value(json!({
+            "metadata": {"name": "n1"},
+            "status": {"conditions": [
+                {"type": "KernelDeadlock", "status": "True", "lastHeartbeatTime": at(60)},
+                {"type": "ReadonlyFilesystem", "status": "False", "lastHeartbeatTime": at(14 * 60)},
+                // NPD gone: its last heartbeat more than 15 minutes ago.
+                {"type": "FrequentKubeletRestart", "status": "False", "lastHeartbeatTime": at(16 * 60)},
+                // No heartbeat at all: nothing says another writer keeps it alive.
+                {"type": "CustomThing", "status": "False"},
+                // Ours (our field manager owns it), and the kubelet's.
+                {"type": "XfsShutdown", "status": "False", "lastHeartbeatTime": at(1)},
+                {"type": "Ready", "status": "True", "lastHeartbeatTime": at(1)},
+                {"type": "NodekeeperReachable", "status": "True", "lastHeartbeatTime": at(1)},
+            ]},
+        }))
+        .unwrap();
+        let ours: BTreeSet<String> = ["XfsShutdown".to_string()].into();
+        assert_eq!(
+            left_to_others(&n, &ours, now),
+            ["KernelDeadlock", "ReadonlyFilesystem"]
+        );
+
+        // The fleet keeps one shared copy per distinct list, and none for most nodes.
+        let fleet = Fleet::default();
+        let mut facts = node_facts(&node("1", Some("127.1.0.4"), json!([])));
+        assert!(facts.foreign.is_empty());
+        facts.foreign = vec!["KernelDeadlock".into()];
+        fleet.observe(facts.clone(), Instant::now());
+        facts.name = "n2".into();
+        fleet.observe(facts, Instant::now());
+        let nodes = fleet.lock();
+        let (a, b) = (
+            nodes["n1"].foreign.clone().unwrap(),
+            nodes["n2"].foreign.clone().unwrap(),
+        );
+        assert!(Arc::ptr_eq(&a, &b));
+        assert_eq!(&*a, ["KernelDeadlock".to_string()]);
     }
 
     #[test]

@@ -242,6 +242,14 @@ async fn poll(ctx: &Arc<Context>, writers: &Writers, job: Job) {
                     .collect()
             })
             .unwrap_or_default();
+        // Types another writer keeps alive on this Node (node-problem-detector during a
+        // migration) are left to it: written by both, each write would undo the other's.
+        let desired = desired.map(|mut desired| {
+            if let Some(foreign) = entry.foreign.as_deref() {
+                desired.retain(|c| !foreign.contains(&c.type_));
+            }
+            desired
+        });
         desired
             .filter(|desired| conditions::changed(&entry.written, desired))
             .map(|desired| (desired, entry.written.clone(), agent_types))
