@@ -38,6 +38,7 @@ use super::plan::{NodeFacts, plan_node};
 use super::rollout::{NodePhase, NodeState, next_batch, retry_delay};
 use super::status::{NodeReport, blocked_status, conflict_message, next_status};
 use crate::shared::AgentNode;
+use crate::shared::agent_client::CallOutcome;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -101,6 +102,9 @@ pub(crate) struct NodeRun {
     instance: Option<String>,
     /// An apply reached the host (so the finalizer removes the host side).
     host_touched: bool,
+    /// The last apply was refused by the agent before it changed anything (a desired state
+    /// this host cannot take): a host failure for the condition, with nothing to remove.
+    host_refused: bool,
     /// The attachments of the VNICs this object keeps on the node (id, VNIC id), as found by
     /// the observation and as they became ATTACHED: the apply is complete once each one's VNIC
     /// is on the host.
@@ -126,6 +130,7 @@ impl NodeRun {
             started: Instant::now(),
             instance: None,
             host_touched: false,
+            host_refused: false,
             keep: Vec::new(),
             attach_requested: None,
             next_look: None,
@@ -1135,13 +1140,18 @@ async fn apply(
         endpoint: SocketAddr::new(address, ctx.agent_port),
     };
     let request = apply_request(spec, &info.name, &run.target, detach);
+    run.host_refused = false;
     let response = match ctx
         .agents
         .apply_network(&node, request, ctx.settings.apply_timeout)
         .await
     {
         Ok(r) => r,
-        Err(e) => return Err((format!("ApplyNetwork on the agent: {e}"), false)),
+        Err(e) => {
+            // An answer with an error status: the agent refused the desired state.
+            run.host_refused = e.outcome == CallOutcome::Status;
+            return Err((format!("ApplyNetwork on the agent: {e}"), false));
+        }
     };
     run.host_touched = true;
     match pb::ApplyOutcome::try_from(response.outcome) {
@@ -1270,7 +1280,7 @@ fn node_condition(run: &NodeRun) -> Option<(&'static str, &'static str, String)>
         )),
         // A failure names the generation too, so that a restarted controller still knows this
         // object touched the node (it may hold VNICs of ours) when the node leaves the selector.
-        NodePhase::Failed { error, .. } if run.host_touched => Some((
+        NodePhase::Failed { error, .. } if run.host_touched || run.host_refused => Some((
             "False",
             REASON_NETWORK_APPLY_FAILED,
             format!("{FAILED_AT_GENERATION}{}: {error}", run.target),
@@ -1603,6 +1613,14 @@ mod tests {
         );
         run.fail("spec.ociVnics.attach[0].nicIndex: …".into(), false);
         assert_eq!(node_condition(&run).unwrap().1, REASON_VNIC_ATTACH_FAILED);
+        // The agent refused the desired state before changing anything: a host failure.
+        run.host_refused = true;
+        run.fail(
+            "FailedPrecondition: links[2] (nkm119): mtu 9000 …".into(),
+            false,
+        );
+        assert_eq!(node_condition(&run).unwrap().1, REASON_NETWORK_APPLY_FAILED);
+        run.host_refused = false;
         run.host_touched = true;
         run.fail("check 10.0.0.1 failed".into(), true);
         assert_eq!(node_condition(&run).unwrap().1, REASON_NETWORK_APPLY_FAILED);
