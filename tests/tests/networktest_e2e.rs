@@ -148,11 +148,7 @@ impl Agents for NetnsAgents {
         _: nodekeeper_controller::shared::agents::ReportRequest<'a>,
         _: Duration,
     ) -> BoxFuture<'a, Report> {
-        let view = Err(call_error(node.endpoint, "no reports in this test".into()));
-        Box::pin(std::future::ready(Report {
-            view,
-            rules: RulesOutcome::NotPushed,
-        }))
+        no_report(node)
     }
 
     fn apply_network<'a>(
@@ -161,8 +157,7 @@ impl Agents for NetnsAgents {
         _: pb::ApplyNetworkRequest,
         _: Duration,
     ) -> BoxFuture<'a, Result<pb::ApplyNetworkResponse, CallError>> {
-        let error = call_error(node.endpoint, "no network state in this test".into());
-        Box::pin(std::future::ready(Err(error)))
+        no_network(node)
     }
 
     fn collect_diagnostics<'a>(
@@ -172,9 +167,31 @@ impl Agents for NetnsAgents {
         _: Duration,
     ) -> BoxFuture<'a, Result<nodekeeper_controller::shared::agents::DiagnosticsStream, CallError>>
     {
-        let error = call_error(node.endpoint, "no diagnostics in this test".into());
-        Box::pin(std::future::ready(Err(error)))
+        no_diagnostics(node)
     }
+}
+
+/// The calls the NetworkTest reconciler never makes, answered with an error by this file's
+/// fake agents.
+fn no_report(node: &AgentNode) -> BoxFuture<'static, Report> {
+    let view = Err(call_error(node.endpoint, "no reports in this test".into()));
+    Box::pin(std::future::ready(Report {
+        view,
+        rules: RulesOutcome::NotPushed,
+    }))
+}
+
+fn no_network(node: &AgentNode) -> BoxFuture<'static, Result<pb::ApplyNetworkResponse, CallError>> {
+    let error = call_error(node.endpoint, "no network state in this test".into());
+    Box::pin(std::future::ready(Err(error)))
+}
+
+fn no_diagnostics(
+    node: &AgentNode,
+) -> BoxFuture<'static, Result<nodekeeper_controller::shared::agents::DiagnosticsStream, CallError>>
+{
+    let error = call_error(node.endpoint, "no diagnostics in this test".into());
+    Box::pin(std::future::ready(Err(error)))
 }
 
 fn netns_agents(by_address: BTreeMap<IpAddr, NetnsEntry>) -> Arc<dyn Agents> {
@@ -532,11 +549,7 @@ impl Agents for HangingAgents {
         _: nodekeeper_controller::shared::agents::ReportRequest<'a>,
         _: Duration,
     ) -> BoxFuture<'a, Report> {
-        let view = Err(call_error(node.endpoint, "no reports in this test".into()));
-        Box::pin(std::future::ready(Report {
-            view,
-            rules: RulesOutcome::NotPushed,
-        }))
+        no_report(node)
     }
 
     fn apply_network<'a>(
@@ -545,8 +558,7 @@ impl Agents for HangingAgents {
         _: pb::ApplyNetworkRequest,
         _: Duration,
     ) -> BoxFuture<'a, Result<pb::ApplyNetworkResponse, CallError>> {
-        let error = call_error(node.endpoint, "no network state in this test".into());
-        Box::pin(std::future::ready(Err(error)))
+        no_network(node)
     }
 
     fn collect_diagnostics<'a>(
@@ -556,8 +568,7 @@ impl Agents for HangingAgents {
         _: Duration,
     ) -> BoxFuture<'a, Result<nodekeeper_controller::shared::agents::DiagnosticsStream, CallError>>
     {
-        let error = call_error(node.endpoint, "no diagnostics in this test".into());
-        Box::pin(std::future::ready(Err(error)))
+        no_diagnostics(node)
     }
 }
 
