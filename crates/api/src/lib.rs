@@ -7,3 +7,4 @@
 pub mod client;
 pub mod crd;
 pub mod names;
+pub mod selector;
