@@ -237,7 +237,10 @@ pub async fn start<C: Reconciler>(
 
 /// `reconcile`'s output, or `None` once `stop` fires first: the reconcile is dropped where it
 /// waits (an agent call, an API request), and what it did not do is left to the next leader.
-async fn unless_stopped<F: Future>(stop: &CancellationToken, reconcile: F) -> Option<F::Output> {
+pub(crate) async fn unless_stopped<F: Future>(
+    stop: &CancellationToken,
+    reconcile: F,
+) -> Option<F::Output> {
     tokio::select! {
         biased;
         () = stop.cancelled() => None,
@@ -275,6 +278,10 @@ impl Controllers {
         tracker.spawn(run.instrument(tracing::info_span!("sweep")));
         let gauges = nodes::condition_gauges(sweep, shutdown.child_token());
         tracker.spawn(gauges.instrument(tracing::info_span!("condition_gauges")));
+        // Nodes outside --node-selector lose the sweep's conditions (nothing without a selector).
+        let unselected = nodes::unselected::Context::new(shared);
+        let run = nodes::unselected::run(Arc::new(unselected), shutdown.child_token());
+        tracker.spawn(run.instrument(tracing::info_span!("unselected_nodes")));
 
         // Watch-reconcile controllers: one registration line each.
         let r = Registrar {

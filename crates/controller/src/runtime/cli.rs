@@ -150,6 +150,26 @@ impl Cli {
                     .into(),
             );
         }
+        let diagnostics_timeout = self.controllers.node_diagnostic.diagnostics_timeout;
+        if diagnostics_timeout.is_zero() {
+            return Err(format!(
+                "--diagnostics-timeout ({diagnostics_timeout:?}) must be more than 0: every \
+                 node's diagnostics bundle would fail at once as late; give the longest time one \
+                 bundle may take to arrive (default 5m)"
+            ));
+        }
+        if let Some(selector) = &self.node_selector {
+            // Refused here rather than by the Node watch later, where a typo would read as a
+            // failing watch retried forever, with no node managed.
+            let parsed = nodekeeper_api::selector::parse(selector)
+                .and_then(|parsed| nodekeeper_api::selector::check(&parsed));
+            if let Err(why) = parsed {
+                return Err(format!(
+                    "--node-selector {selector:?}: {why}; give a label selector in kubectl's \
+                     syntax, e.g. `node-role.kubernetes.io/worker` or `pool in (gpu,cpu),!spot`"
+                ));
+            }
+        }
         if self.max_reply_bytes < MIN_REPLY_BYTES {
             return Err(format!(
                 "--max-reply-bytes {} is below {MIN_REPLY_BYTES}: every agent's report would be \
@@ -238,7 +258,10 @@ mod tests {
             (&["--retry-period", "100ms"], "--retry-period"),
             (&["--agent-port", "0"], "--agent-port"),
             (&["--max-reply-bytes", "0"], "--max-reply-bytes"),
+            (&["--diagnostics-timeout", "0s"], "--diagnostics-timeout"),
+            (&["--diagnostics-timeout", "0ms"], "--diagnostics-timeout"),
             (&["--log", "info,[unclosed"], "--log"),
+            (&["--node-selector", "pool=gpu,,zone=a"], "--node-selector"),
         ] {
             let error = parse(args).unwrap_err();
             assert!(error.contains(flag), "{args:?}: {error}");
@@ -249,6 +272,31 @@ mod tests {
             error.contains("--lease-duration") && error.contains("whole"),
             "{error}"
         );
+    }
+
+    #[test]
+    fn a_bad_node_selector_is_refused_naming_the_part_and_an_example() {
+        let check = |selector: &str| {
+            Cli::parse_from(["nodekeeper-controller", "--node-selector", selector]).check()
+        };
+        for good in ["nodekeeper.dev/e2e-group=g1", "pool in (gpu,cpu),!spot", ""] {
+            assert_eq!(check(good), Ok(()), "{good}");
+        }
+        for (bad, part) in [
+            ("pool=gpu,,zone=a", "empty requirement"),
+            ("zone in (a", "unbalanced"),
+            ("pool=gpu pool", "\"pool=gpu pool\""),
+            ("Pool/x=gpu", "\"Pool/x\" is not a valid label key"),
+            ("pool=gpu!", "\"gpu!\" is not a valid label value"),
+        ] {
+            let error = check(bad).unwrap_err();
+            assert!(
+                error.starts_with(&format!("--node-selector {bad:?}: ")),
+                "{bad}: {error}"
+            );
+            assert!(error.contains(part), "{bad}: {error}");
+            assert!(error.contains("e.g. `"), "an example: {error}");
+        }
     }
 
     #[test]

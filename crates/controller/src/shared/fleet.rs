@@ -18,6 +18,7 @@ use futures::TryStreamExt;
 use k8s_openapi::api::core::v1::Node;
 use kube::Api;
 use kube::runtime::{WatchStreamExt, watcher};
+use nodekeeper_api::crd::common::LabelSelector;
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -222,6 +223,12 @@ pub struct Fleet {
     previous_leader_renewed: Mutex<Option<Instant>>,
     /// The nodes found due by the last scan ([`Fleet::take_due`]). Locked before `nodes`.
     due: Mutex<DueQueue>,
+    /// `--node-selector`, parsed, as the Node watch selects with it; `None`: every Node.
+    selection: Mutex<Option<LabelSelector>>,
+    /// Nodes that may have left the selection, for the cleaner of their conditions
+    /// ([`Fleet::take_maybe_left`]); with `maybe_left_notify`, woken when one is added.
+    maybe_left: Mutex<BTreeSet<String>>,
+    maybe_left_notify: tokio::sync::Notify,
 }
 
 /// How old [`Fleet::take_due`]'s queue may get before it is scanned again while not used up.
@@ -364,6 +371,83 @@ impl Fleet {
                 return;
             }
             notified.await;
+        }
+    }
+
+    /// Sets the label selector the Node watch selects with (`--node-selector`); a selector that
+    /// does not parse (refused at start, by [`crate::runtime::Cli::check`]) leaves none, so no
+    /// node is ever taken for one that left.
+    pub fn set_selection(&self, selector: &str) {
+        let parsed = match nodekeeper_api::selector::parse(selector) {
+            Ok(parsed) => Some(parsed).filter(|p| *p != LabelSelector::default()),
+            Err(error) => {
+                warn!(%error, selector, "--node-selector does not parse; nodes that leave it keep their conditions");
+                None
+            }
+        };
+        *self
+            .selection
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = parsed;
+    }
+
+    /// The label selector the Node watch selects with; `None`: every Node.
+    pub fn selection(&self) -> Option<LabelSelector> {
+        self.selection
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Notes nodes that may have left the selection, when there is one: the Node watch no
+    /// longer reports them, and only a read tells a node that left from one deleted.
+    pub fn note_maybe_left(&self, names: impl IntoIterator<Item = String>) {
+        if self
+            .selection
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .is_none()
+        {
+            return;
+        }
+        let mut left = self
+            .maybe_left
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let before = left.len();
+        left.extend(names);
+        if left.len() > before {
+            self.maybe_left_notify.notify_one();
+        }
+    }
+
+    /// Takes the nodes noted by [`Fleet::note_maybe_left`] since the last call.
+    pub fn take_maybe_left(&self) -> Vec<String> {
+        std::mem::take(
+            &mut *self
+                .maybe_left
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner),
+        )
+        .into_iter()
+        .collect()
+    }
+
+    /// Returns once a node may have left the selection (at once if one is noted and not taken).
+    /// One waiter at a time.
+    pub async fn wait_maybe_left(&self) {
+        loop {
+            if !self
+                .maybe_left
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .is_empty()
+            {
+                return;
+            }
+            // `notify_one` keeps a permit when nobody waits: a name noted between the check
+            // and this wait is not missed.
+            self.maybe_left_notify.notified().await;
         }
     }
 
@@ -644,6 +728,7 @@ pub async fn watch_nodes(
     let mut config = super::lists::nodes();
     if let Some(selector) = selector {
         config = config.labels(&selector);
+        fleet.set_selection(&selector);
     }
     let stream = watcher(api, config).default_backoff();
     futures::pin_mut!(stream);
@@ -680,6 +765,17 @@ pub async fn watch_nodes(
                 listing.insert(observe(&node, &mut warned));
             }
             Ok(Some(watcher::Event::InitDone)) => {
+                if fleet.selection().is_some() {
+                    // Nodes gone from a relist (the watch fell behind) were deleted or left the
+                    // selection meanwhile; rare, and each costs the cleaner one read.
+                    let dropped: Vec<String> = fleet
+                        .lock()
+                        .keys()
+                        .filter(|name| !listing.contains(*name))
+                        .cloned()
+                        .collect();
+                    fleet.note_maybe_left(dropped);
+                }
                 fleet.retain(&listing);
                 listing.clear();
                 if fleet.mark_synced() {
@@ -696,6 +792,12 @@ pub async fn watch_nodes(
             Ok(Some(watcher::Event::Delete(node))) => {
                 if let Some(name) = node.metadata.name.as_deref() {
                     fleet.remove(name);
+                    // A label-selector watch reports a Node whose labels stopped matching as
+                    // deleted, and with its previous labels (the API server's watch cache sends
+                    // the previous object, `cacheWatcher.convertToWatchEvent`): the event cannot
+                    // tell it from a deletion, so the cleaner reads the Node
+                    // (`controllers::nodes::unselected`). Without a selector, a no-op.
+                    fleet.note_maybe_left([name.to_owned()]);
                 }
             }
             Ok(None) => return,
@@ -818,6 +920,27 @@ mod tests {
         fleet.observe(node_facts(&node("3", Some("127.1.0.4"), json!([]))), now);
         fleet.observe_written(node_facts(&node("4", Some("127.1.0.4"), json!([]))), now);
         assert_eq!(fleet.lock()["n1"].resource_version, 4);
+    }
+
+    #[tokio::test]
+    async fn nodes_that_may_have_left_are_noted_only_under_a_selector() {
+        let fleet = Fleet::default();
+        // Every Node selected (no flag, or an empty one): none can leave, nothing is noted.
+        fleet.note_maybe_left(["n1".to_owned()]);
+        fleet.set_selection("");
+        fleet.note_maybe_left(["n1".to_owned()]);
+        assert!(fleet.selection().is_none());
+        assert!(fleet.take_maybe_left().is_empty());
+        fleet.set_selection("pool=gpu");
+        assert!(fleet.selection().is_some());
+        fleet.note_maybe_left(["n2".to_owned(), "n1".to_owned()]);
+        fleet.note_maybe_left(["n1".to_owned()]);
+        // Noted before the wait: it returns at once.
+        tokio::time::timeout(std::time::Duration::from_secs(5), fleet.wait_maybe_left())
+            .await
+            .expect("woken");
+        assert_eq!(fleet.take_maybe_left(), ["n1", "n2"]);
+        assert!(fleet.take_maybe_left().is_empty());
     }
 
     #[tokio::test]

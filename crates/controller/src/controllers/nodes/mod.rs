@@ -3,10 +3,12 @@
 //! its jittered interval ([`sweep`]) and writes the node's conditions only when they change,
 //! turns the agents' node problems into Node Events within a per-node budget ([`problems`]), and
 //! the per-condition and per-problem gauges computed from the fleet ([`condition_gauges`]). Its
-//! input is the fleet kept by the Node watch in [`crate::shared::fleet`].
+//! input is the fleet kept by the Node watch in [`crate::shared::fleet`]. Nodes that leave
+//! `--node-selector` get its conditions taken off ([`unselected`]).
 
 pub mod problems;
 pub mod sweep;
+pub mod unselected;
 
 use std::sync::Arc;
 use std::time::Duration;
