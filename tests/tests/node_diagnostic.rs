@@ -5,8 +5,10 @@
 //! secrets it planted (a token in the kubelet environment file the agents are pointed at, a token
 //! and an AWS key id in a kernel log line). A node whose agent does not answer fails with the
 //! reason while the others succeed; an unknown part and a selector over the cap are refused
-//! naming the field; deleting the object deletes its bundles; the TTL deletes the object. A store
-//! with room for one bundle evicts the older one, and the older object's status says so.
+//! naming the field; deleting the object deletes its bundles; the TTL deletes the object. A bundle
+//! downloads only from its status path (which carries its token): the guessable path without the
+//! token answers 404. A store with room for one bundle evicts the older one, and the older
+//! object's status says so.
 //!
 //! Run: `cargo xtask test -- -p nodekeeper-e2e --test node_diagnostic`.
 
@@ -368,12 +370,25 @@ async fn bundles_are_collected_stored_downloaded_and_deleted() -> anyhow::Result
     );
     for bundle in &s.nodes {
         assert_eq!(bundle.phase, Phase::Succeeded, "{bundle:?}");
-        assert_eq!(
-            bundle.download_path,
-            format!("/api/diagnostics/{ns}/{three}/{}", bundle.node)
+        // The path carries the bundle's download token (32 hex digits) after the node.
+        let guessable = format!("/api/diagnostics/{ns}/{three}/{}", bundle.node);
+        let token = bundle
+            .download_path
+            .strip_prefix(&format!("{guessable}/"))
+            .with_context(|| format!("{bundle:?}"))?;
+        assert!(
+            token.len() == 32 && token.bytes().all(|b| b.is_ascii_hexdigit()),
+            "{bundle:?}"
         );
+        // Without the token, or with another, the bundle does not exist.
+        let (code, _, body) = get_bytes(controller.http, &guessable).await?;
+        assert_eq!(code, 404, "{}", String::from_utf8_lossy(&body));
+        let (code, _, _) =
+            get_bytes(controller.http, &format!("{guessable}/{}", "0".repeat(32))).await?;
+        assert_eq!(code, 404);
         check_bundle(controller.http, bundle, work.path()).await?;
     }
+    let three_paths: Vec<String> = s.nodes.iter().map(|b| b.download_path.clone()).collect();
     let storage = s
         .conditions
         .iter()
@@ -484,6 +499,11 @@ async fn bundles_are_collected_stored_downloaded_and_deleted() -> anyhow::Result
     )
     .await?;
     assert_eq!(code, 404);
+    // The paths that downloaded before (with their tokens) find nothing now.
+    for path in &three_paths {
+        let (code, _, _) = get_bytes(controller.http, path).await?;
+        assert_eq!(code, 404, "{path}");
+    }
     let (code, _, _) = get_bytes(controller.http, "/api/diagnostics/x/..%2f/y").await?;
     assert!(code == 400 || code == 404, "{code}");
 

@@ -124,8 +124,11 @@ pub struct NodeBundle {
     #[serde(default, skip_serializing_if = "String::is_empty")]
     #[schemars(length(max = 64))]
     pub sha256: String,
-    /// The controller HTTP API path of the bundle (`/api/diagnostics/<namespace>/<name>/<node>`);
-    /// prefix it with the service proxy path to download through the API server.
+    /// The controller HTTP API path of the bundle
+    /// (`/api/diagnostics/<namespace>/<name>/<node>/<token>`); prefix it with the service proxy
+    /// path to download through the API server. The last segment is a random token recorded with
+    /// the bundle: the path is the capability to download it, so whoever can read this status can
+    /// download the bundle, and a path without the right token answers 404.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     #[schemars(length(max = 1024))]
     pub download_path: String,
@@ -189,7 +192,7 @@ mod tests {
                 phase: Phase::Succeeded,
                 size_bytes: 10,
                 sha256: "ab".into(),
-                download_path: "/api/diagnostics/ns/d/n1".into(),
+                download_path: "/api/diagnostics/ns/d/n1/0123456789abcdef0123456789abcdef".into(),
                 reason: String::new(),
             }],
             ..Default::default()
@@ -197,7 +200,7 @@ mod tests {
         let json = serde_json::to_value(&d).unwrap();
         assert_eq!(
             json["status"]["nodes"][0]["downloadPath"],
-            "/api/diagnostics/ns/d/n1"
+            "/api/diagnostics/ns/d/n1/0123456789abcdef0123456789abcdef"
         );
         assert_eq!(serde_json::from_value::<NodeDiagnostic>(json).unwrap(), d);
     }

@@ -1,6 +1,8 @@
 //! The controller's HTTP API, served from memory (never from etcd): `/api/v1/summary`,
 //! `/api/v1/nodes/{name}`, `/metrics` (Prometheus text), `/healthz`, `/readyz`, and the routes
-//! the controllers add (`/api/networktests/{namespace}/{name}`, full NetworkTest results, see
+//! the controllers add (`/api/networktests/{namespace}/{name}`, full NetworkTest results;
+//! `/api/diagnostics/{namespace}/{name}/{node}/{token}`, diagnostics bundles, each served only
+//! with the token its NodeDiagnostic's status publishes; see
 //! [`crate::controllers::Controllers::router`]). Served on the standby too. Reachable in a
 //! cluster through the API server's service proxy, e.g.
 //! `kubectl get --raw /api/v1/namespaces/nodekeeper/services/nodekeeper-controller:http/proxy/api/v1/summary`.

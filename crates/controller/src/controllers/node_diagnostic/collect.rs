@@ -1,7 +1,8 @@
 //! One node's bundle, from the agent's stream to the controller's disk: chunks are written as
 //! they arrive (never gathered in memory), hashed with SHA-256 on the way, bounded in size and
 //! time, written to a `.partial` file and renamed into place only when the agent's summary (its
-//! last chunk) has arrived, so a download never sees half a bundle.
+//! last chunk) has arrived, so a download never sees half a bundle. A fresh download token is
+//! recorded beside it just before (see [`super::store`]).
 
 use std::path::Path;
 use std::time::Duration;
@@ -11,7 +12,7 @@ use nodekeeper_proto::agent::v1 as pb;
 use sha2::{Digest as _, Sha256};
 use tokio::io::AsyncWriteExt as _;
 
-use super::store::BundleStore;
+use super::store::{self, BundleStore};
 use crate::shared::agents::DiagnosticsStream;
 
 /// A bundle stored on disk.
@@ -20,6 +21,8 @@ pub struct Stored {
     pub size: u64,
     pub sha256: String,
     pub summary: pb::DiagnosticsSummary,
+    /// The bundle's download token (the last segment of its download path).
+    pub token: String,
 }
 
 /// Writes `stream` to `path` within `deadline`, refusing more than `max_bytes`. On any failure
@@ -39,7 +42,16 @@ pub async fn to_file(
             ))
         });
     match result {
-        Ok(stored) => {
+        Ok(mut stored) => {
+            // The token first: a bundle in place without its token would not be served.
+            stored.token = store::new_token();
+            if let Err(e) = BundleStore::write_token(path, &stored.token).await {
+                let _ = tokio::fs::remove_file(&partial).await;
+                return Err(format!(
+                    "store the download token of {}: {e}",
+                    path.display()
+                ));
+            }
             tokio::fs::rename(&partial, path)
                 .await
                 .map_err(|e| format!("store bundle {}: {e}", path.display()))?;
@@ -99,6 +111,7 @@ async fn write(
         size,
         sha256: hex::encode(hasher.finalize()),
         summary,
+        token: String::new(),
     })
 }
 
@@ -140,6 +153,11 @@ mod tests {
         assert_eq!(std::fs::read(&path).unwrap(), b"abcend");
         assert_eq!(stored.size, 6);
         assert_eq!(stored.sha256, hex::encode(Sha256::digest(b"abcend")));
+        assert_eq!(stored.token.len(), 32, "{}", stored.token);
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join("ns/d/n1.token")).unwrap(),
+            stored.token
+        );
     }
 
     #[tokio::test]

@@ -4,8 +4,9 @@
 //! one node's stream to disk with its SHA-256 (`collect`), and the bounded store with the
 //! download route (`store`). This file holds the [`Context`] and the [`Config`] (flags).
 //!
-//! Download, through the API server's service proxy:
-//! `kubectl get --raw /api/v1/namespaces/nodekeeper/services/nodekeeper-controller:http/proxy/api/diagnostics/<ns>/<name>/<node> > bundle.tar.gz`
+//! Download, through the API server's service proxy, from the path in the NodeDiagnostic's
+//! `status.nodes[].downloadPath` (it ends in the bundle's download token, see [`store`]):
+//! `kubectl get --raw /api/v1/namespaces/nodekeeper/services/nodekeeper-controller:http/proxy/api/diagnostics/<ns>/<name>/<node>/<token> > bundle.tar.gz`
 
 pub mod collect;
 pub mod reconcile;

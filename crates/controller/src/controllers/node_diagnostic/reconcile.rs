@@ -410,7 +410,7 @@ async fn collect_node(
                     phase: Phase::Succeeded,
                     size_bytes: stored.size,
                     sha256: stored.sha256,
-                    download_path: status::download_path(ns, name, &node_name),
+                    download_path: status::download_path(ns, name, &node_name, &stored.token),
                     reason,
                 },
                 storage,

@@ -41,9 +41,10 @@ pub fn now_unix() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-/// The controller HTTP API path of a bundle.
-pub fn download_path(ns: &str, name: &str, node: &str) -> String {
-    format!("/api/diagnostics/{ns}/{name}/{node}")
+/// The controller HTTP API path of a bundle: the last segment is its download token, so only
+/// those who can read the NodeDiagnostic's status learn it (see [`super::store`]).
+pub fn download_path(ns: &str, name: &str, node: &str, token: &str) -> String {
+    format!("/api/diagnostics/{ns}/{name}/{node}/{token}")
 }
 
 /// A selector may match at most [`MAX_NODES`]; `matched` is how many it matched (the list is cut
@@ -369,9 +370,9 @@ mod tests {
     fn a_gone_bundle_loses_its_download_path_once_and_says_why() {
         let run = running(None, &["a".into(), "b".into()], Some(1), 100);
         let mut ok = bundle("a", Phase::Succeeded);
-        ok.download_path = download_path("ns", "d", "a");
+        ok.download_path = download_path("ns", "d", "a", "t1");
         let mut other = bundle("b", Phase::Succeeded);
-        other.download_path = download_path("ns", "d", "b");
+        other.download_path = download_path("ns", "d", "b", "t2");
         let done = finished(
             Some(&run),
             vec![ok, other],
@@ -388,7 +389,10 @@ mod tests {
         assert_eq!(gone.nodes[0].download_path, "");
         assert_eq!(gone.nodes[0].reason, "evicted");
         assert_eq!(gone.nodes[0].phase, Phase::Succeeded);
-        assert_eq!(gone.nodes[1].download_path, download_path("ns", "d", "b"));
+        assert_eq!(
+            gone.nodes[1].download_path,
+            download_path("ns", "d", "b", "t2")
+        );
         let c = condition(&gone, CONDITION_BUNDLES_AVAILABLE);
         assert_eq!(c.status, ConditionStatus::False);
         assert!(c.message.starts_with("1 of 2"), "{}", c.message);

@@ -1,7 +1,17 @@
 //! The bundles on the controller's own disk (`--diagnostics-dir`): one file per node under
 //! `<dir>/<namespace>/<name>/<node>.tar.gz`, a bound on their total size (oldest bundles of other
 //! NodeDiagnostics evicted to make room; a bundle that still does not fit is refused), and the
-//! HTTP route that streams a bundle from disk (`/api/diagnostics/{namespace}/{name}/{node}`).
+//! HTTP route that streams a bundle from disk (`/api/diagnostics/{namespace}/{name}/{node}/{token}`).
+//!
+//! The HTTP API has no authentication of its own (the API server's service proxy passes on no
+//! credentials), and a bundle holds logs and configuration. So each bundle gets a download token
+//! when it is stored: 128 random bits, kept beside it in `<node>.token` (on the same disk, so it
+//! lives and dies with the bundle, across restarts of the process) and published only in the
+//! NodeDiagnostic's `status.nodes[].downloadPath`. Whoever may `get` the NodeDiagnostic can
+//! download its bundles; anyone else who reaches port 8080 gets the same 404 as for a bundle that
+//! does not exist, the token compared in constant time. A bundle with no token file (stored by a
+//! controller from before tokens) is never served: its status path is guessable, and
+//! [`BundleStore::missing_bundle`] has the reconciler withdraw it from the status.
 //!
 //! The store is configured when the controllers start (it needs the flags), but its route is part
 //! of the HTTP API from the process's start, so it answers 503 until then.
@@ -25,6 +35,12 @@ const BUNDLE: &str = "tar.gz";
 const PARTIAL: &str = "tar.gz.partial";
 /// Suffix of the marker left where a bundle was evicted, so its download says so.
 const EVICTED: &str = "tar.gz.evicted";
+/// Suffix of the file holding a bundle's download token.
+const TOKEN: &str = "token";
+/// Suffix of a token being written (renamed over [`TOKEN`], so a reader never sees half a token).
+const PARTIAL_TOKEN: &str = "token.partial";
+/// Random bytes in a download token: 128 bits, written as 32 hex digits.
+const TOKEN_BYTES: usize = 16;
 
 #[derive(Debug)]
 struct Settings {
@@ -81,6 +97,32 @@ fn beside(bundle: &Path, suffix: &str) -> PathBuf {
     bundle.with_file_name(format!("{node}.{suffix}"))
 }
 
+/// A fresh download token: 128 bits from `rand`'s thread-local generator (a CSPRNG, ChaCha12
+/// seeded and periodically reseeded from the operating system), as lowercase hex.
+pub fn new_token() -> String {
+    hex::encode(rand::random::<[u8; TOKEN_BYTES]>())
+}
+
+/// Whether `given` is the `recorded` token. The comparison takes the same time wherever the
+/// first differing byte is, so the answer's timing cannot be used to guess a token byte by byte;
+/// only the lengths (public: every token is 32 hex digits) decide early. An empty record matches
+/// nothing.
+pub fn token_matches(recorded: &str, given: &str) -> bool {
+    !recorded.is_empty() && constant_time_eq(recorded.as_bytes(), given.as_bytes())
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    // `black_box` at every step keeps the optimiser from turning the fold into an early exit.
+    let diff = a
+        .iter()
+        .zip(b)
+        .fold(0u8, |acc, (x, y)| std::hint::black_box(acc | (x ^ y)));
+    diff == 0
+}
+
 /// A path segment we accept: what Kubernetes allows in namespace, object and node names.
 pub fn valid_segment(s: &str) -> bool {
     !s.is_empty()
@@ -133,18 +175,41 @@ impl BundleStore {
         beside(bundle, PARTIAL)
     }
 
+    /// Records `token` as the download token of the bundle about to be stored at `bundle`
+    /// (written before the bundle is renamed into place, so a complete bundle always has one).
+    pub async fn write_token(bundle: &Path, token: &str) -> std::io::Result<()> {
+        let partial = beside(bundle, PARTIAL_TOKEN);
+        tokio::fs::write(&partial, token).await?;
+        tokio::fs::rename(&partial, beside(bundle, TOKEN)).await
+    }
+
+    /// The download token recorded for `bundle`, if any.
+    async fn read_token(bundle: &Path) -> Option<String> {
+        let token = tokio::fs::read_to_string(beside(bundle, TOKEN))
+            .await
+            .ok()?;
+        Some(token.trim().to_owned())
+    }
+
     /// Forgets an earlier eviction of `bundle` (a new one was just written there).
     pub fn clear_evicted(bundle: &Path) {
         let _ = std::fs::remove_file(beside(bundle, EVICTED));
     }
 
     /// Why the stored bundle of `node` for `<ns>/<name>` can no longer be downloaded, or `None`
-    /// while it is on disk: evicted for newer bundles (the marker says so), or simply gone (this
-    /// controller restarted without its disk, or another replica took over the lead).
+    /// while it is on disk: evicted for newer bundles (the marker says so), stored without a
+    /// download token (by a controller from before tokens; never served, see the module doc), or
+    /// simply gone (this controller restarted without its disk, or another replica took over the
+    /// lead).
     pub fn missing_bundle(&self, ns: &str, name: &str, node: &str) -> Option<&'static str> {
         let path = self.bundle_path(ns, name, node)?;
-        if path.exists() {
+        if path.exists() && beside(&path, TOKEN).exists() {
             None
+        } else if path.exists() {
+            Some(
+                "bundle stored by an earlier controller version, without a download token, so it \
+                 is not served; create a new NodeDiagnostic to collect again",
+            )
         } else if beside(&path, EVICTED).exists() {
             Some(
                 "bundle evicted to make room for newer bundles (--diagnostics-max-bytes); create \
@@ -252,7 +317,16 @@ impl BundleStore {
     /// The download route.
     pub fn router(&self) -> Router {
         Router::new()
-            .route("/api/diagnostics/{namespace}/{name}/{node}", get(download))
+            .route(
+                "/api/diagnostics/{namespace}/{name}/{node}/{token}",
+                get(download),
+            )
+            // The path without a token (an older controller's status, or a guess) answers as a
+            // wrong token does, rather than the router's bare 404.
+            .route(
+                "/api/diagnostics/{namespace}/{name}/{node}",
+                get(download_without_token),
+            )
             .with_state(self.clone())
     }
 }
@@ -261,23 +335,57 @@ fn error(code: StatusCode, message: String) -> Response {
     (code, axum::Json(json!({ "error": message }))).into_response()
 }
 
-/// Streams the bundle from disk in 64 KiB reads: the controller never holds a whole bundle.
-async fn download(
+/// The same answer for a bundle that does not exist and for a wrong or missing token, so that
+/// without the token nobody learns whether a bundle exists.
+fn not_found(ns: &str, name: &str, node: &str) -> Response {
+    error(
+        StatusCode::NOT_FOUND,
+        format!(
+            "no diagnostics bundle of node {node} for nodediagnostic {ns}/{name} at this path; \
+             download from the path in the NodeDiagnostic's status.nodes[].downloadPath"
+        ),
+    )
+}
+
+async fn download_without_token(
     State(store): State<BundleStore>,
     UrlPath((ns, name, node)): UrlPath<(String, String, String)>,
 ) -> Response {
-    if ![&ns, &name, &node].iter().all(|s| valid_segment(s)) {
+    serve(&store, &ns, &name, &node, None).await
+}
+
+async fn download(
+    State(store): State<BundleStore>,
+    UrlPath((ns, name, node, token)): UrlPath<(String, String, String, String)>,
+) -> Response {
+    serve(&store, &ns, &name, &node, Some(&token)).await
+}
+
+/// Streams the bundle from disk in 64 KiB reads (the controller never holds a whole bundle), if
+/// `token` is the one recorded for it.
+async fn serve(
+    store: &BundleStore,
+    ns: &str,
+    name: &str,
+    node: &str,
+    token: Option<&str>,
+) -> Response {
+    if ![ns, name, node].iter().all(|s| valid_segment(s)) {
         return error(
             StatusCode::BAD_REQUEST,
             "namespace, name and node must be Kubernetes names (lowercase letters, digits, '-', '.')".into(),
         );
     }
-    let Some(path) = store.bundle_path(&ns, &name, &node) else {
+    let Some(path) = store.bundle_path(ns, name, node) else {
         return error(
             StatusCode::SERVICE_UNAVAILABLE,
             "this replica does not lead and holds no diagnostics bundles; ask the leader".into(),
         );
     };
+    let recorded = BundleStore::read_token(&path).await.unwrap_or_default();
+    if !token.is_some_and(|t| token_matches(&recorded, t)) {
+        return not_found(ns, name, node);
+    }
     match tokio::fs::File::open(&path).await {
         Ok(file) => {
             let len = file.metadata().await.map(|m| m.len()).ok();
@@ -306,20 +414,20 @@ async fn download(
                  for newer bundles (--diagnostics-max-bytes); create a new NodeDiagnostic"
             ),
         ),
-        Err(_) => error(
-            StatusCode::NOT_FOUND,
-            format!("no diagnostics bundle of node {node} for nodediagnostic {ns}/{name}"),
-        ),
+        Err(_) => not_found(ns, name, node),
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use std::net::SocketAddr;
+
     use super::*;
 
     fn put(store: &BundleStore, ns: &str, name: &str, node: &str, bytes: usize) {
         let p = store.bundle_path(ns, name, node).unwrap();
         std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(beside(&p, TOKEN), new_token()).unwrap();
         std::fs::write(&p, vec![0u8; bytes]).unwrap();
         // Distinct modification times, oldest first.
         std::thread::sleep(std::time::Duration::from_millis(20));
@@ -391,6 +499,162 @@ mod tests {
         store.remove_object("ns", "a").unwrap();
         assert_eq!(store.used_bytes(), 0);
         store.remove_object("ns", "never").unwrap();
+    }
+
+    /// A bundle as `collect::to_file` leaves it: the token recorded, then the bundle in place.
+    async fn put_with_token(store: &BundleStore, ns: &str, name: &str, node: &str) -> String {
+        let p = store.bundle_path(ns, name, node).unwrap();
+        tokio::fs::create_dir_all(p.parent().unwrap())
+            .await
+            .unwrap();
+        let token = new_token();
+        BundleStore::write_token(&p, &token).await.unwrap();
+        tokio::fs::write(&p, format!("bundle of {node}"))
+            .await
+            .unwrap();
+        token
+    }
+
+    /// Serves the store's router on 127.0.0.1.
+    async fn serve_on_loopback(
+        store: &BundleStore,
+    ) -> (tokio::task::JoinHandle<std::io::Result<()>>, SocketAddr) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let router = store.router();
+        (
+            tokio::spawn(async move { axum::serve(listener, router).await }),
+            addr,
+        )
+    }
+
+    /// `GET path` over real HTTP: (status code, body).
+    async fn get(addr: SocketAddr, path: String) -> (u16, String) {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let req = format!("GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n");
+        s.write_all(req.as_bytes()).await.unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.unwrap();
+        let (head, body) = out.split_once("\r\n\r\n").unwrap();
+        let code = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+        (code, body.to_owned())
+    }
+
+    #[tokio::test]
+    async fn a_bundle_downloads_only_with_its_token_and_otherwise_looks_absent() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = BundleStore::default();
+        store.configure(dir.path(), 1000).unwrap();
+        let token = put_with_token(&store, "ns", "d", "n1").await;
+        // Stored by a controller from before tokens: a bundle with no token file.
+        put(&store, "ns", "d", "legacy", 10);
+        std::fs::remove_file(beside(
+            &store.bundle_path("ns", "d", "legacy").unwrap(),
+            TOKEN,
+        ))
+        .unwrap();
+        let (server, addr) = serve_on_loopback(&store).await;
+
+        let (code, body) = get(addr, format!("/api/diagnostics/ns/d/n1/{token}")).await;
+        assert_eq!((code, body.as_str()), (200, "bundle of n1"));
+
+        // Wrong token (same length, last digit changed), no token, a token of another length,
+        // a node with no bundle, a bundle with no recorded token: the same 404, the same words.
+        let mut wrong = token.clone().into_bytes();
+        let last = wrong.len() - 1;
+        wrong[last] = if wrong[last] == b'0' { b'1' } else { b'0' };
+        let wrong = String::from_utf8(wrong).unwrap();
+        let (code, absent) = get(addr, format!("/api/diagnostics/ns/d/n1/{wrong}")).await;
+        assert_eq!(code, 404, "{absent}");
+        assert!(absent.contains("downloadPath"), "{absent}");
+        for path in [
+            "/api/diagnostics/ns/d/n1".to_owned(),
+            format!("/api/diagnostics/ns/d/n1/{}", &token[..16]),
+            format!("/api/diagnostics/ns/d/n1/{token}0"),
+        ] {
+            assert_eq!(
+                get(addr, path.clone()).await,
+                (404, absent.clone()),
+                "{path}"
+            );
+        }
+        let (code, body) = get(addr, format!("/api/diagnostics/ns/d/n2/{token}")).await;
+        assert_eq!(code, 404, "{body}");
+        for path in [
+            "/api/diagnostics/ns/d/legacy".to_owned(),
+            format!("/api/diagnostics/ns/d/legacy/{token}"),
+        ] {
+            let (code, body) = get(addr, path.clone()).await;
+            assert!(
+                code == 404 && body.contains("node legacy"),
+                "{path}: {body}"
+            );
+        }
+
+        // Evicted: the token holder learns why; anyone else still sees nothing.
+        let r = store.reserve("ns", "other", 995).unwrap();
+        assert!(
+            r.evicted.contains(&"ns/d/n1".to_string()),
+            "{:?}",
+            r.evicted
+        );
+        let (code, body) = get(addr, format!("/api/diagnostics/ns/d/n1/{token}")).await;
+        assert_eq!(code, 410, "{body}");
+        assert_eq!(
+            get(addr, format!("/api/diagnostics/ns/d/n1/{wrong}")).await,
+            (404, absent)
+        );
+        server.abort();
+    }
+
+    #[tokio::test]
+    async fn a_bundles_token_survives_a_restart_of_the_controller() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = BundleStore::default();
+        first.configure(dir.path(), 1000).unwrap();
+        let token = put_with_token(&first, "ns", "d", "n1").await;
+        drop(first);
+        // The next process, on the same disk: the same token downloads, and the bundle counts as
+        // present (its status keeps its download path).
+        let next = BundleStore::default();
+        next.configure(dir.path(), 1000).unwrap();
+        assert_eq!(next.missing_bundle("ns", "d", "n1"), None);
+        let (server, addr) = serve_on_loopback(&next).await;
+        let (code, body) = get(addr, format!("/api/diagnostics/ns/d/n1/{token}")).await;
+        assert_eq!((code, body.as_str()), (200, "bundle of n1"));
+        let (code, _) = get(addr, format!("/api/diagnostics/ns/d/n1/{}", new_token())).await;
+        assert_eq!(code, 404);
+        server.abort();
+    }
+
+    #[test]
+    fn a_bundle_without_a_token_is_withdrawn() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = BundleStore::default();
+        store.configure(dir.path(), 1000).unwrap();
+        put(&store, "ns", "d", "n1", 10);
+        assert_eq!(store.missing_bundle("ns", "d", "n1"), None);
+        std::fs::remove_file(beside(&store.bundle_path("ns", "d", "n1").unwrap(), TOKEN)).unwrap();
+        let why = store.missing_bundle("ns", "d", "n1").unwrap();
+        assert!(why.contains("without a download token"), "{why}");
+    }
+
+    #[test]
+    fn tokens_are_random_and_compared_whole() {
+        let a = new_token();
+        assert_eq!(a.len(), 2 * TOKEN_BYTES);
+        assert!(a.bytes().all(|b| b.is_ascii_hexdigit()), "{a}");
+        assert_ne!(a, new_token());
+        assert!(token_matches(&a, &a.clone()));
+        assert!(!token_matches(&a, &a[..31]));
+        assert!(!token_matches(&a, &format!("{a}0")));
+        assert!(!token_matches(&a, ""));
+        assert!(!token_matches("", ""), "an empty record matches nothing");
+        assert!(constant_time_eq(b"", b""));
+        assert!(!constant_time_eq(b"abcd", b"xbcd"));
+        assert!(!constant_time_eq(b"abcd", b"abcx"));
+        assert!(!constant_time_eq(b"abcd", b"abc"));
     }
 
     #[test]
