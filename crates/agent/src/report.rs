@@ -1,7 +1,8 @@
 //! The node report: indicator verdicts against thresholds (defaults and the controller's
 //! overrides, judged with `nodekeeper_model::indicators`), GPU verdicts, and the report revision —
 //! a hash of the content that matters (verdicts, messages, discrete state, values quantized to
-//! each indicator's significance step), never of timestamps.
+//! each indicator's significance step), never of timestamps, nor of pods coming and going (pods'
+//! host-side links are counted, not listed, and the revision takes in only whether there are any).
 
 use std::fmt::Write as _;
 
@@ -130,7 +131,10 @@ pub struct Report {
     pub indicators: Vec<Indicator>,
     pub tunables: Vec<TunableStatus>,
     pub rules_revision: u64,
+    /// Without pod links (`Interface::is_pod_link`), which are only counted.
     pub interfaces: Vec<Interface>,
+    /// Pods' host-side links left out of `interfaces`; display only (see [`revision`]).
+    pub pod_links: u32,
     pub gpu_present: bool,
     pub gpu_source: String,
     pub gpu_error: String,
@@ -156,6 +160,7 @@ pub struct Report {
 pub struct Inputs {
     pub measurements: Vec<Measurement>,
     pub gpu: GpuReading,
+    /// Every link, pod links included, `managed` final: [`assemble`] counts the pod links.
     pub interfaces: Vec<Interface>,
     pub plugins: Vec<Plugin>,
     pub oca_version: String,
@@ -190,12 +195,15 @@ pub fn assemble(inputs: Inputs, overrides: &[Threshold]) -> Report {
     let (gpu_verdict, gpu_message) = crate::collect::gpu::judge_reading(&inputs.gpu, &verdicts);
     let mut collector_errors = inputs.collector_errors;
     collector_errors.sort();
+    let mut interfaces = inputs.interfaces;
+    let pod_links = crate::collect::interfaces::remove_pod_links(&mut interfaces);
     Report {
         gpu_expected: inputs.gpu.expected,
         gpu_verdict,
         gpu_message,
         indicators,
-        interfaces: inputs.interfaces,
+        interfaces,
+        pod_links,
         gpu_present: inputs.gpu.present,
         gpu_source: inputs.gpu.source,
         gpu_error: inputs.gpu.error,
@@ -247,6 +255,10 @@ pub fn revision(r: &Report) -> u64 {
     for i in &r.interfaces {
         let _ = writeln!(s, "n {i:?}");
     }
+    // The pod link count changes with every pod scheduled or deleted; counted here it would make
+    // nearly every read on a busy node a full report, for a number only displayed. Whether there
+    // are any (a drained node or one without pod networking, against one running pods) is kept.
+    let _ = writeln!(s, "pods {}", r.pod_links > 0);
     let _ = writeln!(
         s,
         "g {} {:?} {:?} {:?} {:?} {:?}",
@@ -367,6 +379,55 @@ mod tests {
         let mut c = sample(50.1);
         c.collector_errors.push(("gpu".into(), "boom".into()));
         assert_ne!(revision(&a), revision(&c));
+    }
+
+    fn veth(name: &str, peer_netns: bool) -> Interface {
+        Interface {
+            name: name.into(),
+            kind: "veth".into(),
+            up: true,
+            oper_state: "up".into(),
+            peer_netns,
+            ..Interface::default()
+        }
+    }
+
+    fn with_links(interfaces: Vec<Interface>) -> Report {
+        let ens3 = Interface {
+            name: "ens3".into(),
+            addresses: vec!["10.0.0.5/24".into()],
+            ..Interface::default()
+        };
+        let inputs = Inputs {
+            interfaces: [vec![ens3], interfaces].concat(),
+            ..Inputs::default()
+        };
+        assemble(inputs, &[])
+    }
+
+    #[test]
+    fn pods_coming_and_going_keep_the_revision() {
+        let a = with_links(vec![veth("cali1", true), veth("cali2", true)]);
+        let b = with_links(vec![
+            veth("cali2", true),
+            veth("cali3", true),
+            veth("lxc9", true),
+        ]);
+        assert_eq!(revision(&a), revision(&b));
+        assert_eq!((a.pod_links, b.pod_links), (2, 3));
+        let names: Vec<&str> = b.interfaces.iter().map(|i| i.name.as_str()).collect();
+        assert_eq!(names, ["ens3"]);
+        // No pods at all against some is a new revision; so is any other link changing.
+        assert_ne!(revision(&a), revision(&with_links(vec![])));
+        let c = with_links(vec![veth("cali1", true), veth("nkv0", false)]);
+        assert_eq!(c.interfaces.len(), 2);
+        assert_ne!(revision(&a), revision(&c));
+        let mut managed = veth("nkv1", true);
+        managed.managed = true;
+        assert_ne!(
+            revision(&a),
+            revision(&with_links(vec![veth("cali1", true), managed]))
+        );
     }
 
     #[test]

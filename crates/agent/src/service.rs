@@ -266,6 +266,7 @@ pub fn to_proto(r: &Report) -> pb::NodeReport {
                 managed: i.managed,
             })
             .collect(),
+        pod_links: r.pod_links,
         gpu: Some(pb::GpuState {
             present: r.gpu_present,
             source: r.gpu_source.clone(),

@@ -206,6 +206,8 @@ pub struct NodeView {
     pub tunables: Vec<TunableView>,
     pub rules_revision: u64,
     pub interfaces: Vec<InterfaceView>,
+    /// Pods' host-side links, counted by the agent and left out of `interfaces`.
+    pub pod_links: u32,
     pub gpu: GpuView,
     pub plugins: Vec<PluginView>,
     pub collector_errors: Vec<(String, String)>,
@@ -318,6 +320,7 @@ impl NodeView {
                     managed: i.managed,
                 })
                 .collect(),
+            pod_links: r.pod_links,
             gpu: GpuView {
                 present: gpu.present,
                 source: gpu.source,
@@ -516,6 +519,7 @@ impl NodeView {
                     managed: i.managed,
                 })
                 .collect(),
+            pod_links: v.pod_links,
             gpu: Some(pb::GpuState {
                 present: v.gpu.present,
                 source: v.gpu.source.clone(),
@@ -748,6 +752,7 @@ mod tests {
                 addresses: vec!["10.0.1.5/24".into()],
                 managed: true,
             }],
+            pod_links: 37,
             gpu: Some(pb::GpuState {
                 present: true,
                 source: "nvidia-smi".into(),

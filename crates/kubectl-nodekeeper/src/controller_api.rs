@@ -177,6 +177,8 @@ pub struct Report {
     pub indicators: Vec<Indicator>,
     pub tunables: Vec<Tunable>,
     pub interfaces: Vec<Interface>,
+    /// Pods' host-side links (veths whose peer is in a pod's namespace): counted, not listed.
+    pub pod_links: u32,
     pub gpu: Gpu,
     pub plugins: Vec<Plugin>,
     pub collector_errors: Vec<(String, String)>,

@@ -1,6 +1,7 @@
 //! `node NAME`: one node's full report as the controller holds it (through the service proxy):
-//! its conditions, indicators with verdicts, tunables, interfaces with nodekeeper's own marked,
-//! GPUs and plugins. `-o json|yaml` passes the controller's JSON on unchanged.
+//! its conditions, indicators with verdicts, tunables, interfaces with nodekeeper's own marked
+//! (pods' veths only counted), GPUs and plugins. `-o json|yaml` passes the controller's JSON on
+//! unchanged.
 
 use k8s_openapi::api::core::v1::Node;
 use kube::Api;
@@ -209,7 +210,17 @@ pub fn format(d: &NodeDetail, out: &Output) -> String {
         ]);
         t.row(row);
     }
-    text.push_str(&render::section(out, "INTERFACES", &t.render_or_empty(out)));
+    let mut body = t.render_or_empty(out);
+    // The agent leaves pods' host-side links out of its list (one per pod, they come and go with
+    // pods) and sends their number.
+    if r.pod_links > 0 {
+        let links = if r.pod_links == 1 { "link" } else { "links" };
+        body.push_str(&format!(
+            "and {} pod {links} (host-side veths of pods, not listed)\n",
+            r.pod_links
+        ));
+    }
+    text.push_str(&render::section(out, "INTERFACES", &body));
 
     let gpu_body = if r.gpu.gpus.is_empty() {
         let mut line = if r.gpu.present {
@@ -328,6 +339,7 @@ mod tests {
                     {"name": "eth0", "index": 2, "mac": "02:00:00:00:00:01", "mtu": 9000, "up": true, "operState": "UP", "kind": "", "addresses": ["10.0.4.7/24"], "managed": false},
                     {"name": "eth0.100", "index": 5, "mac": "02:00:00:00:00:01", "mtu": 9000, "up": true, "operState": "UP", "kind": "vlan", "addresses": ["192.168.100.7/24"], "managed": true}
                 ],
+                "podLinks": 37,
                 "gpu": {"present": false, "source": "nvidia-smi", "gpus": []},
                 "plugins": [{"name": "Compute Instance Monitoring", "state": "RUNNING", "verdict": "ok"}],
                 "collectorErrors": [["pressure", "no /proc/pressure: kernel without PSI"]],

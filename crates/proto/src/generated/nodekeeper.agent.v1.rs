@@ -50,7 +50,8 @@ pub struct NodeReport {
     /// The revision of the rules in force (as given to SetRules); 0 when the agent has no rules.
     #[prost(uint64, tag = "6")]
     pub rules_revision: u64,
-    /// Network interfaces as observed through netlink, sorted by name.
+    /// Network interfaces as observed through netlink, sorted by name; pod links (see `pod_links`)
+    /// are left out.
     #[prost(message, repeated, tag = "7")]
     pub interfaces: ::prost::alloc::vec::Vec<ObservedInterface>,
     /// GPU state; `present == false` with an empty `error` is the normal answer on a node without GPUs.
@@ -79,6 +80,13 @@ pub struct NodeReport {
     /// empty.
     #[prost(string, tag = "15")]
     pub oca_source: ::prost::alloc::string::String,
+    /// Host-side links of pods (veth or netkit links whose peer is in another network namespace and
+    /// that nodekeeper does not manage), counted, not listed in `interfaces`: a Kubernetes node has
+    /// one per pod, created and deleted with it. Display only: the revision takes in only whether
+    /// the count is zero, so pods coming and going do not make the report "changed"; the number is
+    /// the one collected with the report, and may be behind while the revision stays.
+    #[prost(uint32, tag = "16")]
+    pub pod_links: u32,
 }
 /// Node problems in node-problem-detector's terms: permanent problems are conditions (status
 /// "True" means the problem is present), temporary ones are counted by reason and the latest few
