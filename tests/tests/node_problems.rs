@@ -72,6 +72,29 @@ impl Kmsg {
         file.write_all(text.as_bytes())?;
         Ok(())
     }
+
+    /// Appends records stamped `usec` after boot, however that compares with those before.
+    fn append_at(&mut self, usec: u64, messages: &[&str]) -> anyhow::Result<()> {
+        let mut file = std::fs::OpenOptions::new().append(true).open(&self.path)?;
+        let mut text = String::new();
+        for m in messages {
+            self.seq += 1;
+            text.push_str(&format!("3,{},{usec},-;{m}\n", self.seq));
+        }
+        file.write_all(text.as_bytes())?;
+        Ok(())
+    }
+}
+
+/// Microseconds since boot now, as [`Kmsg::append`] stamps its records.
+fn uptime_usec() -> anyhow::Result<u64> {
+    let uptime = std::fs::read_to_string("/proc/uptime")?;
+    let secs: f64 = uptime
+        .split_whitespace()
+        .next()
+        .and_then(|s| s.parse().ok())
+        .context("parse /proc/uptime")?;
+    Ok((secs * 1e6) as u64)
 }
 
 /// Condition PATCHes by nodekeeper's field manager on `node`'s status, from the audit log.
@@ -266,6 +289,7 @@ async fn kernel_log_problems_become_conditions_and_budgeted_events() -> anyhow::
     // A hung task in node 0's kernel log (the kernel's own wording): NPD's KernelDeadlock rule
     // makes it a condition, and its TaskHung rule a temporary problem.
     let started = Instant::now();
+    let hung_usec = uptime_usec()?;
     kmsg0.append(&["INFO: task docker:2931 blocked for more than 120 seconds."])?;
     let (_, _, message) = wait_condition(
         &client,
@@ -296,6 +320,34 @@ async fn kernel_log_problems_become_conditions_and_budgeted_events() -> anyhow::
     let (n, notes) = node_events(&client, &nodes[0], "DockerHung").await?;
     assert_eq!(n, 1, "one Event for the condition turning True: {notes:?}");
     assert_eq!(node_events(&client, &nodes[0], "TaskHung").await?.0, 1);
+
+    // A temporary problem recorded after the TaskHung one but stamped a second before it, as a
+    // source whose clock lags the kernel log's stamps them (the journal's, a plugin runner's).
+    // The controller goes by the agent's numbering: one Event, neither skipped for its older
+    // stamp nor handed out again on later reads. (Node 0's third Event; the recovery below is
+    // its fourth, within the budget of 4.)
+    kmsg0.append_at(
+        hung_usec.saturating_sub(1_000_000),
+        &["unregister_netdevice: waiting for eth0 to become free. Usage count = 1"],
+    )?;
+    let (n, notes) = wait_for(
+        "node 0's UnregisterNetDevice Event",
+        Duration::from_secs(40),
+        || async {
+            let found = node_events(&client, &nodes[0], "UnregisterNetDevice").await?;
+            Ok((found.0 > 0).then_some(found))
+        },
+    )
+    .await?;
+    assert_eq!(n, 1, "{notes:?}");
+    tokio::time::sleep(SWEEP + Duration::from_secs(3)).await;
+    assert_eq!(
+        node_events(&client, &nodes[0], "UnregisterNetDevice")
+            .await?
+            .0,
+        1,
+        "an Event handed out once is not handed out again"
+    );
 
     // A signal: node 1's open file handles at 95% of the maximum (critical at 90%) turn the
     // condition `signals.fileHandles` names True, with one write and one Warning Event; back at

@@ -177,6 +177,9 @@ pub struct ProblemEventView {
     pub reason: String,
     pub message: String,
     pub timestamp_unix_ms: i64,
+    /// The order the agent recorded it in within `ProblemsView::sequence_epoch`; 0 from an
+    /// agent that does not number its problems.
+    pub sequence: u64,
 }
 
 /// What the agent's node-problem-detector-compatible monitors found.
@@ -192,6 +195,9 @@ pub struct ProblemsView {
     pub refused: Vec<(String, String, String)>,
     pub refused_dropped: u64,
     pub lost_records: u64,
+    /// Which agent process numbered `recent` (a new one after each agent restart); 0 from an
+    /// agent that does not number its problems.
+    pub sequence_epoch: u64,
 }
 
 /// One node's report as the controller keeps it.
@@ -401,6 +407,7 @@ impl NodeView {
                         reason: e.reason,
                         message: e.message,
                         timestamp_unix_ms: e.timestamp_unix_ms,
+                        sequence: e.sequence,
                     })
                     .collect(),
                 refused: problems
@@ -410,6 +417,7 @@ impl NodeView {
                     .collect(),
                 refused_dropped: problems.refused_dropped,
                 lost_records: problems.lost_records,
+                sequence_epoch: problems.sequence_epoch,
             },
         }
     }
@@ -612,6 +620,7 @@ impl NodeView {
                         reason: e.reason.clone(),
                         message: e.message.clone(),
                         timestamp_unix_ms: e.timestamp_unix_ms,
+                        sequence: e.sequence,
                     })
                     .collect(),
                 refused: v
@@ -626,6 +635,7 @@ impl NodeView {
                     .collect(),
                 refused_dropped: v.problems.refused_dropped,
                 lost_records: v.problems.lost_records,
+                sequence_epoch: v.problems.sequence_epoch,
             }),
             // What `from_proto` does not keep is left out here too.
             ..Default::default()
@@ -679,6 +689,7 @@ mod tests {
         assert_eq!(p.conditions[0].status, "True");
         assert_eq!(p.counts, vec![("OOMKilling".to_string(), 2)]);
         assert_eq!(p.recent[0].timestamp_unix_ms, 8);
+        assert_eq!((p.sequence_epoch, p.recent[0].sequence), (9, 3));
         let json = serde_json::to_value(&view).unwrap();
         assert_eq!(json["problems"]["conditions"][0]["type"], "KernelDeadlock");
     }
@@ -818,6 +829,7 @@ mod tests {
                     reason: "OOMKilling".into(),
                     message: "killed".into(),
                     timestamp_unix_ms: 8,
+                    sequence: 3,
                 }],
                 refused: vec![pb::MonitorRefusal {
                     origin: "custom".into(),
@@ -826,6 +838,7 @@ mod tests {
                 }],
                 refused_dropped: 1,
                 lost_records: 2,
+                sequence_epoch: 9,
             }),
             ..Default::default()
         }

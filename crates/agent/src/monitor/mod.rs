@@ -486,6 +486,7 @@ pub fn to_proto(p: &ProblemState) -> pb::NodeProblems {
                 reason: e.reason.clone(),
                 message: e.message.clone(),
                 timestamp_unix_ms: unix_ms(e.timestamp),
+                sequence: e.sequence,
             })
             .collect(),
         refused: p
@@ -499,6 +500,7 @@ pub fn to_proto(p: &ProblemState) -> pb::NodeProblems {
             .collect(),
         refused_dropped: p.refusals_dropped(),
         lost_records: p.lost_records(),
+        sequence_epoch: p.sequence_epoch(),
     }
 }
 
@@ -586,5 +588,21 @@ mod tests {
         );
         // The counter file has only log-counter rules: nothing is left to run as a plugin.
         assert!(loaded.plugin_monitors.is_empty());
+    }
+
+    #[test]
+    fn the_report_carries_the_problems_numbers_and_their_epoch() {
+        let mut state = ProblemState::with_epoch(42);
+        let t = SystemTime::UNIX_EPOCH + Duration::from_secs(10);
+        state.record("kernel-monitor", "OOMKilling", "a", t);
+        state.record("custom-plugin", "Custom", "b", t - Duration::from_secs(1));
+        let p = to_proto(&state);
+        assert_eq!(p.sequence_epoch, 42);
+        let recent: Vec<_> = p
+            .recent
+            .iter()
+            .map(|e| (e.reason.as_str(), e.sequence, e.timestamp_unix_ms))
+            .collect();
+        assert_eq!(recent, [("OOMKilling", 1, 10_000), ("Custom", 2, 9_000)]);
     }
 }

@@ -81,6 +81,8 @@ pub struct Problem {
     pub reason: String,
     pub message: String,
     pub timestamp: SystemTime,
+    /// The order it was recorded in: 1, 2, 3, … within the state's `sequence_epoch`.
+    pub sequence: u64,
 }
 
 /// A rule, rule file or plugin that does not run, and why.
@@ -103,6 +105,11 @@ pub struct ProblemState {
     refusals_dropped: u64,
     /// Kernel-log records lost before the monitor read them (sequence gaps, ring overruns).
     lost_records: u64,
+    /// Which numbering [`Problem::sequence`] belongs to: drawn once per agent process (see
+    /// [`Self::new_shared`]); 0 only in a state made for a test.
+    sequence_epoch: u64,
+    /// The sequence number of the latest problem recorded; 0 before the first.
+    sequence: u64,
     /// Bumped on every change, so a reader can tell cheaply whether anything moved.
     revision: u64,
 }
@@ -116,8 +123,24 @@ pub fn lock(state: &SharedState) -> std::sync::MutexGuard<'_, ProblemState> {
 }
 
 impl ProblemState {
+    /// The agent process's state, its problems numbered under a new random epoch. A restart
+    /// starts a new numbering rather than continuing the old one (which is not kept): the
+    /// recent problems are not kept either, and the restarted monitors read their logs'
+    /// lookback window again, so problems listed before the restart can be listed again, and
+    /// numbers that continued would make them look new. The epoch tells the controller that
+    /// this happened.
     pub fn new_shared() -> SharedState {
-        Arc::new(Mutex::new(ProblemState::default()))
+        Arc::new(Mutex::new(ProblemState::with_epoch(rand::random_range(
+            1..=u64::MAX,
+        ))))
+    }
+
+    /// An empty state whose problems are numbered under `sequence_epoch`.
+    pub fn with_epoch(sequence_epoch: u64) -> ProblemState {
+        ProblemState {
+            sequence_epoch,
+            ..ProblemState::default()
+        }
     }
 
     /// Declares a condition with its healthy default (status `False`), as NPD does at start.
@@ -235,17 +258,21 @@ impl ProblemState {
         true
     }
 
-    /// Records a temporary problem: counted by reason (bounded) and kept among the latest few.
+    /// Records a temporary problem: counted by reason (bounded) and kept among the latest few,
+    /// numbered next. `at` is by the source's clock; the number is what orders the problems, as
+    /// the sources' clocks need not agree (the list is in recording order, so in number order).
     pub fn record(&mut self, source: &str, reason: &str, message: &str, at: SystemTime) {
         *self.counter_slot(reason) += 1;
         if self.recent.len() == MAX_RECENT {
             self.recent.pop_front();
         }
+        self.sequence += 1;
         self.recent.push_back(Problem {
             source: source.to_owned(),
             reason: reason.to_owned(),
             message: truncate(message, MAX_MESSAGE_BYTES).into_owned(),
             timestamp: at,
+            sequence: self.sequence,
         });
         self.revision += 1;
     }
@@ -349,6 +376,9 @@ impl ProblemState {
     pub fn lost_records(&self) -> u64 {
         self.lost_records
     }
+    pub fn sequence_epoch(&self) -> u64 {
+        self.sequence_epoch
+    }
     pub fn revision(&self) -> u64 {
         self.revision
     }
@@ -410,5 +440,31 @@ mod tests {
         }
         assert_eq!(s.refusals().len(), MAX_REFUSALS);
         assert_eq!(s.refusals_dropped(), 3);
+    }
+
+    #[test]
+    fn problems_are_numbered_in_recording_order_whatever_their_timestamps() {
+        let mut s = ProblemState::with_epoch(7);
+        let t = SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(1000);
+        s.record("kernel-monitor", "OOMKilling", "a", t);
+        // A plugin's problem stamped earlier by its clock, recorded later.
+        s.record(
+            "plugin",
+            "Custom",
+            "b",
+            t - std::time::Duration::from_secs(5),
+        );
+        let numbers: Vec<u64> = s.recent().map(|p| p.sequence).collect();
+        assert_eq!(numbers, [1, 2]);
+        for i in 0..MAX_RECENT {
+            s.record("kernel-monitor", "OOMKilling", &format!("c{i}"), t);
+        }
+        let numbers: Vec<u64> = s.recent().map(|p| p.sequence).collect();
+        // The two first fell out of the bounded list; the numbers go on from where they were.
+        assert_eq!(numbers, (3..=MAX_RECENT as u64 + 2).collect::<Vec<_>>());
+        assert_eq!(s.sequence_epoch(), 7);
+        let a = lock(&ProblemState::new_shared()).sequence_epoch();
+        let b = lock(&ProblemState::new_shared()).sequence_epoch();
+        assert!(a != 0 && b != 0 && a != b, "{a} {b}");
     }
 }

@@ -112,6 +112,14 @@ pub struct NodeProblems {
     /// Kernel-log records overwritten before the monitor read them.
     #[prost(uint64, tag = "6")]
     pub lost_records: u64,
+    /// Which numbering `recent\[\].sequence` belongs to: a random non-zero number drawn once per
+    /// agent process, so a changed value means the agent restarted and numbers from 1 again (a
+    /// restarted agent reads its logs' lookback window again, so problems listed before the
+    /// restart can be listed again under new numbers). Random rather than the start time, so that
+    /// no clock can make two processes' numberings look the same. 0 from an agent that does not
+    /// number its problems.
+    #[prost(uint64, tag = "7")]
+    pub sequence_epoch: u64,
 }
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct ProblemCondition {
@@ -147,8 +155,16 @@ pub struct ProblemEvent {
     pub reason: ::prost::alloc::string::String,
     #[prost(string, tag = "3")]
     pub message: ::prost::alloc::string::String,
+    /// When the problem happened, by the clock of its source (the kernel log's time since boot
+    /// made wall time, the journal's, or the agent's when a plugin ran), so timestamps of
+    /// different sources need not be in the order the problems were recorded.
     #[prost(int64, tag = "4")]
     pub timestamp_unix_ms: i64,
+    /// The order the agent recorded the problem in: 1, 2, 3, … within one `sequence_epoch`, so
+    /// `recent` is in increasing order and a reader knows which problems it has seen whatever
+    /// their timestamps. 0 from an agent that does not number its problems.
+    #[prost(uint64, tag = "5")]
+    pub sequence: u64,
 }
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct MonitorRefusal {

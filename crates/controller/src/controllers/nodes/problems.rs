@@ -7,6 +7,15 @@
 //! saw before this controller started to lead are not replayed as Events or counted again: the
 //! Events were written then (or belong to a time no controller watched), and counting them again
 //! would read as a burst.
+//!
+//! Which problems are new is read from the agent's numbering (`sequence` within
+//! `sequence_epoch`): the timestamps come from three clocks (the kernel log's time since boot
+//! made wall time, the journal's, the plugin runner's), so a problem recorded later can be
+//! stamped earlier, and a cursor over timestamps would skip it or hand one out twice. Timestamps
+//! still decide where numbers cannot: on a node's first report to this leader (the rule above),
+//! on the first report after an agent restart (a new epoch; the restarted agent reads its logs'
+//! lookback window again and lists problems already handled under new numbers), and for an
+//! agent that does not number its problems (epoch 0).
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Mutex, MutexGuard, PoisonError};
@@ -31,12 +40,29 @@ fn within(text: &str, max: usize) -> String {
     truncate(text, max - '…'.len_utf8()).into_owned()
 }
 
-/// Where a node's temporary problems were last read up to: the newest timestamp handled
-/// (milliseconds since the Unix epoch) and how many problems with exactly that timestamp were.
+/// Where a node's temporary problems were last read up to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Cursor {
+    /// The newest timestamp handled (milliseconds since the Unix epoch) and how many problems
+    /// with exactly that timestamp were: read where the numbers cannot be (see the module doc).
     pub at_ms: i64,
     pub at_same_ms: usize,
+    /// The agent's `sequence_epoch` the problems were last read under, and the highest number
+    /// handled in it; epoch 0: not read by numbers yet.
+    pub epoch: u64,
+    pub sequence: u64,
+}
+
+impl Cursor {
+    /// Before the first report: problems dated from `since_ms` on are new.
+    pub fn since(since_ms: i64) -> Self {
+        Self {
+            at_ms: since_ms,
+            at_same_ms: 0,
+            epoch: 0,
+            sequence: 0,
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -64,8 +90,68 @@ pub struct NewProblems {
     pub cursor: Option<Cursor>,
 }
 
-/// The temporary problems in `recent` (oldest first) after `cursor`, and the cursor past them.
+/// The temporary problems in `recent` (in the agent's recording order) after `cursor`, and the
+/// cursor past them. `epoch` is the report's `sequence_epoch`: the same as the cursor's, the
+/// numbers decide; another (a restarted agent, or the node's first report here), the
+/// timestamps decide once; 0 (an agent that does not number its problems), the timestamps
+/// decide as they always did.
 pub fn after_cursor(
+    recent: &[ProblemEventView],
+    epoch: u64,
+    cursor: Cursor,
+) -> (Vec<&ProblemEventView>, Cursor) {
+    if epoch == 0 {
+        let (fresh, next) = after_timestamp(recent, cursor);
+        return (
+            fresh,
+            Cursor {
+                epoch: 0,
+                sequence: 0,
+                ..next
+            },
+        );
+    }
+    let same = epoch == cursor.epoch;
+    let fresh = if same {
+        recent
+            .iter()
+            .filter(|e| e.sequence > cursor.sequence)
+            .collect()
+    } else {
+        after_timestamp(recent, cursor).0
+    };
+    let (at_ms, at_same_ms) = newest_listed(recent, cursor);
+    let before = if same { cursor.sequence } else { 0 };
+    let next = Cursor {
+        at_ms,
+        at_same_ms,
+        epoch,
+        sequence: recent.iter().map(|e| e.sequence).fold(before, u64::max),
+    };
+    (fresh, next)
+}
+
+/// The timestamp part of a cursor past every problem in `recent` as well as past `cursor`: all
+/// of them are handled once a report is read by numbers, whatever their timestamps' order, so a
+/// later read by timestamps (after an agent restart) starts after the newest.
+fn newest_listed(recent: &[ProblemEventView], cursor: Cursor) -> (i64, usize) {
+    let Some(newest) = recent.iter().map(|e| e.timestamp_unix_ms).max() else {
+        return (cursor.at_ms, cursor.at_same_ms);
+    };
+    let same_ms = recent
+        .iter()
+        .filter(|e| e.timestamp_unix_ms == newest)
+        .count();
+    match newest.cmp(&cursor.at_ms) {
+        std::cmp::Ordering::Less => (cursor.at_ms, cursor.at_same_ms),
+        std::cmp::Ordering::Equal => (newest, same_ms.max(cursor.at_same_ms)),
+        std::cmp::Ordering::Greater => (newest, same_ms),
+    }
+}
+
+/// The problems in `recent` (oldest first) dated after `cursor`'s timestamp, and the cursor's
+/// timestamp part past them: right only where timestamps are in recording order.
+fn after_timestamp(
     recent: &[ProblemEventView],
     cursor: Cursor,
 ) -> (Vec<&ProblemEventView>, Cursor) {
@@ -89,6 +175,7 @@ pub fn after_cursor(
                 .iter()
                 .filter(|e| e.timestamp_unix_ms == last.timestamp_unix_ms)
                 .count(),
+            ..cursor
         },
     };
     (fresh, next)
@@ -172,10 +259,7 @@ impl Problems {
         node: &str,
     ) -> &'a mut NodeState {
         nodes.entry(node.to_owned()).or_insert_with(|| NodeState {
-            cursor: Cursor {
-                at_ms: self.since_ms,
-                at_same_ms: 0,
-            },
+            cursor: Cursor::since(self.since_ms),
             counts: None,
             emitted: VecDeque::new(),
         })
@@ -196,7 +280,11 @@ impl Problems {
             totals.add(&reason, n);
         }
         state.counts = Some(view.problems.counts.iter().cloned().collect());
-        let (fresh, cursor) = after_cursor(&view.problems.recent, state.cursor);
+        let (fresh, cursor) = after_cursor(
+            &view.problems.recent,
+            view.problems.sequence_epoch,
+            state.cursor,
+        );
         if !emit_events {
             // Nothing to write: the problems are handled by not being written.
             state.cursor = cursor;
@@ -279,17 +367,46 @@ mod tests {
             reason: reason.into(),
             message: format!("{reason} at {at}"),
             timestamp_unix_ms: at,
+            sequence: 0,
         }
+    }
+
+    /// A numbered problem, as an agent that numbers them lists it.
+    fn numbered(source: &str, reason: &str, at: i64, sequence: u64) -> ProblemEventView {
+        ProblemEventView {
+            source: source.into(),
+            sequence,
+            ..ev(reason, at)
+        }
+    }
+
+    fn reasons(fresh: &[&ProblemEventView]) -> Vec<String> {
+        fresh.iter().map(|e| e.reason.clone()).collect()
+    }
+
+    /// A node's report with `recent` numbered under `epoch`.
+    fn report(epoch: u64, recent: Vec<ProblemEventView>) -> NodeView {
+        let mut view = NodeView::default();
+        view.problems.sequence_epoch = epoch;
+        view.problems.recent = recent;
+        view
+    }
+
+    /// What `observe` hands out for `view`, committed as the sweep commits it.
+    fn read(problems: &Problems, view: &NodeView) -> Vec<String> {
+        let new = problems.observe("n1", view, true, &ProblemTotals::default());
+        if let Some(cursor) = new.cursor {
+            problems.commit("n1", cursor);
+        }
+        new.events.iter().map(|e| e.reason.clone()).collect()
     }
 
     #[test]
     fn the_cursor_hands_out_each_problem_once_even_with_equal_timestamps() {
-        let start = Cursor {
-            at_ms: 100,
-            at_same_ms: 0,
-        };
+        // An agent that does not number its problems (epoch 0): by timestamps, as before.
+        let start = Cursor::since(100);
         let recent = vec![ev("Old", 50), ev("A", 200), ev("B", 200)];
-        let (fresh, c) = after_cursor(&recent, start);
+        let (fresh, c) = after_cursor(&recent, 0, start);
         assert_eq!(
             fresh.iter().map(|e| e.reason.as_str()).collect::<Vec<_>>(),
             ["A", "B"]
@@ -298,14 +415,15 @@ mod tests {
             c,
             Cursor {
                 at_ms: 200,
-                at_same_ms: 2
+                at_same_ms: 2,
+                ..start
             }
         );
         // The same report again: nothing new.
-        assert!(after_cursor(&recent, c).0.is_empty());
+        assert!(after_cursor(&recent, 0, c).0.is_empty());
         // A third problem in the same millisecond, and a later one.
         let more = vec![ev("A", 200), ev("B", 200), ev("C", 200), ev("D", 300)];
-        let (fresh, c) = after_cursor(&more, c);
+        let (fresh, c) = after_cursor(&more, 0, c);
         assert_eq!(
             fresh.iter().map(|e| e.reason.as_str()).collect::<Vec<_>>(),
             ["C", "D"]
@@ -314,9 +432,120 @@ mod tests {
             c,
             Cursor {
                 at_ms: 300,
-                at_same_ms: 1
+                at_same_ms: 1,
+                ..start
             }
         );
+    }
+
+    #[test]
+    fn numbered_problems_are_handed_out_once_whatever_their_timestamps() {
+        let problems = Problems::new(100);
+        // The kernel log's clock ahead of the plugin runner's: the plugin's problem, recorded
+        // after the kernel's, is stamped before it.
+        let oom = numbered("kernel-monitor", "OOMKilling", 2000, 1);
+        assert_eq!(
+            read(&problems, &report(7, vec![oom.clone()])),
+            ["OOMKilling"]
+        );
+        let plugin = numbered("custom-plugin", "PluginProblem", 1500, 2);
+        let mut recent = vec![oom.clone(), plugin.clone()];
+        assert_eq!(
+            read(&problems, &report(7, recent.clone())),
+            ["PluginProblem"]
+        );
+        assert!(read(&problems, &report(7, recent.clone())).is_empty());
+        // Two more in one millisecond, one report apart, and a third stamped before all.
+        recent.push(numbered("kernel-monitor", "A", 3000, 3));
+        assert_eq!(read(&problems, &report(7, recent.clone())), ["A"]);
+        recent.push(numbered("kernel-monitor", "B", 3000, 4));
+        recent.push(numbered("journal", "C", 10, 5));
+        assert_eq!(read(&problems, &report(7, recent.clone())), ["B", "C"]);
+        assert!(read(&problems, &report(7, recent)).is_empty());
+
+        // In one report, a later problem stamped earlier: by timestamps the cursor would end at
+        // the earlier stamp and hand out the other again on the next read.
+        let recent = vec![
+            numbered("kernel-monitor", "K", 5000, 6),
+            numbered("custom-plugin", "P", 4000, 7),
+        ];
+        let (fresh, c) = after_cursor(
+            &recent,
+            7,
+            Cursor {
+                epoch: 7,
+                ..Cursor::since(0)
+            },
+        );
+        assert_eq!(reasons(&fresh), ["K", "P"]);
+        assert!(after_cursor(&recent, 7, c).0.is_empty());
+        assert_eq!(
+            (c.epoch, c.sequence, c.at_ms, c.at_same_ms),
+            (7, 7, 5000, 1)
+        );
+    }
+
+    #[test]
+    fn the_first_report_to_this_leader_replays_nothing_from_before_it_led() {
+        let problems = Problems::new(1000);
+        let recent = vec![
+            numbered("kernel-monitor", "Before", 900, 1),
+            numbered("kernel-monitor", "After", 1100, 2),
+            // Stamped before by a slow clock: the first report can only go by timestamps.
+            numbered("custom-plugin", "Skewed", 950, 3),
+        ];
+        assert_eq!(read(&problems, &report(7, recent.clone())), ["After"]);
+        // From then on by numbers: a problem stamped earlier still counts.
+        let mut more = recent;
+        more.push(numbered("custom-plugin", "Late", 990, 4));
+        assert_eq!(read(&problems, &report(7, more)), ["Late"]);
+    }
+
+    #[test]
+    fn an_agent_restart_starts_a_new_numbering_without_replaying_the_lookback() {
+        let problems = Problems::new(100);
+        let before = vec![
+            numbered("kernel-monitor", "A", 1000, 1),
+            numbered("custom-plugin", "B", 900, 2),
+            numbered("kernel-monitor", "C", 2000, 3),
+        ];
+        assert_eq!(read(&problems, &report(7, before)), ["A", "B", "C"]);
+        // The agent restarts (epoch 8, numbers from 1): its kernel-log reader lists A and C
+        // again from the lookback window; D happened while it was down, E after it started.
+        let after = vec![
+            numbered("kernel-monitor", "A", 1000, 1),
+            numbered("kernel-monitor", "C", 2000, 2),
+            numbered("kernel-monitor", "D", 2500, 3),
+            numbered("custom-plugin", "E", 3000, 4),
+        ];
+        assert_eq!(read(&problems, &report(8, after.clone())), ["D", "E"]);
+        assert!(read(&problems, &report(8, after.clone())).is_empty());
+        // Then by the new numbers again, low numbers and early stamps included.
+        let mut more = after;
+        more.push(numbered("custom-plugin", "F", 1500, 5));
+        assert_eq!(read(&problems, &report(8, more)), ["F"]);
+    }
+
+    #[test]
+    fn an_agent_that_does_not_number_its_problems_is_read_by_timestamps() {
+        let problems = Problems::new(100);
+        let recent = vec![ev("A", 200), ev("B", 300)];
+        assert_eq!(read(&problems, &report(0, recent.clone())), ["A", "B"]);
+        assert!(read(&problems, &report(0, recent.clone())).is_empty());
+        // Stamped before the newest handled: skipped, as the timestamps say.
+        let mut more = recent;
+        more.push(ev("Skewed", 250));
+        more.push(ev("C", 400));
+        assert_eq!(read(&problems, &report(0, more.clone())), ["C"]);
+        // Upgraded to an agent that numbers them (a restart): by timestamps once, then numbers.
+        let upgraded = vec![
+            numbered("kernel-monitor", "C", 400, 1),
+            numbered("kernel-monitor", "D", 500, 2),
+        ];
+        assert_eq!(read(&problems, &report(9, upgraded.clone())), ["D"]);
+        let mut more = upgraded;
+        more.push(numbered("custom-plugin", "E", 450, 3));
+        assert_eq!(read(&problems, &report(9, more)), ["E"]);
     }
 
     #[test]
