@@ -112,6 +112,7 @@ async fn steady_renewals_are_one_put_each_and_a_conflict_costs_one_get() -> anyh
         lease_duration: Duration::from_secs(3),
         renew_deadline: Duration::from_secs(2),
         retry_period: Duration::from_millis(200),
+        annotations: Default::default(),
     };
     let cancel = CancellationToken::new();
     let acquired = leader::acquire(&api, &config, &cancel)
@@ -199,6 +200,7 @@ async fn a_standby_only_watches_and_takes_over_a_lease_duration_after_the_last_r
         lease_duration: Duration::from_secs(4),
         renew_deadline: Duration::from_secs(3),
         retry_period: Duration::from_secs(1),
+        annotations: Default::default(),
     };
     let (a, b) = (timing("replica-a"), timing("replica-b"));
     let never = CancellationToken::new();
@@ -352,6 +354,7 @@ fn renewals_go_on_while_the_controllers_runtime_is_blocked() -> anyhow::Result<(
             lease_duration: Duration::from_secs(3),
             renew_deadline: Duration::from_secs(2),
             retry_period: Duration::from_millis(500),
+            annotations: Default::default(),
         };
         let cancel = CancellationToken::new();
         let acquired = leader::acquire(&api, &config, &cancel)

@@ -29,6 +29,8 @@
 //! The leader also labels its own Pod `nodekeeper.dev/leader=true` ([`label_pod`]) so that the
 //! Service routes the HTTP API to it.
 
+use std::collections::BTreeMap;
+use std::sync::PoisonError;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
@@ -57,7 +59,14 @@ pub struct LeaderConfig {
     pub lease_duration: Duration,
     pub renew_deadline: Duration,
     pub retry_period: Duration,
+    /// Annotations the leader's renewals (and its release) put on the Lease. Set while leading
+    /// (e.g. `--node-selector` in force, `controllers::nodes::unselected`), they ride on the next
+    /// renewal: no write of their own, so no conflict with the renewal, whose steady state stays
+    /// one PUT.
+    pub annotations: LeaseAnnotations,
 }
+
+pub use crate::shared::LeaseAnnotations;
 
 impl LeaderConfig {
     /// How long after the leader's last renewal a standby takes the Lease when the leader died
@@ -637,6 +646,18 @@ async fn put_ours(
 ) -> Result<Held, kube::Error> {
     let update = |mut lease: Lease| {
         let record = Record::of(&lease);
+        let ours = config
+            .annotations
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        if !ours.is_empty() {
+            lease
+                .metadata
+                .annotations
+                .get_or_insert_with(BTreeMap::new)
+                .extend(ours);
+        }
         match what {
             Renewal::Renew => {
                 let acquire_time = lease.spec.as_ref().and_then(|s| s.acquire_time.clone());
@@ -784,6 +805,7 @@ mod tests {
             lease_duration: cli.lease_duration,
             renew_deadline: cli.renew_deadline,
             retry_period: cli.retry_period,
+            annotations: LeaseAnnotations::default(),
         };
         // The documented failover after a crash (docs/scaling.md; the fault campaign's bound,
         // issue #20, is 15 s): a lease duration after the last renewal, plus one PUT.

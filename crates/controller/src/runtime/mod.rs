@@ -125,7 +125,9 @@ pub async fn run(cli: Cli) -> Result<(), Error> {
         cli.max_reply_bytes,
         metrics.agents.clone(),
     ));
+    let lease_annotations = leader::LeaseAnnotations::default();
     let shared = Shared {
+        lease_annotations: lease_annotations.clone(),
         client: client.clone(),
         namespace: cli.namespace.clone(),
         identity: identity.clone(),
@@ -183,6 +185,7 @@ pub async fn run(cli: Cli) -> Result<(), Error> {
         lease_duration: cli.lease_duration,
         renew_deadline: cli.renew_deadline,
         retry_period: cli.retry_period,
+        annotations: lease_annotations.clone(),
     };
     let Some(acquired) = leader::acquire(&leases, &lease_config, &shutdown).await else {
         tracker.close();

@@ -375,7 +375,7 @@ impl Fleet {
     }
 
     /// Sets the label selector the Node watch selects with (`--node-selector`); a selector that
-    /// does not parse (refused at start, by [`crate::runtime::Cli::check`]) leaves none, so no
+    /// does not parse (refused at start, by the runtime's flag checks) leaves none, so no
     /// node is ever taken for one that left.
     pub fn set_selection(&self, selector: &str) {
         let parsed = match nodekeeper_api::selector::parse(selector) {

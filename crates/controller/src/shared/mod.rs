@@ -50,7 +50,13 @@ pub struct Shared {
     pub tuning: watch::Receiver<Arc<TuningState>>,
     /// The production agents service; controllers take it as `Arc<dyn Agents>`.
     pub agents: Arc<MtlsAgents>,
+    /// Annotations the leader's next Lease renewal writes (no write of their own).
+    pub lease_annotations: LeaseAnnotations,
 }
+
+/// Annotations the leader's renewals put on its Lease, set by whoever has something to record
+/// there: shared with the renewal thread.
+pub type LeaseAnnotations = Arc<std::sync::Mutex<std::collections::BTreeMap<String, String>>>;
 
 impl Shared {
     /// An Event recorder reporting as `nodekeeper-controller` from this replica. One per

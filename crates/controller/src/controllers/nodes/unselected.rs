@@ -34,7 +34,7 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::Api;
-use kube::api::{ListParams, Patch, PatchParams, PostParams};
+use kube::api::{ListParams, Patch, PatchParams};
 use kube::core::PartialObjectMeta;
 use kube::runtime::{WatchStreamExt as _, watcher};
 use nodekeeper_api::crd::common::LabelSelector;
@@ -44,7 +44,7 @@ use tracing::{debug, info, warn};
 
 use crate::conditions;
 use crate::controllers::unless_stopped;
-use crate::shared::{Fleet, Shared, lists};
+use crate::shared::{Fleet, LeaseAnnotations, Shared, lists};
 
 /// Attempts per node: a conflict (the Node changed between its read and the write) reads it
 /// again; any other failure is tried again after a pause.
@@ -66,8 +66,8 @@ const PROGRESS_EVERY: usize = 1000;
 /// The annotation of the leader Lease that records the selector the sweep last ran with once
 /// the nodes outside it were clean, in the API's query syntax (empty: every Node). On the Lease
 /// because it is this installation's (each leader reads it, the uninstall cleanup deletes it) and
-/// the Role may read and update it; the leader's renewals keep annotations (they update the Lease
-/// as read) and meet this write as any foreign one: one 409, one read.
+/// the Role may read and update it. Written by the leader's own renewals
+/// (`runtime::leader::LeaderConfig::annotations`), so recording it costs no request.
 pub const RECORD_ANNOTATION: &str = "nodekeeper.dev/node-selector";
 
 /// What the cleaner needs.
@@ -78,6 +78,8 @@ pub struct Context {
     /// This replica's identity: the leader Lease is the one it holds.
     pub identity: String,
     pub fleet: Arc<Fleet>,
+    /// What the leader's next Lease renewal writes: the record goes there.
+    pub lease_annotations: LeaseAnnotations,
 }
 
 impl Context {
@@ -87,6 +89,7 @@ impl Context {
             namespace: shared.namespace.clone(),
             identity: shared.identity.clone(),
             fleet: Arc::clone(&shared.fleet),
+            lease_annotations: Arc::clone(&shared.lease_annotations),
         }
     }
 }
@@ -362,32 +365,12 @@ async fn start(ctx: &Context, selection: Option<&LabelSelector>) {
     if !clean {
         return;
     }
-    let name = lease.metadata.name.clone().unwrap_or_default();
-    if let Err(error) = write_record(&leases, lease, &query).await {
-        warn!(%error, lease = %name, "recording the --node-selector in force failed; the next start compares with the older record");
-    }
-}
-
-/// Records `query` on `lease` (as last read) as the selector in force; a write that meets a
-/// renewal (409) reads the Lease again.
-async fn write_record(api: &Api<Lease>, mut lease: Lease, query: &str) -> Result<(), kube::Error> {
-    let name = lease.metadata.name.clone().unwrap_or_default();
-    let mut attempt = 0;
-    loop {
-        let annotations = lease.metadata.annotations.get_or_insert_with(BTreeMap::new);
-        if annotations.get(RECORD_ANNOTATION).map(String::as_str) == Some(query) {
-            return Ok(());
-        }
-        annotations.insert(RECORD_ANNOTATION.to_owned(), query.to_owned());
-        attempt += 1;
-        match api.replace(&name, &PostParams::default(), &lease).await {
-            Ok(_) => return Ok(()),
-            Err(kube::Error::Api(status)) if status.code == 409 && attempt < ATTEMPTS => {
-                lease = api.get(&name).await?;
-            }
-            Err(error) => return Err(error),
-        }
-    }
+    // Written by the leader's next renewal (within `--retry-period`), not by a write of its
+    // own: a second writer on the Lease would cost the renewal a conflict and a read.
+    ctx.lease_annotations
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .insert(RECORD_ANNOTATION.to_owned(), query);
 }
 
 /// Runs until `shutdown`: the start ([`start`]), then the nodes the Node watch may have lost.
