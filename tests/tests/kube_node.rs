@@ -8,6 +8,12 @@
 //! provider call and no finalizer, and the Node can still be deleted; a Node created with a
 //! providerID already gets a Warning and no machine.
 //!
+//! Faults, with oci: a launch whose answer is lost is found by its tags on the next try, not
+//! launched again; a Node deleted before its instance was recorded has that instance terminated;
+//! a class whose labels the API server refuses launches nothing; a failed termination is a
+//! Warning and the Node waits; a controller without an OCI provider keeps an OCI Node's finalizer
+//! and says why.
+//!
 //! The kube-node controller runs in this process with its providers wrapped in call counters;
 //! the NodeMaintenance controller that drains is the real `nodekeeper-controller` process
 //! (`NODEKEEPER_CONTROLLERS=nodemaintenance`). One test at a time: each controller acts on every
@@ -20,7 +26,7 @@ mod oci_common;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, ensure};
@@ -117,6 +123,101 @@ impl Provider for Counting {
     }
     fn machine_is_node(&self) -> bool {
         self.inner.machine_is_node()
+    }
+    fn find_for_node<'a>(
+        &'a self,
+        node: &'a str,
+        class: &'a NodeClassSpec,
+    ) -> BoxFuture<'a, Result<Option<Machine>, ProviderError>> {
+        self.others.fetch_add(1, Ordering::SeqCst);
+        self.inner.find_for_node(node, class)
+    }
+}
+
+/// A real provider with faults on demand: the next `lose` creates launch their machine and then
+/// answer an error, as when the answer is lost (each waiting for `hold` first, when given);
+/// deletes fail while `fail_deletes` is set.
+struct Faulty {
+    inner: Arc<dyn Provider>,
+    lose: AtomicU64,
+    hold: Option<Arc<tokio::sync::Notify>>,
+    fail_deletes: AtomicBool,
+    creates: AtomicU64,
+}
+
+impl Faulty {
+    fn new(
+        inner: Arc<dyn Provider>,
+        lose: u64,
+        hold: Option<Arc<tokio::sync::Notify>>,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            inner,
+            lose: AtomicU64::new(lose),
+            hold,
+            fail_deletes: AtomicBool::new(false),
+            creates: AtomicU64::new(0),
+        })
+    }
+}
+
+impl Provider for Faulty {
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
+    fn create<'a>(
+        &'a self,
+        r: &'a MachineRequest,
+    ) -> BoxFuture<'a, Result<Machine, ProviderError>> {
+        Box::pin(async move {
+            self.creates.fetch_add(1, Ordering::SeqCst);
+            let machine = self.inner.create(r).await?;
+            let lost = self
+                .lose
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                .is_ok();
+            if !lost {
+                return Ok(machine);
+            }
+            if let Some(hold) = &self.hold {
+                hold.notified().await;
+            }
+            Err(ProviderError::Create {
+                node: r.node_name.clone(),
+                message: format!("the answer was lost (machine {})", machine.provider_id),
+            })
+        })
+    }
+    fn delete<'a>(&'a self, m: &'a Machine) -> BoxFuture<'a, Result<Deletion, ProviderError>> {
+        if self.fail_deletes.load(Ordering::SeqCst) {
+            return Box::pin(async move {
+                Err::<Deletion, _>(ProviderError::Delete {
+                    id: m.provider_id.clone(),
+                    message: "the test refuses deletes".into(),
+                })
+            });
+        }
+        self.inner.delete(m)
+    }
+    fn get<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<Machine>, ProviderError>> {
+        self.inner.get(id)
+    }
+    fn list<'a>(
+        &'a self,
+        set: &'a str,
+        class: &'a NodeClassSpec,
+    ) -> BoxFuture<'a, Result<Vec<Machine>, ProviderError>> {
+        self.inner.list(set, class)
+    }
+    fn machine_is_node(&self) -> bool {
+        self.inner.machine_is_node()
+    }
+    fn find_for_node<'a>(
+        &'a self,
+        node: &'a str,
+        class: &'a NodeClassSpec,
+    ) -> BoxFuture<'a, Result<Option<Machine>, ProviderError>> {
+        self.inner.find_for_node(node, class)
     }
 }
 
@@ -517,7 +618,8 @@ async fn an_oci_node_created_by_hand_launches_one_instance_and_terminates_it_on_
     ensure!(launches == 1, "{launches} LaunchInstance calls");
     ensure!(terminates == 1, "{terminates} TerminateInstance calls");
     let (creates, deletes, others) = oci.counts();
-    // One list (a machine made before a restart?), one create; deletes until gone, bounded.
+    // One look for an instance launched for the Node before (a lost answer, a restart), one
+    // create; deletes until gone, bounded.
     ensure!(
         creates == 1 && others == 1 && (1..=10).contains(&deletes),
         "{:?}",
@@ -605,4 +707,395 @@ async fn warning(client: &kube::Client, name: &str, reason: &str) -> anyhow::Res
         },
     )
     .await
+}
+
+/// The local OCI endpoint (with a subnet and an image), an oci provider on it, the API key it
+/// signs with (kept while the test runs) and a NodeClass `spec.oci` using both.
+async fn oci_rig_parts(
+    client: &kube::Client,
+) -> anyhow::Result<(
+    Arc<OciEndpoint>,
+    Arc<dyn Provider>,
+    tempfile::TempDir,
+    serde_json::Value,
+)> {
+    let endpoint = Arc::new(
+        OciEndpoint::start(EndpointConfig {
+            launch_delay: Duration::from_secs(2),
+            terminate_delay: Duration::from_secs(1),
+            ..Default::default()
+        })
+        .await?,
+    );
+    let (tenancy, user) = ("ocid1.tenancy.oc1..kubenode", "ocid1.user.oc1..kubenode");
+    let credentials = oci_common::api_key_for(&endpoint, tenancy, user)?;
+    let subnet = endpoint.add_subnet("10.0.0.0/16")?;
+    let image = endpoint.add_image();
+    let cloud = oci_common::cloud_flags(&endpoint, &credentials)?;
+    let oci = node_set::oci_provider(client, &cloud, None)
+        .map_err(anyhow::Error::msg)?
+        .context("the flags give an oci provider")?;
+    let template = json!({
+        "compartmentId": "ocid1.compartment.oc1..kubenode",
+        "availabilityDomain": "Uocm:PHX-AD-1",
+        "shape": "VM.Standard.E5.Flex",
+        "shapeConfig": { "ocpus": 2, "memoryInGBs": 16 },
+        "imageId": image,
+        "subnetId": subnet,
+    });
+    Ok((endpoint, oci, credentials, template))
+}
+
+/// The live (not terminating or terminated) instances at `endpoint`.
+fn live_instances(endpoint: &OciEndpoint) -> Vec<String> {
+    endpoint
+        .instances()
+        .iter()
+        .filter(|i| !matches!(i.state, "TERMINATING" | "TERMINATED"))
+        .map(|i| i.id.clone())
+        .collect()
+}
+
+#[tokio::test]
+async fn an_oci_launch_whose_answer_was_lost_is_found_not_launched_again() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    let client = ControlPlane::shared().client().await?;
+    let (endpoint, oci, _credentials, template) = oci_rig_parts(&client).await?;
+    // The first launch happens, and its answer is lost.
+    let faulty = Faulty::new(oci, 1, None);
+    let given = Arc::clone(&faulty);
+    let mut rig = Rig::new("kubenode-lost", move |ctx| {
+        ctx.oci = Some(given as Arc<dyn Provider>);
+    })
+    .await?;
+    let class = unique_name("e5");
+    apply_spec(
+        &Api::<NodeClass>::all(rig.client.clone()),
+        &class,
+        json!({ "provider": "oci", "oci": template }),
+    )
+    .await?;
+    let name = unique_name("node1");
+    rig.create_node(&name, &class).await?;
+    let nodes = rig.nodes();
+    let node = wait_for("the node's providerID", TIMEOUT, || async {
+        Ok(nodes
+            .get_opt(&name)
+            .await?
+            .filter(|n| provider_id(n).is_some()))
+    })
+    .await?;
+    let instances = endpoint.instances();
+    ensure!(
+        instances.len() == 1,
+        "{} instances: {:?}",
+        instances.len(),
+        instances.iter().map(|i| &i.id).collect::<Vec<_>>()
+    );
+    let instance = &instances[0];
+    ensure!(provider_id(&node) == Some(format!("oci://{}", instance.id).as_str()));
+    // Found by its tags: this Node, no set, this cluster.
+    ensure!(instance.freeform_tags.get("nodekeeper.dev/node") == Some(&name));
+    ensure!(
+        instance
+            .freeform_tags
+            .get("nodekeeper.dev/nodeset")
+            .is_none_or(String::is_empty),
+        "{:?}",
+        instance.freeform_tags
+    );
+    ensure!(
+        instance
+            .freeform_tags
+            .contains_key("nodekeeper.dev/cluster"),
+        "{:?}",
+        instance.freeform_tags
+    );
+    ensure!(faulty.creates.load(Ordering::SeqCst) == 1);
+    let note = warning(&rig.client, &name, "ProviderFailed").await?;
+    ensure!(note.contains("the answer was lost"), "{note}");
+
+    delete_and_follow(&mut rig, &name, None, None).await?;
+    ensure!(
+        live_instances(&endpoint).is_empty(),
+        "{:?}",
+        live_instances(&endpoint)
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_oci_node_deleted_before_its_instance_was_recorded_has_it_terminated()
+-> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    let client = ControlPlane::shared().client().await?;
+    let (endpoint, oci, _credentials, template) = oci_rig_parts(&client).await?;
+    // The launch happens; its answer (lost) comes only once the Node is deleted.
+    let hold = Arc::new(tokio::sync::Notify::new());
+    let faulty = Faulty::new(oci, 1, Some(Arc::clone(&hold)));
+    let given = Arc::clone(&faulty);
+    let rig = Rig::new("kubenode-early", move |ctx| {
+        ctx.oci = Some(given as Arc<dyn Provider>);
+    })
+    .await?;
+    let class = unique_name("e5");
+    apply_spec(
+        &Api::<NodeClass>::all(rig.client.clone()),
+        &class,
+        json!({ "provider": "oci", "oci": template }),
+    )
+    .await?;
+    let name = unique_name("node1");
+    rig.create_node(&name, &class).await?;
+    let id = wait_for("the instance to be launched", TIMEOUT, || async {
+        Ok(endpoint.instances().first().map(|i| i.id.clone()))
+    })
+    .await?;
+    let node = rig.nodes().get(&name).await?;
+    ensure!(provider_id(&node).is_none(), "{:?}", node.spec);
+    ensure!(node.finalizers().iter().any(|f| f == FINALIZER_MACHINE));
+    rig.nodes().delete(&name, &DeleteParams::default()).await?;
+    hold.notify_one();
+    rig.wait_gone(&name).await?;
+    let state = endpoint
+        .instances()
+        .iter()
+        .find(|i| i.id == id)
+        .map(|i| i.state);
+    ensure!(
+        matches!(state, Some("TERMINATING" | "TERMINATED")),
+        "instance {id} left {state:?}: the Node went without its machine"
+    );
+    ensure!(endpoint.instances().len() == 1);
+    ensure!(faulty.creates.load(Ordering::SeqCst) == 1);
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_oci_class_with_labels_the_api_server_refuses_launches_nothing() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    let client = ControlPlane::shared().client().await?;
+    let (endpoint, oci, _credentials, template) = oci_rig_parts(&client).await?;
+    let counted = Counting::new(oci);
+    let given = Arc::clone(&counted);
+    let rig = Rig::new("kubenode-badlabel", move |ctx| {
+        ctx.oci = Some(given as Arc<dyn Provider>);
+    })
+    .await?;
+    let class = unique_name("e5");
+    apply_spec(
+        &Api::<NodeClass>::all(rig.client.clone()),
+        &class,
+        json!({ "provider": "oci", "oci": template, "labels": { "team name": "x" } }),
+    )
+    .await?;
+    let name = unique_name("node1");
+    rig.create_node(&name, &class).await?;
+    let note = warning(&rig.client, &name, "InvalidSpec").await?;
+    ensure!(
+        note.contains(r#"spec.labels["team name"]"#) && note.contains(&class),
+        "{note}"
+    );
+    // Several passes' worth of time: nothing launched, nothing written on the Node.
+    tokio::time::sleep(Duration::from_secs(15)).await;
+    ensure!(
+        endpoint.instances().is_empty(),
+        "{:?}",
+        endpoint.instances().len()
+    );
+    ensure!(counted.counts() == (0, 0, 0), "{:?}", counted.counts());
+    let node = rig.nodes().get(&name).await?;
+    ensure!(node.finalizers().is_empty(), "{:?}", node.finalizers());
+    ensure!(provider_id(&node).is_none());
+    rig.nodes().delete(&name, &DeleteParams::default()).await?;
+    rig.wait_gone(&name).await
+}
+
+#[tokio::test]
+async fn a_failed_termination_is_a_warning_and_the_node_waits_for_it() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    let client = ControlPlane::shared().client().await?;
+    let (endpoint, oci, _credentials, template) = oci_rig_parts(&client).await?;
+    let faulty = Faulty::new(oci, 0, None);
+    let given = Arc::clone(&faulty);
+    let rig = Rig::new("kubenode-delfail", move |ctx| {
+        ctx.oci = Some(given as Arc<dyn Provider>);
+    })
+    .await?;
+    let class = unique_name("e5");
+    apply_spec(
+        &Api::<NodeClass>::all(rig.client.clone()),
+        &class,
+        json!({ "provider": "oci", "oci": template }),
+    )
+    .await?;
+    let name = unique_name("node1");
+    rig.create_node(&name, &class).await?;
+    let nodes = rig.nodes();
+    let node = wait_for("the node's providerID", TIMEOUT, || async {
+        Ok(nodes
+            .get_opt(&name)
+            .await?
+            .filter(|n| provider_id(n).is_some()))
+    })
+    .await?;
+    let id = provider_id(&node).unwrap_or_default().to_owned();
+    faulty.fail_deletes.store(true, Ordering::SeqCst);
+    nodes.delete(&name, &DeleteParams::default()).await?;
+    let note = warning(&rig.client, &name, "MachineDeleteFailed").await?;
+    ensure!(
+        note.contains(&id) && note.contains("the test refuses deletes"),
+        "{note}"
+    );
+    let held = nodes.get(&name).await?;
+    ensure!(held.finalizers().iter().any(|f| f == FINALIZER_MACHINE));
+    // Deletes work again: within the backoff, the instance and the Node go.
+    faulty.fail_deletes.store(false, Ordering::SeqCst);
+    rig.wait_gone(&name).await?;
+    ensure!(
+        live_instances(&endpoint).is_empty(),
+        "{:?}",
+        live_instances(&endpoint)
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn without_an_oci_provider_an_oci_node_keeps_its_finalizer() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    // The kube-node controller has no OCI provider (no cloud flags).
+    let rig = Rig::new("kubenode-nooci", |_| {}).await?;
+    let class = unique_name("e5");
+    let name = unique_name("node1");
+    // A Node recorded as an OCI machine of `class` (as this controller writes it).
+    let node: Node = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Node",
+        "metadata": {
+            "name": name,
+            "annotations": { ANNOTATION_NODE_CLASS: class },
+            "labels": { LABEL_NODE_CLASS: class, "kubernetes.io/hostname": name },
+            "finalizers": [FINALIZER_MACHINE],
+        },
+        "spec": { "providerID": "oci://ocid1.instance.oc1.phx.kubenode" },
+    }))?;
+    rig.nodes().create(&PostParams::default(), &node).await?;
+    rig.nodes().delete(&name, &DeleteParams::default()).await?;
+    let note = warning(&rig.client, &name, "ProviderFailed").await?;
+    ensure!(
+        note.contains("ocid1.instance.oc1.phx.kubenode")
+            && note.contains("no OCI provider")
+            && note.contains("--oci-endpoint")
+            && note.contains(FINALIZER_MACHINE),
+        "{note}"
+    );
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let held = rig.nodes().get(&name).await?;
+    ensure!(
+        held.finalizers().iter().any(|f| f == FINALIZER_MACHINE),
+        "{:?}",
+        held.finalizers()
+    );
+    // What the Warning says to do: remove the finalizer by hand.
+    rig.nodes()
+        .patch(
+            &name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "metadata": { "finalizers": null } })),
+        )
+        .await?;
+    rig.wait_gone(&name).await?;
+    let nms: Api<NodeMaintenance> = Api::all(rig.client.clone());
+    let _ = nms
+        .delete(&format!("kubenode-drain-{name}"), &DeleteParams::default())
+        .await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_registered_node_gets_no_machine_and_a_recorded_one_keeps_its_class() -> anyhow::Result<()>
+{
+    let _serial = SERIAL.lock().await;
+    let client = ControlPlane::shared().client().await?;
+    let kwok = Counting::new(Arc::new(node_set::kwok::KwokProvider::new(client)));
+    let counted = Arc::clone(&kwok);
+    let rig = Rig::new("kubenode-registered", move |ctx| {
+        ctx.kwok = counted as Arc<dyn Provider>;
+    })
+    .await?;
+    let small = unique_name("small");
+    let large = unique_name("large");
+    let classes = Api::<NodeClass>::all(rig.client.clone());
+    for class in [&small, &large] {
+        apply_spec(&classes, class, json!({ "provider": "kwok", "kwok": {} })).await?;
+    }
+
+    // A Node its kubelet registered (as a kubelet writes it: status.nodeInfo), annotated later.
+    let registered = unique_name("kubelet");
+    let node: Node = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Node", "metadata": { "name": registered },
+    }))?;
+    rig.nodes().create(&PostParams::default(), &node).await?;
+    rig.nodes()
+        .patch_status(
+            &registered,
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "status": { "nodeInfo": {
+                "kubeletVersion": "v1.36.0", "architecture": "amd64", "bootID": "b",
+                "containerRuntimeVersion": "containerd://2.0", "kernelVersion": "6.8",
+                "kubeProxyVersion": "", "machineID": "m", "operatingSystem": "linux",
+                "osImage": "test", "systemUUID": "u",
+            } } })),
+        )
+        .await?;
+    rig.nodes()
+        .patch(
+            &registered,
+            &PatchParams::default(),
+            &Patch::Merge(
+                json!({ "metadata": { "annotations": { ANNOTATION_NODE_CLASS: small } } }),
+            ),
+        )
+        .await?;
+    let note = warning(&rig.client, &registered, "NodeAlreadyRegistered").await?;
+    ensure!(
+        note.contains(ANNOTATION_NODE_CLASS) && note.contains("kubelet registered"),
+        "{note}"
+    );
+    ensure!(kwok.counts() == (0, 0, 0), "{:?}", kwok.counts());
+    let node = rig.nodes().get(&registered).await?;
+    ensure!(node.finalizers().is_empty(), "{:?}", node.finalizers());
+    ensure!(provider_id(&node).is_none() && !node.labels().contains_key(SIMULATED));
+    rig.nodes()
+        .delete(&registered, &DeleteParams::default())
+        .await?;
+    rig.wait_gone(&registered).await?;
+
+    // A Node with its machine recorded from `small`, its annotation then changed to `large`.
+    let name = unique_name("node1");
+    rig.create_node(&name, &small).await?;
+    rig.wait_ready(&name).await?;
+    rig.nodes()
+        .patch(
+            &name,
+            &PatchParams::default(),
+            &Patch::Merge(
+                json!({ "metadata": { "annotations": { ANNOTATION_NODE_CLASS: large } } }),
+            ),
+        )
+        .await?;
+    let note = warning(&rig.client, &name, "ClassChanged").await?;
+    ensure!(
+        note.contains(&small) && note.contains(&large) && note.contains("Delete the Node"),
+        "{note}"
+    );
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let node = rig.nodes().get(&name).await?;
+    ensure!(
+        node.labels().get(LABEL_NODE_CLASS) == Some(&small),
+        "{:?}",
+        node.labels()
+    );
+    ensure!(kwok.counts() == (1, 0, 0), "{:?}", kwok.counts());
+    rig.nodes().delete(&name, &DeleteParams::default()).await?;
+    rig.wait_gone(&name).await
 }

@@ -313,9 +313,10 @@ impl Controllers {
             &config.node_set,
             &config.node_network_config.cloud,
         ));
-        r.add(kube_node::Context::new(
+        r.add(kube_node::Context::for_cluster(
             shared,
             &config.node_network_config.cloud,
+            config.node_set.cluster_id.as_deref(),
         ));
     }
 }

@@ -14,8 +14,8 @@
 pub mod plan;
 pub mod reconcile;
 
-use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use std::borrow::Cow;
 
@@ -55,16 +55,23 @@ pub struct Context {
     /// Per node: the failures and the backoff of its machine's creation (lost on restart: the
     /// Node itself says how far it got).
     pub memory: Memories,
+    /// Per node name: the UID of the Node `memory` is about ([`Context::meet`]).
+    uids: Mutex<HashMap<String, String>>,
 }
 
 impl Context {
     /// The controller's context in the running controller-manager; `cloud` (the flags shared
     /// with the NodeNetworkConfig and NodeSet controllers) gives the oci provider.
     pub fn new(shared: &Shared, cloud: &CloudConfig) -> Self {
+        Self::for_cluster(shared, cloud, None)
+    }
+
+    /// [`Context::new`] with `--cluster-id` (the NodeSet controller's flag; `None`: the
+    /// `kube-system` Namespace's UID): a single Node's instance carries this cluster's identity,
+    /// which `find_for_node` finds it by after a lost answer.
+    pub fn for_cluster(shared: &Shared, cloud: &CloudConfig, cluster_id: Option<&str>) -> Self {
         let mut ctx = Self::with_client(shared.client.clone(), shared.recorder());
-        // The kube-node controller's machines carry no cluster tag (nothing lists them), so
-        // it needs no cluster identity.
-        match super::node_set::oci_provider(&shared.client, cloud, None) {
+        match super::node_set::oci_provider(&shared.client, cloud, cluster_id) {
             Ok(Some(p)) => ctx.oci = Some(p),
             Ok(None) => {}
             Err(message) => {
@@ -86,7 +93,29 @@ impl Context {
             calls: Arc::default(),
             concurrency: 8,
             memory: Memories::default(),
+            uids: Mutex::default(),
         }
+    }
+
+    /// Starts the memory of Node `name` afresh when `uid` is not the Node it is about: a Node
+    /// deleted and created again under the name (the watch's deletion reaches no reconcile)
+    /// must not inherit the old one's backoff or warnings.
+    pub fn meet(&self, name: &str, uid: Option<&str>) {
+        let uid = uid.unwrap_or_default();
+        let mut uids = self.uids.lock().unwrap_or_else(PoisonError::into_inner);
+        if uids.get(name).map(String::as_str) != Some(uid) {
+            self.memory.forget(name);
+            uids.insert(name.to_owned(), uid.to_owned());
+        }
+    }
+
+    /// Forgets Node `name`.
+    pub fn forget(&self, name: &str) {
+        self.memory.forget(name);
+        self.uids
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(name);
     }
 
     /// The provider of a class's `spec.provider`.
@@ -186,7 +215,7 @@ impl Reconciler for Context {
     fn keeps(&self, node: &NodeMeta) -> bool {
         let settled = plan::settled(&reconcile::state(&node.metadata, None));
         if settled && let Some(name) = node.metadata.name.as_deref() {
-            self.memory.forget(name);
+            self.forget(name);
         }
         !settled
     }
@@ -283,6 +312,13 @@ mod tests {
             "deletionTimestamp": "2026-11-24T00:00:00Z",
         }));
         assert!(ctx.keeps(&deleting));
+        // A Node deleted and created again under the name starts with no backoff.
+        ctx.meet("again", Some("u1"));
+        ctx.memory.with("again", |m| m.fail("quota".into()));
+        ctx.meet("again", Some("u1"));
+        assert!(ctx.memory.with("again", |m| m.backoff_left()).is_some());
+        ctx.meet("again", Some("u2"));
+        assert_eq!(ctx.memory.with("again", |m| m.backoff_left()), None);
         // A Node of a NodeSet is that controller's.
         let in_set = meta(serde_json::json!({
             "name": "member", "annotations": class, "labels": { LABEL_NODE_SET: "pool" },

@@ -16,6 +16,12 @@ pub struct NodeState<'a> {
     pub deleting: bool,
     /// Its `nodekeeper.dev/nodeclass` label names the annotation's class: the machine is recorded.
     pub recorded: bool,
+    /// Its `nodekeeper.dev/nodeclass` label names another class than the annotation: the
+    /// machine was made from that one, and the annotation changed since.
+    pub other_class: Option<&'a str>,
+    /// A kubelet registered it (`status.nodeInfo.kubeletVersion`, or `Ready=True`): a machine
+    /// runs it already (not in the metadata-only cache; `false` there).
+    pub registered: bool,
     /// `spec.providerID` (not in the metadata-only cache; `None` there).
     pub provider_id: Option<&'a str>,
 }
@@ -27,6 +33,12 @@ pub enum Step {
     Nothing,
     /// The Node names a machine already (`spec.providerID`, not ours): nothing is made for it.
     Foreign,
+    /// A kubelet registered the Node before this controller made anything: a machine runs it
+    /// already, and nothing is made for it.
+    Registered,
+    /// The annotation names another class than the recorded machine's: a machine is not
+    /// changed in place, so nothing is written; the user deletes and recreates the Node.
+    ClassChanged,
     /// Add the finalizer, get a machine from the class's provider, record it.
     Make,
     /// The machine exists (its providerID is on the Node): write the record.
@@ -60,7 +72,11 @@ pub fn step(s: &NodeState<'_>) -> Step {
     }
     match (s.finalizer, s.provider_id) {
         (false, Some(_)) => Step::Foreign,
+        // Without the finalizer nothing was made yet; with it, a kubelet that registered is
+        // the machine this controller launched.
+        (false, None) if s.registered => Step::Registered,
         (_, None) => Step::Make,
+        (true, Some(_)) if s.other_class.is_some() => Step::ClassChanged,
         (true, Some(_)) if !s.recorded => Step::Record,
         (true, Some(_)) => Step::Nothing,
     }
@@ -149,6 +165,42 @@ mod tests {
         };
         assert_eq!(step(&s), Step::Nothing);
         assert!(settled(&s));
+    }
+
+    #[test]
+    fn a_node_a_kubelet_registered_gets_no_machine() {
+        let s = NodeState {
+            registered: true,
+            ..ours()
+        };
+        assert_eq!(step(&s), Step::Registered);
+        // Once the finalizer is on, the kubelet is the machine's being made: go on.
+        let s = NodeState {
+            finalizer: true,
+            ..s
+        };
+        assert_eq!(step(&s), Step::Make);
+    }
+
+    #[test]
+    fn a_recorded_node_whose_annotation_changed_is_not_relabeled() {
+        let s = NodeState {
+            class: Some("large"),
+            other_class: Some("small"),
+            finalizer: true,
+            provider_id: Some("oci://x"),
+            ..ours()
+        };
+        assert!(!settled(&s));
+        assert_eq!(step(&s), Step::ClassChanged);
+        // Back to its class: settled again.
+        let s = NodeState {
+            class: Some("small"),
+            other_class: None,
+            recorded: true,
+            ..s
+        };
+        assert_eq!(step(&s), Step::Nothing);
     }
 
     #[test]

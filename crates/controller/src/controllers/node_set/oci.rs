@@ -15,11 +15,13 @@
 //! and deletes its Node object. For a Node a user created ([`MachineRequest::adopts_node`]) no
 //! record is written: the Node is there, and its caller writes the providerID.
 //!
-//! Ownership: a NodeSet's instances also carry this cluster's identity ([`TAG_CLUSTER`]:
+//! Ownership: every instance also carries this cluster's identity ([`TAG_CLUSTER`]:
 //! `--cluster-id`, or the `kube-system` Namespace's UID), and `list` — what the orphan sweep
-//! terminates from — returns only instances carrying it, so a cluster sharing the compartment
-//! and a NodeSet name never has its instances swept by this one; an instance without the tag
-//! (launched before it existed) is never swept. Deleting checks the instance's tags name the
+//! terminates from — returns only a set's instances carrying it, so a cluster sharing the
+//! compartment and a NodeSet name never has its instances swept by this one; an instance without
+//! the tag (launched before it existed) is never swept, nor is a single Node's (set tag empty).
+//! A single Node's instance is found by `find_for_node` instead (its node tag, an empty set tag
+//! and this cluster's tag), so a launch whose answer was lost is not launched twice. Deleting checks the instance's tags name the
 //! machine's node and set (and cluster, where it carries one) before TerminateInstance, and
 //! deletes the Node only while its `spec.providerID` names the instance.
 
@@ -218,8 +220,8 @@ impl OciProvider {
     }
 }
 
-/// The LaunchInstance request for a machine; `cluster` is this cluster's identity, tagged on a
-/// NodeSet's instances.
+/// The LaunchInstance request for a machine; `cluster` is this cluster's identity, tagged on
+/// every instance (`None` only in tests).
 pub fn launch_details(
     request: &MachineRequest,
     t: &OciTemplate,
@@ -236,10 +238,7 @@ pub fn launch_details(
     }
     let mut metadata = t.metadata.clone();
     metadata.insert(METADATA_NODE_NAME.to_owned(), request.node_name.clone());
-    let display_name = match &t.display_name_prefix {
-        Some(p) => format!("{p}{}", request.node_name),
-        None => request.node_name.clone(),
-    };
+    let display_name = display_name(t, &request.node_name);
     LaunchInstanceDetails {
         availability_domain: t.availability_domain.clone(),
         compartment_id: t.compartment_id.clone(),
@@ -261,6 +260,14 @@ pub fn launch_details(
         display_name: Some(display_name),
         freeform_tags,
         fault_domain: None,
+    }
+}
+
+/// The instance's display name for Node `node`: the template's prefix and the name.
+fn display_name(t: &OciTemplate, node: &str) -> String {
+    match &t.display_name_prefix {
+        Some(p) => format!("{p}{node}"),
+        None => node.to_owned(),
     }
 }
 
@@ -322,6 +329,30 @@ fn of_cluster(all: &[Instance], node_set: &str, cluster: &str) -> (Vec<Machine>,
         .filter_map(machine_of)
         .collect();
     (ours, untagged)
+}
+
+/// The live instance this cluster launched for the single Node `node` (tagged with the node, an
+/// empty set tag and `cluster`) — the oldest, when an earlier lost answer left more than one —
+/// and the ids of the others (leaked: nothing records them).
+fn single_of<'a>(
+    all: &'a [Instance],
+    node: &str,
+    cluster: &str,
+) -> (Option<Machine>, Vec<&'a str>) {
+    let mut found: Vec<&Instance> = all
+        .iter()
+        .filter(|i| !i.lifecycle_state.is_terminal())
+        .filter(|i| tag(i, TAG_NODE) == Some(node))
+        .filter(|i| tag(i, TAG_NODE_SET).unwrap_or("").is_empty())
+        .filter(|i| tag(i, TAG_CLUSTER) == Some(cluster))
+        .collect();
+    found.sort_by_key(|i| (i.created(), i.id.clone()));
+    let machine = found.first().and_then(|i| machine_of(i)).map(|m| Machine {
+        node_set: None,
+        ..m
+    });
+    let others = found.iter().skip(1).map(|i| i.id.as_str()).collect();
+    (machine, others)
 }
 
 /// The value of freeform tag `key` on `i`.
@@ -386,16 +417,13 @@ impl Provider for OciProvider {
                 ));
             };
             self.check_shape(t).await.map_err(failed)?;
-            // A NodeSet's instance carries this cluster's identity (what the orphan sweep lists
-            // by); a kube-node machine is never listed, so it needs none.
-            let cluster = if request.adopts_node() {
-                None
-            } else {
-                Some(self.cluster().await.map_err(failed)?)
-            };
+            // Every instance carries this cluster's identity: a NodeSet's is what the orphan
+            // sweep lists by, a single Node's what `find_for_node` finds it by after a lost
+            // answer (the sweep never takes it: its set tag is empty).
+            let cluster = self.cluster().await.map_err(failed)?;
             let instance = self
                 .compute
-                .launch_instance(&launch_details(request, t, cluster))
+                .launch_instance(&launch_details(request, t, Some(cluster)))
                 .await
                 .map_err(|e| failed(field_of_error(t, &e)))?;
             let provider_id = format!("{PROVIDER_ID_PREFIX}{}", instance.id);
@@ -556,6 +584,39 @@ impl Provider for OciProvider {
             Ok(ours)
         })
     }
+
+    /// One ListInstances filtered by the display name the launch gave (not the whole
+    /// compartment), then the tags: a NodeSet's instance or another cluster's is never it.
+    fn find_for_node<'a>(
+        &'a self,
+        node: &'a str,
+        class: &'a NodeClassSpec,
+    ) -> BoxFuture<'a, Result<Option<Machine>, ProviderError>> {
+        Box::pin(async move {
+            let failed = |message: String| ProviderError::Find {
+                node: node.to_owned(),
+                message,
+            };
+            let Some(t) = class.oci.as_ref() else {
+                return Ok(None);
+            };
+            let cluster = self.cluster().await.map_err(failed)?;
+            let filter = ListInstancesFilter {
+                display_name: Some(display_name(t, node)),
+                ..ListInstancesFilter::default()
+            };
+            let all = self
+                .compute
+                .list_instances(&t.compartment_id, &filter)
+                .await
+                .map_err(|e| failed(field_of_error(t, &e)))?;
+            let (machine, others) = single_of(&all, node, cluster);
+            if !others.is_empty() {
+                warn!(node, instances = ?others, "more instances were launched for this node than it records (lost answers); terminate the extra ones by hand");
+            }
+            Ok(machine)
+        })
+    }
 }
 
 #[cfg(test)]
@@ -701,6 +762,79 @@ mod tests {
         assert_eq!(ours.len(), 1);
         assert_eq!(ours[0].provider_id, "oci://green");
         assert_eq!(untagged, 0);
+    }
+
+    #[test]
+    fn a_single_nodes_instance_is_found_by_its_node_and_never_swept() {
+        let at = |id: &str, state: &str, time: &str, tags: &[(&str, &str)]| {
+            let mut i = instance(id, state, tags);
+            i.time_created = Some(time.into());
+            i
+        };
+        let single = [
+            (TAG_NODE_SET, ""),
+            (TAG_NODE, "gpu-1"),
+            (TAG_CLUSTER, "blue"),
+        ];
+        let all = [
+            at("second", "RUNNING", "2026-01-02T00:00:00Z", &single),
+            at("first", "PROVISIONING", "2026-01-01T00:00:00Z", &single),
+            at("gone", "TERMINATED", "2025-01-01T00:00:00Z", &single),
+            // Another cluster's single Node of the same name, and one launched before the
+            // cluster tag: never this Node's machine.
+            instance(
+                "green",
+                "RUNNING",
+                &[
+                    (TAG_NODE_SET, ""),
+                    (TAG_NODE, "gpu-1"),
+                    (TAG_CLUSTER, "green"),
+                ],
+            ),
+            instance(
+                "legacy",
+                "RUNNING",
+                &[(TAG_NODE_SET, ""), (TAG_NODE, "gpu-1")],
+            ),
+            // A NodeSet's machine whose node has the same name.
+            instance(
+                "member",
+                "RUNNING",
+                &[
+                    (TAG_NODE_SET, "pool"),
+                    (TAG_NODE, "gpu-1"),
+                    (TAG_CLUSTER, "blue"),
+                ],
+            ),
+            instance(
+                "other",
+                "RUNNING",
+                &[
+                    (TAG_NODE_SET, ""),
+                    (TAG_NODE, "gpu-2"),
+                    (TAG_CLUSTER, "blue"),
+                ],
+            ),
+        ];
+        let (found, others) = single_of(&all, "gpu-1", "blue");
+        let found = found.expect("the single Node's instance is found");
+        assert_eq!(found.provider_id, "oci://first");
+        assert_eq!(found.node_name, "gpu-1");
+        assert_eq!(found.node_set, None);
+        assert_eq!(others, ["second"]);
+        assert_eq!(single_of(&all, "gpu-3", "blue"), (None, Vec::<&str>::new()));
+        // The orphan sweep lists none of them, cluster tag or not.
+        let (swept, _) = of_cluster(&all, "pool", "blue");
+        let ids: Vec<&str> = swept.iter().map(|m| m.provider_id.as_str()).collect();
+        assert_eq!(ids, ["oci://member"]);
+        // What a single Node's launch carries: its node, an empty set and this cluster.
+        let mut r = request();
+        r.node_set = String::new();
+        assert!(r.adopts_node());
+        let v = serde_json::to_value(launch_details(&r, &template(), Some("blue"))).unwrap();
+        assert_eq!(v["freeformTags"][TAG_NODE_SET], "");
+        assert_eq!(v["freeformTags"][TAG_CLUSTER], "blue");
+        assert_eq!(v["displayName"], display_name(&template(), &r.node_name));
     }
 
     #[test]

@@ -85,6 +85,8 @@ pub enum ProviderError {
     Get { id: String, message: String },
     #[error("list machines of nodeset {node_set}: {message}")]
     List { node_set: String, message: String },
+    #[error("look for the machine of node {node}: {message}")]
+    Find { node: String, message: String },
     #[error("provider {provider} is not available in this controller: {why}")]
     Unsupported { provider: String, why: String },
 }
@@ -120,6 +122,18 @@ pub trait Provider: Send + Sync {
     /// and the controller never lists the provider to find machines that lost theirs.
     fn machine_is_node(&self) -> bool {
         false
+    }
+    /// The live machine this cluster made for the single Node `node` (a Node a user created:
+    /// [`MachineRequest::adopts_node`]), where `class` says to look — one launched before an
+    /// answer was lost, a restart or a failover, so the Node never recorded it. Never a
+    /// NodeSet's machine. `None` by default: a provider whose machine is its Node
+    /// ([`Provider::machine_is_node`]) has nothing to find. A wrapper must pass it on.
+    fn find_for_node<'a>(
+        &'a self,
+        _node: &'a str,
+        _class: &'a NodeClassSpec,
+    ) -> BoxFuture<'a, Result<Option<Machine>, ProviderError>> {
+        Box::pin(async { Ok(None) })
     }
 }
 
