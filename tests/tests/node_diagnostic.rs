@@ -643,6 +643,121 @@ async fn an_agent_serving_another_node_gives_no_bundle() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Deleting a NodeDiagnostic while its bundle streams stops them at once: the object (held by
+/// its finalizer) is gone within seconds, not when the slow part ends, and nothing of it is left
+/// on the controller's disk. And a selector the API server would refuse is refused at once,
+/// `SpecValid=False` naming the field, not retried for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_collection_stops_at_once_and_a_bad_selector_is_refused() -> anyhow::Result<()> {
+    let _turn = ONE_CONTROLLER.lock().await;
+    let DiagWorld {
+        client,
+        ns,
+        labels,
+        port,
+        store,
+        controller,
+    } = diag_world("nk-diag-cancel", "1048576", &[]).await?;
+
+    let api: Api<NodeDiagnostic> = Api::namespaced(client.clone(), &ns);
+    let bad = unique_name("badsel");
+    apply(
+        &api,
+        &bad,
+        json!({"nodeSelector": {"matchLabels": {"bad key!": "x"}}, "ttlSecondsAfterFinished": 600}),
+    )
+    .await?;
+    let s = finished(&api, &bad).await?.status.context("status")?;
+    assert_eq!(s.phase, Some(Phase::Failed), "{s:#?}");
+    let valid = s
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "SpecValid")
+        .context("SpecValid")?;
+    assert_eq!(
+        (valid.status, valid.reason.as_str()),
+        (ConditionStatus::False, "InvalidSpec"),
+        "{valid:?}"
+    );
+    assert!(
+        valid
+            .message
+            .starts_with("spec.nodeSelector.matchLabels[\"bad key!\"]"),
+        "{}",
+        valid.message
+    );
+
+    // An agent whose journal part takes 9 s (under the agent's 10 s cap per part).
+    let ips = loopback_ips(1);
+    let nodes = create_simulated_nodes(&client, "nk-cancel", 1, &labels, &ips).await?;
+    let tls = agent_tls(&client, &ns).await?;
+    let scripts = tempfile::tempdir()?;
+    let journalctl = scripts.path().join("journalctl");
+    std::fs::write(&journalctl, "#!/bin/sh\nsleep 9\n")?;
+    {
+        use std::os::unix::fs::PermissionsExt as _;
+        std::fs::set_permissions(&journalctl, std::fs::Permissions::from_mode(0o755))?;
+    }
+    let extra = vec![format!("--diagnostics-journalctl={}", journalctl.display())];
+    let agent = start_agent_with(
+        &nodes[0],
+        SocketAddr::new(ips[0].into(), port),
+        &tls,
+        &extra,
+    )
+    .await?;
+    wait_condition(
+        &client,
+        &nodes[0],
+        "NodekeeperReachable",
+        "True",
+        None,
+        TIMEOUT,
+    )
+    .await?;
+
+    let slow = unique_name("slow");
+    apply(
+        &api,
+        &slow,
+        json!({"nodeName": nodes[0], "parts": ["journal"], "ttlSecondsAfterFinished": 600}),
+    )
+    .await?;
+    wait_for("the nodediagnostic to be Running", TIMEOUT, || {
+        let api = api.clone();
+        let slow = slow.clone();
+        async move {
+            let phase = api.get(&slow).await?.status.and_then(|s| s.phase);
+            Ok((phase == Some(Phase::Running)).then_some(()))
+        }
+    })
+    .await?;
+    let deleted_at = std::time::Instant::now();
+    api.delete(&slow, &DeleteParams::default()).await?;
+    // Without cancelling, the finalizer runs only once the 9 s part has ended.
+    wait_for(
+        "the collecting nodediagnostic to be gone",
+        Duration::from_secs(5),
+        || {
+            let api = api.clone();
+            let slow = slow.clone();
+            async move { Ok(api.get_opt(&slow).await?.is_none().then_some(())) }
+        },
+    )
+    .await?;
+    assert!(
+        deleted_at.elapsed() < Duration::from_secs(6),
+        "{:?}",
+        deleted_at.elapsed()
+    );
+    assert!(
+        !store.path().join(&ns).join(&slow).exists(),
+        "the cancelled collection left files on the controller's disk"
+    );
+    drop((agent, controller));
+    Ok(())
+}
+
 /// Pseudo-random lowercase text (compresses to about 60 %, like busy logs), as kmsg records.
 fn noisy_kmsg(bytes: usize) -> String {
     let mut seed = 0x2545_f491_u32;

@@ -59,6 +59,20 @@ pub async fn collect_bounded(mount: &str, path: &Path) -> Result<Vec<Measurement
     .await
 }
 
+/// statvfs(2) of `path` off the runtime thread, bounded by [`STATVFS_WAIT`] under the same key
+/// as [`collect_bounded`]: a mount the report found blocked is not tried again by a
+/// diagnostics bundle, and the other way round.
+pub async fn statvfs_bounded(path: &Path) -> Result<nix::sys::statvfs::Statvfs, CollectError> {
+    let p = path.to_path_buf();
+    super::bounded(
+        &format!("statvfs:{}", path.display()),
+        &format!("statvfs {}", path.display()),
+        STATVFS_WAIT,
+        move || statvfs(&p).map_err(|source| CollectError::Statvfs { path: p, source }),
+    )
+    .await
+}
+
 /// Measures one mount; `path` is where the agent sees it, `mount` the host path it reports.
 pub fn collect(mount: &str, path: &Path) -> Result<Vec<Measurement>, CollectError> {
     let s = statvfs(path).map_err(|source| CollectError::Statvfs {
@@ -127,6 +141,10 @@ mod tests {
         let m = collect_bounded("/tmp", dir.path()).await.unwrap();
         assert!(m[0].value >= 0.0 && m[0].value <= 100.0);
         let e = collect_bounded("/nope", Path::new("/nonexistent/nodekeeper")).await;
+        assert!(matches!(e, Err(CollectError::Statvfs { .. })), "{e:?}");
+        let s = statvfs_bounded(dir.path()).await.unwrap();
+        assert!(s.blocks() > 0);
+        let e = statvfs_bounded(Path::new("/nonexistent/nodekeeper")).await;
         assert!(matches!(e, Err(CollectError::Statvfs { .. })), "{e:?}");
     }
 }

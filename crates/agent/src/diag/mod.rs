@@ -62,6 +62,7 @@ pub struct DiagConfig {
 
     /// Host files included (redacted) in the `node-files` part, comma-separated absolute paths
     /// resolved under `--host-root`: typically the kubelet's and the runtime's environment files.
+    /// Symbolic links resolve within `--host-root` as on the host; only regular files are read.
     #[arg(
         long,
         env = "NODEKEEPER_DIAGNOSTICS_FILES",
@@ -111,6 +112,27 @@ impl Limits {
             part_timeout,
         })
     }
+}
+
+/// The part's reason with the files cut short named, bounded like every reason.
+fn truncated_reason(reason: &str, part_cut: &[String], bundle_cut: &[String]) -> String {
+    let mut said: Vec<String> = Vec::new();
+    if !reason.is_empty() {
+        said.push(reason.to_owned());
+    }
+    if !part_cut.is_empty() {
+        said.push(format!(
+            "cut short by the part's size cap (maxPartBytes): {}",
+            part_cut.join(", ")
+        ));
+    }
+    if !bundle_cut.is_empty() {
+        said.push(format!(
+            "cut short by the bundle's size cap (maxBundleBytes): {}",
+            bundle_cut.join(", ")
+        ));
+    }
+    nodekeeper_model::text::truncate(&said.join("; "), bundle::MAX_REASON_BYTES).into_owned()
 }
 
 fn now_unix_ms() -> i64 {
@@ -214,9 +236,9 @@ impl Diagnostics {
                     let Ok(redacted) = tokio::task::spawn_blocking(move || {
                         files
                             .into_iter()
-                            .map(|(name, data)| {
-                                let (data, n) = redact::redact_bytes(&data);
-                                (name, data, n)
+                            .map(|file| {
+                                let (data, n) = redact::redact_bytes(&file.data);
+                                (file.name, data, n, file.truncated)
                             })
                             .collect::<Vec<_>>()
                     })
@@ -227,13 +249,19 @@ impl Diagnostics {
                         entries.push(PartEntry::new(part, PartStatus::Failed, why, took));
                         continue;
                     };
-                    for (name, mut data, redactions) in redacted {
+                    // Files cut by the part's size cap (the gatherer says which) and by what
+                    // was left of the bundle's, named in the reason.
+                    let (mut part_cut, mut bundle_cut) = (Vec::new(), Vec::new());
+                    for (name, mut data, redactions, mut truncated) in redacted {
                         entry.redactions += redactions;
-                        let mut truncated = data.len() >= cap;
+                        if truncated {
+                            part_cut.push(name.clone());
+                        }
                         let fit = budget.take(data.len() as u64);
                         if fit < data.len() as u64 {
                             data.truncate(usize::try_from(fit).unwrap_or(0));
                             truncated = true;
+                            bundle_cut.push(name.clone());
                             if fit == 0 {
                                 entry.truncated = true;
                                 continue;
@@ -248,8 +276,8 @@ impl Diagnostics {
                         });
                         out.send(Member::File { name, data }).await.ok()?;
                     }
-                    if entry.truncated && entry.reason.is_empty() {
-                        entry.reason = "cut short by a size cap".into();
+                    if entry.truncated {
+                        entry.reason = truncated_reason(&entry.reason, &part_cut, &bundle_cut);
                     }
                     entry
                 }

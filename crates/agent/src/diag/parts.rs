@@ -1,23 +1,50 @@
 //! The gatherers, one per part name in `nodekeeper_model::diagnostics::PARTS`. Each returns the
-//! files it produced (every one already bounded by the part's size cap), or says why it was
-//! skipped or failed; the caller applies the time cap, redaction and the bundle budget.
+//! files it produced (every one already bounded by the part's size cap, and marked when that cut
+//! it short), or says why it was skipped or failed; the caller applies the time cap, redaction
+//! and the bundle budget.
 
+use std::ffi::OsStr;
 use std::io::Read as _;
+use std::os::fd::OwnedFd;
 use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _};
-use std::path::{Path, PathBuf};
+use std::path::{Component, Path, PathBuf};
 use std::process::Stdio;
 
+use nix::errno::Errno;
+use nix::fcntl::{AtFlags, OFlag, OpenHow, ResolveFlag};
+use nix::sys::stat::Mode;
 use serde_json::{Value, json};
 use tokio::io::AsyncReadExt as _;
 
 use super::Diagnostics;
+use crate::collect;
 use crate::config::under_root;
 use crate::report::Report;
 
+/// One file a gatherer produced.
+pub struct PartFile {
+    /// Name within the bundle.
+    pub name: String,
+    pub data: Vec<u8>,
+    /// Cut short by the part's size cap (or the share of it this file was given): the manifest
+    /// says so, so that a reader does not take a cut file for the whole.
+    pub truncated: bool,
+}
+
+impl PartFile {
+    pub fn new(name: impl Into<String>, data: Vec<u8>, truncated: bool) -> Self {
+        Self {
+            name: name.into(),
+            data,
+            truncated,
+        }
+    }
+}
+
 /// What a gatherer produced.
 pub enum Gathered {
-    /// Files (name within the bundle, content) and notes for the manifest's `reason`.
-    Files(Vec<(String, Vec<u8>)>, Vec<String>),
+    /// Files and notes for the manifest's `reason`.
+    Files(Vec<PartFile>, Vec<String>),
     /// Nothing to gather on this node, and why (e.g. no GPU).
     Skipped(String),
 }
@@ -42,10 +69,10 @@ impl Diagnostics {
             "nodekeeper-network" => self.nodekeeper_network(cap).await,
             "sysctl" => self.sysctl(cap).await,
             "sockets" => sockets(&self.config.proc_root, cap),
-            "disk" => self.disk(),
+            "disk" => self.disk().await,
             "oca" => self.oca().await,
             "gpu" => self.gpu().await,
-            "node-files" => self.node_files(cap),
+            "node-files" => self.node_files(cap).await,
             other => Err(format!("no gatherer for part {other:?}")),
         }
     }
@@ -87,7 +114,9 @@ impl Diagnostics {
                 unit,
             ];
             match run(&path, &args, per_unit).await {
-                Ok(out) => files.push((format!("journal/{unit}.log"), out)),
+                Ok((out, cut)) => {
+                    files.push(PartFile::new(format!("journal/{unit}.log"), out, cut))
+                }
                 Err(e) => notes.push(format!("{unit}: {e}")),
             }
         }
@@ -101,7 +130,7 @@ impl Diagnostics {
         &self,
         dumps: &[(&str, &[&str])],
         cap: usize,
-    ) -> Result<(Vec<(String, Vec<u8>)>, Vec<String>), Failure> {
+    ) -> Result<(Vec<PartFile>, Vec<String>), Failure> {
         let ip = &self.config.diagnostics.diagnostics_ip;
         let Some(path) = resolve(ip) else {
             return Err(format!(
@@ -115,7 +144,7 @@ impl Diagnostics {
         let mut notes = Vec::new();
         for (name, args) in dumps {
             match run(&path, args, per).await {
-                Ok(out) => files.push(((*name).to_owned(), out)),
+                Ok((out, cut)) => files.push(PartFile::new(*name, out, cut)),
                 Err(e) => notes.push(format!("{name}: {e}")),
             }
         }
@@ -168,29 +197,43 @@ impl Diagnostics {
             )
             .await
             .unwrap_or_else(|e| (Vec::new(), vec![e]));
-        let parsed = |name: &str| -> Vec<Value> {
-            dumps
-                .iter()
-                .find(|(n, _)| n == name)
-                .and_then(|(_, d)| serde_json::from_slice::<Vec<Value>>(d).ok())
-                .unwrap_or_default()
+        // A dump cut by the size cap is not JSON: it is left out (null, not an empty list that
+        // would read as "nothing owned"), and the file and the notes say so.
+        let mut cut = false;
+        let mut parsed = |name: &str| -> Option<Vec<Value>> {
+            let dump = dumps.iter().find(|f| f.name == name)?;
+            if dump.truncated {
+                cut = true;
+                notes.push(format!(
+                    "{name}: the ip output was cut at {} bytes (its share of the part's size \
+                     cap), so owned {name} are left out; raise maxPartBytes to include them",
+                    dump.data.len()
+                ));
+                return None;
+            }
+            serde_json::from_slice::<Vec<Value>>(&dump.data).ok()
         };
-        let rules: Vec<Value> = parsed("rules")
-            .into_iter()
-            .filter(|r| {
-                r["priority"]
-                    .as_u64()
-                    .is_some_and(|p| (20_000..=20_999).contains(&p))
-            })
-            .collect();
-        let links: Vec<Value> = parsed("links")
-            .into_iter()
-            .filter(|l| {
-                l["ifalias"]
-                    .as_str()
-                    .is_some_and(|a| a.starts_with("nodekeeper:"))
-            })
-            .collect();
+        let routes = parsed("routes");
+        let rules: Option<Vec<Value>> = parsed("rules").map(|rules| {
+            rules
+                .into_iter()
+                .filter(|r| {
+                    r["priority"]
+                        .as_u64()
+                        .is_some_and(|p| (20_000..=20_999).contains(&p))
+                })
+                .collect()
+        });
+        let links: Option<Vec<Value>> = parsed("links").map(|links| {
+            links
+                .into_iter()
+                .filter(|l| {
+                    l["ifalias"]
+                        .as_str()
+                        .is_some_and(|a| a.starts_with("nodekeeper:"))
+                })
+                .collect()
+        });
         notes.push(
             "plans: the agent keeps the generation and outcome of the last apply and the current \
              drift (below), not earlier plans"
@@ -204,13 +247,16 @@ impl Diagnostics {
                 "reconvergedAtUnixMs": n.reconverged_at_unix_ms,
                 "lastError": n.last_error,
             },
-            "ownedRoutes": parsed("routes"),
+            "ownedRoutes": routes,
             "ownedRules": rules,
             "ownedLinks": links,
         });
-        let Gathered::Files(files, _) = one_json("nodekeeper-network.json", &body, cap)? else {
+        let Gathered::Files(mut files, _) = one_json("nodekeeper-network.json", &body, cap)? else {
             unreachable!("one_json gives files")
         };
+        for file in &mut files {
+            file.truncated |= cut;
+        }
         Ok(Gathered::Files(files, notes))
     }
 
@@ -223,11 +269,18 @@ impl Diagnostics {
             .map_err(|e| format!("sysctl reader stopped: {e}"))?
     }
 
-    fn disk(&self) -> Result<Gathered, Failure> {
-        let mut rows = Vec::new();
-        for mount in &self.config.mounts {
+    /// One row per `--mounts` entry. statvfs runs off the runtime thread with the report's
+    /// bound (a hung NFS or FUSE mount blocks it in the kernel), all mounts at once, so one
+    /// blocked mount costs the part a few seconds, not the agent its only runtime thread.
+    async fn disk(&self) -> Result<Gathered, Failure> {
+        let stats = futures::future::join_all(self.config.mounts.iter().map(|mount| {
             let path = under_root(&self.config.host_root, mount);
-            rows.push(match nix::sys::statvfs::statvfs(&path) {
+            async move { collect::disk::statvfs_bounded(&path).await }
+        }))
+        .await;
+        let mut rows = Vec::new();
+        for (mount, stat) in self.config.mounts.iter().zip(stats) {
+            rows.push(match stat {
                 Ok(s) => {
                     let frag = s.fragment_size();
                     json!({
@@ -301,34 +354,71 @@ impl Diagnostics {
         )
     }
 
-    fn node_files(&self, cap: usize) -> Result<Gathered, Failure> {
-        let wanted = &self.config.diagnostics.diagnostics_files;
+    /// Host files are opened and read on a blocking thread: a file on a hung mount blocks
+    /// there (and the part's time cap still fires), never on the agent's one runtime thread.
+    async fn node_files(&self, cap: usize) -> Result<Gathered, Failure> {
+        let wanted = self.config.diagnostics.diagnostics_files.clone();
         if wanted.is_empty() {
             return Ok(Gathered::Skipped(
                 "no --diagnostics-files configured".into(),
             ));
         }
-        let per = cap / wanted.len();
-        let mut files = Vec::new();
-        let mut notes = Vec::new();
-        for path in wanted {
-            let full = under_root(&self.config.host_root, path);
-            match read_head(&full, per) {
-                Ok(data) => files.push((format!("files{}", path.display()), data)),
-                Err(e) => notes.push(format!("{}: {e}", path.display())),
-            }
-        }
-        if files.is_empty() {
-            return Ok(Gathered::Skipped(notes.join("; ")));
-        }
-        Ok(Gathered::Files(files, notes))
+        let root = self.config.host_root.clone();
+        tokio::task::spawn_blocking(move || node_files(&root, &wanted, cap))
+            .await
+            .map_err(|e| format!("host file reader stopped: {e}"))?
     }
+}
+
+fn node_files(root: &Path, wanted: &[PathBuf], cap: usize) -> Result<Gathered, Failure> {
+    let per = cap / wanted.len().max(1);
+    let mut files = Vec::new();
+    let mut notes = Vec::new();
+    for path in wanted {
+        // The path names the member too (`files/<path>`), and a member name with `..` would
+        // fail the whole bundle.
+        if path.components().any(|c| c == Component::ParentDir) {
+            notes.push(format!(
+                "{}: has a `..` component; name the file by a path without it",
+                path.display()
+            ));
+            continue;
+        }
+        match read_host_file(root, path, per) {
+            Ok((data, cut)) => {
+                files.push(PartFile::new(format!("files{}", path.display()), data, cut))
+            }
+            Err(e) => notes.push(format!("{}: {e}", path.display())),
+        }
+    }
+    if files.is_empty() {
+        return Ok(Gathered::Skipped(notes.join("; ")));
+    }
+    Ok(Gathered::Files(files, notes))
+}
+
+/// The first `cap` bytes of a regular host file, and whether there was more. It is opened
+/// non-blocking, so a FIFO (or a device) at a configured path neither blocks the open nor is
+/// read: only regular files are. Symbolic links resolve within `root` ([`open_in_root`]).
+fn read_host_file(root: &Path, host_path: &Path, cap: usize) -> std::io::Result<(Vec<u8>, bool)> {
+    let file = open_in_root(root, host_path)?;
+    if !file.metadata()?.is_file() {
+        return Err(std::io::Error::other(
+            "not a regular file (a FIFO, socket, device or directory); list only regular files \
+             in --diagnostics-files",
+        ));
+    }
+    read_capped(file, cap)
 }
 
 fn one_json(name: &str, value: &Value, cap: usize) -> Result<Gathered, Failure> {
     let mut data = serde_json::to_vec_pretty(value).map_err(|e| e.to_string())?;
+    let cut = data.len() > cap;
     data.truncate(cap);
-    Ok(Gathered::Files(vec![(name.to_owned(), data)], Vec::new()))
+    Ok(Gathered::Files(
+        vec![PartFile::new(name, data, cut)],
+        Vec::new(),
+    ))
 }
 
 /// The report as JSON, with the same field names as the controller's HTTP API.
@@ -378,8 +468,8 @@ fn resolve(program: &Path) -> Option<PathBuf> {
 }
 
 /// Runs a program and returns its standard output, cut at `cap` bytes (the program is killed
-/// then, and when the caller's time cap drops this future).
-async fn run(program: &Path, args: &[&str], cap: usize) -> Result<Vec<u8>, Failure> {
+/// then, and when the caller's time cap drops this future), and whether it was cut.
+async fn run(program: &Path, args: &[&str], cap: usize) -> Result<(Vec<u8>, bool), Failure> {
     let mut child = tokio::process::Command::new(program)
         .args(args)
         .stdin(Stdio::null())
@@ -391,15 +481,17 @@ async fn run(program: &Path, args: &[&str], cap: usize) -> Result<Vec<u8>, Failu
     let mut stdout = child.stdout.take().expect("piped");
     let mut stderr = child.stderr.take().expect("piped");
     let mut out = Vec::new();
+    // One byte past the cap tells output that fills the cap exactly from output that is cut.
     (&mut stdout)
-        .take(cap as u64)
+        .take((cap as u64).saturating_add(1))
         .read_to_end(&mut out)
         .await
         .map_err(|e| format!("read output of {}: {e}", program.display()))?;
-    if out.len() >= cap {
+    if out.len() > cap {
         // Enough: the rest is not read, so the program is stopped rather than left blocked.
         let _ = child.kill().await;
-        return Ok(out);
+        out.truncate(cap);
+        return Ok((out, true));
     }
     let mut err = Vec::new();
     let _ = (&mut stderr).take(2048).read_to_end(&mut err).await;
@@ -414,15 +506,104 @@ async fn run(program: &Path, args: &[&str], cap: usize) -> Result<Vec<u8>, Failu
             String::from_utf8_lossy(&err).trim()
         ));
     }
-    Ok(out)
+    Ok((out, false))
 }
 
-fn read_head(path: &Path, cap: usize) -> std::io::Result<Vec<u8>> {
+/// Opens `host_path` read-only (and non-blocking) as the host resolves it, with `root`
+/// (`--host-root`) as `/`: symbolic links are followed, but an absolute one, or `..`, never
+/// leaves `root`. A plain open of `root` + path would follow `/etc/kubelet.env ->
+/// /run/kubelet.env` to the agent container's own `/run`, and `../..` out of the host root,
+/// and put what it found in the bundle.
+fn open_in_root(root: &Path, host_path: &Path) -> std::io::Result<std::fs::File> {
+    let flags = OFlag::O_RDONLY | OFlag::O_NONBLOCK | OFlag::O_NOCTTY | OFlag::O_CLOEXEC;
+    let relative = host_path.strip_prefix("/").unwrap_or(host_path);
+    let dir = nix::fcntl::open(
+        root,
+        OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|e| std::io::Error::other(format!("open --host-root {}: {e}", root.display())))?;
+    let how = OpenHow::new()
+        .flags(flags)
+        .resolve(ResolveFlag::RESOLVE_IN_ROOT | ResolveFlag::RESOLVE_NO_MAGICLINKS);
+    match nix::fcntl::openat2(&dir, relative, how) {
+        Ok(fd) => Ok(fd.into()),
+        // Linux before 5.6, or a seccomp profile that predates openat2.
+        Err(Errno::ENOSYS | Errno::EPERM) => open_without_links(&dir, relative, flags),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// [`open_in_root`] without openat2(2): walks `relative` a component at a time from `dir`,
+/// refusing every symbolic link (and `..`) on the way, so nothing outside `dir` is opened.
+fn open_without_links(
+    dir: &OwnedFd,
+    relative: &Path,
+    flags: OFlag,
+) -> std::io::Result<std::fs::File> {
+    let mut names = Vec::new();
+    for component in relative.components() {
+        match component {
+            Component::Normal(name) => names.push(name),
+            Component::CurDir => {}
+            _ => {
+                return Err(std::io::Error::other(
+                    "`..` is not followed on a kernel without openat2(2); name the file by a \
+                     path without it",
+                ));
+            }
+        }
+    }
+    let Some((last, parents)) = names.split_last() else {
+        return Err(std::io::Error::other("names no file under --host-root"));
+    };
+    // ENOTDIR (a link where a directory is wanted) or ELOOP (a link at the end) from a
+    // component that is a link is said as such.
+    let refused = |at: &OwnedFd, name: &OsStr, error: Errno| {
+        let is_link = matches!(error, Errno::ENOTDIR | Errno::ELOOP)
+            && nix::sys::stat::fstatat(at, name, AtFlags::AT_SYMLINK_NOFOLLOW)
+                .is_ok_and(|s| s.st_mode & libc::S_IFMT == libc::S_IFLNK);
+        if is_link {
+            std::io::Error::other(format!(
+                "{} is a symbolic link, which this kernel (no openat2(2), before Linux 5.6) \
+                 cannot follow safely within --host-root; name the file it points to instead",
+                name.to_string_lossy()
+            ))
+        } else {
+            error.into()
+        }
+    };
+    let mut current: Option<OwnedFd> = None;
+    for name in parents {
+        let at = current.as_ref().unwrap_or(dir);
+        let next = nix::fcntl::openat(
+            at,
+            *name,
+            OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(|e| refused(at, name, e))?;
+        current = Some(next);
+    }
+    let at = current.as_ref().unwrap_or(dir);
+    let fd = nix::fcntl::openat(at, *last, flags | OFlag::O_NOFOLLOW, Mode::empty())
+        .map_err(|e| refused(at, last, e))?;
+    Ok(fd.into())
+}
+
+/// The first `cap` bytes of `reader`, and whether there was more.
+fn read_capped(reader: impl std::io::Read, cap: usize) -> std::io::Result<(Vec<u8>, bool)> {
     let mut data = Vec::new();
-    std::fs::File::open(path)?
-        .take(cap as u64)
+    reader
+        .take((cap as u64).saturating_add(1))
         .read_to_end(&mut data)?;
-    Ok(data)
+    let cut = data.len() > cap;
+    data.truncate(cap);
+    Ok((data, cut))
+}
+
+fn read_head(path: &Path, cap: usize) -> std::io::Result<(Vec<u8>, bool)> {
+    read_capped(std::fs::File::open(path)?, cap)
 }
 
 /// The tail of the kernel ring buffer: `/dev/kmsg` is opened non-blocking and read record by
@@ -476,7 +657,11 @@ async fn kernel_log(path: PathBuf, cap: usize) -> Result<Gathered, Failure> {
         }
         let text: String = tail.into_iter().collect();
         Ok(Gathered::Files(
-            vec![("kernel-log.txt".into(), text.into_bytes())],
+            vec![PartFile::new(
+                "kernel-log.txt",
+                text.into_bytes(),
+                truncated,
+            )],
             notes,
         ))
     })
@@ -520,7 +705,8 @@ fn sysctl_dump(root: &Path, rule_keys: &[String], cap: usize) -> Result<Gathered
             }
         }
     }
-    if files.len() >= MAX_SYSCTL_ENTRIES {
+    let mut cut = files.len() >= MAX_SYSCTL_ENTRIES;
+    if cut {
         notes.push(format!("net.* cut at {MAX_SYSCTL_ENTRIES} keys"));
     }
     for key in rule_keys {
@@ -554,11 +740,12 @@ fn sysctl_dump(root: &Path, rule_keys: &[String], cap: usize) -> Result<Gathered
         }
         // Per-namespace keys may still refuse reads.
         match read_head(&path, 4096) {
-            Ok(v) => {
+            Ok((v, _)) => {
                 let line = format!("{key} = {}\n", String::from_utf8_lossy(&v).trim_end());
                 size += line.len();
                 if size > cap {
                     notes.push(format!("cut at {cap} bytes"));
+                    cut = true;
                     break;
                 }
                 lines.push(line);
@@ -580,7 +767,11 @@ fn sysctl_dump(root: &Path, rule_keys: &[String], cap: usize) -> Result<Gathered
         ));
     }
     Ok(Gathered::Files(
-        vec![("sysctl.txt".into(), lines.concat().into_bytes())],
+        vec![PartFile::new(
+            "sysctl.txt",
+            lines.concat().into_bytes(),
+            cut,
+        )],
         notes,
     ))
 }
@@ -589,6 +780,7 @@ fn sysctl_dump(root: &Path, rule_keys: &[String], cap: usize) -> Result<Gathered
 fn sockets(proc_root: &Path, cap: usize) -> Result<Gathered, Failure> {
     let mut text = String::new();
     let mut missing = Vec::new();
+    let mut cut = false;
     for file in [
         "net/sockstat",
         "net/sockstat6",
@@ -597,7 +789,8 @@ fn sockets(proc_root: &Path, cap: usize) -> Result<Gathered, Failure> {
         "sys/net/netfilter/nf_conntrack_max",
     ] {
         match read_head(&proc_root.join(file), cap / 5) {
-            Ok(v) => {
+            Ok((v, file_cut)) => {
+                cut |= file_cut;
                 text.push_str(&format!(
                     "== {file} ==\n{}\n",
                     String::from_utf8_lossy(&v).trim_end()
@@ -614,7 +807,7 @@ fn sockets(proc_root: &Path, cap: usize) -> Result<Gathered, Failure> {
         ));
     }
     Ok(Gathered::Files(
-        vec![("sockets.txt".into(), text.into_bytes())],
+        vec![PartFile::new("sockets.txt", text.into_bytes(), cut)],
         missing,
     ))
 }
@@ -643,10 +836,52 @@ mod tests {
         let Gathered::Files(files, notes) = kernel_log(path, 200).await.unwrap() else {
             panic!("files expected")
         };
-        let out = String::from_utf8(files[0].1.clone()).unwrap();
+        let out = String::from_utf8(files[0].data.clone()).unwrap();
+        assert!(files[0].truncated);
         assert!(out.len() <= 200 && out.ends_with("line 99\n"), "{out}");
         assert!(!out.contains("line 1\n"));
         assert!(notes[0].contains("older messages dropped"), "{notes:?}");
+    }
+
+    /// Without openat2 (before Linux 5.6) host files are opened a component at a time and every
+    /// symbolic link or `..` on the way is refused, naming it.
+    #[test]
+    fn without_openat2_links_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("host");
+        std::fs::create_dir_all(root.join("etc/sub")).unwrap();
+        std::fs::write(root.join("etc/sub/real.env"), "REAL=1\n").unwrap();
+        std::fs::write(dir.path().join("outside.env"), "OUTSIDE=1\n").unwrap();
+        std::os::unix::fs::symlink("/etc/sub/real.env", root.join("etc/link.env")).unwrap();
+        std::os::unix::fs::symlink(dir.path(), root.join("etc/out")).unwrap();
+        let at = nix::fcntl::open(
+            &root,
+            OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+            Mode::empty(),
+        )
+        .unwrap();
+        let open = |path: &str| {
+            open_without_links(&at, Path::new(path), OFlag::O_RDONLY | OFlag::O_CLOEXEC)
+                .map(|f| read_capped(f, 100).unwrap().0)
+        };
+        assert_eq!(open("etc/./sub/real.env").unwrap(), b"REAL=1\n");
+        for (path, named) in [("etc/link.env", "link.env"), ("etc/out/outside.env", "out")] {
+            let e = open(path).unwrap_err().to_string();
+            assert!(
+                e.contains(&format!("{named} is a symbolic link")) && e.contains("--host-root"),
+                "{path}: {e}"
+            );
+        }
+        assert!(
+            open("etc/../outside.env")
+                .unwrap_err()
+                .to_string()
+                .contains("`..`")
+        );
+        assert_eq!(
+            open("etc/missing.env").unwrap_err().kind(),
+            std::io::ErrorKind::NotFound
+        );
     }
 
     #[test]
@@ -676,7 +911,8 @@ mod tests {
         .unwrap() else {
             panic!()
         };
-        let text = String::from_utf8(files[0].1.clone()).unwrap();
+        let text = String::from_utf8(files[0].data.clone()).unwrap();
+        assert!(!files[0].truncated);
         assert_eq!(text, "net.core.somaxconn = 4096\nvm.swappiness = 10\n");
         assert!(
             notes.contains(&"2 keys readable only by root left out (they may hold secrets)".into()),

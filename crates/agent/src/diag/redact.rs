@@ -47,12 +47,20 @@ static RULES: LazyLock<Vec<Rule>> = LazyLock::new(|| {
         // end of the key (containerd's and Docker's base64 `user:password`; `author` and `oauth`
         // are not keys to hide). A quoted value is removed up to its closing quote, spaces and
         // all (escaped double quotes included); an unquoted one up to the first delimiter.
+        //
+        // Inside a JSON string (a log line or plugin message in report.json, an `ip -j` alias)
+        // the text's double quotes arrive escaped: `password=\"a b\"` and `{\"token\": \"a b\"}`.
+        // The escaped quote is a quote too, and the value runs to the next escaped quote (or to
+        // the end of the JSON string, which ends at the first unescaped one), so the JSON
+        // stays valid and nothing of the value is left. An unquoted value stops before an
+        // escaped quote for the same reason.
         rule(
-            r#"(?i)((?:[A-Za-z0-9_.\-]*(?:password|passwd|pwd|token|secret|api[_\-]?key|access[_\-]?key|private[_\-]?key|credentials?)[A-Za-z0-9_.\-]*|\b(?:[A-Za-z0-9_.\-]*[_.\-])?auth)["']?\s*[=:]\s*)(?:"((?:[^"\\\r\n]|\\.)*)("?)|'([^'\r\n]*)('?)|([^\s"',;&}]+))"#,
-            |c| match (c.get(2), c.get(4)) {
-                (Some(_), _) => format!("{}\"{MARK}{}", &c[1], &c[3]),
-                (None, Some(_)) => format!("{}'{MARK}{}", &c[1], &c[5]),
-                (None, None) => format!("{}{MARK}", &c[1]),
+            r#"(?i)((?:[A-Za-z0-9_.\-]*(?:password|passwd|pwd|token|secret|api[_\-]?key|access[_\-]?key|private[_\-]?key|credentials?)[A-Za-z0-9_.\-]*|\b(?:[A-Za-z0-9_.\-]*[_.\-])?auth)(?:\\?["'])?\s*[=:]\s*)(?:"((?:[^"\\\r\n]|\\.)*)("?)|\\"((?:[^"\\\r\n]|\\[^"\r\n])*)((?:\\")?)|'([^'\r\n]*)('?)|((?:[^\s"',;&}\\]|\\[^"\s])+))"#,
+            |c| match (c.get(2), c.get(4), c.get(6)) {
+                (Some(_), _, _) => format!("{}\"{MARK}{}", &c[1], &c[3]),
+                (None, Some(_), _) => format!("{}\\\"{MARK}{}", &c[1], &c[5]),
+                (None, None, Some(_)) => format!("{}'{MARK}{}", &c[1], &c[7]),
+                (None, None, None) => format!("{}{MARK}", &c[1]),
             },
         ),
         // AWS access key ids (long-term AKIA…, temporary ASIA…).
@@ -171,6 +179,36 @@ mod tests {
         ] {
             assert_eq!(redact(text), (text.to_owned(), 0), "{text}");
         }
+    }
+
+    /// JSON parts carry log lines and messages as strings, where the text's quotes are escaped:
+    /// the value inside `password=\"…\"` is removed whole, and the part stays valid JSON.
+    #[test]
+    fn removes_quoted_values_inside_json_strings() {
+        for message in [
+            "login password=\"a s3cr3t-value\"",
+            "plugin said: password=\"hunter2 s3cr3t-value\" and more",
+            "registry token=\"s3cr3t-value\"",
+            "config {\"token\": \"a s3cr3t-value\"} loaded",
+            "pwd=\"a \\ s3cr3t-value\"",
+            "url?token=s3cr3t-value",
+            "KUBELET_TOKEN=s3cr3t-value\nnext",
+            // Cut off inside the inner value: removed to the end of the JSON string.
+            "token=\"a s3cr3t-value",
+        ] {
+            let text = serde_json::json!({"message": message, "name": "ok"}).to_string();
+            let (out, n) = redact(&text);
+            assert!(!out.contains("s3cr3t-value"), "{text} -> {out}");
+            assert!(n >= 1, "{text}");
+            let parsed: serde_json::Value = serde_json::from_str(&out)
+                .unwrap_or_else(|e| panic!("{text} -> {out}: not JSON: {e}"));
+            assert_eq!(parsed["name"], "ok", "{out}");
+            assert!(parsed["message"].as_str().unwrap().contains(MARK), "{out}");
+        }
+        assert_eq!(
+            clean(r#"{"m":"login password=\"a b\" ok"}"#),
+            r#"{"m":"login password=\"[REDACTED]\" ok"}"#
+        );
     }
 
     #[test]

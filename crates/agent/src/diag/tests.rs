@@ -320,3 +320,222 @@ async fn a_part_past_its_time_cap_fails_and_the_bundle_goes_on() {
     );
     assert_eq!(part(&m, "sysctl")["status"], "ok");
 }
+
+/// A FIFO at a `--diagnostics-files` path (no writer ever comes) used to block the open on the
+/// agent's one runtime thread, so not even the part's time cap could fire: the bundle, and every
+/// other call, hung. It is refused now, and the next part is gathered.
+#[test]
+fn a_fifo_among_the_node_files_does_not_freeze_the_agent() {
+    let rig = rig(&["--diagnostics-files=/etc/fifo,/etc/default/kubelet".into()]);
+    let fifo = rig.dir.path().join("host/etc/fifo");
+    nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    // The agent's runtime (one thread) on a thread of its own, so that a hang fails the test
+    // instead of hanging it.
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let (bytes, _) = runtime.block_on(fetch(
+            &rig,
+            pb::DiagnosticsRequest {
+                parts: vec!["node-files".into(), "sysctl".into()],
+                part_timeout_ms: 300,
+                ..Default::default()
+            },
+        ));
+        let _ = tx.send(bytes);
+    });
+    let bytes = rx
+        .recv_timeout(Duration::from_secs(5))
+        .expect("the bundle within 5 s: a FIFO must not block the agent");
+    let members = untar(&bytes);
+    let m = manifest(&members);
+    let files = part(&m, "node-files");
+    assert_eq!(files["status"], "ok", "{files}");
+    let reason = files["reason"].as_str().unwrap();
+    assert!(
+        reason.contains("/etc/fifo") && reason.contains("not a regular file"),
+        "{files}"
+    );
+    assert!(members.contains_key("files/etc/default/kubelet"));
+    assert!(!members.contains_key("files/etc/fifo"));
+    assert_eq!(part(&m, "sysctl")["status"], "ok");
+}
+
+/// A file cut to its share of the part's size cap says so in the manifest (the file and the
+/// part) and in the summary; a file that fits whole does not.
+#[tokio::test]
+async fn files_cut_to_their_share_of_the_part_cap_are_marked_truncated() {
+    let rig = rig(&[]);
+    std::fs::write(
+        rig.dir.path().join("host/etc/big.conf"),
+        "x=1\n".repeat(3 << 18),
+    )
+    .unwrap();
+    // A journalctl that prints far more than a unit's third of the cap.
+    let script = rig.dir.path().join("journalctl");
+    std::fs::write(
+        &script,
+        "#!/bin/sh\nhead -c 2000000 /dev/zero | tr '\\0' a\n",
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let mut config = rig.diagnostics.config.clone();
+    config.diagnostics.diagnostics_journalctl = script;
+    config.diagnostics.diagnostics_files =
+        vec!["/etc/big.conf".into(), "/etc/default/kubelet".into()];
+    let rig = Rig {
+        diagnostics: Arc::new(Diagnostics::new(
+            Arc::clone(&rig.diagnostics.agent),
+            &config,
+        )),
+        dir: rig.dir,
+    };
+    let (bytes, summary) = fetch(
+        &rig,
+        pb::DiagnosticsRequest {
+            parts: vec!["journal".into(), "node-files".into(), "sysctl".into()],
+            max_part_bytes: 1 << 20,
+            ..Default::default()
+        },
+    )
+    .await;
+    let members = untar(&bytes);
+    let m = manifest(&members);
+    let files = part(&m, "node-files");
+    assert_eq!(files["truncated"], true, "{files}");
+    let by_name = |p: &serde_json::Value, name: &str| {
+        p["files"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|f| f["name"] == name)
+            .unwrap_or_else(|| panic!("{name} in {p}"))
+            .clone()
+    };
+    let big = by_name(files, "files/etc/big.conf");
+    assert_eq!(big["truncated"], true, "{files}");
+    assert_eq!(big["bytes"], 1 << 19, "half the part cap each: {files}");
+    assert_eq!(
+        by_name(files, "files/etc/default/kubelet")["truncated"],
+        false,
+        "{files}"
+    );
+    let reason = files["reason"].as_str().unwrap();
+    assert!(
+        reason.contains("part's size cap") && reason.contains("files/etc/big.conf"),
+        "{files}"
+    );
+    let journal = part(&m, "journal");
+    assert_eq!(journal["truncated"], true, "{journal}");
+    assert_eq!(by_name(journal, "journal/kubelet.log")["truncated"], true);
+    // sysctl fits whole.
+    assert_eq!(part(&m, "sysctl")["truncated"], false);
+    assert_eq!(summary.parts_truncated, 2);
+}
+
+/// An `ip -j` dump cut by its share of the cap is not JSON: nodekeeper-network leaves it out
+/// (null, not an empty list that reads as "nothing owned") and says so.
+#[tokio::test]
+async fn a_cut_ip_dump_is_not_reported_as_nothing_owned() {
+    let rig = rig(&[]);
+    let script = rig.dir.path().join("ip");
+    std::fs::write(
+        &script,
+        "#!/bin/sh\ncase \"$*\" in\n*rule*) printf '['; i=0; while [ $i -lt 300 ]; do \
+         printf '{\"priority\":20001},'; i=$((i+1)); done; printf '{}]' ;;\n*) echo '[]' ;;\nesac\n",
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let mut config = rig.diagnostics.config.clone();
+    config.diagnostics.diagnostics_ip = script;
+    let rig = Rig {
+        diagnostics: Arc::new(Diagnostics::new(
+            Arc::clone(&rig.diagnostics.agent),
+            &config,
+        )),
+        dir: rig.dir,
+    };
+    let (bytes, summary) = fetch(
+        &rig,
+        pb::DiagnosticsRequest {
+            parts: vec!["nodekeeper-network".into()],
+            max_part_bytes: 3000,
+            ..Default::default()
+        },
+    )
+    .await;
+    let members = untar(&bytes);
+    let body: serde_json::Value =
+        serde_json::from_slice(&members["nodekeeper-network.json"]).unwrap();
+    assert!(body["ownedRules"].is_null(), "{body}");
+    assert_eq!(body["ownedRoutes"], serde_json::json!([]), "{body}");
+    let m = manifest(&members);
+    let p = part(&m, "nodekeeper-network");
+    assert_eq!(p["truncated"], true, "{p}");
+    assert!(
+        p["reason"]
+            .as_str()
+            .unwrap()
+            .contains("rules: the ip output was cut"),
+        "{p}"
+    );
+    assert_eq!(summary.parts_truncated, 1);
+}
+
+/// `--diagnostics-files` are host paths: a symbolic link on the host resolves as the host would
+/// (within `--host-root`), never to the agent container's files or out of the host root.
+#[tokio::test]
+async fn node_files_follow_links_only_within_the_host_root() {
+    let rig = rig(&[]);
+    let dir = rig.dir.path();
+    let etc = dir.join("host/etc");
+    std::fs::write(etc.join("real.env"), "REAL=host\n").unwrap();
+    // Outside the host root (the agent container's own files, say).
+    std::fs::write(dir.join("outside.env"), "OUTSIDE=agent-container\n").unwrap();
+    let link = |target: &Path, name: &str| std::os::unix::fs::symlink(target, etc.join(name));
+    link(Path::new("/etc/real.env"), "absolute.env").unwrap();
+    link(&dir.join("outside.env"), "escape.env").unwrap();
+    link(Path::new("../../outside.env"), "up.env").unwrap();
+    std::os::unix::fs::symlink("/etc", dir.join("host/conf")).unwrap();
+    let mut config = rig.diagnostics.config.clone();
+    config.diagnostics.diagnostics_files = ["/etc/absolute.env", "/etc/escape.env", "/etc/up.env"]
+        .iter()
+        .chain(&["/conf/real.env", "/../outside.env"])
+        .map(PathBuf::from)
+        .collect();
+    let rig = Rig {
+        diagnostics: Arc::new(Diagnostics::new(
+            Arc::clone(&rig.diagnostics.agent),
+            &config,
+        )),
+        dir: rig.dir,
+    };
+    let (bytes, _) = fetch(
+        &rig,
+        pb::DiagnosticsRequest {
+            parts: vec!["node-files".into()],
+            ..Default::default()
+        },
+    )
+    .await;
+    let members = untar(&bytes);
+    for (name, data) in &members {
+        let text = String::from_utf8_lossy(data);
+        assert!(!text.contains("OUTSIDE=agent-container"), "{name}: {text}");
+    }
+    assert_eq!(members["files/etc/absolute.env"], b"REAL=host\n");
+    assert_eq!(members["files/conf/real.env"], b"REAL=host\n");
+    let m = manifest(&members);
+    let reason = part(&m, "node-files")["reason"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    for missing in ["/etc/escape.env", "/etc/up.env", "/../outside.env"] {
+        assert!(reason.contains(missing), "{missing}: {reason}");
+    }
+}

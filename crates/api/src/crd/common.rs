@@ -345,6 +345,35 @@ pub fn parse_duration_field(field: &str, raw: &str) -> Result<Duration, FieldErr
     nodekeeper_model::tuning::parse_duration(raw).map_err(|message| FieldError::new(field, message))
 }
 
+/// The label selector at `field` as the API server will check it when objects are listed with
+/// it: the first bad key, value or operator, named by its field (`{field}.matchLabels["key"]`,
+/// `{field}.matchExpressions[i]`).
+pub fn check_selector(field: &str, selector: &LabelSelector) -> Result<(), FieldError> {
+    let mut errors = Vec::new();
+    selector.validate(field, &mut errors);
+    if let Some(error) = errors.into_iter().next() {
+        return Err(error);
+    }
+    for (key, value) in &selector.match_labels {
+        let one = LabelSelector {
+            match_labels: [(key.clone(), value.clone())].into(),
+            ..LabelSelector::default()
+        };
+        crate::selector::check(&one)
+            .map_err(|message| FieldError::new(format!("{field}.matchLabels[{key:?}]"), message))?;
+    }
+    for (i, requirement) in selector.match_expressions.iter().enumerate() {
+        let one = LabelSelector {
+            match_expressions: vec![requirement.clone()],
+            ..LabelSelector::default()
+        };
+        crate::selector::check(&one).map_err(|message| {
+            FieldError::new(format!("{field}.matchExpressions[{i}]"), message)
+        })?;
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

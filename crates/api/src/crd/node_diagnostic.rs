@@ -10,7 +10,7 @@ use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use super::common::{Condition, FieldError, LabelSelector, conditions_schema};
+use super::common::{Condition, FieldError, LabelSelector, check_selector, conditions_schema};
 pub use nodekeeper_model::diagnostics::{MAX_NODES, PARTS};
 
 /// Gathers a diagnostics bundle (kernel log, journal tails, network state, sysctls, sockets,
@@ -78,7 +78,9 @@ fn default_ttl() -> u32 {
 }
 
 impl NodeDiagnosticSpec {
-    /// Checks what the schema cannot: part names. Errors name the field.
+    /// Checks what the schema cannot: part names, one way to name nodes, and the selector's keys
+    /// and values as the API server checks them (a selector it would refuse could never list
+    /// nodes). Errors name the field.
     pub fn validate(&self) -> Result<(), FieldError> {
         for (i, part) in self.parts.iter().enumerate() {
             if let Err(e) = nodekeeper_model::diagnostics::check_parts(&[part]) {
@@ -86,7 +88,8 @@ impl NodeDiagnosticSpec {
             }
         }
         match (&self.node_name, &self.node_selector) {
-            (Some(_), None) | (None, Some(_)) => Ok(()),
+            (Some(_), None) => Ok(()),
+            (None, Some(selector)) => check_selector("spec.nodeSelector", selector),
             _ => Err(FieldError::new(
                 "spec.nodeName",
                 "set exactly one of spec.nodeName and spec.nodeSelector",
@@ -212,6 +215,50 @@ mod tests {
             .unwrap_err();
         assert_eq!(err.field, "spec.parts[1]");
         assert!(err.message.contains("\"dmesg\""), "{err}");
+    }
+
+    #[test]
+    fn a_selector_the_api_server_would_refuse_is_refused_naming_the_field() {
+        for (selector, field, needle) in [
+            (
+                serde_json::json!({"matchLabels": {"pool": "gpu", "Bad Key": "x"}}),
+                "spec.nodeSelector.matchLabels[\"Bad Key\"]",
+                "label key",
+            ),
+            (
+                serde_json::json!({"matchLabels": {"pool": "-gpu"}}),
+                "spec.nodeSelector.matchLabels[\"pool\"]",
+                "label value",
+            ),
+            (
+                serde_json::json!({"matchExpressions": [
+                    {"key": "zone", "operator": "Exists"},
+                    {"key": "tier", "operator": "In", "values": ["web", "db_"]},
+                ]}),
+                "spec.nodeSelector.matchExpressions[1]",
+                "label value",
+            ),
+            (
+                serde_json::json!({"matchExpressions": [{"key": "zone", "operator": "In"}]}),
+                "spec.nodeSelector.matchExpressions[0].values",
+                "at least one value",
+            ),
+        ] {
+            let err = spec(serde_json::json!({"nodeSelector": selector}))
+                .validate()
+                .unwrap_err();
+            assert_eq!(err.field, field, "{err}");
+            assert!(err.message.contains(needle), "{err}");
+        }
+        spec(serde_json::json!({"nodeSelector": {
+            "matchLabels": {"nodekeeper.dev/pool": "gpu-1"},
+            "matchExpressions": [{"key": "zone", "operator": "NotIn", "values": ["a"]}],
+        }}))
+        .validate()
+        .unwrap();
+        spec(serde_json::json!({"nodeSelector": {}}))
+            .validate()
+            .unwrap();
     }
 
     #[test]

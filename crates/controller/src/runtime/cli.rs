@@ -139,7 +139,8 @@ impl Cli {
         self.controllers.check()?;
         if self.retry_period < Duration::from_secs(1) {
             return Err(format!(
-                "--retry-period ({:?}) must be at least 1s: every renewal is a Lease write, so a                  shorter period writes to the API server many times a second (default 10s)",
+                "--retry-period ({:?}) must be at least 1s: every renewal is a Lease write, so a \
+                 shorter period writes to the API server many times a second (default 10s)",
                 self.retry_period
             ));
         }
@@ -156,6 +157,17 @@ impl Cli {
                 "--diagnostics-timeout ({diagnostics_timeout:?}) must be more than 0: every \
                  node's diagnostics bundle would fail at once as late; give the longest time one \
                  bundle may take to arrive (default 5m)"
+            ));
+        }
+        let diagnostics_dir = &self.controllers.node_diagnostic.diagnostics_dir;
+        if !diagnostics_dir.is_absolute() {
+            // Refused here: the bundle store would refuse it later, with a warning only, and every
+            // NodeDiagnostic would fail as if the store were full.
+            return Err(format!(
+                "--diagnostics-dir {:?} must be an absolute path (the controller's bundle \
+                 store); give the directory's full path, e.g. /var/lib/nodekeeper/diagnostics \
+                 (the default)",
+                diagnostics_dir.display().to_string()
             ));
         }
         if let Some(selector) = &self.node_selector {
@@ -260,6 +272,8 @@ mod tests {
             (&["--max-reply-bytes", "0"], "--max-reply-bytes"),
             (&["--diagnostics-timeout", "0s"], "--diagnostics-timeout"),
             (&["--diagnostics-timeout", "0ms"], "--diagnostics-timeout"),
+            (&["--diagnostics-dir", "diagnostics"], "--diagnostics-dir"),
+            (&["--diagnostics-dir", "./var/diag"], "--diagnostics-dir"),
             (&["--log", "info,[unclosed"], "--log"),
             (&["--node-selector", "pool=gpu,,zone=a"], "--node-selector"),
         ] {

@@ -14,6 +14,14 @@ use super::status::{Condition, Phase, TestStatus};
 /// The spec as plain data. A target that sets no field or several (which the schema refuses)
 /// is an error naming it.
 pub fn spec(s: &NetworkTestSpec) -> Result<TestSpec, SpecError> {
+    // Checked as the API server will check it when the nodes are listed: a bad key or value is
+    // the spec's error, not a list answered 400 and retried for ever.
+    nodekeeper_api::crd::common::check_selector("spec.nodeSelector", &s.node_selector).map_err(
+        |e| SpecError {
+            field: e.field,
+            reason: e.message,
+        },
+    )?;
     let mut targets = Vec::with_capacity(s.targets.len());
     for (i, t) in s.targets.iter().enumerate() {
         let mut set: Vec<TargetSpec> = Vec::new();
@@ -200,6 +208,23 @@ mod tests {
 
     fn crd_spec(v: serde_json::Value) -> NetworkTestSpec {
         serde_json::from_value(v).unwrap()
+    }
+
+    #[test]
+    fn a_node_selector_the_api_server_would_refuse_is_the_specs_error() {
+        let with = |selector: serde_json::Value| {
+            spec(&crd_spec(serde_json::json!({
+                "kind": "icmp", "targets": [{"peers": {"perNode": 1}}], "nodeSelector": selector
+            })))
+        };
+        assert!(with(serde_json::json!({"matchLabels": {"pool": "gpu"}})).is_ok());
+        let e = with(serde_json::json!({"matchLabels": {"bad key": "x"}})).unwrap_err();
+        assert_eq!(
+            e.field, "spec.nodeSelector.matchLabels[\"bad key\"]",
+            "{e:?}"
+        );
+        let e = with(serde_json::json!({"matchLabels": {"pool": "a b"}})).unwrap_err();
+        assert!(e.field.starts_with("spec.nodeSelector"), "{e:?}");
     }
 
     #[test]

@@ -13,7 +13,7 @@ pub mod reconcile;
 pub mod status;
 pub mod store;
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -44,7 +44,8 @@ pub struct Config {
     pub diagnostics_dir: PathBuf,
 
     /// Total bytes of bundles kept in `--diagnostics-dir`; the oldest bundles of other
-    /// NodeDiagnostics are evicted to make room, and a bundle that still does not fit fails.
+    /// NodeDiagnostics are evicted to make room, and a bundle that still does not fit fails
+    /// (evicting nothing).
     #[arg(
         long,
         env = "NODEKEEPER_DIAGNOSTICS_MAX_BYTES",
@@ -88,9 +89,13 @@ pub struct Context {
     pub timeout: Duration,
     /// Watch only this namespace; `None` watches all.
     pub namespace: Option<String>,
-    /// UIDs of the NodeDiagnostics this process finished: the watch may still show the Running
-    /// status (written before the final one) and they must not be collected again.
-    pub finished: Mutex<HashSet<String>>,
+    /// The NodeDiagnostics this process finished, by UID, with their final status: the watch may
+    /// still show the Running status (written before the final one), or writing the final one
+    /// failed and is retried from here; either way they are not collected again.
+    pub finished: Mutex<HashMap<String, reconcile::Finished>>,
+    /// Set once the store was swept of the bundles of deleted NodeDiagnostics, before the first
+    /// collection of this leadership (see `BundleStore::sweep`).
+    pub swept: tokio::sync::OnceCell<()>,
 }
 
 impl Context {
@@ -111,6 +116,7 @@ impl Context {
             timeout: config.diagnostics_timeout,
             namespace: None,
             finished: Mutex::default(),
+            swept: tokio::sync::OnceCell::new(),
         }
     }
 }

@@ -1,5 +1,5 @@
 //! What a NodeDiagnostic's status says at each step, as plain functions: refused (the field named),
-//! running (nodes listed), finished (per-node outcome, counts, conditions), and when a finished one
+//! running (nodes listed; then, at most every [`PROGRESS_EVERY`], the nodes done so far), finished (per-node outcome, counts, conditions), and when a finished one
 //! expires. The reconciler writes a status only when the function's answer differs from the
 //! current one.
 
@@ -30,6 +30,11 @@ pub const REASON_ROOM: &str = "Room";
 
 /// At most this many bytes of a node's reason are kept (the schema allows 1024).
 const MAX_REASON: usize = 1000;
+
+/// A collection writes the outcomes of the nodes done so far into its Running status at most
+/// this often (and only when some node finished since): bounded writes, a live count for
+/// whoever waits (`kubectl nodekeeper diag`).
+pub const PROGRESS_EVERY: Duration = Duration::from_secs(5);
 
 pub fn rfc3339(unix: u64) -> String {
     humantime::format_rfc3339_seconds(UNIX_EPOCH + Duration::from_secs(unix)).to_string()
@@ -179,6 +184,21 @@ pub fn running(
         REASON_IN_PROGRESS,
         "",
     );
+    s
+}
+
+/// `running` with the outcome of each node in `done` in place of its Running entry; still
+/// Running, the counts so far.
+pub fn progress(running: &NodeDiagnosticStatus, done: &[NodeBundle]) -> NodeDiagnosticStatus {
+    let mut s = running.clone();
+    for entry in &mut s.nodes {
+        if let Some(outcome) = done.iter().find(|d| d.node == entry.node) {
+            entry.clone_from(outcome);
+            entry.reason = nodekeeper_model::text::truncate(&entry.reason, MAX_REASON).into_owned();
+        }
+    }
+    s.failed_count =
+        u32::try_from(done.iter().filter(|n| n.phase == Phase::Failed).count()).unwrap_or(u32::MAX);
     s
 }
 
@@ -364,6 +384,30 @@ mod tests {
 
     fn condition<'a>(s: &'a NodeDiagnosticStatus, t: &str) -> &'a nodekeeper_api::crd::Condition {
         s.conditions.iter().find(|c| c.type_ == t).unwrap()
+    }
+
+    #[test]
+    fn progress_shows_the_nodes_done_so_far_and_stays_running() {
+        let nodes = ["n1".to_string(), "n2".to_string(), "n3".to_string()];
+        let running = running(None, &nodes, Some(1), 100);
+        let s = progress(
+            &running,
+            &[bundle("n2", Phase::Succeeded), bundle("n3", Phase::Failed)],
+        );
+        assert_eq!(s.phase, Some(Phase::Running));
+        assert_eq!((s.node_count, s.failed_count), (3, 1));
+        let phases: Vec<_> = s.nodes.iter().map(|n| (n.node.as_str(), n.phase)).collect();
+        assert_eq!(
+            phases,
+            [
+                ("n1", Phase::Running),
+                ("n2", Phase::Succeeded),
+                ("n3", Phase::Failed)
+            ]
+        );
+        assert!(s.nodes[2].reason.len() <= MAX_REASON + 3);
+        assert_eq!(s.conditions, running.conditions);
+        assert_eq!(progress(&running, &[]), running);
     }
 
     #[test]

@@ -1,6 +1,8 @@
 //! The bundles on the controller's own disk (`--diagnostics-dir`): one file per node under
-//! `<dir>/<namespace>/<name>/<node>.tar.gz`, a bound on their total size (oldest bundles of other
-//! NodeDiagnostics evicted to make room; a bundle that still does not fit is refused), and the
+//! `<dir>/<namespace>/<name>/<node>.tar.gz` (beside them `.uid`, the owning object's UID, for
+//! the sweep when a replica starts leading), a bound on their total size (oldest bundles of other
+//! NodeDiagnostics evicted to make room, only when that suffices; a bundle that still does not
+//! fit is refused), and the
 //! HTTP route that streams a bundle from disk (`/api/diagnostics/{namespace}/{name}/{node}/{token}`).
 //!
 //! The HTTP API has no authentication of its own (the API server's service proxy passes on no
@@ -16,6 +18,7 @@
 //! The store is configured when the controllers start (it needs the flags), but its route is part
 //! of the HTTP API from the process's start, so it answers 503 until then.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::SystemTime;
@@ -41,6 +44,9 @@ const TOKEN: &str = "token";
 const PARTIAL_TOKEN: &str = "token.partial";
 /// Random bytes in a download token: 128 bits, written as 32 hex digits.
 const TOKEN_BYTES: usize = 16;
+/// The file in an object's directory naming the UID of the NodeDiagnostic whose bundles it
+/// holds (a node name never starts with a dot, so no bundle is named so).
+const OWNER: &str = ".uid";
 
 #[derive(Debug)]
 struct Settings {
@@ -52,11 +58,14 @@ struct Settings {
 #[derive(Clone, Default)]
 pub struct BundleStore {
     settings: Arc<OnceLock<Settings>>,
-    /// Bytes promised to bundles being written (each is promised its cap until it is done).
-    reserved: Arc<Mutex<u64>>,
+    /// Bytes promised to bundles being written, per object directory (each bundle is promised
+    /// its cap until it is done; its `.partial` file grows inside that promise).
+    reserved: Arc<Mutex<HashMap<PathBuf, u64>>>,
 }
 
-/// Not enough room even after evicting every other bundle.
+/// Not enough room even after evicting every other bundle. Nothing is evicted when evicting
+/// could not make the room; `evicted` lists what was (a bundle that could not be deleted left
+/// the room short).
 #[derive(Debug, thiserror::Error)]
 #[error(
     "the controller's diagnostics store is full: {used} bytes stored or being written, {want} more \
@@ -66,11 +75,15 @@ pub struct StoreFull {
     pub used: u64,
     pub want: u64,
     pub max: u64,
+    /// Bundles evicted before the room was found short, as `<namespace>/<name>/<node>`.
+    pub evicted: Vec<String>,
 }
 
 /// Room held for one bundle being written; given back when dropped.
 pub struct Reservation {
     store: BundleStore,
+    /// The object directory the room is held in.
+    object: PathBuf,
     bytes: u64,
     /// Bundles evicted to make this room, as `<namespace>/<name>/<node>`.
     pub evicted: Vec<String>,
@@ -78,12 +91,17 @@ pub struct Reservation {
 
 impl Drop for Reservation {
     fn drop(&mut self) {
-        let mut r = self
+        let mut reserved = self
             .store
             .reserved
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        *r = r.saturating_sub(self.bytes);
+        if let Some(held) = reserved.get_mut(&self.object) {
+            *held = held.saturating_sub(self.bytes);
+            if *held == 0 {
+                reserved.remove(&self.object);
+            }
+        }
     }
 }
 
@@ -223,6 +241,54 @@ impl BundleStore {
         }
     }
 
+    /// Records that `<ns>/<name>`'s directory holds the bundles of the NodeDiagnostic `uid`
+    /// (see [`BundleStore::sweep`]), creating the directory.
+    pub fn set_owner(&self, ns: &str, name: &str, uid: &str) -> std::io::Result<()> {
+        let Some(dir) = self.object_dir(ns, name) else {
+            return Ok(());
+        };
+        std::fs::create_dir_all(&dir)?;
+        std::fs::write(dir.join(OWNER), uid)
+    }
+
+    /// Deletes the directory of every object that `keep` (given namespace, name and the UID
+    /// recorded by [`BundleStore::set_owner`], if any) does not keep; returns them as
+    /// `<namespace>/<name>`. Run when this replica starts leading: a NodeDiagnostic deleted
+    /// while another replica led had its finalizer run there, and its bundles here would stay,
+    /// still downloadable, for good.
+    pub fn sweep(&self, keep: impl Fn(&str, &str, Option<&str>) -> bool) -> Vec<String> {
+        let Some(settings) = self.settings() else {
+            return Vec::new();
+        };
+        let names = |d: &Path| -> Vec<(String, PathBuf)> {
+            std::fs::read_dir(d)
+                .map(|it| {
+                    it.flatten()
+                        .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                        .map(|e| (e.file_name().to_string_lossy().into_owned(), e.path()))
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
+        let mut removed = Vec::new();
+        for (ns, ns_dir) in names(&settings.dir) {
+            for (name, dir) in names(&ns_dir) {
+                let owner = std::fs::read_to_string(dir.join(OWNER)).ok();
+                let owner = owner.as_deref().map(str::trim);
+                if keep(&ns, &name, owner) {
+                    continue;
+                }
+                if std::fs::remove_dir_all(&dir).is_ok() {
+                    info!(object = %format!("{ns}/{name}"), "diagnostics bundles of a deleted nodediagnostic removed");
+                    removed.push(format!("{ns}/{name}"));
+                }
+            }
+            // An emptied namespace directory goes too (fails harmlessly while it holds any).
+            let _ = std::fs::remove_dir(&ns_dir);
+        }
+        removed
+    }
+
     /// Deletes every bundle of one NodeDiagnostic.
     pub fn remove_object(&self, ns: &str, name: &str) -> std::io::Result<()> {
         let Some(dir) = self.object_dir(ns, name) else {
@@ -268,30 +334,61 @@ impl BundleStore {
     }
 
     /// Holds `want` bytes for a bundle of `<ns>/<name>`, evicting the oldest complete bundles of
-    /// other NodeDiagnostics while the total (on disk + held) would pass the limit.
+    /// other NodeDiagnostics while the total would pass the limit, and only when evicting them
+    /// makes the room (else nothing is evicted and the bundle is refused). The total is the
+    /// complete bundles on disk plus, per object, the larger of its `.partial` files and the room
+    /// held for it: a bundle being written counts once, at its cap.
     pub fn reserve(&self, ns: &str, name: &str, want: u64) -> Result<Reservation, StoreFull> {
         let Some(settings) = self.settings() else {
             return Err(StoreFull {
                 used: 0,
                 want,
                 max: 0,
+                evicted: Vec::new(),
             });
         };
         let mut reserved = self.reserved.lock().unwrap_or_else(PoisonError::into_inner);
-        let mut files = Self::files(&settings.dir);
-        let mut used: u64 = files.iter().map(|f| f.1).sum::<u64>() + *reserved;
+        let files = Self::files(&settings.dir);
+        let mut partial: HashMap<PathBuf, u64> = HashMap::new();
+        for (path, bytes, _, complete) in &files {
+            if !complete && let Some(object) = path.parent() {
+                *partial.entry(object.to_path_buf()).or_default() += bytes;
+            }
+        }
+        let in_flight: u64 = partial
+            .keys()
+            .chain(reserved.keys())
+            .collect::<std::collections::HashSet<_>>()
+            .into_iter()
+            .map(|object| {
+                let on_disk = partial.get(object).copied().unwrap_or(0);
+                on_disk.max(reserved.get(object).copied().unwrap_or(0))
+            })
+            .sum();
+        let complete: u64 = files.iter().filter(|f| f.3).map(|f| f.1).sum();
+        let mut used = complete + in_flight;
         let own = settings.dir.join(ns).join(name);
-        files.retain(|f| f.3 && !f.0.starts_with(&own));
-        files.sort_by_key(|f| f.2);
+        let mut candidates: Vec<_> = files
+            .into_iter()
+            .filter(|f| f.3 && !f.0.starts_with(&own))
+            .collect();
+        candidates.sort_by_key(|f| f.2);
+        let full = |used, evicted| StoreFull {
+            used,
+            want,
+            max: settings.max_total_bytes,
+            evicted,
+        };
+        let evictable: u64 = candidates.iter().map(|f| f.1).sum();
+        if (used + want).saturating_sub(settings.max_total_bytes) > evictable {
+            return Err(full(used, Vec::new()));
+        }
         let mut evicted = Vec::new();
-        let mut candidates = files.into_iter();
+        let mut candidates = candidates.into_iter();
         while used + want > settings.max_total_bytes {
             let Some((path, bytes, _, _)) = candidates.next() else {
-                return Err(StoreFull {
-                    used,
-                    want,
-                    max: settings.max_total_bytes,
-                });
+                // A bundle that could not be deleted: the room is short after all.
+                return Err(full(used, evicted));
             };
             if std::fs::remove_file(&path).is_ok() {
                 let _ = std::fs::write(beside(&path, EVICTED), b"");
@@ -306,9 +403,10 @@ impl BundleStore {
                 evicted.push(rel);
             }
         }
-        *reserved += want;
+        *reserved.entry(own.clone()).or_default() += want;
         Ok(Reservation {
             store: self.clone(),
+            object: own,
             bytes: want,
             evicted,
         })
@@ -464,13 +562,46 @@ mod tests {
         assert_eq!(r.evicted, vec!["ns/old/n1".to_string()]);
         assert!(!store.bundle_path("ns", "old", "n1").unwrap().exists());
         assert!(dir.path().join("ns/old/n1.tar.gz.evicted").exists());
-        // Held room counts: another 500 needs "mid" gone, and then there is nothing left to evict
-        // but this object's own bundle, which is never evicted for itself.
+        // Held room counts: another 500 would need "mid" gone and more, and this object's own
+        // bundle is never evicted for itself: refused, and "mid" is left alone.
         let err = store.reserve("ns", "mine", 500).err().unwrap();
         assert!(err.to_string().contains("--diagnostics-max-bytes"), "{err}");
-        assert!(!store.bundle_path("ns", "mid", "n1").unwrap().exists());
+        assert!(err.evicted.is_empty(), "{:?}", err.evicted);
+        assert!(store.bundle_path("ns", "mid", "n1").unwrap().exists());
         drop(r);
-        assert!(store.reserve("ns", "mine", 700).is_ok());
+        let r = store.reserve("ns", "mine", 700).unwrap();
+        assert_eq!(r.evicted, vec!["ns/mid/n1".to_string()]);
+    }
+
+    #[test]
+    fn a_bundle_being_written_counts_once_and_nothing_is_evicted_in_vain() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = BundleStore::default();
+        store.configure(dir.path(), 1000).unwrap();
+        put(&store, "ns", "other", "n1", 200);
+        // "a" is writing a bundle: 400 held, 300 of it on disk so far.
+        let a = store.reserve("ns", "a", 400).unwrap();
+        let bundle = store.bundle_path("ns", "a", "n1").unwrap();
+        std::fs::create_dir_all(bundle.parent().unwrap()).unwrap();
+        std::fs::write(BundleStore::partial_path(&bundle), vec![0u8; 300]).unwrap();
+
+        // 200 + 400 + 300 fits: nothing evicted.
+        let b = store.reserve("ns", "b", 300).unwrap();
+        assert!(b.evicted.is_empty(), "{:?}", b.evicted);
+        assert!(store.bundle_path("ns", "other", "n1").unwrap().exists());
+        // 600 more cannot fit even with "other" gone: refused, and "other" stays.
+        let err = store.reserve("ns", "c", 600).err().unwrap();
+        assert_eq!((err.used, err.want), (900, 600), "{err}");
+        assert!(err.evicted.is_empty(), "{:?}", err.evicted);
+        assert!(store.bundle_path("ns", "other", "n1").unwrap().exists());
+        // 150 more fits once "other" is gone.
+        let c = store.reserve("ns", "c", 150).unwrap();
+        assert_eq!(c.evicted, vec!["ns/other/n1".to_string()]);
+        // The partial of a collection that was dropped (its object deleted) still counts until
+        // the finalizer deletes it.
+        drop((a, b, c));
+        let err = store.reserve("ns", "d", 800).err().unwrap();
+        assert_eq!(err.used, 300, "{err}");
     }
 
     #[test]
@@ -488,6 +619,46 @@ mod tests {
         next.configure(dir.path(), 1000).unwrap();
         assert_eq!(next.used_bytes(), 100);
         assert!(next.bundle_path("ns", "done", "n1").unwrap().exists());
+    }
+
+    #[test]
+    fn a_sweep_removes_the_bundles_of_objects_not_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = BundleStore::default();
+        store.configure(dir.path(), 1000).unwrap();
+        put(&store, "ns", "live", "n1", 10);
+        store.set_owner("ns", "live", "u-live").unwrap();
+        put(&store, "ns", "gone", "n1", 10);
+        store.set_owner("ns", "gone", "u-gone").unwrap();
+        // Same name as a live object, but the bundles of an earlier one of that name.
+        put(&store, "ns", "reused", "n1", 10);
+        store.set_owner("ns", "reused", "u-old").unwrap();
+        // Stored before owners were recorded.
+        put(&store, "other", "legacy", "n1", 10);
+        let live = [
+            ("ns", "live", "u-live"),
+            ("ns", "reused", "u-new"),
+            ("other", "legacy", "u-l"),
+        ];
+        let keep = |ns: &str, name: &str, owner: Option<&str>| {
+            live.iter().any(|(n, o, uid)| {
+                *n == ns && *o == name && owner.is_none_or(|owner| owner == *uid)
+            })
+        };
+        let mut removed = store.sweep(keep);
+        removed.sort();
+        assert_eq!(
+            removed,
+            vec!["ns/gone".to_string(), "ns/reused".to_string()]
+        );
+        assert_eq!(store.missing_bundle("ns", "live", "n1"), None);
+        assert_eq!(store.missing_bundle("other", "legacy", "n1"), None);
+        assert!(store.missing_bundle("ns", "gone", "n1").is_some());
+        assert!(!dir.path().join("ns/gone").exists());
+        assert_eq!(store.used_bytes(), 20);
+        // Nothing live: everything goes, the namespace directories too.
+        store.sweep(|_, _, _| false);
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
     }
 
     #[test]
