@@ -8,7 +8,8 @@
 //! naming the field; deleting the object deletes its bundles; the TTL deletes the object. A bundle
 //! downloads only from its status path (which carries its token): the guessable path without the
 //! token answers 404. A store with room for one bundle evicts the older one, and the older
-//! object's status says so.
+//! object's status says so. A controller that starts leading removes the bundles of objects
+//! deleted meanwhile, also with no NodeDiagnostic in the cluster.
 //!
 //! Run: `cargo xtask test -- -p nodekeeper-e2e --test node_diagnostic`.
 
@@ -755,6 +756,103 @@ async fn a_deleted_collection_stops_at_once_and_a_bad_selector_is_refused() -> a
         "the cancelled collection left files on the controller's disk"
     );
     drop((agent, controller));
+    Ok(())
+}
+
+/// A NodeDiagnostic deleted while another replica led had its finalizer run there, and its
+/// bundles stay on the disk of the replica that collected them. When that replica leads again it
+/// removes them at once, after its first list of NodeDiagnostics, also when the cluster holds
+/// none (so no reconcile ever runs to do it): they no longer count against
+/// `--diagnostics-max-bytes` nor download with their old token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_leader_removes_the_bundles_of_deleted_objects_with_none_in_the_cluster()
+-> anyhow::Result<()> {
+    let _turn = ONE_CONTROLLER.lock().await;
+    let client = ControlPlane::shared().client().await?;
+    install_crds(&client).await?;
+    // No NodeDiagnostic in the cluster, else one's reconcile would sweep the store first: what
+    // the other tests here left (they run one at a time, under ONE_CONTROLLER, and none runs
+    // now) goes, finalizer and all.
+    let all: Api<NodeDiagnostic> = Api::all(client.clone());
+    for left in all.list(&Default::default()).await?.items {
+        let ns = kube::ResourceExt::namespace(&left).context("namespace")?;
+        let name = kube::ResourceExt::name_any(&left);
+        let api: Api<NodeDiagnostic> = Api::namespaced(client.clone(), &ns);
+        let unheld = json!({"metadata": {"finalizers": null}});
+        let params = kube::api::PatchParams::default();
+        match api
+            .patch(&name, &params, &kube::api::Patch::Merge(&unheld))
+            .await
+        {
+            Ok(_) => {}
+            Err(kube::Error::Api(e)) if e.code == 404 => continue,
+            Err(e) => return Err(e.into()),
+        }
+        match api.delete(&name, &DeleteParams::default()).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(e)) if e.code == 404 => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    wait_for("no nodediagnostic in the cluster", TIMEOUT, || {
+        let all = all.clone();
+        async move {
+            Ok(all
+                .list(&Default::default())
+                .await?
+                .items
+                .is_empty()
+                .then_some(()))
+        }
+    })
+    .await?;
+
+    // The bundle of `<ns>/gone`, collected by this replica before another one led and deleted
+    // the object.
+    let ns = test_namespace(&client, "nk-diag-sweep").await?;
+    let store = tempfile::tempdir()?;
+    let gone = store.path().join(&ns).join("gone");
+    std::fs::create_dir_all(&gone)?;
+    let token = "0123456789abcdef0123456789abcdef";
+    std::fs::write(
+        gone.join("n1.tar.gz"),
+        "a bundle of a deleted nodediagnostic",
+    )?;
+    std::fs::write(gone.join("n1.token"), token)?;
+    std::fs::write(gone.join(".uid"), "5e1f0a52-0000-4000-8000-000000000001")?;
+    let store_dir = store.path().display().to_string();
+    let managed = format!("nodekeeper.dev/e2e-group={}", unique_name("nk-diag-sweep"));
+    let controller = ControllerProcess::start(
+        &ns,
+        "nk-diag-sweep",
+        &managed,
+        free_port(),
+        &[("NODEKEEPER_DIAGNOSTICS_DIR", store_dir.as_str())],
+    )?;
+    wait_for(
+        "the deleted object's bundles to be removed",
+        TIMEOUT,
+        || {
+            let gone = gone.clone();
+            async move { Ok((!gone.exists()).then_some(())) }
+        },
+    )
+    .await?;
+    let (code, _, _) = get_bytes(
+        controller.http,
+        &format!("/api/diagnostics/{ns}/gone/n1/{token}"),
+    )
+    .await?;
+    assert_eq!(code, 404, "the removed bundle still downloads");
+    // No reconcile did it: there was nothing to reconcile.
+    let runs = metric(
+        controller.http,
+        "nodekeeper_reconcile_runs_total",
+        &["controller=\"nodediagnostic\""],
+    )
+    .await?;
+    assert_eq!(runs, 0.0);
+    drop(controller);
     Ok(())
 }
 

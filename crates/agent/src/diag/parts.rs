@@ -5,7 +5,7 @@
 
 use std::ffi::OsStr;
 use std::io::Read as _;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsRawFd as _, OwnedFd};
 use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _};
 use std::path::{Component, Path, PathBuf};
 use std::process::Stdio;
@@ -397,18 +397,36 @@ fn node_files(root: &Path, wanted: &[PathBuf], cap: usize) -> Result<Gathered, F
     Ok(Gathered::Files(files, notes))
 }
 
-/// The first `cap` bytes of a regular host file, and whether there was more. It is opened
-/// non-blocking, so a FIFO (or a device) at a configured path neither blocks the open nor is
-/// read: only regular files are. Symbolic links resolve within `root` ([`open_in_root`]).
+/// The first `cap` bytes of a regular host file, and whether there was more. The path resolves
+/// (symbolic links within `root`, [`open_in_root`]) to an `O_PATH` descriptor, which opens
+/// nothing; only once `fstat` says it is a regular file is that file opened for reading
+/// ([`reopen`]). A FIFO, socket or device at a configured path is never opened, not even
+/// non-blocking: a device's open can act (rewind a tape, arm a watchdog, hang up a line).
 fn read_host_file(root: &Path, host_path: &Path, cap: usize) -> std::io::Result<(Vec<u8>, bool)> {
-    let file = open_in_root(root, host_path)?;
-    if !file.metadata()?.is_file() {
+    let path = open_in_root(root, host_path)?;
+    let stat = nix::sys::stat::fstat(&path)?;
+    if stat.st_mode & libc::S_IFMT != libc::S_IFREG {
         return Err(std::io::Error::other(
             "not a regular file (a FIFO, socket, device or directory); list only regular files \
              in --diagnostics-files",
         ));
     }
-    read_capped(file, cap)
+    read_capped(reopen(&path)?, cap)
+}
+
+/// Opens for reading the regular file that the `O_PATH` descriptor `path` refers to:
+/// `/proc/self/fd/<n>` is a link to that very inode, so nothing is resolved again and nothing can
+/// have been swapped in since `fstat`. `O_NONBLOCK` and `O_NOCTTY` stay as a second guard (for a
+/// regular file they change nothing).
+fn reopen(path: &OwnedFd) -> std::io::Result<std::fs::File> {
+    let link = format!("/proc/self/fd/{}", path.as_raw_fd());
+    let flags = OFlag::O_RDONLY | OFlag::O_NONBLOCK | OFlag::O_NOCTTY | OFlag::O_CLOEXEC;
+    match nix::fcntl::open(link.as_str(), flags, Mode::empty()) {
+        Ok(fd) => Ok(fd.into()),
+        Err(e) => Err(std::io::Error::other(format!(
+            "open the file for reading through {link} (the agent needs /proc mounted): {e}"
+        ))),
+    }
 }
 
 fn one_json(name: &str, value: &Value, cap: usize) -> Result<Gathered, Failure> {
@@ -509,13 +527,13 @@ async fn run(program: &Path, args: &[&str], cap: usize) -> Result<(Vec<u8>, bool
     Ok((out, false))
 }
 
-/// Opens `host_path` read-only (and non-blocking) as the host resolves it, with `root`
-/// (`--host-root`) as `/`: symbolic links are followed, but an absolute one, or `..`, never
-/// leaves `root`. A plain open of `root` + path would follow `/etc/kubelet.env ->
-/// /run/kubelet.env` to the agent container's own `/run`, and `../..` out of the host root,
-/// and put what it found in the bundle.
-fn open_in_root(root: &Path, host_path: &Path) -> std::io::Result<std::fs::File> {
-    let flags = OFlag::O_RDONLY | OFlag::O_NONBLOCK | OFlag::O_NOCTTY | OFlag::O_CLOEXEC;
+/// Resolves `host_path` as the host does, with `root` (`--host-root`) as `/`, to an `O_PATH`
+/// descriptor (which opens nothing, see [`read_host_file`]): symbolic links are followed, but an
+/// absolute one, or `..`, never leaves `root`. A plain open of `root` + path would follow
+/// `/etc/kubelet.env -> /run/kubelet.env` to the agent container's own `/run`, and `../..` out
+/// of the host root, and put what it found in the bundle.
+fn open_in_root(root: &Path, host_path: &Path) -> std::io::Result<OwnedFd> {
+    let flags = OFlag::O_PATH | OFlag::O_CLOEXEC;
     let relative = host_path.strip_prefix("/").unwrap_or(host_path);
     let dir = nix::fcntl::open(
         root,
@@ -527,20 +545,17 @@ fn open_in_root(root: &Path, host_path: &Path) -> std::io::Result<std::fs::File>
         .flags(flags)
         .resolve(ResolveFlag::RESOLVE_IN_ROOT | ResolveFlag::RESOLVE_NO_MAGICLINKS);
     match nix::fcntl::openat2(&dir, relative, how) {
-        Ok(fd) => Ok(fd.into()),
+        Ok(fd) => Ok(fd),
         // Linux before 5.6, or a seccomp profile that predates openat2.
-        Err(Errno::ENOSYS | Errno::EPERM) => open_without_links(&dir, relative, flags),
+        Err(Errno::ENOSYS | Errno::EPERM) => open_without_links(&dir, relative),
         Err(e) => Err(e.into()),
     }
 }
 
-/// [`open_in_root`] without openat2(2): walks `relative` a component at a time from `dir`,
-/// refusing every symbolic link (and `..`) on the way, so nothing outside `dir` is opened.
-fn open_without_links(
-    dir: &OwnedFd,
-    relative: &Path,
-    flags: OFlag,
-) -> std::io::Result<std::fs::File> {
+/// [`open_in_root`] without openat2(2): walks `relative` a component at a time from `dir` with
+/// `O_PATH` descriptors, as openat2 does, refusing every symbolic link (and `..`) on the way, so
+/// nothing outside `dir` is reached (and nothing at all opened).
+fn open_without_links(dir: &OwnedFd, relative: &Path) -> std::io::Result<OwnedFd> {
     let mut names = Vec::new();
     for component in relative.components() {
         match component {
@@ -557,21 +572,20 @@ fn open_without_links(
     let Some((last, parents)) = names.split_last() else {
         return Err(std::io::Error::other("names no file under --host-root"));
     };
-    // ENOTDIR (a link where a directory is wanted) or ELOOP (a link at the end) from a
-    // component that is a link is said as such.
+    let link = |name: &OsStr| {
+        std::io::Error::other(format!(
+            "{} is a symbolic link, which this kernel (no openat2(2), before Linux 5.6) \
+             cannot follow safely within --host-root; name the file it points to instead",
+            name.to_string_lossy()
+        ))
+    };
+    // ENOTDIR (a link where a directory is wanted) or ELOOP from a component that is a link is
+    // said as such.
     let refused = |at: &OwnedFd, name: &OsStr, error: Errno| {
         let is_link = matches!(error, Errno::ENOTDIR | Errno::ELOOP)
             && nix::sys::stat::fstatat(at, name, AtFlags::AT_SYMLINK_NOFOLLOW)
                 .is_ok_and(|s| s.st_mode & libc::S_IFMT == libc::S_IFLNK);
-        if is_link {
-            std::io::Error::other(format!(
-                "{} is a symbolic link, which this kernel (no openat2(2), before Linux 5.6) \
-                 cannot follow safely within --host-root; name the file it points to instead",
-                name.to_string_lossy()
-            ))
-        } else {
-            error.into()
-        }
+        if is_link { link(name) } else { error.into() }
     };
     let mut current: Option<OwnedFd> = None;
     for name in parents {
@@ -586,9 +600,19 @@ fn open_without_links(
         current = Some(next);
     }
     let at = current.as_ref().unwrap_or(dir);
-    let fd = nix::fcntl::openat(at, *last, flags | OFlag::O_NOFOLLOW, Mode::empty())
-        .map_err(|e| refused(at, last, e))?;
-    Ok(fd.into())
+    // With O_PATH and O_NOFOLLOW a link at the end gives a descriptor of the link itself (not
+    // ELOOP): refused as a link all the same.
+    let fd = nix::fcntl::openat(
+        at,
+        *last,
+        OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|e| refused(at, last, e))?;
+    if nix::sys::stat::fstat(&fd).is_ok_and(|s| s.st_mode & libc::S_IFMT == libc::S_IFLNK) {
+        return Err(link(last));
+    }
+    Ok(fd)
 }
 
 /// The first `cap` bytes of `reader`, and whether there was more.
@@ -861,8 +885,8 @@ mod tests {
         )
         .unwrap();
         let open = |path: &str| {
-            open_without_links(&at, Path::new(path), OFlag::O_RDONLY | OFlag::O_CLOEXEC)
-                .map(|f| read_capped(f, 100).unwrap().0)
+            open_without_links(&at, Path::new(path))
+                .map(|fd| read_capped(reopen(&fd).unwrap(), 100).unwrap().0)
         };
         assert_eq!(open("etc/./sub/real.env").unwrap(), b"REAL=1\n");
         for (path, named) in [("etc/link.env", "link.env"), ("etc/out/outside.env", "out")] {
@@ -882,6 +906,88 @@ mod tests {
             open("etc/missing.env").unwrap_err().kind(),
             std::io::ErrorKind::NotFound
         );
+    }
+
+    /// Whether the thread `tid` of this process waits in open(2)/openat(2).
+    fn waits_in_open(tid: nix::unistd::Pid) -> bool {
+        let task = format!("/proc/self/task/{tid}");
+        match std::fs::read_to_string(format!("{task}/syscall")) {
+            Ok(s) => s
+                .split_whitespace()
+                .next()
+                .is_some_and(|n| n == libc::SYS_openat.to_string()),
+            // Without CONFIG_HAVE_ARCH_TRACEHOOK: asleep (it does nothing but the open).
+            Err(_) => std::fs::read_to_string(format!("{task}/stat")).is_ok_and(|s| {
+                s.rsplit(')')
+                    .next()
+                    .is_some_and(|r| r.trim_start().starts_with('S'))
+            }),
+        }
+    }
+
+    /// A FIFO, socket or device at a `--diagnostics-files` path is never opened, not even
+    /// non-blocking (a device's open can act: rewind a tape, arm a watchdog). A FIFO shows an
+    /// open: a writer waiting in its open(2) for a reader is let through by any reader's open.
+    /// Here it goes on waiting, through openat2 and through the walk without it, until the test
+    /// itself opens the FIFO to read.
+    #[test]
+    fn a_node_file_that_is_not_regular_is_never_opened() {
+        use std::os::unix::fs::OpenOptionsExt as _;
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("host");
+        std::fs::create_dir_all(root.join("etc")).unwrap();
+        let fifo = root.join("etc/fifo");
+        nix::unistd::mkfifo(&fifo, Mode::from_bits_truncate(0o600)).unwrap();
+        let (tid_tx, tid_rx) = std::sync::mpsc::channel();
+        let (opened_tx, opened_rx) = std::sync::mpsc::channel();
+        let path = fifo.clone();
+        let writer = std::thread::spawn(move || {
+            tid_tx.send(nix::unistd::gettid()).unwrap();
+            let file = std::fs::OpenOptions::new().write(true).open(&path);
+            opened_tx.send(file.is_ok()).unwrap();
+        });
+        let tid = tid_rx.recv().unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while !waits_in_open(tid) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the writer never waited in open"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+
+        let e = read_host_file(&root, Path::new("/etc/fifo"), 100).unwrap_err();
+        assert!(e.to_string().contains("not a regular file"), "{e}");
+        let at = nix::fcntl::open(
+            &root,
+            OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+            Mode::empty(),
+        )
+        .unwrap();
+        let fd = open_without_links(&at, Path::new("etc/fifo")).unwrap();
+        let stat = nix::sys::stat::fstat(&fd).unwrap();
+        assert_eq!(stat.st_mode & libc::S_IFMT, libc::S_IFIFO);
+        drop(fd);
+        let waited = std::time::Duration::from_millis(300);
+        assert!(
+            opened_rx.recv_timeout(waited).is_err(),
+            "the FIFO was opened for reading"
+        );
+        // What the test watches for: a reader's open (non-blocking, as the agent's was) lets the
+        // writer through.
+        let reader = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(&fifo)
+            .unwrap();
+        let through = opened_rx.recv_timeout(std::time::Duration::from_secs(5));
+        assert_eq!(through, Ok(true), "a reader's open lets the writer through");
+        drop(reader);
+        writer.join().unwrap();
+        // A regular file beside it is read.
+        std::fs::write(root.join("etc/real.env"), "REAL=1\n").unwrap();
+        let (data, cut) = read_host_file(&root, Path::new("/etc/real.env"), 100).unwrap();
+        assert_eq!((data.as_slice(), cut), (b"REAL=1\n".as_slice(), false));
     }
 
     #[test]

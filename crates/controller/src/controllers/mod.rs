@@ -157,6 +157,19 @@ pub trait Reconciler: Send + Sync + Sized + 'static {
     fn reconcile_all_on(&self) -> Option<futures::stream::BoxStream<'static, ()>> {
         None
     }
+    /// Sees every watch event (the initial lists' `Init`, `InitApply` and `InitDone` too) as
+    /// the cache will, before it does; called on the controller's task, so it must not block.
+    /// For what a reconcile in flight cannot learn otherwise: kube runs no second reconcile of
+    /// an object while one is in flight, so that one is not told of its object's changes (its
+    /// deletion, say) but by reading the object again. Nothing by default.
+    fn observe(&self, _event: &watcher::Event<Self::Object>) {}
+    /// Work done once per start, after the watch's first initial list is read: so also when it
+    /// lists no object and no reconcile ever runs (cleaning up after objects deleted while
+    /// another replica led, say). It runs beside the reconciles and is dropped with them when
+    /// `shutdown` fires. Nothing by default.
+    fn after_initial_list(_ctx: Arc<Self>) -> impl Future<Output = ()> + Send + 'static {
+        async {}
+    }
     fn reconcile(
         obj: Arc<Self::Object>,
         ctx: Arc<Self>,
@@ -202,6 +215,9 @@ pub async fn start<C: Reconciler>(
     // and the cache (`for_stream` is behind kube's `unstable-runtime-stream-control`).
     let (reader, writer) = reflector::store();
     let filter = Arc::clone(&ctx);
+    // Fired at the end of the first initial list, for `after_initial_list`.
+    let (listed, first_list) = tokio::sync::oneshot::channel::<()>();
+    let mut listed = Some(listed);
     let events = watcher::watcher(ctx.api(), ctx.watcher_config()).filter_map(move |event| {
         let event = match event {
             Ok(watcher::Event::InitApply(obj)) if !filter.keeps(&obj) => None,
@@ -210,8 +226,25 @@ pub async fn start<C: Reconciler>(
             }
             event => Some(event),
         };
+        if let Some(Ok(event)) = &event {
+            filter.observe(event);
+            if matches!(event, watcher::Event::InitDone)
+                && let Some(listed) = listed.take()
+            {
+                let _ = listed.send(());
+            }
+        }
         futures::future::ready(event)
     });
+    // Ends with the watch (its sender dropped) if the list never completes.
+    let after_list = {
+        let (ctx, stop) = (Arc::clone(&ctx), shutdown.clone());
+        async move {
+            if first_list.await.is_ok() {
+                unless_stopped(&stop, C::after_initial_list(ctx)).await;
+            }
+        }
+    };
     let triggers = reflector(writer, events).applied_objects();
     let mut controller = Controller::for_stream(triggers, reader).with_config(config);
     // Status gauges from this controller's own cache, until it stops (metrics::ObjectStatus).
@@ -219,7 +252,7 @@ pub async fn start<C: Reconciler>(
     if let Some(trigger) = ctx.reconcile_all_on() {
         controller = controller.reconcile_all_on(trigger);
     }
-    controller
+    let run = controller
         .graceful_shutdown_on(async move { shutdown.cancelled().await })
         .run(reconcile, C::error_policy, ctx)
         .for_each(|result| {
@@ -230,8 +263,8 @@ pub async fn start<C: Reconciler>(
                 warn!(controller = C::NAME, %error, "watch failed; retrying with backoff");
             }
             futures::future::ready(())
-        })
-        .await;
+        });
+    futures::future::join(run, after_list).await;
     info!(controller = C::NAME, "controller stopped");
 }
 

@@ -3,8 +3,10 @@
 //! each node's bundle streams from its agent to disk with bounded concurrency; status goes
 //! Succeeded or Failed (two writes per collection). Past its TTL the object is deleted, and the
 //! finalizer then deletes its bundles. An object deleted while its bundles stream stops them at
-//! once (the finalizer then runs), and a final status whose write failed is written again from
-//! what this process holds, not collected again.
+//! once, as the controller's watch shows the deletion (`deletions`; the finalizer then runs),
+//! and a final status whose write failed is written again from what this process holds, not
+//! collected again. The bundles of objects deleted while another replica led are removed once
+//! per leadership, after the watch's first list ([`sweep_at_start`]), before any collection.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -33,8 +35,8 @@ use crate::shared::agent_client::{CallError, CallOutcome};
 /// UIDs remembered as finished by this process (see `Context::finished`).
 const MAX_REMEMBERED: usize = 4096;
 
-/// How often a collection checks that its object still exists (and is not being deleted).
-const DELETED_POLL: Duration = Duration::from_secs(1);
+/// How long the sweep at a leadership start waits after a failed list before trying again.
+const SWEEP_RETRY: Duration = Duration::from_secs(30);
 
 /// A collection this process finished (see `Context::finished`).
 #[derive(Clone, Debug, PartialEq)]
@@ -65,38 +67,9 @@ pub fn after_finish(held: &Finished) -> AfterFinish {
 }
 
 /// Whether the collection of the object `uid` is to stop: `found` (the object under its name
-/// now) is gone, is being deleted, or is another object.
+/// as the watch shows it now) is gone, is being deleted, or is another object.
 pub fn collection_cancelled(found: Option<&NodeDiagnostic>, uid: &str) -> bool {
     found.is_none_or(|o| o.metadata.deletion_timestamp.is_some() || o.uid().as_deref() != Some(uid))
-}
-
-/// Completes once the object `uid` is deleted or being deleted (its finalizer holds it while
-/// its bundles stream): the collection is then dropped, which cancels every agent stream.
-async fn deleted(api: Api<NodeDiagnostic>, name: String, uid: String) {
-    let lookup = || {
-        let (api, name) = (api.clone(), name.clone());
-        async move { api.get_opt(&name).await }
-    };
-    deleted_by(lookup, &uid).await;
-}
-
-/// [`deleted`] with the object read by `lookup`, every [`DELETED_POLL`]. A failed read is not
-/// taken for a deletion.
-async fn deleted_by<F, Fut>(mut lookup: F, uid: &str)
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Result<Option<NodeDiagnostic>, kube::Error>>,
-{
-    loop {
-        tokio::time::sleep(DELETED_POLL).await;
-        match lookup().await {
-            Ok(found) if collection_cancelled(found.as_ref(), uid) => return,
-            Ok(_) => {}
-            Err(error) => {
-                debug!(%error, %uid, "could not check whether the nodediagnostic still exists")
-            }
-        }
-    }
 }
 
 /// `collection`'s output, or `None` once `deleted` completes first: the collection is dropped
@@ -235,6 +208,23 @@ pub async fn reconcile(obj: Arc<NodeDiagnostic>, ctx: Arc<Context>) -> Result<Ac
     .map_err(|e| Error::Finalizer(Box::new(e)))
 }
 
+/// The sweep when this replica starts leading, once the watch has listed the NodeDiagnostics
+/// (the scaffold's `after_initial_list`): also when there is none, so no reconcile comes to sweep
+/// first, and the bundles of deleted objects would otherwise stay on disk, count against
+/// `--diagnostics-max-bytes` and download with their old tokens. Reconciles wait on the same
+/// `Context::swept`; a failed sweep is tried again every [`SWEEP_RETRY`] (and by any reconcile).
+pub async fn sweep_at_start(ctx: Arc<Context>) {
+    loop {
+        match ctx.swept.get_or_try_init(|| sweep(&ctx)).await {
+            Ok(()) => return,
+            Err(error) => {
+                warn!(%error, "could not sweep the diagnostics store; retrying in 30s");
+                tokio::time::sleep(SWEEP_RETRY).await;
+            }
+        }
+    }
+}
+
 /// Removes the bundles on this replica's disk of NodeDiagnostics that no longer exist (deleted,
 /// their finalizer run, while another replica led), or whose name now holds another object.
 async fn sweep(ctx: &Context) -> Result<(), Error> {
@@ -363,6 +353,8 @@ async fn apply(obj: Arc<NodeDiagnostic>, ctx: &Context) -> Result<Action, Error>
     }
 
     let uid = obj.uid().unwrap_or_default();
+    // From here on, the watch's news of a deletion stops the collection (see `deletions`).
+    let collecting = ctx.deletions.collecting(&uid);
     let held = ctx
         .finished
         .lock()
@@ -486,8 +478,7 @@ async fn apply(obj: Arc<NodeDiagnostic>, ctx: &Context) -> Result<Action, Error>
     });
     // Deleted meanwhile: every stream is dropped here, and the finalizer (the next reconcile,
     // queued by the deletion) deletes what reached the disk.
-    let deletion = deleted(api.clone(), name.clone(), uid.clone());
-    let Some(results) = unless_deleted(collection, deletion).await else {
+    let Some(results) = unless_deleted(collection, collecting.cancelled()).await else {
         info!(%object, "nodediagnostic deleted while collecting; its bundle streams were cancelled");
         return Ok(Action::await_change());
     };
@@ -720,23 +711,16 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_deleted_objects_collection_is_dropped_where_it_waits() {
-        // The object as read poll after poll: there, unreadable (not a deletion), then marked
-        // for deletion (its finalizer holds it).
-        let reads = std::sync::Mutex::new(
-            vec![
-                Ok(Some(object("u1", false))),
-                Err(kube::Error::LinesCodecMaxLineLengthExceeded),
-                Ok(Some(object("u1", true))),
-            ]
-            .into_iter(),
-        );
-        let lookup = || {
-            let next = reads
-                .lock()
-                .unwrap()
-                .next()
-                .expect("polled after the deletion");
-            async move { next }
+        // Nothing reads the object: the controller's watch shows an update (no deletion) at
+        // 1 s, then at 2.5 s the object marked for deletion (its finalizer holds it).
+        let deletions = super::super::deletions::Deletions::default();
+        let collecting = deletions.collecting("u1");
+        let watch = async {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            deletions.observe(&kube::runtime::watcher::Event::Apply(object("u1", false)));
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            deletions.observe(&kube::runtime::watcher::Event::Apply(object("u1", true)));
+            futures::future::pending::<()>().await;
         };
         // A bundle stream that never ends, holding a reservation as a real one does.
         let dropped = Arc::new(());
@@ -746,9 +730,13 @@ mod tests {
             futures::future::pending::<Vec<(NodeBundle, Storage)>>().await
         };
         let started = tokio::time::Instant::now();
-        let outcome = unless_deleted(stuck, deleted_by(lookup, "u1")).await;
+        let outcome = tokio::select! {
+            outcome = unless_deleted(stuck, collecting.cancelled()) => outcome,
+            () = watch => unreachable!("the watch feeder never ends"),
+        };
         assert_eq!(outcome, None);
-        assert_eq!(started.elapsed(), 3 * DELETED_POLL);
+        // Stopped when the watch showed the deletion, not at the next tick of a poll.
+        assert_eq!(started.elapsed(), Duration::from_millis(2500));
         assert_eq!(Arc::strong_count(&dropped), 1, "the collection was dropped");
         // A collection that ends first gives its results.
         let done = unless_deleted(async { 7 }, futures::future::pending()).await;
