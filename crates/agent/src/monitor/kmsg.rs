@@ -22,6 +22,8 @@ pub const MAX_LINE_BYTES: usize = 8 * 1024;
 const IDLE_POLL: Duration = Duration::from_millis(100);
 /// How long to wait before reopening a log that cannot be opened.
 const REOPEN: Duration = Duration::from_secs(5);
+/// How far before the real boot [`boot_time`] may be: `btime` is in whole seconds.
+const BOOT_ROUNDING: Duration = Duration::from_secs(1);
 
 /// One parsed `/dev/kmsg` record.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -52,15 +54,46 @@ pub fn parse_record(line: &[u8]) -> Option<Record> {
     })
 }
 
-/// Boot time as NPD computes it: now minus `/proc/uptime`.
+/// Boot time, the same at every agent start on one boot: the kernel's own, `btime` in
+/// `/proc/stat` (whole seconds). The kernel records an agent reads again after a restart (its
+/// lookback) so keep the timestamps they had, and the controller, which compares timestamps
+/// when an agent restarts, does not take them for new problems. NPD's now minus `/proc/uptime`
+/// moves at every start (uptime's 10 ms steps, the time between the two reads), and so did the
+/// replayed records' timestamps. `btime` moves only when the wall clock is stepped. Without a
+/// `btime` line, NPD's way.
 pub fn boot_time() -> std::io::Result<SystemTime> {
-    let uptime = std::fs::read_to_string("/proc/uptime")?;
+    boot_time_in(Path::new("/proc"), SystemTime::now())
+}
+
+/// [`boot_time`] with `/proc` at `proc_root`, `now` being the time now.
+pub fn boot_time_in(proc_root: &Path, now: SystemTime) -> std::io::Result<SystemTime> {
+    let stat = std::fs::read_to_string(proc_root.join("stat"));
+    if let Some(btime) = stat.as_deref().ok().and_then(btime) {
+        return Ok(SystemTime::UNIX_EPOCH + Duration::from_secs(btime));
+    }
+    let path = proc_root.join("uptime");
+    let uptime = std::fs::read_to_string(&path).map_err(|error| {
+        std::io::Error::new(
+            error.kind(),
+            format!(
+                "no btime in {} and {} unreadable: {error}",
+                proc_root.join("stat").display(),
+                path.display()
+            ),
+        )
+    })?;
     let secs: f64 = uptime
         .split_whitespace()
         .next()
         .and_then(|s| s.parse().ok())
         .ok_or_else(|| std::io::Error::new(ErrorKind::InvalidData, "odd /proc/uptime"))?;
-    Ok(SystemTime::now() - Duration::from_secs_f64(secs))
+    Ok(now - Duration::from_secs_f64(secs))
+}
+
+/// The `btime` line of `/proc/stat`: boot time in seconds since the Unix epoch.
+fn btime(stat: &str) -> Option<u64> {
+    stat.lines()
+        .find_map(|line| line.strip_prefix("btime ")?.trim().parse().ok())
 }
 
 /// The condition message while the kernel log cannot be opened: the path, the error and the fix.
@@ -115,10 +148,13 @@ impl KmsgReader {
                 m.declare(&mut state, now);
             }
         }
+        // A record's time is `boot` plus its stamp, and `boot` (whole seconds, [`boot_time`])
+        // may be up to a second before the real boot: a record written right after this start
+        // may read as up to a second before it, and must not be skipped as older.
         let starts: Vec<SystemTime> = self
             .monitors
             .iter()
-            .map(|m| m.start_time(self.boot, now))
+            .map(|m| m.start_time(self.boot, now - BOOT_ROUNDING))
             .collect();
         let mut keeper = self
             .persist
@@ -444,6 +480,37 @@ mod tests {
         assert!(parse_record(b" SUBSYSTEM=pci").is_none());
         assert!(parse_record(b"x,1,2,-;msg").is_none());
         assert!(parse_record(b"no header at all").is_none());
+    }
+
+    #[test]
+    fn boot_time_is_the_kernels_at_every_agent_start_on_one_boot() {
+        let proc = tempfile::tempdir().unwrap();
+        std::fs::write(
+            proc.path().join("stat"),
+            "cpu  10 0 5 100 0 0 0 0 0 0\ncpu0 10 0 5 100 0 0 0 0 0 0\nintr 1\nbtime 1795280706\n",
+        )
+        .unwrap();
+        std::fs::write(proc.path().join("uptime"), "1234.56 2000.00\n").unwrap();
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_795_282_000);
+        let boot = SystemTime::UNIX_EPOCH + Duration::from_secs(1_795_280_706);
+        // Two starts 3 ms (and an uptime step) apart read the same boot, so a kernel record
+        // read again gets the timestamp it had.
+        assert_eq!(boot_time_in(proc.path(), now).unwrap(), boot);
+        std::fs::write(proc.path().join("uptime"), "1234.57 2000.00\n").unwrap();
+        assert_eq!(
+            boot_time_in(proc.path(), now + Duration::from_millis(3)).unwrap(),
+            boot
+        );
+        // Without btime: now minus the uptime, as NPD does.
+        std::fs::write(proc.path().join("stat"), "cpu  1 2 3 4\n").unwrap();
+        std::fs::write(proc.path().join("uptime"), "1234.5 2000.00\n").unwrap();
+        assert_eq!(
+            boot_time_in(proc.path(), now).unwrap(),
+            now - Duration::from_millis(1_234_500)
+        );
+        std::fs::remove_file(proc.path().join("uptime")).unwrap();
+        let error = boot_time_in(proc.path(), now).unwrap_err().to_string();
+        assert!(error.contains("no btime in"), "{error}");
     }
 
     #[test]

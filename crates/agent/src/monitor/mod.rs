@@ -389,7 +389,7 @@ pub async fn start(
         "node problem monitors loaded"
     );
     let boot = kmsg::boot_time().unwrap_or_else(|e| {
-        tracing::warn!(error = %e, "read /proc/uptime; log lookback counts from now");
+        tracing::warn!(error = %e, "boot time unknown; log lookback counts from now");
         SystemTime::now()
     });
     let mut caught_up = Vec::new();

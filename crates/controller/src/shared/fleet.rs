@@ -717,6 +717,14 @@ pub struct FleetSummary {
     pub tunables_out_of_bounds: std::collections::BTreeMap<String, usize>,
 }
 
+/// The label selector the Node watch sends: `--node-selector` as parsed, written back
+/// ([`LabelSelector::to_query`]), so that the API server selects with the very selector the
+/// cleaner matches locally (`Fleet::selection`); one that does not parse (refused at start) goes
+/// as given.
+fn watch_query(selector: &str) -> String {
+    nodekeeper_api::selector::parse(selector).map_or_else(|_| selector.to_owned(), |p| p.to_query())
+}
+
 /// Watches Nodes (optionally only those matching `selector`) into `fleet` until cancelled.
 pub async fn watch_nodes(
     api: Api<Node>,
@@ -727,8 +735,8 @@ pub async fn watch_nodes(
 ) {
     let mut config = super::lists::nodes();
     if let Some(selector) = selector {
-        config = config.labels(&selector);
         fleet.set_selection(&selector);
+        config = config.labels(&watch_query(&selector));
     }
     let stream = watcher(api, config).default_backoff();
     futures::pin_mut!(stream);
@@ -1310,5 +1318,25 @@ mod tests {
         assert_eq!(fleet.lock()["n1"].written.len(), 1);
         fleet.observe(node_facts(&node("11", Some("127.1.0.4"), json!([]))), now);
         assert!(fleet.lock()["n1"].written.is_empty());
+    }
+
+    #[test]
+    fn the_watch_selects_with_the_selector_the_cleaner_matches() {
+        for (given, sent) in [
+            ("pool notin (gpu,)", "pool notin (gpu,)"),
+            ("pool in(a),\t!spot", "pool in (a),!spot"),
+            ("zone in (), a==b", "a=b,zone in ()"),
+        ] {
+            assert_eq!(watch_query(given), sent, "{given:?}");
+            let fleet = Fleet::default();
+            fleet.set_selection(given);
+            assert_eq!(
+                fleet.selection().map(|s| s.to_query()).as_deref(),
+                Some(sent),
+                "{given:?}"
+            );
+        }
+        // Refused at start; sent as given rather than dropped.
+        assert_eq!(watch_query("zone in (a"), "zone in (a");
     }
 }

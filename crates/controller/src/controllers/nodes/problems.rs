@@ -16,6 +16,14 @@
 //! on the first report after an agent restart (a new epoch; the restarted agent reads its logs'
 //! lookback window again and lists problems already handled under new numbers), and for an
 //! agent that does not number its problems (epoch 0).
+//!
+//! A restarted agent may stamp a problem it lists again a little differently: an agent older
+//! than the kernel log's boot time from `/proc/stat`'s `btime` (now minus `/proc/uptime`, in
+//! 10 ms steps, recomputed at each start), or the wall clock stepped between the two starts.
+//! So on a new epoch a problem stamped within [`TOLERANCE_MS`] of the newest handled one is
+//! told by what it says (source, reason and message, [`Cursor::near`]), not by its timestamp:
+//! one handled already is not written twice, and one that happened while the agent was down is
+//! not skipped for a stamp a few milliseconds early.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Mutex, MutexGuard, PoisonError};
@@ -51,6 +59,12 @@ pub struct Cursor {
     /// handled in it; epoch 0: not read by numbers yet.
     pub epoch: u64,
     pub sequence: u64,
+    /// What the problems handled within 2 × [`TOLERANCE_MS`] before `at_ms` say
+    /// ([`fingerprint`]; 0: an empty place; see `near_newest`), for the first read of a new
+    /// epoch. A fixed array, so that a node's state stays small and the cursor `Copy`.
+    pub near: [u32; NEAR_MAX],
+    /// More than [`NEAR_MAX`] were handled there: one not in `near` may be handled anyway.
+    pub near_overflow: bool,
 }
 
 impl Cursor {
@@ -61,8 +75,92 @@ impl Cursor {
             at_same_ms: 0,
             epoch: 0,
             sequence: 0,
+            near: [0; NEAR_MAX],
+            near_overflow: false,
         }
     }
+}
+
+/// How far apart two agent starts on one boot may stamp one kernel record: boot time as now
+/// minus `/proc/uptime` (older agents) moves by tens of milliseconds; by up to a second where
+/// an agent of this version follows an older one (whole seconds of `btime`).
+pub const TOLERANCE_MS: i64 = 1000;
+
+/// Problems remembered near the newest handled one ([`Cursor::near`]).
+pub const NEAR_MAX: usize = 16;
+
+/// What a problem says (source, reason, message) as a small number, never 0.
+pub fn fingerprint(event: &ProblemEventView) -> u32 {
+    use std::hash::{Hash as _, Hasher as _};
+    // SipHash with fixed keys: the same number in every run, which the cursor relies on only
+    // within one process anyway.
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    (&event.source, &event.reason, &event.message).hash(&mut hasher);
+    let h = hasher.finish();
+    ((h >> 32) as u32 ^ h as u32) | 1
+}
+
+/// The fingerprints of the problems in `recent` stamped within 2 × [`TOLERANCE_MS`] before
+/// `at_ms` (inclusive), newest first, and whether there were more than [`NEAR_MAX`]. When
+/// `at_ms` is `previous`'s, what `previous` remembered is kept too (the agent's list is bounded,
+/// and the problems at the newest stamp may have left it).
+fn near_newest(
+    recent: &[ProblemEventView],
+    at_ms: i64,
+    previous: &Cursor,
+) -> ([u32; NEAR_MAX], bool) {
+    let mut listed: Vec<(i64, u32)> = recent
+        .iter()
+        .filter(|e| e.timestamp_unix_ms <= at_ms && e.timestamp_unix_ms > at_ms - 2 * TOLERANCE_MS)
+        .map(|e| (e.timestamp_unix_ms, fingerprint(e)))
+        .collect();
+    listed.sort_by_key(|(at, _)| std::cmp::Reverse(*at));
+    let mut out: Vec<u32> = Vec::with_capacity(NEAR_MAX);
+    let mut overflow = false;
+    let kept = (previous.at_ms == at_ms)
+        .then_some(previous.near.iter().copied().filter(|f| *f != 0))
+        .into_iter()
+        .flatten();
+    for fp in listed.into_iter().map(|(_, fp)| fp).chain(kept) {
+        if out.contains(&fp) {
+            continue;
+        }
+        if out.len() == NEAR_MAX {
+            overflow = true;
+            break;
+        }
+        out.push(fp);
+    }
+    overflow |= previous.at_ms == at_ms && previous.near_overflow;
+    let mut near = [0; NEAR_MAX];
+    near[..out.len()].copy_from_slice(&out);
+    (near, overflow)
+}
+
+/// The problems in `recent` not handled yet on the first read of a new epoch (a restarted
+/// agent): by timestamp, except near the newest handled one, where by what they say (see the
+/// module doc).
+fn after_restart(recent: &[ProblemEventView], cursor: Cursor) -> Vec<&ProblemEventView> {
+    if cursor.near.iter().all(|f| *f == 0) && !cursor.near_overflow {
+        // Nothing handled near the cursor (a node's first report to this leader): timestamps.
+        return after_timestamp(recent, cursor).0;
+    }
+    let by_stamp = after_timestamp(recent, cursor).0;
+    let new_by_stamp = |e: &ProblemEventView| by_stamp.iter().any(|s| std::ptr::eq(*s, e));
+    recent
+        .iter()
+        .filter(|e| {
+            if (e.timestamp_unix_ms - cursor.at_ms).abs() > TOLERANCE_MS {
+                return new_by_stamp(e);
+            }
+            if cursor.near.contains(&fingerprint(e)) {
+                return false;
+            }
+            // Not among those handled near the cursor: new, unless some handled there could
+            // not be remembered.
+            !cursor.near_overflow || new_by_stamp(e)
+        })
+        .collect()
 }
 
 #[derive(Debug)]
@@ -102,11 +200,15 @@ pub fn after_cursor(
 ) -> (Vec<&ProblemEventView>, Cursor) {
     if epoch == 0 {
         let (fresh, next) = after_timestamp(recent, cursor);
+        // Every listed problem stamped up to the cursor counts as handled (read or skipped).
+        let (near, near_overflow) = near_newest(recent, next.at_ms, &cursor);
         return (
             fresh,
             Cursor {
                 epoch: 0,
                 sequence: 0,
+                near,
+                near_overflow,
                 ..next
             },
         );
@@ -118,15 +220,18 @@ pub fn after_cursor(
             .filter(|e| e.sequence > cursor.sequence)
             .collect()
     } else {
-        after_timestamp(recent, cursor).0
+        after_restart(recent, cursor)
     };
     let (at_ms, at_same_ms) = newest_listed(recent, cursor);
     let before = if same { cursor.sequence } else { 0 };
+    let (near, near_overflow) = near_newest(recent, at_ms, &cursor);
     let next = Cursor {
         at_ms,
         at_same_ms,
         epoch,
         sequence: recent.iter().map(|e| e.sequence).fold(before, u64::max),
+        near,
+        near_overflow,
     };
     (fresh, next)
 }
@@ -411,14 +516,7 @@ mod tests {
             fresh.iter().map(|e| e.reason.as_str()).collect::<Vec<_>>(),
             ["A", "B"]
         );
-        assert_eq!(
-            c,
-            Cursor {
-                at_ms: 200,
-                at_same_ms: 2,
-                ..start
-            }
-        );
+        assert_eq!((c.at_ms, c.at_same_ms, c.epoch), (200, 2, 0));
         // The same report again: nothing new.
         assert!(after_cursor(&recent, 0, c).0.is_empty());
         // A third problem in the same millisecond, and a later one.
@@ -428,14 +526,7 @@ mod tests {
             fresh.iter().map(|e| e.reason.as_str()).collect::<Vec<_>>(),
             ["C", "D"]
         );
-        assert_eq!(
-            c,
-            Cursor {
-                at_ms: 300,
-                at_same_ms: 1,
-                ..start
-            }
-        );
+        assert_eq!((c.at_ms, c.at_same_ms, c.epoch), (300, 1, 0));
     }
 
     #[test]
@@ -524,6 +615,74 @@ mod tests {
         let mut more = after;
         more.push(numbered("custom-plugin", "F", 1500, 5));
         assert_eq!(read(&problems, &report(8, more)), ["F"]);
+    }
+
+    #[test]
+    fn problems_listed_again_with_shifted_stamps_after_an_agent_restart_are_not_new() {
+        let before = vec![
+            numbered("kernel-monitor", "A", 1000, 1),
+            numbered("custom-plugin", "B", 900, 2),
+            numbered("kernel-monitor", "C", 2000, 3),
+        ];
+        // The restarted agent computed the boot time 3 ms later: the kernel records it lists
+        // again are stamped 3 ms later; D and E are new.
+        let problems = Problems::new(100);
+        assert_eq!(read(&problems, &report(7, before.clone())), ["A", "B", "C"]);
+        let shifted = |e: &ProblemEventView, by: i64, sequence| ProblemEventView {
+            timestamp_unix_ms: e.timestamp_unix_ms + by,
+            sequence,
+            ..e.clone()
+        };
+        let later = vec![
+            shifted(&before[0], 3, 1),
+            shifted(&before[2], 3, 2),
+            numbered("kernel-monitor", "D", 2500, 3),
+            numbered("custom-plugin", "E", 3100, 4),
+        ];
+        assert_eq!(read(&problems, &report(8, later.clone())), ["D", "E"]);
+        assert!(read(&problems, &report(8, later)).is_empty());
+
+        // 3 ms earlier instead: D, which happened while the agent was down, is stamped before
+        // the newest handled problem and is new all the same.
+        let problems = Problems::new(100);
+        assert_eq!(read(&problems, &report(7, before.clone())), ["A", "B", "C"]);
+        let earlier = vec![
+            shifted(&before[0], -3, 1),
+            shifted(&before[2], -3, 2),
+            numbered("kernel-monitor", "D", 1999, 3),
+        ];
+        assert_eq!(read(&problems, &report(8, earlier)), ["D"]);
+
+        // A whole second later (an agent of this version after an older one): the same.
+        let problems = Problems::new(100);
+        assert_eq!(read(&problems, &report(7, before.clone())), ["A", "B", "C"]);
+        let second = vec![
+            shifted(&before[0], 1000, 1),
+            shifted(&before[2], 1000, 2),
+            numbered("kernel-monitor", "D", 3001, 3),
+        ];
+        assert_eq!(read(&problems, &report(8, second)), ["D"]);
+    }
+
+    #[test]
+    fn more_problems_near_the_cursor_than_remembered_fall_back_to_timestamps() {
+        let problems = Problems::new(100);
+        let flood: Vec<ProblemEventView> = (0..20)
+            .map(|i| numbered("kernel-monitor", &format!("P{i}"), 2000 + i, i as u64 + 1))
+            .collect();
+        assert_eq!(read(&problems, &report(7, flood.clone())).len(), 20);
+        // Listed again unchanged after a restart: the newest 16 are known by what they say,
+        // the other 4 by their stamps; none is new. The new one is.
+        let mut again: Vec<ProblemEventView> = flood
+            .iter()
+            .enumerate()
+            .map(|(i, e)| ProblemEventView {
+                sequence: i as u64 + 1,
+                ..e.clone()
+            })
+            .collect();
+        again.push(numbered("kernel-monitor", "New", 2100, 21));
+        assert_eq!(read(&problems, &report(8, again)), ["New"]);
     }
 
     #[test]
