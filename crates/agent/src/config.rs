@@ -23,8 +23,10 @@ pub enum LogFormat {
 #[derive(Clone, Debug, Parser)]
 #[command(name = "nodekeeper-agent", version, about, long_about = None)]
 pub struct Config {
-    /// Address and port the gRPC server listens on (the node's address with hostNetwork).
-    #[arg(long, env = "NODEKEEPER_LISTEN", default_value = "0.0.0.0:9443")]
+    /// Address and port the gRPC server listens on (the node's address with hostNetwork). The
+    /// default `[::]` takes IPv4 and IPv6 alike; on a host without IPv6 (`ipv6.disable=1`) the
+    /// agent listens on `0.0.0.0` instead.
+    #[arg(long, env = "NODEKEEPER_LISTEN", default_value = "[::]:9443")]
     pub listen: SocketAddr,
 
     /// The Kubernetes Node name this agent runs on, reported back in every report.
@@ -45,7 +47,7 @@ pub struct Config {
     pub client_ca: PathBuf,
 
     /// How often the TLS files are checked for a reissued certificate; when they change the
-    /// server restarts with them.
+    /// server restarts with them. At least 100ms.
     #[arg(long, env = "NODEKEEPER_TLS_RELOAD_INTERVAL", default_value = "30s", value_parser = parse_duration)]
     pub tls_reload_interval: Duration,
 
@@ -331,6 +333,18 @@ impl Config {
                 reason: "must not be empty; set it from the pod's spec.nodeName".into(),
             });
         }
+        // Zero would panic the reload timer; 100ms is still cheap (three small files hashed) and
+        // lets tests watch a rotation without waiting seconds.
+        if self.tls_reload_interval < Duration::from_millis(100) {
+            return Err(Error::InvalidConfig {
+                flag: "--tls-reload-interval",
+                reason: format!(
+                    "{:?} is too short; use at least 100ms (the default, 30s, suits certificates \
+                     reissued days ahead)",
+                    self.tls_reload_interval
+                ),
+            });
+        }
         if self.drift_interval < Duration::from_millis(100) {
             return Err(Error::InvalidConfig {
                 flag: "--drift-interval",
@@ -480,6 +494,30 @@ mod tests {
             let c = Config::try_parse_from(args).unwrap();
             let err = c.validate().unwrap_err().to_string();
             assert!(err.contains(flag), "{err}");
+        }
+    }
+
+    #[test]
+    fn refuses_intervals_too_short_to_tick() {
+        // `tokio::time::interval` panics on zero, so these must be refused before anything runs.
+        for (flag, value, ok) in [
+            ("--tls-reload-interval", "0", false),
+            ("--tls-reload-interval", "99ms", false),
+            ("--tls-reload-interval", "100ms", true),
+            ("--drift-interval", "0", false),
+            ("--drift-interval", "100ms", true),
+        ] {
+            let mut args = base();
+            let arg = format!("{flag}={value}");
+            args.push(&arg);
+            let c = Config::try_parse_from(args).unwrap();
+            match c.validate() {
+                Ok(()) => assert!(ok, "{arg} was accepted"),
+                Err(e) => {
+                    assert!(!ok, "{arg} was refused: {e}");
+                    assert!(e.to_string().contains(flag), "{e}");
+                }
+            }
         }
     }
 

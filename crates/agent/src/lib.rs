@@ -42,6 +42,7 @@ pub mod service;
 pub mod tls;
 pub mod tunables;
 
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::Arc;
 
 use nodekeeper_proto::agent::v1::node_agent_server::NodeAgentServer;
@@ -50,7 +51,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tonic::transport::Server;
 use tonic::transport::server::TcpIncoming;
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::agent::Agent;
 
@@ -111,7 +112,7 @@ async fn serve_reloading(
     shutdown: &CancellationToken,
 ) -> Result<(), Error> {
     loop {
-        let listener = TcpListener::bind(config.listen)
+        let listener = bind_listen(config.listen)
             .await
             .map_err(|source| Error::Bind {
                 addr: config.listen,
@@ -128,6 +129,35 @@ async fn serve_reloading(
         }
         info!("TLS files changed; serving again with the new certificates");
     }
+}
+
+/// Binds `--listen`. The default, `[::]`, takes IPv4 and IPv6 alike on Linux (IPv4 arrives
+/// mapped, unless the host sets `net.ipv6.bindv6only`); on a host without IPv6
+/// (`ipv6.disable=1`), where it cannot be bound, the agent listens on `0.0.0.0` instead rather
+/// than not start.
+pub async fn bind_listen(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    match TcpListener::bind(addr).await {
+        Err(error) => match ipv4_fallback(addr, &error) {
+            Some(v4) => {
+                warn!(%addr, %error, listen = %v4, "this host has no IPv6; listening on IPv4 only");
+                TcpListener::bind(v4).await
+            }
+            None => Err(error),
+        },
+        bound => bound,
+    }
+}
+
+/// Where to listen instead when binding `addr` failed with `error`: `0.0.0.0` on the same port
+/// when `addr` is `[::]` and the host has no IPv6 (the socket family is not supported, or the
+/// address is not available). Any other address or error stands: the flag named it.
+fn ipv4_fallback(addr: SocketAddr, error: &std::io::Error) -> Option<SocketAddr> {
+    let no_ipv6 = matches!(
+        error.raw_os_error(),
+        Some(libc::EAFNOSUPPORT | libc::EADDRNOTAVAIL)
+    );
+    (addr.ip() == IpAddr::V6(Ipv6Addr::UNSPECIFIED) && no_ipv6)
+        .then(|| SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), addr.port()))
 }
 
 /// One server generation: serves `agent` with the TLS files as they are now until `shutdown`.
@@ -184,4 +214,64 @@ async fn serve_once(
         .await?;
     info!("stopped");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The default listen address serves both families on this (Linux) host.
+    #[tokio::test]
+    async fn the_default_listen_address_takes_ipv4_and_ipv6() {
+        let default: SocketAddr = "[::]:9443".parse().unwrap();
+        let config = <Config as clap::Parser>::try_parse_from([
+            "nodekeeper-agent",
+            "--node-name=n1",
+            "--tls-cert=/c",
+            "--tls-key=/k",
+            "--client-ca=/ca",
+        ])
+        .unwrap();
+        assert_eq!(config.listen, default, "the default --listen");
+        let listener = bind_listen("[::]:0".parse().unwrap()).await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        for client in ["127.0.0.1", "::1"] {
+            let ip: IpAddr = client.parse().unwrap();
+            // Containers often run with IPv6 off (`disable_ipv6`, no ::1) though the kernel has it.
+            if ip.is_ipv6() && std::net::TcpListener::bind("[::1]:0").is_err() {
+                nodekeeper_testkit::skip!(
+                    "this host has no IPv6 loopback (::1); the IPv4 half passed"
+                );
+            }
+            let connect = tokio::net::TcpStream::connect(SocketAddr::new(ip, port));
+            let (connected, accepted) = tokio::join!(connect, listener.accept());
+            connected.unwrap_or_else(|e| panic!("connect over {client}: {e}"));
+            let (_, from) = accepted.unwrap();
+            assert_eq!(from.ip().to_canonical(), ip, "accepted over {client}");
+        }
+    }
+
+    #[test]
+    fn only_the_unspecified_ipv6_address_falls_back_and_only_without_ipv6() {
+        let error = std::io::Error::from_raw_os_error;
+        let any6: SocketAddr = "[::]:9443".parse().unwrap();
+        for errno in [libc::EAFNOSUPPORT, libc::EADDRNOTAVAIL] {
+            assert_eq!(
+                ipv4_fallback(any6, &error(errno)),
+                Some("0.0.0.0:9443".parse().unwrap())
+            );
+        }
+        // A port in use is not a missing IPv6: the error stands.
+        assert_eq!(ipv4_fallback(any6, &error(libc::EADDRINUSE)), None);
+        // An address the operator named is not second-guessed.
+        for named in [
+            "[fd00::5]:9443",
+            "[::1]:9443",
+            "0.0.0.0:9443",
+            "10.0.0.5:9443",
+        ] {
+            let named: SocketAddr = named.parse().unwrap();
+            assert_eq!(ipv4_fallback(named, &error(libc::EADDRNOTAVAIL)), None);
+        }
+    }
 }

@@ -129,6 +129,18 @@ pub struct Fleet {
     pub nodes: u64,
     pub read: u64,
     pub stale: u64,
+    /// Nodes whose agent's latest call failed, counted at once (before the condition turns
+    /// False). `None` from a controller too old to serve it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub unreachable: Option<u64>,
+    /// Some of them by name (the controller lists at most 50), sorted.
+    pub unreachable_nodes: Vec<String>,
+    /// Nodes whose agent refuses the tuning rules the controller accepted. `None` from a
+    /// controller too old to serve it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub refusing_rules: Option<u64>,
+    /// Some of them by name (at most 50), sorted.
+    pub refusing_rules_nodes: Vec<String>,
     pub without_internal_ip: u64,
     /// `Type=Status` → nodes.
     pub conditions: BTreeMap<String, u64>,

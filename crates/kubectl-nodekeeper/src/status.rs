@@ -303,7 +303,6 @@ pub fn format(view: &StatusView, out: &Output) -> String {
     }
     let s = &view.controller;
     let fleet = &s.fleet;
-    let count = |key: &str| fleet.conditions.get(key).copied().unwrap_or(0);
     let mut text = render::key_values(&[
         (
             "Controller",
@@ -321,9 +320,15 @@ pub fn format(view: &StatusView, out: &Output) -> String {
         ("Nodes managed", fleet.nodes.to_string()),
         ("Reports held", fleet.read.to_string()),
         ("Stale reports", fleet.stale.to_string()),
+        // The controller's own counts: an agent that stopped answering counts at once, where
+        // NodekeeperReachable=False (the condition table) waits for the report to go stale.
         (
             "Unreachable agents",
-            count(&format!("{}=False", names::NODE_CONDITION_REACHABLE)).to_string(),
+            counted(fleet.unreachable, &fleet.unreachable_nodes),
+        ),
+        (
+            "Refusing tuning rules",
+            counted(fleet.refusing_rules, &fleet.refusing_rules_nodes),
         ),
         ("Without InternalIP", fleet.without_internal_ip.to_string()),
     ]);
@@ -436,6 +441,29 @@ pub fn format(view: &StatusView, out: &Output) -> String {
     text
 }
 
+/// Nodes shown by name after a count, before "…".
+const NAMES_SHOWN: usize = 5;
+
+/// `2 (node-a, node-b)`; `-` from a controller too old to count them.
+fn counted(count: Option<u64>, nodes: &[String]) -> String {
+    let Some(count) = count else {
+        return "- (the controller is too old to count them)".to_owned();
+    };
+    if count == 0 || nodes.is_empty() {
+        return count.to_string();
+    }
+    let mut listed = nodes
+        .iter()
+        .take(NAMES_SHOWN)
+        .map(String::as_str)
+        .collect::<Vec<_>>()
+        .join(", ");
+    if count > NAMES_SHOWN as u64 {
+        listed.push_str(", …");
+    }
+    format!("{count} ({listed})")
+}
+
 fn more(section: &mut String, omitted: usize) {
     if omitted > 0 {
         section.push_str(&format!("... and {omitted} more\n"));
@@ -470,6 +498,10 @@ mod tests {
                     nodes: 3,
                     read: 3,
                     stale: 1,
+                    unreachable: Some(1),
+                    unreachable_nodes: vec!["worker-2".into()],
+                    refusing_rules: Some(0),
+                    refusing_rules_nodes: vec![],
                     without_internal_ip: 0,
                     conditions: [
                         ("NodekeeperReachable=True".to_owned(), 2),
@@ -507,6 +539,13 @@ mod tests {
         let text = format(&sample(), &Output::plain(OutputFormat::Json));
         let v: serde_json::Value = serde_json::from_str(&text).unwrap();
         assert_eq!(v["controller"]["fleet"]["stale"], 1);
+        assert_eq!(v["controller"]["fleet"]["unreachable"], 1);
+        assert_eq!(v["controller"]["fleet"]["unreachableNodes"][0], "worker-2");
+        assert_eq!(v["controller"]["fleet"]["refusingRules"], 0);
+        assert_eq!(
+            v["controller"]["fleet"]["refusingRulesNodes"],
+            serde_json::json!([])
+        );
         assert_eq!(v["networkTests"][0]["name"], "netcheck-x7k2q");
         assert!(v.get("problemNodes").is_none());
         let yaml = format(&sample(), &Output::plain(OutputFormat::Yaml));
@@ -514,6 +553,49 @@ mod tests {
             yaml.contains("networkTests:\n- namespace: nodekeeper\n"),
             "{yaml}"
         );
+    }
+
+    /// The controller's `/api/v1/summary` fleet, as it serves it (shared/fleet.rs), is read
+    /// whole: the unreachable and refusing counts are its own, not the condition counts.
+    #[test]
+    fn the_fleet_counts_come_from_the_controller() {
+        let served = serde_json::json!({
+            "identity": "c", "leader": true, "nodesSynced": true,
+            "fleet": {
+                "nodes": 70, "read": 70, "stale": 0,
+                "unreachable": 7,
+                "unreachableNodes": ["n1", "n2", "n3", "n4", "n5", "n6", "n7"],
+                "refusingRules": 2, "refusingRulesNodes": ["n8", "n9"],
+                "withoutInternalIp": 0,
+                "conditions": {"NodekeeperReachable=True": 70},
+                "tunablesOutOfBounds": {}
+            }
+        });
+        let mut view = sample();
+        view.controller = serde_json::from_value(served).unwrap();
+        let row = |view: &StatusView, key: &str| {
+            let text = format(view, &Output::plain(OutputFormat::Table));
+            text.lines()
+                .find_map(|l| l.strip_prefix(&format!("{key}:")))
+                .map(|v| v.trim().to_owned())
+                .unwrap_or_else(|| panic!("no {key} row: {text}"))
+        };
+        assert_eq!(
+            row(&view, "Unreachable agents"),
+            "7 (n1, n2, n3, n4, n5, …)"
+        );
+        assert_eq!(row(&view, "Refusing tuning rules"), "2 (n8, n9)");
+
+        // An older controller serves neither: say so rather than show 0.
+        let old = serde_json::json!({"fleet": {"nodes": 1, "conditions": {}}});
+        view.controller = serde_json::from_value(old).unwrap();
+        assert!(
+            row(&view, "Unreachable agents").starts_with("- (the controller is too old"),
+            "{view:?}"
+        );
+        let json = format(&view, &Output::plain(OutputFormat::Json));
+        let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+        assert!(v["controller"]["fleet"].get("unreachable").is_none(), "{v}");
     }
 
     #[test]

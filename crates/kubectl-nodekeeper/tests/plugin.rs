@@ -792,6 +792,11 @@ async fn with_a_controller_each_verb_works_and_bad_input_gets_one_line() -> anyh
         Some("0"),
         "{run:?}"
     );
+    assert_eq!(
+        field(&run.stdout, "Refusing tuning rules"),
+        Some("0"),
+        "{run:?}"
+    );
     assert!(
         field(&run.stdout, "Controller")
             .is_some_and(|c| c.starts_with("plugin-controller (leader")),
@@ -821,6 +826,8 @@ async fn with_a_controller_each_verb_works_and_bad_input_gets_one_line() -> anyh
     assert_eq!(run.code, 0, "{run:?}");
     let v: serde_json::Value = serde_json::from_str(&run.stdout)?;
     assert_eq!(v["controller"]["fleet"]["nodes"], 3, "{v}");
+    assert_eq!(v["controller"]["fleet"]["unreachable"], 0, "{v}");
+    assert_eq!(v["controller"]["fleet"]["refusingRules"], 0, "{v}");
     assert_eq!(
         v["controller"]["fleet"]["conditions"]["NodekeeperReachable=True"], 3,
         "{v}"

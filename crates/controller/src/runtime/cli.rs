@@ -37,8 +37,9 @@ pub struct Cli {
     #[arg(long, env = "NODEKEEPER_POD_NAME")]
     pub pod_name: Option<String>,
 
-    /// Address of the HTTP API and metrics.
-    #[arg(long, env = "NODEKEEPER_HTTP_LISTEN", default_value = "0.0.0.0:8080")]
+    /// Address of the HTTP API and metrics. The default `[::]` takes IPv4 and IPv6 alike; on a
+    /// host without IPv6 (`ipv6.disable=1`) the controller listens on `0.0.0.0` instead.
+    #[arg(long, env = "NODEKEEPER_HTTP_LISTEN", default_value = "[::]:8080")]
     pub http_listen: SocketAddr,
 
     /// Port of the agents' gRPC servers on each node's InternalIP.
@@ -159,6 +160,52 @@ impl Cli {
                  bundle may take to arrive (default 5m)"
             ));
         }
+        if self.controllers.node_diagnostic.diagnostics_max_bytes == 0 {
+            return Err(
+                "--diagnostics-max-bytes 0: every diagnostics bundle would fail as too large; give \
+                 the bytes of bundles to keep (default 2147483648, 2 GiB)"
+                    .into(),
+            );
+        }
+        let join_timeout = self.controllers.node_set.nodeset_join_timeout;
+        if join_timeout.is_zero() {
+            // plan() replaces a machine that has not joined after this long: zero replaces every
+            // machine the moment it is created, before any kubelet could report.
+            return Err(format!(
+                "--nodeset-join-timeout ({join_timeout:?}) must be more than 0: every new \
+                 machine would be replaced at once, before its kubelet could join; give the \
+                 longest time a machine may take to boot and join (default 10m)"
+            ));
+        }
+        let nnc = &self.controllers.node_network_config;
+        // Both are the NodeNetworkConfig controller's requeue delays: zero has it reconcile in a
+        // loop, re-reading its nodes (and, during a rollout, the cloud) without pause.
+        if nnc.nnc_poll_interval < Duration::from_millis(100) {
+            return Err(format!(
+                "--nnc-poll-interval ({:?}) must be at least 100ms: a rollout in progress is \
+                 looked at again this soon, so a shorter one spins on the cloud's and the agents' \
+                 APIs (default 2s)",
+                nnc.nnc_poll_interval
+            ));
+        }
+        if nnc.nnc_resync_interval < Duration::from_secs(1) {
+            return Err(format!(
+                "--nnc-resync-interval ({:?}) must be at least 1s: every finished \
+                 NodeNetworkConfig is reconciled again this often (default 60s)",
+                nnc.nnc_resync_interval
+            ));
+        }
+        for (flag, timeout, default) in [
+            ("--nnc-attach-timeout", nnc.nnc_attach_timeout, "5m"),
+            ("--nnc-apply-timeout", nnc.nnc_apply_timeout, "90s"),
+        ] {
+            if timeout.is_zero() {
+                return Err(format!(
+                    "{flag} ({timeout:?}) must be more than 0: every node of every \
+                     NodeNetworkConfig would fail at once as late (default {default})"
+                ));
+            }
+        }
         let diagnostics_dir = &self.controllers.node_diagnostic.diagnostics_dir;
         if !diagnostics_dir.is_absolute() {
             // Refused here: the bundle store would refuse it later, with a warning only, and every
@@ -276,11 +323,31 @@ mod tests {
             (&["--diagnostics-dir", "./var/diag"], "--diagnostics-dir"),
             (&["--log", "info,[unclosed"], "--log"),
             (&["--node-selector", "pool=gpu,,zone=a"], "--node-selector"),
+            (&["--diagnostics-max-bytes", "0"], "--diagnostics-max-bytes"),
+            (&["--nodeset-join-timeout", "0s"], "--nodeset-join-timeout"),
+            (&["--nodeset-join-timeout", "0ms"], "--nodeset-join-timeout"),
+            (&["--nnc-poll-interval", "0s"], "--nnc-poll-interval"),
+            (&["--nnc-poll-interval", "99ms"], "--nnc-poll-interval"),
+            (&["--nnc-resync-interval", "0s"], "--nnc-resync-interval"),
+            (&["--nnc-resync-interval", "999ms"], "--nnc-resync-interval"),
+            (&["--nnc-attach-timeout", "0s"], "--nnc-attach-timeout"),
+            (&["--nnc-apply-timeout", "0s"], "--nnc-apply-timeout"),
         ] {
             let error = parse(args).unwrap_err();
             assert!(error.contains(flag), "{args:?}: {error}");
         }
         assert_eq!(parse(&["--retry-period", "1s"]), Ok(()));
+        // The smallest values accepted.
+        for args in [
+            &["--nodeset-join-timeout", "1s"][..],
+            &["--nnc-poll-interval", "100ms"],
+            &["--nnc-resync-interval", "1s"],
+            &["--nnc-attach-timeout", "1s"],
+            &["--nnc-apply-timeout", "1s"],
+            &["--diagnostics-max-bytes", "1"],
+        ] {
+            assert_eq!(parse(args), Ok(()), "{args:?}");
+        }
         let error = parse(&["--lease-duration", "12500ms"]).unwrap_err();
         assert!(
             error.contains("--lease-duration") && error.contains("whole"),

@@ -20,7 +20,7 @@ pub mod logging;
 pub mod pki;
 pub mod signals;
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -140,13 +140,14 @@ pub async fn run(cli: Cli) -> Result<(), Error> {
     let controllers = Controllers::default();
     let is_leader = Arc::new(AtomicBool::new(false));
 
-    let listener = tokio::net::TcpListener::bind(cli.http_listen)
+    let listener = bind_listen(cli.http_listen)
         .await
         .map_err(|source| Error::BindHttp {
             addr: cli.http_listen,
             source,
         })?;
-    info!(addr = %cli.http_listen, identity = %identity, "HTTP API listening");
+    let listening = listener.local_addr().unwrap_or(cli.http_listen);
+    info!(addr = %listening, identity = %identity, "HTTP API listening");
     {
         let router = http::router(
             Arc::new(http::Context {
@@ -300,4 +301,92 @@ pub async fn run(cli: Cli) -> Result<(), Error> {
         leader::release(&leases, &lease_config, written.clone()).await;
     }
     result.map(|_| ())
+}
+
+/// Binds `--http-listen`. The default, `[::]`, takes IPv4 and IPv6 alike on Linux (IPv4 arrives
+/// mapped, unless the host sets `net.ipv6.bindv6only`), so the kubelet's probes and the Service
+/// reach it on single- and dual-stack clusters of either family; on a host without IPv6
+/// (`ipv6.disable=1`), where it cannot be bound, it listens on `0.0.0.0` instead rather than
+/// not start.
+pub async fn bind_listen(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    match tokio::net::TcpListener::bind(addr).await {
+        Err(error) => match ipv4_fallback(addr, &error) {
+            Some(v4) => {
+                warn!(%addr, %error, listen = %v4, "this host has no IPv6; listening on IPv4 only");
+                tokio::net::TcpListener::bind(v4).await
+            }
+            None => Err(error),
+        },
+        bound => bound,
+    }
+}
+
+/// Where to listen instead when binding `addr` failed with `error`: `0.0.0.0` on the same port
+/// when `addr` is `[::]` and the host has no IPv6 (the socket family is not supported, or the
+/// address is not available). Any other address or error stands: the flag named it.
+fn ipv4_fallback(addr: SocketAddr, error: &std::io::Error) -> Option<SocketAddr> {
+    // Linux's errno values (the controller runs on Linux only; no libc dependency for two
+    // numbers).
+    const EAFNOSUPPORT: i32 = 97;
+    const EADDRNOTAVAIL: i32 = 99;
+    let no_ipv6 = matches!(error.raw_os_error(), Some(EAFNOSUPPORT | EADDRNOTAVAIL));
+    (addr.ip() == IpAddr::V6(Ipv6Addr::UNSPECIFIED) && no_ipv6)
+        .then(|| SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), addr.port()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser as _;
+
+    /// The default `--http-listen` serves both families on this (Linux) host.
+    #[tokio::test]
+    #[allow(clippy::print_stdout)] // a skip prints `SKIPPED: <test>: <reason>`, the contract with CI
+    async fn the_default_http_listen_address_takes_ipv4_and_ipv6() {
+        let cli = Cli::parse_from(["nodekeeper-controller"]);
+        assert_eq!(cli.http_listen, "[::]:8080".parse().unwrap());
+        let listener = bind_listen("[::]:0".parse().unwrap()).await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        for client in ["127.0.0.1", "::1"] {
+            let ip: IpAddr = client.parse().unwrap();
+            // Containers often run with IPv6 off (`disable_ipv6`, no ::1) though the kernel has it.
+            if ip.is_ipv6() && std::net::TcpListener::bind("[::1]:0").is_err() {
+                println!(
+                    "SKIPPED: the_default_http_listen_address_takes_ipv4_and_ipv6: this host has \
+                     no IPv6 loopback (::1); the IPv4 half passed"
+                );
+                return;
+            }
+            let connect = tokio::net::TcpStream::connect(SocketAddr::new(ip, port));
+            let (connected, accepted) = tokio::join!(connect, listener.accept());
+            connected.unwrap_or_else(|e| panic!("connect over {client}: {e}"));
+            let (_, from) = accepted.unwrap();
+            assert_eq!(from.ip().to_canonical(), ip, "accepted over {client}");
+        }
+    }
+
+    #[test]
+    fn only_the_unspecified_ipv6_address_falls_back_and_only_without_ipv6() {
+        let error = std::io::Error::from_raw_os_error;
+        let any6: SocketAddr = "[::]:8080".parse().unwrap();
+        // EAFNOSUPPORT (ipv6.disable=1: no AF_INET6 sockets), EADDRNOTAVAIL.
+        for errno in [97, 99] {
+            assert_eq!(
+                ipv4_fallback(any6, &error(errno)),
+                Some("0.0.0.0:8080".parse().unwrap())
+            );
+        }
+        // EADDRINUSE: a port in use is not a missing IPv6; the error stands.
+        assert_eq!(ipv4_fallback(any6, &error(98)), None);
+        // An address the operator named is not second-guessed.
+        for named in [
+            "[fd00::5]:8080",
+            "[::1]:8080",
+            "0.0.0.0:8080",
+            "127.0.0.1:8080",
+        ] {
+            let named: SocketAddr = named.parse().unwrap();
+            assert_eq!(ipv4_fallback(named, &error(99)), None);
+        }
+    }
 }

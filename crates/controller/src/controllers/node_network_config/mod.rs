@@ -58,16 +58,16 @@ pub struct Config {
 
     /// How soon a rollout in progress is looked at again (attachments waiting for ATTACHED,
     /// nodes waiting for their turn); also how long one pass goes on taking the first looks
-    /// that fall due, before it writes the status.
+    /// that fall due, before it writes the status. At least 100ms.
     #[arg(long, env = "NODEKEEPER_NNC_POLL_INTERVAL", default_value = "2s", value_parser = duration)]
     pub nnc_poll_interval: Duration,
 
-    /// How often a finished rollout is looked at again (nodes added or relabelled).
+    /// How often a finished rollout is looked at again (nodes added or relabelled). At least 1s.
     #[arg(long, env = "NODEKEEPER_NNC_RESYNC_INTERVAL", default_value = "60s", value_parser = duration)]
     pub nnc_resync_interval: Duration,
 
     /// Longest wait for a VNIC to become ATTACHED and visible on the host (its interface and
-    /// the metadata service's answer); the node then fails, naming the VNIC.
+    /// the metadata service's answer); the node then fails, naming the VNIC. More than 0.
     #[arg(long, env = "NODEKEEPER_NNC_ATTACH_TIMEOUT", default_value = "5m", value_parser = duration)]
     pub nnc_attach_timeout: Duration,
 
@@ -77,7 +77,7 @@ pub struct Config {
     #[arg(long, env = "NODEKEEPER_NNC_ATTACH_LATENCY", default_value = "10s", value_parser = duration)]
     pub nnc_attach_latency: Duration,
 
-    /// Longest `ApplyNetwork` call (the post-apply check included).
+    /// Longest `ApplyNetwork` call (the post-apply check included). More than 0.
     #[arg(long, env = "NODEKEEPER_NNC_APPLY_TIMEOUT", default_value = "90s", value_parser = duration)]
     pub nnc_apply_timeout: Duration,
 

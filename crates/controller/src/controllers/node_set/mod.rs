@@ -60,7 +60,7 @@ pub struct Config {
     /// A machine whose kubelet has not reported this long after creation (its Node has no Ready
     /// condition, or only the `Ready=Unknown` reason `NodeStatusNeverUpdated` that
     /// kube-controller-manager writes on a Node no kubelet ever updated) is deleted and replaced
-    /// (with backoff), and counted in the set's `status.failedJoins`.
+    /// (with backoff), and counted in the set's `status.failedJoins`. More than 0.
     #[arg(long, env = "NODEKEEPER_NODESET_JOIN_TIMEOUT", default_value = "10m", value_parser = duration)]
     pub nodeset_join_timeout: Duration,
 
