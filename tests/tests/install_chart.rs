@@ -246,7 +246,7 @@ fn values_reach_their_objects() {
     };
     assert_eq!(
         env(container, "NODEKEEPER_LISTEN"),
-        Some(json!("0.0.0.0:9555"))
+        Some(json!("[::]:9555"))
     );
     assert_eq!(
         env(container, "NODEKEEPER_IMDS_ENDPOINT"),
@@ -312,6 +312,11 @@ fn values_reach_their_objects() {
     );
     // The controller calls the agents on the port they listen on.
     assert_eq!(env(container, "NODEKEEPER_AGENT_PORT"), Some(json!("9555")));
+    // ... and manages the nodes they run on (agent.nodeSelector), not every node.
+    assert_eq!(
+        env(container, "NODEKEEPER_NODE_SELECTOR"),
+        Some(json!("pool=gpu"))
+    );
     assert!(
         pod["volumes"]
             .as_array()
@@ -329,6 +334,78 @@ fn values_reach_their_objects() {
     // The binding follows the release namespace.
     let binding = find(&objects, "ClusterRoleBinding");
     assert_eq!(binding["subjects"][0]["namespace"], "kube-system");
+}
+
+/// The controller's `NODEKEEPER_NODE_SELECTOR` in a rendering with `values`, if set.
+fn managed_nodes(values: &Value) -> Option<String> {
+    let file = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(file.path(), serde_json::to_string(values).unwrap()).unwrap();
+    let objects = helm_template("nodekeeper", &["-f", file.path().to_str().unwrap()])
+        .unwrap_or_else(|e| panic!("{e}"));
+    let container = &find(&objects, "Deployment")["spec"]["template"]["spec"]["containers"][0];
+    container["env"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["name"] == "NODEKEEPER_NODE_SELECTOR")
+        .map(|e| e["value"].as_str().unwrap().to_owned())
+}
+
+/// Regression: `agent.nodeSelector` placed the agents on some nodes while the controller managed
+/// every Node, so each node without an agent went NodekeeperReachable=False and kept
+/// NodekeeperAgentStale firing. The controller's --node-selector now selects exactly the nodes
+/// the agent's nodeSelector does (as the controller parses it), unless
+/// `controller.managedNodeSelector` says otherwise; with neither, every Node, as `deploy/`.
+#[test]
+fn the_controller_manages_the_nodes_the_agent_runs_on() {
+    use nodekeeper_api::selector;
+
+    assert_eq!(managed_nodes(&json!({})), None, "every Node by default");
+    let agent_selector = json!({"pool": "gpu", "nodekeeper.dev/managed": ""});
+    let rendered = managed_nodes(&json!({"agent": {"nodeSelector": agent_selector}}))
+        .expect("agent.nodeSelector reaches the controller");
+    assert_eq!(rendered, "nodekeeper.dev/managed=,pool=gpu");
+    let parsed = selector::parse(&rendered).unwrap_or_else(|e| panic!("{rendered}: {e}"));
+    assert_eq!(selector::check(&parsed), Ok(()), "{rendered}");
+    let labels = |pairs: &[(&str, &str)]| -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect()
+    };
+    // The agent's node (its nodeSelector's labels, and others) is managed; a node of another
+    // pool, or one without the label, is not.
+    assert!(parsed.matches(&labels(&[
+        ("pool", "gpu"),
+        ("nodekeeper.dev/managed", ""),
+        ("zone", "a")
+    ])));
+    assert!(!parsed.matches(&labels(&[("pool", "cpu"), ("nodekeeper.dev/managed", "")])));
+    assert!(!parsed.matches(&labels(&[("pool", "gpu")])));
+
+    // The dedicated value wins, as given.
+    let explicit = "pool in (gpu,cpu),!spot";
+    assert_eq!(
+        managed_nodes(&json!({
+            "agent": {"nodeSelector": {"pool": "gpu"}},
+            "controller": {"managedNodeSelector": explicit},
+        }))
+        .as_deref(),
+        Some(explicit)
+    );
+    assert_eq!(
+        managed_nodes(&json!({"controller": {"managedNodeSelector": explicit}})).as_deref(),
+        Some(explicit)
+    );
+    // A map (agent.nodeSelector's shape) is refused, naming the value.
+    let message = refused(&[
+        "--set-json",
+        r#"controller.managedNodeSelector={"pool":"gpu"}"#,
+    ]);
+    assert!(
+        message.contains("managedNodeSelector") && message.contains("string"),
+        "{message}"
+    );
 }
 
 /// `agent.metrics.enabled=false` serves no metrics: no listener, no port, no agent PodMonitor
@@ -577,9 +654,28 @@ fn oke_addon_arguments_map_onto_the_chart_and_the_tuning_configmap() {
             && has_env(ccontainer, "NODEKEEPER_OCI_REGION", "us-ashburn-1"),
         "{ccontainer:#}"
     );
+    // The controller manages the nodes agentNodeSelectors puts the agent on ...
+    assert!(
+        has_env(
+            ccontainer,
+            "NODEKEEPER_NODE_SELECTOR",
+            "node.kubernetes.io/instance-type=BM.GPU.H100.8"
+        ),
+        "{ccontainer:#}"
+    );
+    // ... or those managedNodeSelector names.
+    let values = oke_values(&[
+        ("agentNodeSelectors", r#"{"pool":"gpu"}"#),
+        ("managedNodeSelector", "pool in (gpu,gpu-spare)"),
+    ])
+    .unwrap();
+    assert_eq!(
+        managed_nodes(&values).as_deref(),
+        Some("pool in (gpu,gpu-spare)")
+    );
     let container = &apod["containers"][0];
     assert!(
-        has_env(container, "NODEKEEPER_LISTEN", "0.0.0.0:9445")
+        has_env(container, "NODEKEEPER_LISTEN", "[::]:9445")
             && has_env(
                 container,
                 "NODEKEEPER_IMDS_ENDPOINT",
@@ -672,6 +768,14 @@ fn monitoring_rules_pass_promtool_and_render() {
         .filter_map(|l| l.trim().strip_prefix("- alert: "))
         .collect();
     assert!(alerts.len() >= 5, "{alerts:?}");
+    // The commands name the namespace the series come from (`{{ $labels.namespace }}`), not
+    // the default one: the chart installs into any namespace.
+    for fixed in ["-n nodekeeper ", "namespaces/nodekeeper/"] {
+        assert!(
+            !text.contains(fixed),
+            "files/prometheus-rules.yaml names the namespace `nodekeeper` ({fixed:?}); use {{{{ $labels.namespace }}}}"
+        );
+    }
     let tested: Value = serde_yaml::from_str(&tested).unwrap();
     let firing: Vec<&str> = tested["tests"]
         .as_array()

@@ -6,7 +6,7 @@
 //! their nodes' 127.x addresses, evaluates the chart's alert rules, and answers every query of
 //! the Grafana dashboard with data while the test creates the conditions they show (a failed
 //! NetworkTest, a NodeMaintenance whose drain a bare pod blocks, a NodeNetworkConfig rollout, a
-//! hung task in one node's kernel log). `promtool check rules` / `test rules` run in
+//! hung task in one node's kernel log, a refused tuning ConfigMap). `promtool check rules` / `test rules` run in
 //! install_chart.rs.
 //!
 //! Run: `cargo xtask test -- -p nodekeeper-e2e --test install_monitoring` (the live test needs
@@ -678,6 +678,43 @@ async fn prometheus_scrapes_controller_and_agents_and_every_dashboard_query_has_
         &format!(
             "ALERTS{{alertname=\"NodekeeperNetworkTestFailed\",alertstate=\"firing\",name=\"{failed}\",namespace=\"{ns}\"}}"
         ),
+    )
+    .await?;
+
+    // A refused tuning ConfigMap: the gauge holds 1 and the alert goes pending, carrying the
+    // `namespace` label the PodMonitor gives the controller's series (its descriptions' commands
+    // name it); a valid version again turns the gauge back to 0.
+    put_tuning(
+        &client,
+        &ns,
+        &BTreeMap::from([("sweepInterval", "soon"), ("callTimeout", "2s")]),
+    )
+    .await?;
+    prom.wait_data(
+        "the refused tuning gauge",
+        "nodekeeper_tuning_refused{job=\"nodekeeper-controller\"} == 1",
+    )
+    .await?;
+    let refused = prom
+        .wait_data(
+            "the NodekeeperTuningRefused alert",
+            "ALERTS{alertname=\"NodekeeperTuningRefused\"}",
+        )
+        .await?;
+    assert_eq!(refused.len(), 1, "{refused:?}");
+    assert_eq!(
+        refused[0]["metric"]["namespace"], "nodekeeper",
+        "{refused:?}"
+    );
+    put_tuning(
+        &client,
+        &ns,
+        &BTreeMap::from([("sweepInterval", "10s"), ("callTimeout", "2s")]),
+    )
+    .await?;
+    prom.wait_data(
+        "the tuning gauge back at 0",
+        "nodekeeper_tuning_refused{job=\"nodekeeper-controller\"} == 0",
     )
     .await?;
 

@@ -270,6 +270,11 @@ impl ConditionMetrics {
 pub struct TuningMetrics {
     pub reloads: Family<ResultLabels, Counter>,
     pub invalid_keys: Counter,
+    /// 1 while the latest ConfigMap version read was refused, 0 once a good one (or its
+    /// absence) is in force. The alert reads this, not `invalid_keys`: the counter goes up once
+    /// per refused version, so an `increase()` over it clears while the same refused version
+    /// stays.
+    pub refused: Gauge,
 }
 
 impl TuningMetrics {
@@ -277,6 +282,7 @@ impl TuningMetrics {
         let m = Self {
             reloads: Family::default(),
             invalid_keys: Counter::default(),
+            refused: Gauge::default(),
         };
         tuning.register(
             "reloads",
@@ -287,6 +293,11 @@ impl TuningMetrics {
             "invalid_keys",
             "Invalid keys found in tuning ConfigMaps",
             m.invalid_keys.clone(),
+        );
+        tuning.register(
+            "refused",
+            "1 while the latest tuning ConfigMap version read was refused (the last good configuration, or the defaults, stay in force); 0 once a valid one is read or it is deleted",
+            m.refused.clone(),
         );
         m
     }

@@ -2,7 +2,8 @@
 //! parses it with [`nodekeeper_model::tuning::parse`], and publishes the result to the rest of the
 //! controller through a `watch` channel, so changes take effect without a restart. An invalid
 //! ConfigMap is refused with a Warning Event on it naming every bad key and the problem, and the
-//! last good configuration stays in force. A deleted (or absent) ConfigMap means the defaults,
+//! last good configuration stays in force; the gauge `nodekeeper_tuning_refused` reads 1 until a
+//! good version (or the ConfigMap's deletion) replaces it. A deleted (or absent) ConfigMap means the defaults,
 //! whether it goes while this process leads or before it starts.
 //!
 //! A process that has read no good configuration since it started (the ConfigMap was already
@@ -164,7 +165,7 @@ pub async fn watch_tuning(
                 if !listed && !is_absent(&sender.borrow()) {
                     info!(configmap = %name, "no tuning ConfigMap; the defaults are in force");
                     seen_version = None;
-                    sender.send_replace(Arc::new(TuningState::absent()));
+                    publish(&sender, &metrics, TuningState::absent());
                 }
                 continue;
             }
@@ -173,7 +174,7 @@ pub async fn watch_tuning(
             Ok(Some(watcher::Event::Delete(_))) => {
                 info!(configmap = %name, "tuning ConfigMap deleted; the defaults are in force");
                 seen_version = None;
-                sender.send_replace(Arc::new(TuningState::absent()));
+                publish(&sender, &metrics, TuningState::absent());
                 continue;
             }
             Ok(None) => return,
@@ -204,7 +205,7 @@ pub async fn watch_tuning(
                     })
                     .inc();
                 info!(source = %state.source, rules_revision = state.rules_revision, sweep_interval = %tuning::format_duration(state.config.sweep_interval), concurrency = state.config.concurrency, "tuning loaded");
-                sender.send_replace(Arc::new(state));
+                publish(&sender, &metrics, state);
             }
             Err(kept) => {
                 metrics
@@ -240,10 +241,18 @@ pub async fn watch_tuning(
                 if let Err(error) = recorder.publish(&event, &cm.object_ref(&())).await {
                     warn!(%error, configmap = %name, "publishing the Warning Event failed");
                 }
-                sender.send_replace(Arc::new(kept));
+                publish(&sender, &metrics, kept);
             }
         }
     }
+}
+
+/// Puts `state` in force, and the `nodekeeper_tuning_refused` gauge with it: 1 while the
+/// latest version read was refused (`last_error`), for as long as that version stays (a relist
+/// replays it without a second refusal), 0 once a good version or the ConfigMap's absence is.
+fn publish(sender: &watch::Sender<Arc<TuningState>>, metrics: &TuningMetrics, state: TuningState) {
+    metrics.refused.set(i64::from(state.last_error.is_some()));
+    sender.send_replace(Arc::new(state));
 }
 
 /// The state the absence of the ConfigMap gives, already in force.
@@ -434,6 +443,59 @@ mod tests {
         let pushed = off.rules_to_push().expect("a rule set is pushed");
         assert!(pushed.tunables.is_empty() && pushed.thresholds.is_empty());
         assert_ne!(pushed.revision(), off.config.rules.revision());
+    }
+
+    /// The value `nodekeeper_tuning_refused` is scraped at.
+    fn refused_gauge(registry: &prometheus_client::registry::Registry) -> String {
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, registry).unwrap();
+        text.lines()
+            .find_map(|l| l.strip_prefix("nodekeeper_tuning_refused "))
+            .unwrap_or_else(|| panic!("no nodekeeper_tuning_refused in\n{text}"))
+            .to_owned()
+    }
+
+    /// Regression: the NodekeeperTuningRefused alert read `increase()` of the invalid-keys
+    /// counter, which goes up once per refused version, so it cleared fifteen minutes after a
+    /// refusal while the refused ConfigMap stayed. The gauge holds until a good version (or the
+    /// ConfigMap's deletion) is in force.
+    #[test]
+    fn the_refused_gauge_holds_while_the_refused_version_is_the_latest() {
+        let mut registry = prometheus_client::registry::Registry::default();
+        let metrics = crate::shared::metrics::Metrics::new(&mut registry).tuning;
+        let (sender, receiver) = watch::channel(Arc::new(TuningState::defaults()));
+        assert_eq!(refused_gauge(&registry), "0");
+
+        let good = next_state(&TuningState::defaults(), &data(&[]), "v1".into()).unwrap();
+        publish(&sender, &metrics, good.clone());
+        assert_eq!(refused_gauge(&registry), "0");
+
+        let kept = next_state(&good, &data(&[("sweepInterval", "soon")]), "v2".into()).unwrap_err();
+        publish(&sender, &metrics, kept);
+        assert_eq!(refused_gauge(&registry), "1");
+        assert_eq!(
+            receiver.borrow().source,
+            "v1",
+            "the last good one stays in force"
+        );
+        // Nothing else is read while that version stays: the gauge does not decay.
+        assert_eq!(refused_gauge(&registry), "1");
+
+        let fixed = next_state(&receiver.borrow(), &data(&[]), "v3".into()).unwrap();
+        publish(&sender, &metrics, fixed);
+        assert_eq!(refused_gauge(&registry), "0");
+
+        // Refused at start (no good one yet), then deleted: the defaults, not refused.
+        let kept = next_state(
+            &TuningState::defaults(),
+            &data(&[("colour", "red")]),
+            "v4".into(),
+        )
+        .unwrap_err();
+        publish(&sender, &metrics, kept);
+        assert_eq!(refused_gauge(&registry), "1");
+        publish(&sender, &metrics, TuningState::absent());
+        assert_eq!(refused_gauge(&registry), "0");
     }
 
     fn refusal(data: &BTreeMap<String, String>) -> Refusal {

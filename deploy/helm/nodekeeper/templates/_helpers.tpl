@@ -22,3 +22,19 @@ labels:
   {{- toYaml . | nindent 2 }}
 {{- end }}
 {{- end -}}
+
+{{/* The Nodes the controller manages, as a label selector in kubectl's syntax (its
+--node-selector): controller.managedNodeSelector, or else agent.nodeSelector as `key=value,...`
+(keys sorted), since a Node without an agent could only ever read NodekeeperReachable=False.
+Empty: every Node. */}}
+{{- define "nodekeeper.managedNodeSelector" -}}
+{{- if .Values.controller.managedNodeSelector -}}
+{{ .Values.controller.managedNodeSelector }}
+{{- else -}}
+{{- $terms := list -}}
+{{- range $key, $value := .Values.agent.nodeSelector -}}
+{{- $terms = append $terms (printf "%s=%s" $key $value) -}}
+{{- end -}}
+{{ join "," $terms }}
+{{- end -}}
+{{- end -}}
