@@ -321,6 +321,18 @@ impl Rig {
         gone
     }
 
+    /// The Node once its machine is recorded (`spec.providerID` set).
+    async fn wait_provider_id(&self, name: &str) -> anyhow::Result<Node> {
+        let nodes = self.nodes();
+        wait_for("the node's providerID", TIMEOUT, || async {
+            Ok(nodes
+                .get_opt(name)
+                .await?
+                .filter(|n| provider_id(n).is_some()))
+        })
+        .await
+    }
+
     async fn wait_ready(&self, name: &str) -> anyhow::Result<Node> {
         let nodes = self.nodes();
         wait_for(&format!("node {name} to be Ready"), TIMEOUT, || async {
@@ -504,22 +516,7 @@ async fn an_oci_node_created_by_hand_launches_one_instance_and_terminates_it_on_
 -> anyhow::Result<()> {
     let _serial = SERIAL.lock().await;
     let client = ControlPlane::shared().client().await?;
-    let endpoint = Arc::new(
-        OciEndpoint::start(EndpointConfig {
-            launch_delay: Duration::from_secs(2),
-            terminate_delay: Duration::from_secs(1),
-            ..Default::default()
-        })
-        .await?,
-    );
-    let (tenancy, user) = ("ocid1.tenancy.oc1..kubenode", "ocid1.user.oc1..kubenode");
-    let credentials = oci_common::api_key_for(&endpoint, tenancy, user)?;
-    let subnet = endpoint.add_subnet("10.0.0.0/16")?;
-    let image = endpoint.add_image();
-    let cloud = oci_common::cloud_flags(&endpoint, &credentials)?;
-    let oci = node_set::oci_provider(&client, &cloud, None)
-        .map_err(anyhow::Error::msg)?
-        .context("the flags give an oci provider")?;
+    let (endpoint, oci, _credentials, template) = oci_rig_parts(&client).await?;
     let oci = Counting::new(oci);
     let counted = Arc::clone(&oci);
     let mut rig = Rig::new("kubenode-oci", move |ctx| {
@@ -528,14 +525,6 @@ async fn an_oci_node_created_by_hand_launches_one_instance_and_terminates_it_on_
     .await?;
 
     let class = unique_name("e5");
-    let template = json!({
-        "compartmentId": "ocid1.compartment.oc1..kubenode",
-        "availabilityDomain": "Uocm:PHX-AD-1",
-        "shape": "VM.Standard.E5.Flex",
-        "shapeConfig": { "ocpus": 2, "memoryInGBs": 16 },
-        "imageId": image,
-        "subnetId": subnet,
-    });
     apply_spec(
         &Api::<NodeClass>::all(rig.client.clone()),
         &class,
@@ -570,7 +559,11 @@ async fn an_oci_node_created_by_hand_launches_one_instance_and_terminates_it_on_
         .oci
         .clone()
         .context("the request carries the class")?;
-    ensure!(t.image_id == image && t.subnet_id == subnet && t.shape == "VM.Standard.E5.Flex");
+    ensure!(
+        t.image_id == template["imageId"]
+            && t.subnet_id == template["subnetId"]
+            && t.shape == "VM.Standard.E5.Flex"
+    );
     ensure!(node.labels().get(LABEL_NODE_CLASS) == Some(&class));
 
     // The instance's kubelet joins: once it runs, the Node is handed to kwok (Ready).
@@ -756,35 +749,67 @@ fn live_instances(endpoint: &OciEndpoint) -> Vec<String> {
         .collect()
 }
 
+/// One Node of an `oci` NodeClass on a kube-node rig whose provider is what `wrap` makes of the
+/// local endpoint's (it also gives back the test's handle on it; `class_extra` adds fields to
+/// the class's spec).
+struct OciCase {
+    rig: Rig,
+    endpoint: Arc<OciEndpoint>,
+    _credentials: tempfile::TempDir,
+    class: String,
+    name: String,
+}
+
+async fn oci_case<H>(
+    prefix: &str,
+    wrap: impl FnOnce(Arc<dyn Provider>) -> (Arc<dyn Provider>, H),
+    class_extra: serde_json::Value,
+) -> anyhow::Result<(OciCase, H)> {
+    let client = ControlPlane::shared().client().await?;
+    let (endpoint, oci, credentials, template) = oci_rig_parts(&client).await?;
+    let (provider, handle) = wrap(oci);
+    let rig = Rig::new(prefix, move |ctx| ctx.oci = Some(provider)).await?;
+    let class = unique_name("e5");
+    let mut spec = json!({ "provider": "oci", "oci": template });
+    if let (Some(spec), Some(extra)) = (spec.as_object_mut(), class_extra.as_object()) {
+        spec.extend(extra.clone());
+    }
+    apply_spec(&Api::<NodeClass>::all(rig.client.clone()), &class, spec).await?;
+    let name = unique_name("node1");
+    rig.create_node(&name, &class).await?;
+    let case = OciCase {
+        rig,
+        endpoint,
+        _credentials: credentials,
+        class,
+        name,
+    };
+    Ok((case, handle))
+}
+
+/// `Faulty` around `oci`, as `oci_case` takes it.
+fn faulty_oci(
+    lose: u64,
+    hold: Option<Arc<tokio::sync::Notify>>,
+) -> impl FnOnce(Arc<dyn Provider>) -> (Arc<dyn Provider>, Arc<Faulty>) {
+    move |oci| {
+        let f = Faulty::new(oci, lose, hold);
+        (Arc::clone(&f) as Arc<dyn Provider>, f)
+    }
+}
+
 #[tokio::test]
 async fn an_oci_launch_whose_answer_was_lost_is_found_not_launched_again() -> anyhow::Result<()> {
     let _serial = SERIAL.lock().await;
-    let client = ControlPlane::shared().client().await?;
-    let (endpoint, oci, _credentials, template) = oci_rig_parts(&client).await?;
     // The first launch happens, and its answer is lost.
-    let faulty = Faulty::new(oci, 1, None);
-    let given = Arc::clone(&faulty);
-    let mut rig = Rig::new("kubenode-lost", move |ctx| {
-        ctx.oci = Some(given as Arc<dyn Provider>);
-    })
-    .await?;
-    let class = unique_name("e5");
-    apply_spec(
-        &Api::<NodeClass>::all(rig.client.clone()),
-        &class,
-        json!({ "provider": "oci", "oci": template }),
-    )
-    .await?;
-    let name = unique_name("node1");
-    rig.create_node(&name, &class).await?;
-    let nodes = rig.nodes();
-    let node = wait_for("the node's providerID", TIMEOUT, || async {
-        Ok(nodes
-            .get_opt(&name)
-            .await?
-            .filter(|n| provider_id(n).is_some()))
-    })
-    .await?;
+    let (case, faulty) = oci_case("kubenode-lost", faulty_oci(1, None), json!({})).await?;
+    let OciCase {
+        mut rig,
+        endpoint,
+        name,
+        ..
+    } = case;
+    let node = rig.wait_provider_id(&name).await?;
     let instances = endpoint.instances();
     ensure!(
         instances.len() == 1,
@@ -828,25 +853,20 @@ async fn an_oci_launch_whose_answer_was_lost_is_found_not_launched_again() -> an
 async fn an_oci_node_deleted_before_its_instance_was_recorded_has_it_terminated()
 -> anyhow::Result<()> {
     let _serial = SERIAL.lock().await;
-    let client = ControlPlane::shared().client().await?;
-    let (endpoint, oci, _credentials, template) = oci_rig_parts(&client).await?;
     // The launch happens; its answer (lost) comes only once the Node is deleted.
     let hold = Arc::new(tokio::sync::Notify::new());
-    let faulty = Faulty::new(oci, 1, Some(Arc::clone(&hold)));
-    let given = Arc::clone(&faulty);
-    let rig = Rig::new("kubenode-early", move |ctx| {
-        ctx.oci = Some(given as Arc<dyn Provider>);
-    })
-    .await?;
-    let class = unique_name("e5");
-    apply_spec(
-        &Api::<NodeClass>::all(rig.client.clone()),
-        &class,
-        json!({ "provider": "oci", "oci": template }),
+    let (case, faulty) = oci_case(
+        "kubenode-early",
+        faulty_oci(1, Some(Arc::clone(&hold))),
+        json!({}),
     )
     .await?;
-    let name = unique_name("node1");
-    rig.create_node(&name, &class).await?;
+    let OciCase {
+        rig,
+        endpoint,
+        name,
+        ..
+    } = case;
     let id = wait_for("the instance to be launched", TIMEOUT, || async {
         Ok(endpoint.instances().first().map(|i| i.id.clone()))
     })
@@ -874,23 +894,22 @@ async fn an_oci_node_deleted_before_its_instance_was_recorded_has_it_terminated(
 #[tokio::test]
 async fn an_oci_class_with_labels_the_api_server_refuses_launches_nothing() -> anyhow::Result<()> {
     let _serial = SERIAL.lock().await;
-    let client = ControlPlane::shared().client().await?;
-    let (endpoint, oci, _credentials, template) = oci_rig_parts(&client).await?;
-    let counted = Counting::new(oci);
-    let given = Arc::clone(&counted);
-    let rig = Rig::new("kubenode-badlabel", move |ctx| {
-        ctx.oci = Some(given as Arc<dyn Provider>);
-    })
-    .await?;
-    let class = unique_name("e5");
-    apply_spec(
-        &Api::<NodeClass>::all(rig.client.clone()),
-        &class,
-        json!({ "provider": "oci", "oci": template, "labels": { "team name": "x" } }),
+    let (case, counted) = oci_case(
+        "kubenode-badlabel",
+        |oci| {
+            let c = Counting::new(oci);
+            (Arc::clone(&c) as Arc<dyn Provider>, c)
+        },
+        json!({ "labels": { "team name": "x" } }),
     )
     .await?;
-    let name = unique_name("node1");
-    rig.create_node(&name, &class).await?;
+    let OciCase {
+        rig,
+        endpoint,
+        class,
+        name,
+        ..
+    } = case;
     let note = warning(&rig.client, &name, "InvalidSpec").await?;
     ensure!(
         note.contains(r#"spec.labels["team name"]"#) && note.contains(&class),
@@ -914,31 +933,15 @@ async fn an_oci_class_with_labels_the_api_server_refuses_launches_nothing() -> a
 #[tokio::test]
 async fn a_failed_termination_is_a_warning_and_the_node_waits_for_it() -> anyhow::Result<()> {
     let _serial = SERIAL.lock().await;
-    let client = ControlPlane::shared().client().await?;
-    let (endpoint, oci, _credentials, template) = oci_rig_parts(&client).await?;
-    let faulty = Faulty::new(oci, 0, None);
-    let given = Arc::clone(&faulty);
-    let rig = Rig::new("kubenode-delfail", move |ctx| {
-        ctx.oci = Some(given as Arc<dyn Provider>);
-    })
-    .await?;
-    let class = unique_name("e5");
-    apply_spec(
-        &Api::<NodeClass>::all(rig.client.clone()),
-        &class,
-        json!({ "provider": "oci", "oci": template }),
-    )
-    .await?;
-    let name = unique_name("node1");
-    rig.create_node(&name, &class).await?;
+    let (case, faulty) = oci_case("kubenode-delfail", faulty_oci(0, None), json!({})).await?;
+    let OciCase {
+        rig,
+        endpoint,
+        name,
+        ..
+    } = case;
     let nodes = rig.nodes();
-    let node = wait_for("the node's providerID", TIMEOUT, || async {
-        Ok(nodes
-            .get_opt(&name)
-            .await?
-            .filter(|n| provider_id(n).is_some()))
-    })
-    .await?;
+    let node = rig.wait_provider_id(&name).await?;
     let id = provider_id(&node).unwrap_or_default().to_owned();
     faulty.fail_deletes.store(true, Ordering::SeqCst);
     nodes.delete(&name, &DeleteParams::default()).await?;
