@@ -42,7 +42,7 @@ pub mod service;
 pub mod tls;
 pub mod tunables;
 
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::net::SocketAddr;
 use std::sync::Arc;
 
 use nodekeeper_proto::agent::v1::node_agent_server::NodeAgentServer;
@@ -137,7 +137,7 @@ async fn serve_reloading(
 /// than not start.
 pub async fn bind_listen(addr: SocketAddr) -> std::io::Result<TcpListener> {
     match TcpListener::bind(addr).await {
-        Err(error) => match ipv4_fallback(addr, &error) {
+        Err(error) => match nodekeeper_model::listen::ipv4_fallback(addr, &error) {
             Some(v4) => {
                 warn!(%addr, %error, listen = %v4, "this host has no IPv6; listening on IPv4 only");
                 TcpListener::bind(v4).await
@@ -146,18 +146,6 @@ pub async fn bind_listen(addr: SocketAddr) -> std::io::Result<TcpListener> {
         },
         bound => bound,
     }
-}
-
-/// Where to listen instead when binding `addr` failed with `error`: `0.0.0.0` on the same port
-/// when `addr` is `[::]` and the host has no IPv6 (the socket family is not supported, or the
-/// address is not available). Any other address or error stands: the flag named it.
-fn ipv4_fallback(addr: SocketAddr, error: &std::io::Error) -> Option<SocketAddr> {
-    let no_ipv6 = matches!(
-        error.raw_os_error(),
-        Some(libc::EAFNOSUPPORT | libc::EADDRNOTAVAIL)
-    );
-    (addr.ip() == IpAddr::V6(Ipv6Addr::UNSPECIFIED) && no_ipv6)
-        .then(|| SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), addr.port()))
 }
 
 /// One server generation: serves `agent` with the TLS files as they are now until `shutdown`.
@@ -219,6 +207,7 @@ async fn serve_once(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::net::IpAddr;
 
     /// The default listen address serves both families on this (Linux) host.
     #[tokio::test]
@@ -248,30 +237,6 @@ mod tests {
             connected.unwrap_or_else(|e| panic!("connect over {client}: {e}"));
             let (_, from) = accepted.unwrap();
             assert_eq!(from.ip().to_canonical(), ip, "accepted over {client}");
-        }
-    }
-
-    #[test]
-    fn only_the_unspecified_ipv6_address_falls_back_and_only_without_ipv6() {
-        let error = std::io::Error::from_raw_os_error;
-        let any6: SocketAddr = "[::]:9443".parse().unwrap();
-        for errno in [libc::EAFNOSUPPORT, libc::EADDRNOTAVAIL] {
-            assert_eq!(
-                ipv4_fallback(any6, &error(errno)),
-                Some("0.0.0.0:9443".parse().unwrap())
-            );
-        }
-        // A port in use is not a missing IPv6: the error stands.
-        assert_eq!(ipv4_fallback(any6, &error(libc::EADDRINUSE)), None);
-        // An address the operator named is not second-guessed.
-        for named in [
-            "[fd00::5]:9443",
-            "[::1]:9443",
-            "0.0.0.0:9443",
-            "10.0.0.5:9443",
-        ] {
-            let named: SocketAddr = named.parse().unwrap();
-            assert_eq!(ipv4_fallback(named, &error(libc::EADDRNOTAVAIL)), None);
         }
     }
 }

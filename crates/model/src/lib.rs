@@ -9,6 +9,7 @@
 pub mod address_policy;
 pub mod diagnostics;
 pub mod indicators;
+pub mod listen;
 pub mod network;
 pub mod oci_ids;
 pub mod probe;

@@ -20,7 +20,7 @@ pub mod logging;
 pub mod pki;
 pub mod signals;
 
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -310,7 +310,7 @@ pub async fn run(cli: Cli) -> Result<(), Error> {
 /// not start.
 pub async fn bind_listen(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
     match tokio::net::TcpListener::bind(addr).await {
-        Err(error) => match ipv4_fallback(addr, &error) {
+        Err(error) => match nodekeeper_model::listen::ipv4_fallback(addr, &error) {
             Some(v4) => {
                 warn!(%addr, %error, listen = %v4, "this host has no IPv6; listening on IPv4 only");
                 tokio::net::TcpListener::bind(v4).await
@@ -321,23 +321,11 @@ pub async fn bind_listen(addr: SocketAddr) -> std::io::Result<tokio::net::TcpLis
     }
 }
 
-/// Where to listen instead when binding `addr` failed with `error`: `0.0.0.0` on the same port
-/// when `addr` is `[::]` and the host has no IPv6 (the socket family is not supported, or the
-/// address is not available). Any other address or error stands: the flag named it.
-fn ipv4_fallback(addr: SocketAddr, error: &std::io::Error) -> Option<SocketAddr> {
-    // Linux's errno values (the controller runs on Linux only; no libc dependency for two
-    // numbers).
-    const EAFNOSUPPORT: i32 = 97;
-    const EADDRNOTAVAIL: i32 = 99;
-    let no_ipv6 = matches!(error.raw_os_error(), Some(EAFNOSUPPORT | EADDRNOTAVAIL));
-    (addr.ip() == IpAddr::V6(Ipv6Addr::UNSPECIFIED) && no_ipv6)
-        .then(|| SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), addr.port()))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use clap::Parser as _;
+    use std::net::IpAddr;
 
     /// The default `--http-listen` serves both families on this (Linux) host.
     #[tokio::test]
@@ -362,31 +350,6 @@ mod tests {
             connected.unwrap_or_else(|e| panic!("connect over {client}: {e}"));
             let (_, from) = accepted.unwrap();
             assert_eq!(from.ip().to_canonical(), ip, "accepted over {client}");
-        }
-    }
-
-    #[test]
-    fn only_the_unspecified_ipv6_address_falls_back_and_only_without_ipv6() {
-        let error = std::io::Error::from_raw_os_error;
-        let any6: SocketAddr = "[::]:8080".parse().unwrap();
-        // EAFNOSUPPORT (ipv6.disable=1: no AF_INET6 sockets), EADDRNOTAVAIL.
-        for errno in [97, 99] {
-            assert_eq!(
-                ipv4_fallback(any6, &error(errno)),
-                Some("0.0.0.0:8080".parse().unwrap())
-            );
-        }
-        // EADDRINUSE: a port in use is not a missing IPv6; the error stands.
-        assert_eq!(ipv4_fallback(any6, &error(98)), None);
-        // An address the operator named is not second-guessed.
-        for named in [
-            "[fd00::5]:8080",
-            "[::1]:8080",
-            "0.0.0.0:8080",
-            "127.0.0.1:8080",
-        ] {
-            let named: SocketAddr = named.parse().unwrap();
-            assert_eq!(ipv4_fallback(named, &error(99)), None);
         }
     }
 }
