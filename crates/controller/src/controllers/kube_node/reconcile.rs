@@ -213,14 +213,7 @@ async fn make(
     class_name: &str,
 ) -> Result<Action, Error> {
     let name = node.name_any();
-    let classes: Api<NodeClass> = Api::all(ctx.client.clone());
-    let class = classes
-        .get_opt(class_name)
-        .await
-        .map_err(|source| Error::ReadClass {
-            name: class_name.to_owned(),
-            source,
-        })?;
+    let class = read_class(ctx, class_name).await?;
     let Some(class) = class else {
         let note = format!(
             "node {name}: metadata.annotations[{ANNOTATION_NODE_CLASS}]: NodeClass {class_name:?} does not exist; create it, or name an existing NodeClass. No machine is made until then"
@@ -550,14 +543,7 @@ async fn release(
 ) -> Result<Action, Error> {
     let name = node.name_any();
     if let Some(class_name) = class_name {
-        let classes: Api<NodeClass> = Api::all(ctx.client.clone());
-        let class = classes
-            .get_opt(class_name)
-            .await
-            .map_err(|source| Error::ReadClass {
-                name: class_name.to_owned(),
-                source,
-            })?;
+        let class = read_class(ctx, class_name).await?;
         if let Some(class) = class {
             let provider = match ctx.provider(class.spec.provider) {
                 Ok(p) => p,
@@ -717,6 +703,17 @@ async fn remove(
             Ok(Action::await_change())
         }
     }
+}
+
+/// The NodeClass `name`, or `None` when there is none.
+async fn read_class(ctx: &Context, name: &str) -> Result<Option<NodeClass>, Error> {
+    Api::<NodeClass>::all(ctx.client.clone())
+        .get_opt(name)
+        .await
+        .map_err(|source| Error::ReadClass {
+            name: name.to_owned(),
+            source,
+        })
 }
 
 #[cfg(test)]
