@@ -157,8 +157,24 @@ pub struct NodeDetail {
     pub stale: bool,
     pub consecutive_failures: u64,
     pub last_failure: Option<LastFailure>,
+    /// The tuning rules revision this node's agent refused on its merits, and why. `None` when
+    /// it refuses none, or from a controller too old to serve it.
+    pub rules_refused: Option<RulesRefusal>,
     pub conditions: Vec<WrittenCondition>,
+    /// `None` while the controller has not read the agent, and once the node is stale (the
+    /// controller drops a stale node's last report: it no longer describes the node).
     pub report: Option<Report>,
+}
+
+/// Rules the controller accepted and the agent still refused (it checks what only the node can
+/// tell: a sysctl this kernel lacks, its own version's limits). That revision is not pushed to
+/// the agent again; the next one is.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct RulesRefusal {
+    pub revision: u64,
+    /// The agent's message: it names the rule and the field.
+    pub error: String,
 }
 
 #[derive(Clone, Debug, Default, Deserialize)]
@@ -243,6 +259,10 @@ pub struct Gpu {
     pub source: String,
     pub error: String,
     pub gpus: Vec<GpuInfo>,
+    /// The agent's verdict over all GPUs: the worst GPU's, or critical when fewer GPUs than
+    /// expected were found (which no single GPU's verdict can say).
+    pub verdict: String,
+    pub message: String,
 }
 
 #[derive(Clone, Debug, Default, Deserialize)]

@@ -1,7 +1,7 @@
 //! `node NAME`: one node's full report as the controller holds it (through the service proxy):
-//! its conditions, indicators with verdicts, tunables, interfaces with nodekeeper's own marked
-//! (pods' veths only counted), GPUs and plugins. `-o json|yaml` passes the controller's JSON on
-//! unchanged.
+//! whether the agent answers (or went stale) and refuses the tuning rules, its conditions,
+//! indicators with verdicts, tunables, interfaces with nodekeeper's own marked (pods' veths only
+//! counted), GPUs and plugins. `-o json|yaml` passes the controller's JSON on unchanged.
 
 use k8s_openapi::api::core::v1::Node;
 use kube::Api;
@@ -90,6 +90,14 @@ pub fn format(d: &NodeDetail, out: &Output) -> String {
                 r.system.memory_total_bytes / (1024 * 1024)
             ),
         ));
+    } else if d.stale {
+        // The controller drops a stale node's last report, so "no report" is not "never read".
+        facts.push((
+            "Report",
+            "none: stale, no good answer from the agent for longer than staleAfter (the \
+             controller drops the last report of a stale node)"
+                .into(),
+        ));
     } else {
         facts.push((
             "Report",
@@ -105,6 +113,16 @@ pub fn format(d: &NodeDetail, out: &Output) -> String {
         facts.push((
             "Failures",
             format!("{} in a row{last}", d.consecutive_failures),
+        ));
+    }
+    if let Some(refusal) = &d.rules_refused {
+        facts.push((
+            "Rules refused",
+            format!(
+                "revision {}: {} (the agent keeps its previous rules; fix the rule in ConfigMap \
+                 nodekeeper-tuning)",
+                refusal.revision, refusal.error
+            ),
         ));
     }
     let mut text = render::key_values(&facts);
@@ -234,7 +252,9 @@ pub fn format(d: &NodeDetail, out: &Output) -> String {
         if !r.gpu.error.is_empty() {
             line.push_str(&format!("; error: {}", r.gpu.error));
         }
-        line + "\n"
+        line.push('\n');
+        line.push_str(&gpu_overall(&r.gpu));
+        line
     } else {
         let mut headers = vec!["GPU", "MODEL", "MEMORY", "TEMP", "UTIL", "VERDICT"];
         if wide {
@@ -259,7 +279,13 @@ pub fn format(d: &NodeDetail, out: &Output) -> String {
             row.push(g.message.as_str().into());
             t.row(row);
         }
-        t.render(out)
+        let mut body = t.render(out);
+        // A partial reading: some GPUs listed, the rest not read.
+        if !r.gpu.error.is_empty() {
+            body.push_str(&format!("error: {}\n", r.gpu.error));
+        }
+        body.push_str(&gpu_overall(&r.gpu));
+        body
     };
     text.push_str(&render::section(out, "GPUS", &gpu_body));
 
@@ -282,6 +308,21 @@ pub fn format(d: &NodeDetail, out: &Output) -> String {
         text.push_str(&render::section(out, "COLLECTOR ERRORS", &t.render(out)));
     }
     text
+}
+
+/// The agent's word over all GPUs when it says more than the GPUs listed do: fewer GPUs than
+/// `--expected-gpus`, which no single GPU's verdict can say. Empty otherwise.
+fn gpu_overall(gpu: &controller_api::Gpu) -> String {
+    // Without GPUs and without an expected count the agent repeats the reading's error, which
+    // is already shown.
+    if gpu.message.is_empty() || gpu.message == gpu.error {
+        return String::new();
+    }
+    format!(
+        "all GPUs: {}: {}\n",
+        verdict_word(&gpu.verdict),
+        gpu.message
+    )
 }
 
 /// An indicator's value with its unit as a person writes it: `91.4%`, `16s`, `1.74`, `false`.
@@ -316,7 +357,11 @@ mod tests {
     use crate::cli::OutputFormat;
 
     fn sample() -> NodeDetail {
-        serde_json::from_value(serde_json::json!({
+        serde_json::from_value(sample_json()).unwrap()
+    }
+
+    fn sample_json() -> serde_json::Value {
+        serde_json::json!({
             "name": "worker-7",
             "address": "10.0.4.7",
             "stale": false,
@@ -345,8 +390,7 @@ mod tests {
                 "collectorErrors": [["pressure", "no /proc/pressure: kernel without PSI"]],
                 "system": {"kernelRelease": "6.8.0", "cpus": 16, "memoryTotalBytes": 68719476736u64}
             }
-        }))
-        .unwrap()
+        })
     }
 
     #[test]
@@ -364,5 +408,109 @@ mod tests {
         let text = format(&d, &Output::plain(OutputFormat::Table));
         assert!(text.contains("none yet"), "{text}");
         assert!(!text.contains("INDICATORS"), "{text}");
+    }
+
+    /// The controller's page of a node whose agent went stale: the sweep drops the report.
+    fn stale_sample() -> NodeDetail {
+        serde_json::from_value(serde_json::json!({
+            "name": "worker-7",
+            "address": "10.0.4.7",
+            "stale": true,
+            "consecutiveFailures": 6,
+            "lastFailure": {"outcome": "Unreachable", "detail": "connect: connection refused"},
+            "rulesRefused": null,
+            "conditions": [
+                {"type": "NodekeeperReachable", "status": "False", "reason": "AgentUnreachable",
+                 "message": "the nodekeeper agent at 10.0.4.7:9443 has not answered for more than 15m"}
+            ],
+            "report": null
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn a_stale_node_is_not_called_never_read() {
+        let text = format(&stale_sample(), &Output::plain(OutputFormat::Table));
+        let report = text.lines().find(|l| l.starts_with("Report:")).unwrap();
+        assert!(report.contains("stale"), "{text}");
+        assert!(report.contains("staleAfter"), "{text}");
+        assert!(!report.contains("not read"), "{text}");
+        assert!(
+            text.contains("6 in a row, last: Unreachable (connect: connection refused)"),
+            "{text}"
+        );
+        // A node never read and not yet stale still says so.
+        let mut d = stale_sample();
+        d.stale = false;
+        let text = format(&d, &Output::plain(OutputFormat::Table));
+        assert!(
+            text.contains("none yet: the controller has not read"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn says_which_rules_revision_the_agent_refuses_and_why() {
+        let mut value = sample_json();
+        value["rulesRefused"] = serde_json::json!({
+            "revision": 7,
+            "error": "rule \"somaxconn\" (#1): field `key`: no such sysctl"
+        });
+        let d: NodeDetail = serde_json::from_value(value).unwrap();
+        let text = format(&d, &Output::plain(OutputFormat::Table));
+        let line = text
+            .lines()
+            .find(|l| l.starts_with("Rules refused:"))
+            .unwrap_or_else(|| panic!("no refusal line: {text}"));
+        assert!(
+            line.contains("revision 7: rule \"somaxconn\" (#1): field `key`: no such sysctl"),
+            "{line}"
+        );
+        assert!(line.contains("ConfigMap nodekeeper-tuning"), "{line}");
+        // None refused (the controller serves null): no line.
+        let text = format(&sample(), &Output::plain(OutputFormat::Table));
+        assert!(!text.contains("Rules refused"), "{text}");
+    }
+
+    #[test]
+    fn missing_gpus_are_said_with_or_without_a_gpu_listed() {
+        let mut value = sample_json();
+        value["report"]["gpu"] = serde_json::json!({
+            "present": false, "source": "nvidia-smi", "gpus": [],
+            "expected": 8, "verdict": "critical", "message": "expected 8 GPUs, found 0"
+        });
+        let d: NodeDetail = serde_json::from_value(value.clone()).unwrap();
+        let text = format(&d, &Output::plain(OutputFormat::Table));
+        assert!(
+            text.contains(
+                "no GPU (source: nvidia-smi)\nall GPUs: critical: expected 8 GPUs, found 0\n"
+            ),
+            "{text}"
+        );
+        value["report"]["gpu"] = serde_json::json!({
+            "present": true, "source": "nvml", "error": "GPU 1: unknown error",
+            "gpus": [{"index": 0, "uuid": "GPU-0", "model": "H100", "verdict": "ok"}],
+            "expected": 2, "verdict": "critical",
+            "message": "expected 2 GPUs, found 1 (GPU 1: unknown error)"
+        });
+        let d: NodeDetail = serde_json::from_value(value).unwrap();
+        let text = format(&d, &Output::plain(OutputFormat::Table));
+        assert!(text.contains("error: GPU 1: unknown error\n"), "{text}");
+        assert!(
+            text.contains("all GPUs: critical: expected 2 GPUs, found 1 (GPU 1: unknown error)"),
+            "{text}"
+        );
+        // Without an expected count the agent's word repeats the error: said once.
+        let d: NodeDetail = serde_json::from_value({
+            let mut v = sample_json();
+            v["report"]["gpu"] = serde_json::json!({
+                "present": false, "source": "nvml", "error": "nvmlInit: no driver", "gpus": [],
+                "verdict": "unspecified", "message": "nvmlInit: no driver"
+            });
+            v
+        })
+        .unwrap();
+        let text = format(&d, &Output::plain(OutputFormat::Table));
+        assert_eq!(text.matches("nvmlInit: no driver").count(), 1, "{text}");
     }
 }
