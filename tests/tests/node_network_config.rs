@@ -1056,7 +1056,7 @@ async fn sweep_writes(
 
 /// After a restart the controller finds an object's host
 /// side by the generation the Node's `NodeNetworkReady` names. The node sweep rewrites that
-/// condition from the agent's report: drifted (a drift repaired), or the agent's last error (a
+/// condition from the agent's report: drifted (a drift not repaired yet), or the agent's last error (a
 /// later generation that failed and was rolled back); both still name the generation the agent
 /// holds. A restarted controller must still remove the host side where that generation is, on
 /// a node that left the selector and on deletion, before detaching the VNICs.

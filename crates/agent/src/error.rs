@@ -24,6 +24,8 @@ pub enum Error {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error("lock {path}: {reason}")]
+    LockStateDir { path: PathBuf, reason: String },
     #[error("bind {addr}: {source}")]
     Bind {
         addr: std::net::SocketAddr,

@@ -51,9 +51,26 @@ pub struct NetworkStatus {
 /// At most this many drift lines are reported.
 const MAX_DRIFT_LINES: usize = 20;
 
+/// The bounds of `ApplyNetwork`'s request fields besides the desired state, as the
+/// NodeNetworkConfig resource sets them (`checkTargets`, `checkTimeoutMs`): the agent enforces
+/// them too, because the post-apply check runs under the manager's lock (a long one stalls every
+/// apply and drift check) and opens a socket per target.
+const MAX_CHECK_TARGETS: usize = 16;
+/// `check_timeout_ms` other than 0 must lie in this range.
+const CHECK_TIMEOUT_MS: std::ops::RangeInclusive<u32> = 100..=60_000;
+/// `check_timeout_ms` 0 means this.
+const DEFAULT_CHECK_TIMEOUT_MS: u32 = 5000;
+/// A generation is `<uid>/<generation>` (under 60 bytes); it is kept in the journal and shown in
+/// every report and condition message.
+const MAX_GENERATION_BYTES: usize = 256;
+
 /// How `last_error` begins when the applied state could not be checked for drift (cleared by
 /// the next check that can).
 const DRIFT_CHECK_FAILED: &str = "checking for drift failed: the applied generation";
+
+/// How `last_error` begins when drift could not be re-converged (cleared by the next check that
+/// finds the host converged, whoever converged it).
+const RECONVERGE_FAILED: &str = "re-converging drift failed:";
 
 /// Why an `ApplyNetwork` call was refused. Nothing was changed when this is returned.
 #[derive(Debug, thiserror::Error)]
@@ -66,6 +83,9 @@ pub enum NetworkError {
     Plan(String),
     #[error("check_targets: {0}")]
     CheckTarget(String),
+    /// A request field other than the desired state is out of bounds.
+    #[error("{field}: {reason}")]
+    Request { field: &'static str, reason: String },
     #[error("host networking: {0}")]
     Netlink(String),
     /// The metadata service could not be read (worth retrying).
@@ -79,6 +99,13 @@ pub enum NetworkError {
          --imds-endpoint (NODEKEEPER_IMDS_ENDPOINT); start it with one or leave oci_vnics unset"
     )]
     NoImdsEndpoint,
+    /// `--imds-endpoint` is not an address a metadata client can use: the agent's configuration
+    /// is at fault, and asking again gives the same.
+    #[error(
+        "--imds-endpoint (NODEKEEPER_IMDS_ENDPOINT) cannot be used: {0}; restart the agent with \
+         the metadata service's http:// URL"
+    )]
+    ImdsEndpoint(String),
     #[error("oci_vnics: {0}")]
     OciOptions(String),
     #[error("the OCI VNIC layout conflicts with desired_state_json: {0}")]
@@ -211,6 +238,16 @@ pub struct NetworkManager {
     sys_class_net: std::path::PathBuf,
 }
 
+/// A check found the host with the applied state: drift no longer holds, nor does a failure to
+/// re-converge it.
+fn converged(s: &mut NetworkStatus) {
+    s.drifted = false;
+    s.drift.clear();
+    if s.last_error.starts_with(RECONVERGE_FAILED) {
+        s.last_error.clear();
+    }
+}
+
 fn now_ms() -> i64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -285,6 +322,7 @@ impl NetworkManager {
         &self,
         req: pb::ApplyNetworkRequest,
     ) -> Result<pb::ApplyNetworkResponse, NetworkError> {
+        check_request_bounds(&req)?;
         let mut desired: NetworkState = serde_json::from_str(&req.desired_state_json)
             .map_err(|e| NetworkError::ParseDesired(e.to_string()))?;
         let mut vnic_ids = Vec::new();
@@ -314,11 +352,11 @@ impl NetworkManager {
             .map(|t| t.parse::<Target>())
             .collect::<Result<Vec<_>, _>>()
             .map_err(NetworkError::CheckTarget)?;
-        let check_timeout_ms = if req.check_timeout_ms == 0 {
-            5000
+        let check_timeout_ms = u64::from(if req.check_timeout_ms == 0 {
+            DEFAULT_CHECK_TIMEOUT_MS
         } else {
-            u64::from(req.check_timeout_ms)
-        };
+            req.check_timeout_ms
+        });
         let (hold_after_steps, hold_marker) = test_hold();
         let opts = ApplyOptions {
             dry_run: req.dry_run,
@@ -337,7 +375,11 @@ impl NetworkManager {
         let mut state = self.lock.lock().await;
         let netconf = self.netconf().await?;
         let applied = async {
-            if let Err(error) = self.prepare(&mut state).await {
+            if req.dry_run {
+                // A dry run changes nothing, an interrupted apply's return included: it plans
+                // against the host as it is, and the journal keeps its entry.
+                self.load(&mut state);
+            } else if let Err(error) = self.prepare(&mut state).await {
                 // The host is still between an earlier state and the one an interrupted apply
                 // was making. Reaching this request's state ends that too, so it is tried; the
                 // journalled state stays the one to return to until some apply succeeds.
@@ -425,36 +467,11 @@ impl NetworkManager {
             .map_err(fail)
     }
 
-    /// On the first use after start, reads the journal (the applied state the report then
-    /// shows, and the drift loop keeps); whenever an apply was cut short, returns the host to the
-    /// state before it. Called under the lock before every apply and drift check.
+    /// On the first use after start, reads the journal ([`NetworkManager::load`]); whenever an
+    /// apply was cut short, returns the host to the state before it. Called under the lock before
+    /// every apply (not a dry run, which changes nothing) and drift check.
     async fn prepare(&self, state: &mut State) -> Result<(), NetworkError> {
-        if !state.loaded {
-            state.loaded = true;
-            match std::fs::read(&self.journal_path) {
-                Ok(bytes) => match serde_json::from_slice::<Journal>(&bytes) {
-                    Ok(journal) => state.journal = journal,
-                    Err(error) => {
-                        // Not fatal: the controller applies its state again.
-                        let msg = format!(
-                            "the network journal {} is unreadable ({error}); nothing restored",
-                            self.journal_path.display()
-                        );
-                        warn!(%msg, "network journal");
-                        self.publish(|s| s.last_error = msg);
-                    }
-                },
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(error) => {
-                    warn!(%error, path = %self.journal_path.display(), "read the network journal")
-                }
-            }
-            if let Some(a) = state.journal.applied.clone() {
-                info!(generation = %a.generation, "network state applied before the restart");
-                self.show_applied(&a);
-                self.publish(|s| s.applied_generation = a.generation);
-            }
-        }
+        self.load(state);
         let Some(pending) = state.journal.pending.clone() else {
             return Ok(());
         };
@@ -493,6 +510,37 @@ impl NetworkManager {
         );
         self.publish(|s| s.last_error = msg);
         Ok(())
+    }
+
+    /// On the first use after start, reads the journal: the applied state the report then shows
+    /// and the drift loop keeps. Changes nothing on the host.
+    fn load(&self, state: &mut State) {
+        if !state.loaded {
+            state.loaded = true;
+            match std::fs::read(&self.journal_path) {
+                Ok(bytes) => match serde_json::from_slice::<Journal>(&bytes) {
+                    Ok(journal) => state.journal = journal,
+                    Err(error) => {
+                        // Not fatal: the controller applies its state again.
+                        let msg = format!(
+                            "the network journal {} is unreadable ({error}); nothing restored",
+                            self.journal_path.display()
+                        );
+                        warn!(%msg, "network journal");
+                        self.publish(|s| s.last_error = msg);
+                    }
+                },
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(error) => {
+                    warn!(%error, path = %self.journal_path.display(), "read the network journal")
+                }
+            }
+            if let Some(a) = state.journal.applied.clone() {
+                info!(generation = %a.generation, "network state applied before the restart");
+                self.show_applied(&a);
+                self.publish(|s| s.applied_generation = a.generation);
+            }
+        }
     }
 
     /// Applies `new` (a dry run only plans), journalling the state before it first when the
@@ -555,6 +603,9 @@ impl NetworkManager {
     }
 
     /// Re-plans the last applied state; on drift, records it and (if `reconverge`) applies again.
+    /// A check that finds no drift, or a re-convergence that succeeds, clears the recorded drift
+    /// and a failure to re-converge it (the report then shows the host converged again; a
+    /// repair leaves `reconverged_at_unix_ms`).
     /// A state that cannot be planned any more (an interface it configures is gone) is reported
     /// in `last_error` until it plans again: otherwise the report would go on showing the host
     /// converged while nothing keeps it so.
@@ -585,6 +636,12 @@ impl NetworkManager {
             }
         };
         if drift.is_empty() {
+            // The host has the applied state again (re-converged earlier, or the drift undone by
+            // other hands): what this check reported stops holding. Published only on a change.
+            let s = self.status();
+            if s.drifted || !s.drift.is_empty() || s.last_error.starts_with(RECONVERGE_FAILED) {
+                self.publish(converged);
+            }
             return Ok(drift);
         }
         warn!(generation = %a.generation, lines = drift.len(), "network drift");
@@ -601,10 +658,12 @@ impl NetworkManager {
             let err = report.error.clone().unwrap_or_default();
             self.publish(|s| {
                 if ok {
+                    // The host has the applied state again; `reconverged_at` records the repair.
+                    converged(s);
                     s.reconverged_at_unix_ms = now_ms();
                     s.last_error.clear();
                 } else {
-                    s.last_error = format!("re-converging drift failed: {err}");
+                    s.last_error = format!("{RECONVERGE_FAILED} {err}");
                 }
             });
         }
@@ -690,8 +749,14 @@ impl NetworkManager {
         let unavailable = |e: &dyn std::fmt::Display| {
             NetworkError::Metadata(format!("--imds-endpoint {endpoint}: {e}"))
         };
+        // An endpoint the client refuses is the agent's configuration at fault, not an outage.
         let imds = nodekeeper_oci::ImdsClient::new(nodekeeper_oci::ImdsConfig::new(endpoint))
-            .map_err(|e| unavailable(&e))?;
+            .map_err(|e| match e {
+                nodekeeper_oci::ImdsError::ConfigureEndpoint { .. } => {
+                    NetworkError::ImdsEndpoint(e.to_string())
+                }
+                other => unavailable(&other),
+            })?;
         // An answer that cannot be used (malformed, or a 4xx refusal) is the same when asked
         // again: FAILED_PRECONDITION, not a retryable UNAVAILABLE.
         let classify = |e: nodekeeper_oci::ImdsError| match e {
@@ -776,6 +841,43 @@ fn exclude_vnics(layout: &mut NetworkState, exclude_macs: &[String]) {
         !r.link.as_ref().is_some_and(|l| names.contains(l)) && !tables.contains(&r.table)
     });
     layout.rules.retain(|r| !tables.contains(&r.table));
+}
+
+/// Refuses a request whose check or generation is out of the bounds the NodeNetworkConfig
+/// resource sets, before anything is parsed.
+fn check_request_bounds(req: &pb::ApplyNetworkRequest) -> Result<(), NetworkError> {
+    let refuse = |field, reason| Err(NetworkError::Request { field, reason });
+    if req.check_targets.len() > MAX_CHECK_TARGETS {
+        return refuse(
+            "check_targets",
+            format!(
+                "{} targets given, at most {MAX_CHECK_TARGETS} are allowed; check fewer",
+                req.check_targets.len()
+            ),
+        );
+    }
+    if req.check_timeout_ms != 0 && !CHECK_TIMEOUT_MS.contains(&req.check_timeout_ms) {
+        return refuse(
+            "check_timeout_ms",
+            format!(
+                "{} is outside {}–{} (0 means {DEFAULT_CHECK_TIMEOUT_MS})",
+                req.check_timeout_ms,
+                CHECK_TIMEOUT_MS.start(),
+                CHECK_TIMEOUT_MS.end()
+            ),
+        );
+    }
+    if req.generation.len() > MAX_GENERATION_BYTES {
+        return refuse(
+            "generation",
+            format!(
+                "{} bytes long, at most {MAX_GENERATION_BYTES} are allowed (it is \
+                 `<uid>/<generation>`)",
+                req.generation.len()
+            ),
+        );
+    }
+    Ok(())
 }
 
 /// The layout knobs of a request, with the proto's zero-means-default rule.
@@ -1069,17 +1171,18 @@ mod tests {
             let e = status_of(m.apply(req).await.unwrap_err());
             assert_eq!(e.code(), Code::InvalidArgument);
 
-            // Drift: someone removes the VNIC's default route; the manager sees it, reports
-            // it and puts it back.
+            // Drift: someone removes the VNIC's default route; the manager sees it and puts it
+            // back, and the report shows the host converged again, the repair's time kept.
+            let route_line = "add-route 0.0.0.0/0 via 10.0.20.1 dev nic0 table 101".to_string();
             ip(&name, &["route", "del", "default", "table", "101"]);
             let drift = m.check_drift(true).await.unwrap();
-            assert_eq!(
-                drift,
-                vec!["add-route 0.0.0.0/0 via 10.0.20.1 dev nic0 table 101".to_string()]
-            );
+            assert_eq!(drift, vec![route_line.clone()]);
             let s = m.status();
             assert!(
-                s.drifted && s.reconverged_at_unix_ms > 0 && s.last_error.is_empty(),
+                !s.drifted
+                    && s.drift.is_empty()
+                    && s.reconverged_at_unix_ms > 0
+                    && s.last_error.is_empty(),
                 "{s:?}"
             );
             assert_eq!(
@@ -1088,7 +1191,54 @@ mod tests {
             );
             assert!(m.check_drift(true).await.unwrap().is_empty());
             let (_, report) = agent.report(0).await;
-            assert!(report.unwrap().network.drifted);
+            let network = report.unwrap().network.clone();
+            assert!(!network.drifted && network.drift.is_empty(), "{network:?}");
+
+            // A check that only looks reports the drift until the host has the state again,
+            // whoever puts it back.
+            let add_back = [
+                "route",
+                "add",
+                "default",
+                "via",
+                "10.0.20.1",
+                "dev",
+                "nic0",
+                "table",
+                "101",
+                "proto",
+                "176",
+            ];
+            ip(&name, &["route", "del", "default", "table", "101"]);
+            assert_eq!(
+                m.check_drift(false).await.unwrap(),
+                vec![route_line.clone()]
+            );
+            let s = m.status();
+            assert!(s.drifted && s.drift == vec![route_line.clone()], "{s:?}");
+            ip(&name, &add_back);
+            assert!(m.check_drift(false).await.unwrap().is_empty());
+            let s = m.status();
+            assert!(!s.drifted && s.drift.is_empty(), "{s:?}");
+
+            // A re-convergence that fails (the gateway no longer answers the post-apply check,
+            // so it is rolled back) is reported until the host converges, here by other hands.
+            ip(&name, &["addr", "del", "10.0.20.1/24", "dev", "nic0p"]);
+            ip(&name, &["route", "del", "default", "table", "101"]);
+            assert_eq!(m.check_drift(true).await.unwrap(), vec![route_line.clone()]);
+            let s = m.status();
+            assert!(
+                s.drifted && s.last_error.starts_with(RECONVERGE_FAILED),
+                "{s:?}"
+            );
+            ip(&name, &["addr", "add", "10.0.20.1/24", "dev", "nic0p"]);
+            ip(&name, &add_back);
+            assert!(m.check_drift(false).await.unwrap().is_empty());
+            let s = m.status();
+            assert!(
+                !s.drifted && s.drift.is_empty() && s.last_error.is_empty(),
+                "{s:?}"
+            );
         });
     }
 
@@ -1180,6 +1330,50 @@ mod tests {
             let kept = std::fs::read_to_string(dir.join(JOURNAL_FILE)).unwrap();
             assert!(kept.contains("\"pending\":null"), "{kept}");
             assert!(m.status().last_error.is_empty());
+        });
+    }
+
+    /// A dry run changes nothing, not even to end an apply a restart cut short: the journal
+    /// entry and the host stay as they are (the plan is made against the host as it is), and
+    /// the next drift check returns the host to the journalled state as usual.
+    #[test]
+    fn a_dry_run_leaves_an_interrupted_apply_for_the_drift_check() {
+        skip_unless_root!("needs root to create network namespaces");
+        let ns = nic0_netns("nk-test-agent-dry");
+        let state = tempfile::tempdir().unwrap();
+        let name = Arc::clone(&ns);
+        let state_dir = state.path().to_string_lossy().into_owned();
+        ns.run(move || async move {
+            // The state before the interrupted apply had the VNIC's address (the apply, cut
+            // short, had removed it).
+            let before = r#"{"links": [{"name": "vnic1", "kind": "existing", "mac": "02:00:17:0a:22:02"}],
+                "addresses": [{"link": "vnic1", "cidr": "10.0.20.44/24"}]}"#;
+            let journal = Path::new(&state_dir).join(JOURNAL_FILE);
+            std::fs::write(
+                &journal,
+                format!(r#"{{"applied": null, "pending": {{"generation": "uid-1/2", "before": {before}}}}}"#),
+            )
+            .unwrap();
+            let kept = std::fs::read(&journal).unwrap();
+            let agent = agent_in(&state_dir, None);
+            let m = agent.network();
+
+            let r = m.apply(request(DESIRED, true)).await.unwrap();
+            assert_eq!(r.outcome, pb::ApplyOutcome::Planned as i32);
+            assert_eq!(r.netlink_writes, 0);
+            assert!(
+                !ip(&name, &["addr", "show", "dev", "nic0"]).contains("10.0.20.44"),
+                "a dry run returned the host to the journalled state"
+            );
+            assert_eq!(std::fs::read(&journal).unwrap(), kept);
+            assert!(m.status().last_error.is_empty(), "{:?}", m.status());
+
+            // Not vacuous: the drift check does return the host to it and ends the entry.
+            assert!(m.check_drift(true).await.unwrap().is_empty());
+            assert!(ip(&name, &["addr", "show", "dev", "nic0"]).contains("10.0.20.44"));
+            let now = std::fs::read_to_string(&journal).unwrap();
+            assert!(now.contains("\"pending\":null"), "{now}");
+            assert!(m.status().last_error.contains("\"uid-1/2\" was cut short"));
         });
     }
 
@@ -1457,6 +1651,81 @@ mod tests {
             "{}",
             e.message()
         );
+    }
+
+    /// The check and the generation are held to the NodeNetworkConfig's bounds before anything
+    /// is parsed or asked of the host, naming the field. (The desired state is not even JSON, so
+    /// that nothing here can reach the test host's netlink: no root needed.)
+    #[tokio::test]
+    async fn request_fields_out_of_bounds_are_refused_naming_the_field() {
+        let state = tempfile::tempdir().unwrap();
+        let m = NetworkManager::new(None, state.path());
+        let refused = |req: pb::ApplyNetworkRequest, field: &'static str| {
+            let m = &m;
+            async move {
+                let e = status_of(m.apply(req).await.unwrap_err());
+                assert_eq!(e.code(), Code::InvalidArgument, "{}", e.message());
+                assert!(
+                    e.message().starts_with(&format!("{field}: ")),
+                    "{}",
+                    e.message()
+                );
+                e.message().to_owned()
+            }
+        };
+        let mut req = request("{not json", false);
+        req.check_targets = vec!["10.0.20.1".into(); MAX_CHECK_TARGETS + 1];
+        let msg = refused(req, "check_targets").await;
+        assert!(msg.contains("17 targets given, at most 16"), "{msg}");
+        for ms in [99, 60_001, u32::MAX] {
+            let mut req = request("{not json", false);
+            req.check_timeout_ms = ms;
+            let msg = refused(req, "check_timeout_ms").await;
+            assert!(msg.contains(&format!("{ms} is outside 100–60000")), "{msg}");
+        }
+        let mut req = request("{not json", false);
+        req.generation = "g".repeat(MAX_GENERATION_BYTES + 1);
+        refused(req, "generation").await;
+        // Nothing refused is published: the report still shows the last apply.
+        assert_eq!(m.status(), NetworkStatus::default());
+
+        // The bounds themselves, and 0 (5000), pass.
+        for ms in [0, 100, 60_000] {
+            let mut req = request(DESIRED, false);
+            req.check_timeout_ms = ms;
+            req.check_targets = vec!["10.0.20.1".into(); MAX_CHECK_TARGETS];
+            req.generation = "g".repeat(MAX_GENERATION_BYTES);
+            check_request_bounds(&req).unwrap();
+        }
+    }
+
+    /// An `--imds-endpoint` the metadata client cannot use is the agent's configuration at
+    /// fault: FAILED_PRECONDITION naming the flag, in the report too, not a retryable
+    /// UNAVAILABLE (the client refuses it before any traffic or netlink).
+    #[tokio::test]
+    async fn an_unusable_imds_endpoint_is_a_failed_precondition_naming_the_flag() {
+        let state = tempfile::tempdir().unwrap();
+        for endpoint in ["https://169.254.169.254", "not a url"] {
+            let m = NetworkManager::new(Some(endpoint.into()), state.path());
+            let req = pb::ApplyNetworkRequest {
+                oci_vnics: Some(pb::OciVnics {
+                    enabled: true,
+                    ..Default::default()
+                }),
+                ..request("{}", false)
+            };
+            let e = status_of(m.apply(req).await.unwrap_err());
+            assert_eq!(e.code(), Code::FailedPrecondition, "{}", e.message());
+            assert!(
+                e.message()
+                    .contains("--imds-endpoint (NODEKEEPER_IMDS_ENDPOINT) cannot be used")
+                    && e.message().contains(endpoint)
+                    && e.message().contains("restart the agent"),
+                "{}",
+                e.message()
+            );
+            assert_eq!(m.status().last_error, e.message());
+        }
     }
 
     /// A minimal IMDS stand-in on 127.0.0.1 (inside the test namespace) serving the shared VM

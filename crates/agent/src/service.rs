@@ -83,11 +83,13 @@ pub fn status(error: Error) -> Status {
             NetworkError::ParseDesired(_)
             | NetworkError::Invalid(_)
             | NetworkError::CheckTarget(_)
+            | NetworkError::Request { .. }
             | NetworkError::OciOptions(_)
             | NetworkError::LayoutConflict(_) => Status::invalid_argument(message),
-            NetworkError::Plan(_) | NetworkError::NoImdsEndpoint | NetworkError::Layout(_) => {
-                Status::failed_precondition(message)
-            }
+            NetworkError::Plan(_)
+            | NetworkError::NoImdsEndpoint
+            | NetworkError::ImdsEndpoint(_)
+            | NetworkError::Layout(_) => Status::failed_precondition(message),
             NetworkError::Metadata(_) => Status::unavailable(message),
             NetworkError::Netlink(_)
             | NetworkError::SaveJournal { .. }
@@ -97,6 +99,7 @@ pub fn status(error: Error) -> Status {
         | Error::ReadTls { .. }
         | Error::SaveState { .. }
         | Error::Bind { .. }
+        | Error::LockStateDir { .. }
         | Error::Serve(_) => Status::internal(message),
     }
 }

@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 
 use nodekeeper_model::network::{
     AddressSpec, LINK_LOCAL_V4, LinkKind, LinkSpec, MacvlanMode, NetworkState, RULE_PRIORITY_MAX,
-    RouteSpec, RuleSpec, TABLE_MAIN, format_errors, format_mac, parse_mac,
+    RULE_PRIORITY_MIN, RouteSpec, RuleSpec, TABLE_MAIN, format_errors, format_mac, parse_mac,
 };
 
 use crate::metadata::{Instance, Vnic};
@@ -84,26 +84,41 @@ pub fn secondary_vnics(
     host: &[HostInterface],
     opts: &LayoutOptions,
 ) -> Result<Layout, LayoutError> {
-    let n = vnics.len() as u32;
-    if opts.rule_priority_base < nodekeeper_model::network::RULE_PRIORITY_MIN
-        || opts.rule_priority_base + n > RULE_PRIORITY_MAX
+    // Both bases come from the request: their sums with the VNIC count are checked, never
+    // wrapped (a wrapped range would pass the checks below and number rules and tables at 0).
+    let n = u32::try_from(vnics.len()).unwrap_or(u32::MAX);
+    let priority_end = opts.rule_priority_base.checked_add(n);
+    if opts.rule_priority_base < RULE_PRIORITY_MIN
+        || priority_end.is_none_or(|end| end > RULE_PRIORITY_MAX)
     {
         return Err(LayoutError::BadOptions(format!(
-            "rule priorities {}–{} leave nodekeeper's range",
+            "rule_priority_base {}: rule priorities {}–{} for {n} VNICs leave nodekeeper's range \
+             {RULE_PRIORITY_MIN}–{RULE_PRIORITY_MAX}",
             opts.rule_priority_base,
-            opts.rule_priority_base + n
+            opts.rule_priority_base,
+            u64::from(opts.rule_priority_base) + u64::from(n)
         )));
     }
-    let tables = opts.table_base..opts.table_base + n;
-    if tables.contains(&TABLE_MAIN)
-        || tables.contains(&253)
-        || tables.contains(&255)
-        || opts.table_base == 0
-    {
+    if opts.table_base == 0 {
+        return Err(LayoutError::BadOptions(
+            "table_base 0: table 0 is not a routing table; use 1 or more".into(),
+        ));
+    }
+    let Some(table_end) = opts.table_base.checked_add(n) else {
         return Err(LayoutError::BadOptions(format!(
-            "tables {}–{} overlap the kernel's reserved tables 253–255",
+            "table_base {}: the tables of {n} VNICs would pass the largest table number {}; \
+             lower table_base",
+            opts.table_base,
+            u32::MAX
+        )));
+    };
+    let tables = opts.table_base..table_end;
+    if tables.contains(&TABLE_MAIN) || tables.contains(&253) || tables.contains(&255) {
+        return Err(LayoutError::BadOptions(format!(
+            "table_base {}: tables {}–{} overlap the kernel's reserved tables 253–255",
+            opts.table_base,
             tables.start,
-            tables.end - 1
+            tables.end.saturating_sub(1)
         )));
     }
     // Conflicts between VNICs are refused before anything else.
@@ -515,6 +530,68 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("links[0].mtu: 60 is outside 68–65535"), "{e}");
+    }
+
+    /// Bases near `u32::MAX` are refused naming the field, never wrapped (which would number
+    /// the rules and tables from 0) nor a panic.
+    #[test]
+    fn bases_whose_ranges_overflow_are_refused_naming_the_field() {
+        let vnics = parse_vnics(&fixture("vnics-vm.json")).unwrap();
+        let n = vnics.len();
+        let refused = |opts: LayoutOptions| match secondary_vnics(&vm(), &vnics, &vm_host(), &opts)
+        {
+            Err(LayoutError::BadOptions(m)) => m,
+            other => panic!("{opts:?}: {other:?}"),
+        };
+        for base in [u32::MAX, u32::MAX - 1] {
+            let m = refused(LayoutOptions {
+                rule_priority_base: base,
+                ..Default::default()
+            });
+            assert_eq!(
+                m,
+                format!(
+                    "rule_priority_base {base}: rule priorities {base}–{} for {n} VNICs leave \
+                     nodekeeper's range 20000–20999",
+                    u64::from(base) + n as u64
+                )
+            );
+            let m = refused(LayoutOptions {
+                table_base: base,
+                ..Default::default()
+            });
+            assert_eq!(
+                m,
+                format!(
+                    "table_base {base}: the tables of {n} VNICs would pass the largest table \
+                     number 4294967295; lower table_base"
+                )
+            );
+        }
+        let m = refused(LayoutOptions {
+            table_base: 0,
+            ..Default::default()
+        });
+        assert!(m.starts_with("table_base 0: "), "{m}");
+        // The last base that fits is laid out.
+        let l = secondary_vnics(
+            &vm(),
+            &vnics,
+            &vm_host(),
+            &LayoutOptions {
+                table_base: u32::MAX - n as u32,
+                rule_priority_base: RULE_PRIORITY_MAX - n as u32,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert!(!l.desired.routes.is_empty());
+        assert!(
+            l.desired
+                .routes
+                .iter()
+                .all(|r| r.table >= u32::MAX - n as u32)
+        );
     }
 
     #[test]

@@ -411,16 +411,20 @@ pub struct NetworkStatus {
     /// The generation of the last desired network state applied; empty if none.
     #[prost(string, tag = "1")]
     pub applied_generation: ::prost::alloc::string::String,
-    /// True when something outside nodekeeper changed state nodekeeper owns since the last apply.
+    /// True when the last drift check found that something outside nodekeeper changed state
+    /// nodekeeper owns and it has not been re-converged yet. Cleared by a re-convergence that
+    /// succeeds, by a check that finds the host converged again (whoever put it back), and by an
+    /// apply; `reconverged_at_unix_ms` keeps the last repair.
     #[prost(bool, tag = "2")]
     pub drifted: bool,
-    /// What drifted, one line per object, at most 20 lines.
+    /// What drifted, one line per object, at most 20 lines; empty when `drifted` is false.
     #[prost(string, repeated, tag = "3")]
     pub drift: ::prost::alloc::vec::Vec<::prost::alloc::string::String>,
     /// When drift was last re-converged, in milliseconds since the Unix epoch; 0 if never.
     #[prost(int64, tag = "4")]
     pub reconverged_at_unix_ms: i64,
-    /// Why the last apply failed; empty after a success.
+    /// Why the last apply failed, or the last drift check or re-convergence of drift; empty after a
+    /// success (a re-convergence failure also once a check finds the host converged again).
     #[prost(string, tag = "5")]
     pub last_error: ::prost::alloc::string::String,
 }
@@ -569,18 +573,20 @@ pub struct ApplyNetworkRequest {
     /// (the same schema the NodeNetworkConfig resource uses), so that one schema is validated in one place.
     #[prost(string, tag = "1")]
     pub desired_state_json: ::prost::alloc::string::String,
-    /// Plan only; change nothing.
+    /// Plan only; change nothing, not even to return the host from an apply a restart cut short (the
+    /// next drift check does that): the plan is made against the host as it is.
     #[prost(bool, tag = "2")]
     pub dry_run: bool,
     /// An opaque label for this desired state (the NodeNetworkConfig's uid and generation), reported
-    /// back in `NetworkStatus.applied_generation`.
+    /// back in `NetworkStatus.applied_generation`; at most 256 bytes (INVALID_ARGUMENT).
     #[prost(string, tag = "3")]
     pub generation: ::prost::alloc::string::String,
     /// After applying, each of these `address` or `address:port` targets must answer (ICMP or TCP
-    /// connect) or everything is rolled back. Empty means no check.
+    /// connect) or everything is rolled back. Empty means no check; at most 16 (INVALID_ARGUMENT).
     #[prost(string, repeated, tag = "4")]
     pub check_targets: ::prost::alloc::vec::Vec<::prost::alloc::string::String>,
-    /// Timeout of the whole post-apply check in milliseconds; 0 means 5,000.
+    /// Timeout of the whole post-apply check in milliseconds: 100 to 60,000 (INVALID_ARGUMENT
+    /// otherwise); 0 means 5,000.
     #[prost(uint32, tag = "5")]
     pub check_timeout_ms: u32,
     /// Also lay out this host's OCI secondary VNICs, from the instance metadata service the agent was
@@ -599,10 +605,13 @@ pub struct ApplyNetworkRequest {
 /// layout (VM: the interface with the VNIC's MAC; bare metal: a macvlan and VLAN on physical NIC
 /// `nicIndex`), and adds it to `desired_state_json` (which may be `{}`) before validating, planning and
 /// applying as usual. The primary VNIC and 169.254.0.0/16 are never touched; VNICs whose interface is
-/// not visible yet are left out and logged. Errors: no `--imds-endpoint` configured gives
-/// FAILED_PRECONDITION; the metadata service failing or answering badly gives UNAVAILABLE naming the
-/// endpoint; a layout object that conflicts with one in `desired_state_json` gives INVALID_ARGUMENT
-/// naming it.
+/// not visible yet are left out and logged. Errors: no `--imds-endpoint` configured, or one that is
+/// not an http:// URL, gives FAILED_PRECONDITION naming the flag; the metadata service failing
+/// (unreachable, no answer in time, 5xx) gives UNAVAILABLE naming the endpoint; an answer that cannot
+/// be used (malformed, a 4xx, VNICs that cannot be laid out on this host) gives FAILED_PRECONDITION
+/// naming the endpoint, since asking again gives the same; out-of-range options (`mtu`, `table_base`,
+/// `rule_priority_base`) and a layout object that conflicts with one in `desired_state_json` give
+/// INVALID_ARGUMENT naming them.
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct OciVnics {
     /// Lay out the secondary VNICs. False: the other fields are ignored.
