@@ -2,6 +2,13 @@
 //! exits (or, with `--cleanup-hold`, waits to be stopped, as a DaemonSet's Pod must). Run it from
 //! `deploy/uninstall/agent-cleanup.yaml` after the controller is stopped.
 //!
+//! - A running agent stops it: the agent holds an exclusive `flock(2)` on `<state-dir>/agent.lock`
+//!   while it runs (its drift loop would put back what the cleanup removes), and the cleanup
+//!   refuses while that lock is held, and holds it itself while it works.
+//! - An apply the agent journalled and never finished (`<state-dir>/network.json`'s `pending`,
+//!   left when the agent died midway) is undone first, as the agent's next start would have: the
+//!   links it configured get their MTU and up/down state from before it back. A restore point
+//!   that cannot be planned any more (a link it names is gone) is left, and said so.
 //! - Host networking: the empty network state is applied through netconf, whose plan deletes
 //!   exactly what carries nodekeeper's ownership marks (links with the `nodekeeper:` alias;
 //!   addresses, routes and rules with protocol 176; see `nodekeeper_netconf::observed`). The MTU
@@ -11,7 +18,9 @@
 //!   on the key is still in force or still repairs) gets back the value found before the first
 //!   repair, if it still holds what nodekeeper wrote; a key already back at that value needs
 //!   nothing; a key someone changed since is left and named.
-//! - The state file (`<state-dir>/rules.json`) goes last, so an interrupted cleanup can run again.
+//! - The agent's state files go last (the repair record `rules.json`, the network journal
+//!   `network.json`, the node problems `monitor-conditions.json`, then `agent.lock`), so that an
+//!   interrupted cleanup can run again.
 //!
 //! A second run finds nothing and says so.
 // What it did is its output, read by a person in the Pod's log: plain lines on stdout.
@@ -20,6 +29,7 @@
 use std::path::{Path, PathBuf};
 
 use clap::Parser;
+use clap::builder::{BoolishValueParser, TypedValueParser as _};
 use nodekeeper_model::network::NetworkState;
 use nodekeeper_model::tuning::normalize_value;
 use nodekeeper_netconf::{ApplyOptions, Netconf, Outcome};
@@ -32,7 +42,7 @@ use crate::tunables::{self, STATE_FILE};
 #[command(name = "nodekeeper-agent --cleanup", version, long_about = None)]
 pub struct CleanupArgs {
     /// Run the cleanup (this set of flags applies only with it).
-    #[arg(long, env = "NODEKEEPER_CLEANUP")]
+    #[arg(long, env = "NODEKEEPER_CLEANUP", value_parser = BoolishValueParser::new())]
     pub cleanup: bool,
 
     /// The agent's state directory (its repair record is read from here).
@@ -53,7 +63,7 @@ pub struct CleanupArgs {
 
     /// After the cleanup, wait for SIGTERM instead of exiting (a DaemonSet's Pod must keep
     /// running; its log holds the summary).
-    #[arg(long, env = "NODEKEEPER_CLEANUP_HOLD")]
+    #[arg(long, env = "NODEKEEPER_CLEANUP_HOLD", value_parser = BoolishValueParser::new())]
     pub cleanup_hold: bool,
 }
 
@@ -66,16 +76,90 @@ impl CleanupArgs {
 }
 
 /// Whether this process was started for the cleanup: `--cleanup` on the command line, or
-/// `NODEKEEPER_CLEANUP` set to true.
+/// `NODEKEEPER_CLEANUP` set to a true value.
 pub fn requested() -> bool {
-    std::env::args().skip(1).any(|a| a == "--cleanup")
-        || std::env::var("NODEKEEPER_CLEANUP")
-            .is_ok_and(|v| matches!(v.to_ascii_lowercase().as_str(), "true" | "1" | "yes"))
+    requested_by(
+        std::env::args_os().skip(1),
+        std::env::var_os("NODEKEEPER_CLEANUP").as_deref(),
+    )
+}
+
+/// [`requested`] for these arguments and this value of `NODEKEEPER_CLEANUP`. The value is read as
+/// clap reads the `--cleanup` flag's variable (in [`CleanupArgs`] and in the agent's `Config`
+/// alike): `1`, `true`, `yes`, `on`, `y`, `t` and `0`, `false`, `no`, `off`, `n`, `f`, in any
+/// case. Anything else is not a request here, and the agent's own flags then refuse it, naming
+/// the variable.
+pub fn requested_by(
+    args: impl IntoIterator<Item = std::ffi::OsString>,
+    env: Option<&std::ffi::OsStr>,
+) -> bool {
+    args.into_iter().any(|a| a == "--cleanup")
+        || env.is_some_and(|v| {
+            BoolishValueParser::new()
+                .parse_ref(&clap::Command::new("nodekeeper-agent"), None, v)
+                .unwrap_or(false)
+        })
+}
+
+/// The file a running agent holds an exclusive `flock(2)` on, in `--state-dir`.
+pub const LOCK_FILE: &str = "agent.lock";
+
+/// An exclusive lock on `<state-dir>/agent.lock`: held by a running agent, and by the cleanup
+/// while it works. Released when dropped, or when the process ends however it ends (the kernel
+/// drops a `flock` with the last descriptor), so a killed agent leaves no stale lock.
+#[derive(Debug)]
+pub struct StateLock {
+    _file: nix::fcntl::Flock<std::fs::File>,
+}
+
+impl StateLock {
+    /// Takes the lock without waiting (creating the directory and the file when missing);
+    /// `Ok(None)` when another process holds it.
+    pub fn try_take(state_dir: &Path) -> std::io::Result<Option<Self>> {
+        use nix::fcntl::{Flock, FlockArg};
+        std::fs::create_dir_all(state_dir)?;
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(state_dir.join(LOCK_FILE))?;
+        match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+            Ok(file) => Ok(Some(Self { _file: file })),
+            Err((_, nix::errno::Errno::EWOULDBLOCK)) => Ok(None),
+            Err((_, errno)) => Err(errno.into()),
+        }
+    }
+}
+
+/// The part of the agent's network journal (`network.rs`'s `Journal`) the cleanup reads: the
+/// restore point of an apply cut short.
+#[derive(serde::Deserialize)]
+struct Journal {
+    pending: Option<Pending>,
+}
+
+#[derive(serde::Deserialize)]
+struct Pending {
+    generation: String,
+    before: NetworkState,
 }
 
 /// Why the cleanup stopped; what was reverted before stays reverted, and a second run goes on.
 #[derive(Debug, thiserror::Error)]
 pub enum CleanupError {
+    #[error(
+        "a nodekeeper-agent still runs on this host (it holds {path}), and its drift loop would \
+         put back what the cleanup removes: delete the agent DaemonSet (or stop the agent), wait \
+         for its Pod to end, then run the cleanup again"
+    )]
+    AgentRunning { path: PathBuf },
+    #[error("lock {path}: {source}")]
+    Lock {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("read the network journal {path}: {reason}")]
+    ReadJournal { path: PathBuf, reason: String },
     #[error("revert host networking: {0}")]
     RevertNetwork(String),
     #[error("read the repair record: {0}")]
@@ -99,22 +183,35 @@ pub enum CleanupError {
 pub struct Summary {
     /// Network steps taken (`delete-link nkm0 ...`).
     pub network: Vec<String>,
+    /// Steps that undid an apply cut short (`set-mtu nic0 ...`), before [`Summary::network`].
+    pub undone: Vec<String>,
     /// `key: written -> original`.
     pub restored: Vec<String>,
-    /// Sysctls left, with why.
+    /// Sysctls (and an interrupted apply that could not be undone) left, with why.
     pub left: Vec<String>,
-    /// Whether the state file was removed.
+    /// Whether a state file was removed.
     pub state_removed: bool,
 }
 
 impl std::fmt::Display for Summary {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        if self.network.is_empty() && self.restored.is_empty() && !self.state_removed {
+        if self.network.is_empty()
+            && self.undone.is_empty()
+            && self.restored.is_empty()
+            && !self.state_removed
+        {
             return write!(
                 f,
                 "cleanup done: nothing of nodekeeper's on this host ({} sysctls left)",
                 self.left.len()
             );
+        }
+        if !self.undone.is_empty() {
+            write!(
+                f,
+                "interrupted apply undone ({} steps); ",
+                self.undone.len()
+            )?;
         }
         write!(
             f,
@@ -134,8 +231,20 @@ impl std::fmt::Display for Summary {
 /// Runs the cleanup in the calling thread's network namespace, printing each change and the
 /// summary on stdout. Needs a tokio runtime.
 pub async fn run(args: &CleanupArgs) -> Result<Summary, CleanupError> {
+    let lock_path = args.state_dir.join(LOCK_FILE);
+    let _lock = match StateLock::try_take(&args.state_dir) {
+        Ok(Some(lock)) => lock,
+        Ok(None) => return Err(CleanupError::AgentRunning { path: lock_path }),
+        Err(source) => {
+            return Err(CleanupError::Lock {
+                path: lock_path,
+                source,
+            });
+        }
+    };
     let mut summary = Summary::default();
     let netconf = Netconf::connect().map_err(|e| CleanupError::RevertNetwork(e.to_string()))?;
+    undo_pending(&netconf, &args.state_dir, &mut summary).await?;
     let report = netconf
         .apply(&NetworkState::default(), &ApplyOptions::default())
         .await
@@ -159,9 +268,14 @@ pub async fn run(args: &CleanupArgs) -> Result<Summary, CleanupError> {
         restore(&sysctl_root, &repair, &mut summary)?;
     }
 
-    // The rules record, and the network journal (the last applied state, which a later agent
-    // start would otherwise put back on the host).
-    for file in [STATE_FILE, crate::network::JOURNAL_FILE] {
+    // The rules record, the network journal (the last applied state, which a later agent start
+    // would otherwise put back on the host) and the node problems the monitors keep across
+    // restarts.
+    for file in [
+        STATE_FILE,
+        crate::network::JOURNAL_FILE,
+        crate::monitor::persist::FILE_NAME,
+    ] {
         let state = args.state_dir.join(file);
         match std::fs::remove_file(&state) {
             Ok(()) => {
@@ -177,8 +291,72 @@ pub async fn run(args: &CleanupArgs) -> Result<Summary, CleanupError> {
             }
         }
     }
+    // Last the lock, which this run created if no agent had (held until the process ends; an
+    // agent started meanwhile waits for it).
+    if let Err(source) = std::fs::remove_file(&lock_path)
+        && source.kind() != std::io::ErrorKind::NotFound
+    {
+        return Err(CleanupError::RemoveState {
+            path: lock_path,
+            source,
+        });
+    }
     println!("{summary}");
     Ok(summary)
+}
+
+/// Undoes an apply the agent journalled and never finished (what its next start would have done):
+/// applies the journal's restore point, which gives the links that apply configured their MTU
+/// and up/down state from before it. The empty state applied next removes the rest.
+async fn undo_pending(
+    netconf: &Netconf,
+    state_dir: &Path,
+    summary: &mut Summary,
+) -> Result<(), CleanupError> {
+    let path = state_dir.join(crate::network::JOURNAL_FILE);
+    let bytes = match std::fs::read(&path) {
+        Ok(bytes) => bytes,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => {
+            return Err(CleanupError::ReadJournal {
+                path,
+                reason: e.to_string(),
+            });
+        }
+    };
+    let journal: Journal =
+        serde_json::from_slice(&bytes).map_err(|e| CleanupError::ReadJournal {
+            path: path.clone(),
+            reason: format!("{e}; move the file away to clean up without it"),
+        })?;
+    let Some(pending) = journal.pending else {
+        return Ok(());
+    };
+    let generation = &pending.generation;
+    let left = match netconf
+        .apply(&pending.before, &ApplyOptions::default())
+        .await
+    {
+        Ok(report) if report.outcome == Outcome::Applied => {
+            for step in &report.plan.steps {
+                let line = format!("{} {step}", step.op());
+                println!("network: undo interrupted apply {generation:?}: {line}");
+                summary.undone.push(line);
+            }
+            return Ok(());
+        }
+        Ok(report) => format!(
+            "not undone ({:?}: {}); its links keep their MTU and up/down state",
+            report.outcome,
+            report.error.unwrap_or_default()
+        ),
+        // A link the restore point names is gone: there is nothing to give its state back to.
+        Err(e) => format!("not undone ({e}); left as it is"),
+    };
+    let line = format!("network: the apply of generation {generation:?} cut short: {left}");
+    println!("{line}");
+    summary.left.push(line);
+    Ok(())
 }
 
 /// Puts one repaired key back, if it still holds nodekeeper's value.
@@ -414,6 +592,168 @@ mod tests {
                 .collect::<Vec<_>>()
         };
         assert_eq!(names(&ip(&["-o", "link", "show"])), names(&before_links));
+    }
+
+    /// An apply cut short (the journal's restore point: nic0 at MTU 1500, up) is undone before
+    /// the empty state is applied, and every state file of the agent is removed.
+    #[test]
+    fn undoes_an_interrupted_apply_and_removes_every_state_file() {
+        skip_unless_root!("needs root to create network namespaces");
+        let ns = Arc::new(Netns::with_loopback("nk-cleanup-pend").expect("a network namespace"));
+        let ip = |args: &[&str]| ns.ip(args).unwrap();
+        ip(&[
+            "link", "add", "nic0", "type", "veth", "peer", "name", "nic0p",
+        ]);
+        ip(&["link", "set", "nic0", "up"]);
+        // Where the apply that was cut short had got to.
+        ip(&["link", "set", "nic0", "mtu", "9000"]);
+        let state = tempfile::tempdir().unwrap();
+        let dir = state.path().to_path_buf();
+        std::fs::write(
+            dir.join(crate::network::JOURNAL_FILE),
+            r#"{"applied": null, "pending": {"generation": "uid-1/2", "before":
+                {"links": [{"name": "nic0", "kind": "existing", "mtu": 1500, "up": true}]}}}"#,
+        )
+        .unwrap();
+        std::fs::write(dir.join(crate::monitor::persist::FILE_NAME), "{}").unwrap();
+        let summary = ns.run(move || async move {
+            let args = CleanupArgs::parse_from([
+                "nodekeeper-agent",
+                "--cleanup",
+                &format!("--state-dir={}", dir.display()),
+            ]);
+            run(&args).await.unwrap()
+        });
+        assert_eq!(summary.undone.len(), 1, "{summary:?}");
+        assert!(summary.undone[0].starts_with("set-link"), "{summary:?}");
+        assert!(
+            summary.network.is_empty() && summary.left.is_empty(),
+            "{summary:?}"
+        );
+        assert!(
+            summary.to_string().contains("interrupted apply undone"),
+            "{summary}"
+        );
+        let link = ip(&["-o", "link", "show", "nic0"]);
+        assert!(link.contains("mtu 1500"), "{link}");
+        let left: Vec<_> = std::fs::read_dir(state.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert!(left.is_empty(), "state files left: {left:?}");
+    }
+
+    /// A restore point that cannot be planned any more (its link is gone) is left, said so, and
+    /// does not stop the cleanup.
+    #[test]
+    fn an_interrupted_apply_that_cannot_be_undone_is_left_and_said_so() {
+        skip_unless_root!("needs root to create network namespaces");
+        let ns = Netns::with_loopback("nk-cleanup-gone").expect("a network namespace");
+        let state = tempfile::tempdir().unwrap();
+        let dir = state.path().to_path_buf();
+        std::fs::write(
+            dir.join(crate::network::JOURNAL_FILE),
+            r#"{"applied": null, "pending": {"generation": "uid-1/2", "before":
+                {"links": [{"name": "gone0", "kind": "existing", "mtu": 1500}]}}}"#,
+        )
+        .unwrap();
+        let summary = ns.run(move || async move {
+            let args = CleanupArgs::parse_from([
+                "nodekeeper-agent",
+                "--cleanup",
+                &format!("--state-dir={}", dir.display()),
+            ]);
+            run(&args).await.unwrap()
+        });
+        assert!(summary.undone.is_empty(), "{summary:?}");
+        assert_eq!(summary.left.len(), 1, "{summary:?}");
+        assert!(
+            summary.left[0].contains("\"uid-1/2\" cut short")
+                && summary.left[0].contains("not undone"),
+            "{summary:?}"
+        );
+        assert!(!state.path().join(crate::network::JOURNAL_FILE).exists());
+    }
+
+    /// The cleanup refuses, before it touches anything, while another process (a running agent)
+    /// holds the state directory's lock, and names what to do.
+    #[tokio::test]
+    async fn refuses_while_the_state_directory_is_locked() {
+        let state = tempfile::tempdir().unwrap();
+        std::fs::write(state.path().join(STATE_FILE), "{}").unwrap();
+        let held = StateLock::try_take(state.path())
+            .unwrap()
+            .expect("a free lock");
+        assert!(
+            StateLock::try_take(state.path()).unwrap().is_none(),
+            "a second holder must be refused"
+        );
+        let args = CleanupArgs::parse_from([
+            "nodekeeper-agent",
+            "--cleanup",
+            &format!("--state-dir={}", state.path().display()),
+        ]);
+        let error = run(&args).await.unwrap_err();
+        assert!(
+            matches!(error, CleanupError::AgentRunning { .. }),
+            "{error}"
+        );
+        let message = error.to_string();
+        assert!(
+            message.contains("agent.lock") && message.contains("delete the agent DaemonSet"),
+            "{message}"
+        );
+        assert!(
+            state.path().join(STATE_FILE).exists(),
+            "the record was touched"
+        );
+        drop(held);
+        assert!(StateLock::try_take(state.path()).unwrap().is_some());
+    }
+
+    /// `NODEKEEPER_CLEANUP` means what clap makes of it in both flag sets: whatever requests the
+    /// cleanup parses as true there, whatever does not parses as false or is refused.
+    #[test]
+    fn the_cleanup_variable_is_read_alike_everywhere() {
+        use clap::CommandFactory;
+        use std::ffi::OsStr;
+        let none = std::iter::empty::<std::ffi::OsString>;
+        for (value, cleanup) in [
+            ("1", Some(true)),
+            ("true", Some(true)),
+            ("TRUE", Some(true)),
+            ("yes", Some(true)),
+            ("on", Some(true)),
+            ("0", Some(false)),
+            ("false", Some(false)),
+            ("no", Some(false)),
+            ("off", Some(false)),
+            ("maybe", None),
+        ] {
+            assert_eq!(
+                requested_by(none(), Some(OsStr::new(value))),
+                cleanup == Some(true),
+                "NODEKEEPER_CLEANUP={value}"
+            );
+            // How each flag set parses the variable: a flag with a value goes the same way.
+            for mut cmd in [CleanupArgs::command(), crate::Config::command()] {
+                let parser = cmd
+                    .get_arguments()
+                    .find(|a| a.get_id() == "cleanup")
+                    .unwrap()
+                    .get_value_parser()
+                    .clone();
+                let arg = clap::Arg::new("v").long("v").value_parser(parser);
+                cmd = clap::Command::new("t").arg(arg);
+                let parsed = cmd
+                    .try_get_matches_from(["t", &format!("--v={value}")])
+                    .ok()
+                    .and_then(|m| m.get_one::<bool>("v").copied());
+                assert_eq!(parsed, cleanup, "NODEKEEPER_CLEANUP={value}");
+            }
+        }
+        assert!(requested_by(["--cleanup".into()], None));
+        assert!(!requested_by(none(), None));
     }
 
     #[test]

@@ -53,7 +53,11 @@ pub struct Config {
 
     /// Revert what nodekeeper changed on this host and exit, instead of serving (the uninstall;
     /// its own flags: `nodekeeper-agent --cleanup --help`).
-    #[arg(long, env = "NODEKEEPER_CLEANUP")]
+    #[arg(
+        long,
+        env = "NODEKEEPER_CLEANUP",
+        value_parser = clap::builder::BoolishValueParser::new()
+    )]
     pub cleanup: bool,
 
     /// Directory for the agent's state (the rules in force, repair history); survives restarts.
@@ -204,11 +208,13 @@ pub struct Config {
     #[arg(long, env = "NODEKEEPER_METRICS_LISTEN", value_parser = parse_listen)]
     pub metrics_listen: Option<SocketAddr>,
 
-    /// Largest gRPC message accepted or sent, in bytes; larger requests are refused.
+    /// Largest gRPC message accepted or sent, in bytes; larger requests are refused. At least
+    /// 65536 (64 KiB), as a node report must fit.
     #[arg(long, env = "NODEKEEPER_MAX_MESSAGE_BYTES", default_value_t = 1024 * 1024)]
     pub max_message_bytes: usize,
 
-    /// Base URL of the instance metadata service (e.g. `http://169.254.169.254`). Unset: the
+    /// Base URL of the instance metadata service (e.g. `http://169.254.169.254`; plain
+    /// `http://`, checked at start). Unset: the
     /// agent never contacts it, and `ApplyNetwork` with `oci_vnics.enabled` fails with
     /// FAILED_PRECONDITION. Set: that call reads the secondary VNICs from it to lay them out.
     #[arg(long, env = "NODEKEEPER_IMDS_ENDPOINT")]
@@ -355,15 +361,36 @@ impl Config {
                 ),
             });
         }
-        if self.max_message_bytes < 4096 {
+        // A report with its interfaces, probes and problems is tens of KiB; the controller
+        // refuses a --max-reply-bytes below 64 KiB for the same reason.
+        if self.max_message_bytes < MIN_MESSAGE_BYTES {
             return Err(Error::InvalidConfig {
                 flag: "--max-message-bytes",
-                reason: format!("{} is too small; use at least 4096", self.max_message_bytes),
+                reason: format!(
+                    "{} is too small for a node report; use at least {MIN_MESSAGE_BYTES} (64 KiB; \
+                     the default is 1 MiB)",
+                    self.max_message_bytes
+                ),
             });
+        }
+        // Checked by the client `ApplyNetwork` builds, with the same rules, so that a bad value
+        // stops the agent here instead of failing every `ApplyNetwork` with OCI VNICs later.
+        if let Some(endpoint) = &self.imds_endpoint {
+            nodekeeper_oci::ImdsClient::new(nodekeeper_oci::ImdsConfig::new(endpoint.clone()))
+                .map_err(|e| Error::InvalidConfig {
+                    flag: "--imds-endpoint",
+                    reason: format!(
+                        "{e}; write the metadata service's base URL, e.g. \
+                         http://169.254.169.254, or leave the flag unset"
+                    ),
+                })?;
         }
         Ok(())
     }
 }
+
+/// The smallest `--max-message-bytes`: a node report must fit.
+pub const MIN_MESSAGE_BYTES: usize = 64 * 1024;
 
 /// A configured host path must be absolute and free of `..`, so that configuration cannot make
 /// the agent read outside the tree it names.
@@ -516,6 +543,61 @@ mod tests {
                 Err(e) => {
                     assert!(!ok, "{arg} was refused: {e}");
                     assert!(e.to_string().contains(flag), "{e}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn refuses_an_imds_endpoint_the_metadata_client_cannot_use() {
+        for (value, ok) in [
+            ("http://169.254.169.254", true),
+            ("http://169.254.169.254/", true),
+            ("http://127.0.0.1:8080/prefix", true),
+            ("169.254.169.254", false),
+            ("https://169.254.169.254", false),
+            ("http://", false),
+            ("not a url", false),
+        ] {
+            let mut args = base();
+            let arg = format!("--imds-endpoint={value}");
+            args.push(&arg);
+            let c = Config::try_parse_from(args).unwrap();
+            match c.validate() {
+                Ok(()) => assert!(ok, "{arg} was accepted"),
+                Err(e) => {
+                    assert!(!ok, "{arg} was refused: {e}");
+                    let e = e.to_string();
+                    assert!(
+                        e.contains("--imds-endpoint") && e.contains("http://169.254.169.254"),
+                        "{e}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn refuses_a_max_message_size_below_a_report() {
+        for (value, ok) in [
+            ("4096", false),
+            ("65535", false),
+            ("65536", true),
+            ("1048576", true),
+        ] {
+            let mut args = base();
+            let arg = format!("--max-message-bytes={value}");
+            args.push(&arg);
+            let c = Config::try_parse_from(args).unwrap();
+            match c.validate() {
+                Ok(()) => assert!(ok, "{arg} was accepted"),
+                Err(e) => {
+                    assert!(!ok, "{arg} was refused: {e}");
+                    let e = e.to_string();
+                    assert!(
+                        e.contains("--max-message-bytes") && e.contains("65536"),
+                        "{e}"
+                    );
                 }
             }
         }

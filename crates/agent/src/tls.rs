@@ -1,6 +1,7 @@
 //! Mutual TLS for the gRPC server: the agent's identity, and the CA that client certificates
 //! must chain to. Client certificates are required, not optional: a handshake without one, or
-//! with one from another CA, fails before any request is read.
+//! with one from another CA, fails before any request is read. The reload (a server generation
+//! per set of files, on one listener) is in the crate root.
 
 use std::path::Path;
 
@@ -8,6 +9,9 @@ use tonic::transport::{Certificate, Identity, ServerTlsConfig};
 
 use crate::config::Config;
 use crate::error::Error;
+
+/// How long a client has to complete its TLS handshake.
+pub const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 fn read_pem(flag: &'static str, path: &Path) -> Result<Vec<u8>, Error> {
     let bytes = std::fs::read(path).map_err(|source| Error::ReadTls {
@@ -34,10 +38,10 @@ pub fn server_config(config: &Config) -> Result<ServerTlsConfig, Error> {
         .client_ca_root(Certificate::from_pem(ca))
         // The default already, stated so that nobody relaxes it by accident.
         .client_auth_optional(false)
-        .timeout(std::time::Duration::from_secs(10)))
+        .timeout(HANDSHAKE_TIMEOUT))
 }
 
-/// A digest of the three TLS files, to notice when they change.
+/// A digest of the three TLS files, to notice when they change; `None` while one is unreadable.
 pub fn fingerprint(config: &Config) -> Option<[u8; 32]> {
     use sha2::{Digest, Sha256};
     let mut h = Sha256::new();
@@ -46,24 +50,4 @@ pub fn fingerprint(config: &Config) -> Option<[u8; 32]> {
         h.update([0]);
     }
     Some(h.finalize().into())
-}
-
-/// Cancels `generation` when the TLS files differ from what they were at the start (checked every
-/// `--tls-reload-interval`). Unreadable files (mid-update) are ignored until readable again.
-pub async fn watch(config: Config, generation: tokio_util::sync::CancellationToken) {
-    let start = fingerprint(&config);
-    let mut tick = tokio::time::interval(config.tls_reload_interval);
-    tick.tick().await;
-    loop {
-        tokio::select! {
-            _ = generation.cancelled() => return,
-            _ = tick.tick() => {}
-        }
-        let now = fingerprint(&config);
-        if now.is_some() && now != start {
-            tracing::info!("TLS files changed");
-            generation.cancel();
-            return;
-        }
-    }
 }

@@ -2,6 +2,9 @@
 //! inside a network namespace this test creates, applies a host network state over mutual-TLS
 //! gRPC, has its TLS files replaced (it reloads them), and must then still repair a route someone
 //! deleted and still report the applied state. Root only (network namespaces).
+//!
+//! A rotation under a call in flight (any user, on 127.0.0.1): new connections are served with the
+//! new certificates at once, and the call finishes on the old ones.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -63,11 +66,16 @@ fn install(dir: &std::path::Path, p: &Pki) {
 
 /// A client trusting `p`'s CA with its client pair; `Err` until the agent serves with `p`.
 async fn client(p: &Pki) -> Result<NodeAgentClient<Channel>, String> {
+    client_at(LISTEN, p).await
+}
+
+/// [`client`] for an agent listening on `addr`.
+async fn client_at(addr: &str, p: &Pki) -> Result<NodeAgentClient<Channel>, String> {
     let tls = ClientTlsConfig::new()
         .ca_certificate(Certificate::from_pem(&p.ca))
         .domain_name(SERVER_NAME)
         .identity(Identity::from_pem(&p.client.0, &p.client.1));
-    let channel = Channel::from_shared(format!("https://{LISTEN}"))
+    let channel = Channel::from_shared(format!("https://{addr}"))
         .unwrap()
         .tls_config(tls)
         .map_err(|e| e.to_string())?
@@ -86,9 +94,14 @@ async fn client(p: &Pki) -> Result<NodeAgentClient<Channel>, String> {
 
 /// Calls `client(p)` every 100 ms for up to `secs` seconds.
 async fn wait_for_client(p: &Pki, secs: u64) -> NodeAgentClient<Channel> {
+    wait_for_client_at(LISTEN, p, secs).await
+}
+
+/// [`wait_for_client`] for an agent listening on `addr`.
+async fn wait_for_client_at(addr: &str, p: &Pki, secs: u64) -> NodeAgentClient<Channel> {
     let mut last = String::new();
     for _ in 0..secs * 10 {
-        match client(p).await {
+        match client_at(addr, p).await {
             Ok(c) => return c,
             Err(e) => last = e,
         }
@@ -201,7 +214,8 @@ fn certificate_rotation_keeps_the_applied_network_and_its_drift_repair() {
             status.applied_generation, "uid-1/1",
             "the rotation forgot the applied state: {status:?}"
         );
-        assert!(status.drifted, "{status:?}");
+        // Repaired: no drift left, and the repair's time says it happened.
+        assert!(!status.drifted && status.drift.is_empty(), "{status:?}");
         assert!(status.reconverged_at_unix_ms > 0, "{status:?}");
         assert!(status.last_error.is_empty(), "{status:?}");
         // The links nodekeeper created or configures are reported as managed, no others.
@@ -223,4 +237,143 @@ fn certificate_rotation_keeps_the_applied_network_and_its_drift_repair() {
             .unwrap();
     });
     drop(ns);
+}
+
+/// A TLS reload must not close the port until the calls in flight end: a long `RunProbes` (10
+/// TCP probes 1 s apart, about 9 s) is running when the files are replaced; a client with the new
+/// PKI must be served within 2 s, while the probe call still runs, and the probe call must then
+/// finish with all its results.
+#[tokio::test]
+async fn a_rotation_serves_new_connections_while_a_long_call_is_in_flight() {
+    let dir = tempfile::tempdir().unwrap();
+    let (first, second) = (pki("first CA"), pki("second CA"));
+    install(dir.path(), &first);
+    let addr = format!("127.0.0.1:{}", nodekeeper_testkit::free_port());
+    let config = Config::try_parse_from([
+        "nodekeeper-agent".to_string(),
+        "--node-name=worker-1".into(),
+        format!("--listen={addr}"),
+        format!("--tls-cert={}", dir.path().join("tls.crt").display()),
+        format!("--tls-key={}", dir.path().join("tls.key").display()),
+        format!("--client-ca={}", dir.path().join("ca.crt").display()),
+        format!("--state-dir={}", dir.path().join("state").display()),
+        "--nvidia-smi=/nonexistent/nvidia-smi".into(),
+        "--tls-reload-interval=100ms".into(),
+    ])
+    .unwrap();
+    let shutdown = CancellationToken::new();
+    let agent = tokio::spawn(nodekeeper_agent::run(config, shutdown.clone()));
+
+    let mut old = wait_for_client_at(&addr, &first, 10).await;
+    // Nothing listens on the target port: every probe is refused at once, and the run lasts
+    // count x interval whatever the answers.
+    let closed = nodekeeper_testkit::free_port();
+    let probes = tokio::spawn(async move {
+        old.run_probes(pb::RunProbesRequest {
+            run_id: "ns/long/uid".into(),
+            kind: pb::ProbeKind::Tcp as i32,
+            targets: vec![pb::ProbeTarget {
+                id: "closed".into(),
+                address: "127.0.0.1".into(),
+                port: u32::from(closed),
+                ..pb::ProbeTarget::default()
+            }],
+            count: 10,
+            interval_ms: 1_000,
+            timeout_ms: 500,
+            allowed_cidrs: vec!["127.0.0.0/8".into()],
+            ..pb::RunProbesRequest::default()
+        })
+        .await
+    });
+    // The call is on its way before the rotation.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !probes.is_finished(),
+        "the probe call ended early: {probes:?}"
+    );
+
+    install(dir.path(), &second);
+    let rotated = std::time::Instant::now();
+    let mut new = wait_for_client_at(&addr, &second, 2).await;
+    assert!(
+        !probes.is_finished(),
+        "the new certificates were served only after the call in flight ended ({:?} after the \
+         rotation)",
+        rotated.elapsed()
+    );
+    let (status, _) = network_status(&mut new).await;
+    assert!(status.applied_generation.is_empty(), "{status:?}");
+    assert!(
+        client_at(&addr, &first).await.is_err(),
+        "new connections must no longer trust the old CA"
+    );
+
+    let done = tokio::time::timeout(Duration::from_secs(30), probes)
+        .await
+        .expect("the probe call in flight finishes")
+        .unwrap()
+        .expect("the probe call in flight succeeds on the old certificates")
+        .into_inner();
+    let got: Vec<(&str, u32, u32)> = done
+        .results
+        .iter()
+        .map(|r| (r.target_id.as_str(), r.sent, r.received))
+        .collect();
+    assert_eq!(got, [("closed", 10, 0)]);
+
+    shutdown.cancel();
+    tokio::time::timeout(Duration::from_secs(30), agent)
+        .await
+        .expect("the agent stops on shutdown")
+        .unwrap()
+        .unwrap();
+}
+
+/// New TLS files that cannot be used (a key that does not match the certificate, as a half-done
+/// manual edit leaves them) are ignored: the agent keeps serving with the files it has, and takes
+/// the next usable set.
+#[tokio::test]
+async fn unusable_new_files_are_ignored_until_usable_ones_come() {
+    let dir = tempfile::tempdir().unwrap();
+    let (first, second) = (pki("first CA"), pki("second CA"));
+    install(dir.path(), &first);
+    let addr = format!("127.0.0.1:{}", nodekeeper_testkit::free_port());
+    let config = Config::try_parse_from([
+        "nodekeeper-agent".to_string(),
+        "--node-name=worker-1".into(),
+        format!("--listen={addr}"),
+        format!("--tls-cert={}", dir.path().join("tls.crt").display()),
+        format!("--tls-key={}", dir.path().join("tls.key").display()),
+        format!("--client-ca={}", dir.path().join("ca.crt").display()),
+        format!("--state-dir={}", dir.path().join("state").display()),
+        "--nvidia-smi=/nonexistent/nvidia-smi".into(),
+        "--tls-reload-interval=100ms".into(),
+    ])
+    .unwrap();
+    let shutdown = CancellationToken::new();
+    let agent = tokio::spawn(nodekeeper_agent::run(config, shutdown.clone()));
+    wait_for_client_at(&addr, &first, 10).await;
+
+    // The second certificate with the first key.
+    std::fs::write(dir.path().join("tls.crt"), &second.server.0).unwrap();
+    std::fs::write(dir.path().join("ca.crt"), &second.ca).unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !agent.is_finished(),
+        "unusable TLS files stopped the agent: {agent:?}"
+    );
+    client_at(&addr, &first)
+        .await
+        .expect("the agent serves with the files it had");
+
+    install(dir.path(), &second);
+    wait_for_client_at(&addr, &second, 5).await;
+
+    shutdown.cancel();
+    tokio::time::timeout(Duration::from_secs(30), agent)
+        .await
+        .expect("the agent stops on shutdown")
+        .unwrap()
+        .unwrap();
 }
