@@ -2416,3 +2416,82 @@ async fn a_hold_whose_maintenance_is_gone_is_released() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// A drain-plan priority threshold above what an int32 holds is refused by the API server (the
+/// schema's `maximum`): stored, it would fail the decoding of every NodeMaintenance list and so
+/// stop the controller for all maintenances. The list still decodes, and a maintenance with the
+/// largest valid threshold drains its node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn priority_threshold_beyond_int32_is_refused_and_others_still_drain() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    let Setup {
+        client,
+        ns,
+        _controller,
+    } = setup("nk-maint-int32", &[]).await?;
+    let group = unique_name("int32");
+    let pool = unique_name("pool");
+    let nodes = create_simulated_nodes(
+        &client,
+        "nk-int32",
+        1,
+        &labels(&[(GROUP, &group), (POOL, &pool)]),
+        &[],
+    )
+    .await?;
+    create(&client, &ns, deployment("w", 1, &pool, json!({}))).await?;
+    wait_running(&client, &ns, 1).await?;
+    create_simulated_nodes(&client, "nk-int32-spare", 1, &labels(&[(POOL, &pool)]), &[]).await?;
+
+    let api: Api<NodeMaintenance> = Api::all(client.clone());
+    let bad = unique_name("bad");
+    let body = |name: &str, threshold: i64| {
+        json!({
+            "apiVersion": "nodekeeper.dev/v1alpha1",
+            "kind": "NodeMaintenance",
+            "metadata": { "name": name },
+            "spec": {
+                "nodeSelector": { "matchLabels": { GROUP: group } },
+                "stage": "Drain",
+                "drainPlan": [ { "priorityThreshold": threshold } ],
+            },
+        })
+    };
+    let refused = api
+        .patch(
+            &bad,
+            &PatchParams::apply("nodekeeper-e2e").force(),
+            &Patch::Apply(body(&bad, 2_147_483_648)),
+        )
+        .await;
+    match refused {
+        Err(kube::Error::Api(s)) if s.code == 422 && s.message.contains("priorityThreshold") => {}
+        other => bail!("a priorityThreshold of 2147483648 was not refused with 422: {other:?}"),
+    }
+    ensure!(
+        api.get_opt(&bad).await?.is_none(),
+        "the refused maintenance {bad} was stored"
+    );
+    api.list(&ListParams::default())
+        .await
+        .context("every NodeMaintenance still decodes")?;
+
+    let good = unique_name("good");
+    api.patch(
+        &good,
+        &PatchParams::apply("nodekeeper-e2e").force(),
+        &Patch::Apply(body(&good, i64::from(i32::MAX))),
+    )
+    .await
+    .with_context(|| format!("apply nodemaintenance {good}"))?;
+    wait_nm(&client, &good, "drained", |nm| {
+        node_phase(nm, &nodes[0]) == Some(NodePhase::Drained)
+    })
+    .await?;
+    wait_for("the pod to run on the spare node", TIMEOUT, || async {
+        let pods = running_pods(&client, &ns).await?;
+        Ok((!pods.is_empty() && pods.values().all(|n| n != &nodes[0])).then_some(()))
+    })
+    .await?;
+    Ok(())
+}

@@ -36,7 +36,23 @@ pub const RULE_PRIORITY_MAX: u32 = 20999;
 pub const TABLE_MAIN: u32 = 254;
 
 /// Linux interface names are at most 15 bytes (IFNAMSIZ - 1).
-const IFNAME_MAX: usize = 15;
+pub const IFNAME_MAX: usize = 15;
+
+/// The most links a configured state (`NodeNetworkConfig.spec.state`) may list. The CRD schema
+/// and [`NetworkState::check_sizes`] hold these caps; a node's whole state, with what `ociVnics`
+/// adds, may be longer, so [`NetworkState::validate`] does not apply them.
+pub const MAX_LINKS: usize = 64;
+/// The most addresses a configured state may list.
+pub const MAX_ADDRESSES: usize = 256;
+/// The most routes a configured state may list.
+pub const MAX_ROUTES: usize = 256;
+/// The most rules a configured state may list.
+pub const MAX_RULES: usize = 256;
+/// The longest address or prefix text (`cidr`, `destination`, `gateway`, `from`, `to`); the
+/// longest valid one, an IPv6 address with an embedded IPv4 address and a prefix length, is 49.
+pub const ADDRESS_TEXT_MAX: usize = 64;
+/// A MAC's text: six two-digit octets and five colons.
+pub const MAC_TEXT_MAX: usize = 17;
 
 /// The lowest MTU at which Linux keeps IPv6 on a link: below it the kernel drops the link's
 /// IPv6 addresses and routes.
@@ -54,15 +70,19 @@ pub struct NetworkState {
     /// VLAN sub-interfaces and macvlans nodekeeper creates. Addresses and routes refer to these by
     /// `name`.
     #[serde(default)]
+    #[schemars(length(max = MAX_LINKS))]
     pub links: Vec<LinkSpec>,
     /// IPv4 and IPv6 addresses, each on one of `links`.
     #[serde(default)]
+    #[schemars(length(max = MAX_ADDRESSES))]
     pub addresses: Vec<AddressSpec>,
     /// Routes, in any routing table.
     #[serde(default)]
+    #[schemars(length(max = MAX_ROUTES))]
     pub routes: Vec<RouteSpec>,
     /// Policy routing rules.
     #[serde(default)]
+    #[schemars(length(max = MAX_RULES))]
     pub rules: Vec<RuleSpec>,
 }
 
@@ -117,6 +137,7 @@ pub struct LinkSpec {
     /// `existing` without `mac`: the kernel name to match. For `existing` with `mac`: a label that
     /// addresses, routes and other links use to refer to this interface (the kernel name is
     /// whatever the interface with that MAC is called).
+    #[schemars(length(max = IFNAME_MAX))]
     pub name: String,
     /// Whether nodekeeper creates this link (`vlan`, `macvlan`) or only configures it (`existing`).
     pub kind: LinkKind,
@@ -124,10 +145,12 @@ pub struct LinkSpec {
     /// `macvlan`: the address to give it (OCI bare metal: the VNIC's `macAddr`). Not allowed for
     /// `vlan` (a VLAN takes its parent's address).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = MAC_TEXT_MAX))]
     pub mac: Option<String>,
     /// For `vlan` and `macvlan`: the parent interface, either the `name` of another entry in
     /// `links` or the kernel name of an interface that already exists.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = IFNAME_MAX))]
     pub parent: Option<String>,
     /// For `vlan`: the 802.1Q VLAN id, 1–4094.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -137,6 +160,7 @@ pub struct LinkSpec {
     pub macvlan_mode: Option<MacvlanMode>,
     /// MTU in bytes, 68–65535; left as it is when omitted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(max = 65535))]
     pub mtu: Option<u32>,
     /// Administrative state; left as it is when omitted (created links are brought up unless this
     /// is `false`).
@@ -151,8 +175,10 @@ pub struct LinkSpec {
 #[serde(rename_all = "camelCase")]
 pub struct AddressSpec {
     /// The `name` of the entry in `links` that carries the address.
+    #[schemars(length(max = IFNAME_MAX))]
     pub link: String,
     /// Address and prefix length, e.g. `10.0.20.33/24` or `fd00:10:30::45/64`.
+    #[schemars(length(max = ADDRESS_TEXT_MAX))]
     pub cidr: String,
 }
 
@@ -164,19 +190,24 @@ pub struct AddressSpec {
 pub struct RouteSpec {
     /// Destination prefix (e.g. `10.0.0.0/8`), or `default` (IPv4 `0.0.0.0/0`; write `::/0` for
     /// IPv6).
+    #[schemars(length(max = ADDRESS_TEXT_MAX))]
     pub destination: String,
     /// Next-hop address; omitted for a route straight out of `link`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = ADDRESS_TEXT_MAX))]
     pub gateway: Option<String>,
     /// The `name` of the entry in `links` the route leaves by. Required unless `gateway` alone
     /// determines it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = IFNAME_MAX))]
     pub link: Option<String>,
     /// Routing table id; 254 (`main`) when omitted. 0 and 255 (`local`) are refused.
     #[serde(default = "default_table")]
+    #[schemars(range(max = u32::MAX))]
     pub table: u32,
     /// Route metric (priority); the kernel default (0 for IPv4, 1024 for IPv6) when omitted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(max = u32::MAX))]
     pub metric: Option<u32>,
     /// Treat the gateway as directly reachable on `link` even if no prefix there covers it.
     #[serde(default, skip_serializing_if = "is_false")]
@@ -191,13 +222,17 @@ pub struct RouteSpec {
 pub struct RuleSpec {
     /// Source prefix to match, e.g. `10.0.20.33/32`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = ADDRESS_TEXT_MAX))]
     pub from: Option<String>,
     /// Destination prefix to match.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = ADDRESS_TEXT_MAX))]
     pub to: Option<String>,
     /// The routing table to look up.
+    #[schemars(range(max = u32::MAX))]
     pub table: u32,
     /// Rule priority; must lie in nodekeeper's reserved range 20000–20999.
+    #[schemars(range(min = RULE_PRIORITY_MIN, max = RULE_PRIORITY_MAX))]
     pub priority: u32,
 }
 
@@ -283,6 +318,75 @@ fn overlaps(a: &IpNet, b: &IpNet) -> bool {
 }
 
 impl NetworkState {
+    /// The size caps of a configured state ([`MAX_LINKS`] and the rest): every list or text
+    /// longer than a `NodeNetworkConfig` accepts, each naming its field. The CRD schema holds the
+    /// same caps; this catches objects stored under an earlier CRD. Interface names are left to
+    /// [`NetworkState::validate`], which refuses one over 15 bytes.
+    pub fn check_sizes(&self) -> Vec<ValidationError> {
+        let mut errs = Vec::new();
+        for (path, len, max) in [
+            ("links", self.links.len(), MAX_LINKS),
+            ("addresses", self.addresses.len(), MAX_ADDRESSES),
+            ("routes", self.routes.len(), MAX_ROUTES),
+            ("rules", self.rules.len(), MAX_RULES),
+        ] {
+            if len > max {
+                errs.push(ValidationError {
+                    path: path.into(),
+                    message: format!("{len} entries; at most {max} are accepted"),
+                });
+            }
+        }
+        let mut text = |path: String, value: Option<&str>, max: usize| {
+            if let Some(value) = value
+                && value.len() > max
+            {
+                errs.push(ValidationError {
+                    path,
+                    message: format!("{} bytes; at most {max} are accepted", value.len()),
+                });
+            }
+        };
+        for (i, l) in self.links.iter().enumerate() {
+            text(format!("links[{i}].mac"), l.mac.as_deref(), MAC_TEXT_MAX);
+            text(
+                format!("links[{i}].parent"),
+                l.parent.as_deref(),
+                IFNAME_MAX,
+            );
+        }
+        for (i, a) in self.addresses.iter().enumerate() {
+            text(format!("addresses[{i}].link"), Some(&a.link), IFNAME_MAX);
+            text(
+                format!("addresses[{i}].cidr"),
+                Some(&a.cidr),
+                ADDRESS_TEXT_MAX,
+            );
+        }
+        for (i, r) in self.routes.iter().enumerate() {
+            text(
+                format!("routes[{i}].destination"),
+                Some(&r.destination),
+                ADDRESS_TEXT_MAX,
+            );
+            text(
+                format!("routes[{i}].gateway"),
+                r.gateway.as_deref(),
+                ADDRESS_TEXT_MAX,
+            );
+            text(format!("routes[{i}].link"), r.link.as_deref(), IFNAME_MAX);
+        }
+        for (i, r) in self.rules.iter().enumerate() {
+            text(
+                format!("rules[{i}].from"),
+                r.from.as_deref(),
+                ADDRESS_TEXT_MAX,
+            );
+            text(format!("rules[{i}].to"), r.to.as_deref(), ADDRESS_TEXT_MAX);
+        }
+        errs
+    }
+
     /// Checks the whole state and returns every problem found, each naming its field. A state that
     /// passes can be planned; whether parents and MACs exist on the host is checked by the planner.
     pub fn validate(&self) -> Result<(), Vec<ValidationError>> {

@@ -322,15 +322,17 @@ impl JsonSchema for IntOrPercent {
 
     fn json_schema(_: &mut SchemaGenerator) -> Schema {
         // An int-or-string field (structural without a `type`), with the percentage's form
-        // checked by CEL so that the message can say what to write. `nullable: false` is explicit
+        // checked by CEL so that the message can say what to write. The number's upper bound is
+        // the u32 it decodes into: a larger one would be stored and then fail every list of the
+        // kind (see `crd::all`). `nullable: false` is explicit
         // because kube's schema rewriter marks every non-required int-or-string field nullable,
         // and a `null` here would reach the controller instead of taking the default.
         json_schema!({
             "x-kubernetes-int-or-string": true,
             "nullable": false,
             "x-kubernetes-validations": [{
-                "rule": "type(self) == int ? self >= 0 : self.matches('^(100|[1-9]?[0-9])%$')",
-                "message": "must be a non-negative whole number or a percentage from 0% to 100%, e.g. 1 or \"25%\""
+                "rule": "type(self) == int ? self >= 0 && self <= 4294967295 : self.matches('^(100|[1-9]?[0-9])%$')",
+                "message": "must be a non-negative whole number or a percentage from 0% to 100%, e.g. 1 or \"25%\"; a number is at most 4294967295"
             }]
         })
     }

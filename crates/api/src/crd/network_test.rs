@@ -123,7 +123,8 @@ pub struct NetworkTestSpec {
     #[schemars(range(min = 1, max = MAX_TIMEOUT_MS))]
     pub timeout_ms: u32,
     /// For `tcp`: the port of `address`, `hostname`, `peers` and `metadataService` targets
-    /// (`hostPort` targets carry their own; `apiServer` uses the API server's port unless this is set).
+    /// (`hostPort` targets carry their own; `apiServer` always uses the API server's own port and
+    /// ignores this).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 65535))]
     pub port: Option<u32>,

@@ -170,6 +170,7 @@ pub struct DrainPlanEntry {
     /// Only pods whose priority is at most this value (lower-priority pods go first when a
     /// plan lists thresholds in increasing order).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = i32::MIN, max = i32::MAX))]
     pub priority_threshold: Option<i32>,
     /// Only pods with these labels.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -277,9 +277,13 @@ impl NodeNetworkConfigSpec {
                 ));
             }
         }
-        if let Some(state) = &self.state
-            && let Err(problems) = state.validate()
-        {
+        if let Some(state) = &self.state {
+            // Past the size caps only those are reported: one error per entry of an oversized
+            // list would not fit in a condition.
+            let problems = match state.check_sizes() {
+                sizes if !sizes.is_empty() => sizes,
+                _ => state.validate().err().unwrap_or_default(),
+            };
             errors.extend(
                 problems
                     .into_iter()
@@ -441,6 +445,57 @@ mod tests {
         let errors = spec.validate().unwrap_err();
         let fields: Vec<_> = errors.iter().map(|e| e.field.as_str()).collect();
         assert_eq!(fields, ["spec.checkTargets[2]", "spec.checkTargets[3]"]);
+    }
+
+    /// Oversized state lists and texts are refused by the schema and, for objects stored under
+    /// an earlier CRD, by `validate`, naming the field.
+    #[test]
+    fn state_sizes_are_capped() {
+        use kube::CustomResourceExt;
+        let crd = serde_json::to_value(NodeNetworkConfig::crd()).unwrap();
+        let state = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+            ["properties"]["state"]["properties"];
+        for (list, max) in [
+            ("links", 64),
+            ("addresses", 256),
+            ("routes", 256),
+            ("rules", 256),
+        ] {
+            assert_eq!(state[list]["maxItems"], max, "{list}");
+        }
+        assert_eq!(
+            state["routes"]["items"]["properties"]["gateway"]["maxLength"],
+            64
+        );
+        assert_eq!(
+            state["links"]["items"]["properties"]["name"]["maxLength"],
+            15
+        );
+
+        let link = |i: usize| serde_json::json!({"name": format!("l{i}"), "kind": "existing"});
+        let mut spec: NodeNetworkConfigSpec = serde_json::from_value(serde_json::json!({
+            "nodeSelector": {},
+            "state": {
+                "links": (0..65).map(link).collect::<Vec<_>>(),
+                "routes": [{"destination": "10.0.0.0/8", "gateway": "1".repeat(65), "link": "l0"}],
+            },
+        }))
+        .unwrap();
+        let fields = |spec: &NodeNetworkConfigSpec| {
+            spec.validate()
+                .unwrap_err()
+                .into_iter()
+                .map(|e| e.field)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            fields(&spec),
+            ["spec.state.links", "spec.state.routes[0].gateway"]
+        );
+        let state = spec.state.as_mut().unwrap();
+        state.links.truncate(64);
+        state.routes[0].gateway = Some("10.0.0.1".into());
+        spec.validate().unwrap();
     }
 
     fn vnic(name: &str) -> serde_json::Value {

@@ -16,7 +16,7 @@ use super::common::{
     Condition, DURATION_PATTERN, FieldError, IntOrPercent, conditions_schema, parse_duration_field,
 };
 use super::node_class::Taint;
-use super::node_maintenance::OnTimeout;
+use super::node_maintenance::{MAX_DRAIN_TIMEOUT, OnTimeout};
 
 /// Annotation on a Node made by a NodeSet: the hash of the NodeClass spec and the set's template
 /// it was made from; a node whose hash differs from the current one is replaced (rolling).
@@ -52,7 +52,8 @@ pub const REASON_ROLLOUT_STALLED: &str = "RolloutStalled";
     doc = "A desired number of nodes made from a NodeClass, with surge/unavailable limits and drain before removal.",
     scale(
         spec_replicas_path = ".spec.replicas",
-        status_replicas_path = ".status.replicas"
+        status_replicas_path = ".status.replicas",
+        label_selector_path = ".status.selector"
     ),
     printcolumn(name = "Class", type_ = "string", json_path = ".spec.nodeClassName"),
     printcolumn(name = "Desired", type_ = "integer", json_path = ".spec.replicas"),
@@ -186,7 +187,8 @@ impl NodeTemplate {
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ScaleDown {
-    /// How long the node's drain may take (units ms, s, m, h), as `NodeMaintenance.spec.drainTimeout`.
+    /// How long the node's drain may take (units ms, s, m, h; at most 168h), as
+    /// `NodeMaintenance.spec.drainTimeout`.
     #[serde(default = "default_drain_timeout")]
     #[schemars(length(max = 32), regex(pattern = DURATION_PATTERN))]
     pub drain_timeout: String,
@@ -219,10 +221,16 @@ impl NodeSetSpec {
     }
 
     /// The rollout bounds for the current `replicas`: (most nodes that may exist, fewest nodes
-    /// that must be ready). Kubernetes' rounding: surge up, unavailable down.
+    /// that must be ready). Kubernetes' rounding: surge up, unavailable down; and, as in its
+    /// Deployment controller's `ResolveFenceposts`, when both come to zero (`maxSurge: 0` with a
+    /// percentage `maxUnavailable` that rounds down to nothing) one node may be unavailable, or
+    /// the rollout could never move.
     pub fn rollout_bounds(&self) -> (u32, u32) {
         let surge = self.max_surge.resolve(self.replicas, true);
-        let unavailable = self.max_unavailable.resolve(self.replicas, false);
+        let mut unavailable = self.max_unavailable.resolve(self.replicas, false);
+        if surge == 0 && unavailable == 0 {
+            unavailable = 1;
+        }
         (
             self.replicas.saturating_add(surge),
             self.replicas.saturating_sub(unavailable),
@@ -246,6 +254,12 @@ impl NodeSetSpec {
             Ok(d) if d.is_zero() => errors.push(FieldError::new(
                 "spec.scaleDown.drainTimeout",
                 "must be longer than zero, e.g. \"30m\"",
+            )),
+            // The set drains through a NodeMaintenance with this timeout, which refuses a longer
+            // one; the set would then never finish a scale-down.
+            Ok(d) if d > MAX_DRAIN_TIMEOUT => errors.push(FieldError::new(
+                "spec.scaleDown.drainTimeout",
+                "must be at most 168h (a week), the longest drain a NodeMaintenance accepts, e.g. \"30m\"",
             )),
             Ok(_) => {}
             Err(e) => errors.push(e),
@@ -304,6 +318,11 @@ pub struct NodeSetStatus {
     /// The `metadata.generation` this status describes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
+    /// The label selector of this set's Nodes, for the scale subresource (a HorizontalPodAutoscaler
+    /// or KEDA refuses a scale without one): `nodekeeper.dev/nodeset=<name>`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 512))]
+    pub selector: Option<String>,
 }
 
 #[cfg(test)]
@@ -330,12 +349,61 @@ mod tests {
         assert_eq!(s.rollout_bounds(), (13, 8));
     }
 
+    /// `maxSurge: 0` with a `maxUnavailable` percentage that rounds down to zero: one node may
+    /// still be unavailable (Kubernetes' fencepost rule), so the rollout can move.
+    #[test]
+    fn surge_and_unavailable_both_rounding_to_zero_allow_one_unavailable() {
+        let s = spec(serde_json::json!({
+            "nodeClassName": "c", "replicas": 3, "maxSurge": 0, "maxUnavailable": "25%"
+        }));
+        assert!(s.validate().is_ok());
+        assert_eq!(s.rollout_bounds(), (3, 2));
+
+        // A percentage surge rounds up, so it is never zero for a non-empty set: no fencepost.
+        let s = spec(serde_json::json!({
+            "nodeClassName": "c", "replicas": 3, "maxSurge": "1%", "maxUnavailable": "25%"
+        }));
+        assert_eq!(s.rollout_bounds(), (4, 3));
+    }
+
     #[test]
     fn zero_surge_and_unavailable_is_refused() {
         let s = spec(serde_json::json!({
             "nodeClassName": "c", "replicas": 3, "maxSurge": 0, "maxUnavailable": "0%"
         }));
         assert_eq!(s.validate().unwrap_err()[0].field, "spec.maxSurge");
+    }
+
+    /// A drain timeout the NodeMaintenance the set creates would refuse is refused on the set.
+    #[test]
+    fn drain_timeout_above_a_week_is_refused() {
+        let with = |timeout: &str| {
+            spec(serde_json::json!({
+                "nodeClassName": "c", "replicas": 3, "scaleDown": {"drainTimeout": timeout}
+            }))
+        };
+        assert!(with("168h").validate().is_ok());
+        let errors = with("168h1s").validate().unwrap_err();
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert_eq!(errors[0].field, "spec.scaleDown.drainTimeout");
+        assert!(errors[0].message.contains("at most 168h"), "{}", errors[0]);
+    }
+
+    /// HPA and KEDA read the set's selector from the scale subresource; without
+    /// `labelSelectorPath` they refuse to scale it.
+    #[test]
+    fn scale_subresource_has_the_status_selector() {
+        use kube::CustomResourceExt;
+        let crd = serde_json::to_value(NodeSet::crd()).unwrap();
+        let scale = &crd["spec"]["versions"][0]["subresources"]["scale"];
+        assert_eq!(scale["specReplicasPath"], ".spec.replicas", "{scale}");
+        assert_eq!(scale["labelSelectorPath"], ".status.selector", "{scale}");
+        let status =
+            &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"];
+        assert_eq!(
+            status["properties"]["selector"]["type"], "string",
+            "{status}"
+        );
     }
 
     #[test]

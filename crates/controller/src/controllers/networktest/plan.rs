@@ -67,7 +67,8 @@ pub struct TestSpec {
     pub timeout_ms: i64,
     /// The most source nodes used; `None` means all selected (up to [`MAX_SOURCE_NODES`]).
     pub max_nodes: Option<i64>,
-    /// TCP: the port for `address`, `peers`, `apiServer` and `metadataService` targets without one.
+    /// TCP: the port for `address`, `peers` and `metadataService` targets without one
+    /// (`apiServer` always uses the API server's own port).
     pub port: Option<i64>,
     /// DNS: the resolver address; `None` means each node's configured resolver.
     pub resolver: Option<String>,
