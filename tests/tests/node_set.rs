@@ -208,6 +208,22 @@ async fn scale_0_to_20_to_5_drains_behind_a_pdb_and_loses_nothing() -> anyhow::R
     set_replicas(&client, &set, 20).await?;
     let nodes = wait_converged(&client, &set, 20).await?;
     eprintln!("0 → 20 Ready in {:?}", started.elapsed());
+    // The scale subresource gives an autoscaler the selector of the set's Nodes.
+    let scale = sets.get_scale(&set).await?;
+    let selector = scale.status.and_then(|s| s.selector).unwrap_or_default();
+    ensure!(
+        selector == format!("{LABEL_NODE_SET}={set}"),
+        "GET nodesets/{set}/scale gave status.selector {selector:?}"
+    );
+    ensure!(
+        Api::<Node>::all(client.clone())
+            .list(&ListParams::default().labels(&selector))
+            .await?
+            .items
+            .len()
+            == 20,
+        "status.selector {selector} does not pick the set's 20 nodes"
+    );
     for n in &nodes {
         let spec = n.spec.as_ref().context("node spec")?;
         ensure!(
@@ -584,6 +600,8 @@ async fn bad_input_gets_a_condition_naming_the_field() -> anyhow::Result<()> {
 struct Failing {
     creates: AtomicU64,
     others: AtomicU64,
+    /// The set of every create asked for.
+    sets: std::sync::Mutex<Vec<String>>,
 }
 
 impl Provider for Failing {
@@ -595,6 +613,7 @@ impl Provider for Failing {
         request: &'a MachineRequest,
     ) -> BoxFuture<'a, Result<Machine, ProviderError>> {
         self.creates.fetch_add(1, Ordering::SeqCst);
+        self.sets.lock().unwrap().push(request.node_set.clone());
         Box::pin(async move {
             Err(ProviderError::Create {
                 node: request.node_name.clone(),
@@ -890,5 +909,199 @@ async fn repair_replaces_a_node_unhealthy_too_long_but_never_too_many() -> anyho
         created == 6,
         "{created} machines in all; expected the 5 and one replacement"
     );
+    Ok(())
+}
+
+/// Records the nodes whose NodeMaintenance of `set` ever reported them drained, from a watch.
+fn watch_drained(client: &kube::Client, set: &str) -> Arc<std::sync::Mutex<BTreeSet<String>>> {
+    use nodekeeper_api::crd::node_maintenance::NodePhase;
+    use nodekeeper_api::crd::node_set::ANNOTATION_DRAINED_NODE;
+    let seen = Arc::new(std::sync::Mutex::new(BTreeSet::new()));
+    let sink = Arc::clone(&seen);
+    let api: Api<NodeMaintenance> = Api::all(client.clone());
+    let config = watcher::Config::default().labels(&format!("{LABEL_NODE_SET}={set}"));
+    tokio::spawn(async move {
+        let mut stream = watcher(api, config).touched_objects().boxed();
+        while let Some(Ok(nm)) = stream.next().await {
+            let Some(status) = &nm.status else { continue };
+            let mut sink = sink.lock().unwrap();
+            for p in &status.nodes {
+                if p.phase == NodePhase::Drained {
+                    sink.insert(p.node.clone());
+                }
+            }
+            if status.matched == 1
+                && status.drained == 1
+                && let Some(node) = nm.annotations().get(ANNOTATION_DRAINED_NODE)
+            {
+                sink.insert(node.clone());
+            }
+        }
+    });
+    seen
+}
+
+#[tokio::test]
+async fn a_set_whose_class_is_gone_still_drains_and_removes_its_nodes() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    let (client, ns) = setup("nset-classgone").await?;
+    let _controller = start_controller(&ns, &[]).await?;
+    let class = unique_name("gone");
+    kwok_class(&client, &class, &unique_name("pool")).await?;
+    let set = unique_name("orphaned");
+    let sets: Api<NodeSet> = Api::all(client.clone());
+    apply_spec(
+        &sets,
+        &set,
+        json!({ "nodeClassName": class, "replicas": 2, "scaleDown": { "drainTimeout": "2m" } }),
+    )
+    .await?;
+    let nodes = wait_converged(&client, &set, 2).await?;
+    let drained = watch_drained(&client, &set);
+
+    // The class goes: the set says so, naming it, and keeps its nodes.
+    Api::<NodeClass>::all(client.clone())
+        .delete(&class, &Default::default())
+        .await?;
+    let class_gone = |s: &NodeSet| {
+        condition(s, "Ready")
+            .filter(|c| c.0 == "False" && c.1 == "NodeClassNotFound" && c.2.contains(&class))
+    };
+    wait_for("Ready=False NodeClassNotFound", TIMEOUT, || async {
+        Ok(class_gone(&sets.get(&set).await?))
+    })
+    .await?;
+    ensure!(set_nodes(&client, &set).await?.len() == 2);
+
+    // Scaled to 0 without a class: both nodes are drained, then removed; nothing is created.
+    let created = watch_created(&client, &set);
+    set_replicas(&client, &set, 0).await?;
+    let node_api: Api<Node> = Api::all(client.clone());
+    wait_for("both nodes drained and gone", TIMEOUT, || async {
+        for n in &nodes {
+            if node_api.get_opt(&n.name_any()).await?.is_some() {
+                return Ok(None);
+            }
+        }
+        Ok(set_nodes(&client, &set).await?.is_empty().then_some(()))
+    })
+    .await?;
+    let names: BTreeSet<String> = nodes.iter().map(|n| n.name_any()).collect();
+    let drained = drained.lock().unwrap().clone();
+    ensure!(
+        drained == names,
+        "drained {drained:?} before removal, expected {names:?}"
+    );
+    let created = created.lock().unwrap().clone();
+    ensure!(
+        created.is_subset(&names),
+        "nodes created without a class: {created:?}"
+    );
+    let s = wait_for("the status to count 0 nodes", TIMEOUT, || async {
+        let s = sets.get(&set).await?;
+        let st = s.status.clone().unwrap_or_default();
+        Ok((st.replicas == 0 && st.draining_replicas == 0).then_some(s))
+    })
+    .await?;
+    ensure!(class_gone(&s).is_some(), "{:?}", s.status);
+    Ok(())
+}
+
+#[tokio::test]
+async fn names_too_long_for_a_label_value_launch_nothing() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    let (client, _ns) = setup("nset-longname").await?;
+    let failing = Arc::new(Failing::default());
+    let recorder = kube::runtime::events::Recorder::new(
+        client.clone(),
+        kube::runtime::events::Reporter {
+            controller: "nodekeeper-e2e".into(),
+            instance: None,
+        },
+    );
+    let mut ctx =
+        node_set::Context::with_client(client.clone(), recorder, &node_set::Config::default());
+    ctx.kwok = Arc::clone(&failing) as Arc<dyn Provider>;
+    let ctx = Arc::new(ctx);
+    let stop = tokio_util::sync::CancellationToken::new();
+    let token = stop.clone();
+    let controller = tokio::spawn(
+        Controller::new(
+            Api::<NodeSet>::all(client.clone()),
+            watcher::Config::default(),
+        )
+        .graceful_shutdown_on(async move { token.cancelled().await })
+        .run(node_set::reconcile, node_set::error_policy, ctx)
+        .for_each(|_| futures::future::ready(())),
+    );
+    let sets: Api<NodeSet> = Api::all(client.clone());
+    let invalid = |name: String| {
+        let sets = sets.clone();
+        async move {
+            wait_for(&format!("nodeset {name}: InvalidSpec"), TIMEOUT, || {
+                let sets = sets.clone();
+                let name = name.clone();
+                async move {
+                    let s = sets.get(&name).await?;
+                    Ok(condition(&s, "Ready")
+                        .filter(|c| c.1 == "InvalidSpec")
+                        .map(|c| c.2))
+                }
+            })
+            .await
+        }
+    };
+
+    // A set name of 64 characters (names may have 253; label values 63).
+    let class = unique_name("kwok");
+    kwok_class(&client, &class, &unique_name("pool")).await?;
+    let long_set = format!("{}-{}", unique_name("long"), "s".repeat(64));
+    apply_spec(
+        &sets,
+        &long_set,
+        json!({ "nodeClassName": class, "replicas": 2 }),
+    )
+    .await?;
+    let message = invalid(long_set.clone()).await?;
+    ensure!(
+        message.contains("metadata.name") && message.contains("63"),
+        "{message}"
+    );
+
+    // A class name of 100 characters.
+    let long_class = format!("{}-{}", unique_name("kwok"), "c".repeat(100));
+    kwok_class(&client, &long_class, &unique_name("pool")).await?;
+    let set = unique_name("shortset");
+    apply_spec(
+        &sets,
+        &set,
+        json!({ "nodeClassName": long_class, "replicas": 2 }),
+    )
+    .await?;
+    let message = invalid(set.clone()).await?;
+    ensure!(
+        message.contains("spec.nodeClassName") && message.contains("63"),
+        "{message}"
+    );
+    // A few more reconciles: still no launch.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    // Counted for these two sets only: the controller acts on every set left in the cluster.
+    let launched: Vec<String> = failing
+        .sets
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|s| **s == long_set || **s == set)
+        .cloned()
+        .collect();
+    stop.cancel();
+    controller.await?;
+    ensure!(
+        launched.is_empty(),
+        "machines launched for names no Node can carry: {launched:?}"
+    );
+    for name in [&long_set, &set] {
+        set_replicas(&client, name, 0).await?;
+    }
     Ok(())
 }

@@ -307,7 +307,9 @@ async fn make(
 }
 
 /// What the API server would refuse in the record of `node` from class `class_name`: the
-/// class's labels and taints, and the hostname label the record adds from the Node's name.
+/// class's labels and taints, the class's name as the value of the class label (a name may
+/// have 253 characters, a label value 63), and the hostname label the record adds from the
+/// Node's name.
 pub fn record_errors(node: &Node, class_name: &str, class: &NodeClassSpec) -> Vec<FieldError> {
     let in_class = |f: &str| format!("NodeClass {class_name} spec.{f}");
     let mut errors = node_class::check_labels(&in_class("labels"), &class.labels);
@@ -316,6 +318,19 @@ pub fn record_errors(node: &Node, class_name: &str, class: &NodeClassSpec) -> Ve
         &class.taints,
         &[],
     ));
+    let annotation = format!("metadata.annotations[{ANNOTATION_NODE_CLASS}]");
+    let class_label = BTreeMap::from([(LABEL_NODE_CLASS.to_owned(), class_name.to_owned())]);
+    errors.extend(
+        node_class::check_labels(&annotation, &class_label)
+            .into_iter()
+            .map(|e| FieldError {
+                field: annotation.clone(),
+                message: format!(
+                    "{}; the record carries the NodeClass's name as the value of label {LABEL_NODE_CLASS}, and a label value has at most 63 characters: name a NodeClass whose name has at most 63 characters",
+                    e.message
+                ),
+            }),
+    );
     if !node.labels().contains_key(HOSTNAME) {
         let hostname = BTreeMap::from([(HOSTNAME.to_owned(), node.name_any())]);
         errors.extend(
@@ -793,6 +808,21 @@ mod tests {
         .unwrap();
         assert_eq!(record_errors(&labeled, "small", &plain), vec![]);
         assert_eq!(record_errors(&node, "small", &plain), vec![]);
+        // A class name longer than a label value (a name may have 253 characters): the record's
+        // class label would be refused after the machine is launched.
+        let long_class = "c".repeat(64);
+        let errors = record_errors(&node, &long_class, &plain);
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert_eq!(
+            errors[0].field,
+            format!("metadata.annotations[{ANNOTATION_NODE_CLASS}]")
+        );
+        assert!(
+            errors[0].message.contains(LABEL_NODE_CLASS) && errors[0].message.contains("63"),
+            "{}",
+            errors[0].message
+        );
+        assert_eq!(record_errors(&node, &"c".repeat(63), &plain), vec![]);
     }
 
     fn context() -> Context {

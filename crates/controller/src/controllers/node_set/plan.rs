@@ -75,6 +75,11 @@ pub struct Inputs {
     pub in_flight: u32,
     /// Bounded repair, when the set asks for it.
     pub repair: Option<Repair>,
+    /// Whether machines can be created (the set's NodeClass is usable). Without, nothing is
+    /// created and nothing is taken out for a replacement that cannot come: no repair, no
+    /// replacement of machines that never joined or of outdated nodes; a scale-down still
+    /// drains and removes what is beyond `replicas`.
+    pub can_create: bool,
 }
 
 /// What to do now.
@@ -133,7 +138,7 @@ pub fn plan(machines: &[MachineView], inputs: Inputs) -> Plan {
     let mut active: Vec<&MachineView> = Vec::new();
     for m in machines {
         match &m.leaving {
-            Leaving::No if expired(m) => out.replace.push(m.name.clone()),
+            Leaving::No if expired(m) && inputs.can_create => out.replace.push(m.name.clone()),
             Leaving::No => active.push(m),
             Leaving::Drained => out.remove.push(m.name.clone()),
             Leaving::Draining | Leaving::Stuck(_) | Leaving::Deleting => {}
@@ -142,7 +147,7 @@ pub fn plan(machines: &[MachineView], inputs: Inputs) -> Plan {
 
     // Bounded repair first: the nodes it takes out are replaced by the arithmetic below like any
     // missing node.
-    if let Some(r) = inputs.repair {
+    if let Some(r) = inputs.repair.filter(|_| inputs.can_create) {
         let unhealthy = active
             .iter()
             .filter(|m| m.unhealthy_since.is_some())
@@ -202,13 +207,16 @@ pub fn plan(machines: &[MachineView], inputs: Inputs) -> Plan {
             .filter(|m| !m.updated && !matches!(m.leaving, Leaving::No))
             .count(),
     );
-    out.create = inputs
-        .replicas
-        .saturating_sub(updated)
-        .min(inputs.max_total.saturating_sub(total + leaving_outdated));
+    if inputs.can_create {
+        out.create = inputs
+            .replicas
+            .saturating_sub(updated)
+            .min(inputs.max_total.saturating_sub(total + leaving_outdated));
+    }
 
     let outdated: Vec<&MachineView> = active.iter().copied().filter(|m| !m.updated).collect();
-    if outdated.is_empty() {
+    // Without creates, outdated nodes are kept (a rollout would only shrink the set).
+    if outdated.is_empty() || !inputs.can_create {
         // Plain scale-down: what the user asked for, whatever the availability.
         let mut candidates = active.clone();
         candidates.sort_by(|a, b| removal_order(a, b));
@@ -294,6 +302,7 @@ mod tests {
             join_timeout_secs: 600,
             in_flight: 0,
             repair: None,
+            can_create: true,
         }
     }
 
@@ -490,5 +499,59 @@ mod tests {
         // Repair off: nothing.
         let p = plan(&nodes, inputs(5, 6, 5));
         assert!(p.drain.is_empty() && p.create == 0);
+    }
+
+    #[test]
+    fn without_creates_a_set_only_scales_down() {
+        // The class is gone: a scale-down drains the excess and removes what is drained, but
+        // nothing is created, and nothing is taken out for a replacement that cannot come.
+        let no_class = |replicas| Inputs {
+            can_create: false,
+            repair: Some(Repair {
+                after_secs: 300,
+                max_unhealthy: 5,
+            }),
+            ..inputs(replicas, replicas + 1, 0)
+        };
+        let sick = MachineView {
+            unhealthy_since: Some(100),
+            ..m("sick", 1, Health::NotReady, true)
+        };
+        let drained = MachineView {
+            leaving: Leaving::Drained,
+            ..m("drained", 2, Health::Ready, true)
+        };
+        let nodes = vec![
+            m("a", 3, Health::Ready, true),
+            m("old", 4, Health::Ready, false),
+            m("unjoined", 10, Health::NeverJoined, true),
+            sick.clone(),
+            drained.clone(),
+        ];
+        // Short of nodes: nothing created, replaced, repaired or rolled.
+        let p = plan(&nodes, no_class(6));
+        assert_eq!(p.create, 0);
+        assert!(p.replace.is_empty() && p.repair.is_empty() && p.drain.is_empty());
+        assert_eq!(p.remove, ["drained"]);
+        // With creates, the same nodes would be replaced, repaired and rolled.
+        let p = plan(
+            &nodes,
+            Inputs {
+                can_create: true,
+                ..no_class(6)
+            },
+        );
+        assert_eq!(p.replace, ["unjoined"]);
+        assert_eq!(p.repair, ["sick"]);
+        assert!(p.create > 0 && p.drain.contains(&"old".to_owned()));
+        // Scaled to 0: every node is drained (not Ready first), the drained one removed.
+        let p = plan(&nodes, no_class(0));
+        assert_eq!(p.create, 0);
+        assert_eq!(p.drain, ["unjoined", "sick", "old", "a"]);
+        assert_eq!(p.remove, ["drained"]);
+        assert_eq!(p.counts.replicas, 0);
+        // Scaled to 2: the two beyond it go, the unhealthy first; the outdated stays.
+        let p = plan(&nodes, no_class(2));
+        assert_eq!(p.drain, ["unjoined", "sick"]);
     }
 }

@@ -20,10 +20,12 @@ use nodekeeper_api::crd::node_class::{self, NodeClassSpec};
 use nodekeeper_api::crd::node_maintenance::NodePhase;
 use nodekeeper_api::crd::node_set::{
     ANNOTATION_DRAINED_NODE, ANNOTATION_TEMPLATE_HASH, MachineProblem, NodeSetStatus, NodeTemplate,
-    REASON_ABOVE_CAP, REASON_NODE_CLASS_NOT_FOUND, REASON_PROVIDER_FAILED,
+    REASON_ABOVE_CAP, REASON_NODE_CLASS_NOT_FOUND, REASON_PROVIDER_FAILED, ScaleDown,
 };
 use nodekeeper_api::crd::{NodeMaintenance, NodeSet};
-use nodekeeper_api::names::{API_VERSION, LABEL_NODE_SET, MANAGER_NODE_SET, REASON_INVALID_SPEC};
+use nodekeeper_api::names::{
+    API_VERSION, LABEL_NODE_CLASS, LABEL_NODE_SET, MANAGER_NODE_SET, REASON_INVALID_SPEC,
+};
 use sha2::{Digest as _, Sha256};
 use tracing::{info, warn};
 
@@ -231,6 +233,7 @@ async fn refuse(
     let name = set.name_any();
     let api: Api<NodeSet> = Api::all(ctx.client.clone());
     let s = status::build(
+        &name,
         set.status.as_ref(),
         None,
         Vec::new(),
@@ -286,71 +289,56 @@ pub async fn reconcile(set: Arc<NodeSet>, ctx: Arc<Context>) -> Result<Action, E
     }
 
     let stores = ctx.stores().await?;
-    let Some(class) = stores
+    // The class is needed only to create machines. Without a usable one nothing is created,
+    // but the set still scales down, removes its drained machines (a machine is deleted by its
+    // providerID) and cleans up its drains; the condition names what to fix.
+    let class = stores
         .classes
-        .get(&ObjectRef::new(&set.spec.node_class_name))
-    else {
-        let message = format!(
-            "spec.nodeClassName: NodeClass {:?} does not exist; create it, or name an existing NodeClass",
-            set.spec.node_class_name
-        );
-        return refuse(
-            &ctx,
-            &set,
-            REASON_NODE_CLASS_NOT_FOUND,
-            message,
-            Action::requeue(Duration::from_secs(10)),
-        )
-        .await;
-    };
-    // Labels and taints as the API server will check the Node: refused here, before a machine
-    // is created whose Node could never be recorded.
-    let class_field = |f: &str| format!("NodeClass {} spec.{f}", class.name_any());
-    let mut node_errors = node_class::check_labels(&class_field("labels"), &class.spec.labels);
-    node_errors.extend(node_class::check_taints(
-        &class_field("taints"),
-        &class.spec.taints,
-        &[],
-    ));
-    node_errors.extend(node_class::check_labels(
-        "spec.template.labels",
-        &set.spec.template.labels,
-    ));
-    node_errors.extend(node_class::check_taints(
-        "spec.template.taints",
-        &set.spec.template.taints,
-        &class.spec.taints,
-    ));
-    if !node_errors.is_empty() {
-        let message = format!("nodeset {name}: {}", format_field_errors(&node_errors));
-        return refuse(
-            &ctx,
-            &set,
-            REASON_INVALID_SPEC,
-            message,
-            // A fix to the class is seen within a minute even if no event wakes the set.
-            Action::requeue(Duration::from_secs(60)),
-        )
-        .await;
-    }
-    let provider = match ctx.provider(class.spec.provider) {
-        Ok(p) => p,
-        Err(error) => {
-            let message = format!(
-                "spec.nodeClassName: NodeClass {}: {error}",
-                class.name_any()
-            );
-            return refuse(
-                &ctx,
-                &set,
-                REASON_PROVIDER_FAILED,
-                message,
-                Action::requeue(Duration::from_secs(60)),
-            )
-            .await;
+        .get(&ObjectRef::new(&set.spec.node_class_name));
+    let mut cannot_create: Option<(&'static str, String)> = None;
+    let mut provider = None;
+    match &class {
+        None => {
+            cannot_create = Some((
+                REASON_NODE_CLASS_NOT_FOUND,
+                format!(
+                    "spec.nodeClassName: NodeClass {:?} does not exist; create it, or name an existing NodeClass. No machine is created until then; a scale-down and the removal of drained nodes go on",
+                    set.spec.node_class_name
+                ),
+            ));
         }
-    };
-    let hash = template_hash(&class.spec, &set.spec.template);
+        Some(class) => {
+            // The Node record as the API server will check it: refused here, before a machine
+            // is created whose Node could never be recorded.
+            let node_errors = record_errors(&set, &class.name_any(), &class.spec);
+            if !node_errors.is_empty() {
+                cannot_create = Some((
+                    REASON_INVALID_SPEC,
+                    format!(
+                        "nodeset {name}: {}; no machine is created until then",
+                        format_field_errors(&node_errors)
+                    ),
+                ));
+            }
+            match ctx.provider(class.spec.provider) {
+                Ok(p) => provider = Some(p),
+                Err(error) => {
+                    cannot_create.get_or_insert_with(|| {
+                        (
+                            REASON_PROVIDER_FAILED,
+                            format!(
+                                "spec.nodeClassName: NodeClass {}: {error}",
+                                class.name_any()
+                            ),
+                        )
+                    });
+                }
+            }
+        }
+    }
+    let hash = class
+        .as_ref()
+        .map(|c| template_hash(&c.spec, &set.spec.template));
     // Validated above.
     let repair_after = set.spec.repair.after().ok().flatten();
     let join_timeout = ctx.join_timeout;
@@ -383,16 +371,39 @@ pub async fn reconcile(set: Arc<NodeSet>, ctx: Arc<Context>) -> Result<Action, E
         )
     });
     let in_flight = u32::try_from(in_flight_names.len()).unwrap_or(u32::MAX);
-    if !provider.machine_is_node() {
+    if let (Some(class), Some(provider)) = (&class, &provider)
+        && !provider.machine_is_node()
+    {
         sweep_orphans(
             &ctx,
             &set,
-            &provider,
+            provider,
             &class.spec,
             (&nodes, &stores.nodes),
             &in_flight_names,
         )
         .await;
+    }
+    let nm_api: Api<NodeMaintenance> = Api::all(ctx.client.clone());
+    // A drain its NodeMaintenance refused (a drainTimeout above the maintenance's maximum)
+    // never starts, and the maintenance is not changed in place. Once the set asks for another
+    // drain, the refused one is replaced: deleted here (once: the cache shows it until the
+    // watch delivers the deletion), created again from the set's spec when the plan next drains
+    // the node.
+    let mut replacing = HashSet::new();
+    for (node, nm) in &maintenances {
+        if !nodes.contains_key(node) || !refused_for_another_drain(nm, &set.spec.scale_down) {
+            continue;
+        }
+        let m = nm.name_any();
+        if !ctx.memory(&name, |mem| mem.deleted_maintenances.contains_key(&m)) {
+            delete_maintenance(&nm_api, &m).await?;
+            info!(nodeset = %name, node, maintenance = %m, "replacing a refused nodemaintenance: the set now asks for another drain");
+            ctx.memory(&name, |mem| {
+                mem.deleted_maintenances.insert(m, Instant::now())
+            });
+        }
+        replacing.insert(node.clone());
     }
     let views: Vec<MachineView> = nodes
         .values()
@@ -400,15 +411,23 @@ pub async fn reconcile(set: Arc<NodeSet>, ctx: Arc<Context>) -> Result<Action, E
             let node = n.name_any();
             let leaving = if deleting.contains(&node) {
                 Leaving::Deleting
+            } else if replacing.contains(&node) {
+                Leaving::Draining
             } else if let Some(nm) = maintenances.get(&node) {
-                leaving_of(nm, &node)
+                match leaving_of(nm, &node) {
+                    Leaving::Stuck(why) => Leaving::Stuck(name_the_set_field(why, nm)),
+                    other => other,
+                }
             } else {
                 Leaving::No
             };
             MachineView {
                 created: n.creation_timestamp().map_or(now, |t| t.0.as_second()),
                 health: health_of(n),
-                updated: n.annotations().get(ANNOTATION_TEMPLATE_HASH) == Some(&hash),
+                // Without a class no node is outdated: nothing could replace it.
+                updated: hash
+                    .as_ref()
+                    .is_none_or(|h| n.annotations().get(ANNOTATION_TEMPLATE_HASH) == Some(h)),
                 unhealthy_since: unhealthy_since(n, &set.spec.repair.conditions),
                 leaving,
                 name: node,
@@ -416,7 +435,6 @@ pub async fn reconcile(set: Arc<NodeSet>, ctx: Arc<Context>) -> Result<Action, E
         })
         .collect();
 
-    let nm_api: Api<NodeMaintenance> = Api::all(ctx.client.clone());
     // A drain whose node is gone has done its work. Deleted once: the cache shows it until
     // the watch delivers the deletion, and a delete per reconcile meanwhile is a wasted write.
     let done: Vec<String> = ctx.memory(&name, |mem| {
@@ -452,19 +470,30 @@ pub async fn reconcile(set: Arc<NodeSet>, ctx: Arc<Context>) -> Result<Action, E
                 after_secs: i64::try_from(after.as_secs()).unwrap_or(i64::MAX),
                 max_unhealthy: set.spec.repair.max_unhealthy(set.spec.replicas),
             }),
+            can_create: cannot_create.is_none(),
         },
     );
     for node in &plan.repair {
         info!(nodeset = %name, node, "node unhealthy too long; draining it for replacement");
     }
 
+    // Drained nodes whose machine no provider of this controller can delete (the class is
+    // gone): each is a problem in the status, said there rather than logged every second.
+    let mut undeletable: BTreeMap<String, String> = BTreeMap::new();
     // Machines that never joined: deleted at once (no pod can have run there) and replaced.
     let mut new_failed_joins = 0;
     let mut stalled = None;
     for node in &plan.replace {
         let machine = machine_of(&nodes[node]);
+        let deleter = match deleter(&ctx, provider.as_ref(), &machine) {
+            Ok(p) => p,
+            Err(why) => {
+                undeletable.insert(node.clone(), why);
+                continue;
+            }
+        };
         ctx.calls.delete.fetch_add(1, Ordering::Relaxed);
-        match provider.delete(&machine).await {
+        match deleter.delete(&machine).await {
             Ok(_) => {
                 new_failed_joins += 1;
                 let message = format!(
@@ -502,8 +531,15 @@ pub async fn reconcile(set: Arc<NodeSet>, ctx: Arc<Context>) -> Result<Action, E
     }
     for node in &plan.remove {
         let machine = machine_of(&nodes[node]);
+        let deleter = match deleter(&ctx, provider.as_ref(), &machine) {
+            Ok(p) => p,
+            Err(why) => {
+                undeletable.insert(node.clone(), why);
+                continue;
+            }
+        };
         ctx.calls.delete.fetch_add(1, Ordering::Relaxed);
-        match provider.delete(&machine).await {
+        match deleter.delete(&machine).await {
             Ok(Deletion::Gone | Deletion::InProgress) => {
                 ctx.memory(&name, |mem| {
                     mem.deleting.insert(node.clone(), Instant::now())
@@ -517,7 +553,9 @@ pub async fn reconcile(set: Arc<NodeSet>, ctx: Arc<Context>) -> Result<Action, E
 
     // Creates, unless the provider is backing off.
     let mut requeue = ctx.recheck;
-    if plan.create > 0 {
+    if let (true, Some(class), Some(provider), Some(hash)) =
+        (plan.create > 0, &class, &provider, &hash)
+    {
         match ctx.memory(&name, |mem| mem.backoff_left()) {
             Some(wait) => requeue = wait.max(ctx.recheck),
             None => {
@@ -526,10 +564,10 @@ pub async fn reconcile(set: Arc<NodeSet>, ctx: Arc<Context>) -> Result<Action, E
                     .map(|_| {
                         let node_name = machine_name(&name, &taken);
                         taken.insert(node_name.clone());
-                        request(&set, &class.name_any(), &class.spec, &hash, node_name)
+                        request(&set, &class.name_any(), &class.spec, hash, node_name)
                     })
                     .collect();
-                if let Err(error) = create_machines(&ctx, &provider, &name, &requests).await {
+                if let Err(error) = create_machines(&ctx, provider, &name, &requests).await {
                     let message = format!("provider {}: {error}", provider.kind());
                     warn!(nodeset = %name, %message, "creating machines failed; backing off");
                     ctx.memory(&name, |mem| mem.fail(message));
@@ -550,6 +588,7 @@ pub async fn reconcile(set: Arc<NodeSet>, ctx: Arc<Context>) -> Result<Action, E
                 blocked.get_or_insert_with(|| m.clone());
                 m.clone()
             }
+            _ if undeletable.contains_key(&v.name) => undeletable[&v.name].clone(),
             Leaving::No if v.health == Health::NotReady => "not Ready".to_owned(),
             _ => continue,
         };
@@ -580,9 +619,17 @@ pub async fn reconcile(set: Arc<NodeSet>, ctx: Arc<Context>) -> Result<Action, E
             )
         }),
         rollout_stalled: stalled,
+        cannot_create: cannot_create
+            .clone()
+            .map(|(reason, message)| status::CannotCreate {
+                reason,
+                message,
+                short: plan.counts.replicas < set.spec.replicas,
+            }),
     };
     let api: Api<NodeSet> = Api::all(ctx.client.clone());
     let s = status::build(
+        &name,
         set.status.as_ref(),
         Some(plan.counts),
         problems,
@@ -591,26 +638,155 @@ pub async fn reconcile(set: Arc<NodeSet>, ctx: Arc<Context>) -> Result<Action, E
         set.meta().generation,
         &rfc3339(now),
     );
-    if write_status(&api, &name, set.status.as_ref(), &s).await?
-        && let Outcome::Acting {
+    let ready_before = ready_condition(set.status.as_ref());
+    if write_status(&api, &name, set.status.as_ref(), &s).await? {
+        if let Some((reason, message)) = &cannot_create {
+            // Said once per new reason or message, as a refusal is.
+            if ready_before != ready_condition(Some(&s)) {
+                info!(nodeset = %name, reason, %message, "nodeset cannot create machines");
+                publish(&ctx, &set, EventType::Warning, reason, message.clone()).await;
+            }
+        } else if let Outcome::Acting {
             provider_error: Some(error),
             ..
         } = &outcome
-    {
-        publish(
-            &ctx,
-            &set,
-            EventType::Warning,
-            REASON_PROVIDER_FAILED,
-            error.clone(),
-        )
-        .await;
+        {
+            publish(
+                &ctx,
+                &set,
+                EventType::Warning,
+                REASON_PROVIDER_FAILED,
+                error.clone(),
+            )
+            .await;
+        }
     }
-    Ok(Action::requeue(if converged {
-        ctx.resync
-    } else {
-        requeue
+    Ok(Action::requeue(match (converged, &cannot_create) {
+        // No event wakes a set when its class appears or is fixed: looked at again soon.
+        (true, Some(_)) => ctx.resync.min(Duration::from_secs(10)),
+        (true, None) => ctx.resync,
+        (false, _) => requeue,
     }))
+}
+
+/// The message of the NodeMaintenance controller's refusal of `nm` (its spec is invalid; it
+/// never acts), if it refused it.
+fn refusal(nm: &NodeMaintenance) -> Option<&str> {
+    nm.status
+        .as_ref()?
+        .conditions
+        .iter()
+        .find(|c| c.type_ == nodekeeper_api::names::CONDITION_READY && c.reason == REASON_REFUSED)
+        .map(|c| c.message.as_str())
+}
+
+/// Whether `nm`, a drain the set started, was refused and the set now asks for a different one
+/// (its `spec.scaleDown` changed since): then it is replaced.
+fn refused_for_another_drain(nm: &NodeMaintenance, scale_down: &ScaleDown) -> bool {
+    nm.meta().deletion_timestamp.is_none()
+        && refusal(nm).is_some()
+        && (nm.spec.drain_timeout != scale_down.drain_timeout
+            || nm.spec.on_timeout != scale_down.on_timeout)
+}
+
+/// A stuck drain's message, naming the set's own field when the maintenance was refused for
+/// the drain timeout it has from the set.
+fn name_the_set_field(why: String, nm: &NodeMaintenance) -> String {
+    match refusal(nm) {
+        Some(m) if m.contains("spec.drainTimeout") => format!(
+            "{why}; its drainTimeout {:?} is the set's spec.scaleDown.drainTimeout: set that to at most 168h, and the maintenance is replaced",
+            nm.spec.drain_timeout
+        ),
+        _ => why,
+    }
+}
+
+/// The reason and message of the stored `Ready` condition, if any.
+fn ready_condition(status: Option<&NodeSetStatus>) -> Option<(String, String)> {
+    status?
+        .conditions
+        .iter()
+        .find(|c| c.type_ == nodekeeper_api::names::CONDITION_READY)
+        .map(|c| (c.reason.clone(), c.message.clone()))
+}
+
+/// The provider that deletes `machine`: the class's, or without one (the class is gone, or its
+/// provider unavailable) the one its providerID names. An error (why, and the fix: the node's
+/// problem in the status) when this controller has none for it: the machine stays, and the next
+/// reconcile tries again.
+fn deleter(
+    ctx: &Context,
+    class_provider: Option<&Arc<dyn Provider>>,
+    machine: &Machine,
+) -> Result<Arc<dyn Provider>, String> {
+    if let Some(p) = class_provider {
+        return Ok(Arc::clone(p));
+    }
+    let id = &machine.provider_id;
+    if id.starts_with(super::kwok::PROVIDER_ID_PREFIX) {
+        Ok(Arc::clone(&ctx.kwok))
+    } else if id.starts_with(super::oci::PROVIDER_ID_PREFIX) {
+        ctx.oci.clone().ok_or_else(|| {
+            format!(
+                "drained, but its machine {id} is an OCI instance and this controller has no OCI provider ({}); fix the controller's OCI access, or name an existing NodeClass",
+                ctx.oci_unavailable
+            )
+        })
+    } else {
+        Err(format!(
+            "drained, but no provider of this controller knows its machine {id}; name an existing NodeClass, or delete the machine and the Node by hand"
+        ))
+    }
+}
+
+/// What the API server would refuse in the Node record of a machine of `set` made from class
+/// `class_name` ([`super::provider::node_record`]): the class's and the template's labels and
+/// taints, and the set's and class's names as the values of the labels naming them (a name may
+/// have 253 characters, a label value 63). Checked before any machine is created: a record
+/// refused after the launch leaves a machine no Node names, terminated and launched again on
+/// every retry.
+pub fn record_errors(set: &NodeSet, class_name: &str, class: &NodeClassSpec) -> Vec<FieldError> {
+    let class_field = |f: &str| format!("NodeClass {class_name} spec.{f}");
+    let mut errors = node_class::check_labels(&class_field("labels"), &class.labels);
+    errors.extend(node_class::check_taints(
+        &class_field("taints"),
+        &class.taints,
+        &[],
+    ));
+    errors.extend(node_class::check_labels(
+        "spec.template.labels",
+        &set.spec.template.labels,
+    ));
+    errors.extend(node_class::check_taints(
+        "spec.template.taints",
+        &set.spec.template.taints,
+        &class.taints,
+    ));
+    let own = [
+        (
+            "metadata.name",
+            LABEL_NODE_SET,
+            set.name_any(),
+            "recreate the set under a name of at most 63 characters",
+        ),
+        (
+            "spec.nodeClassName",
+            LABEL_NODE_CLASS,
+            class_name.to_owned(),
+            "name a NodeClass whose name has at most 63 characters",
+        ),
+    ];
+    for (field, label, value, fix) in own {
+        let checked = node_class::check_labels(field, &BTreeMap::from([(label.to_owned(), value)]));
+        errors.extend(checked.into_iter().map(|e| FieldError {
+            field: field.to_owned(),
+            message: format!(
+                "{}; every Node of the set carries it as the value of label {label}, and a label value has at most 63 characters: {fix}",
+                e.message
+            ),
+        }));
+    }
+    errors
 }
 
 /// Whether a machine listed without a Node is old enough for the orphan sweep: made at least
@@ -1086,6 +1262,123 @@ mod tests {
             "{}",
             e[0].message
         );
+    }
+
+    #[test]
+    fn names_too_long_for_a_label_value_are_refused_before_any_machine() {
+        // A set's and a class's names may have 253 characters; the Node record carries both as
+        // label values, which have at most 63: refused before the launch, naming the field.
+        let set = |name: &str| -> NodeSet {
+            serde_json::from_value(serde_json::json!({
+                "apiVersion": API_VERSION, "kind": "NodeSet",
+                "metadata": {"name": name},
+                "spec": {"nodeClassName": "c", "replicas": 1},
+            }))
+            .unwrap()
+        };
+        let class: NodeClassSpec =
+            serde_json::from_value(serde_json::json!({"provider": "kwok", "kwok": {}})).unwrap();
+        let ok = "s".repeat(63);
+        assert_eq!(record_errors(&set(&ok), &"c".repeat(63), &class), vec![]);
+        let e = record_errors(&set(&"s".repeat(64)), "c", &class);
+        assert_eq!(e.len(), 1, "{e:?}");
+        assert_eq!(e[0].field, "metadata.name");
+        assert!(
+            e[0].message.contains(LABEL_NODE_SET) && e[0].message.contains("at most 63"),
+            "{}",
+            e[0].message
+        );
+        let e = record_errors(&set(&ok), &"c".repeat(253), &class);
+        assert_eq!(e.len(), 1, "{e:?}");
+        assert_eq!(e[0].field, "spec.nodeClassName");
+        assert!(e[0].message.contains(LABEL_NODE_CLASS), "{}", e[0].message);
+        // The class's and template's own labels are still checked.
+        let mut bad = set(&ok);
+        bad.spec
+            .template
+            .labels
+            .insert("team name".into(), "x".into());
+        let e = format_field_errors(&record_errors(&bad, "c", &class));
+        assert!(e.contains("spec.template.labels"), "{e}");
+    }
+
+    #[test]
+    fn a_refused_drain_is_replaced_once_the_set_asks_for_another() {
+        use nodekeeper_api::crd::common::Condition;
+        let mut nm: NodeMaintenance = serde_json::from_value(serde_json::json!({
+            "apiVersion": API_VERSION, "kind": "NodeMaintenance",
+            "metadata": {"name": "nodeset-drain-a"},
+            "spec": {
+                "nodeSelector": {"matchLabels": {"kubernetes.io/hostname": "a"}},
+                "drainTimeout": "200h",
+            }
+        }))
+        .unwrap();
+        let wants = |timeout: &str| -> ScaleDown {
+            serde_json::from_value(serde_json::json!({ "drainTimeout": timeout })).unwrap()
+        };
+        // Not refused (yet): left alone, whatever the set asks.
+        assert!(!refused_for_another_drain(&nm, &wants("1h")));
+        let condition: Condition = serde_json::from_value(serde_json::json!({
+            "type": "Ready", "status": "False", "reason": REASON_REFUSED,
+            "message": "nodemaintenance nodeset-drain-a: spec.drainTimeout: must be at most 168h (a week)",
+            "lastTransitionTime": "2026-01-01T00:00:00Z",
+        }))
+        .unwrap();
+        nm.status = Some(NodeMaintenanceStatus {
+            conditions: vec![condition],
+            ..Default::default()
+        });
+        // Refused, and the set still asks for the same drain: stuck, naming the set's field.
+        assert!(!refused_for_another_drain(&nm, &wants("200h")));
+        let Leaving::Stuck(why) = leaving_of(&nm, "a") else {
+            panic!("{:?}", leaving_of(&nm, "a"));
+        };
+        let why = name_the_set_field(why, &nm);
+        assert!(
+            why.contains("spec.scaleDown.drainTimeout") && why.contains("168h"),
+            "{why}"
+        );
+        // The set fixed: the refused maintenance is replaced.
+        assert!(refused_for_another_drain(&nm, &wants("1h")));
+        let mut on_timeout = wants("200h");
+        on_timeout.on_timeout = nodekeeper_api::crd::node_maintenance::OnTimeout::Proceed;
+        assert_ne!(on_timeout.on_timeout, nm.spec.on_timeout);
+        assert!(refused_for_another_drain(&nm, &on_timeout));
+        // A refusal for something else keeps its own words.
+        nm.status.as_mut().unwrap().conditions[0].message =
+            "spec.nodeSelector: matches nothing".into();
+        let why = name_the_set_field("stuck".into(), &nm);
+        assert_eq!(why, "stuck");
+    }
+
+    #[tokio::test]
+    async fn without_a_class_a_machine_is_deleted_by_the_provider_its_id_names() {
+        // Never contacted.
+        let config = kube::Config::new("http://127.0.0.1:9".parse().unwrap());
+        let client = kube::Client::try_from(config).unwrap();
+        let recorder = kube::runtime::events::Recorder::new(client.clone(), "test".into());
+        let ctx = Context::with_client(client, recorder, &super::super::Config::default());
+        let machine = |id: &str| Machine {
+            node_name: "n1".into(),
+            provider_id: id.into(),
+            node_set: Some("web".into()),
+            created: None,
+        };
+        let kwok = deleter(&ctx, None, &machine("kwok://n1")).unwrap();
+        assert!(Arc::ptr_eq(&kwok, &ctx.kwok));
+        let why = deleter(&ctx, None, &machine("oci://ocid1.instance.oc1..a"))
+            .err()
+            .expect("no OCI provider here");
+        assert!(
+            why.contains("oci://ocid1.instance.oc1..a") && why.contains("--oci-endpoint"),
+            "{why}"
+        );
+        assert!(deleter(&ctx, None, &machine("aws:///i-1")).is_err());
+        // With a usable class, its provider deletes.
+        let class: Arc<dyn Provider> = Arc::clone(&ctx.kwok);
+        let p = deleter(&ctx, Some(&class), &machine("oci://ocid1.instance.oc1..a")).unwrap();
+        assert!(Arc::ptr_eq(&p, &class));
     }
 
     #[test]

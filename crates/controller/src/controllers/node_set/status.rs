@@ -8,15 +8,27 @@ use nodekeeper_api::crd::node_set::{
     REASON_ROLLOUT_STALLED, REASON_SCALE_DOWN_BLOCKED,
 };
 use nodekeeper_api::names::{
-    CONDITION_PROGRESSING, CONDITION_READY, REASON_DONE, REASON_IN_PROGRESS,
+    CONDITION_PROGRESSING, CONDITION_READY, LABEL_NODE_SET, REASON_DONE, REASON_IN_PROGRESS,
 };
 
 use super::plan::Counts;
 
+/// Why the set's NodeClass cannot make machines (missing, a Node record the API server would
+/// refuse, its provider unavailable): nothing is created, while a scale-down goes on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CannotCreate {
+    /// A PascalCase condition reason (`NodeClassNotFound`, `InvalidSpec`, `ProviderFailed`).
+    pub reason: &'static str,
+    /// Names the field and the fix.
+    pub message: String,
+    /// The set has fewer nodes than `spec.replicas`: it cannot progress until the class is fixed.
+    pub short: bool,
+}
+
 /// How the reconcile ended.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Outcome {
-    /// The set cannot be acted on (bad spec, missing class, unknown provider); nothing was
+    /// The set cannot be acted on (bad spec, controller's cap, autoscaler bounds); nothing was
     /// touched. `reason` is a PascalCase condition reason; `message` names the field and the fix.
     Refused {
         reason: &'static str,
@@ -34,13 +46,22 @@ pub enum Outcome {
         repair_halted: Option<String>,
         /// New machines do not join while old ones wait to be replaced.
         rollout_stalled: Option<String>,
+        /// The class cannot make machines: `Ready=False` with its reason whatever else holds.
+        cannot_create: Option<CannotCreate>,
     },
 }
 
-/// The status to write. `counts` is `None` when the nodes were not looked at (a refusal): the
-/// stored counts stay.
+/// The label selector of set `set`'s Nodes, as `status.selector` gives it to the scale
+/// subresource: the label [`super::provider::node_record`] puts on every Node of the set.
+pub fn selector(set: &str) -> String {
+    format!("{LABEL_NODE_SET}={set}")
+}
+
+/// The status to write for set `set`. `counts` is `None` when the nodes were not looked at (a
+/// refusal): the stored counts stay.
 #[allow(clippy::too_many_arguments)]
 pub fn build(
+    set: &str,
     current: Option<&NodeSetStatus>,
     counts: Option<Counts>,
     mut problems: Vec<MachineProblem>,
@@ -62,6 +83,9 @@ pub fn build(
     }
     s.failed_joins = s.failed_joins.saturating_add(new_failed_joins);
     s.observed_generation = generation;
+    // The scale subresource's selector (an autoscaler refuses a scale without one): the label
+    // every Node of the set carries. Constant for a set, so it costs no write after the first.
+    s.selector = Some(selector(set));
     let mut cond = |type_: &str, status, reason: &str, message: &str| {
         set_condition(
             &mut s.conditions,
@@ -89,13 +113,21 @@ pub fn build(
             scale_down_blocked,
             repair_halted,
             rollout_stalled,
+            cannot_create,
         } => {
             let c = counts.unwrap_or_default();
             let summary = format!(
                 "{} of {} nodes ready, {} updated, {} draining",
                 c.ready, c.replicas, c.updated, c.draining
             );
-            if let Some(error) = provider_error {
+            if let Some(c) = cannot_create {
+                cond(
+                    CONDITION_READY,
+                    ConditionStatus::False,
+                    c.reason,
+                    &c.message,
+                );
+            } else if let Some(error) = provider_error {
                 cond(
                     CONDITION_READY,
                     ConditionStatus::False,
@@ -138,6 +170,13 @@ pub fn build(
                     REASON_ROLLOUT_STALLED,
                     message,
                 );
+            } else if let Some(c) = cannot_create.as_ref().filter(|c| c.short) {
+                cond(
+                    CONDITION_PROGRESSING,
+                    ConditionStatus::False,
+                    c.reason,
+                    &c.message,
+                );
             } else if *converged {
                 cond(
                     CONDITION_PROGRESSING,
@@ -169,6 +208,7 @@ mod tests {
             scale_down_blocked: None,
             repair_halted: None,
             rollout_stalled: None,
+            cannot_create: None,
         }
     }
 
@@ -180,8 +220,18 @@ mod tests {
             updated: 3,
             draining: 0,
         };
-        let a = build(None, Some(counts), vec![], 0, &acting(true), Some(2), "t1");
+        let a = build(
+            "web",
+            None,
+            Some(counts),
+            vec![],
+            0,
+            &acting(true),
+            Some(2),
+            "t1",
+        );
         let b = build(
+            "web",
             Some(&a),
             Some(counts),
             vec![],
@@ -195,6 +245,7 @@ mod tests {
             "a second reconcile with nothing new must not cause a write"
         );
         assert_eq!(a.conditions[0].status, ConditionStatus::True);
+        assert_eq!(a.selector.as_deref(), Some("nodekeeper.dev/nodeset=web"));
     }
 
     #[test]
@@ -212,6 +263,7 @@ mod tests {
             })
             .collect();
         let a = build(
+            "web",
             None,
             Some(counts),
             problems,
@@ -228,8 +280,9 @@ mod tests {
             reason: "NodeClassNotFound",
             message: "spec.nodeClassName: NodeClass \"x\" does not exist".into(),
         };
-        let b = build(Some(&a), None, vec![], 0, &refused, Some(2), "t");
+        let b = build("web", Some(&a), None, vec![], 0, &refused, Some(2), "t");
         assert_eq!(b.replicas, 60);
+        assert_eq!(b.selector.as_deref(), Some("nodekeeper.dev/nodeset=web"));
         let ready = b
             .conditions
             .iter()
@@ -237,5 +290,93 @@ mod tests {
             .unwrap();
         assert_eq!(ready.reason, "NodeClassNotFound");
         assert!(ready.message.contains("spec.nodeClassName"));
+    }
+
+    #[test]
+    fn a_class_that_cannot_make_machines_is_named_while_the_set_scales_down() {
+        let counts = Counts {
+            replicas: 1,
+            ready: 1,
+            updated: 1,
+            draining: 1,
+        };
+        let cannot_converged = |short, converged| Outcome::Acting {
+            converged,
+            provider_error: None,
+            scale_down_blocked: None,
+            repair_halted: None,
+            rollout_stalled: None,
+            cannot_create: Some(CannotCreate {
+                reason: "NodeClassNotFound",
+                message: "spec.nodeClassName: NodeClass \"x\" does not exist".into(),
+                short,
+            }),
+        };
+        let cannot = |short| cannot_converged(short, false);
+        let find = |s: &NodeSetStatus, t: &str| {
+            let c = s.conditions.iter().find(|c| c.type_ == t).unwrap();
+            (c.status, c.reason.clone())
+        };
+        // Draining towards a lower count: Ready names the class, the scale-down progresses.
+        let s = build(
+            "web",
+            None,
+            Some(counts),
+            vec![],
+            0,
+            &cannot(false),
+            Some(1),
+            "t",
+        );
+        assert_eq!(
+            find(&s, CONDITION_READY),
+            (ConditionStatus::False, "NodeClassNotFound".into())
+        );
+        assert_eq!(
+            find(&s, CONDITION_PROGRESSING),
+            (ConditionStatus::True, REASON_IN_PROGRESS.into())
+        );
+        assert_eq!((s.replicas, s.draining_replicas), (1, 1));
+        // Short of nodes: it cannot progress either.
+        let s = build(
+            "web",
+            None,
+            Some(counts),
+            vec![],
+            0,
+            &cannot(true),
+            Some(1),
+            "t",
+        );
+        assert_eq!(
+            find(&s, CONDITION_PROGRESSING),
+            (ConditionStatus::False, "NodeClassNotFound".into())
+        );
+        // Even when nothing else is left to do, Ready stays False naming the class.
+        let done = cannot_converged(false, true);
+        let s = build("web", None, Some(counts), vec![], 0, &done, Some(1), "t");
+        assert_eq!(
+            find(&s, CONDITION_READY),
+            (ConditionStatus::False, "NodeClassNotFound".into())
+        );
+    }
+
+    #[test]
+    fn the_selector_picks_the_nodes_the_set_records() {
+        let class =
+            serde_json::from_value(serde_json::json!({"provider": "kwok", "kwok": {}})).unwrap();
+        let request = super::super::provider::MachineRequest {
+            node_name: "web-bcdfg".into(),
+            node_set: "web".into(),
+            node_class: "small".into(),
+            template_hash: "0123456789".into(),
+            labels: Default::default(),
+            taints: vec![],
+            class,
+        };
+        let record = super::super::provider::node_record(&request, "kwok://web-bcdfg");
+        let selector = selector("web");
+        let (key, value) = selector.split_once('=').unwrap();
+        assert_eq!(record["metadata"]["labels"][key], value, "{selector}");
     }
 }
