@@ -3,7 +3,8 @@
 //! `rules.yaml`, the rule and the field) — not a bump of the first refusal's series — and an
 //! agent that refuses rules the controller accepted (a sysctl its node lacks) is named on the
 //! node's page of the HTTP API, counted in the fleet summary and in
-//! `nodekeeper_sweep_nodes_refusing_rules`, until it takes a later revision.
+//! `nodekeeper_sweep_nodes_refusing_rules`, until it takes a later revision or the ConfigMap
+//! goes back to the revision it kept.
 //!
 //! Run: `cargo xtask test -- -p nodekeeper-e2e --test tuning_refusals`.
 
@@ -175,6 +176,101 @@ async fn each_refusal_is_its_own_event_and_a_refusing_agent_is_counted() -> anyh
             .contains("tunables[0].atLeast"),
         "{s}"
     );
+
+    drop((a0, a1, controller));
+    Ok(())
+}
+
+/// A refusal ends when the ConfigMap goes back to the rules the refusing agent kept: the agent
+/// is then not pushed to (it holds the revision wanted), and nothing is refused any more.
+/// Regression: the refusal stayed counted (summary, gauge, `NodekeeperAgentsRefusingRules`)
+/// until the controller restarted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusal_ends_when_the_rules_go_back_to_what_the_agent_holds() -> anyhow::Result<()> {
+    let client = ControlPlane::shared().client().await?;
+    let ns = test_namespace(&client, "nk-revert").await?;
+    let group = unique_name("revert");
+    let labels: BTreeMap<String, String> =
+        [("nodekeeper.dev/e2e-group".to_string(), group.clone())].into();
+    let selector = format!("nodekeeper.dev/e2e-group={group}");
+    let ips = loopback_ips(2);
+    let nodes = create_simulated_nodes(&client, "nk-revert", 2, &labels, &ips).await?;
+    let port = free_port();
+
+    let rules_v1 = "tunables:\n  - name: backlog\n    key: net.core.somaxconn\n    atLeast: 1024\n";
+    let mut tuning: BTreeMap<&str, &str> = [
+        ("sweepInterval", "10s"),
+        ("staleAfter", "30s"),
+        ("callTimeout", "2s"),
+        ("rules.yaml", rules_v1),
+    ]
+    .into();
+    put_tuning(&client, &ns, &tuning).await?;
+    let controller = ControllerProcess::start(&ns, "revert-a", &selector, port, &[])?;
+    let tls = agent_tls(&client, &ns).await?;
+    let a0 = start_agent(&nodes[0], SocketAddr::new(ips[0].into(), port), &tls).await?;
+    let a1 = start_agent(&nodes[1], SocketAddr::new(ips[1].into(), port), &tls).await?;
+    for agent in [&a0, &a1] {
+        agent.set_sysctl("net.core.somaxconn", "4096")?;
+    }
+    let http = controller.http;
+    let t = Duration::from_secs(60);
+
+    // Node 1's agent takes v1.
+    let node_1_rules = || async {
+        let (_, body) = http_get(http, &format!("/api/v1/nodes/{}", nodes[1])).await?;
+        let page: serde_json::Value = serde_json::from_str(&body)?;
+        anyhow::Ok(page)
+    };
+    let held = wait_for("node 1's agent holds v1", t, || async {
+        let page = node_1_rules().await?;
+        let report = &page["report"];
+        let took = report["tunables"]
+            .as_array()
+            .is_some_and(|t| t.iter().any(|t| t["rule"] == "backlog"));
+        Ok(took.then(|| report["rulesRevision"].clone()))
+    })
+    .await?;
+
+    // v2 adds a rule whose key is a directory on node 1 (a group of sysctls): its agent refuses
+    // v2 and keeps v1. On node 0 the key is merely missing, which is no refusal.
+    std::fs::create_dir_all(a1.sysctl_root.join("net/core/busy"))?;
+    let rules_v2 = "tunables:\n  - name: backlog\n    key: net.core.somaxconn\n    atLeast: 1024\n  - name: busy\n    key: net.core.busy\n    atLeast: 50\n";
+    tuning.insert("rules.yaml", rules_v2);
+    put_tuning(&client, &ns, &tuning).await?;
+    let fleet = wait_for("node 1's agent refuses v2", t, || async {
+        let s = summary(http).await?;
+        Ok((s["fleet"]["refusingRules"] == 1).then(|| s["fleet"].clone()))
+    })
+    .await?;
+    assert_eq!(fleet["refusingRulesNodes"], serde_json::json!([nodes[1]]));
+    let page = node_1_rules().await?;
+    assert_eq!(
+        page["report"]["rulesRevision"], held,
+        "v1 stays in force on node 1: {page}"
+    );
+
+    // Back to v1, which node 1's agent still holds: nothing is refused any more.
+    tuning.insert("rules.yaml", rules_v1);
+    put_tuning(&client, &ns, &tuning).await?;
+    wait_for(
+        "the refusal ends with the ConfigMap back at v1",
+        t,
+        || async {
+            let s = summary(http).await?;
+            Ok((s["fleet"]["refusingRules"] == 0).then_some(()))
+        },
+    )
+    .await?;
+    let page = node_1_rules().await?;
+    assert!(page["rulesRefused"].is_null(), "{page}");
+    wait_for("the gauge follows", Duration::from_secs(30), || async {
+        Ok(
+            (metric(http, "nodekeeper_sweep_nodes_refusing_rules", &[]).await? == 0.0)
+                .then_some(()),
+        )
+    })
+    .await?;
 
     drop((a0, a1, controller));
     Ok(())

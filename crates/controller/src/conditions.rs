@@ -284,7 +284,7 @@ pub fn desired_conditions(
                         type_,
                         Status::Unknown,
                         why,
-                        "no fresh report from the nodekeeper agent",
+                        stale_message(&w.condition),
                     ));
                 }
             }
@@ -293,6 +293,62 @@ pub fn desired_conditions(
     };
     out.sort_by(|a, b| a.type_.cmp(&b.type_));
     Some(out)
+}
+
+/// What an `Unknown` condition of a stale node says. Two things of the condition before it
+/// stay in it, each as one clause however long the node stays stale (taken from the condition
+/// as written, the previous stale one included, so nothing nests):
+/// - `NodeNetworkReady`'s generation (`generation <uid>/<generation>`): a restarted
+///   NodeNetworkConfig controller finds the nodes where an object's host side may be by it alone
+///   (see [`network_condition`]); without it, an object deleted while the node is stale would
+///   leave its host side there.
+/// - a problem condition's `True` and its reason (`last True: <reason>`): the Event for its
+///   turning `True` was raised, and [`transitions`] judges the agent's next answer against it
+///   (no second "is now True" when it answers `True` again; a recovery when it answers `False`).
+fn stale_message(before: &Condition) -> String {
+    let mut message = STALE_MESSAGE.to_owned();
+    if before.type_ == NETWORK_READY
+        && let Some(generation) = named_generation(&before.message)
+    {
+        message.push_str(&format!(
+            "; host networking last known at generation {generation}"
+        ));
+    }
+    if is_problem_type(&before.type_)
+        && let Some(reason) = last_true_reason(before)
+    {
+        message.push_str(&format!("; {LAST_TRUE}{reason}"));
+    }
+    message
+}
+
+/// The start of every `Unknown` condition's message on a stale node.
+const STALE_MESSAGE: &str = "no fresh report from the nodekeeper agent";
+
+/// How a stale node's `Unknown` problem condition names the reason it was `True` with.
+const LAST_TRUE: &str = "last True: ";
+
+/// The `<uid>/<generation>` a `NodeNetworkReady` message names after `generation `, if any.
+fn named_generation(message: &str) -> Option<&str> {
+    message.match_indices("generation ").find_map(|(at, word)| {
+        let token = message[at + word.len()..]
+            .split(|c: char| c.is_whitespace() || matches!(c, ':' | ';' | ','))
+            .next()?;
+        token.contains('/').then_some(token)
+    })
+}
+
+/// The reason a problem condition was last `True` with: its own when `True`, the one a stale
+/// node's `Unknown` kept (see [`stale_message`]), None otherwise.
+fn last_true_reason(condition: &Condition) -> Option<&str> {
+    match condition.status {
+        Status::True => Some(&condition.reason),
+        Status::Unknown if condition.message.starts_with(STALE_MESSAGE) => condition
+            .message
+            .split("; ")
+            .find_map(|clause| clause.strip_prefix(LAST_TRUE)),
+        _ => None,
+    }
 }
 
 /// True when writing `desired` would change the node: a type added or removed, or a status,
@@ -803,22 +859,21 @@ pub struct Transition {
 }
 
 /// The Event-worthy changes from `current` to `desired` among problem conditions. A problem
-/// condition first written `False` is no event (it is every healthy node's first state).
+/// condition first written `False` is no event (it is every healthy node's first state). A
+/// stale node's `Unknown` is judged as the `True` it kept, if it kept one (see
+/// [`stale_message`]): the Events follow what the agent said, not the gaps between its answers.
 pub fn transitions(current: &[Written], desired: &[Condition]) -> Vec<Transition> {
     desired
         .iter()
         .filter(|c| is_problem_type(&c.type_))
         .filter_map(|c| {
-            let before = current
+            let was_true = current
                 .iter()
                 .find(|w| w.condition.type_ == c.type_)
-                .map(|w| &w.condition);
-            let was_true = before.is_some_and(|b| b.status == Status::True);
+                .and_then(|w| last_true_reason(&w.condition));
             let kind = match c.status {
-                Status::True if !was_true || before.is_some_and(|b| b.reason != c.reason) => {
-                    TransitionKind::Problem
-                }
-                Status::False if was_true => TransitionKind::Recovered,
+                Status::True if was_true != Some(c.reason.as_str()) => TransitionKind::Problem,
+                Status::False if was_true.is_some() => TransitionKind::Recovered,
                 _ => return None,
             };
             Some(Transition {
@@ -1079,6 +1134,134 @@ mod tests {
         // nodekeeper's own types never make events here.
         let reach = Condition::new(REACHABLE, Status::False, "AgentUnreachable", "m");
         assert!(transitions(&[], &[reach]).is_empty());
+    }
+
+    /// Regression: the `Unknown` a stale node's problem condition turns counted as "not True",
+    /// so an agent answering again with the `True` it had before raised a second "is now True"
+    /// Event, and one answering `False` raised no recovery.
+    #[test]
+    fn a_stale_spell_raises_no_event_of_its_own() {
+        let config = TuningConfig::default();
+        let stale = Observation::Stale {
+            address: "127.1.0.9:9443",
+            class: FailureClass::Unreachable,
+            stale_after: Duration::from_secs(900),
+        };
+        let fresh = |status: &str, reason: &str| {
+            let mut view = NodeView::default();
+            view.problems.conditions = vec![problem("KernelDeadlock", status, reason)];
+            view
+        };
+        let sick = fresh("True", "DockerHung");
+        let healthy = fresh("False", "KernelHasNoDeadlock");
+        let events = |before: &[Written], view: &NodeView| {
+            let after = desired_conditions(Observation::Fresh(view), &config, before).unwrap();
+            transitions(before, &after)
+                .into_iter()
+                .map(|t| (t.kind, t.reason))
+                .collect::<Vec<_>>()
+        };
+        // True, then stale for two reads, then True again: the one Event was raised before.
+        let was_sick =
+            written(&desired_conditions(Observation::Fresh(&sick), &config, &[]).unwrap());
+        let once = written(&desired_conditions(stale, &config, &was_sick).unwrap());
+        assert_eq!(
+            find(
+                &once.iter().map(|w| w.condition.clone()).collect::<Vec<_>>(),
+                "KernelDeadlock"
+            )
+            .unwrap()
+            .status,
+            Status::Unknown
+        );
+        let twice = written(&desired_conditions(stale, &config, &once).unwrap());
+        assert!(!changed(
+            &once,
+            &twice
+                .iter()
+                .map(|w| w.condition.clone())
+                .collect::<Vec<_>>()
+        ));
+        assert_eq!(events(&twice, &sick), []);
+        // Back False: the recovery the Event said True asks for.
+        assert_eq!(
+            events(&twice, &healthy),
+            [(TransitionKind::Recovered, "KernelHasNoDeadlock".to_owned())]
+        );
+        // Back True with another reason: a new problem.
+        assert_eq!(
+            events(&twice, &fresh("True", "AUFSUmountHung")),
+            [(TransitionKind::Problem, "AUFSUmountHung".to_owned())]
+        );
+        // False before the spell: False after is nothing, True after is a problem.
+        let was_healthy = written(
+            &desired_conditions(
+                stale,
+                &config,
+                &written(&desired_conditions(Observation::Fresh(&healthy), &config, &[]).unwrap()),
+            )
+            .unwrap(),
+        );
+        assert_eq!(events(&was_healthy, &healthy), []);
+        assert_eq!(
+            events(&was_healthy, &sick),
+            [(TransitionKind::Problem, "DockerHung".to_owned())]
+        );
+    }
+
+    /// Regression: a stale node's `NodeNetworkReady` lost the generation its message named, and
+    /// with it the one clue a restarted NodeNetworkConfig controller has that the object's host
+    /// side is on the node (`generation <uid>/`, see its `touched_per_node_condition`).
+    #[test]
+    fn a_stale_network_condition_keeps_its_generation() {
+        let config = TuningConfig::default();
+        let stale = Observation::Stale {
+            address: "127.1.0.9:9443",
+            class: FailureClass::Unreachable,
+            stale_after: Duration::from_secs(900),
+        };
+        let network = |conditions: &[Condition]| {
+            find(conditions, NETWORK_READY)
+                .expect("a NodeNetworkReady")
+                .clone()
+        };
+        let mut view = NodeView::default();
+        view.network.applied_generation = "6f1c-uid/3".into();
+        view.network.drifted = true;
+        view.network.drift = vec!["address 10.0.0.5/24 missing on nk-v21".into()];
+        let before = written(&desired_conditions(Observation::Fresh(&view), &config, &[]).unwrap());
+        let once = desired_conditions(stale, &config, &before).unwrap();
+        let c = network(&once);
+        assert_eq!(c.status, Status::Unknown);
+        assert_eq!(
+            c.message,
+            "no fresh report from the nodekeeper agent; host networking last known at generation 6f1c-uid/3"
+        );
+        // Staying stale neither nests the clause nor loses it.
+        let twice = desired_conditions(stale, &config, &written(&once)).unwrap();
+        assert_eq!(network(&twice), c);
+        // The NodeNetworkConfig controller's own messages name it too.
+        for (message, generation) in [
+            ("failed at generation 7a-uid/4: attach failed", "7a-uid/4"),
+            ("host networking at generation 7a-uid/5", "7a-uid/5"),
+        ] {
+            let by_controller = written(&[Condition::new(
+                NETWORK_READY,
+                Status::False,
+                "NetworkApplyFailed",
+                message,
+            )]);
+            let c = network(&desired_conditions(stale, &config, &by_controller).unwrap());
+            assert!(
+                c.message.ends_with(&format!("generation {generation}")),
+                "{}",
+                c.message
+            );
+        }
+        // Nothing named, nothing added.
+        let plain = written(&[Condition::new(NETWORK_READY, Status::False, "X", "no VNIC")]);
+        let c = network(&desired_conditions(stale, &config, &plain).unwrap());
+        assert_eq!(c.message, STALE_MESSAGE);
     }
 
     #[test]

@@ -55,8 +55,12 @@ pub struct RulesPush<'a> {
 /// What happened to a [`RulesPush`].
 #[derive(Debug)]
 pub enum RulesOutcome {
-    /// Not asked for, or the agent already holds (or refused) the revision.
+    /// Not asked for, the agent refused the revision before, or the call ended before the
+    /// agent's rules were known.
     NotPushed,
+    /// Not pushed: the agent already holds the revision (given). It refuses nothing, so any
+    /// refusal recorded for it is over (the ConfigMap went back to rules the agent kept).
+    Held(u64),
     /// The agent took the rules (revision given).
     Applied(u64),
     /// The agent refused or the call failed (revision given).
@@ -227,10 +231,14 @@ impl MtlsAgents {
         Fut: Future<Output = Result<T, CallError>> + Send + 'a,
     {
         self.measured(method, node, async move {
-            let result = match self.connect(node, timeout).await {
-                Ok(conn) => call(conn).await,
-                Err(error) => Err(error),
-            };
+            let result = tokio::time::timeout(timeout, async {
+                match self.connect(node, timeout).await {
+                    Ok(conn) => call(conn).await,
+                    Err(error) => Err(error),
+                }
+            })
+            .await
+            .unwrap_or_else(|_| Err(whole_call_timeout(node, timeout)));
             let outcome = match &result {
                 Ok(_) => CallOutcome::Answered,
                 Err(e) => e.outcome,
@@ -239,6 +247,11 @@ impl MtlsAgents {
         })
     }
 
+    /// The report call: connect, `GetReport`, and when the agent holds another revision
+    /// `SetRules` and a second `GetReport`, all within one `timeout` (each step's own limit is
+    /// the same `timeout`, so without the whole-call deadline a wedged agent could hold the
+    /// caller four times as long). What became of the push is kept when the deadline ends the
+    /// call after it.
     async fn report_inner(
         &self,
         node: &AgentNode,
@@ -246,7 +259,9 @@ impl MtlsAgents {
         timeout: Duration,
     ) -> Report {
         let mut rules = RulesOutcome::NotPushed;
-        let view = async {
+        // The revision being pushed while `SetRules` is in flight.
+        let mut pushing = None;
+        let call = async {
             let mut conn = self.connect(node, timeout).await?;
             let invalid = |e: InvalidReport| CallError {
                 outcome: CallOutcome::InvalidReply,
@@ -268,10 +283,17 @@ impl MtlsAgents {
                 .unwrap_or(0);
             let wanted = push.rules.revision();
             // An agent that already holds the revision is not called; nor is one that refused it.
-            if agent_rules == wanted || push.refused_revision == wanted {
+            if agent_rules == wanted {
+                rules = RulesOutcome::Held(wanted);
                 return Ok(view);
             }
-            match conn.set_rules(set_rules_request(push.rules, wanted)).await {
+            if push.refused_revision == wanted {
+                return Ok(view);
+            }
+            pushing = Some(wanted);
+            let pushed = conn.set_rules(set_rules_request(push.rules, wanted)).await;
+            pushing = None;
+            match pushed {
                 Ok(_) => {
                     rules = RulesOutcome::Applied(wanted);
                     // The agent's report changes with its rules: fetch it now rather than a
@@ -291,8 +313,15 @@ impl MtlsAgents {
                 Err(error) => rules = RulesOutcome::Failed(wanted, error),
             }
             Ok(view)
-        }
-        .await;
+        };
+        let answered = tokio::time::timeout(timeout, call).await;
+        let view = answered.unwrap_or_else(|_| {
+            let error = whole_call_timeout(node, timeout);
+            if let Some(wanted) = pushing {
+                rules = RulesOutcome::Failed(wanted, error.clone());
+            }
+            Err(error)
+        });
         Report { view, rules }
     }
 }
@@ -367,6 +396,15 @@ impl Agents for MtlsAgents {
             };
             (outcome, result)
         })
+    }
+}
+
+/// A call that did not end within its whole-call timeout (connecting included).
+fn whole_call_timeout(node: &AgentNode, timeout: Duration) -> CallError {
+    CallError {
+        outcome: CallOutcome::Timeout,
+        endpoint: node.endpoint,
+        detail: format!("the call did not end within {timeout:?}, connecting included"),
     }
 }
 
@@ -531,6 +569,253 @@ mod tests {
         assert_eq!(err.outcome, CallOutcome::Tls);
         assert!(err.detail.contains("not loaded"), "{err}");
         assert_eq!(calls(&metrics, AgentMethod::RunProbes, CallOutcome::Tls), 1);
+    }
+
+    /// An agent served in-process over mutual TLS: it holds a rules revision, takes every
+    /// `SetRules`, and can be made slow or to fail the report that follows a push.
+    struct FakeAgent {
+        rules_revision: std::sync::atomic::AtomicU64,
+        /// How long each `GetReport` and `SetRules` takes to answer.
+        delay: Duration,
+        fail_report_after_rules: bool,
+        set_rules_calls: std::sync::atomic::AtomicUsize,
+    }
+
+    #[tonic::async_trait]
+    impl pb::node_agent_server::NodeAgent for FakeAgent {
+        async fn get_report(
+            &self,
+            _: tonic::Request<pb::GetReportRequest>,
+        ) -> Result<tonic::Response<pb::GetReportResponse>, tonic::Status> {
+            use std::sync::atomic::Ordering;
+            tokio::time::sleep(self.delay).await;
+            if self.fail_report_after_rules && self.set_rules_calls.load(Ordering::SeqCst) > 0 {
+                return Err(tonic::Status::unavailable("collecting"));
+            }
+            let rules_revision = self.rules_revision.load(Ordering::SeqCst);
+            Ok(tonic::Response::new(pb::GetReportResponse {
+                revision: 100 + rules_revision,
+                result: Some(pb::get_report_response::Result::Report(pb::NodeReport {
+                    node_name: "w1".into(),
+                    rules_revision,
+                    ..Default::default()
+                })),
+            }))
+        }
+
+        async fn set_rules(
+            &self,
+            request: tonic::Request<pb::SetRulesRequest>,
+        ) -> Result<tonic::Response<pb::SetRulesResponse>, tonic::Status> {
+            use std::sync::atomic::Ordering;
+            tokio::time::sleep(self.delay).await;
+            let revision = request.into_inner().revision;
+            self.set_rules_calls.fetch_add(1, Ordering::SeqCst);
+            self.rules_revision.store(revision, Ordering::SeqCst);
+            Ok(tonic::Response::new(pb::SetRulesResponse {
+                active_revision: revision,
+            }))
+        }
+
+        async fn run_probes(
+            &self,
+            _: tonic::Request<pb::RunProbesRequest>,
+        ) -> Result<tonic::Response<pb::RunProbesResponse>, tonic::Status> {
+            Err(tonic::Status::unimplemented("run_probes"))
+        }
+
+        async fn apply_network(
+            &self,
+            _: tonic::Request<pb::ApplyNetworkRequest>,
+        ) -> Result<tonic::Response<pb::ApplyNetworkResponse>, tonic::Status> {
+            Err(tonic::Status::unimplemented("apply_network"))
+        }
+
+        type CollectDiagnosticsStream =
+            futures::stream::Empty<Result<pb::DiagnosticsChunk, tonic::Status>>;
+
+        async fn collect_diagnostics(
+            &self,
+            _: tonic::Request<pb::DiagnosticsRequest>,
+        ) -> Result<tonic::Response<Self::CollectDiagnosticsStream>, tonic::Status> {
+            Err(tonic::Status::unimplemented("collect_diagnostics"))
+        }
+    }
+
+    /// Serves `agent` on 127.0.0.1 with a fresh CA; returns the managed node, the agents service
+    /// holding the controller's certificate, and the agent.
+    async fn serve(agent: FakeAgent) -> (AgentNode, MtlsAgents, Arc<FakeAgent>) {
+        use crate::certs::{Leaf, generate_ca, issue};
+        use tonic::transport::{Certificate, Identity, Server, ServerTlsConfig};
+        let (ca_cert, ca_key) = generate_ca().unwrap();
+        let server = issue(Leaf::Agent, &ca_cert, &ca_key).unwrap();
+        let client = issue(Leaf::Controller, &ca_cert, &ca_key).unwrap();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let endpoint = listener.local_addr().unwrap();
+        let agent = Arc::new(agent);
+        let tls = ServerTlsConfig::new()
+            .identity(Identity::from_pem(&server.cert, &server.key))
+            .client_ca_root(Certificate::from_pem(&ca_cert));
+        let service = pb::node_agent_server::NodeAgentServer::from_arc(Arc::clone(&agent));
+        tokio::spawn(
+            Server::builder()
+                .tls_config(tls)
+                .unwrap()
+                .add_service(service)
+                .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
+        );
+        let fleet = Arc::new(Fleet::default());
+        fleet.observe(
+            NodeFacts {
+                name: "w1".into(),
+                address: Some(endpoint.ip()),
+                resource_version: 1,
+                written: vec![],
+                foreign: vec![],
+            },
+            Instant::now(),
+        );
+        let (agents, _) = agents(&fleet);
+        let agents = MtlsAgents {
+            max_reply_bytes: 1 << 20,
+            ..agents
+        };
+        agents.set_tls(&client);
+        let node = AgentNode {
+            name: "w1".into(),
+            endpoint,
+        };
+        (node, agents, agent)
+    }
+
+    fn fake_agent(rules_revision: u64, delay: Duration) -> FakeAgent {
+        FakeAgent {
+            rules_revision: rules_revision.into(),
+            delay,
+            fail_report_after_rules: false,
+            set_rules_calls: 0.into(),
+        }
+    }
+
+    fn rule_set() -> RuleSet {
+        let data: BTreeMap<String, String> = [(
+            "rules.yaml".to_string(),
+            "tunables:\n  - {name: a, key: net.core.somaxconn, atLeast: 4096}\n".to_string(),
+        )]
+        .into();
+        tuning::parse(&data).unwrap().rules
+    }
+
+    /// Regression: a refusal recorded for a revision was never cleared when the ConfigMap went
+    /// back to the revision the agent had kept, since the agent was then not called and the
+    /// outcome said nothing.
+    #[tokio::test]
+    async fn an_agent_holding_the_wanted_revision_says_so() {
+        let rules = rule_set();
+        let wanted = rules.revision();
+        let (node, agents, agent) = serve(fake_agent(wanted, Duration::ZERO)).await;
+        let report = agents
+            .report(
+                &node,
+                ReportRequest {
+                    cached_revision: None,
+                    rules: Some(RulesPush {
+                        rules: &rules,
+                        known_agent_revision: None,
+                        // The agent refused another revision before.
+                        refused_revision: wanted + 1,
+                    }),
+                },
+                Duration::from_secs(5),
+            )
+            .await;
+        assert!(report.view.unwrap().is_some());
+        assert!(
+            matches!(report.rules, RulesOutcome::Held(r) if r == wanted),
+            "{:?}",
+            report.rules
+        );
+        assert_eq!(
+            agent
+                .set_rules_calls
+                .load(std::sync::atomic::Ordering::SeqCst),
+            0,
+            "an agent holding the revision is not pushed to"
+        );
+    }
+
+    /// The push's outcome survives a report that fails after it.
+    #[tokio::test]
+    async fn rules_taken_are_reported_when_the_report_after_them_fails() {
+        let rules = rule_set();
+        let wanted = rules.revision();
+        let (node, agents, _) = serve(FakeAgent {
+            fail_report_after_rules: true,
+            ..fake_agent(wanted + 1, Duration::ZERO)
+        })
+        .await;
+        let report = agents
+            .report(
+                &node,
+                ReportRequest {
+                    cached_revision: None,
+                    rules: Some(RulesPush {
+                        rules: &rules,
+                        known_agent_revision: None,
+                        refused_revision: 0,
+                    }),
+                },
+                Duration::from_secs(5),
+            )
+            .await;
+        assert!(report.view.is_err());
+        assert!(
+            matches!(report.rules, RulesOutcome::Applied(r) if r == wanted),
+            "{:?}",
+            report.rules
+        );
+    }
+
+    /// Regression: `callTimeout` bounded each step (connect, report, push, report) on its own,
+    /// so a slow agent held a sweep slot up to four times as long as configured.
+    #[tokio::test]
+    async fn the_timeout_bounds_the_whole_report_call() {
+        let rules = rule_set();
+        let wanted = rules.revision();
+        // Each step answers within the timeout; together they do not.
+        let timeout = Duration::from_millis(1500);
+        let (node, agents, agent) = serve(fake_agent(wanted + 1, Duration::from_millis(600))).await;
+        let started = Instant::now();
+        let report = agents
+            .report(
+                &node,
+                ReportRequest {
+                    cached_revision: None,
+                    rules: Some(RulesPush {
+                        rules: &rules,
+                        known_agent_revision: None,
+                        refused_revision: 0,
+                    }),
+                },
+                timeout,
+            )
+            .await;
+        let took = started.elapsed();
+        assert!(took < timeout + Duration::from_millis(300), "took {took:?}");
+        let error = report.view.unwrap_err();
+        assert_eq!(error.outcome, CallOutcome::Timeout, "{error}");
+        // The deadline fell during the second report: the push had been taken.
+        assert!(
+            matches!(report.rules, RulesOutcome::Applied(r) if r == wanted),
+            "{:?}",
+            report.rules
+        );
+        assert_eq!(
+            agent
+                .set_rules_calls
+                .load(std::sync::atomic::Ordering::SeqCst),
+            1
+        );
     }
 
     #[test]

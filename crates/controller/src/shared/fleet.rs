@@ -197,6 +197,27 @@ impl NodeEntry {
     }
 }
 
+/// How far the sweep got through the fleet ([`Fleet::read_progress`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReadProgress {
+    /// Nodes whose report the controller holds: their agent answered, and has not been stale
+    /// since (a stale node's report is dropped).
+    pub read: usize,
+    /// Nodes with an address whose agent was called to the end at least once, answered or not.
+    pub called: usize,
+    /// Nodes with an address: the ones the sweep calls.
+    pub reachable: usize,
+}
+
+impl ReadProgress {
+    /// The first full sweep is done once every node with an address was called: an agent that
+    /// does not answer is something the sweep found out, not a part of it still to do (counting
+    /// only answers, one dead agent kept the first sweep unfinished for good).
+    pub fn first_sweep_done(&self) -> bool {
+        self.reachable > 0 && self.called >= self.reachable
+    }
+}
+
 /// A node whose agent is due for a read.
 #[derive(Clone, Debug)]
 pub struct Job {
@@ -621,17 +642,18 @@ impl Fleet {
         jobs
     }
 
-    /// Counts for the summary.
-    /// Nodes read (with a report now) and nodes with an address: the sweep's test for its first
-    /// full pass, made after every completed call, so a plain count (no allocation, no decoding)
-    /// under the lock.
-    pub fn read_progress(&self) -> (usize, usize) {
+    /// The sweep's test for its first full pass (see [`ReadProgress`]), made on its ticks, so a
+    /// plain count (no allocation, no decoding) under the lock.
+    pub fn read_progress(&self) -> ReadProgress {
         let nodes = self.lock();
-        nodes.values().fold((0, 0), |(read, reachable), e| {
-            (
-                read + usize::from(e.report.is_some()),
-                reachable + usize::from(e.address.is_some()),
-            )
+        nodes.values().fold(ReadProgress::default(), |p, e| {
+            let called = e.address.is_some()
+                && (e.schedule.last_success.is_some() || e.schedule.failures > 0);
+            ReadProgress {
+                read: p.read + usize::from(e.report.is_some()),
+                called: p.called + usize::from(called),
+                reachable: p.reachable + usize::from(e.address.is_some()),
+            }
         })
     }
 
@@ -821,6 +843,7 @@ pub async fn watch_nodes(
 mod tests {
     use super::*;
     use serde_json::json;
+    use std::time::Duration;
 
     fn node(rv: &str, ip: Option<&str>, conditions: serde_json::Value) -> Node {
         let addresses = ip.map(|ip| json!([{"type": "Hostname", "address": "h"}, {"type": "InternalIP", "address": ip}]));
@@ -1090,6 +1113,55 @@ mod tests {
         assert_eq!(fleet.due.lock().unwrap().names.capacity(), 0);
     }
 
+    /// Regression: the first sweep counted nodes holding a report, so one node whose agent
+    /// never answered kept it unfinished (`initialSweepSeconds` 0, no "first full sweep done")
+    /// for as long as the controller led.
+    #[test]
+    fn a_dead_agent_does_not_hold_up_the_first_sweep() {
+        use crate::view::{NodeView, StoredReport};
+        let fleet = Fleet::default();
+        let now = Instant::now();
+        let interval = Duration::from_secs(60);
+        for (name, address) in [
+            ("n1", "127.1.0.4"),
+            ("n2", "127.1.0.5"),
+            ("n3", "127.1.0.6"),
+        ] {
+            let mut facts = node_facts(&node("1", Some(address), json!([])));
+            facts.name = name.into();
+            fleet.observe(facts, now);
+        }
+        let jobs = fleet.take_due(now, 10, 9443);
+        assert_eq!(jobs.len(), 3);
+        {
+            let mut nodes = fleet.lock();
+            for name in ["n1", "n2"] {
+                let entry = nodes.get_mut(name).unwrap();
+                entry.schedule.succeeded(now, interval, 0.5);
+                entry.report = Some(StoredReport::of(&NodeView::default()));
+            }
+        }
+        // n3 is still in flight: the first sweep is not done.
+        assert!(!fleet.read_progress().first_sweep_done());
+        fleet
+            .lock()
+            .get_mut("n3")
+            .unwrap()
+            .schedule
+            .failed(now, interval, 0.5);
+        let progress = fleet.read_progress();
+        assert_eq!(
+            progress,
+            ReadProgress {
+                read: 2,
+                called: 3,
+                reachable: 3
+            }
+        );
+        assert!(progress.first_sweep_done());
+        assert!(!ReadProgress::default().first_sweep_done(), "no nodes yet");
+    }
+
     /// The sweep's progress count and the summary's tunables agree with the reports stored,
     /// without decoding them.
     #[test]
@@ -1106,7 +1178,12 @@ mod tests {
             facts.name = name.into();
             fleet.observe(facts, now);
         }
-        assert_eq!(fleet.read_progress(), (0, 2));
+        let progress = |read, called| ReadProgress {
+            read,
+            called,
+            reachable: 2,
+        };
+        assert_eq!(fleet.read_progress(), progress(0, 0));
         let tunable = |rule: &str, verdict| TunableView {
             rule: rule.into(),
             key: "net.core.somaxconn".into(),
@@ -1126,10 +1203,17 @@ mod tests {
             ],
             ..NodeView::default()
         };
-        fleet.lock().get_mut("n1").unwrap().report = Some(StoredReport::of(&view));
-        assert_eq!(fleet.read_progress(), (1, 2));
-        fleet.lock().get_mut("n2").unwrap().report = Some(StoredReport::of(&NodeView::default()));
-        assert_eq!(fleet.read_progress(), (2, 2));
+        let answered = |name: &str, view: &NodeView| {
+            let mut nodes = fleet.lock();
+            let entry = nodes.get_mut(name).unwrap();
+            entry.schedule.start(now);
+            entry.schedule.succeeded(now, Duration::from_secs(60), 0.5);
+            entry.report = Some(StoredReport::of(view));
+        };
+        answered("n1", &view);
+        assert_eq!(fleet.read_progress(), progress(1, 1));
+        answered("n2", &NodeView::default());
+        assert_eq!(fleet.read_progress(), progress(2, 2));
         let s = fleet.summary();
         assert_eq!(s.read, 2);
         assert_eq!(

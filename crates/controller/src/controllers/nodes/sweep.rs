@@ -43,6 +43,10 @@ const WRITE_CONCURRENCY: usize = 64;
 /// past this many, a read waits to hand its write over (see `Writers`).
 const WRITE_QUEUE: usize = 1024;
 
+/// How often `nodekeeper_sweep_nodes_read` is recounted after the first full sweep (a pass
+/// over the fleet under its lock; before it, every tick).
+const PROGRESS_EVERY: Duration = Duration::from_secs(15);
+
 /// How long the sweep waits for the tuning ConfigMap's first read before it starts anyway.
 const TUNING_SETTLE: std::time::Duration = std::time::Duration::from_secs(30);
 
@@ -69,6 +73,7 @@ pub async fn run(ctx: Arc<Context>, shutdown: CancellationToken) {
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let started = Instant::now();
     let mut initial_done = false;
+    let mut last_progress = started;
     let mut last_interval = ctx.tuning().config.sweep_interval;
     let writers = Writers::new(WRITE_CONCURRENCY, WRITE_QUEUE, shutdown.child_token());
     loop {
@@ -107,17 +112,29 @@ pub async fn run(ctx: Arc<Context>, shutdown: CancellationToken) {
         // A count, not `Fleet::summary` (conditions and tunables of every node, under the
         // fleet's lock), which made a 65,000-node sweep wait on it. Still a pass over the fleet,
         // so made on the tick and once nodes are due no more, not after every completed call
-        // while a start's whole fleet is still waiting to be read.
-        if !initial_done && (ticked || short) && ctx.fleet.synced() {
-            let (read, reachable) = ctx.fleet.read_progress();
+        // while a start's whole fleet is still waiting to be read; after the first full sweep,
+        // only every `PROGRESS_EVERY` (for `nodes_read`).
+        let progress_due = if initial_done {
+            ticked && now.saturating_duration_since(last_progress) >= PROGRESS_EVERY
+        } else {
+            ticked || short
+        };
+        if progress_due && ctx.fleet.synced() {
+            last_progress = now;
+            let progress = ctx.fleet.read_progress();
             ctx.metrics
                 .nodes_read_once
-                .set(i64::try_from(read).unwrap_or(i64::MAX));
-            if read >= reachable && reachable > 0 {
+                .set(i64::try_from(progress.read).unwrap_or(i64::MAX));
+            if !initial_done && progress.first_sweep_done() {
                 initial_done = true;
                 let seconds = started.elapsed().as_secs_f64();
                 ctx.metrics.initial_sweep_seconds.set(seconds);
-                info!(nodes = read, seconds, "first full sweep done");
+                info!(
+                    nodes = progress.called,
+                    answered = progress.read,
+                    seconds,
+                    "first full sweep done"
+                );
             }
         }
     }
@@ -129,7 +146,7 @@ pub async fn run(ctx: Arc<Context>, shutdown: CancellationToken) {
 async fn poll(ctx: &Arc<Context>, writers: &Writers, job: Job) {
     let started = Instant::now();
     let tuning = ctx.tuning();
-    let result = call_agent(
+    let (result, rules_news) = call_agent(
         ctx,
         &job,
         tuning.config.call_timeout,
@@ -140,8 +157,8 @@ async fn poll(ctx: &Arc<Context>, writers: &Writers, job: Job) {
         .agent_call_seconds
         .observe(started.elapsed().as_secs_f64());
     let outcome = match &result {
-        Ok((None, _)) => CallOutcome::Unchanged,
-        Ok((Some(_), _)) => CallOutcome::Report,
+        Ok(None) => CallOutcome::Unchanged,
+        Ok(Some(_)) => CallOutcome::Report,
         Err(e) => e.outcome,
     };
     ctx.metrics
@@ -163,8 +180,13 @@ async fn poll(ctx: &Arc<Context>, writers: &Writers, job: Job) {
         let Some(entry) = nodes.get_mut(&job.name) else {
             return;
         };
+        // Whatever became of the report: an agent that took the rules and then did not answer
+        // the report that followed still took them.
+        ctx.metrics
+            .nodes_refusing_rules
+            .inc_by(entry.note_rules(rules_news));
         let desired = match result {
-            Ok((view, rules_news)) => {
+            Ok(view) => {
                 entry.schedule.succeeded(now, interval, unit);
                 if let Some(view) = view {
                     let view = Arc::new(view);
@@ -174,9 +196,6 @@ async fn poll(ctx: &Arc<Context>, writers: &Writers, job: Job) {
                 judged = fresh_view
                     .clone()
                     .or_else(|| entry.report.as_ref().map(|r| Arc::new(r.view())));
-                ctx.metrics
-                    .nodes_refusing_rules
-                    .inc_by(entry.note_rules(rules_news));
                 if entry.last_failure.is_some() {
                     ctx.metrics.nodes_unreachable.dec();
                     info!(node = %job.name, "agent answers again");
@@ -351,13 +370,14 @@ async fn publish(ctx: &Context, node: &str, event: &kube::runtime::events::Event
 }
 
 /// Reads the report through the agents service, pushing `rules` (None: none) when the agent holds
-/// another revision. Returns the new view (None when unchanged) and what became of the push.
+/// another revision. Returns the new view (None when unchanged) and, whether or not the report
+/// came, what became of the push.
 async fn call_agent(
     ctx: &Context,
     job: &Job,
     timeout: Duration,
     rules: Option<&RuleSet>,
-) -> Result<(Option<NodeView>, RulesNews), CallError> {
+) -> (Result<Option<NodeView>, CallError>, RulesNews) {
     let node = AgentNode {
         name: job.name.clone(),
         endpoint: job.endpoint,
@@ -374,6 +394,8 @@ async fn call_agent(
     let mut news = RulesNews::Nothing;
     match report.rules {
         RulesOutcome::NotPushed => {}
+        // The ConfigMap is back at the revision the agent kept: nothing is refused any more.
+        RulesOutcome::Held(_) => news = RulesNews::Accepted,
         RulesOutcome::Applied(_) => {
             news = RulesNews::Accepted;
             ctx.metrics
@@ -399,7 +421,7 @@ async fn call_agent(
             }
         }
     }
-    Ok((report.view?, news))
+    (report.view, news)
 }
 
 /// Writes a node's nodekeeper conditions with server-side apply and records what was written.
@@ -455,6 +477,10 @@ async fn patch_conditions(
 mod tests {
     use super::*;
     use crate::conditions::{Condition, Status, reason};
+    use crate::shared::agents::{Agents, DiagnosticsStream, Report};
+    use crate::shared::{Fleet, TuningState};
+    use futures::future::BoxFuture;
+    use nodekeeper_proto::agent::v1 as pb;
 
     fn condition(type_: &str, status: Status, reason: &str, message: &str) -> Condition {
         Condition {
@@ -496,6 +522,149 @@ mod tests {
             ..status_error(&tonic::Status::invalid_argument("x"))
         };
         assert!(!refused_on_merits(&timeout));
+    }
+
+    /// Agents that answer each report call with the next scripted [`Report`].
+    struct ScriptedAgents(std::sync::Mutex<Vec<Report>>);
+
+    fn not_scripted(node: &AgentNode) -> CallError {
+        CallError {
+            outcome: CallOutcome::NotManaged,
+            endpoint: node.endpoint,
+            detail: "not scripted".into(),
+        }
+    }
+
+    impl Agents for ScriptedAgents {
+        fn report<'a>(
+            &'a self,
+            _: &'a AgentNode,
+            _: ReportRequest<'a>,
+            _: Duration,
+        ) -> BoxFuture<'a, Report> {
+            let report = self.0.lock().unwrap().remove(0);
+            Box::pin(async move { report })
+        }
+
+        fn run_probes<'a>(
+            &'a self,
+            node: &'a AgentNode,
+            _: pb::RunProbesRequest,
+            _: Duration,
+        ) -> BoxFuture<'a, Result<pb::RunProbesResponse, CallError>> {
+            Box::pin(async move { Err(not_scripted(node)) })
+        }
+
+        fn apply_network<'a>(
+            &'a self,
+            node: &'a AgentNode,
+            _: pb::ApplyNetworkRequest,
+            _: Duration,
+        ) -> BoxFuture<'a, Result<pb::ApplyNetworkResponse, CallError>> {
+            Box::pin(async move { Err(not_scripted(node)) })
+        }
+
+        fn collect_diagnostics<'a>(
+            &'a self,
+            node: &'a AgentNode,
+            _: pb::DiagnosticsRequest,
+            _: Duration,
+        ) -> BoxFuture<'a, Result<DiagnosticsStream, CallError>> {
+            Box::pin(async move { Err(not_scripted(node)) })
+        }
+    }
+
+    /// Regression: a refusal stayed recorded (in the summary, the gauge and the alert) after the
+    /// ConfigMap went back to the rules the agent had kept, and when the report after a taken
+    /// push failed.
+    #[tokio::test]
+    async fn a_refusal_ends_when_the_agent_holds_or_takes_the_rules() {
+        use crate::shared::fleet::NodeFacts;
+        let fleet = Arc::new(Fleet::default());
+        fleet.observe(
+            NodeFacts {
+                name: "w1".into(),
+                address: Some("127.0.0.1".parse().unwrap()),
+                resource_version: 1,
+                written: vec![],
+                foreign: vec![],
+            },
+            Instant::now(),
+        );
+        let endpoint: std::net::SocketAddr = "127.0.0.1:9443".parse().unwrap();
+        let refused = || Report {
+            view: Ok(None),
+            rules: RulesOutcome::Failed(
+                7,
+                status_error(&tonic::Status::invalid_argument(
+                    "rule \"a\" (#1): key net.nope: no such sysctl",
+                )),
+            ),
+        };
+        let script = vec![
+            refused(),
+            // The ConfigMap went back to revision 5, which the agent kept.
+            Report {
+                view: Ok(None),
+                rules: RulesOutcome::Held(5),
+            },
+            refused(),
+            // Revision 8 taken, and the report after it lost.
+            Report {
+                view: Err(CallError {
+                    outcome: CallOutcome::Connect,
+                    endpoint,
+                    detail: "connection reset".into(),
+                }),
+                rules: RulesOutcome::Applied(8),
+            },
+        ];
+        let client =
+            kube::Client::try_from(kube::Config::new("http://127.0.0.1:9".parse().unwrap()))
+                .unwrap();
+        let metrics = crate::shared::Metrics::new(&mut Default::default());
+        let (_keep, tuning) = tokio::sync::watch::channel(Arc::new(TuningState::absent()));
+        let ctx = Arc::new(Context {
+            recorder: kube::runtime::events::Recorder::new(
+                client.clone(),
+                kube::runtime::events::Reporter {
+                    controller: "test".into(),
+                    instance: None,
+                },
+            ),
+            client,
+            agents: Arc::new(ScriptedAgents(std::sync::Mutex::new(script))),
+            fleet: Arc::clone(&fleet),
+            tuning,
+            agent_port: endpoint.port(),
+            metrics: metrics.sweep,
+            conditions: metrics.conditions,
+            problem_metrics: metrics.problems,
+            problems: problems::Problems::new(0),
+        });
+        let writers = Writers::new(1, 1, CancellationToken::new());
+        let refusing = || {
+            let refusal = fleet.lock()["w1"].rules_refusal.clone();
+            (
+                refusal.map(|r| r.revision),
+                ctx.metrics.nodes_refusing_rules.get(),
+            )
+        };
+        let job = || Job {
+            name: "w1".into(),
+            endpoint,
+            cached_revision: None,
+            agent_rules_revision: None,
+            rules_refused: fleet.lock()["w1"].refused_revision(),
+        };
+        poll(&ctx, &writers, job()).await;
+        assert_eq!(refusing(), (Some(7), 1));
+        poll(&ctx, &writers, job()).await;
+        assert_eq!(refusing(), (None, 0), "the agent holds the wanted revision");
+        poll(&ctx, &writers, job()).await;
+        assert_eq!(refusing(), (Some(7), 1));
+        poll(&ctx, &writers, job()).await;
+        assert_eq!(refusing(), (None, 0), "the agent took the rules");
     }
 
     #[test]
