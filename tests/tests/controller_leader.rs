@@ -410,3 +410,165 @@ async fn a_ca_rotation_keeps_a_common_trust_anchor_at_every_step() -> anyhow::Re
     assert_ne!(first.ca, pem.ca);
     Ok(())
 }
+
+/// A CA Secret that cannot sign (rotation step 2 half done: the new certificate with the old
+/// key) is refused before anything is written: `ensure` names the Secret and the field, and
+/// both leaves stay as they were, still chained to the CA that signed them. Without the check
+/// the leaves were reissued with a signature no peer accepts, on every check.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ca_secret_whose_key_is_not_its_certificates_is_refused_and_nothing_changes()
+-> anyhow::Result<()> {
+    use nodekeeper_controller::certs::{CertError, ensure, generate_ca};
+    let client = ControlPlane::shared().client().await?;
+    let ns = test_namespace(&client, "nk-badca").await?;
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), &ns);
+    ensure(&secrets).await?;
+    let versions = || async {
+        let mut out = Vec::new();
+        for name in ["nodekeeper-agent-tls", "nodekeeper-controller-tls"] {
+            out.push(secrets.get(name).await?.metadata.resource_version);
+        }
+        anyhow::Ok(out)
+    };
+    let before = versions().await?;
+    let (new_ca, _) = generate_ca()?;
+    let mut ca = secrets.get("nodekeeper-ca").await?;
+    ca.data.get_or_insert_default().insert(
+        "tls.crt".into(),
+        k8s_openapi::ByteString(new_ca.into_bytes()),
+    );
+    secrets
+        .replace("nodekeeper-ca", &PostParams::default(), &ca)
+        .await?;
+    for _ in 0..2 {
+        match ensure(&secrets).await {
+            Err(error @ CertError::BadCa { field, .. }) => {
+                assert_eq!(field, "tls.key", "{error}");
+                assert!(error.to_string().contains("nodekeeper-ca"), "{error}");
+            }
+            other => panic!("expected the CA Secret refused, got {other:?}"),
+        }
+    }
+    assert_eq!(versions().await?, before, "no leaf was written");
+    Ok(())
+}
+
+/// A replica that takes the Lease but cannot start leading (here: a CA Secret whose key is not
+/// its certificate's) releases the Lease before it exits, so the standby need not wait a lease
+/// duration, and never labels its Pod leader (the label means "ready to serve").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_that_cannot_start_releases_the_lease_and_is_never_labelled() -> anyhow::Result<()>
+{
+    use nodekeeper_controller::certs::generate_ca;
+    let client = ControlPlane::shared().client().await?;
+    let ns = test_namespace(&client, "nk-nostart").await?;
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), &ns);
+    let (cert, _) = generate_ca()?;
+    let (_, other_key) = generate_ca()?;
+    secrets
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(serde_json::json!({
+                "metadata": {"name": "nodekeeper-ca"},
+                "type": "kubernetes.io/tls",
+                "stringData": {"tls.crt": cert, "tls.key": other_key},
+            }))?,
+        )
+        .await?;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    pods.create(
+        &PostParams::default(),
+        &serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "replica-a", "labels": {"app.kubernetes.io/name": "nodekeeper-controller"}},
+            "spec": {"containers": [{"name": "controller", "image": "nodekeeper-controller:test"}]},
+        }))?,
+    )
+    .await?;
+    let env = [
+        ("NODEKEEPER_LEASE_DURATION", "30s"),
+        ("NODEKEEPER_RENEW_DEADLINE", "20s"),
+        ("NODEKEEPER_RETRY_PERIOD", "2s"),
+        ("NODEKEEPER_POD_NAME", "replica-a"),
+    ];
+    let selector = format!("nodekeeper.dev/e2e-group={}", unique_name("nostart"));
+    let mut a = ControllerProcess::start(&ns, "replica-a", &selector, free_port(), &env)?;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while a.process.check_alive().is_ok() {
+        anyhow::ensure!(Instant::now() < deadline, "the controller did not exit");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let leases: Api<Lease> = Api::namespaced(client.clone(), &ns);
+    let lease = leases
+        .get_opt("nodekeeper-controller")
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("the controller never took the Lease"))?;
+    let spec = lease.spec.unwrap_or_default();
+    assert!(spec.acquire_time.is_some(), "it took the Lease: {spec:?}");
+    assert_eq!(spec.holder_identity, None, "and released it before exiting");
+    let pod = pods.get("replica-a").await?;
+    assert_ne!(leader_label(&pod).as_deref(), Some("true"));
+    Ok(())
+}
+
+/// A Lease deleted under its holder is not taken at once: the holder learns of the loss only at
+/// its next renewal (and writes until then), so the standby creates it only once the holder's
+/// record, as it last saw it change, would have expired; by then the holder has given up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_lease_is_taken_only_after_its_holders_record_would_have_expired()
+-> anyhow::Result<()> {
+    use kube::api::DeleteParams;
+    use nodekeeper_controller::runtime::leader::{self, LeaderConfig};
+    use tokio_util::sync::CancellationToken;
+    let client = ControlPlane::shared().client().await?;
+    let ns = test_namespace(&client, "nk-deleted").await?;
+    let leases: Api<Lease> = Api::namespaced(client.clone(), &ns);
+    let timing = |identity: &str| LeaderConfig {
+        name: "deleted".into(),
+        identity: identity.into(),
+        lease_duration: Duration::from_secs(6),
+        renew_deadline: Duration::from_secs(4),
+        retry_period: Duration::from_secs(2),
+        annotations: Default::default(),
+    };
+    let (a, b) = (timing("replica-a"), timing("replica-b"));
+    let never = CancellationToken::new();
+    let acquired = leader::acquire(&leases, &a, &never)
+        .await
+        .ok_or_else(|| anyhow::anyhow!("the first replica takes the free Lease"))?;
+    let holding = tokio::spawn({
+        let (api, a, never) = (leases.clone(), a.clone(), never.clone());
+        async move {
+            let held = leader::hold(&api, &a, acquired.lease, acquired.sent, &never).await;
+            (held, Instant::now())
+        }
+    });
+    let standby = tokio::spawn({
+        let (api, b) = (leases.clone(), b.clone());
+        async move {
+            let taken = leader::acquire(&api, &b, &CancellationToken::new()).await;
+            (taken, Instant::now())
+        }
+    });
+    // The standby has seen a few renewals.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert!(!standby.is_finished(), "the standby took a renewed Lease");
+    leases.delete("deleted", &DeleteParams::default()).await?;
+    let deleted = Instant::now();
+    let (taken, taken_at) = standby.await?;
+    let taken = taken.ok_or_else(|| anyhow::anyhow!("the standby takes the Lease"))?;
+    assert_eq!(taken.previous.as_deref(), Some("replica-a"));
+    // The last renewal the standby saw was at most a retry period before the deletion.
+    let waited = taken_at - deleted;
+    assert!(
+        waited >= a.lease_duration - a.retry_period - Duration::from_millis(500),
+        "the standby created the deleted Lease {waited:?} after the deletion"
+    );
+    let (held, lost_at) = holding.await?;
+    assert!(held.is_err(), "the holder noticed the loss: {held:?}");
+    assert!(
+        lost_at <= taken_at,
+        "the holder gave up ({:?} after the deletion) before the standby led ({waited:?})",
+        lost_at - deleted
+    );
+    Ok(())
+}

@@ -72,6 +72,28 @@ pub enum CertError {
     WriteSecret { name: String, source: kube::Error },
     #[error("Secret {name} is unusable: {problem}; delete it and the leader recreates it")]
     BadSecret { name: String, problem: String },
+    #[error("the certificate Secrets: no answer from the API server within {after:?}")]
+    TimedOut { after: Duration },
+    /// The CA Secret cannot sign; nothing was issued or changed.
+    #[error("Secret {name} field {field}: {problem}; {fix} (no certificate was issued or changed)")]
+    BadCa {
+        name: String,
+        field: &'static str,
+        problem: String,
+        fix: String,
+    },
+}
+
+impl CertError {
+    /// Whether trying again may help: the API server's failures, not a Secret's content.
+    pub fn is_transient(&self) -> bool {
+        matches!(
+            self,
+            CertError::ReadSecret { .. }
+                | CertError::WriteSecret { .. }
+                | CertError::TimedOut { .. }
+        )
+    }
 }
 
 /// PEM material.
@@ -129,15 +151,239 @@ pub fn generate_ca() -> Result<(String, String), CertError> {
     Ok((cert.pem(), key.serialize_pem()))
 }
 
-/// Issues a leaf from the CA.
+/// A CA pair that [`check_ca`] found fit to sign with.
+#[derive(Debug)]
+pub struct SigningCa {
+    /// The key as PKCS#8 (the only form rcgen's ring backend reads), whatever form the
+    /// Secret holds it in.
+    key: KeyPair,
+    /// The end of the CA certificate's validity, in Unix seconds: no leaf outlives it.
+    not_after: i64,
+}
+
+/// Checks the CA Secret's pair before anything is signed with it (rcgen checks nothing: a key
+/// that is not the certificate's, or a certificate that is no CA or has expired, would sign
+/// leaves no peer accepts, written over the good ones): `cert_pem` must be a CA certificate
+/// valid at `now_unix`, and `key_pem` its key, as PKCS#8 (`PRIVATE KEY`), PKCS#1
+/// (`RSA PRIVATE KEY`, from `openssl genrsa`) or SEC1 (`EC PRIVATE KEY`, from
+/// `openssl ecparam -genkey`).
+pub fn check_ca(cert_pem: &str, key_pem: &str, now_unix: i64) -> Result<SigningCa, CertError> {
+    let bad = |field, problem: String, fix: &str| CertError::BadCa {
+        name: CA_SECRET.to_owned(),
+        field,
+        problem,
+        fix: fix.to_owned(),
+    };
+    let at = |unix: i64| {
+        k8s_openapi::jiff::Timestamp::from_second(unix)
+            .map_or_else(|_| unix.to_string(), |t| t.to_string())
+    };
+    let put_cert = "put the CA certificate (PEM) in tls.crt, or rotate the CA as the README's \
+                    \"CA rotation\" describes";
+    let (_, pem) = x509_parser::pem::parse_x509_pem(cert_pem.as_bytes())
+        .map_err(|e| bad("tls.crt", format!("is not PEM ({e})"), put_cert))?;
+    let cert = pem.parse_x509().map_err(|e| {
+        bad(
+            "tls.crt",
+            format!("is not an X.509 certificate ({e})"),
+            put_cert,
+        )
+    })?;
+    let subject = cert.subject().to_string();
+    let is_ca = matches!(cert.basic_constraints(), Ok(Some(ext)) if ext.value.ca);
+    if !is_ca {
+        return Err(bad(
+            "tls.crt",
+            format!("the certificate \"{subject}\" is not a CA (no basicConstraints CA:TRUE)"),
+            put_cert,
+        ));
+    }
+    if matches!(cert.key_usage(), Ok(Some(ext)) if !ext.value.key_cert_sign()) {
+        return Err(bad(
+            "tls.crt",
+            format!(
+                "the CA certificate \"{subject}\" may not sign certificates (its keyUsage lacks keyCertSign)"
+            ),
+            put_cert,
+        ));
+    }
+    let (not_before, not_after) = (
+        cert.validity().not_before.timestamp(),
+        cert.validity().not_after.timestamp(),
+    );
+    if now_unix >= not_after {
+        return Err(bad(
+            "tls.crt",
+            format!(
+                "the CA certificate \"{subject}\" expired at {}",
+                at(not_after)
+            ),
+            put_cert,
+        ));
+    }
+    if now_unix < not_before {
+        return Err(bad(
+            "tls.crt",
+            format!(
+                "the CA certificate \"{subject}\" is valid only from {} (is this host's clock right?)",
+                at(not_before)
+            ),
+            put_cert,
+        ));
+    }
+    let key = signing_key(key_pem).map_err(|problem| {
+        bad(
+            "tls.key",
+            problem,
+            "put the CA's unencrypted key (PEM: PKCS#8, PKCS#1 RSA or SEC1 EC) in tls.key; \
+             `openssl pkey -in key.pem -out tls.key` decrypts or converts one",
+        )
+    })?;
+    if key.public_key_raw() != cert.public_key().subject_public_key.data.as_ref() {
+        return Err(bad(
+            "tls.key",
+            format!("is not the key of the certificate \"{subject}\" in tls.crt"),
+            "put the matching pair in tls.crt and tls.key (`openssl x509 -noout -pubkey -in \
+             tls.crt` and `openssl pkey -pubout -in tls.key` print the same when they match)",
+        ));
+    }
+    Ok(SigningCa { key, not_after })
+}
+
+/// The key in `key_pem` as rcgen can sign with it. PKCS#1 and SEC1 keys are wrapped into
+/// PKCS#8 here (RFC 5208 `PrivateKeyInfo`; RFC 5915 for EC) because rcgen's ring backend reads
+/// PKCS#8 only.
+fn signing_key(key_pem: &str) -> Result<KeyPair, String> {
+    use rustls::pki_types::PrivateKeyDer;
+    use rustls::pki_types::pem::PemObject as _;
+    let key = PrivateKeyDer::from_pem_slice(key_pem.as_bytes()).map_err(|_| {
+        "holds no unencrypted PEM private key (PRIVATE KEY, RSA PRIVATE KEY or EC PRIVATE KEY)"
+            .to_owned()
+    })?;
+    key_pair(&key).ok_or_else(|| {
+        "is a key this controller cannot sign with (RSA, ECDSA P-256 or P-384, or Ed25519 are \
+         supported)"
+            .to_owned()
+    })
+}
+
+/// [`signing_key`] past the PEM.
+fn key_pair(key: &rustls::pki_types::PrivateKeyDer<'_>) -> Option<KeyPair> {
+    use rustls::pki_types::PrivateKeyDer;
+    let pkcs8 = |algorithm: &[u8], inner: &[u8]| {
+        der(
+            0x30,
+            &[&[0x02, 0x01, 0x00], algorithm, &der(0x04, inner)].concat(),
+        )
+    };
+    let candidates = match key {
+        PrivateKeyDer::Pkcs8(k) => vec![k.secret_pkcs8_der().to_vec()],
+        // rsaEncryption (1.2.840.113549.1.1.1) with NULL parameters.
+        PrivateKeyDer::Pkcs1(k) => vec![pkcs8(
+            &der(
+                0x30,
+                &[
+                    &[
+                        0x06, 0x09, 0x2a, 0x86, 0x48, 0x86, 0xf7, 0x0d, 0x01, 0x01, 0x01,
+                    ][..],
+                    &[0x05, 0x00],
+                ]
+                .concat(),
+            ),
+            k.secret_pkcs1_der(),
+        )],
+        PrivateKeyDer::Sec1(k) => {
+            // id-ecPublicKey (1.2.840.10045.2.1) with the named curve: the one the key names
+            // in its optional `parameters`, else each curve ring signs with.
+            let ec_public_key = [0x06, 0x07, 0x2a, 0x86, 0x48, 0xce, 0x3d, 0x02, 0x01];
+            let p256 = [0x06, 0x08, 0x2a, 0x86, 0x48, 0xce, 0x3d, 0x03, 0x01, 0x07];
+            let p384 = [0x06, 0x05, 0x2b, 0x81, 0x04, 0x00, 0x22];
+            let curves: Vec<Vec<u8>> = match sec1_curve(k.secret_sec1_der()) {
+                Some(curve) => vec![curve],
+                None => vec![p256.to_vec(), p384.to_vec()],
+            };
+            curves
+                .iter()
+                .map(|curve| {
+                    pkcs8(
+                        &der(0x30, &[&ec_public_key[..], curve].concat()),
+                        k.secret_sec1_der(),
+                    )
+                })
+                .collect()
+        }
+        _ => return None,
+    };
+    candidates
+        .into_iter()
+        .find_map(|der| KeyPair::try_from(der).ok())
+}
+
+/// A DER element: `tag`, definite length, `content`.
+fn der(tag: u8, content: &[u8]) -> Vec<u8> {
+    let mut out = vec![tag];
+    let len = content.len();
+    if len < 0x80 {
+        out.push(len as u8);
+    } else {
+        let bytes: Vec<u8> = len
+            .to_be_bytes()
+            .into_iter()
+            .skip_while(|b| *b == 0)
+            .collect();
+        out.push(0x80 | bytes.len() as u8);
+        out.extend(bytes);
+    }
+    out.extend_from_slice(content);
+    out
+}
+
+/// Reads one DER element off `input`: (tag, content, rest).
+fn der_next(input: &[u8]) -> Option<(u8, &[u8], &[u8])> {
+    let (&tag, rest) = input.split_first()?;
+    let (&first, rest) = rest.split_first()?;
+    let (len, rest) = if first < 0x80 {
+        (usize::from(first), rest)
+    } else {
+        let n = usize::from(first & 0x7f);
+        if n == 0 || n > 4 || rest.len() < n {
+            return None;
+        }
+        let len = rest[..n]
+            .iter()
+            .fold(0usize, |acc, b| (acc << 8) | usize::from(*b));
+        (len, &rest[n..])
+    };
+    (rest.len() >= len).then(|| (tag, &rest[..len], &rest[len..]))
+}
+
+/// The named-curve OID element in a SEC1 `ECPrivateKey`'s `[0] parameters`, when present.
+fn sec1_curve(sec1: &[u8]) -> Option<Vec<u8>> {
+    let (0x30, mut body, _) = der_next(sec1)? else {
+        return None;
+    };
+    while let Some((tag, content, rest)) = der_next(body) {
+        if tag == 0xa0 {
+            let (0x06, _, _) = der_next(content)? else {
+                return None;
+            };
+            return Some(content.to_vec());
+        }
+        body = rest;
+    }
+    None
+}
+
+/// Issues a leaf from the CA (checked first: [`check_ca`]). Its validity ends no later than
+/// the CA's.
 pub fn issue(leaf: Leaf, ca_cert: &str, ca_key: &str) -> Result<Pem, CertError> {
     let what = match leaf {
         Leaf::Agent => "agent certificate",
         Leaf::Controller => "controller certificate",
     };
     let generate = |source| CertError::Generate { what, source };
-    let ca_key_pair = KeyPair::from_pem(ca_key).map_err(generate)?;
-    let issuer = Issuer::from_ca_cert_pem(ca_cert, ca_key_pair).map_err(generate)?;
+    let ca = check_ca(ca_cert, ca_key, unix_now())?;
+    let issuer = Issuer::from_ca_cert_pem(ca_cert, ca.key).map_err(generate)?;
     let (name, usage) = match leaf {
         Leaf::Agent => (AGENT_SERVER_NAME, ExtendedKeyUsagePurpose::ServerAuth),
         Leaf::Controller => (CONTROLLER_CLIENT_NAME, ExtendedKeyUsagePurpose::ClientAuth),
@@ -153,6 +399,9 @@ pub fn issue(leaf: Leaf, ca_cert: &str, ca_key: &str) -> Result<Pem, CertError> 
     params.extended_key_usages = vec![usage];
     params.use_authority_key_identifier_extension = true;
     validity(&mut params, LEAF_VALIDITY);
+    let ca_end = rcgen::date_time_ymd(1970, 1, 1)
+        + Duration::from_secs(u64::try_from(ca.not_after).unwrap_or(0));
+    params.not_after = params.not_after.min(ca_end);
     let key = KeyPair::generate().map_err(generate)?;
     let cert = params.signed_by(&key, &issuer).map_err(generate)?;
     Ok(Pem {
@@ -287,6 +536,22 @@ pub fn trust_bundle(bundle: Option<&str>, ca_cert: &str) -> String {
 /// Ensures the CA and both leaves exist and are current; returns the controller's client
 /// material and whether any leaf was reissued.
 pub async fn ensure(api: &Api<Secret>) -> Result<(Pem, bool), CertError> {
+    ensure_all(api).await.map(|e| (e.controller, e.renewed))
+}
+
+/// What [`ensure_all`] found and did.
+#[derive(Clone, Debug)]
+pub struct Ensured {
+    /// The controller's client material.
+    pub controller: Pem,
+    /// Whether any leaf was reissued.
+    pub renewed: bool,
+    /// When each Secret's `tls.crt` expires (Unix seconds): the CA's and both leaves'.
+    pub expiry: Vec<(&'static str, i64)>,
+}
+
+/// [`ensure`], with the expiry of every certificate.
+pub async fn ensure_all(api: &Api<Secret>) -> Result<Ensured, CertError> {
     let ca_secret = create_if_absent(api, CA_SECRET, || {
         let (cert, key) = generate_ca()?;
         Ok(secret(
@@ -301,6 +566,9 @@ pub async fn ensure(api: &Api<Secret>) -> Result<(Pem, bool), CertError> {
     };
     let ca_cert = field(&ca_secret, "tls.crt").ok_or_else(|| bad("no tls.crt"))?;
     let ca_key = field(&ca_secret, "tls.key").ok_or_else(|| bad("no tls.key"))?;
+    // Before any leaf is read or written: a pair that cannot sign must not replace good leaves.
+    let signing = check_ca(&ca_cert, &ca_key, unix_now())?;
+    let mut expiry = vec![(CA_SECRET, signing.not_after)];
     let trust = trust_bundle(field(&ca_secret, "ca.crt").as_deref(), &ca_cert);
 
     let mut renewed = false;
@@ -370,6 +638,10 @@ pub async fn ensure(api: &Api<Secret>) -> Result<(Pem, bool), CertError> {
                 }
             };
         }
+        if let Ok((_, not_after)) = validity_window(&field(&current, "tls.crt").unwrap_or_default())
+        {
+            expiry.push((name, not_after));
+        }
         if leaf == Leaf::Controller {
             let get = |k| {
                 field(&current, k).ok_or_else(|| CertError::BadSecret {
@@ -384,15 +656,123 @@ pub async fn ensure(api: &Api<Secret>) -> Result<(Pem, bool), CertError> {
             });
         }
     }
-    Ok((
-        controller.expect("the loop visits Leaf::Controller"),
+    Ok(Ensured {
+        controller: controller.expect("the loop visits Leaf::Controller"),
         renewed,
-    ))
+        expiry,
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Test keys as `openssl genrsa -traditional 2048` and
+    /// `openssl ecparam -name prime256v1 -genkey` write them (PKCS#1, SEC1 with its parameters).
+    const RSA_PKCS1: &str = "-----BEGIN RSA PRIVATE KEY-----\nMIIEpAIBAAKCAQEA1PImAg3147LKW35BUTwDARyK321tRIGRYLJ1iDbhTJZQnKWh\nQIA/AG7Klycjq3BHxyRpUfUwODw49k1cx/PQsMGsqjwZd5LoP5tgXYGbYV+4G8kO\nbNmrFB01GiUy0RrSgXAdJ7c9tC3exwXCtAFhbXbJrmMPCE695G6w0fqVYLJrwWRb\naQ7ZAqVYtH20xEqQpa9WVecsMGJ0Z7ePC8BwZjNO7212rTmkp0IaIYl/xxMzFqui\nacWcf/C4mm/LJfgioQPQ3kIxQR+AvyMJmejVfKVKtKhUPH5hcHn7YecmjKJDbPC2\n9U2VVo+hnI0bqWy9hau5oPzILESd1Jv7IUfyZwIDAQABAoIBABK8M0fe/pFH+7HN\nC+Yfx4vjfPxnXkO2upmtWdXgLjZUy0bc87D/F4vsM3rVALhmqooE1BdX4SQxeDmD\nWPRmqSfEAnL/0qXIkRJ3kyTm8ErC5ynaqKA/DmQ4paFlQHFRUM/+kzIZVx5xIraT\n9SttK6s71ka3hG0QsHhWnMv8pgPZxZnS+P33boTQXoTp4P1SphVQf/lQpGKsOmrQ\n8U6wPpvLVh6Nxyp/QUMbj/JHFyjXpWVTJ7iRg/Aap/miNkY7FF1IsVGf0/CJwgCK\nmSekVDuWjJ7fTtj149CDa0zxeLcWw6D0VePOFCnrXOYvfMwwBhWGaa8QsVYCbthF\njpnWV7ECgYEA+7iHKpz5n88MhCvKme+wR5HUgegRAVWMYCUrqSI6rZqm78hf91ir\nLQ44cNsKw7nN7XsK4r1i/Yg8moQuPHWp6FT8znVkLDH7OiRujHIgAftyIsbSs6Ty\nIxlauvSOoVEoB/9gJ9f7sTca+wCZa9rlbu/vsTfGPSNUkqTHT6C5JUsCgYEA2JDf\n6DV3JPHv4Vo9zx9iovDukv6MH9/e0lOfsbdfV+HtbhNBdKma0hCy3EBpLponmnRE\nQ+dKiN/KfZ52IQFnxlAQqVUxPcimmtva3MdJJH2c/fQ7Ik/EgYqRt+5VKU2dc9OB\nKOdVREoZVO/CLvpEyVJQ5AcTih2jMmdPhoA/4dUCgYEA09JTRAO2d8l24d4r7l/p\nukA4UFzlunav2tRMqlYYhLBIXC0EvJML8K0vx6A7rbq0VGwfG/B81ZaIUQp8Efp9\n0Pl7h4z3j807eJDhyiPbVW+vex5OfkeGTwzt8bcMMymlAx3eX4j7zwPtG11EvaMF\nQNZ9oGar1hTd/UzWP+ajBoMCgYEAiDiAjqhqvBNuZtqDfG/qdEGGX3G7pCUGHFg7\nX+bPExFqbk2wY3h3iOC2ELJ3NrgCZzXw5qFqkbPqw59UAKjIpMYh5NFQeuNmYIwg\nG7VCvbBBesAQHiH8odsOk5pXePZ4Lq4AVUFFsgHF81YoV7JWaCfd98C3uq2vxHmV\nXS34gM0CgYBuQFJsotpnNtTLIv2jOiOu7VZKE9Clm1QMVhMsqVv8GgMKmzC9st9y\n2jrjo2W8Z+GtR1IZn5TfspfbwBv+h2HH+Gn5DxyYre5C+mcmPn3om1KlaLFIyF+G\nJEtFCgb/YbM7vvw3rQUZpMFSIp7pBpBafbzNzglRy7rAf3Qh7dIH9A==\n-----END RSA PRIVATE KEY-----\n";
+    const EC_SEC1: &str = "-----BEGIN EC PARAMETERS-----\nBggqhkjOPQMBBw==\n-----END EC PARAMETERS-----\n-----BEGIN EC PRIVATE KEY-----\nMHcCAQEEIPMdiTim7T1YzdC8Smqs/OlBSaogm5bmBpCt6Gng9FrZoAoGCCqGSM49\nAwEHoUQDQgAEsi1HXeRiMCj9WxvSJjrQOYBIXo0bRfcNhqd7V5c8JapiaA3FgRbB\ntAiNhfBS16qhqIDrvcBRoK9hBLvYQtVR2Q==\n-----END EC PRIVATE KEY-----\n";
+
+    /// A self-signed certificate over `key` (PKCS#8 PEM), CA or not, valid over `from..to`
+    /// (Unix seconds).
+    fn self_signed(key: &KeyPair, ca: bool, from: i64, to: i64) -> String {
+        let mut params = CertificateParams::default();
+        params
+            .distinguished_name
+            .push(DnType::CommonName, "test CA");
+        if ca {
+            params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        }
+        let epoch = rcgen::date_time_ymd(1970, 1, 1);
+        params.not_before = epoch + Duration::from_secs(from as u64);
+        params.not_after = epoch + Duration::from_secs(to as u64);
+        params.self_signed(key).unwrap().pem()
+    }
+
+    fn field_of(error: CertError) -> &'static str {
+        match error {
+            CertError::BadCa { field, .. } => field,
+            other => panic!("expected BadCa, got {other}"),
+        }
+    }
+
+    #[test]
+    fn a_ca_key_in_pkcs1_or_sec1_signs_like_pkcs8() {
+        let now = unix_now();
+        for key_pem in [RSA_PKCS1, EC_SEC1] {
+            // rcgen alone refuses these: the test would pass vacuously otherwise.
+            assert!(KeyPair::from_pem(key_pem).is_err());
+            let key = signing_key(key_pem).unwrap();
+            let ca_cert = self_signed(&key, true, now - 60, now + 86_400 * 400);
+            let ca = check_ca(&ca_cert, key_pem, now).unwrap();
+            assert_eq!(ca.key.public_key_raw(), key.public_key_raw());
+            let leaf = issue(Leaf::Agent, &ca_cert, key_pem).unwrap();
+            assert!(issued_by(&leaf.cert, &ca_cert));
+        }
+        // A SEC1 key without its curve (as PKCS#8 holds it inside) is read too.
+        let p256 = KeyPair::generate().unwrap();
+        let pkcs8 = p256.serialize_der();
+        let (_, inner, _) = der_next(&pkcs8).unwrap();
+        let (_, _, rest) = der_next(inner).unwrap(); // version
+        let (_, _, rest) = der_next(rest).unwrap(); // algorithm
+        let (_, sec1, _) = der_next(rest).unwrap(); // the ECPrivateKey
+        assert_eq!(sec1_curve(sec1), None);
+        let sec1 = rustls::pki_types::PrivateSec1KeyDer::from(sec1);
+        let read = key_pair(&rustls::pki_types::PrivateKeyDer::Sec1(sec1)).unwrap();
+        assert_eq!(read.public_key_raw(), p256.public_key_raw());
+    }
+
+    #[test]
+    fn a_ca_pair_that_cannot_sign_is_refused_naming_the_field() {
+        let now = unix_now();
+        let (ca_cert, ca_key) = generate_ca().unwrap();
+        let (other_cert, other_key) = generate_ca().unwrap();
+        assert!(check_ca(&ca_cert, &ca_key, now).is_ok());
+        // Rotation step 2 half done: the new certificate with the old key.
+        let mismatched = check_ca(&other_cert, &ca_key, now).unwrap_err();
+        assert!(
+            mismatched.to_string().contains("nodekeeper-ca"),
+            "{mismatched}"
+        );
+        assert!(mismatched.to_string().contains("openssl"), "{mismatched}");
+        assert_eq!(field_of(mismatched), "tls.key");
+        assert_eq!(
+            field_of(issue(Leaf::Agent, &ca_cert, &other_key).unwrap_err()),
+            "tls.key"
+        );
+        let key = KeyPair::from_pem(&ca_key).unwrap();
+        let not_ca = self_signed(&key, false, now - 60, now + 86_400);
+        assert_eq!(
+            field_of(check_ca(&not_ca, &ca_key, now).unwrap_err()),
+            "tls.crt"
+        );
+        let expired = self_signed(&key, true, now - 86_400, now - 60);
+        let error = check_ca(&expired, &ca_key, now).unwrap_err();
+        assert!(error.to_string().contains("expired"), "{error}");
+        assert_eq!(field_of(error), "tls.crt");
+        let future = self_signed(&key, true, now + 3600, now + 86_400);
+        assert_eq!(
+            field_of(check_ca(&future, &ca_key, now).unwrap_err()),
+            "tls.crt"
+        );
+        assert_eq!(
+            field_of(check_ca("garbage", &ca_key, now).unwrap_err()),
+            "tls.crt"
+        );
+        assert_eq!(
+            field_of(check_ca(&ca_cert, "garbage", now).unwrap_err()),
+            "tls.key"
+        );
+    }
+
+    #[test]
+    fn a_leaf_never_outlives_its_ca() {
+        let now = unix_now();
+        let key = KeyPair::generate().unwrap();
+        let ca_end = now + 30 * 86_400;
+        let ca_cert = self_signed(&key, true, now - 60, ca_end);
+        let leaf = issue(Leaf::Controller, &ca_cert, &key.serialize_pem()).unwrap();
+        assert_eq!(validity_window(&leaf.cert).unwrap().1, ca_end);
+    }
 
     #[test]
     fn a_leaf_is_issued_by_its_own_ca_only_even_under_the_same_name() {

@@ -311,6 +311,16 @@ pub struct Summary {
 }
 
 impl Summary {
+    /// Adds the node counts of `other` (one node's cleaning) to these.
+    fn add_nodes(&mut self, other: &Summary) {
+        self.nodes_changed += other.nodes_changed;
+        self.conditions += other.conditions;
+        self.taints += other.taints;
+        self.labels += other.labels;
+        self.annotations += other.annotations;
+        self.uncordoned += other.uncordoned;
+    }
+
     /// Whether the run removed anything.
     pub fn changed_anything(&self) -> bool {
         self.nodes_changed + self.leases + self.secrets + self.finalizers > 0
@@ -386,18 +396,7 @@ pub async fn run(client: &kube::Client, scope: &Scope) -> Result<Summary, Cleanu
     );
 
     let nodes: Api<Node> = Api::all(client.clone());
-    let mut params = ListParams::default();
-    if let Some(selector) = selector {
-        params = params.labels(selector);
-    }
-    let list = nodes
-        .list(&params)
-        .await
-        .map_err(|e| CleanupError::ListNodes(Box::new(e)))?;
-    summary.nodes_seen = list.items.len();
-    for node in list.items {
-        clean_node(&nodes, node, &mut summary).await?;
-    }
+    clean_nodes(&nodes, selector, NODE_PAGE, &mut summary).await?;
 
     release_objects(client, &mut summary).await?;
 
@@ -430,6 +429,82 @@ pub async fn run(client: &kube::Client, scope: &Scope) -> Result<Summary, Cleanu
     }
     println!("{summary}");
     Ok(summary)
+}
+
+/// Nodes per page of the Node list. The uninstall Job runs in 128Mi
+/// (`deploy/uninstall/cleanup-job.yaml`): one list of every Node of a large cluster (tens of
+/// kilobytes each, 65,000 of them) would not fit, a page does.
+const NODE_PAGE: u32 = 250;
+/// Nodes cleaned at once.
+const CLEAN_CONCURRENCY: usize = 8;
+
+/// Whether [`clean_node`] has anything to do or say about a Node with this plan.
+fn worth_a_visit(plan: &NodePlan) -> bool {
+    !plan.is_empty()
+        || plan.created_by.is_some()
+        || plan.machine_of_class.is_some()
+        || plan.left_cordoned.is_some()
+        || !plan.shared_conditions.is_empty()
+}
+
+/// Cleans the Nodes matching `selector`: lists them in pages of `page`, keeping only the names
+/// of those with something to remove or report (the pages themselves are dropped as they are
+/// planned, and read quickly enough that the list's continue token does not expire), then reads
+/// and cleans each of those, [`CLEAN_CONCURRENCY`] at a time.
+async fn clean_nodes(
+    nodes: &Api<Node>,
+    selector: Option<&str>,
+    page: u32,
+    summary: &mut Summary,
+) -> Result<(), CleanupError> {
+    use futures::StreamExt as _;
+    let mut dirty: Vec<String> = Vec::new();
+    let mut next: Option<String> = None;
+    loop {
+        let mut params = ListParams::default().limit(page);
+        if let Some(selector) = selector {
+            params = params.labels(selector);
+        }
+        if let Some(token) = &next {
+            params = params.continue_token(token);
+        }
+        let list = nodes
+            .list(&params)
+            .await
+            .map_err(|e| CleanupError::ListNodes(Box::new(e)))?;
+        summary.nodes_seen += list.items.len();
+        dirty.extend(
+            list.items
+                .iter()
+                .filter(|node| worth_a_visit(&plan_node(node)))
+                .map(|node| node.name_any()),
+        );
+        next = list.metadata.continue_.filter(|t| !t.is_empty());
+        if next.is_none() {
+            break;
+        }
+    }
+    let mut cleaned = futures::stream::iter(dirty)
+        .map(|name| async move {
+            let mut one = Summary::default();
+            let node = nodes
+                .get_opt(&name)
+                .await
+                .map_err(|source| CleanupError::CleanNode {
+                    node: name.clone(),
+                    source: Box::new(source),
+                })?;
+            // Deleted since the list: nothing left to clean.
+            if let Some(node) = node {
+                clean_node(nodes, node, &mut one).await?;
+            }
+            Ok::<_, CleanupError>(one)
+        })
+        .buffer_unordered(CLEAN_CONCURRENCY);
+    while let Some(one) = cleaned.next().await {
+        summary.add_nodes(&one?);
+    }
+    Ok(())
 }
 
 /// Removes the finalizers of NodeMaintenances and NodeDiagnostics, and names the
@@ -535,34 +610,34 @@ where
     Ok(())
 }
 
-/// Refuses while a controller renews the Lease: it would re-create what the cleanup removes. A
-/// Lease still held and renewed less than its duration ago may be one a controller left when it
-/// was killed: it is read again after its duration, and only a changed record (a renewal, judged
-/// as the standby judges it, without comparing clocks) refuses.
+/// Refuses while a controller renews the Lease: it would re-create what the cleanup removes.
+/// Whenever the Lease names a holder it is read again after its duration, and only a changed
+/// record (a renewal, judged as the standby judges it) refuses. The renew time is not compared
+/// with this host's clock: a controller whose clock is behind (or this one's ahead) would look
+/// expired while it still renews.
 async fn refuse_if_held(
     leases: &Api<Lease>,
     lease: &Lease,
     scope: &Scope,
 ) -> Result<(), CleanupError> {
-    let spec = lease.spec.clone().unwrap_or_default();
-    let holder = spec.holder_identity.clone().unwrap_or_default();
-    let Some(renewed) = spec.renew_time.map(|t| t.0) else {
+    let Some(wait) = watch_for(lease) else {
         return Ok(());
     };
+    let spec = lease.spec.clone().unwrap_or_default();
+    let holder = spec.holder_identity.clone().unwrap_or_default();
     let duration_s = i64::from(spec.lease_duration_seconds.unwrap_or(0));
-    let age_s = k8s_openapi::jiff::Timestamp::now()
-        .duration_since(renewed)
-        .as_secs();
-    if holder.is_empty() || age_s > duration_s {
-        return Ok(());
-    }
+    // Only for the message: how old the renewal looks from here.
+    let age_s = spec.renew_time.map_or(-1, |t| {
+        k8s_openapi::jiff::Timestamp::now()
+            .duration_since(t.0)
+            .as_secs()
+    });
     println!(
-        "Lease {}/{} is held by {holder} (renewed {age_s}s ago); waiting {duration_s}s to see \
-         whether a controller still renews it",
+        "Lease {}/{} is held by {holder} (renewed {age_s}s ago by this host's clock); waiting \
+         {duration_s}s to see whether a controller still renews it",
         scope.namespace, scope.lease_name
     );
-    let wait = u64::try_from(duration_s).unwrap_or(0) + 1;
-    tokio::time::sleep(Duration::from_secs(wait)).await;
+    tokio::time::sleep(wait).await;
     let again = leases
         .get_opt(&scope.lease_name)
         .await
@@ -587,6 +662,18 @@ async fn refuse_if_held(
         age_s,
         duration_s,
     })
+}
+
+/// How long to watch `lease` for a renewal before the cleanup may go on: its duration (and a
+/// second) when it names a holder, whatever its renew time says; `None` when it names none.
+fn watch_for(lease: &Lease) -> Option<Duration> {
+    let spec = lease.spec.as_ref()?;
+    let holder = spec.holder_identity.as_deref().unwrap_or_default();
+    if holder.is_empty() {
+        return None;
+    }
+    let duration = u64::try_from(spec.lease_duration_seconds.unwrap_or(0)).unwrap_or(0);
+    Some(Duration::from_secs(duration + 1))
 }
 
 async fn delete<K>(
@@ -717,6 +804,7 @@ async fn clean_node(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::{Arc, Mutex};
 
     fn node(value: Value) -> Node {
         serde_json::from_value(value).unwrap()
@@ -734,6 +822,114 @@ mod tests {
 
     fn cond(t: &str) -> Value {
         json!({"type": t, "status": "True"})
+    }
+
+    #[test]
+    fn a_lease_with_a_holder_is_watched_whatever_its_renew_time_says() {
+        let lease = |holder: Option<&str>, renewed_s_ago: i64| -> Lease {
+            let renewed = k8s_openapi::jiff::Timestamp::now()
+                - k8s_openapi::jiff::SignedDuration::from_secs(renewed_s_ago);
+            serde_json::from_value(json!({
+                "metadata": {"name": "nodekeeper-controller"},
+                "spec": {"holderIdentity": holder, "leaseDurationSeconds": 15,
+                         "renewTime": renewed.strftime("%Y-%m-%dT%H:%M:%S%.6fZ").to_string()},
+            }))
+            .unwrap()
+        };
+        let wait = Some(Duration::from_secs(16));
+        assert_eq!(watch_for(&lease(Some("c-0"), 5)), wait);
+        // An hour old by this clock: the controller's clock may be an hour behind while it
+        // still renews; only a second look tells.
+        assert_eq!(watch_for(&lease(Some("c-0"), 3600)), wait);
+        assert_eq!(watch_for(&lease(Some("c-0"), -3600)), wait);
+        assert_eq!(watch_for(&lease(None, 5)), None);
+        assert_eq!(watch_for(&lease(Some(""), 5)), None);
+    }
+
+    /// A stand-in for the API server's Node endpoints: `nodes` served in pages of the `limit`
+    /// asked (the continue token is the index of the next), each read and patch answered with
+    /// the node; every request's path and query recorded.
+    async fn fake_node_api(nodes: Vec<Value>) -> (kube::Client, Arc<Mutex<Vec<String>>>) {
+        use axum::extract::{Path, RawQuery, State};
+        use axum::routing::get;
+        type Served = (Vec<Value>, Arc<Mutex<Vec<String>>>);
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let state: Served = (nodes, Arc::clone(&seen));
+        async fn list(
+            State((nodes, seen)): State<Served>,
+            RawQuery(q): RawQuery,
+        ) -> axum::Json<Value> {
+            let q = q.unwrap_or_default();
+            seen.lock().unwrap().push(format!("list {q}"));
+            let param = |k: &str| {
+                q.split('&')
+                    .find_map(|kv| kv.strip_prefix(&format!("{k}=")))
+                    .map(str::to_owned)
+            };
+            let limit = param("limit").map_or(nodes.len(), |l| l.parse().unwrap());
+            let from: usize = param("continue").map_or(0, |c| c.parse().unwrap());
+            let to = (from + limit).min(nodes.len());
+            let next = if to < nodes.len() {
+                to.to_string()
+            } else {
+                String::new()
+            };
+            axum::Json(json!({"apiVersion": "v1", "kind": "NodeList",
+                              "metadata": {"resourceVersion": "1", "continue": next},
+                              "items": nodes[from..to]}))
+        }
+        async fn one(
+            State((nodes, seen)): State<Served>,
+            Path(name): Path<String>,
+            method: axum::http::Method,
+        ) -> axum::Json<Value> {
+            seen.lock().unwrap().push(format!("{method} {name}"));
+            let node = nodes
+                .iter()
+                .find(|n| n["metadata"]["name"] == name.as_str())
+                .unwrap();
+            axum::Json(node.clone())
+        }
+        let router = axum::Router::new()
+            .route("/api/v1/nodes", get(list))
+            .route("/api/v1/nodes/{name}", get(one).patch(one))
+            .with_state(state);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, router).await });
+        let config = kube::Config::new(format!("http://{addr}").parse().unwrap());
+        (kube::Client::try_from(config).unwrap(), seen)
+    }
+
+    #[tokio::test]
+    async fn nodes_are_listed_in_pages_and_only_those_to_clean_are_read() {
+        let nodes: Vec<Value> = (0..7)
+            .map(|i| {
+                let mut labels = json!({"kubernetes.io/hostname": format!("n{i}")});
+                if i % 3 == 0 {
+                    labels[names::LABEL_MAINTAINED] = json!("true");
+                }
+                json!({"apiVersion": "v1", "kind": "Node",
+                       "metadata": {"name": format!("n{i}"), "resourceVersion": "1", "labels": labels}})
+            })
+            .collect();
+        let (client, seen) = fake_node_api(nodes).await;
+        let mut summary = Summary::default();
+        clean_nodes(&Api::all(client), None, 2, &mut summary)
+            .await
+            .unwrap();
+        let seen = seen.lock().unwrap().clone();
+        let lists: Vec<&String> = seen.iter().filter(|r| r.starts_with("list")).collect();
+        assert_eq!(lists.len(), 4, "7 nodes in pages of 2: {seen:?}");
+        assert!(lists.iter().all(|q| q.contains("limit=2")), "{seen:?}");
+        let mut reads: Vec<&String> = seen.iter().filter(|r| r.starts_with("GET")).collect();
+        reads.sort();
+        assert_eq!(reads, ["GET n0", "GET n3", "GET n6"], "{seen:?}");
+        assert_eq!(seen.iter().filter(|r| r.starts_with("PATCH")).count(), 3);
+        assert_eq!(
+            (summary.nodes_seen, summary.nodes_changed, summary.labels),
+            (7, 3, 3)
+        );
     }
 
     #[test]

@@ -22,6 +22,10 @@
 //! its resourceVersion is too old (410) the standby lists again; if the Role lacks `list` or
 //! `watch` on leases it says so and reads the Lease every [`RETRY_AFTER_FAILURE`] instead.
 //!
+//! A Lease deleted, or emptied by anyone but its holder (a release sets the duration to 1 s),
+//! is taken only once the record of the holder seen before it would have expired: that holder
+//! learns of the loss only at its next renewal and writes until then.
+//!
 //! A renewal that failed is tried again after [`RETRY_AFTER_FAILURE`] rather than a whole retry
 //! period, until the renew deadline, so an API server stall of up to renew deadline − retry
 //! period ([`LeaderConfig::stall_tolerance`]) does not cost the leadership.
@@ -119,6 +123,11 @@ pub fn may_acquire(record: &Record, changed_at: Instant, now: Instant, me: &str)
         || record.holder == me
         || now.saturating_duration_since(changed_at) >= record.duration
 }
+
+/// The duration a release writes (as client-go's does): a Lease with no holder and this
+/// duration was given up by its holder, after it stopped; one with a longer duration was
+/// emptied by someone else.
+const RELEASED_DURATION: Duration = Duration::from_secs(1);
 
 /// Errors of leadership.
 #[derive(Debug, thiserror::Error)]
@@ -377,40 +386,22 @@ pub async fn acquire(
     let mut deadline = None;
     let mut announced_standby = false;
     let mut last_holder: Option<String> = None;
+    // There is no Lease (deleted, or none yet).
+    let mut absent = false;
+    // Until when another replica seen holding the Lease may still act on it: its record's
+    // last change seen + its duration (local clock).
+    let mut held_until: Option<Instant> = None;
+    let mut announced_wait = false;
     loop {
         match follower.next(deadline, cancel).await {
             Seen::Cancelled => return None,
             Seen::Deadline => {}
             Seen::Lease(None) => {
                 view = None;
-                deadline = None;
-                let lease = Lease {
-                    metadata: ObjectMeta {
-                        name: Some(config.name.clone()),
-                        ..ObjectMeta::default()
-                    },
-                    spec: Some(spec(config, 0, None)),
-                };
-                let sent = Instant::now();
-                match api.create(&PostParams::default(), &lease).await {
-                    Ok(written) => {
-                        return Some(Acquired {
-                            previous: last_holder,
-                            previous_renewed: None,
-                            lease: written,
-                            sent,
-                        });
-                    }
-                    // Another replica created it first: look again.
-                    Err(e) if is_conflict(&e) => follower.relist(false),
-                    Err(error) => {
-                        warn!(%error, lease = %config.name, "creating the lease failed");
-                        follower.relist(true);
-                    }
-                }
-                continue;
+                absent = true;
             }
             Seen::Lease(Some(lease)) => {
+                absent = false;
                 let record = Record::of(&lease);
                 let now = Instant::now();
                 if !record.holder.is_empty() {
@@ -420,8 +411,61 @@ pub async fn acquire(
                     Some((_, seen, at)) if *seen == record => *at,
                     _ => now,
                 };
+                if !record.holder.is_empty() && record.holder != config.identity {
+                    held_until = Some(changed_at + record.duration);
+                }
                 view = Some((*lease, record, changed_at));
             }
+        }
+        // A Lease deleted, or emptied by someone other than its holder (a release sets the
+        // duration to 1 s, `put_ours`), says nothing about the holder seen before: it renews
+        // only every retry period and learns of the loss at its next renewal, writing until
+        // then. Take it only once that holder's record would have expired.
+        let emptied = view.as_ref().is_some_and(|(_, record, _)| {
+            record.holder.is_empty() && record.duration > RELEASED_DURATION
+        });
+        if (absent || emptied)
+            && let Some(until) = held_until.filter(|until| *until > Instant::now())
+        {
+            if !announced_wait {
+                announced_wait = true;
+                info!(
+                    previous = last_holder.as_deref().unwrap_or("none seen"),
+                    wait = ?until.saturating_duration_since(Instant::now()),
+                    lease = %config.name,
+                    "the lease was deleted or emptied while another replica held it; waiting until its record would have expired"
+                );
+            }
+            deadline = Some(tokio::time::Instant::from_std(until));
+            continue;
+        }
+        if absent {
+            deadline = None;
+            let lease = Lease {
+                metadata: ObjectMeta {
+                    name: Some(config.name.clone()),
+                    ..ObjectMeta::default()
+                },
+                spec: Some(spec(config, 0, None)),
+            };
+            let sent = Instant::now();
+            match api.create(&PostParams::default(), &lease).await {
+                Ok(written) => {
+                    return Some(Acquired {
+                        previous: last_holder,
+                        previous_renewed: None,
+                        lease: written,
+                        sent,
+                    });
+                }
+                // Another replica created it first: look again.
+                Err(e) if is_conflict(&e) => follower.relist(false),
+                Err(error) => {
+                    warn!(%error, lease = %config.name, "creating the lease failed");
+                    follower.relist(true);
+                }
+            }
+            continue;
         }
         let Some((lease, record, changed_at)) = &view else {
             deadline = None;

@@ -1,7 +1,8 @@
 //! The process around the controllers: [`run`] goes command line → tracing → Kubernetes client →
-//! shutdown tree → HTTP API → Lease → (once leading) certificates, the shared watches and every
-//! controller. Losing the Lease ends the process (an error from [`run`]), so the Pod restarts as
-//! a standby; SIGTERM/SIGINT end it cleanly after releasing the Lease.
+//! shutdown tree → HTTP API → Lease → (once leading) renewals, then certificates, then the leader
+//! label, the shared watches and every controller. Losing the Lease ends the process (an error
+//! from [`run`]), so the Pod restarts as a standby; SIGTERM/SIGINT end it cleanly after releasing
+//! the Lease, and so does a failure to start leading (an error from [`run`]).
 //!
 //! The shutdown tree is one root [`CancellationToken`] (cancelled by a signal, by losing the
 //! Lease, or by a fatal error) whose child tokens stop each task, and one [`TaskTracker`] that
@@ -197,85 +198,105 @@ pub async fn run(cli: Cli) -> Result<(), Error> {
     if let Some(at) = acquired.previous_renewed {
         fleet.set_previous_leader_renewed(at);
     }
-    is_leader.store(true, Ordering::Relaxed);
-    metrics.runtime.is_leader.set(1);
-    {
-        // In its own task: a label patch tried again for up to half a minute must not hold up
-        // the controllers; stopped with them, before the label is taken off below.
-        let (client, namespace, pod) =
-            (client.clone(), cli.namespace.clone(), cli.pod_name.clone());
-        let stop = shutdown.child_token();
-        tracker.spawn(async move {
-            tokio::select! {
-                () = stop.cancelled() => {}
-                () = leader::label_pod(&client, &namespace, pod.as_deref(), true) => {}
-            }
-        });
-    }
-
-    // Before any watch starts: stream the big initial lists or page them (`shared::lists`).
-    // Asked here, not at start, so that the API server is known to answer (the Lease was just
-    // taken) and a standby started during an outage does not settle for pages.
-    let (mode, why) = lists::resolve(&client, cli.initial_lists).await;
-    lists::set(mode);
-    match (mode, cli.initial_lists) {
-        (lists::Mode::Pages, lists::InitialLists::Auto) => {
-            warn!(mode = mode.as_str(), reason = %why, "Node and Pod watches list in pages; every page costs the API server a walk over the rest of its cache (set --initial-lists=pages to skip this check)")
-        }
-        _ => {
-            info!(mode = mode.as_str(), reason = %why, "how Node and Pod watches read their initial state")
-        }
-    }
-    // From here on this replica writes; everything below runs only while it leads.
+    // Renewals start at once: the renew deadline counts from the write that took the Lease
+    // (`acquired.sent`), and the start below (a list probe of up to 5 s, the certificate
+    // Secrets on a possibly slow API server) must not eat into it.
+    let hold = leader::hold_apart(
+        lease_kube_config,
+        cli.namespace.clone(),
+        lease_config.clone(),
+        acquired.lease,
+        acquired.sent,
+        shutdown.clone(),
+    );
+    let mut hold = std::pin::pin!(hold);
     let secrets: Api<Secret> = Api::namespaced(client.clone(), &cli.namespace);
-    let leading = async {
-        let (pem, _) = certs::ensure(&secrets).await?;
-        agents.set_tls(&pem);
-
-        tracker.spawn(
-            fleet::watch_nodes(
-                Api::<Node>::all(client.clone()),
-                cli.node_selector.clone(),
-                Arc::clone(&fleet),
-                metrics.sweep.clone(),
-                shutdown.child_token(),
-            )
-            .instrument(info_span!("node_watch")),
-        );
-        tracker.spawn(
-            tuning::watch_tuning(
-                Api::<ConfigMap>::namespaced(client.clone(), &cli.namespace),
-                cli.tuning_configmap.clone(),
-                shared.recorder(),
-                tuning_tx,
-                metrics.tuning.clone(),
-                shutdown.child_token(),
-            )
-            .instrument(info_span!("tuning_watch")),
-        );
-        tracker.spawn(
-            pki::renew_certificates(
-                secrets.clone(),
-                Arc::clone(&agents),
-                metrics.runtime.clone(),
-                shutdown.child_token(),
-            )
-            .instrument(info_span!("certificate_renewal")),
-        );
-        controllers.start(&shared, &controllers_config, &tracker, &shutdown);
-
-        leader::hold_apart(
-            lease_kube_config,
-            cli.namespace.clone(),
-            lease_config.clone(),
-            acquired.lease,
-            acquired.sent,
-            shutdown.clone(),
-        )
-        .await
-        .map_err(Error::from)
+    let starting = async {
+        // Before any watch starts: stream the big initial lists or page them
+        // (`shared::lists`). Asked here, not at start, so that the API server is known to
+        // answer (the Lease was just taken) and a standby started during an outage does not
+        // settle for pages.
+        let (mode, why) = lists::resolve(&client, cli.initial_lists).await;
+        lists::set(mode);
+        match (mode, cli.initial_lists) {
+            (lists::Mode::Pages, lists::InitialLists::Auto) => {
+                warn!(mode = mode.as_str(), reason = %why, "Node and Pod watches list in pages; every page costs the API server a walk over the rest of its cache (set --initial-lists=pages to skip this check)")
+            }
+            _ => {
+                info!(mode = mode.as_str(), reason = %why, "how Node and Pod watches read their initial state")
+            }
+        }
+        pki::ensure_bounded(&secrets, &metrics.runtime).await
     };
-    let result = leading.await;
+    let started = tokio::select! {
+        // Lost (or a signal) before the start finished: nothing was started.
+        held = &mut hold => Err(held),
+        started = starting => Ok(started),
+    };
+    // From here on this replica writes; everything below runs only while it leads.
+    let (result, failure) = match started {
+        Err(held) => (held.map_err(Error::from), None),
+        Ok(Err(error)) => {
+            // Still holding the Lease: stop the renewals and release it below, so the standby
+            // (which may find the certificates fine, or fail the same way) takes over at once.
+            error!(%error, "could not start leading; releasing the lease");
+            shutdown.cancel();
+            (hold.await.map_err(Error::from), Some(Error::from(error)))
+        }
+        Ok(Ok((pem, _))) => {
+            agents.set_tls(&pem);
+            // Only now: the Service routes the HTTP API to a leader that is ready.
+            is_leader.store(true, Ordering::Relaxed);
+            metrics.runtime.is_leader.set(1);
+            {
+                // In its own task: a label patch tried again for up to half a minute must not
+                // hold up the controllers; stopped with them, before the label is taken off
+                // below.
+                let (client, namespace, pod) =
+                    (client.clone(), cli.namespace.clone(), cli.pod_name.clone());
+                let stop = shutdown.child_token();
+                tracker.spawn(async move {
+                    tokio::select! {
+                        () = stop.cancelled() => {}
+                        () = leader::label_pod(&client, &namespace, pod.as_deref(), true) => {}
+                    }
+                });
+            }
+            tracker.spawn(
+                fleet::watch_nodes(
+                    Api::<Node>::all(client.clone()),
+                    cli.node_selector.clone(),
+                    Arc::clone(&fleet),
+                    metrics.sweep.clone(),
+                    shutdown.child_token(),
+                )
+                .instrument(info_span!("node_watch")),
+            );
+            tracker.spawn(
+                tuning::watch_tuning(
+                    Api::<ConfigMap>::namespaced(client.clone(), &cli.namespace),
+                    cli.tuning_configmap.clone(),
+                    shared.recorder(),
+                    tuning_tx,
+                    metrics.tuning.clone(),
+                    shutdown.child_token(),
+                )
+                .instrument(info_span!("tuning_watch")),
+            );
+            tracker.spawn(
+                pki::renew_certificates(
+                    secrets.clone(),
+                    Arc::clone(&agents),
+                    metrics.runtime.clone(),
+                    pem,
+                    shutdown.child_token(),
+                )
+                .instrument(info_span!("certificate_renewal")),
+            );
+            controllers.start(&shared, &controllers_config, &tracker, &shutdown);
+            (hold.await.map_err(Error::from), None)
+        }
+    };
     if let Err(error) = &result {
         error!(%error, "stopping: this replica no longer leads");
     }
@@ -300,7 +321,10 @@ pub async fn run(cli: Cli) -> Result<(), Error> {
     if let Ok(written) = &result {
         leader::release(&leases, &lease_config, written.clone()).await;
     }
-    result.map(|_| ())
+    match failure {
+        Some(error) => Err(error),
+        None => result.map(|_| ()),
+    }
 }
 
 /// Binds `--http-listen`. The default, `[::]`, takes IPv4 and IPv6 alike on Linux (IPv4 arrives

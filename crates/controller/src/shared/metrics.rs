@@ -221,12 +221,12 @@ impl SweepMetrics {
         );
         sweep.register(
             "nodes_read",
-            "Nodes whose agent answered at least once since this process became leader",
+            "Nodes whose report the controller holds: their agent answered since this process became leader and has not been stale since",
             m.nodes_read_once.clone(),
         );
         sweep.register(
             "initial_sweep_seconds",
-            "Seconds from becoming leader until every known node was read once (0 until then)",
+            "Seconds from becoming leader until every node with an address was called once, answered or not (0 until then)",
             m.initial_sweep_seconds.clone(),
         );
         sweep.register(
@@ -328,11 +328,21 @@ impl MaintenanceMetrics {
     }
 }
 
+/// The certificate Secret a series is about (three names: `crate::certs`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SecretLabels {
+    pub secret: String,
+}
+
 /// Leadership and the PKI.
 #[derive(Clone)]
 pub struct RuntimeMetrics {
     pub is_leader: Gauge,
     pub certificate_renewals: Counter,
+    /// Certificate checks that failed (the API server, or a CA Secret that cannot sign).
+    pub certificate_check_failures: Counter,
+    /// When each certificate Secret's `tls.crt` expires, as of the last successful check.
+    pub certificate_expiry: Family<SecretLabels, Gauge>,
 }
 
 impl RuntimeMetrics {
@@ -340,6 +350,8 @@ impl RuntimeMetrics {
         let m = Self {
             is_leader: Gauge::default(),
             certificate_renewals: Counter::default(),
+            certificate_check_failures: Counter::default(),
+            certificate_expiry: Family::default(),
         };
         runtime.register(
             "is_leader",
@@ -350,6 +362,16 @@ impl RuntimeMetrics {
             "certificate_renewals",
             "Certificates reissued before expiry",
             m.certificate_renewals.clone(),
+        );
+        runtime.register(
+            "certificate_check_failures",
+            "Certificate checks (creation, renewal, CA check) that failed",
+            m.certificate_check_failures.clone(),
+        );
+        runtime.register(
+            "certificate_expiry_timestamp_seconds",
+            "When the certificate in each certificate Secret expires (Unix seconds), as of the last successful check",
+            m.certificate_expiry.clone(),
         );
         m
     }
