@@ -572,3 +572,68 @@ async fn a_deleted_lease_is_taken_only_after_its_holders_record_would_have_expir
     );
     Ok(())
 }
+
+/// A leader that stops cleanly keeps renewing the Lease until its tasks have stopped and only
+/// then releases it. Here its Pod does not exist, so taking the leader label off is refused and
+/// tried again for about 7 s, longer than the 4 s lease: had the renewals stopped at SIGTERM,
+/// the Lease would have expired while the replica was still winding down, and a standby could
+/// have led beside its last writes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_leader_renews_the_lease_until_it_has_stopped() -> anyhow::Result<()> {
+    let client = ControlPlane::shared().client().await?;
+    let ns = test_namespace(&client, "nk-stopping").await?;
+    let env = [
+        ("NODEKEEPER_LEASE_DURATION", "4s"),
+        ("NODEKEEPER_RENEW_DEADLINE", "3s"),
+        ("NODEKEEPER_RETRY_PERIOD", "1s"),
+        // No such Pod: every label patch is refused, four tries over about 7 s.
+        ("NODEKEEPER_POD_NAME", "replica-gone"),
+    ];
+    let selector = format!("nodekeeper.dev/e2e-group={}", unique_name("stopping"));
+    let mut a = ControllerProcess::start(&ns, "replica-a", &selector, free_port(), &env)?;
+    let leases: Api<Lease> = Api::namespaced(client.clone(), &ns);
+    let identity = a.identity.clone();
+    wait_for("the Lease taken", Duration::from_secs(60), || {
+        let (leases, identity) = (leases.clone(), identity.clone());
+        async move { Ok(holder(&leases).await?.filter(|h| *h == identity)) }
+    })
+    .await?;
+    // Leading for a while: past the start (certificates, list probe) into renewals.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let renewed = |lease: &Lease| {
+        let spec = lease.spec.as_ref();
+        let held = spec.and_then(|s| s.holder_identity.as_deref()) == Some(identity.as_str());
+        let at = spec
+            .and_then(|s| s.renew_time.as_ref())
+            .map(|t| t.0.as_millisecond())
+            .unwrap_or(0);
+        held.then_some(at)
+    };
+    let before = renewed(&leases.get("nodekeeper-controller").await?)
+        .ok_or_else(|| anyhow::anyhow!("the replica no longer holds the Lease"))?;
+    a.process.terminate();
+    let stopping = Instant::now();
+    let deadline = stopping + Duration::from_secs(40);
+    let mut latest = before;
+    while a.process.check_alive().is_ok() {
+        anyhow::ensure!(Instant::now() < deadline, "the controller did not exit");
+        if let Some(at) = renewed(&leases.get("nodekeeper-controller").await?) {
+            latest = latest.max(at);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let wound_down = stopping.elapsed();
+    assert!(
+        wound_down >= Duration::from_secs(5),
+        "the wind-down took {wound_down:?}; the test needs one longer than the 4 s lease"
+    );
+    // The last renewal before SIGTERM was at most a retry period (1 s) before it.
+    assert!(
+        latest >= before + 2000,
+        "no renewal after SIGTERM while the replica wound down for {wound_down:?} \
+         (last renewal {} ms after the one before SIGTERM)",
+        latest - before
+    );
+    assert_eq!(holder(&leases).await?, None, "released once it had stopped");
+    Ok(())
+}

@@ -200,14 +200,18 @@ pub async fn run(cli: Cli) -> Result<(), Error> {
     }
     // Renewals start at once: the renew deadline counts from the write that took the Lease
     // (`acquired.sent`), and the start below (a list probe of up to 5 s, the certificate
-    // Secrets on a possibly slow API server) must not eat into it.
+    // Secrets on a possibly slow API server) must not eat into it. They stop on a token of
+    // their own, only once this replica has stopped writing (below): stopped with the others at
+    // a signal, the Lease could expire while reconciles wind down, and the standby lead beside
+    // their last writes.
+    let renewals = CancellationToken::new();
     let hold = leader::hold_apart(
         lease_kube_config,
         cli.namespace.clone(),
         lease_config.clone(),
         acquired.lease,
         acquired.sent,
-        shutdown.clone(),
+        renewals.clone(),
     );
     let mut hold = std::pin::pin!(hold);
     let secrets: Api<Secret> = Api::namespaced(client.clone(), &cli.namespace);
@@ -228,22 +232,29 @@ pub async fn run(cli: Cli) -> Result<(), Error> {
         }
         pki::ensure_bounded(&secrets, &metrics.runtime).await
     };
+    // What ended the renewals when they ended before this replica stopped writing (the Lease
+    // lost); `None` while they go on.
+    let mut held: Option<Result<Lease, leader::LeaderError>> = None;
     let started = tokio::select! {
-        // Lost (or a signal) before the start finished: nothing was started.
-        held = &mut hold => Err(held),
-        started = starting => Ok(started),
+        // Lost before the start finished: nothing was started.
+        lost = &mut hold => {
+            held = Some(lost);
+            None
+        }
+        // A signal before the start finished: nothing was started; released below.
+        () = shutdown.cancelled() => None,
+        started = starting => Some(started),
     };
     // From here on this replica writes; everything below runs only while it leads.
-    let (result, failure) = match started {
-        Err(held) => (held.map_err(Error::from), None),
-        Ok(Err(error)) => {
-            // Still holding the Lease: stop the renewals and release it below, so the standby
-            // (which may find the certificates fine, or fail the same way) takes over at once.
+    let failure = match started {
+        None => None,
+        Some(Err(error)) => {
+            // Still holding the Lease: release it below, so the standby (which may find the
+            // certificates fine, or fail the same way) takes over at once.
             error!(%error, "could not start leading; releasing the lease");
-            shutdown.cancel();
-            (hold.await.map_err(Error::from), Some(Error::from(error)))
+            Some(Error::from(error))
         }
-        Ok(Ok((pem, _))) => {
+        Some(Ok((pem, _))) => {
             agents.set_tls(&pem);
             // Only now: the Service routes the HTTP API to a leader that is ready.
             is_leader.store(true, Ordering::Relaxed);
@@ -294,10 +305,16 @@ pub async fn run(cli: Cli) -> Result<(), Error> {
                 .instrument(info_span!("certificate_renewal")),
             );
             controllers.start(&shared, &controllers_config, &tracker, &shutdown);
-            (hold.await.map_err(Error::from), None)
+            tokio::select! {
+                lost = &mut hold => held = Some(lost),
+                // A signal, or a fatal error elsewhere: the renewals go on below until the
+                // tasks have stopped.
+                () = shutdown.cancelled() => {}
+            }
+            None
         }
     };
-    if let Err(error) = &result {
+    if let Some(Err(error)) = &held {
         error!(%error, "stopping: this replica no longer leads");
     }
     // The controllers stop at once: a replica that lost the Lease must not write while the
@@ -318,6 +335,13 @@ pub async fn run(cli: Cli) -> Result<(), Error> {
     {
         warn!("tasks did not stop within 10s");
     }
+    // Nothing of ours writes any more: the renewals may stop, and the Lease go.
+    renewals.cancel();
+    let result = match held {
+        Some(held) => held,
+        None => hold.await,
+    }
+    .map_err(Error::from);
     if let Ok(written) = &result {
         leader::release(&leases, &lease_config, written.clone()).await;
     }
