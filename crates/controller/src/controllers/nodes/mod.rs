@@ -66,6 +66,7 @@ impl Context {
 
 /// Refreshes the per-condition gauges (bounded labels: type × status) until `shutdown`.
 pub async fn condition_gauges(ctx: Arc<Context>, shutdown: CancellationToken) {
+    let mut published = BTreeSet::new();
     loop {
         tokio::select! {
             () = shutdown.cancelled() => return,
@@ -83,26 +84,48 @@ pub async fn condition_gauges(ctx: Arc<Context>, shutdown: CancellationToken) {
         ctx.metrics
             .nodes_refusing_rules
             .set(i64::try_from(summary.refusing_rules).unwrap_or(i64::MAX));
-        ctx.conditions.nodes.clear();
-        let mut types: BTreeSet<String> = BTreeSet::new();
-        for (key, count) in summary.conditions {
-            let (condition, status) = key.split_once('=').unwrap_or((key.as_str(), ""));
-            if !types.contains(condition) {
-                if types.len() >= MAX_CONDITION_LABELS {
-                    continue;
-                }
-                types.insert(condition.to_owned());
-            }
-            ctx.conditions
-                .nodes
-                .get_or_create(&ConditionLabels {
-                    condition: condition.into(),
-                    status: status.into(),
-                })
-                .set(i64::try_from(count).unwrap_or(i64::MAX));
-        }
+        publish_condition_counts(&ctx.conditions.nodes, &mut published, summary.conditions);
         problem_gauges(&ctx);
     }
+}
+
+/// Sets `nodekeeper_conditions_nodes{condition,status}` from the fleet's counts (keys
+/// `Type=Status`), at most [`MAX_CONDITION_LABELS`] condition types, and removes only the series
+/// `published` last time that are gone now: a scrape never finds the family empty (a
+/// clear-then-refill did that, and an alert's `for:` started over).
+fn publish_condition_counts(
+    family: &prometheus_client::metrics::family::Family<
+        ConditionLabels,
+        prometheus_client::metrics::gauge::Gauge,
+    >,
+    published: &mut BTreeSet<(String, String)>,
+    counts: impl IntoIterator<Item = (String, usize)>,
+) {
+    let mut types: BTreeSet<String> = BTreeSet::new();
+    let mut now = BTreeSet::new();
+    for (key, count) in counts {
+        let (condition, status) = key.split_once('=').unwrap_or((key.as_str(), ""));
+        if !types.contains(condition) {
+            if types.len() >= MAX_CONDITION_LABELS {
+                continue;
+            }
+            types.insert(condition.to_owned());
+        }
+        family
+            .get_or_create(&ConditionLabels {
+                condition: condition.into(),
+                status: status.into(),
+            })
+            .set(i64::try_from(count).unwrap_or(i64::MAX));
+        now.insert((condition.to_owned(), status.to_owned()));
+    }
+    for (condition, status) in published.difference(&now) {
+        family.remove(&ConditionLabels {
+            condition: condition.clone(),
+            status: status.clone(),
+        });
+    }
+    *published = now;
 }
 
 /// NPD's `problem_gauge{type,reason}` over the fleet: nodes whose problem condition is `True`,
@@ -125,4 +148,63 @@ fn problem_gauges(ctx: &Context) {
     };
     ctx.problem_metrics.totals.set_gauges(&gauges);
     ctx.problems.retain(|name| names.contains(name));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use prometheus_client::encoding::text::encode;
+    use prometheus_client::metrics::family::Family;
+    use prometheus_client::metrics::gauge::Gauge;
+    use prometheus_client::registry::Registry;
+
+    fn scrape(family: &Family<ConditionLabels, Gauge>) -> Vec<String> {
+        let mut registry = Registry::default();
+        registry.register("nodes", "help", family.clone());
+        let mut text = String::new();
+        encode(&mut text, &registry).unwrap();
+        let mut lines: Vec<String> = text
+            .lines()
+            .filter(|l| l.starts_with("nodes{"))
+            .map(str::to_owned)
+            .collect();
+        lines.sort();
+        lines
+    }
+
+    #[test]
+    fn condition_counts_replace_only_the_series_that_went() {
+        let family = Family::<ConditionLabels, Gauge>::default();
+        let mut published = BTreeSet::new();
+        let counts = |pairs: &[(&str, usize)]| {
+            pairs
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), *v))
+                .collect::<Vec<_>>()
+        };
+        publish_condition_counts(
+            &family,
+            &mut published,
+            counts(&[("TunablesInBounds=True", 3), ("TunablesInBounds=False", 1)]),
+        );
+        assert_eq!(
+            scrape(&family),
+            [
+                r#"nodes{condition="TunablesInBounds",status="False"} 1"#,
+                r#"nodes{condition="TunablesInBounds",status="True"} 3"#,
+            ]
+        );
+        publish_condition_counts(
+            &family,
+            &mut published,
+            counts(&[("TunablesInBounds=True", 4)]),
+        );
+        assert_eq!(
+            scrape(&family),
+            [r#"nodes{condition="TunablesInBounds",status="True"} 4"#]
+        );
+        publish_condition_counts(&family, &mut published, counts(&[]));
+        assert!(scrape(&family).is_empty());
+        assert!(published.is_empty());
+    }
 }
