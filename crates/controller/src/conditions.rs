@@ -248,14 +248,20 @@ pub fn desired_conditions(
             class,
             stale_after,
         } => {
-            let (why, what) = match class {
-                FailureClass::Unreachable => (reason::AGENT_UNREACHABLE, "has not answered"),
+            let (why, what, fix) = match class {
+                FailureClass::Unreachable => (reason::AGENT_UNREACHABLE, "has not answered", ""),
                 FailureClass::Certificate => (
                     reason::AGENT_CERTIFICATE_REJECTED,
                     "has failed the mutual-TLS handshake",
+                    // The cause (expired, another CA, a TLS alert) is in the controller's log
+                    // and on the node's page; the fix is nearly always the Secrets.
+                    "; the agent must serve the certificate in Secret nodekeeper-agent-tls and \
+                     trust the CA in nodekeeper-ca (a CA rotated without its bundle step, an \
+                     agent that has not reloaded the Secret): `kubectl nodekeeper node NAME` \
+                     shows the handshake's error",
                 ),
                 FailureClass::InvalidReply => {
-                    (reason::AGENT_REPLY_INVALID, "has sent no usable report")
+                    (reason::AGENT_REPLY_INVALID, "has sent no usable report", "")
                 }
             };
             let mut out = vec![Condition::new(
@@ -263,7 +269,7 @@ pub fn desired_conditions(
                 Status::False,
                 why,
                 format!(
-                    "the nodekeeper agent at {address} {what} for more than {}",
+                    "the nodekeeper agent at {address} {what} for more than {}{fix}",
                     format_duration(stale_after)
                 ),
             )];
@@ -1692,10 +1698,22 @@ mod tests {
         assert_eq!(types(&after), vec![REACHABLE, TUNABLES_IN_BOUNDS]);
         assert_eq!(after[0].status, Status::False);
         assert_eq!(after[0].reason, reason::AGENT_CERTIFICATE_REJECTED);
-        assert_eq!(
-            after[0].message,
-            "the nodekeeper agent at 127.1.0.9:9443 has failed the mutual-TLS handshake for more than 15m"
+        assert!(
+            after[0].message.starts_with(
+                "the nodekeeper agent at 127.1.0.9:9443 has failed the mutual-TLS handshake for \
+                 more than 15m; "
+            ),
+            "{}",
+            after[0].message
         );
+        // What to check: the Secrets, and where the handshake's own error is.
+        for named in [
+            "nodekeeper-agent-tls",
+            "nodekeeper-ca",
+            "kubectl nodekeeper node",
+        ] {
+            assert!(after[0].message.contains(named), "{}", after[0].message);
+        }
         assert_eq!(after[1].status, Status::Unknown);
         assert!(changed(&current, &after));
         // Staying stale is no change: no second write.
