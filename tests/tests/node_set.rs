@@ -639,12 +639,15 @@ impl Provider for Failing {
     }
 }
 
-#[tokio::test]
-async fn a_provider_failing_every_create_is_called_a_bounded_number_of_times() -> anyhow::Result<()>
-{
-    let _serial = SERIAL.lock().await;
-    let (client, _ns) = setup("nset-failing").await?;
-    let failing = Arc::new(Failing::default());
+/// Runs the NodeSet controller in this process with `provider` in place of kwok's; cancel the
+/// token and await the handle to stop it.
+fn run_with_kwok_provider(
+    client: &kube::Client,
+    provider: Arc<dyn Provider>,
+) -> (
+    tokio_util::sync::CancellationToken,
+    tokio::task::JoinHandle<()>,
+) {
     let recorder = kube::runtime::events::Recorder::new(
         client.clone(),
         kube::runtime::events::Reporter {
@@ -654,7 +657,7 @@ async fn a_provider_failing_every_create_is_called_a_bounded_number_of_times() -
     );
     let mut ctx =
         node_set::Context::with_client(client.clone(), recorder, &node_set::Config::default());
-    ctx.kwok = Arc::clone(&failing) as Arc<dyn Provider>;
+    ctx.kwok = provider;
     let ctx = Arc::new(ctx);
     let stop = tokio_util::sync::CancellationToken::new();
     let token = stop.clone();
@@ -667,6 +670,17 @@ async fn a_provider_failing_every_create_is_called_a_bounded_number_of_times() -
         .run(node_set::reconcile, node_set::error_policy, ctx)
         .for_each(|_| futures::future::ready(())),
     );
+    (stop, controller)
+}
+
+#[tokio::test]
+async fn a_provider_failing_every_create_is_called_a_bounded_number_of_times() -> anyhow::Result<()>
+{
+    let _serial = SERIAL.lock().await;
+    let (client, _ns) = setup("nset-failing").await?;
+    let failing = Arc::new(Failing::default());
+    let (stop, controller) =
+        run_with_kwok_provider(&client, Arc::clone(&failing) as Arc<dyn Provider>);
 
     let class = unique_name("kwok");
     kwok_class(&client, &class, &unique_name("pool")).await?;
@@ -1012,28 +1026,8 @@ async fn names_too_long_for_a_label_value_launch_nothing() -> anyhow::Result<()>
     let _serial = SERIAL.lock().await;
     let (client, _ns) = setup("nset-longname").await?;
     let failing = Arc::new(Failing::default());
-    let recorder = kube::runtime::events::Recorder::new(
-        client.clone(),
-        kube::runtime::events::Reporter {
-            controller: "nodekeeper-e2e".into(),
-            instance: None,
-        },
-    );
-    let mut ctx =
-        node_set::Context::with_client(client.clone(), recorder, &node_set::Config::default());
-    ctx.kwok = Arc::clone(&failing) as Arc<dyn Provider>;
-    let ctx = Arc::new(ctx);
-    let stop = tokio_util::sync::CancellationToken::new();
-    let token = stop.clone();
-    let controller = tokio::spawn(
-        Controller::new(
-            Api::<NodeSet>::all(client.clone()),
-            watcher::Config::default(),
-        )
-        .graceful_shutdown_on(async move { token.cancelled().await })
-        .run(node_set::reconcile, node_set::error_policy, ctx)
-        .for_each(|_| futures::future::ready(())),
-    );
+    let (stop, controller) =
+        run_with_kwok_provider(&client, Arc::clone(&failing) as Arc<dyn Provider>);
     let sets: Api<NodeSet> = Api::all(client.clone());
     let invalid = |name: String| {
         let sets = sets.clone();

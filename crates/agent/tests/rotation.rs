@@ -58,6 +58,37 @@ fn pki(name: &str) -> Pki {
 }
 
 /// Writes the agent's three TLS files, as a Secret volume update would.
+/// An agent on `listen` serving the TLS files in `dir` (as [`install`] writes them), checking them
+/// every 100ms, with its state in `dir/state`; `extra` flags after those.
+fn reloading_config(dir: &std::path::Path, listen: &str, extra: &[&str]) -> Config {
+    let mut args = vec![
+        "nodekeeper-agent".to_string(),
+        "--node-name=worker-1".into(),
+        format!("--listen={listen}"),
+        format!("--tls-cert={}", dir.join("tls.crt").display()),
+        format!("--tls-key={}", dir.join("tls.key").display()),
+        format!("--client-ca={}", dir.join("ca.crt").display()),
+        format!("--state-dir={}", dir.join("state").display()),
+        "--nvidia-smi=/nonexistent/nvidia-smi".into(),
+        "--tls-reload-interval=100ms".into(),
+    ];
+    args.extend(extra.iter().map(|a| (*a).to_owned()));
+    Config::try_parse_from(args).unwrap()
+}
+
+/// Stops an agent started with `run` and checks it ended cleanly.
+async fn stop(
+    shutdown: CancellationToken,
+    agent: tokio::task::JoinHandle<Result<(), nodekeeper_agent::Error>>,
+) {
+    shutdown.cancel();
+    tokio::time::timeout(Duration::from_secs(30), agent)
+        .await
+        .expect("the agent stops on shutdown")
+        .unwrap()
+        .unwrap();
+}
+
 fn install(dir: &std::path::Path, p: &Pki) {
     std::fs::write(dir.join("tls.crt"), &p.server.0).unwrap();
     std::fs::write(dir.join("tls.key"), &p.server.1).unwrap();
@@ -145,21 +176,15 @@ fn certificate_rotation_keeps_the_applied_network_and_its_drift_repair() {
     let dir = tempfile::tempdir().unwrap();
     let (first, second) = (pki("first CA"), pki("second CA"));
     install(dir.path(), &first);
-    let config = Config::try_parse_from([
-        "nodekeeper-agent".to_string(),
-        "--node-name=worker-1".into(),
-        format!("--listen={LISTEN}"),
-        format!("--tls-cert={}", dir.path().join("tls.crt").display()),
-        format!("--tls-key={}", dir.path().join("tls.key").display()),
-        format!("--client-ca={}", dir.path().join("ca.crt").display()),
-        format!("--state-dir={}", dir.path().join("state").display()),
-        "--nvidia-smi=/nonexistent/nvidia-smi".into(),
-        "--tls-reload-interval=100ms".into(),
-        "--drift-interval=300ms".into(),
-        // Every GetReport below must see the latest network status.
-        "--report-max-age=0ms".into(),
-    ])
-    .unwrap();
+    let config = reloading_config(
+        dir.path(),
+        LISTEN,
+        &[
+            "--drift-interval=300ms",
+            // Every GetReport below must see the latest network status.
+            "--report-max-age=0ms",
+        ],
+    );
 
     let inside = Arc::clone(&ns);
     let dir_path = dir.path().to_path_buf();
@@ -229,12 +254,7 @@ fn certificate_rotation_keeps_the_applied_network_and_its_drift_repair() {
         assert!(managed.contains(&("nic0p", false)), "{managed:?}");
         assert!(managed.contains(&("lo", false)), "{managed:?}");
 
-        shutdown.cancel();
-        tokio::time::timeout(Duration::from_secs(30), agent)
-            .await
-            .expect("the agent stops on shutdown")
-            .unwrap()
-            .unwrap();
+        stop(shutdown, agent).await;
     });
     drop(ns);
 }
@@ -249,18 +269,7 @@ async fn a_rotation_serves_new_connections_while_a_long_call_is_in_flight() {
     let (first, second) = (pki("first CA"), pki("second CA"));
     install(dir.path(), &first);
     let addr = format!("127.0.0.1:{}", nodekeeper_testkit::free_port());
-    let config = Config::try_parse_from([
-        "nodekeeper-agent".to_string(),
-        "--node-name=worker-1".into(),
-        format!("--listen={addr}"),
-        format!("--tls-cert={}", dir.path().join("tls.crt").display()),
-        format!("--tls-key={}", dir.path().join("tls.key").display()),
-        format!("--client-ca={}", dir.path().join("ca.crt").display()),
-        format!("--state-dir={}", dir.path().join("state").display()),
-        "--nvidia-smi=/nonexistent/nvidia-smi".into(),
-        "--tls-reload-interval=100ms".into(),
-    ])
-    .unwrap();
+    let config = reloading_config(dir.path(), &addr, &[]);
     let shutdown = CancellationToken::new();
     let agent = tokio::spawn(nodekeeper_agent::run(config, shutdown.clone()));
 
@@ -322,12 +331,7 @@ async fn a_rotation_serves_new_connections_while_a_long_call_is_in_flight() {
         .collect();
     assert_eq!(got, [("closed", 10, 0)]);
 
-    shutdown.cancel();
-    tokio::time::timeout(Duration::from_secs(30), agent)
-        .await
-        .expect("the agent stops on shutdown")
-        .unwrap()
-        .unwrap();
+    stop(shutdown, agent).await;
 }
 
 /// New TLS files that cannot be used (a key that does not match the certificate, as a half-done
@@ -339,18 +343,7 @@ async fn unusable_new_files_are_ignored_until_usable_ones_come() {
     let (first, second) = (pki("first CA"), pki("second CA"));
     install(dir.path(), &first);
     let addr = format!("127.0.0.1:{}", nodekeeper_testkit::free_port());
-    let config = Config::try_parse_from([
-        "nodekeeper-agent".to_string(),
-        "--node-name=worker-1".into(),
-        format!("--listen={addr}"),
-        format!("--tls-cert={}", dir.path().join("tls.crt").display()),
-        format!("--tls-key={}", dir.path().join("tls.key").display()),
-        format!("--client-ca={}", dir.path().join("ca.crt").display()),
-        format!("--state-dir={}", dir.path().join("state").display()),
-        "--nvidia-smi=/nonexistent/nvidia-smi".into(),
-        "--tls-reload-interval=100ms".into(),
-    ])
-    .unwrap();
+    let config = reloading_config(dir.path(), &addr, &[]);
     let shutdown = CancellationToken::new();
     let agent = tokio::spawn(nodekeeper_agent::run(config, shutdown.clone()));
     wait_for_client_at(&addr, &first, 10).await;
@@ -370,10 +363,5 @@ async fn unusable_new_files_are_ignored_until_usable_ones_come() {
     install(dir.path(), &second);
     wait_for_client_at(&addr, &second, 5).await;
 
-    shutdown.cancel();
-    tokio::time::timeout(Duration::from_secs(30), agent)
-        .await
-        .expect("the agent stops on shutdown")
-        .unwrap()
-        .unwrap();
+    stop(shutdown, agent).await;
 }
