@@ -121,6 +121,27 @@ async fn the_condition_message_does_not_follow_a_drifting_output() {
     assert_eq!(lock(&shared).revision(), revision + 1);
 }
 
+/// A plugin file open for writing somewhere (a tool replacing it; another thread's child between
+/// fork and exec holding the descriptor) cannot be executed for that moment (`ETXTBSY`): the run
+/// waits for it instead of reporting the plugin as failed.
+#[tokio::test]
+async fn a_plugin_being_written_runs_once_the_writer_closes_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = script(dir.path(), "ok.sh", "echo fine; exit 0");
+    let writer = std::fs::OpenOptions::new()
+        .append(true)
+        .open(&path)
+        .unwrap();
+    let release = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(80));
+        drop(writer);
+    });
+    let result = plugin::exec(&path, &[], Duration::from_secs(5), 200).await;
+    release.join().unwrap();
+    assert_eq!(result.outcome, Outcome::Ok, "{}", result.message);
+    assert_eq!(result.message, "fine");
+}
+
 #[tokio::test]
 async fn a_hung_plugin_and_its_children_are_killed_at_the_timeout() {
     // As the agent is PID 1 in its container, this process adopts the orphans of its children
@@ -140,7 +161,7 @@ async fn a_hung_plugin_and_its_children_are_killed_at_the_timeout() {
     let started = Instant::now();
     let result = plugin::exec(&hang, &[], Duration::from_millis(500), 200).await;
     let took = started.elapsed();
-    assert!(result.timed_out);
+    assert!(result.timed_out, "{}", result.message);
     assert_eq!(result.outcome, Outcome::Unknown);
     assert!(
         result.message.starts_with("Timeout when running plugin"),

@@ -360,6 +360,24 @@ impl PluginMonitor {
     }
 }
 
+/// Starts `cmd`, trying again for a moment while the file is busy (`ETXTBSY`: open for writing
+/// somewhere). That is brief and ordinary: a configuration tool replacing the plugin, or
+/// another thread of this process forking while it writes a file (the child holds the
+/// descriptor until its own exec). Reported as the plugin's failure only if it lasts.
+async fn spawn(cmd: &mut tokio::process::Command) -> std::io::Result<tokio::process::Child> {
+    const TRIES: u32 = 6;
+    let mut tries = 1;
+    loop {
+        match cmd.spawn() {
+            Err(e) if e.raw_os_error() == Some(libc::ETXTBSY) && tries < TRIES => {
+                tries += 1;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            started => return started,
+        }
+    }
+}
+
 /// Runs one plugin: its own process group, stdin closed, stdout kept up to [`MAX_READ_BYTES`]
 /// (the rest drained and dropped), the group killed with SIGKILL at `timeout`.
 pub async fn exec(path: &Path, args: &[String], timeout: Duration, max_output: usize) -> RunResult {
@@ -370,7 +388,7 @@ pub async fn exec(path: &Path, args: &[String], timeout: Duration, max_output: u
         .stderr(Stdio::piped())
         .process_group(0)
         .kill_on_drop(true);
-    let mut child = match cmd.spawn() {
+    let mut child = match spawn(&mut cmd).await {
         Ok(c) => c,
         Err(e) => {
             return RunResult {
