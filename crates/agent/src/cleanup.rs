@@ -131,19 +131,6 @@ impl StateLock {
     }
 }
 
-/// The part of the agent's network journal (`network.rs`'s `Journal`) the cleanup reads: the
-/// restore point of an apply cut short.
-#[derive(serde::Deserialize)]
-struct Journal {
-    pending: Option<Pending>,
-}
-
-#[derive(serde::Deserialize)]
-struct Pending {
-    generation: String,
-    before: NetworkState,
-}
-
 /// Why the cleanup stopped; what was reverted before stays reverted, and a second run goes on.
 #[derive(Debug, thiserror::Error)]
 pub enum CleanupError {
@@ -324,19 +311,16 @@ async fn undo_pending(
             });
         }
     };
-    let journal: Journal =
-        serde_json::from_slice(&bytes).map_err(|e| CleanupError::ReadJournal {
+    let pending =
+        crate::network::pending_restore_point(&bytes).map_err(|e| CleanupError::ReadJournal {
             path: path.clone(),
             reason: format!("{e}; move the file away to clean up without it"),
         })?;
-    let Some(pending) = journal.pending else {
+    let Some((generation, before)) = pending else {
         return Ok(());
     };
-    let generation = &pending.generation;
-    let left = match netconf
-        .apply(&pending.before, &ApplyOptions::default())
-        .await
-    {
+    let generation = &generation;
+    let left = match netconf.apply(&before, &ApplyOptions::default()).await {
         Ok(report) if report.outcome == Outcome::Applied => {
             for step in &report.plan.steps {
                 let line = format!("{} {step}", step.op());

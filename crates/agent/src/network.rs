@@ -183,6 +183,16 @@ struct Journal {
 /// The journal's file name in `--state-dir`.
 pub const JOURNAL_FILE: &str = "network.json";
 
+/// The restore point in a journal's bytes: the generation of an apply that began and never
+/// ended, and the host's state before it (`None` when no apply was cut short). For the uninstall
+/// cleanup, which undoes such an apply as the agent's next start would have.
+pub(crate) fn pending_restore_point(
+    journal: &[u8],
+) -> Result<Option<(String, NetworkState)>, serde_json::Error> {
+    let journal: Journal = serde_json::from_slice(journal)?;
+    Ok(journal.pending.map(|p| (p.generation, p.before)))
+}
+
 /// What the manager's lock guards.
 #[derive(Default)]
 struct State {
